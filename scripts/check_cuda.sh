@@ -1,27 +1,51 @@
 #!/usr/bin/env bash
-# Compile-check every csrc/**/*.cu with plain nvcc (no torch headers) for sm_80 and sm_90.
-# Usage: scripts/check_cuda.sh   (NVCC=/path/to/nvcc to override; about 2 s per file and arch)
+# Compile-check the CUDA code where no GPU (or no CUDA build of torch) exists:
+#   1. every csrc/**/*.cu with plain nvcc (no torch headers) for sm_80 and sm_90, about 2 s per file and arch;
+#   2. every csrc/*/*_cuda_binding.cpp (the torch glue of the CUDA kernels) syntax-checked with nvcc's host
+#      compiler against this torch's headers, about 7 s a file. A CPU build of torch ships the c10/cuda and
+#      ATen/cuda headers but not the generated c10/cuda/impl/cuda_cmake_macros.h, which only defines an export
+#      macro: C10_CUDA_NO_CMAKE_CONFIGURE_FILE skips it. Linking needs a CUDA build of torch (the JIT build
+#      does that on a GPU machine).
+# Usage: scripts/check_cuda.sh   (NVCC=/path/to/nvcc and PYTHON=/path/to/python to override)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC="${NVCC:-nvcc}"
+PYTHON="${PYTHON:-python}"
 if ! command -v "$NVCC" >/dev/null 2>&1; then
   echo "check_cuda.sh: nvcc not found ($NVCC); install the CUDA toolkit or set NVCC" >&2
   exit 2
 fi
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
-mapfile -t files < <(find csrc -name '*.cu' | sort)
-if [ "${#files[@]}" -eq 0 ]; then
+mapfile -t kernels < <(find csrc -name '*.cu' | sort)
+mapfile -t bindings < <(find csrc -name '*_cuda_binding.cpp' | sort)
+if [ "${#kernels[@]}" -eq 0 ]; then
   echo "check_cuda.sh: no .cu files under csrc/" >&2
   exit 1
 fi
 failed=0
-for f in "${files[@]}"; do
+for f in "${kernels[@]}"; do
   dir="$(dirname "$f")"
   if "$NVCC" -std=c++17 -O3 -Icsrc/include -I"$dir" \
       -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 \
       -c "$f" -o "$out/$(basename "$f").o"; then
     echo "ok     $f"
+  else
+    echo "FAILED $f" >&2
+    failed=1
+  fi
+done
+if ! torch_includes="$("$PYTHON" -c 'from torch.utils.cpp_extension import include_paths
+print(" ".join("-I" + p for p in include_paths()))' 2>/dev/null)"; then
+  echo "check_cuda.sh: torch is not importable with $PYTHON; set PYTHON to check the *_cuda_binding.cpp files" >&2
+  exit 2
+fi
+for f in "${bindings[@]}"; do
+  dir="$(dirname "$f")"
+  # shellcheck disable=SC2086  # torch_includes is a list of -I flags
+  if "$NVCC" -x c++ -std=c++20 -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE $torch_includes -Icsrc/include -I"$dir" \
+      -Xcompiler -fsyntax-only -c "$f" -o "$out/$(basename "$f").o"; then
+    echo "ok     $f (syntax, against torch's headers)"
   else
     echo "FAILED $f" >&2
     failed=1

@@ -7,26 +7,14 @@
 #include <utility>
 #include <vector>
 
+#include "adamw_args.h"
 #include "adamw_cpu.h"
 #include "shardkit/torch_utils.h"
 
 namespace shardkit {
 namespace {
 
-constexpr const char* kOp = "shardkit_C::adamw_step_";
-
-void check_state(const at::Tensor& t, const at::Tensor& p, const char* name, size_t i) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat, kOp, ": ", name, "[", i, "] must be float32, got ", t.scalar_type());
-  TORCH_CHECK(t.numel() == p.numel() && t.is_contiguous() && t.device() == p.device(), kOp, ": ", name, "[", i,
-              "] must be contiguous with the ", p.numel(), " elements of params[", i, "] on its device");
-}
-
-// Checked before the parallel region: an exception must not escape an OpenMP thread.
-void check_dtype(const at::Tensor& t, const char* name, size_t i) {
-  const auto s = t.scalar_type();
-  TORCH_CHECK(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf, kOp, ": ", name, "[", i, "] is ", s,
-              "; use float32, bfloat16 or float16");
-}
+using adamw_args::kOp;
 
 template <typename P, typename G>
 void run_range(const at::Tensor& p, float* master, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
@@ -43,24 +31,11 @@ void run_range_grad(const at::Tensor& p, float* master, const at::Tensor& g, con
 void adamw_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                  at::TensorList masters, at::ArrayRef<double> step_sizes, at::ArrayRef<double> bc2_sqrts, double lr,
                  double beta1, double beta2, double eps, double weight_decay, bool maximize) {
+  adamw_args::check_all(params, grads, exp_avgs, exp_avg_sqs, masters, step_sizes, bc2_sqrts, c10::DeviceType::CPU);
   const size_t n = params.size();
-  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && step_sizes.size() == n &&
-                  bc2_sqrts.size() == n,
-              kOp, ": params, grads, exp_avgs, exp_avg_sqs, step_sizes and bc2_sqrts must have one entry per param (",
-              n, ")");
-  TORCH_CHECK(masters.empty() || masters.size() == n, kOp, ": masters must be empty or one per param (", n, ")");
   std::vector<std::pair<size_t, int64_t>> tasks;  // (tensor, chunk start)
   for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = params[i];
-    TORCH_CHECK(p.device().is_cpu() && p.is_contiguous(), kOp, ": params[", i, "] must be a contiguous CPU tensor");
-    TORCH_CHECK(grads[i].numel() == p.numel() && grads[i].is_contiguous(), kOp, ": grads[", i,
-                "] must be contiguous with ", p.numel(), " elements");
-    check_dtype(p, "params", i);
-    check_dtype(grads[i], "grads", i);
-    check_state(exp_avgs[i], p, "exp_avgs", i);
-    check_state(exp_avg_sqs[i], p, "exp_avg_sqs", i);
-    if (!masters.empty()) check_state(masters[i], p, "masters", i);
-    for (int64_t s = 0; s < p.numel(); s += adamw_detail::kChunk) tasks.emplace_back(i, s);
+    for (int64_t s = 0; s < params[i].numel(); s += adamw_detail::kChunk) tasks.emplace_back(i, s);
   }
   std::vector<AdamWHyper> hyper(n);
   for (size_t i = 0; i < n; ++i) {

@@ -1,22 +1,16 @@
 // Torch binding + CPU kernels of fused linear cross-entropy in the shardkit_C op namespace.
 //
 //   flce_rows_   the fused row pass (softcap, log-sum-exp, loss, gradient) in place on a chunk of fp32 logits.
-//   flce_chunked the whole chunk loop: logits = hidden[chunk] @ weight^T (+ bias) via at::mm, the row pass,
-//                then grad_hidden[chunk] = g @ weight and grad_weight += g^T @ hidden[chunk] (fp32 accumulator),
-//                so only a (chunk_rows, V) block of logits ever exists.
-#include <ATen/ops/addmm.h>
+//   flce_chunked the whole chunk loop (flce_chunk_loop.h) with this row pass: only a (chunk_rows, V) block of
+//                logits ever exists.
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/mm.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <optional>
 #include <tuple>
 
+#include "flce_chunk_loop.h"
 #include "fused_linear_cross_entropy_cpu.h"
-#include "shardkit/torch_utils.h"
 
 namespace shardkit {
 namespace {
@@ -55,40 +49,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flce_chunked(
     const at::Tensor& row_scale, int64_t ignore_index, double label_smoothing, double softcap, int64_t chunk_rows,
     bool need_hidden, bool need_weight, bool need_bias) {
   constexpr const char* op = "shardkit_C::flce_chunked";
-  check_same(hidden, weight, op, "hidden", "weight");
-  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1), op,
-              ": hidden (N, H) and weight (V, H) must share H; got ", hidden.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(chunk_rows > 0, op, ": chunk_rows must be positive, got ", chunk_rows);
-  const int64_t n = hidden.size(0);
-  const int64_t vocab = weight.size(0);
-  const at::Tensor h = hidden.contiguous();
-  const at::Tensor w = weight.contiguous();
+  flce_check_inputs(hidden, weight, labels, row_scale, chunk_rows, op);
   const at::Tensor lab = labels.contiguous();
   const at::Tensor scale = row_scale.to(at::kFloat).contiguous();
-  const bool write_grad = need_hidden || need_weight || need_bias;
-  const auto f32 = h.options().dtype(at::kFloat);
-  at::Tensor loss = at::empty({n}, f32);
-  at::Tensor gh = need_hidden ? at::empty_like(h) : at::empty({0}, h.options());
-  at::Tensor gw = need_weight ? at::zeros({vocab, w.size(1)}, f32) : at::empty({0}, f32);
-  at::Tensor gb = need_bias ? at::zeros({vocab}, f32) : at::empty({0}, f32);
-  const FlceRowParams p{ignore_index, static_cast<float>(label_smoothing), static_cast<float>(softcap), write_grad};
-  const at::Tensor wt = w.t();
-  for (int64_t s = 0; s < n; s += chunk_rows) {
-    const int64_t e = std::min(n, s + chunk_rows);
-    const at::Tensor hc = h.slice(0, s, e);
-    at::Tensor z = bias.has_value() ? at::addmm(bias->to(w.scalar_type()), hc, wt) : at::mm(hc, wt);
-    if (z.scalar_type() != at::kFloat) z = z.to(at::kFloat);  // softmax and gradient in fp32 for 16-bit inputs
-    row_pass(z, lab.slice(0, s, e), scale.data_ptr<float>() + s, loss.data_ptr<float>() + s, s, p, op);
-    if (!write_grad) continue;
-    if (need_hidden) {
-      at::Tensor gh_rows = gh.slice(0, s, e);  // contiguous rows of a contiguous tensor: mm writes in place
-      at::mm_out(gh_rows, z.to(w.scalar_type()), w);
-    }
-    // fp32 accumulator with fp32 operands: exact-ish across chunks, no (V, H) 16-bit temporary per chunk
-    if (need_weight) gw.addmm_(z.t(), hc.to(at::kFloat));
-    if (need_bias) gb.add_(z.sum(0));
-  }
-  return {loss, gh, gw.to(w.scalar_type()), gb.to(bias.has_value() ? bias->scalar_type() : w.scalar_type())};
+  at::Tensor loss = at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat));
+  const FlceRowParams p{ignore_index, static_cast<float>(label_smoothing), static_cast<float>(softcap),
+                        need_hidden || need_weight || need_bias};
+  return flce_chunk_loop(hidden.contiguous(), weight.contiguous(), bias, chunk_rows, need_hidden, need_weight,
+                         need_bias, loss, [&](at::Tensor& z, int64_t s, int64_t e) {
+                           row_pass(z, lab.slice(0, s, e), scale.data_ptr<float>() + s,
+                                    loss.data_ptr<float>() + s, s, p, op);
+                         });
 }
 
 }  // namespace

@@ -89,11 +89,6 @@ def flce_rows_reference(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_ind
     return loss
 
 
-def _rows_cpp(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_index: int, label_smoothing: float,
-              softcap: float, write_grad: bool) -> Tensor:
-    return torch.ops.shardkit_C.flce_rows_(z, labels, row_scale, ignore_index, label_smoothing, softcap, write_grad)
-
-
 def _rows_triton(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_index: int, label_smoothing: float,
                  softcap: float, write_grad: bool) -> Tensor:
     from shardkit.kernels import fused_linear_cross_entropy as tk
@@ -138,8 +133,7 @@ def _backend(hidden: Tensor, weight: Tensor) -> str:
     # hidden/weight dtypes go through the reference loop, which upcasts.
     if hidden.dtype == torch.float64 or hidden.dtype != weight.dtype:
         return "reference"
-    return select_backend("flce_chunked" if hidden.device.type == "cpu" else "flce_rows_", hidden.device,
-                          _SUPPORTED)
+    return select_backend("flce_chunked", hidden.device, _SUPPORTED)
 
 
 def _run(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, row_scale: Tensor, ignore_index: int,
@@ -149,10 +143,10 @@ def _run(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, ro
     backend = _backend(hidden, weight)
     if chunk_rows <= 0:
         chunk_rows = chunk_rows_for(hidden.shape[0], weight.shape[0], hidden.dtype)
-    if backend == "cpp":
+    if backend in ("cpp", "cuda"):  # one op, a CPU and a CUDA kernel: the chunk loop runs in C++
         return torch.ops.shardkit_C.flce_chunked(hidden, weight, labels, bias, row_scale, ignore_index,
                                                  label_smoothing, softcap, chunk_rows, *need)
-    rows_fn = {"reference": flce_rows_reference, "triton": _rows_triton, "cuda": _rows_cpp}[backend]
+    rows_fn = {"reference": flce_rows_reference, "triton": _rows_triton}[backend]
     return _chunked(hidden, weight, labels, bias, row_scale, ignore_index, label_smoothing, softcap, chunk_rows,
                     need, rows_fn)
 

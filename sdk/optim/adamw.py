@@ -1,8 +1,9 @@
 """FusedAdamW: AdamW with one fused pass per tensor, fp32 states and fp32 master weights for 16-bit params.
 
 Backends (``shardkit.ops.select_backend``): ``cpp`` on CPU (``shardkit_C::adamw_step_``: OpenMP over 64 Ki-element
-chunks of every tensor at once, 28 bytes/param in fp32: the optimizer of ZeRO CPU/NVMe offload), ``triton`` on
-GPU (``shardkit.kernels.adamw``), and ``reference`` (torch._foreach ops) everywhere else. The update is the
+chunks of every tensor at once, 28 bytes/param in fp32: the optimizer of ZeRO CPU/NVMe offload), ``cuda`` on GPU
+(the same op's CUDA kernel: multi-tensor launches of up to 24 tensors), ``triton`` on GPU (``shardkit.kernels.adamw``)
+when the extension has no CUDA kernel, and ``reference`` (torch._foreach ops) everywhere else. The update is the
 one of torch.optim.AdamW, in the same operation order:
 
     p = p * (1 - lr * weight_decay)
@@ -25,7 +26,7 @@ from shardkit.ops._dispatch import select_backend
 
 __all__ = ["FusedAdamW", "adamw_step_reference"]
 
-_SUPPORTED = ("reference", "cpp", "triton")
+_SUPPORTED = ("reference", "cpp", "cuda", "triton")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _FP32_STATE = ("exp_avg", "exp_avg_sq", "master_param")
 
@@ -117,7 +118,7 @@ class FusedAdamW(Optimizer):
     def _apply(self, device: torch.device, args: tuple, hyper: tuple) -> None:
         params, grads = args[0], args[1]
         backend = select_backend("adamw_step_", device, _SUPPORTED) if _native_ok(params, grads) else "reference"
-        if backend == "cpp":
+        if backend in ("cpp", "cuda"):  # one op, a CPU and a CUDA kernel
             torch.ops.shardkit_C.adamw_step_(*args, *hyper)
         elif backend == "triton":
             from shardkit.kernels import adamw as tk

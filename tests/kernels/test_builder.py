@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,3 +95,19 @@ def test_non_zero_rank_reuses_rank0_failure_marker(tmp_path, monkeypatch):
     (build_dir / f".built-{builder.fingerprint()}").write_text("fail: rank 0 could not compile")
     caught = _collect(builder, calls=2)
     assert len(caught) == 1 and "rank 0 could not compile" in str(caught[0].message)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not installed")
+def test_cuda_sources_compile():
+    """Every .cu compiles for sm_80/sm_90 and every CUDA torch binding passes a syntax check (scripts/check_cuda.sh).
+
+    The binding of every op with a CUDA kernel must exist: an op whose kernel has no binding is never dispatched.
+    """
+    repo = Path(__file__).resolve().parents[2]
+    kernels = sorted(p.parent.name for p in (repo / "csrc").glob("*/*_cuda.cu"))
+    bindings = sorted(p.parent.name for p in (repo / "csrc").glob("*/*_cuda_binding.cpp"))
+    assert kernels and kernels == bindings
+    result = subprocess.run(["bash", str(repo / "scripts" / "check_cuda.sh")], capture_output=True, text=True,
+                            env={**os.environ, "PYTHON": sys.executable}, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("ok ") == len(kernels) + len(bindings)

@@ -1,0 +1,75 @@
+// The chunk loop of shardkit_C::flce_chunked, shared by the CPU binding (fused_linear_cross_entropy.cpp) and
+// the CUDA one (fused_linear_cross_entropy_cuda_binding.cpp); only the row pass differs between them.
+//
+// Per chunk of rows: logits = hidden[chunk] @ weight^T (+ bias) through at::mm (MKL / cuBLAS), upcast to fp32,
+// the row pass (loss per row, and the scaled dloss/dlogits written over the logits), then
+// grad_hidden[chunk] = g @ weight and grad_weight += g^T @ hidden[chunk] into an fp32 accumulator. Only a
+// (chunk_rows, V) block of logits ever exists.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <optional>
+#include <tuple>
+
+namespace shardkit {
+
+// row_pass(z, s, e) runs on the fp32 (e - s, V) logits of rows [s, e): it writes their losses into
+// loss[s:e] (a float pointer it receives by capture) and, when the gradient is wanted, the gradient over z.
+template <typename RowPass>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flce_chunk_loop(
+    const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t chunk_rows,
+    bool need_hidden, bool need_weight, bool need_bias, at::Tensor& loss, RowPass&& row_pass) {
+  const int64_t n = hidden.size(0);
+  const int64_t vocab = weight.size(0);
+  const bool write_grad = need_hidden || need_weight || need_bias;
+  const auto f32 = hidden.options().dtype(at::kFloat);
+  at::Tensor gh = need_hidden ? at::empty_like(hidden) : at::empty({0}, hidden.options());
+  at::Tensor gw = need_weight ? at::zeros({vocab, weight.size(1)}, f32) : at::empty({0}, f32);
+  at::Tensor gb = need_bias ? at::zeros({vocab}, f32) : at::empty({0}, f32);
+  const at::Tensor wt = weight.t();
+  const std::optional<at::Tensor> b =
+      bias.has_value() ? std::optional<at::Tensor>(bias->to(weight.scalar_type())) : std::nullopt;
+  for (int64_t s = 0; s < n; s += chunk_rows) {
+    const int64_t e = std::min(n, s + chunk_rows);
+    const at::Tensor hc = hidden.slice(0, s, e);
+    at::Tensor z = b.has_value() ? at::addmm(*b, hc, wt) : at::mm(hc, wt);
+    if (z.scalar_type() != at::kFloat) z = z.to(at::kFloat);  // softmax and gradient in fp32 for 16-bit inputs
+    row_pass(z, s, e);
+    if (!write_grad) continue;
+    if (need_hidden) {
+      at::Tensor gh_rows = gh.slice(0, s, e);  // contiguous rows of a contiguous tensor: mm writes in place
+      at::mm_out(gh_rows, z.to(weight.scalar_type()), weight);
+    }
+    // fp32 accumulator with fp32 operands: exact-ish across chunks, no (V, H) 16-bit temporary per chunk
+    if (need_weight) gw.addmm_(z.t(), hc.to(at::kFloat));
+    if (need_bias) gb.add_(z.sum(0));
+  }
+  return {loss, gh, gw.to(weight.scalar_type()),
+          gb.to(bias.has_value() ? bias->scalar_type() : weight.scalar_type())};
+}
+
+// The checks flce_chunked makes on every device before the loop.
+inline void flce_check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                              const at::Tensor& row_scale, int64_t chunk_rows, const char* op) {
+  TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), op, ": hidden is ", hidden.scalar_type(),
+              " but weight is ", weight.scalar_type(), "; cast them to one dtype");
+  TORCH_CHECK(hidden.device() == weight.device() && labels.device() == hidden.device() &&
+                  row_scale.device() == hidden.device(),
+              op, ": hidden, weight, labels and row_scale must be on one device");
+  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1), op,
+              ": hidden (N, H) and weight (V, H) must share H; got ", hidden.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.numel() == hidden.size(0), op,
+              ": labels must be int64 with one entry per row of hidden (", hidden.size(0), ")");
+  TORCH_CHECK(row_scale.numel() == hidden.size(0), op, ": row_scale needs one value per row (", hidden.size(0), ")");
+  TORCH_CHECK(chunk_rows > 0, op, ": chunk_rows must be positive, got ", chunk_rows);
+}
+
+}  // namespace shardkit
