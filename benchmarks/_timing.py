@@ -52,10 +52,18 @@ def sync(device: torch.device | str) -> None:
 
 
 def median_time(fn: Callable[[], object], warmup: int = 1, repeats: int = 5,
-                device: torch.device | str = "cpu") -> float:
-    """Median wall time of ``fn()`` in seconds over ``repeats`` calls after ``warmup`` calls."""
-    for _ in range(warmup):
+                device: torch.device | str = "cpu", warmup_s: float = 0.0) -> float:
+    """Median wall time of ``fn()`` in seconds over ``repeats`` calls after ``warmup`` calls.
+
+    ``warmup_s``: keep warming up until that many seconds have passed as well. On CPU the first calls that
+    fault in fresh huge pages run several times slower (the kernel assembles 2 MiB pages) until freed ones
+    are being reused; a training loop only sees the steady state, so that is what is timed.
+    """
+    start = time.perf_counter()
+    done = 0
+    while done < warmup or time.perf_counter() - start < warmup_s:
         fn()
+        done += 1
     sync(device)
     times = []
     for _ in range(repeats):

@@ -19,6 +19,8 @@
 #include <optional>
 #include <tuple>
 
+#include "shardkit/torch_utils.h"
+
 namespace shardkit {
 
 // row_pass(z, s, e) runs on the fp32 (e - s, V) logits of rows [s, e): it writes their losses into
@@ -30,26 +32,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flce_chunk_loop(
   const int64_t n = hidden.size(0);
   const int64_t vocab = weight.size(0);
   const bool write_grad = need_hidden || need_weight || need_bias;
+  const bool low = weight.scalar_type() != at::kFloat;
   const auto f32 = hidden.options().dtype(at::kFloat);
-  at::Tensor gh = need_hidden ? at::empty_like(hidden) : at::empty({0}, hidden.options());
-  at::Tensor gw = need_weight ? at::zeros({vocab, weight.size(1)}, f32) : at::empty({0}, f32);
+  at::Tensor gh = need_hidden ? empty_output_like(hidden) : at::empty({0}, hidden.options());
+  at::Tensor gw = need_weight ? empty_output({vocab, weight.size(1)}, f32).zero_() : at::empty({0}, f32);
   at::Tensor gb = need_bias ? at::zeros({vocab}, f32) : at::empty({0}, f32);
+  // One logits buffer for every chunk (and a 16-bit one for 16-bit weights): a fresh (chunk, V) block per
+  // chunk would be a fresh mmap per chunk on CPU, whose page faults cost as much as the row pass.
+  const int64_t rows_max = std::min(n, chunk_rows);
+  at::Tensor z_buf = empty_output({rows_max, vocab}, f32);
+  at::Tensor z_low_buf = low ? empty_output({rows_max, vocab}, weight.options()) : at::Tensor();
   const at::Tensor wt = weight.t();
   const std::optional<at::Tensor> b =
       bias.has_value() ? std::optional<at::Tensor>(bias->to(weight.scalar_type())) : std::nullopt;
   for (int64_t s = 0; s < n; s += chunk_rows) {
     const int64_t e = std::min(n, s + chunk_rows);
     const at::Tensor hc = hidden.slice(0, s, e);
-    at::Tensor z = b.has_value() ? at::addmm(*b, hc, wt) : at::mm(hc, wt);
-    if (z.scalar_type() != at::kFloat) z = z.to(at::kFloat);  // softmax and gradient in fp32 for 16-bit inputs
+    at::Tensor z = z_buf.narrow(0, 0, e - s);
+    at::Tensor z_mm = low ? z_low_buf.narrow(0, 0, e - s) : z;
+    if (b.has_value()) {
+      at::addmm_out(z_mm, *b, hc, wt);
+    } else {
+      at::mm_out(z_mm, hc, wt);
+    }
+    if (low) z.copy_(z_mm);  // softmax and gradient in fp32 for 16-bit inputs
     row_pass(z, s, e);
     if (!write_grad) continue;
     if (need_hidden) {
       at::Tensor gh_rows = gh.slice(0, s, e);  // contiguous rows of a contiguous tensor: mm writes in place
-      at::mm_out(gh_rows, z.to(weight.scalar_type()), weight);
+      if (low) z_mm.copy_(z);
+      at::mm_out(gh_rows, z_mm, weight);
     }
     // fp32 accumulator with fp32 operands: exact-ish across chunks, no (V, H) 16-bit temporary per chunk
-    if (need_weight) gw.addmm_(z.t(), hc.to(at::kFloat));
+    if (need_weight) gw.addmm_(z.t(), low ? hc.to(at::kFloat) : hc);
     if (need_bias) gb.add_(z.sum(0));
   }
   return {loss, gh, gw.to(weight.scalar_type()),

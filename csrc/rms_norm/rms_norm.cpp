@@ -19,7 +19,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::T
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = w.contiguous();
   const int64_t rows = n == 0 ? 0 : xc.numel() / n;
-  at::Tensor y = at::empty_like(xc);
+  at::Tensor y = empty_output_like(xc);
   at::Tensor rstd = at::empty({rows}, xc.options().dtype(at::kFloat));
   dispatch_float_types(xc, "shardkit_C::rms_norm_fwd", [&](auto tag) {
     using T = decltype(tag);
@@ -41,7 +41,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::
   const int64_t rows = n == 0 ? 0 : xc.numel() / n;
   TORCH_CHECK(rc.numel() == rows && rc.scalar_type() == at::kFloat,
               "shardkit_C::rms_norm_bwd: rstd must be float32 with one value per row (", rows, ")");
-  at::Tensor dx = at::empty_like(xc);
+  at::Tensor dx = empty_output_like(xc);
   at::Tensor dw = at::empty_like(wc);
   dispatch_float_types(xc, "shardkit_C::rms_norm_bwd", [&](auto tag) {
     using T = decltype(tag);

@@ -33,7 +33,7 @@ at::Tensor rope_apply(const at::Tensor& x, const at::Tensor& cos, const at::Tens
     shape.cs_batch = c.size(0);
   }
   const int64_t* pos_ptr = position_ids.has_value() ? pos.data_ptr<int64_t>() : nullptr;
-  at::Tensor y = at::empty({shape.B, shape.H, shape.T, shape.D}, xc.options());
+  at::Tensor y = empty_output({shape.B, shape.H, shape.T, shape.D}, xc.options());
   dispatch_float_types(xc, "shardkit_C::rope", [&](auto tag) {
     using T = decltype(tag);
     if (c.scalar_type() == at::kFloat) {

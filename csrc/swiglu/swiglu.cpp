@@ -1,5 +1,4 @@
 // Torch binding + CPU kernels of SwiGLU in the shardkit_C op namespace (one source of the one extension).
-#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <tuple>
@@ -15,7 +14,7 @@ at::Tensor swiglu_fwd(const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.sizes() == up.sizes(), "shardkit_C::swiglu_fwd: gate ", gate.sizes(), " != up ", up.sizes());
   const at::Tensor g = gate.contiguous();
   const at::Tensor u = up.contiguous();
-  at::Tensor y = at::empty_like(g);
+  at::Tensor y = empty_output_like(g);
   dispatch_float_types(g, "shardkit_C::swiglu_fwd", [&](auto tag) {
     using T = decltype(tag);
     swiglu_fwd_cpu<T>(ptr<T>(g), ptr<T>(u), ptr<T>(y), g.numel());
@@ -30,8 +29,8 @@ std::tuple<at::Tensor, at::Tensor> swiglu_bwd(const at::Tensor& grad, const at::
   const at::Tensor d = grad.contiguous();
   const at::Tensor g = gate.contiguous();
   const at::Tensor u = up.contiguous();
-  at::Tensor dg = at::empty_like(g);
-  at::Tensor du = at::empty_like(u);
+  at::Tensor dg = empty_output_like(g);
+  at::Tensor du = empty_output_like(u);
   dispatch_float_types(g, "shardkit_C::swiglu_bwd", [&](auto tag) {
     using T = decltype(tag);
     swiglu_bwd_cpu<T>(ptr<T>(d), ptr<T>(g), ptr<T>(u), ptr<T>(dg), ptr<T>(du), g.numel());

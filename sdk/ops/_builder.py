@@ -88,8 +88,11 @@ class ExtensionBuilder:
         return [str(self.csrc / "include")]
 
     def cflags(self, aot: bool = False) -> list[str]:
-        """-O3 and OpenMP; ``-march=native`` only for JIT, since an AOT wheel must run on other CPUs."""
-        flags = ["-O3", "-fopenmp", "-DSHARDKIT_WITH_TORCH"]
+        """-O3 and OpenMP; ``-march=native`` only for JIT, since an AOT wheel must run on other CPUs.
+
+        ``-fno-math-errno``: no kernel reads errno, and without it GCC will not vectorise a loop that calls sqrt.
+        """
+        flags = ["-O3", "-fno-math-errno", "-fopenmp", "-DSHARDKIT_WITH_TORCH"]
         if not aot:
             flags.append("-march=native")
         if self.with_cuda():
