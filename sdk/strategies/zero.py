@@ -121,8 +121,10 @@ class _ZeRO(ProcessGroupStrategy):
         import deepspeed
 
         if optimizer is not None and self.settings.offload_optimizer:
-            optimizer = _to_cpu_adam(optimizer, scheduler)
+            optimizer = _host_optimizer(optimizer, scheduler)
         config = self.deepspeed_config(module)
+        if self.settings.offload_optimizer and _is_fused_adamw(optimizer):
+            config["zero_force_ds_cpu_optimizer"] = False  # DeepSpeed accepts only its CPU Adam unless told
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
                                                           dist_init_required=False)
         self._engine = engine
@@ -263,8 +265,8 @@ class ZeRO2(_ZeRO):
 
     Args:
         offload_optimizer: None or "cpu": keep the fp32 master weights and optimizer state in host
-            memory and step them there (the optimizer becomes DeepSpeedCPUAdam with the same
-            hyperparameters; only Adam/AdamW can be converted).
+            memory and step them there: shardkit's FusedAdamW steps them as it is; torch's Adam/AdamW
+            become DeepSpeedCPUAdam with the same hyperparameters; other optimizers are refused.
         pin_memory: page-locked host buffers for the offload (None: on with a GPU, off without;
             True without a GPU is an error).
         reduce_bucket_size, allgather_bucket_size, overlap_comm, contiguous_gradients, timeout, extra: see ZeRO1.
@@ -398,17 +400,29 @@ def _build_op(builder_name: str) -> None:
         builder.load(verbose=False)
 
 
-def _to_cpu_adam(optimizer: torch.optim.Optimizer, scheduler: Any | None) -> torch.optim.Optimizer:
-    """The same Adam/AdamW as DeepSpeedCPUAdam, which DeepSpeed's optimizer offload steps on the host."""
+def _is_fused_adamw(optimizer: Any) -> bool:
+    from shardkit.optim import FusedAdamW
+
+    return isinstance(optimizer, FusedAdamW)
+
+
+def _host_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any | None) -> torch.optim.Optimizer:
+    """The optimizer that steps the offloaded fp32 partitions on the host.
+
+    shardkit's FusedAdamW is kept as it is (its C++ step streams at memory bandwidth, as fast as
+    DeepSpeedCPUAdam or faster: benchmarks/RESULTS.md); torch's Adam/AdamW become DeepSpeedCPUAdam with the
+    same groups, since their foreach step is several times slower on the host.
+    """
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    if isinstance(optimizer, DeepSpeedCPUAdam):
+    if isinstance(optimizer, DeepSpeedCPUAdam) or _is_fused_adamw(optimizer):
         return optimizer
     kinds = {torch.optim.AdamW: True, torch.optim.Adam: False}
     adamw_mode = kinds.get(type(optimizer))
     if adamw_mode is None:
-        raise ZeROSettingsError(f"optimizer offload steps the optimizer on the host with DeepSpeedCPUAdam; "
-                                f"{type(optimizer).__name__} cannot be converted: use torch.optim.AdamW or Adam")
+        raise ZeROSettingsError(f"optimizer offload steps the optimizer on the host with DeepSpeedCPUAdam or "
+                                f"shardkit's FusedAdamW; {type(optimizer).__name__} cannot be converted: use "
+                                f"shardkit.optim.FusedAdamW, torch.optim.AdamW or Adam")
     if any(group.get("amsgrad") for group in optimizer.param_groups):
         raise ZeROSettingsError("optimizer offload does not support amsgrad=True (DeepSpeedCPUAdam)")
     groups = [{k: v for k, v in g.items() if k not in ("foreach", "fused", "capturable", "differentiable",

@@ -59,16 +59,33 @@ def test_cpu_offload_trains_and_matches_ddp_in_fp32(precision):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_zero_infinity_on_nvme_trains(tmp_path, precision):
+def test_fused_adamw_steps_the_offloaded_optimizer_and_matches_ddp():
+    """shardkit's FusedAdamW is the host optimizer of ZeRO-2/3 offload as it is (not swapped for DeepSpeedCPUAdam),
+    and tracks DDP stepping the same FusedAdamW."""
+    names = ["ddp", "zero2_cpu", "zero3_cpu"]
+    results = run_distributed(w.compare_worker, world_size=2, timeout=900,
+                              args=(names, "fp32", STEPS, GAS, CLIP, "fused"))
+    for name in names[1:]:
+        assert results[0][name]["optimizer"] == "FusedAdamW", results[0][name]["optimizer"]
+        _check_replicas_agree(results, name)
+        _check_loss_falls(results[0][name]["losses"], name)
+        torch.testing.assert_close(results[0][name]["losses"], results[0]["ddp"]["losses"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(results[0][name]["params"], results[0]["ddp"]["params"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision, optimizer", [("fp32", "torch"), ("bf16", "torch"), ("fp32", "fused")])
+def test_zero_infinity_on_nvme_trains(tmp_path, precision, optimizer):
     from shardkit.strategies.zero_config import libaio_available
 
     if not libaio_available():
         pytest.skip("libaio is missing (apt-get install -y libaio-dev): DeepSpeed's async_io op cannot be built")
-    results = run_distributed(w.nvme_worker, world_size=2, timeout=900, args=(str(tmp_path / "nvme"), precision))
+    results = run_distributed(w.nvme_worker, world_size=2, timeout=900,
+                              args=(str(tmp_path / "nvme"), precision, optimizer))
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
     assert results[0]["losses"][-1] < results[0]["losses"][0]
+    assert results[0]["optimizer"] == ("FusedAdamW" if optimizer == "fused" else "DeepSpeedCPUAdam")
 
 
 def test_init_module_partitions_and_gathered_parameters_keeps_rank0_edit():

@@ -77,16 +77,27 @@ class _null:
         return False
 
 
-def compare_worker(names: list[str], precision: str, steps: int, gas: int, clip: float | None):
-    """Train each strategy in ``names`` from the same seed and data; per strategy: losses, norms, params."""
+def make_optimizer(params, kind: str = "torch") -> torch.optim.Optimizer:
+    """AdamW(lr=1e-2, weight_decay=0.01): torch's ("torch") or shardkit's FusedAdamW ("fused")."""
+    if kind == "fused":
+        from shardkit.optim import FusedAdamW
+
+        return FusedAdamW(params, lr=1e-2, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def compare_worker(names: list[str], precision: str, steps: int, gas: int, clip: float | None,
+                   optimizer_kind: str = "torch"):
+    """Train each strategy in ``names`` from the same seed and data; per strategy: losses, norms, params,
+    and the class of the optimizer that stepped (under offload DeepSpeed's wrapper holds it)."""
     out = {}
     for name in names:
         runner = make_runner(name, precision, gas)
         model = make_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-        model, optimizer = runner.setup(model, optimizer)
+        model, optimizer = runner.setup(model, make_optimizer(model.parameters(), optimizer_kind))
         losses, norms = train(runner, model, optimizer, 0, steps, gas, clip)
-        out[name] = {"losses": losses, "norms": norms, "params": full_params(runner, model)}
+        out[name] = {"losses": losses, "norms": norms, "params": full_params(runner, model),
+                     "optimizer": type(optimizer).__name__}
     return out
 
 
@@ -173,17 +184,16 @@ def init_module_worker():
             "bytes": runner.strategy.model_state_bytes(model, optimizer)}
 
 
-def nvme_worker(nvme_path: str, precision: str):
+def nvme_worker(nvme_path: str, precision: str, optimizer_kind: str = "torch"):
     from shardkit.strategies.zero import ZeROInfinity
 
     # The default 5 swap buffers of 1e8 elements would take 2 GB of host memory per rank; the largest
     # parameter here has 32*32 elements.
     runner = make_runner("zero3", precision, strategy=ZeROInfinity(nvme_path=nvme_path, buffer_size=100_000))
     model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, optimizer = runner.setup(model, optimizer)
+    model, optimizer = runner.setup(model, make_optimizer(model.parameters(), optimizer_kind))
     losses = train(runner, model, optimizer, 0, 6, 1, None)[0]
-    return {"losses": losses, "params": full_params(runner, model)}
+    return {"losses": losses, "params": full_params(runner, model), "optimizer": type(optimizer).__name__}
 
 
 def memory_worker(names: list[str], precision: str):
