@@ -13,6 +13,7 @@ saved activations, gradients and temporaries.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -20,6 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,7 +41,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().paren
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from shardkit.ops import rms_norm, rope, select_backend, swiglu  # noqa: E402
+from shardkit.ops import available_backends, force_backend, rms_norm, rope, swiglu  # noqa: E402
 from shardkit.ops.fused_linear_cross_entropy import (  # noqa: E402
     fused_linear_cross_entropy,
     linear_cross_entropy_reference,
@@ -84,59 +86,105 @@ def _clear_grads(tensors: list[torch.Tensor]) -> Fn:
     return clear
 
 
-def _fwd_bwd(fn: Callable, inputs: list[torch.Tensor], grads_out: list[torch.Tensor]) -> Fn:
+def _forced(fn: Fn, backend: str | None) -> Fn:
+    """``fn`` with our ops forced to ``backend`` for the whole call (backward dispatches again); None: as is."""
+    def call():
+        with force_backend(backend) if backend else contextlib.nullcontext():
+            return fn()
+    return call
+
+
+def _fwd_bwd(fn: Callable, inputs: list[torch.Tensor], grads_out: list[torch.Tensor],
+             backend: str | None = None) -> Fn:
+    """One forward+backward of ``fn(*inputs)`` against the given output gradients."""
     def run():
         _clear_grads(inputs)()
         out = fn(*inputs)
         out = out if isinstance(out, tuple) else (out,)
         torch.autograd.backward(out, grads_out)
-    return run
+    return _forced(run, backend)
 
 
-def op_cases(device: str, quick: bool) -> list[tuple[str, Callable, Callable, list, list]]:
-    """(label, ours, eager, inputs, output grads) per op and dtype, at the shapes of the issue."""
+@dataclass
+class OpCase:
+    """One op at one shape and dtype: ours, torch eager (what HF modeling code does) and Liger-Kernel's."""
+
+    label: str
+    ours: Callable
+    eager: Callable
+    liger: Callable | None
+    inputs: list[torch.Tensor]
+    grads_out: list[torch.Tensor]
+
+
+def _liger_functional():
+    """Liger-Kernel's functional ops (GPU only: its Triton kernels do not run under the CPU interpreter)."""
+    try:
+        from liger_kernel.transformers import functional
+    except ImportError:
+        return None
+    return functional
+
+
+def op_cases(device: str, quick: bool) -> list[OpCase]:
+    """Each op and dtype at the shapes of the issue; on a GPU every op in fp32 and bf16."""
     s = 16 if quick else 1
-    n, h = 4096 // s, 4096 // s
+    lg = _liger_functional() if device != "cpu" else None
+    wide = (torch.float32, torch.bfloat16)
     cases = []
-    for dt in (torch.float32, torch.bfloat16):
+    n, h = 4096 // s, 4096 // s
+    for dt in wide:
         x, w = _leaf(n, h, dtype=dt, device=device, seed=0), _leaf(h, dtype=dt, device=device, seed=1)
-        cases.append((f"rms_norm ({n}, {h}) {str(dt)[6:]}", lambda x, w: rms_norm(x, w, 1e-6), rms_norm_eager,
-                      [x, w], [_leaf(n, h, dtype=dt, device=device, seed=2, grad=False)]))
+        cases.append(OpCase(f"rms_norm ({n}, {h}) {str(dt)[6:]}", lambda x, w: rms_norm(x, w, 1e-6), rms_norm_eager,
+                            lg and (lambda x, w: lg.liger_rms_norm(x, w, 1e-6)), [x, w],
+                            [_leaf(n, h, dtype=dt, device=device, seed=2, grad=False)]))
     b, nh, t, d = 4, 32 // s, 1024 // s, 128
-    q, k = _leaf(b, nh, t, d, dtype=torch.float32, device=device, seed=3), _leaf(b, nh, t, d, dtype=torch.float32,
-                                                                                 device=device, seed=4)
     ang = torch.arange(t, dtype=torch.float32)[:, None] * (1e-4 ** (torch.arange(d // 2) / (d // 2)))[None]
     emb = torch.cat((ang, ang), -1)[None].to(device)
     cos, sin = emb.cos(), emb.sin()
-    dq, dk = (_leaf(b, nh, t, d, dtype=torch.float32, device=device, seed=i, grad=False) for i in (5, 6))
-    cases.append((f"rope q,k ({b}, {nh}, {t}, {d}) fp32", lambda q, k: rope(q, k, cos, sin),
-                  lambda q, k: rope_eager(q, k, cos, sin), [q, k], [dq, dk]))
+    for dt in wide if device != "cpu" else (torch.float32,):
+        q, k = (_leaf(b, nh, t, d, dtype=dt, device=device, seed=i) for i in (3, 4))
+        dq, dk = (_leaf(b, nh, t, d, dtype=dt, device=device, seed=i, grad=False) for i in (5, 6))
+        cases.append(OpCase(f"rope q,k ({b}, {nh}, {t}, {d}) {str(dt)[6:]}", lambda q, k: rope(q, k, cos, sin),
+                            lambda q, k: rope_eager(q, k, cos, sin),
+                            lg and (lambda q, k: lg.liger_rope(q, k, cos, sin)), [q, k], [dq, dk]))
     m, f = 4096 // s, 11008 // s
-    g, u = _leaf(m, f, dtype=torch.float32, device=device, seed=7), _leaf(m, f, dtype=torch.float32, device=device,
-                                                                          seed=8)
-    cases.append((f"swiglu ({m}, {f}) fp32", swiglu, swiglu_eager, [g, u],
-                  [_leaf(m, f, dtype=torch.float32, device=device, seed=9, grad=False)]))
+    for dt in wide if device != "cpu" else (torch.float32,):
+        g, u = (_leaf(m, f, dtype=dt, device=device, seed=i) for i in (7, 8))
+        cases.append(OpCase(f"swiglu ({m}, {f}) {str(dt)[6:]}", swiglu, swiglu_eager, lg and lg.liger_swiglu,
+                            [g, u], [_leaf(m, f, dtype=dt, device=device, seed=9, grad=False)]))
     return cases
+
+
+def _our_backends(device: str) -> list[str]:
+    """Our native backends that run here, best first: cpp on CPU; cuda and triton on a GPU."""
+    return [b for b in available_backends(device, "rms_norm_fwd") if b != "reference" and
+            (device != "cpu" or b != "triton")]
 
 
 def bench_ops(device: str, quick: bool) -> str:
     reps = 3 if quick else 5
+    warmup_s = 0.0 if quick else 1.0  # on CPU: until freed huge pages are being reused (see median_time)
     rows = []
-    for label, ours, eager, inputs, grads in op_cases(device, quick):
-        compiled = torch.compile(eager, dynamic=False)
-        res = {}
-        for name, fn in (("ours", ours), ("eager", eager), ("compile", compiled)):
-            run = _fwd_bwd(fn, inputs, grads)
-            # warmup: compile, then autotune/cache, and 1 s so that page-fault behaviour is steady
-            t = median_time(run, warmup=2, repeats=reps, device=device, warmup_s=0.0 if quick else 1.0)
-            res[name] = (t, peak_memory(run, device, setup=_clear_grads(inputs)))
-        rows.append([label] + [f"{res[k][0] * 1e3:.1f} ms / {fmt_bytes(res[k][1])}" for k in res]
-                    + [f"{res['eager'][0] / res['ours'][0]:.2f}x", f"{res['compile'][0] / res['ours'][0]:.2f}x"])
-        print(rows[-1], flush=True)
-    backend = select_backend("rms_norm_fwd", device)
-    print(f"\nOps, forward+backward (ours = {backend} backend): time median / peak memory", flush=True)
-    return print_table(["op", f"ours ({backend})", "torch eager", "torch.compile", "eager/ours", "compile/ours"],
-                       rows)
+    for case in op_cases(device, quick):
+        def measure(run):
+            return (median_time(run, warmup=2, repeats=reps, device=device, warmup_s=warmup_s),
+                    peak_memory(run, device, setup=_clear_grads(case.inputs)))
+
+        others = {"eager": case.eager, "compile": torch.compile(case.eager, dynamic=False)}
+        if case.liger is not None:
+            others["liger"] = case.liger
+        res = {name: measure(_fwd_bwd(fn, case.inputs, case.grads_out)) for name, fn in others.items()}
+        for backend in _our_backends(device):
+            t, mem = measure(_fwd_bwd(case.ours, case.inputs, case.grads_out, backend))
+            cells = [f"{res[k][0] * 1e3:.2f} ms / {fmt_bytes(res[k][1])}" if k in res else "n/a"
+                     for k in ("eager", "compile", "liger")]
+            ratios = [f"{res[k][0] / t:.2f}x" if k in res else "n/a" for k in ("eager", "compile", "liger")]
+            rows.append([case.label, backend, f"{t * 1e3:.2f} ms / {fmt_bytes(mem)}", *cells, *ratios])
+            print(rows[-1], flush=True)
+    print("\nOps, forward+backward: time median / peak memory; ratios > 1 mean ours is faster", flush=True)
+    return print_table(["op", "ours: backend", "ours", "torch eager", "torch.compile", "Liger-Kernel",
+                        "eager/ours", "compile/ours", "liger/ours"], rows)
 
 
 # ---- fused linear cross-entropy ---------------------------------------------------------------------------
@@ -180,24 +228,22 @@ def bench_flce(device: str, quick: bool) -> str:
     h = (torch.randn(t_rows, hid, generator=g) * 0.5).to(device, dt).requires_grad_()
     w = (torch.randn(vocab, hid, generator=g) / hid**0.5).to(device, dt).requires_grad_()
     y = torch.randint(0, vocab, (t_rows,), generator=g).to(device)
-    variants = {
-        "naive (logits + F.cross_entropy)": lambda: linear_cross_entropy_reference(h, w, y),
-        "plain chunked (torch ops)": lambda: _PlainChunked.apply(h, w, y, chunk),
-        "ours fused": lambda: fused_linear_cross_entropy(h, w, y, chunk_rows=chunk),
+    # name -> (loss, backend forced for ours)
+    variants: dict[str, tuple[Callable[[], torch.Tensor], str | None]] = {
+        "naive (logits + F.cross_entropy)": (lambda: linear_cross_entropy_reference(h, w, y), None),
+        "plain chunked (torch ops)": (lambda: _PlainChunked.apply(h, w, y, chunk), None),
     }
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-        if not cpu:
-            liger = LigerFusedLinearCrossEntropyLoss()
-            variants["liger"] = lambda: liger(w, h, y)
-    except ImportError:
-        pass
+    for backend in _our_backends(device):
+        variants[f"ours fused ({backend})"] = (lambda: fused_linear_cross_entropy(h, w, y, chunk_rows=chunk), backend)
+    lg = _liger_functional() if not cpu else None
+    if lg is not None:
+        variants["liger"] = (lambda: lg.liger_fused_linear_cross_entropy(h, w, y), None)
     runs = {}
-    for name, loss_fn in variants.items():
+    for name, (loss_fn, backend) in variants.items():
         def run(loss_fn=loss_fn):
             h.grad = w.grad = None
             loss_fn().backward()
-        runs[name] = run
+        runs[name] = _forced(run, backend)
     naive = "naive (logits + F.cross_entropy)"
     if cpu:
         # ~4-6 s a call at the CPU size, and this shared CPU's matmul speed drifts by ±30% over a minute: one
@@ -256,15 +302,17 @@ def _params(n: int, device: str, piece: int = 1 << 22) -> list[torch.Tensor]:
     return ps
 
 
-def _optimizers(device: str) -> dict[str, Callable[[list[torch.Tensor]], torch.optim.Optimizer]]:
-    opts = {"ours FusedAdamW": lambda ps: FusedAdamW(ps, lr=1e-3, weight_decay=0.01),
-            "torch AdamW foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True),
-            "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)}
+def _optimizers(device: str) -> dict[str, tuple[Callable[[list[torch.Tensor]], torch.optim.Optimizer], str | None]]:
+    """name -> (factory, backend forced for ours)."""
+    opts = {f"ours FusedAdamW ({b})": (lambda ps: FusedAdamW(ps, lr=1e-3, weight_decay=0.01), b)
+            for b in _our_backends(device)}
+    opts |= {"torch AdamW foreach": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True), None),
+             "torch AdamW fused": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), None)}
     if device == "cpu":
         try:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             DeepSpeedCPUAdam([torch.zeros(1, requires_grad=True)])  # JIT-builds cpu_adam once (~90 s first time)
-            opts["DeepSpeedCPUAdam"] = lambda ps: DeepSpeedCPUAdam(ps, lr=1e-3, adamw_mode=True)
+            opts["DeepSpeedCPUAdam"] = (lambda ps: DeepSpeedCPUAdam(ps, lr=1e-3, adamw_mode=True), None)
         except Exception as e:  # noqa: BLE001 (any build/import failure means: skip it, with the reason)
             print(f"DeepSpeedCPUAdam skipped: {type(e).__name__}: {str(e)[:200]}", flush=True)
     return opts
@@ -295,7 +343,8 @@ def bench_adamw(device: str, quick: bool) -> str:
     rows = []
     for n in ((1 << 20, 4 << 20) if quick else (10_000_000, 100_000_000)):
         ps = _params(n, device)
-        fns: dict[str, Fn] = {name: make(ps).step for name, make in _optimizers(device).items()}
+        fns: dict[str, Fn] = {name: _forced(make(ps).step, backend)
+                              for name, (make, backend) in _optimizers(device).items()}
         fns["floor: triad a += c*b"] = lambda: a.add_(b, alpha=1e-3)
         times = _interleaved(fns, rounds=5, device=device)
         floor_round = [t * 28 * n / (12 * m) for t in times.pop("floor: triad a += c*b")]  # 28 B/param at triad BW
