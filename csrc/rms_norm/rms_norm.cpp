@@ -5,6 +5,7 @@
 
 #include <tuple>
 
+#include "rms_norm_args.h"
 #include "rms_norm_cpu.h"
 #include "shardkit/torch_utils.h"
 
@@ -15,10 +16,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::T
                                                 double offset) {
   check_same(x, w, "shardkit_C::rms_norm_fwd", "x", "weight");
   const int64_t n = w.numel();
-  TORCH_CHECK(x.size(-1) == n, "shardkit_C::rms_norm_fwd: x last dim ", x.size(-1), " != weight size ", n);
+  const int64_t rows = rms_norm_rows(x, w, "shardkit_C::rms_norm_fwd");
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = w.contiguous();
-  const int64_t rows = n == 0 ? 0 : xc.numel() / n;
   at::Tensor y = empty_output_like(xc);
   at::Tensor rstd = at::empty({rows}, xc.options().dtype(at::kFloat));
   dispatch_float_types(xc, "shardkit_C::rms_norm_fwd", [&](auto tag) {
@@ -34,11 +34,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::
   check_same(x, w, "shardkit_C::rms_norm_bwd", "x", "weight");
   check_same(x, dy, "shardkit_C::rms_norm_bwd", "x", "grad_output");
   const int64_t n = w.numel();
+  const int64_t rows = rms_norm_rows(x, w, "shardkit_C::rms_norm_bwd");
   const at::Tensor dyc = dy.contiguous();
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = w.contiguous();
   const at::Tensor rc = rstd.contiguous();
-  const int64_t rows = n == 0 ? 0 : xc.numel() / n;
   TORCH_CHECK(rc.numel() == rows && rc.scalar_type() == at::kFloat,
               "shardkit_C::rms_norm_bwd: rstd must be float32 with one value per row (", rows, ")");
   at::Tensor dx = empty_output_like(xc);

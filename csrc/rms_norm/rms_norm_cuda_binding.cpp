@@ -5,6 +5,7 @@
 
 #include <tuple>
 
+#include "rms_norm_args.h"
 #include "rms_norm_cuda.h"
 #include "shardkit/torch_cuda_utils.h"
 
@@ -15,10 +16,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd_cuda_op(const at::Tensor& x, con
                                                         double offset) {
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "shardkit_C::rms_norm_fwd: x and weight dtypes differ");
   const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = w.numel();
+  const int64_t rows = rms_norm_rows(x, w, "shardkit_C::rms_norm_fwd");
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = w.contiguous();
-  const int64_t n = wc.numel();
-  const int64_t rows = n == 0 ? 0 : xc.numel() / n;
   at::Tensor y = at::empty_like(xc);
   at::Tensor rstd = at::empty({rows}, xc.options().dtype(at::kFloat));
   check_cuda(rms_norm_fwd_cuda(xc.data_ptr(), wc.data_ptr(), y.data_ptr(), rstd.data_ptr<float>(), rows, n,
@@ -37,8 +38,10 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda_op(const at::Tensor& dy, co
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = w.contiguous();
   const at::Tensor rc = rstd.contiguous();
-  const int64_t n = wc.numel();
-  const int64_t rows = n == 0 ? 0 : xc.numel() / n;
+  const int64_t n = w.numel();
+  const int64_t rows = rms_norm_rows(x, w, "shardkit_C::rms_norm_bwd");
+  TORCH_CHECK(rc.numel() == rows && rc.scalar_type() == at::kFloat,
+              "shardkit_C::rms_norm_bwd: rstd must be float32 with one value per row (", rows, ")");
   at::Tensor dx = at::empty_like(xc);
   at::Tensor dw = at::empty_like(wc);
   const int blocks = rms_norm_bwd_blocks(rows, x.device().index());

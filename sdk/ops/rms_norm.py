@@ -116,5 +116,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0) 
 
     Returns:
         Tensor like ``x``.
+
+    Raises:
+        ValueError: ``weight`` is not one entry per feature of ``x``'s last dim.
     """
+    if weight.dim() != 1 or x.dim() == 0 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} does not match x of shape {tuple(x.shape)}; "
+                         "the weight needs one entry per feature of x's last dim")
     return _rms_norm_op(x, weight, float(eps), float(offset))[0]

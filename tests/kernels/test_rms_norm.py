@@ -19,7 +19,7 @@ def _grads(fn, x, w, dy):
 
 
 @pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_rms_norm_matches_fp64_reference(backend, shape, dtype, offset, make_rand, check_close):
     if backend.interpreted and shape[-1] > 256:
@@ -50,8 +50,33 @@ def test_rms_norm_saves_only_rstd_per_row(backend):
     assert y.shape == x.shape
 
 
-def test_rms_norm_mixed_dtypes_use_reference(backend):
-    """fp32 weight with bf16 activations (a common AMP layout) is handled by the upcasting reference path."""
-    x = torch.randn(4, 32, device=backend.device).to(torch.bfloat16)
-    w = torch.randn(32, device=backend.device)
-    torch.testing.assert_close(rms_norm(x, w), rms_norm_reference(x, w))
+def test_rms_norm_mixed_dtypes(backend, make_rand, check_close):
+    """fp32 weight with bf16 activations (a common AMP layout): bf16 out and dx, fp32 dw, all near float64."""
+    x = make_rand(5, 37, dtype=torch.bfloat16, device=backend.device, seed=1, scale=2.0)
+    w = make_rand(37, device=backend.device, seed=2)
+    dy = make_rand(5, 37, dtype=torch.bfloat16, device=backend.device, seed=3)
+    out = _grads(rms_norm, x, w, dy)
+    lowp = _grads(rms_norm_reference, x, w, dy)
+    ref = _grads(rms_norm_reference, x.double(), w.double(), dy.double())
+    assert [t.dtype for t in out] == [torch.bfloat16, torch.bfloat16, torch.float32]
+    for name, got, low, exact in zip(("y", "dx", "dw"), out, lowp, ref):
+        check_close(got, low, exact, name=name)
+
+
+def test_rms_norm_rejects_a_weight_of_the_wrong_size(backend):
+    """A weight shorter than x's last dim would make a kernel read past it: a clear error instead."""
+    x = torch.randn(4, 32, device=backend.device)
+    with pytest.raises(ValueError, match=r"weight of shape \(16,\) does not match x of shape \(4, 32\)"):
+        rms_norm(x, torch.randn(16, device=backend.device))
+
+
+def test_native_rms_norm_checks_the_weight_size_itself():
+    """The C++ op, called directly (bypassing the Python check), refuses a mismatched weight too."""
+    from shardkit.ops import available_backends
+
+    if "cpp" not in available_backends("cpu", "rms_norm_fwd"):
+        pytest.skip("the C++ extension is not built here")
+    with pytest.raises(RuntimeError, match="x last dim 32 != weight size 16"):
+        torch.ops.shardkit_C.rms_norm_fwd(torch.randn(4, 32), torch.randn(16), 1e-6, 0.0)
+    with pytest.raises(RuntimeError, match="x last dim 32 != weight size 16"):
+        torch.ops.shardkit_C.rms_norm_bwd(torch.randn(4, 32), torch.randn(4, 32), torch.randn(16), torch.ones(4), 0.0)

@@ -18,7 +18,7 @@ def _grads(fn, g, u, dy):
     return y.detach(), g.grad, u.grad
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_swiglu_matches_fp64_reference(backend, shape, dtype, make_rand, check_close):
     g = make_rand(*shape, dtype=dtype, device=backend.device, seed=1, scale=3.0)  # both tails of the sigmoid
