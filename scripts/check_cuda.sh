@@ -4,8 +4,8 @@
 #   2. every csrc/*/*_cuda_binding.cpp (the torch glue of the CUDA kernels) syntax-checked with nvcc's host
 #      compiler against this torch's headers, about 7 s a file. A CPU build of torch ships the c10/cuda and
 #      ATen/cuda headers but not the generated c10/cuda/impl/cuda_cmake_macros.h, which only defines an export
-#      macro: C10_CUDA_NO_CMAKE_CONFIGURE_FILE skips it. Linking needs a CUDA build of torch (the JIT build
-#      does that on a GPU machine).
+#      macro: C10_CUDA_NO_CMAKE_CONFIGURE_FILE skips it. Compiling the bindings for real and linking them needs a
+#      CUDA build of torch: scripts/check_cuda_link.py does that (no GPU needed), run with such a torch's Python.
 # Usage: scripts/check_cuda.sh   (NVCC=/path/to/nvcc and PYTHON=/path/to/python to override)
 set -euo pipefail
 cd "$(dirname "$0")/.."
