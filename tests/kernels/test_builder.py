@@ -111,3 +111,28 @@ def test_cuda_sources_compile():
                             env={**os.environ, "PYTHON": sys.executable}, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("ok ") == len(kernels) + len(bindings)
+
+
+def test_ahead_of_time_build_loads_and_matches_the_reference(tmp_path):
+    """``SHARDKIT_BUILD_OPS=1``: setup.py builds the one extension from the same builder, with portable flags
+    (no -march=native), and the library it writes registers working kernels."""
+    repo = Path(__file__).resolve().parents[2]
+    ext = BUILDER.aot_extension()
+    assert "-march=native" not in ext.extra_compile_args["cxx"] and ext.name == "shardkit.ops._C"
+    env = {**os.environ, "SHARDKIT_BUILD_OPS": "1", "MAX_JOBS": "2"}
+    build = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                            "--build-temp", str(tmp_path / "tmp")], cwd=repo, env=env, capture_output=True,
+                           text=True, timeout=1200)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    (library,) = (tmp_path / "lib" / "shardkit" / "ops").glob("_C*.so")
+    check = f"""
+import torch
+from shardkit.ops import rms_norm_reference
+torch.ops.load_library({str(library)!r})
+x, w = torch.randn(5, 123, dtype=torch.float64).float(), torch.randn(123)
+y, _ = torch.ops.shardkit_C.rms_norm_fwd(x, w, 1e-6, 0.0)
+torch.testing.assert_close(y, rms_norm_reference(x, w, 1e-6, 0.0))
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert run.stdout.strip() == "ok", run.stdout + run.stderr
