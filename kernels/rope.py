@@ -37,14 +37,19 @@ def _rope_kernel(X, Y, COS, SIN, POS, sxb, sxh, sxt, H, T, cs_batch_rows, HALF,
     s2 = tl.load(SIN + cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)
     if BACKWARD:
         s1, s2 = -s2, -s1
-    hs = tl.arange(0, BLOCK_H)
+    # int64 offsets (b, t from the int64 pid, int64 heads): h * sxh and h * T * D pass 2^31 once one batch
+    # element holds H*T*D > 2^31 elements. The token's base pointers are hoisted out of the head loop, which keeps
+    # the 64-bit math per tile to one multiply per head row (sm_80 d=64 fp32: 32 registers, not 40).
+    hs = tl.arange(0, BLOCK_H).to(tl.int64)
+    x_tok = X + b * sxb + t * sxt
+    y_tok = Y + (b * H * T + t) * (2 * HALF)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + hs
         mask = (h < H)[:, None] & dmask[None, :]
-        src = X + b * sxb + t * sxt + h[:, None] * sxh + d[None, :]
+        src = x_tok + h[:, None] * sxh + d[None, :]
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-        dst = Y + ((b * H + h[:, None]) * T + t) * (2 * HALF) + d[None, :]
+        dst = y_tok + h[:, None] * T * (2 * HALF) + d[None, :]
         tl.store(dst, (x1 * c1[None, :] - x2 * s1[None, :]).to(Y.dtype.element_ty), mask=mask)
         tl.store(dst + HALF, (x2 * c2[None, :] + x1 * s2[None, :]).to(Y.dtype.element_ty), mask=mask)
 
@@ -68,7 +73,12 @@ def _apply_one(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch
 
 def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                position_ids: torch.Tensor | None, backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q (B, Hq, T, D) and k (B, Hk, T, D); two launches since Hq != Hk under GQA."""
+    """Rotate q (B, Hq, T, D) and k (B, Hk, T, D); two launches since Hq != Hk under GQA.
+
+    Shapes and position values are checked by ``shardkit.ops.rope``: the kernel reads cos/sin rows unchecked.
+    """
     cos, sin = cos.contiguous(), sin.contiguous()
-    pos = position_ids.to(torch.int64).contiguous() if position_ids is not None else None
+    pos = None
+    if position_ids is not None:  # the kernel reads POS[b*T + t]: (T,) or (1, T) positions expand to (B, T) first
+        pos = position_ids.expand(q.shape[0], q.shape[2]).to(torch.int64).contiguous()
     return _apply_one(q, cos, sin, pos, backward), _apply_one(k, cos, sin, pos, backward)

@@ -11,28 +11,48 @@
 namespace shardkit {
 namespace {
 
+// position_ids of any shape that broadcasts to (B, T), e.g. (T,), (1, T) (what Hugging Face builds) or (B, T), as
+// contiguous int64 (B, T). The kernels read cos/sin row pos[b*T + t] unchecked, so every position must be a row of
+// the (rows, D) table; on CPU checking that is one pass over B*T ints next to B*H*T*D elements of work.
+at::Tensor positions_cpu(const at::Tensor& position_ids, int64_t B, int64_t T, int64_t rows) {
+  bool broadcasts = position_ids.dim() <= 2;
+  for (int64_t i = 0; broadcasts && i < position_ids.dim(); ++i) {
+    const int64_t n = position_ids.size(position_ids.dim() - 1 - i);
+    broadcasts = n == 1 || n == (i == 0 ? T : B);
+  }
+  TORCH_CHECK(broadcasts, "shardkit_C::rope: position_ids of shape ", position_ids.sizes(),
+              " do not broadcast to (B, T) = (", B, ", ", T, "); pass (T,), (1, T) or (B, T)");
+  at::Tensor pos = position_ids.expand({B, T}).to(at::kLong).contiguous();
+  const int64_t* p = pos.const_data_ptr<int64_t>();
+  int64_t lo = 0, hi = 0;
+  for (int64_t i = 0; i < pos.numel(); ++i) {
+    lo = i == 0 || p[i] < lo ? p[i] : lo;
+    hi = i == 0 || p[i] > hi ? p[i] : hi;
+  }
+  TORCH_CHECK_INDEX(pos.numel() == 0 || hi < rows, "shardkit_C::rope: position_ids max ", hi,
+                    " >= cos/sin table length ", rows, ": build the rotary table for at least ", hi + 1, " positions");
+  TORCH_CHECK_INDEX(lo >= 0, "shardkit_C::rope: position_ids min ", lo, " < 0");
+  return pos;
+}
+
 // x: (B, H, T, D) with a contiguous last dim (q or k, any other strides, e.g. HF's transposed view);
-// cos/sin: (cs_batch, T, D) or (max_pos, D) with position_ids (B, T); cos/sin float32 or x's dtype.
-at::Tensor rope_apply(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                      const std::optional<at::Tensor>& position_ids, bool backward) {
+// cos/sin: (cs_batch, T, D), or (max_pos, D) with pos (int64 (B, T) from positions_cpu); float32 or x's dtype.
+at::Tensor rope_apply(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s,
+                      const std::optional<at::Tensor>& pos, bool backward) {
   TORCH_CHECK(x.dim() == 4, "shardkit_C::rope: q/k must be (B, H, T, D), got ", x.sizes());
   TORCH_CHECK(x.size(3) % 2 == 0, "shardkit_C::rope: head_dim ", x.size(3), " must be even");
-  TORCH_CHECK(cos.scalar_type() == sin.scalar_type(), "shardkit_C::rope: cos and sin dtypes differ");
   const at::Tensor xc = x.stride(3) == 1 ? x : x.contiguous();
-  const at::Tensor c = cos.contiguous();
-  const at::Tensor s = sin.contiguous();
   RopeShape shape{xc.size(0), xc.size(1), xc.size(2), xc.size(3), xc.stride(0), xc.stride(1), xc.stride(2), 1};
   TORCH_CHECK(c.size(-1) == shape.D, "shardkit_C::rope: cos last dim ", c.size(-1), " != head_dim ", shape.D);
-  at::Tensor pos;
-  if (position_ids.has_value()) {
-    pos = position_ids->to(at::kLong).contiguous();
-    TORCH_CHECK(pos.numel() == shape.B * shape.T, "shardkit_C::rope: position_ids must be (B, T)");
+  if (pos.has_value()) {
+    TORCH_CHECK(pos->sizes() == at::IntArrayRef({shape.B, shape.T}), "shardkit_C::rope: q/k ", x.sizes(),
+                " do not match position_ids (B, T) = ", pos->sizes());
   } else {
     TORCH_CHECK(c.dim() == 3 && c.size(1) == shape.T && (c.size(0) == 1 || c.size(0) == shape.B),
                 "shardkit_C::rope: cos must be (1 or B, T, D) without position_ids, got ", c.sizes());
     shape.cs_batch = c.size(0);
   }
-  const int64_t* pos_ptr = position_ids.has_value() ? pos.data_ptr<int64_t>() : nullptr;
+  const int64_t* pos_ptr = pos.has_value() ? pos->const_data_ptr<int64_t>() : nullptr;
   at::Tensor y = empty_output({shape.B, shape.H, shape.T, shape.D}, xc.options());
   dispatch_float_types(xc, "shardkit_C::rope", [&](auto tag) {
     using T = decltype(tag);
@@ -49,7 +69,18 @@ at::Tensor rope_apply(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 std::tuple<at::Tensor, at::Tensor> rope_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                             const at::Tensor& sin, const std::optional<at::Tensor>& position_ids,
                                             bool backward) {
-  return {rope_apply(q, cos, sin, position_ids, backward), rope_apply(k, cos, sin, position_ids, backward)};
+  TORCH_CHECK(q.dim() == 4, "shardkit_C::rope: q/k must be (B, H, T, D), got ", q.sizes());
+  TORCH_CHECK(cos.scalar_type() == sin.scalar_type() && cos.sizes() == sin.sizes(),
+              "shardkit_C::rope: cos and sin dtypes or shapes differ");
+  const at::Tensor c = cos.contiguous();
+  const at::Tensor s = sin.contiguous();
+  std::optional<at::Tensor> pos;
+  if (position_ids.has_value()) {
+    TORCH_CHECK(c.dim() == 2, "shardkit_C::rope: with position_ids cos/sin must be (max_position, D), got ",
+                c.sizes());
+    pos = positions_cpu(*position_ids, q.size(0), q.size(2), c.size(0));
+  }
+  return {rope_apply(q, c, s, pos, backward), rope_apply(k, c, s, pos, backward)};
 }
 
 }  // namespace

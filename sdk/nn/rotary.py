@@ -41,7 +41,12 @@ class RotaryEmbedding(nn.Module):
         return self.cos_cached[position_ids], self.sin_cached[position_ids]
 
     def rotate(self, q: Tensor, k: Tensor, position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Rotate q (B, Hq, T, D) and k (B, Hk, T, D) at ``position_ids`` (B, T), default 0..T-1."""
+        """Rotate q (B, Hq, T, D) and k (B, Hk, T, D) at ``position_ids`` (B, T), (1, T) or (T,), default 0..T-1.
+
+        Raises:
+            ValueError: T > ``max_position`` without position_ids (the message names the length needed).
+            IndexError: a position >= ``max_position`` (CPU tensors; on CUDA a device-side assert).
+        """
         if position_ids is None:
             return rope(q, k, self.cos_cached, self.sin_cached)
         return rope(q, k, self.cos_cached, self.sin_cached, position_ids)
