@@ -72,7 +72,9 @@ class _CompileOnlyDriver:
         return self.target
 
     def get_current_device(self) -> int:
-        return 0
+        # NOTE: a JITFunction caches its binder, target and compiled kernels per device id: one id per
+        # architecture, or the second architecture would be handed the first one's kernels.
+        return self.target.arch
 
     def get_current_stream(self, device: int | None = None) -> int:
         return 0
