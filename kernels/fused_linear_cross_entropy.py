@@ -33,8 +33,10 @@ def _flce_rows_kernel(z_ptr, z_stride, labels_ptr, scale_ptr, loss_ptr, V, ignor
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * z_stride
     label = tl.load(labels_ptr + row)
-    if label == ignore_index:
-        tl.store(loss_ptr + row, 0.0)
+    # an out-of-range label (shardkit.ops raises on one before launching) gets a nan loss and no gradient
+    # instead of reading a neighbouring row's logit, as the CUDA kernel does
+    if (label == ignore_index) | (label < 0) | (label >= V):
+        tl.store(loss_ptr + row, tl.where(label == ignore_index, 0.0, float("nan")))
         if WRITE_GRAD:
             for off in range(0, V, BLOCK):
                 cols = off + tl.arange(0, BLOCK)
@@ -77,7 +79,8 @@ def flce_rows_(z: torch.Tensor, labels: torch.Tensor, row_scale: torch.Tensor, i
                label_smoothing: float, softcap: float, write_grad: bool) -> torch.Tensor:
     """Row pass over fp32 logits ``z`` (rows, V), in place when ``write_grad``; returns the fp32 per-row loss.
 
-    Labels outside [0, V) other than ``ignore_index`` are not checked here (the caller checks on CPU).
+    Labels outside [0, V) other than ``ignore_index`` are not checked here (the caller checks them first: no host
+    sync per chunk); such a row gets a nan loss and a zero gradient.
     """
     if z.dtype != torch.float32 or z.dim() != 2 or z.stride(1) != 1:
         raise ValueError(f"flce_rows_: z must be 2-D float32 with contiguous rows, got {z.dtype} {tuple(z.shape)}")

@@ -4,7 +4,8 @@
 // Per chunk of rows: logits = hidden[chunk] @ weight^T (+ bias) through at::mm (MKL / cuBLAS), upcast to fp32,
 // the row pass (loss per row, and the scaled dloss/dlogits written over the logits), then
 // grad_hidden[chunk] = g @ weight and grad_weight += g^T @ hidden[chunk] into an fp32 accumulator. Only a
-// (chunk_rows, V) block of logits ever exists.
+// (chunk_rows, V) block of logits ever exists. Returns (loss fp32, grad_hidden in hidden's dtype, grad_weight fp32,
+// grad_bias fp32).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -67,8 +68,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flce_chunk_loop(
     if (need_weight) gw.addmm_(z.t(), low ? hc.to(at::kFloat) : hc);
     if (need_bias) gb.add_(z.sum(0));
   }
-  return {loss, gh, gw.to(weight.scalar_type()),
-          gb.to(bias.has_value() ? bias->scalar_type() : weight.scalar_type())};
+  // grad_weight and grad_bias stay the fp32 accumulators: the caller decides what to keep them in until the
+  // upstream gradient is applied (an fp16 grad_weight at the 1/n scale of a mean is mostly subnormal).
+  return {loss, gh, gw, gb};
 }
 
 // The checks flce_chunked makes on every device before the loop.

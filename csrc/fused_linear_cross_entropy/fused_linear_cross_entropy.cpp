@@ -2,7 +2,7 @@
 //
 //   flce_rows_   the fused row pass (softcap, log-sum-exp, loss, gradient) in place on a chunk of fp32 logits.
 //   flce_chunked the whole chunk loop (flce_chunk_loop.h) with this row pass: only a (chunk_rows, V) block of
-//                logits ever exists.
+//                logits ever exists; grad_weight and grad_bias come back as fp32 accumulators.
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 

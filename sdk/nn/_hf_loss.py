@@ -60,9 +60,9 @@ def fused_causal_lm_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor | No
 
     Same semantics as transformers' ``ForCausalLMLoss``: labels are shifted left by one (the last position gets
     ``ignore_index``) unless ``shift_labels`` is given; with ``num_items_in_batch`` (gradient accumulation) the
-    loss is ``sum / num_items_in_batch``, else the mean over non-ignored tokens. The loss is computed in fp32
-    and returned as fp32 like HF's (which upcasts the logits); for bf16 inputs the fused op rounds it to bf16
-    first (the gradients are unaffected: they are computed in fp32 inside the op).
+    loss is ``sum / num_items_in_batch``, else the mean over non-ignored tokens. The loss is computed and
+    returned in fp32 like HF's, which upcasts the 16-bit logits (a 16-bit loss would be quantised in bf16, and
+    an fp16 sum over many tokens overflows).
 
     Args:
         hidden: (B, T, H) last hidden states (after ``logits_to_keep`` slicing).
@@ -85,7 +85,7 @@ def fused_causal_lm_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor | No
     with gathered_if_partitioned(weight, bias):
         loss = fused_linear_cross_entropy(hidden, weight, shift_labels.to(hidden.device), bias,
                                           ignore_index=ignore_index, reduction=reduction, logit_softcap=logit_softcap)
-    loss = loss.float()
+    loss = loss.float()  # HF's loss is fp32 for a float64 model too (the fused op keeps float64 there)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)

@@ -14,7 +14,8 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
     """``cross_entropy(hidden @ weight.T + bias, labels)`` computed chunk by chunk (see shardkit.ops).
 
     The module holds no parameters: the projection weight (usually ``model.lm_head.weight``) is passed at call
-    time so that tied or sharded heads keep owning it.
+    time so that tied or sharded heads keep owning it. The loss is fp32 whatever the input dtypes (hidden and
+    weight may differ, e.g. bf16 activations with an fp32 head; autocast sets the matmuls' dtype).
 
     Args:
         ignore_index: label value whose rows contribute nothing.

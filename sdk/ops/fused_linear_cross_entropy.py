@@ -11,12 +11,19 @@ the gradients assuming a scalar upstream gradient): ``grad_weight = sum_i grad_o
 the per-row upstream gradient, so the forward pass computes only the losses and backward recomputes the chunks
 with the row scale ``grad_out[i]``.
 
+Dtypes: the matmuls run in one compute dtype, autocast's when autocast is on for the device (as ``F.linear``
+would), else the promotion of hidden/weight/bias (an fp32 lm_head under bf16 activations runs in fp32). The
+row pass, the loss and ``grad_weight``'s accumulation are fp32 (float64 for the float64 oracle); the loss is
+returned in that dtype, as Hugging Face's loss (which upcasts the logits). Gradients come back in each input's
+own dtype. Until backward has applied the upstream gradient they are kept where they cannot underflow: fp16
+keeps ``grad_weight`` in fp32 (see :func:`_saved_weight_dtype`) and defers the 1/n of "mean" to backward.
+
 Math per row (``y = softcap * tanh(z / softcap)`` if a softcap is set, else ``y = z``; eps = label_smoothing,
 as torch.nn.functional.cross_entropy defines it):
 ``loss = lse(y) - (1 - eps) * y[t] - eps * mean(y)``,
 ``dloss/dz = (softmax(y) - (1 - eps) * onehot(t) - eps / V) * (1 - (y / softcap)^2)``.
 Rows labelled ``ignore_index`` contribute nothing; "mean" divides by the number of other rows (nan when there
-are none, like torch, with zero gradients).
+are none, like torch, with zero gradients). Any other label outside [0, V) raises.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from ._dispatch import select_backend
 __all__ = [
     "chunk_rows_for",
     "flce_benchmark_case",
+    "flce_compute_dtype",
     "flce_rows_reference",
     "fused_linear_cross_entropy",
     "linear_cross_entropy_reference",
@@ -38,6 +46,7 @@ __all__ = [
 
 _SUPPORTED = ("reference", "cpp", "triton", "cuda")
 _REDUCTIONS = ("mean", "sum", "none")
+_HALF = (torch.float16, torch.bfloat16)
 # NOTE: budget for one chunk's logits. At V=128256 (Llama 3) a row is 501 KiB in fp32, so 256 MiB gives
 # 512-row chunks in fp32 (256 for bf16, which also holds a 16-bit copy); at T=4096 the naive path holds the
 # (4096, 128256) logits, their softmax and their gradient: 3 x 2.1 GB in fp32, against 256 MiB here.
@@ -45,6 +54,48 @@ _REDUCTIONS = ("mean", "sum", "none")
 _LOGITS_BUDGET_BYTES = 256 * 2**20
 
 RowsFn = Callable[[Tensor, Tensor, Tensor, int, float, float, bool], Tensor]
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the row pass, the loss and the accumulators: fp32, or float64 for the float64 oracle."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def flce_compute_dtype(hidden: Tensor, weight: Tensor, bias: Tensor | None = None) -> torch.dtype:
+    """The dtype of the op's matmuls: autocast's when it is on for ``hidden``'s device, else the promoted dtype.
+
+    Autocast leaves float64 alone (as it does for ``F.linear``), so float64 inputs always promote.
+    """
+    dtypes = [hidden.dtype, weight.dtype] + ([bias.dtype] if bias is not None else [])
+    device = hidden.device.type
+    if torch.float64 not in dtypes and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
+
+
+def _defers_mean(compute_dtype: torch.dtype, reduction: str) -> bool:
+    """fp16 "mean": forward keeps the gradient of the sum, backward applies 1/n together with the upstream.
+
+    The fp32 gradient is cast to fp16 for the grad_hidden matmul; at the 1/n scale of a mean its small entries
+    underflow there (fp16's smallest subnormal is 6e-8: every probability below 2.4e-4 at n=4096). Unscaled,
+    they are probabilities in [0, 1] and grad_hidden is bounded by 2 max|W|: no underflow, no overflow.
+    """
+    return reduction == "mean" and compute_dtype == torch.float16
+
+
+def _saved_weight_dtype(compute_dtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    """Dtype grad_weight is kept in between forward and backward (before the upstream gradient is applied).
+
+    fp16 weights keep the fp32 accumulator, 2 bytes more a weight (501 MiB at V=128256, H=2048): at the 1/n
+    scale of "mean" most entries of an fp16 grad_weight are subnormal, at the scale of "sum" the largest can
+    overflow. bf16 has fp32's exponent range, and measured against the naive path with a 1/k upstream its
+    second rounding stays within the 2x rule (1.0-1.4x of naive's error), so it keeps its own dtype.
+    """
+    acc = _acc(compute_dtype)
+    return weight_dtype if weight_dtype in (acc, torch.bfloat16) else acc
 
 
 def chunk_rows_for(n: int, vocab: int, dtype: torch.dtype, budget_bytes: int = _LOGITS_BUDGET_BYTES) -> int:
@@ -65,7 +116,7 @@ def flce_rows_reference(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_ind
     """Row pass in plain PyTorch on a chunk of fp32/fp64 logits ``z`` (rows, V).
 
     Returns the per-row loss (0 on ignored rows); with ``write_grad`` overwrites ``z`` with
-    ``row_scale[i] * dloss_i/dz_i`` (0 on ignored rows).
+    ``row_scale[i] * dloss_i/dz_i`` (0 on ignored rows). Labels must be in [0, V) or ``ignore_index``.
     """
     vocab = z.shape[1]
     y = torch.tanh(z / softcap) * softcap if softcap > 0 else z
@@ -99,9 +150,13 @@ def _rows_triton(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_index: int
 def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, row_scale: Tensor,
              ignore_index: int, label_smoothing: float, softcap: float, chunk_rows: int,
              need: tuple[bool, bool, bool], rows_fn: RowsFn) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The chunk loop of the reference and Triton backends (the cpp backend runs the same loop in C++)."""
+    """The chunk loop of the reference and Triton backends (the cpp backend runs the same loop in C++).
+
+    hidden, weight and bias share one dtype. Returns the fp32 (float64) per-row losses, grad_hidden in that
+    dtype and grad_weight/grad_bias as the fp32 (float64) accumulators: the caller picks what to keep them in.
+    """
     n, vocab = hidden.shape[0], weight.shape[0]
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    acc = _acc(hidden.dtype)
     need_h, need_w, need_b = need
     write_grad = any(need)
     loss = hidden.new_empty(n, dtype=acc)
@@ -113,7 +168,7 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
     for s in range(0, n, chunk_rows):
         e = min(n, s + chunk_rows)
         hc = hidden[s:e]
-        z = torch.addmm(bias.to(weight.dtype), hc, wt) if bias is not None else hc @ wt  # chunk_rows x V
+        z = torch.addmm(bias, hc, wt) if bias is not None else hc @ wt  # chunk_rows x V
         z = z.to(acc)
         loss[s:e] = rows_fn(z, labels[s:e], row_scale[s:e], ignore_index, label_smoothing, softcap, write_grad)
         if not write_grad:
@@ -124,87 +179,104 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
             gw.addmm_(z.t(), hc.to(acc))
         if need_b:
             gb.add_(z.sum(0))
-    out_b = bias.dtype if bias is not None else weight.dtype
-    return loss, gh, gw.to(weight.dtype), gb.to(out_b)
+    return loss, gh, gw, gb
 
 
-def _backend(hidden: Tensor, weight: Tensor) -> str:
-    # NOTE: the native kernels take fp32 logits from one storage dtype; float64 (the test oracle) and mixed
-    # hidden/weight dtypes go through the reference loop, which upcasts.
-    if hidden.dtype == torch.float64 or hidden.dtype != weight.dtype:
-        return "reference"
-    return select_backend("flce_chunked", hidden.device, _SUPPORTED)
+def _check_labels(labels: Tensor, vocab: int, ignore_index: int) -> None:
+    """Raises naming the first label outside [0, V) that is not ``ignore_index`` (one host sync on GPU)."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    if bool(bad.any()):
+        row = int(bad.int().argmax())
+        raise RuntimeError(f"fused_linear_cross_entropy: label {int(labels[row])} at row {row} is outside "
+                           f"[0, {vocab}) and is not ignore_index ({ignore_index})")
 
 
 def _run(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, row_scale: Tensor, ignore_index: int,
-         label_smoothing: float, softcap: float, chunk_rows: int,
-         need: tuple[bool, bool, bool]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    hidden, weight, labels = hidden.contiguous(), weight.contiguous(), labels.contiguous()
-    backend = _backend(hidden, weight)
+         label_smoothing: float, softcap: float, chunk_rows: int, compute_dtype: torch.dtype,
+         need: tuple[bool, bool, bool], check_labels: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Casts to ``compute_dtype`` and runs the chunk loop on the chosen backend; returns as :func:`_chunked`."""
+    # One dtype for every matmul: the native kernels take a single storage dtype, and torch.mm two equal ones.
+    hidden = hidden.to(compute_dtype).contiguous()
+    weight = weight.to(compute_dtype).contiguous()
+    bias = bias.to(compute_dtype) if bias is not None else None
+    labels = labels.contiguous()
+    # NOTE: the native kernels take fp32 logits from one storage dtype; float64 (the test oracle) goes through
+    # the reference loop
+    backend = "reference" if compute_dtype == torch.float64 else \
+        select_backend("flce_chunked", hidden.device, _SUPPORTED)
+    if check_labels and backend in ("reference", "triton"):  # cpp and cuda check, and name the label, themselves
+        _check_labels(labels, weight.shape[0], ignore_index)
     if chunk_rows <= 0:
-        chunk_rows = chunk_rows_for(hidden.shape[0], weight.shape[0], hidden.dtype)
-    if backend in ("cpp", "cuda"):  # one op, a CPU and a CUDA kernel: the chunk loop runs in C++
-        return torch.ops.shardkit_C.flce_chunked(hidden, weight, labels, bias, row_scale, ignore_index,
-                                                 label_smoothing, softcap, chunk_rows, *need)
-    rows_fn = {"reference": flce_rows_reference, "triton": _rows_triton}[backend]
-    return _chunked(hidden, weight, labels, bias, row_scale, ignore_index, label_smoothing, softcap, chunk_rows,
-                    need, rows_fn)
+        chunk_rows = chunk_rows_for(hidden.shape[0], weight.shape[0], compute_dtype)
+    # the dtypes above are final: autocast (on around the op when the caller runs under it) must not recast them
+    with torch.autocast(hidden.device.type, enabled=False):
+        if backend in ("cpp", "cuda"):  # one op, a CPU and a CUDA kernel: the chunk loop runs in C++
+            return torch.ops.shardkit_C.flce_chunked(hidden, weight, labels, bias, row_scale, ignore_index,
+                                                     label_smoothing, softcap, chunk_rows, *need)
+        rows_fn = {"reference": flce_rows_reference, "triton": _rows_triton}[backend]
+        return _chunked(hidden, weight, labels, bias, row_scale, ignore_index, label_smoothing, softcap, chunk_rows,
+                        need, rows_fn)
 
 
-def _reduce(loss_rows: Tensor, valid: Tensor, reduction: str, dtype: torch.dtype) -> Tensor:
+def _reduce(loss_rows: Tensor, valid: Tensor, reduction: str) -> Tensor:
     if reduction == "none":
-        return loss_rows.to(dtype)
+        return loss_rows
     total = loss_rows.sum()
     if reduction == "mean":
         total = total / valid.sum()  # 0 / 0 = nan when every row is ignored, as torch
-    return total.to(dtype)
+    return total
 
 
 @torch.library.custom_op("shardkit::fused_linear_cross_entropy", mutates_args=())
 def _flce_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, ignore_index: int, reduction: str,
-             label_smoothing: float, softcap: float, chunk_rows: int, need_hidden: bool, need_weight: bool,
-             need_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             label_smoothing: float, softcap: float, chunk_rows: int, compute_dtype: torch.dtype, need_hidden: bool,
+             need_weight: bool, need_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Loss (fp32) and the gradients backward will scale: grad_hidden in ``compute_dtype``, grad_weight in
+    :func:`_saved_weight_dtype`, grad_bias in fp32 (empty where not needed)."""
     valid = labels != ignore_index
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    acc = _acc(compute_dtype)
     row_scale = valid.to(acc)
-    if reduction == "mean":
+    if reduction == "mean" and not _defers_mean(compute_dtype, reduction):
         row_scale = row_scale / valid.sum().clamp(min=1).to(acc)
     # reduction="none": losses only here, gradients recomputed in backward with the per-row upstream gradient
     need = (need_hidden, need_weight, need_bias) if reduction != "none" else (False, False, False)
     loss_rows, gh, gw, gb = _run(hidden, weight, labels, bias, row_scale, ignore_index, label_smoothing, softcap,
-                                 chunk_rows, need)
-    return _reduce(loss_rows, valid, reduction, hidden.dtype), gh, gw, gb
+                                 chunk_rows, compute_dtype, need)
+    return _reduce(loss_rows, valid, reduction), gh, gw.to(_saved_weight_dtype(compute_dtype, weight.dtype)), gb
 
 
 @_flce_op.register_fake
-def _(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap, chunk_rows, need_hidden,
-      need_weight, need_bias):
+def _(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap, chunk_rows, compute_dtype,
+      need_hidden, need_weight, need_bias):
     grads = reduction != "none"
-    loss = hidden.new_empty((hidden.shape[0],) if reduction == "none" else ())
-    gh = hidden.new_empty(hidden.shape if grads and need_hidden else (0,))
-    gw = weight.new_empty(weight.shape if grads and need_weight else (0,))
-    b_dtype = bias.dtype if bias is not None else weight.dtype
-    gb = weight.new_empty((weight.shape[0],) if grads and need_bias else (0,), dtype=b_dtype)
+    acc = _acc(compute_dtype)
+    loss = hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=acc)
+    gh = hidden.new_empty(hidden.shape if grads and need_hidden else (0,), dtype=compute_dtype)
+    gw = weight.new_empty(weight.shape if grads and need_weight else (0,),
+                          dtype=_saved_weight_dtype(compute_dtype, weight.dtype))
+    gb = weight.new_empty((weight.shape[0],) if grads and need_bias else (0,), dtype=acc)
     return loss, gh, gw, gb
 
 
 @torch.library.custom_op("shardkit::fused_linear_cross_entropy_backward", mutates_args=())
 def _flce_backward_rows_op(grad_loss: Tensor, hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
                            ignore_index: int, label_smoothing: float, softcap: float, chunk_rows: int,
-                           need_hidden: bool, need_weight: bool, need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+                           compute_dtype: torch.dtype, need_hidden: bool, need_weight: bool,
+                           need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """reduction="none" backward: recompute each chunk with row scale ``grad_loss[i]`` (ignored rows: 0)."""
     valid = labels != ignore_index
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    acc = _acc(compute_dtype)
     row_scale = torch.where(valid, grad_loss.to(acc), torch.zeros((), dtype=acc, device=grad_loss.device))
     need = (need_hidden, need_weight, need_bias)
+    # labels were checked by the forward pass
     _, gh, gw, gb = _run(hidden, weight, labels, bias, row_scale, ignore_index, label_smoothing, softcap, chunk_rows,
-                         need)
-    return gh, gw, gb
+                         compute_dtype, need, check_labels=False)
+    return gh.to(hidden.dtype), gw.to(weight.dtype), gb.to(bias.dtype if bias is not None else weight.dtype)
 
 
 @_flce_backward_rows_op.register_fake
-def _(grad_loss, hidden, weight, labels, bias, ignore_index, label_smoothing, softcap, chunk_rows, need_hidden,
-      need_weight, need_bias):
+def _(grad_loss, hidden, weight, labels, bias, ignore_index, label_smoothing, softcap, chunk_rows, compute_dtype,
+      need_hidden, need_weight, need_bias):
     b_dtype = bias.dtype if bias is not None else weight.dtype
     return (hidden.new_empty(hidden.shape if need_hidden else (0,)),
             weight.new_empty(weight.shape if need_weight else (0,)),
@@ -212,10 +284,12 @@ def _(grad_loss, hidden, weight, labels, bias, ignore_index, label_smoothing, so
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    hidden, weight, labels, bias, ignore_index, reduction, smoothing, softcap, chunk_rows, *_ = inputs
+    hidden, weight, labels, bias, ignore_index, reduction, smoothing, softcap, chunk_rows, compute_dtype, *_ = inputs
     ctx.reduction = reduction
     ctx.has_bias = bias is not None
-    ctx.args = (ignore_index, smoothing, softcap, chunk_rows)
+    ctx.args = (ignore_index, smoothing, softcap, chunk_rows, compute_dtype)
+    ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else weight.dtype)
+    ctx.defer_mean = _defers_mean(compute_dtype, reduction)
     # NOTE: the gradient outputs are never used downstream; without this autograd would materialise a zero
     # grad for each of them in backward: (T, H) + (V, H) more, 96 MiB at T=4096 H=2048 V=8192 fp32.
     ctx.set_materialize_grads(False)
@@ -223,11 +297,20 @@ def _setup_context(ctx, inputs, output) -> None:
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, labels, bias)
     else:
-        ctx.save_for_backward(*output[1:])
+        ctx.save_for_backward(*output[1:], labels)
+
+
+def _scaled(g: Tensor, scale: Tensor | float, dtype: torch.dtype) -> Tensor:
+    """``g * scale`` in ``dtype``, in place where the dtypes allow; the scale is never rounded to 16 bits."""
+    if torch.finfo(g.dtype).bits < torch.finfo(dtype).bits:  # widen first: scale at the higher precision
+        g = g.to(dtype)
+    if not (isinstance(scale, float) and scale == 1.0):
+        g = g.mul_(scale)
+    return g.to(dtype)
 
 
 def _scale_saved_(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Scales the gradients saved by forward IN PLACE by the upstream gradient, once.
+    """Scales the gradients saved by forward IN PLACE by the upstream gradient, once, and casts them.
 
     Out of place would hold a second (V, H) fp32 grad_weight: 2 GiB more at V=128256 H=4096. The price is that a
     retained graph cannot run backward twice (the saved gradients are already scaled): that raises.
@@ -239,29 +322,30 @@ def _scale_saved_(ctx, grad_loss: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             "backward, so a second one would return wrong values. Call fused_linear_cross_entropy again for each "
             "backward, or use reduction='none' (its backward recomputes the chunks) and reduce the losses yourself.")
     ctx.consumed = True
-    grads = ctx.saved_tensors
-    # grad_output == 1 (loss.backward()) is the common case: skip a full pass over (V, H) + (T, H). .item()
-    # is a host sync on GPU, and data-dependent under torch.compile: always multiply there.
-    if not torch.compiler.is_compiling() and grad_loss.numel() == 1 and grad_loss.item() == 1.0:
-        return grads
-    for g in grads:
-        if g.numel():
-            g.mul_(grad_loss.to(g.dtype))
-    return grads
+    *grads, labels = ctx.saved_tensors
+    scale = grad_loss if torch.compiler.is_compiling() else grad_loss.double()
+    if ctx.defer_mean:
+        scale = scale / (labels != ctx.args[0]).sum().clamp(min=1)
+    if not torch.compiler.is_compiling():
+        # A Python float multiplies at fp32 math precision, never rounded to a 16-bit g's dtype (a 1/k upstream
+        # rounded to bf16 biases every gradient by up to 0.4%). .item() is one host sync, and the common
+        # grad_output == 1 (loss.backward()) then skips a full pass over (V, H) + (T, H). Compiled, the 0-d
+        # tensor stays: inductor computes 16-bit pointwise ops in fp32.
+        scale = scale.item()
+    return tuple(_scaled(g, scale, dt) if g.numel() else g for g, dt in zip(grads, ctx.dtypes))
 
 
 def _backward(ctx, grad_loss: Tensor | None, *_unused):
     need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_b = ctx.has_bias and ctx.needs_input_grad[3]
     if grad_loss is None:  # materialize_grads is off: the loss did not reach the output
-        return (None,) * 12
+        return (None,) * 13
     if ctx.reduction == "none":
         hidden, weight, labels, bias = ctx.saved_tensors
         gh, gw, gb = _flce_backward_rows_op(grad_loss, hidden, weight, labels, bias, *ctx.args, need_h, need_w, need_b)
     else:
         gh, gw, gb = _scale_saved_(ctx, grad_loss)
-    return (gh if need_h else None, gw if need_w else None, None, gb if need_b else None,
-            None, None, None, None, None, None, None, None)
+    return (gh if need_h else None, gw if need_w else None, None, gb if need_b else None) + (None,) * 9
 
 
 _flce_op.register_autograd(_backward, setup_context=_setup_context)
@@ -274,7 +358,7 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, b
 
     Args:
         hidden: (N, H) activations (any leading dims are flattened into N).
-        weight: (V, H) output projection (lm_head weight).
+        weight: (V, H) output projection (lm_head weight); may differ in dtype from ``hidden``.
         labels: (N,) int64 class indices; ``ignore_index`` rows contribute nothing.
         bias: optional (V,) bias.
         ignore_index: label value to skip.
@@ -284,11 +368,14 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, b
         chunk_rows: rows per chunk; default from a 256 MiB logits budget (see :func:`chunk_rows_for`).
 
     Returns:
-        The loss in ``hidden``'s dtype (computed in fp32): a scalar, or (N,) for reduction="none".
+        The loss in fp32 (float64 for float64 inputs), whatever the input dtypes, as Hugging Face computes it:
+        a scalar, or (N,) for reduction="none". The matmuls run in :func:`flce_compute_dtype` (autocast's dtype
+        under autocast); gradients come back in each input's dtype.
 
     Raises:
-        RuntimeError: in backward, when a graph retained with ``retain_graph=True`` runs backward a second time
-            with reduction "mean" or "sum" (the saved gradients were scaled in place by the first one).
+        RuntimeError: a label outside [0, V) that is not ``ignore_index``; or, in backward, when a graph
+            retained with ``retain_graph=True`` runs backward a second time with reduction "mean" or "sum" (the
+            saved gradients were scaled in place by the first one).
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"fused_linear_cross_entropy: reduction={reduction!r}; use one of {_REDUCTIONS}")
@@ -307,15 +394,22 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, b
     need = (grad and hidden.requires_grad, grad and weight.requires_grad,
             grad and bias is not None and bias.requires_grad)
     loss, *_ = _flce_op(hidden2, weight, labels2.long(), bias, int(ignore_index), reduction, float(label_smoothing),
-                        float(logit_softcap or 0.0), int(chunk_rows or 0), *need)
+                        float(logit_softcap or 0.0), int(chunk_rows or 0), flce_compute_dtype(hidden, weight, bias),
+                        *need)
     return loss.view(labels.shape) if reduction == "none" else loss
 
 
 def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None,
                                    ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                                    logit_softcap: float | None = None) -> Tensor:
-    """The naive path (full logits + F.cross_entropy), differentiable by autograd: the oracle and the baseline."""
+    """The naive path (full logits + F.cross_entropy), differentiable by autograd: the oracle and the baseline.
+
+    16-bit logits are upcast to fp32 before the softcap and the loss, as Hugging Face's causal-LM loss does, so
+    the loss is fp32 like the fused op's.
+    """
     logits = torch.nn.functional.linear(hidden, weight, bias)
+    if logits.dtype in _HALF:
+        logits = logits.float()
     if logit_softcap:
         logits = torch.tanh(logits / logit_softcap) * logit_softcap
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -68,6 +70,101 @@ def test_matches_fp64_reference(backend, make_rand, check_close, shape_idx, dtyp
     check_close(out, low, ref, name="loss")
     for name, g, g_low, g_ref in zip(("grad_hidden", "grad_weight", "grad_bias"), grads, low_grads, ref_grads):
         check_close(g, g_low, g_ref, name=name)
+
+
+def _promoted_reference(hidden, weight, labels, bias=None, **kw):
+    """The naive path on inputs cast to their promoted dtype (differentiable casts: grads in each input's dtype)."""
+    dt = functools.reduce(torch.promote_types, [t.dtype for t in (hidden, weight, bias) if t is not None])
+    return linear_cross_entropy_reference(hidden.to(dt), weight.to(dt), labels,
+                                          bias.to(dt) if bias is not None else None, **kw)
+
+
+def _check_against_fp64(check_close, fused_fn, naive_fn, tensors, labels, upstream, atol=None, **kw):
+    """Loss and gradients of ``fused_fn`` vs fp64 under the 2x rule (``naive_fn``: PyTorch's own error).
+
+    Returns the fused gradients and the fp64 ones.
+    """
+    out, grads = _loss_and_grads(fused_fn, tensors, labels, upstream, **kw)
+    assert out.dtype == torch.float32, "the loss is fp32 whatever the input dtypes"
+    assert [g.dtype for g in grads] == [t.dtype for t in tensors if t is not None]
+    low, low_grads = _loss_and_grads(naive_fn, tensors, labels, upstream, **kw)
+    with force_backend("reference"):
+        t64 = tuple(t.double() if t is not None else None for t in tensors)
+        ref, ref_grads = _loss_and_grads(linear_cross_entropy_reference, t64, labels, upstream.double(), **kw)
+    check_close(out, low, ref, name="loss")
+    for name, g, g_low, g_ref in zip(("grad_hidden", "grad_weight", "grad_bias"), grads, low_grads, ref_grads):
+        check_close(g, g_low, g_ref, atol=atol, name=name)
+    return grads, ref_grads
+
+
+MIXED = [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float16, torch.float32)]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtypes", MIXED, ids=lambda d: f"{str(d[0])[6:]}-{str(d[1])[6:]}")
+def test_mixed_dtypes(backend, make_rand, check_close, dtypes, bias, reduction):
+    """bf16/fp16 activations with an fp32 lm_head (and the reverse): computed in the promoted dtype."""
+    n, h, v = TINY[0] if backend.interpreted else SHAPES[0]
+    hidden, weight, b, labels = _problem(make_rand, n, h, v, torch.float32, bias=bias)
+    tensors = (hidden.to(dtypes[0]), weight.to(dtypes[1]), b)  # an fp32 bias, as an fp32 head would have
+    upstream = torch.randn(n, generator=torch.Generator().manual_seed(9)) if reduction == "none" else \
+        torch.tensor(0.37)
+    _check_against_fp64(check_close, functools.partial(fused_linear_cross_entropy, chunk_rows=8), _promoted_reference,
+                        tensors, labels, upstream, reduction=reduction)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.bfloat16, torch.bfloat16)], ids=["fp32", "bf16-fp32", "bf16"])
+def test_autocast(backend, make_rand, check_close, dtypes):
+    """Under CPU autocast (bf16) the matmuls run in bf16, as F.linear's would; grads come back in input dtypes."""
+    n, h, v = TINY[0] if backend.interpreted else SHAPES[0]
+    hidden, weight, b, labels = _problem(make_rand, n, h, v, torch.float32, bias=True)
+    tensors = (hidden.to(dtypes[0]), weight.to(dtypes[1]), b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _check_against_fp64(check_close, functools.partial(fused_linear_cross_entropy, chunk_rows=8),
+                            linear_cross_entropy_reference, tensors, labels, torch.tensor(0.37))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_loss_is_fp32(backend, make_rand, check_close, dtype, reduction):
+    """16-bit inputs: the loss is fp32 (HF's dtype); an fp16 "sum" over 16384 rows was inf, bf16 quantised."""
+    n = 64 if backend.interpreted else 16384
+    hidden, weight, _, labels = _problem(make_rand, n, 16, 33, dtype)
+    upstream = torch.ones(n) if reduction == "none" else torch.tensor(1.0)
+    with torch.no_grad():
+        out = fused_linear_cross_entropy(hidden, weight, labels, reduction=reduction)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    _check_against_fp64(check_close, fused_linear_cross_entropy, linear_cross_entropy_reference, (hidden, weight),
+                        labels, upstream, reduction=reduction)
+
+
+def test_upstream_gradient_is_not_rounded_to_16_bits(backend, make_rand):
+    """bf16: backward scales the saved gradients by the fp32 upstream (e.g. 1/k), not by its bf16 rounding."""
+    hidden, weight, _, labels = _problem(make_rand, 9, 16, 33, torch.bfloat16)
+    _, unit = _loss_and_grads(fused_linear_cross_entropy, (hidden, weight), labels, torch.tensor(1.0))
+    _, third = _loss_and_grads(fused_linear_cross_entropy, (hidden, weight), labels, torch.tensor(1 / 3))
+    for g3, g1 in zip(third, unit):
+        torch.testing.assert_close(g3, (g1.float() * (1 / 3)).to(g1.dtype), rtol=0, atol=0)
+
+
+def test_fp16_loss_scaling_keeps_small_gradients(backend, make_rand, check_close):
+    """fp16 "mean" with a loss scale: no softmax gradient underflows before the upstream gradient is applied.
+
+    The 1/n-scaled gradient used to be cast to fp16 for the grad_hidden matmul (entries below 6e-8 flushed) and
+    grad_weight stored in fp16 at that scale (subnormal). atol=0: the default fp16 atol (1e-3) is about one ulp of
+    these O(1) gradients and would hide a 2.5x error.
+    """
+    n, h, v = (512 if backend.interpreted else 4096), 64, 2000
+    hidden, weight, _, labels = _problem(make_rand, n, h, v, torch.float16)
+    upstream = torch.tensor(float(n))  # a loss scale that makes the mean's gradients O(1)
+    grads, ref_grads = _check_against_fp64(check_close, fused_linear_cross_entropy, linear_cross_entropy_reference,
+                                           (hidden, weight), labels, upstream, atol=0.0)
+    for name, g, g_ref in zip(("grad_hidden", "grad_weight"), grads, ref_grads):
+        # at least fp16's smallest normal: rounding alone cannot give 0 (tinier ones may be cancellation noise)
+        flushed = int(((g == 0) & (g_ref.abs() >= 2**-14)).sum())
+        assert flushed == 0, f"{name}: {flushed} gradients of at least 2^-14 flushed to zero"
 
 
 def test_gradient_accumulation_scaling(backend, make_rand):
@@ -142,15 +239,35 @@ def test_chunk_rows_budget():
     assert chunk_rows_for(4096, 10**9, torch.float32) == 1
 
 
-def test_out_of_range_label_raises_on_cpp(make_rand):
-    from shardkit.ops import available_backends
-
-    if "cpp" not in available_backends("cpu"):
-        pytest.skip("C++ extension not built here")
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("bad", [11, -5])
+def test_out_of_range_label_raises(backend, make_rand, bad, reduction):
+    """Every backend: a label >= V (Triton read the next row's logit) or < 0 that is not ignore_index raises."""
     hidden, weight, _, labels = _problem(make_rand, 6, 8, 11, torch.float32)
-    labels[3] = 11
-    with force_backend("cpp"), pytest.raises(RuntimeError, match="label 11 at row 3"):
-        fused_linear_cross_entropy(hidden, weight, labels)
+    labels[3] = bad
+    h = hidden.clone().requires_grad_()
+    msg = rf"label {bad} at row 3 is outside \[0, 11\) and is not ignore_index \(-100\)"
+    with pytest.raises(RuntimeError, match=msg):
+        fused_linear_cross_entropy(h, weight, labels, reduction=reduction)
+
+
+def test_triton_row_pass_never_reads_past_its_row(make_rand):
+    """Called directly (no label check before it), the Triton row pass gives a bad label's row a nan loss."""
+    from shardkit.ops import available_backends
+    from shardkit.ops.fused_linear_cross_entropy import flce_rows_reference
+
+    if "triton" not in available_backends("cpu"):
+        pytest.skip("Triton cannot run on CPU here")
+    from shardkit.kernels import fused_linear_cross_entropy as tk
+
+    z = make_rand(4, 7)
+    labels, scale = torch.tensor([1, 7, -100, -3]), torch.full((4,), 0.5)
+    out_z, ref_z = z.clone(), z[:1].clone()
+    loss = tk.flce_rows_(out_z, labels, scale, -100, 0.0, 0.0, True)
+    ref = flce_rows_reference(ref_z, labels[:1], scale[:1], -100, 0.0, 0.0, True)
+    torch.testing.assert_close(loss[0], ref[0])
+    torch.testing.assert_close(out_z[0], ref_z[0])
+    assert torch.isnan(loss[[1, 3]]).all() and loss[2] == 0 and (out_z[1:] == 0).all()
 
 
 def test_rejects_bad_arguments(make_rand):
@@ -161,16 +278,38 @@ def test_rejects_bad_arguments(make_rand):
         fused_linear_cross_entropy(hidden, weight[:, :4], labels)
 
 
-def test_torch_compile_fullgraph(make_rand):
-    hidden, weight, bias, labels = _problem(make_rand, 12, 16, 40, torch.float32, bias=True)
-    h = hidden.clone().requires_grad_()
+COMPILE_CASES = {  # name -> (hidden dtype, weight dtype, reduction, autocast)
+    "fp32-mean": (torch.float32, torch.float32, "mean", False),
+    "fp16-mean": (torch.float16, torch.float16, "mean", False),  # 1/n deferred, fp32 grad_weight saved
+    "mixed-none": (torch.bfloat16, torch.float32, "none", False),  # the backward op, grads in two dtypes
+    "autocast-sum": (torch.float32, torch.float32, "sum", True),
+}
 
-    def f(x, w, b, y):
-        return fused_linear_cross_entropy(x, w, y, b, label_smoothing=0.1)
 
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    loss = compiled(h, weight, bias, labels)
-    loss.backward()
-    ref_h = hidden.clone().requires_grad_()
-    f(ref_h, weight, bias, labels).backward()
-    torch.testing.assert_close(h.grad, ref_h.grad)
+@pytest.mark.parametrize("case", list(COMPILE_CASES))
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(make_rand, compile_backend, case):
+    """Fake impls match the real outputs, and inductor handles backward scaling the saved outputs in place.
+
+    Functionalization turns the in-place ``mul_`` on the saved gradients into an out-of-place ``mul``; inductor
+    then writes it into the saved buffer, which AOTAutograd donates to backward (retain_graph=False).
+    """
+    hd, wd, reduction, autocast = COMPILE_CASES[case]
+    hidden, weight, bias, labels = _problem(make_rand, 12, 16, 40, hd, bias=True)
+    weight, bias = weight.to(wd), bias.to(wd)
+    upstream = torch.randn(12, generator=torch.Generator().manual_seed(9)) if reduction == "none" else \
+        torch.tensor(0.37)
+
+    def f(x, w, y, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return fused_linear_cross_entropy(x, w, y, b, label_smoothing=0.1, reduction=reduction)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend=compile_backend)
+    out, grads = _loss_and_grads(compiled, (hidden, weight, bias), labels, upstream)
+    ref, ref_grads = _loss_and_grads(f, (hidden, weight, bias), labels, upstream)
+    assert out.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(out, ref)
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == r.dtype
+        torch.testing.assert_close(g, r)

@@ -162,6 +162,42 @@ def test_loss_logits_and_grads_match(model_type, backend):
             torch.testing.assert_close(fused(input_ids=ids, logits_to_keep=1).logits, keep_ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("backend", _BACKENDS)
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_low_precision_loss_is_hf_loss(model_type, backend, dtype):
+    """bf16/fp16 models: the patched loss is HF's fp32 loss (HF upcasts the logits), mean and summed alike.
+
+    With only the loss patched both models see the same hidden states, so the losses agree to fp32 rounding (the
+    fused op used to round the loss to the model dtype first: 0.4% off in bf16). The gradients are 16-bit on both
+    sides, rounded differently: each within 5% of its own scale (a wrong 1/n would be 33% or more off).
+    """
+    with _backend(backend):
+        ref = _model(model_type).to(dtype)
+        fused = apply_fused_kernels(copy.deepcopy(ref), rms_norm=False, rope=False, swiglu=False)
+        every_op = apply_fused_kernels(copy.deepcopy(ref))
+        ids, labels = _batch()
+        n_valid = int((labels[:, 1:] != -100).sum())
+        for n_items in (None, torch.tensor(3 * n_valid)):  # None: mean; the HF Trainer's count: sum / n_items
+            out_ref = ref(input_ids=ids, labels=labels, num_items_in_batch=n_items)
+            out_fused = fused(input_ids=ids, labels=labels, num_items_in_batch=n_items)
+            assert out_fused.loss.dtype == out_ref.loss.dtype == torch.float32
+            torch.testing.assert_close(out_fused.loss, out_ref.loss, rtol=1e-5, atol=1e-5)
+            with torch.no_grad():  # every fused op: 16-bit hidden states differ by their rounding
+                loss_all = every_op(input_ids=ids, labels=labels, num_items_in_batch=n_items).loss
+            assert loss_all.dtype == torch.float32
+            torch.testing.assert_close(loss_all, out_ref.loss, rtol=2e-4, atol=1e-5)
+        # a loss scale, as fp16 training uses: unscaled, these tiny models' fp16 gradients are subnormal noise
+        (out_ref.loss * 1024).backward()
+        (out_fused.loss * 1024).backward()
+        g_ref, g_fused = _grads(ref), _grads(fused)
+        assert g_ref.keys() == g_fused.keys()
+        for name, g in g_ref.items():
+            assert g_fused[name].dtype == dtype
+            err, scale = (g_fused[name].float() - g.float()).abs().max(), g.float().abs().max()
+            assert err <= 0.05 * scale, f"grad {name}: off by {err:.3g}, max |grad| {scale:.3g}"
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma2"])
 def test_num_items_in_batch_and_logits_to_keep(model_type):
     ref, fused = _pair(model_type)
