@@ -5,6 +5,7 @@
 
 #include <optional>
 
+#include "rope_args.h"
 #include "rope_cpu.h"
 #include "shardkit/torch_utils.h"
 
@@ -69,15 +70,11 @@ at::Tensor rope_apply(const at::Tensor& x, const at::Tensor& c, const at::Tensor
 std::tuple<at::Tensor, at::Tensor> rope_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                             const at::Tensor& sin, const std::optional<at::Tensor>& position_ids,
                                             bool backward) {
-  TORCH_CHECK(q.dim() == 4, "shardkit_C::rope: q/k must be (B, H, T, D), got ", q.sizes());
-  TORCH_CHECK(cos.scalar_type() == sin.scalar_type() && cos.sizes() == sin.sizes(),
-              "shardkit_C::rope: cos and sin dtypes or shapes differ");
+  check_rope_args(q, cos, sin, position_ids.has_value());
   const at::Tensor c = cos.contiguous();
   const at::Tensor s = sin.contiguous();
   std::optional<at::Tensor> pos;
   if (position_ids.has_value()) {
-    TORCH_CHECK(c.dim() == 2, "shardkit_C::rope: with position_ids cos/sin must be (max_position, D), got ",
-                c.sizes());
     pos = positions_cpu(*position_ids, q.size(0), q.size(2), c.size(0));
   }
   return {rope_apply(q, c, s, pos, backward), rope_apply(k, c, s, pos, backward)};

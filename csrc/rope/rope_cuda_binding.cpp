@@ -5,6 +5,7 @@
 #include <optional>
 #include <tuple>
 
+#include "rope_args.h"
 #include "rope_cuda.h"
 #include "shardkit/torch_cuda_utils.h"
 
@@ -40,15 +41,11 @@ std::tuple<at::Tensor, at::Tensor> rope_fwd_cuda_op(const at::Tensor& q, const a
                                                     const at::Tensor& sin, const std::optional<at::Tensor>& pos,
                                                     bool backward) {
   const c10::cuda::CUDAGuard guard(q.device());
-  TORCH_CHECK(q.dim() == 4, "shardkit_C::rope: q/k must be (B, H, T, D), got ", q.sizes());
-  TORCH_CHECK(cos.scalar_type() == sin.scalar_type() && cos.sizes() == sin.sizes(),
-              "shardkit_C::rope: cos and sin dtypes or shapes differ");
+  check_rope_args(q, cos, sin, pos.has_value());
   const at::Tensor c = cos.contiguous();
   const at::Tensor s = sin.contiguous();
   std::optional<at::Tensor> p;
   if (pos.has_value()) {  // (T,), (1, T) or (B, T): the kernel reads pos[b*T + t] of a contiguous (B, T)
-    TORCH_CHECK(c.dim() == 2, "shardkit_C::rope: with position_ids cos/sin must be (max_position, D), got ",
-                c.sizes());
     TORCH_CHECK(pos->dim() <= 2, "shardkit_C::rope: position_ids must broadcast to (B, T), got ", pos->sizes());
     p = pos->expand({q.size(0), q.size(2)}).to(at::kLong).contiguous();
   }
