@@ -43,6 +43,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from shardkit.ops import available_backends, force_backend, rms_norm, rope, swiglu  # noqa: E402
 from shardkit.ops.fused_linear_cross_entropy import (  # noqa: E402
+    chunk_rows_for,
     fused_linear_cross_entropy,
     linear_cross_entropy_reference,
 )
@@ -216,15 +217,14 @@ class _PlainChunked(torch.autograd.Function):
         return gh * g, gw * g, None, None
 
 
-def bench_flce(device: str, quick: bool) -> str:
+def bench_flce(device: str, quick: bool, dt: torch.dtype = torch.float32) -> str:
     full = (4096, 2048, 128256)
     cpu = device == "cpu"
     t_rows, hid, vocab = (512, 256, 2048) if quick else ((4096, 2048, 8192) if cpu else full)
-    # NOTE: at V=128256 fp32 the default chunk is 512 rows (256 MiB budget); keep 512 at the reduced V so the
-    # memory terms (T*V logits vs chunk*V) keep the full-size proportions.
-    chunk = 512 if not quick else 128
+    # NOTE: the chunk the op picks at the full size (512 rows in fp32, 256 in 16-bit: a 256 MiB logits budget);
+    # kept at the reduced V so the memory terms (T*V logits vs chunk*V) keep the full-size proportions.
+    chunk = chunk_rows_for(full[0], full[2], dt) if not quick else 128
     g = torch.Generator().manual_seed(0)
-    dt = torch.float32
     h = (torch.randn(t_rows, hid, generator=g) * 0.5).to(device, dt).requires_grad_()
     w = (torch.randn(vocab, hid, generator=g) / hid**0.5).to(device, dt).requires_grad_()
     y = torch.randint(0, vocab, (t_rows,), generator=g).to(device)
@@ -269,9 +269,10 @@ def bench_flce(device: str, quick: bool) -> str:
     base_m = res[naive][1]
     rows = [[k, f"{t:.2f} s", fmt_bytes(m), f"{ratio[k]:.2f}x", f"{m / base_m:.3f}" if m and base_m else "n/a"]
             for k, (t, m) in res.items()]
-    print(f"\nFused linear cross-entropy fwd+bwd, T={t_rows} H={hid} V={vocab} fp32, chunk {chunk} rows", flush=True)
+    print(f"\nFused linear cross-entropy fwd+bwd, T={t_rows} H={hid} V={vocab} {str(dt)[6:]}, chunk {chunk} rows; "
+          "naive upcasts the logits to fp32 as Hugging Face does", flush=True)
     table = print_table(["variant", "time", "peak memory", "time vs naive", "memory vs naive"], rows)
-    if (t_rows, hid, vocab) != full:
+    if (t_rows, hid, vocab) != full and dt == torch.float32:
         estimate = flce_full_size_estimate(*full, 512)  # the default chunk at full V, fp32
         print(estimate, flush=True)
         table += "\n\n" + estimate
@@ -369,6 +370,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, not a measurement")
     parser.add_argument("--only", choices=("ops", "flce", "adamw"), action="append")
+    parser.add_argument("--flce-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="dtype of hidden and weight in the fused linear cross-entropy comparison")
     args = parser.parse_args()
     only = set(args.only or ("ops", "flce", "adamw"))
     print(f"# {datetime.datetime.now():%Y-%m-%d %H:%M} {machine_description(args.device)}, "
@@ -376,7 +379,7 @@ def main() -> None:
     if "ops" in only:
         bench_ops(args.device, args.quick)
     if "flce" in only:
-        bench_flce(args.device, args.quick)
+        bench_flce(args.device, args.quick, getattr(torch, args.flce_dtype))
     if "adamw" in only:
         bench_adamw(args.device, args.quick)
     print(f"# load average at the end {os.getloadavg()[0]:.2f}", flush=True)

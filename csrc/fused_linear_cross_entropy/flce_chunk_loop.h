@@ -3,7 +3,8 @@
 //
 // Per chunk of rows: logits = hidden[chunk] @ weight^T (+ bias) through at::mm (MKL / cuBLAS), upcast to fp32,
 // the row pass (loss per row, and the scaled dloss/dlogits written over the logits), then
-// grad_hidden[chunk] = g @ weight and grad_weight += g^T @ hidden[chunk] into an fp32 accumulator. Only a
+// grad_hidden[chunk] = g @ weight and grad_weight += g^T @ hidden[chunk] into an fp32 accumulator (with 16-bit
+// inputs both matmuls take g rounded to 16 bits, as the naive path's backward does). Only a
 // (chunk_rows, V) block of logits ever exists. Returns (loss fp32, grad_hidden in hidden's dtype, grad_weight fp32,
 // grad_bias fp32).
 #pragma once
@@ -24,6 +25,23 @@
 
 namespace shardkit {
 
+// Bound on the 16-bit temporary of one weight-gradient product: 32 MiB (8192 vocab rows at H=2048).
+constexpr int64_t kGradWeightBlockBytes = int64_t{32} << 20;
+
+// gw (V, H) fp32 += g^T @ hc with g (rows, V) and hc (rows, H) in 16 bits: the product runs as a 16-bit matmul
+// (fp32 accumulation inside the GEMM), one block of vocab rows at a time into `tmp`, and is summed into the fp32
+// accumulator, so the sum across chunks is fp32 and no (V, H) 16-bit temporary ever exists.
+inline void accumulate_weight_grad(at::Tensor& gw, const at::Tensor& g, const at::Tensor& hc, at::Tensor& tmp) {
+  const int64_t vocab = gw.size(0);
+  const int64_t block = tmp.size(0);
+  for (int64_t v0 = 0; v0 < vocab; v0 += block) {
+    const int64_t rows = std::min(block, vocab - v0);
+    at::Tensor part = tmp.narrow(0, 0, rows);
+    at::mm_out(part, g.narrow(1, v0, rows).t(), hc);
+    gw.narrow(0, v0, rows).add_(part);
+  }
+}
+
 // row_pass(z, s, e) runs on the fp32 (e - s, V) logits of rows [s, e): it writes their losses into
 // loss[s:e] (a float pointer it receives by capture) and, when the gradient is wanted, the gradient over z.
 template <typename RowPass>
@@ -43,6 +61,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flce_chunk_loop(
   const int64_t rows_max = std::min(n, chunk_rows);
   at::Tensor z_buf = empty_output({rows_max, vocab}, f32);
   at::Tensor z_low_buf = low ? empty_output({rows_max, vocab}, weight.options()) : at::Tensor();
+  // 16-bit weight-gradient products go through a temporary of at most kGradWeightBlockBytes (see below)
+  const int64_t row_bytes = weight.element_size() * std::max<int64_t>(1, weight.size(1));
+  const int64_t block_rows = std::max<int64_t>(1, kGradWeightBlockBytes / row_bytes);
+  at::Tensor gw_tmp = low && need_weight ? at::empty({std::min(vocab, block_rows), weight.size(1)}, weight.options())
+                                         : at::Tensor();
   const at::Tensor wt = weight.t();
   const std::optional<at::Tensor> b =
       bias.has_value() ? std::optional<at::Tensor>(bias->to(weight.scalar_type())) : std::nullopt;
@@ -59,13 +82,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flce_chunk_loop(
     if (low) z.copy_(z_mm);  // softmax and gradient in fp32 for 16-bit inputs
     row_pass(z, s, e);
     if (!write_grad) continue;
+    // 16-bit inputs: both gradient matmuls take the gradient rounded to the input dtype, as the naive path's
+    // backward does, so they run at 16-bit matmul speed (an fp32 matmul is ~15x slower on tensor cores, 2.7x
+    // on this CPU's bf16 path)
+    if (low && (need_hidden || need_weight)) z_mm.copy_(z);
     if (need_hidden) {
       at::Tensor gh_rows = gh.slice(0, s, e);  // contiguous rows of a contiguous tensor: mm writes in place
-      if (low) z_mm.copy_(z);
       at::mm_out(gh_rows, z_mm, weight);
     }
-    // fp32 accumulator with fp32 operands: exact-ish across chunks, no (V, H) 16-bit temporary per chunk
-    if (need_weight) gw.addmm_(z.t(), low ? hc.to(at::kFloat) : hc);
+    if (need_weight) {
+      if (low) {
+        accumulate_weight_grad(gw, z_mm, hc, gw_tmp);
+      } else {
+        gw.addmm_(z.t(), hc);
+      }
+    }
     if (need_bias) gb.add_(z.sum(0));
   }
   // grad_weight and grad_bias stay the fp32 accumulators: the caller decides what to keep them in until the

@@ -53,6 +53,8 @@ _HALF = (torch.float16, torch.bfloat16)
 # Smaller chunks only add matmul launches: at H=2048 a 256-row chunk is still a 256x2048x128256 GEMM.
 _LOGITS_BUDGET_BYTES = 256 * 2**20
 
+# NOTE: bound on the 16-bit temporary of one weight-gradient product (8192 vocab rows at H=2048), as in C++.
+_GRAD_WEIGHT_BLOCK_BYTES = 32 * 2**20
 RowsFn = Callable[[Tensor, Tensor, Tensor, int, float, float, bool], Tensor]
 
 
@@ -161,10 +163,11 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
     write_grad = any(need)
     loss = hidden.new_empty(n, dtype=acc)
     gh = torch.empty_like(hidden) if need_h else hidden.new_empty(0)
-    # fp32 accumulators: exact enough across chunks for 16-bit weights, and fed by fp32 operands
+    # fp32 accumulators: exact enough across chunks for 16-bit weights
     gw = weight.new_zeros(weight.shape, dtype=acc) if need_w else weight.new_empty(0, dtype=acc)
     gb = weight.new_zeros(vocab, dtype=acc) if need_b else weight.new_empty(0, dtype=acc)
     wt = weight.t()
+    block = max(1, _GRAD_WEIGHT_BLOCK_BYTES // (weight.element_size() * max(1, weight.shape[1])))  # vocab rows
     for s in range(0, n, chunk_rows):
         e = min(n, s + chunk_rows)
         hc = hidden[s:e]
@@ -173,10 +176,16 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
         loss[s:e] = rows_fn(z, labels[s:e], row_scale[s:e], ignore_index, label_smoothing, softcap, write_grad)
         if not write_grad:
             continue
+        # 16-bit inputs: both gradient matmuls take the gradient rounded to the input dtype (as the naive path's
+        # backward does), so they run as 16-bit matmuls; an fp32 one is ~15x slower on tensor cores
+        g = z.to(weight.dtype) if need_h or need_w else z
         if need_h:
-            torch.mm(z.to(weight.dtype), weight, out=gh[s:e])
-        if need_w:
-            gw.addmm_(z.t(), hc.to(acc))
+            torch.mm(g, weight, out=gh[s:e])
+        if need_w and g is z:
+            gw.addmm_(z.t(), hc)
+        elif need_w:  # 16-bit products, a block of vocab rows at a time, summed into the fp32 accumulator
+            for v in range(0, vocab, block):
+                gw[v:v + block].add_(g[:, v:v + block].t() @ hc)
         if need_b:
             gb.add_(z.sum(0))
     return loss, gh, gw, gb

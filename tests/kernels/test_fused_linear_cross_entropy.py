@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 
 import pytest
 import torch
@@ -229,6 +230,28 @@ def test_chunk_size_does_not_change_the_result(make_rand):
             for c in (1, 7, 37)]
     torch.testing.assert_close(outs[0], outs[1])
     torch.testing.assert_close(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_weight_gradient_in_vocab_blocks(backend, make_rand, check_close, monkeypatch, dtype):
+    """16-bit grad_weight products run a block of vocab rows at a time into the fp32 accumulator: several blocks,
+    a ragged last one, and several chunks still match the fp64 naive path under the 2x rule."""
+    flce = importlib.import_module("shardkit.ops.fused_linear_cross_entropy")  # the package attribute is the op
+    if backend.name in ("cpp", "cuda"):  # the C++ block is 32 MiB of 16-bit rows: 4096 rows at H=4096
+        n, h, v = 24, 4096, 9000
+    else:  # the Python loop's block, shrunk to 7 vocab rows
+        n, h, v = 9, 16, 33
+        monkeypatch.setattr(flce, "_GRAD_WEIGHT_BLOCK_BYTES", 7 * h * 2)
+    tensors = _problem(make_rand, n, h, v, dtype)
+    upstream = torch.tensor(0.37)
+    out, grads = _loss_and_grads(fused_linear_cross_entropy, tensors[:3], tensors[3], upstream, chunk_rows=8)
+    with force_backend("reference"):
+        low, low_grads = _loss_and_grads(linear_cross_entropy_reference, tensors[:3], tensors[3], upstream)
+        t64 = tuple(t.double() for t in tensors[:2]) + (None,)
+        ref, ref_grads = _loss_and_grads(linear_cross_entropy_reference, t64, tensors[3], upstream.double())
+    check_close(out, low, ref, name="loss")
+    for name, g, g_low, g_ref in zip(("grad_hidden", "grad_weight"), grads, low_grads, ref_grads):
+        check_close(g, g_low, g_ref, name=name)
 
 
 def test_chunk_rows_budget():
