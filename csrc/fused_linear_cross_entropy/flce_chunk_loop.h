@@ -29,25 +29,31 @@ namespace shardkit {
 constexpr int64_t kGradWeightBlockBytes = int64_t{32} << 20;
 
 // gw (V, H) fp32 += g^T @ hc with g (rows, V) and hc (rows, H) in 16 bits: the product runs as a 16-bit matmul
-// (fp32 accumulation inside the GEMM), one block of vocab rows at a time into `tmp`, and is summed into the fp32
-// accumulator, so the sum across chunks is fp32 and no (V, H) 16-bit temporary ever exists.
-inline void accumulate_weight_grad(at::Tensor& gw, const at::Tensor& g, const at::Tensor& hc, at::Tensor& tmp) {
+// (fp32 accumulation inside the GEMM), one block of vocab rows at a time into `tmp`, and add_into(dst, src)
+// sums each block into the fp32 accumulator, so the sum across chunks is fp32 and no (V, H) 16-bit temporary
+// ever exists.
+template <typename AddInto>
+void accumulate_weight_grad(at::Tensor& gw, const at::Tensor& g, const at::Tensor& hc, at::Tensor& tmp,
+                            AddInto&& add_into) {
   const int64_t vocab = gw.size(0);
   const int64_t block = tmp.size(0);
   for (int64_t v0 = 0; v0 < vocab; v0 += block) {
     const int64_t rows = std::min(block, vocab - v0);
     at::Tensor part = tmp.narrow(0, 0, rows);
     at::mm_out(part, g.narrow(1, v0, rows).t(), hc);
-    gw.narrow(0, v0, rows).add_(part);
+    at::Tensor dst = gw.narrow(0, v0, rows);
+    add_into(dst, part);
   }
 }
 
 // row_pass(z, s, e) runs on the fp32 (e - s, V) logits of rows [s, e): it writes their losses into
 // loss[s:e] (a float pointer it receives by capture) and, when the gradient is wanted, the gradient over z.
-template <typename RowPass>
+// add_into(dst, src) adds a contiguous 16-bit block to a contiguous fp32 one of the same shape (a device's own
+// loop; see accumulate_weight_grad).
+template <typename RowPass, typename AddInto>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flce_chunk_loop(
     const at::Tensor& hidden, const at::Tensor& weight, const std::optional<at::Tensor>& bias, int64_t chunk_rows,
-    bool need_hidden, bool need_weight, bool need_bias, at::Tensor& loss, RowPass&& row_pass) {
+    bool need_hidden, bool need_weight, bool need_bias, at::Tensor& loss, RowPass&& row_pass, AddInto&& add_into) {
   const int64_t n = hidden.size(0);
   const int64_t vocab = weight.size(0);
   const bool write_grad = need_hidden || need_weight || need_bias;
@@ -92,7 +98,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flce_chunk_loop(
     }
     if (need_weight) {
       if (low) {
-        accumulate_weight_grad(gw, z_mm, hc, gw_tmp);
+        accumulate_weight_grad(gw, z_mm, hc, gw_tmp, add_into);
       } else {
         gw.addmm_(z.t(), hc);
       }

@@ -56,9 +56,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flce_chunked(
   const FlceRowParams p{ignore_index, static_cast<float>(label_smoothing), static_cast<float>(softcap),
                         need_hidden || need_weight || need_bias};
   return flce_chunk_loop(hidden.contiguous(), weight.contiguous(), bias, chunk_rows, need_hidden, need_weight,
-                         need_bias, loss, [&](at::Tensor& z, int64_t s, int64_t e) {
+                         need_bias, loss,
+                         [&](at::Tensor& z, int64_t s, int64_t e) {
                            row_pass(z, lab.slice(0, s, e), scale.data_ptr<float>() + s,
                                     loss.data_ptr<float>() + s, s, p, op);
+                         },
+                         [&](at::Tensor& dst, const at::Tensor& src) {
+                           dispatch_float_types(src, op, [&](auto tag) {
+                             using T = decltype(tag);
+                             flce_add_into_f32<T>(dst.data_ptr<float>(), ptr<T>(src), src.numel());
+                           });
                          });
 }
 

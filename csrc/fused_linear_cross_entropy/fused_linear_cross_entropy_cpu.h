@@ -122,4 +122,13 @@ inline int64_t flce_rows_cpu(float* logits, int64_t rows, int64_t vocab, int64_t
   return bad;
 }
 
+// dst[i] += src[i] in fp32 for a 16-bit src: one block of the weight-gradient product summed into the fp32
+// accumulator. Measured on the 2-core dev machine for an (8192, 2048) bf16 block: torch's mixed-dtype add_
+// 42 ms, this loop about a memory pass (a copy to fp32 plus an fp32 add_ took 16 ms).
+template <typename T>
+void flce_add_into_f32(float* dst, const T* src, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) dst[i] += to_float(src[i]);
+}
+
 }  // namespace shardkit

@@ -67,11 +67,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flce_chunked_cuda_op(
   at::Tensor loss = at::empty({hidden.size(0)}, hidden.options().dtype(at::kFloat));
   const bool write_grad = need_hidden || need_weight || need_bias;
   return flce_chunk_loop(hidden.contiguous(), weight.contiguous(), bias, chunk_rows, need_hidden, need_weight,
-                         need_bias, loss, [&](at::Tensor& z, int64_t s, int64_t e) {
+                         need_bias, loss,
+                         [&](at::Tensor& z, int64_t s, int64_t e) {
                            const at::Tensor lab_rows = lab.slice(0, s, e);
                            rows_cuda(z, lab_rows, scale.data_ptr<float>() + s, loss.data_ptr<float>() + s,
                                      ignore_index, label_smoothing, softcap, write_grad, op);
-                         });
+                         },
+                         [](at::Tensor& dst, const at::Tensor& src) { dst.add_(src); });
 }
 
 }  // namespace
