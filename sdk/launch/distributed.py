@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import torch
@@ -18,6 +19,9 @@ __all__ = [
     "destroy_distributed",
     "init_distributed",
 ]
+
+# Seconds a process group's worker threads get to drop their last finished work before it is destroyed.
+_WORKER_RELEASE_GRACE_S = 0.05
 
 TIMEOUT_ENV_VAR = "SHARDKIT_COLLECTIVE_TIMEOUT"
 # 30 minutes, torch's own default for gloo/NCCL: long enough for a first-step compile or a slow
@@ -119,4 +123,10 @@ def destroy_distributed() -> None:
             dist.barrier()
         except Exception:  # noqa: BLE001 - a peer is gone: nothing left to drain
             pass
+        # NOTE: gloo's worker drops the work it ran last (the barrier, which references the earlier works and
+        # so their tensors) a moment after that work completes. Give it the moment, with the GIL released,
+        # before anything can free the last Python reference to those tensors: freed first, the worker's
+        # release needs the GIL, and a group destroyed under the GIL (by DDP's reducer) joins that worker. An
+        # exit deadlock seen on the loaded 2-core CI machine.
+        time.sleep(_WORKER_RELEASE_GRACE_S)
     dist.destroy_process_group()

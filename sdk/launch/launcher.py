@@ -18,6 +18,7 @@ rank with its exit code or signal and traceback.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -86,7 +87,8 @@ def launch(fn: Callable[..., Any], args: Sequence[Any] = (), num_processes: int 
     Args:
         fn: the function every rank runs; it may call `init_distributed()` to join the process
             group (left-over groups are destroyed when it returns). With "spawn" it must be a
-            top-level function of an importable module.
+            top-level function of an importable module. A rank process ends right after sending
+            its result (`os._exit`): atexit hooks registered inside `fn` do not run.
         args: positional arguments for `fn`, the same on every rank (pickled with "spawn").
         num_processes: number of ranks; default one per visible CUDA device, else 1. With 1,
             `fn` runs in this process unless `in_process=False`: no pickling, exceptions propagate
@@ -373,9 +375,12 @@ def _worker(fn: Callable[..., Any], args: tuple, variables: dict[str, str], thre
         message = ("error", f"rank {variables['RANK']}'s result could not be sent back:\n{traceback.format_exc()}")
         conn.send_bytes(pickle.dumps(message))
     conn.close()
-    if message[0] == "error":
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # NOTE: os._exit, not sys.exit: atexit hooks of a failed rank (NCCL, DeepSpeed) can block on
-        # peers that are themselves waiting for this rank; exiting closes its sockets at once.
-        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    # NOTE: os._exit, not a normal exit, on both paths. A failed rank: atexit hooks (NCCL, DeepSpeed) can
+    # block on peers that are themselves waiting for it; exiting closes its sockets at once. A rank whose
+    # result is delivered has nothing left to do, and interpreter finalization of leftover distributed state
+    # (process groups, engine threads) has aborted ranks ("terminate called without an active exception",
+    # SIGABRT) on the loaded 2-core CI machine, failing a job whose every rank had succeeded.
+    os._exit(1 if message[0] == "error" else 0)

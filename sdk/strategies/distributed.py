@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -16,9 +14,6 @@ from shardkit.strategies import _mesh, _sharded_state
 from shardkit.strategies.base import BackwardSyncControl, Strategy
 
 __all__ = ["ProcessGroupStrategy", "MeshStrategy"]
-
-# Time a process group's worker threads get to drop their last finished work at teardown (see teardown).
-_WORKER_RELEASE_GRACE_S = 0.05
 
 
 class ProcessGroupStrategy(Strategy):
@@ -62,15 +57,8 @@ class ProcessGroupStrategy(Strategy):
 
     @override
     def teardown(self) -> None:
-        destroy_distributed()
-        # NOTE: gloo's worker thread drops the finished work it ran last (a barrier, which references the
-        # earlier works and so their tensors) a moment after that work completes. Give it the moment while our
-        # references still make its release free of the GIL, then free ours here, with the GIL (see
-        # Strategy.__init__). Cleared at once, the release fell to the worker, which then waited for the GIL
-        # while DDP's reducer, freed under the GIL, joined it: an exit deadlock seen on the loaded 2-core CI
-        # machine (test_ddp's accumulation test).
-        time.sleep(_WORKER_RELEASE_GRACE_S)
-        self._held.clear()
+        destroy_distributed()  # drains the group's workers (see there) while we still hold the tensors
+        self._held.clear()  # freed here, by this thread, with the GIL: see Strategy.__init__
 
 
 class MeshStrategy(BackwardSyncControl, ProcessGroupStrategy):

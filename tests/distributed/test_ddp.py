@@ -36,9 +36,9 @@ def _raw_ddp() -> dict:
         model(ids, ids).backward()
         optimizer.step()
         optimizer.zero_grad()
-    out = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
-    dist.destroy_process_group()
-    return out
+    # NOTE: the launcher destroys the group after this returns. Destroying it here would leave DDP's reducer
+    # the group's last owner, so freeing the model at return would join gloo's workers under the GIL.
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
 
 
 def _runner_ddp() -> dict:
