@@ -59,18 +59,10 @@ def test_matches_fp64_reference(backend, make_rand, check_close, shape_idx, dtyp
     # random upstream: per-row for "none" (the known bug class), 1/k-like scalar otherwise (grad accumulation)
     upstream = torch.randn(n, generator=torch.Generator().manual_seed(9)) if reduction == "none" else \
         torch.tensor(0.37)
-    kw = dict(reduction=reduction, **flags)
     # small chunks so that every shape runs several chunks (and a ragged last one)
-    out, grads = _loss_and_grads(fused_linear_cross_entropy, (hidden, weight, bias), labels, upstream, chunk_rows=8,
-                                 **kw)
-    with force_backend("reference"):
-        low, low_grads = _loss_and_grads(linear_cross_entropy_reference, (hidden, weight, bias), labels, upstream,
-                                         **kw)
-        t64 = tuple(t.double() if t is not None else None for t in (hidden, weight, bias))
-        ref, ref_grads = _loss_and_grads(linear_cross_entropy_reference, t64, labels, upstream.double(), **kw)
-    check_close(out, low, ref, name="loss")
-    for name, g, g_low, g_ref in zip(("grad_hidden", "grad_weight", "grad_bias"), grads, low_grads, ref_grads):
-        check_close(g, g_low, g_ref, name=name)
+    _check_against_fp64(check_close, functools.partial(fused_linear_cross_entropy, chunk_rows=8),
+                        linear_cross_entropy_reference, (hidden, weight, bias), labels, upstream,
+                        reduction=reduction, **flags)
 
 
 def _promoted_reference(hidden, weight, labels, bias=None, **kw):
@@ -242,16 +234,9 @@ def test_16bit_weight_gradient_in_vocab_blocks(backend, make_rand, check_close, 
     else:  # the Python loop's block, shrunk to 7 vocab rows
         n, h, v = 9, 16, 33
         monkeypatch.setattr(flce, "_GRAD_WEIGHT_BLOCK_BYTES", 7 * h * 2)
-    tensors = _problem(make_rand, n, h, v, dtype)
-    upstream = torch.tensor(0.37)
-    out, grads = _loss_and_grads(fused_linear_cross_entropy, tensors[:3], tensors[3], upstream, chunk_rows=8)
-    with force_backend("reference"):
-        low, low_grads = _loss_and_grads(linear_cross_entropy_reference, tensors[:3], tensors[3], upstream)
-        t64 = tuple(t.double() for t in tensors[:2]) + (None,)
-        ref, ref_grads = _loss_and_grads(linear_cross_entropy_reference, t64, tensors[3], upstream.double())
-    check_close(out, low, ref, name="loss")
-    for name, g, g_low, g_ref in zip(("grad_hidden", "grad_weight"), grads, low_grads, ref_grads):
-        check_close(g, g_low, g_ref, name=name)
+    hidden, weight, _, labels = _problem(make_rand, n, h, v, dtype)
+    _check_against_fp64(check_close, functools.partial(fused_linear_cross_entropy, chunk_rows=8),
+                        linear_cross_entropy_reference, (hidden, weight), labels, torch.tensor(0.37))
 
 
 def test_chunk_rows_budget():
