@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from collections.abc import Iterator
@@ -9,12 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from .assemble import read_region
 from .format import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
     LATEST,
     MANIFEST,
     CheckpointError,
@@ -22,13 +20,18 @@ from .format import (
     dtype_from_name,
     sha256_file,
 )
+from .safefile import SafetensorsFile, read_checked_bytes
+from .schema import check_index, check_manifest, member_path, read_latest
 from .state import decode_state
 
-__all__ = ["CheckpointReader", "resolve_checkpoint"]
+__all__ = ["CheckpointReader", "hidden_copies", "old_name", "resolve_checkpoint", "tmp_prefix"]
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """Returns the checkpoint directory for ``path``: itself, or the target of ``path/latest``.
+
+    ``latest`` may only name a child directory. When its target is missing because a save over the
+    same name was killed, the save's complete hidden copy (the new one, else the old one) is returned.
 
     Raises:
         CheckpointError: naming the path when there is no checkpoint there (and saying what the
@@ -39,14 +42,14 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         return path
     latest = path / LATEST
     if latest.is_file():
-        target = latest.read_text().strip()
+        target = read_latest(path)
         cand = path / target
         if (cand / MANIFEST).is_file():
             return cand
-        old = path / f".{target}.old"  # a crash while an existing checkpoint of that name was replaced
-        if (old / MANIFEST).is_file():
-            return old
-        if target and cand.is_dir():
+        hidden = hidden_copies(path, target)
+        if hidden:
+            return hidden[0]
+        if cand.is_dir():
             _raise_not_ours(cand)
         hint = describe_foreign(path)
         raise CheckpointError(f"{latest}: points to {target!r}, but {cand} does not exist or is not a shardkit "
@@ -55,6 +58,43 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"{path}: no such checkpoint directory")
     _raise_not_ours(path)
     raise AssertionError("unreachable")
+
+
+def tmp_prefix(name: str) -> str:
+    """Hidden directories of saves of ``name`` in progress (or killed) start with this."""
+    return f".{name}.tmp-"
+
+
+def old_name(name: str) -> str:
+    """Where a save over an existing ``name`` parks the old copy between its two renames."""
+    return f".{name}.old"
+
+
+def hidden_copies(parent: Path, name: str) -> list[Path]:
+    """Complete hidden copies of checkpoint ``name`` left by a killed save: published-but-not-renamed
+    saves (newest first), then the old copy. A copy counts only when its manifest passes the schema
+    and every file it lists has the recorded size."""
+    tmps = []
+    for d in parent.glob(f"{glob.escape(tmp_prefix(name))}*"):
+        created = _complete_created(d)
+        if created is not None:
+            tmps.append((created, d.name, d))
+    out = [d for _, _, d in sorted(tmps, reverse=True)]
+    old = parent / old_name(name)
+    if _complete_created(old) is not None:
+        out.append(old)
+    return out
+
+
+def _complete_created(d: Path) -> float | None:
+    if not (d / MANIFEST).is_file() or d.is_symlink():
+        return None
+    try:
+        r = CheckpointReader(d, verify=False)
+    except CheckpointError:
+        return None
+    r.close()
+    return float(r.manifest.get("created", 0.0))
 
 
 def _raise_not_ours(path: Path) -> None:
@@ -66,24 +106,34 @@ def _raise_not_ours(path: Path) -> None:
 class CheckpointReader:
     """Opens a checkpoint directory, validates it, and reads its entries.
 
+    Every file the manifest names must lie inside the directory and have the recorded size. With
+    ``verify`` (the default) each file is also hashed the first time it is read, from the same memory
+    map its tensors are then copied out of, and must match the manifest's sha256 before any of its
+    bytes are used: one pass over the data. Files never read are never hashed; :meth:`verify_all`
+    checks every file at once.
+
     Args:
         path: a checkpoint directory, or a parent directory holding ``latest``.
-        verify: also check every file's sha256 against the manifest (reads every byte once).
+        verify: check each file's sha256 as it is read. ``False`` only checks sizes (faster on huge
+            checkpoints you trust; a flipped bit then loads as a wrong weight).
 
     Raises:
-        CheckpointError: naming the file and what is wrong (missing manifest, bad JSON, unknown
-            format version, missing or truncated file, sha256 mismatch).
+        CheckpointError: naming the file and what is wrong (missing manifest, bad JSON, a field of the
+            wrong type, a path leaving the directory, unknown format version, missing or truncated
+            file, sha256 mismatch).
     """
 
-    def __init__(self, path: str | os.PathLike, verify: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, verify: bool = True) -> None:
         self.path = resolve_checkpoint(path)
+        self.verify = verify
         self.manifest = self._load_manifest()
         self.info: dict[str, Any] = self.manifest.get("info", {})
-        self.world_size: int = int(self.manifest.get("world_size", 1))
+        self.world_size: int = self.manifest["world_size"]
         self._entries: dict[str, dict[str, Any]] = self.manifest["entries"]
-        self._handles: dict[str, Any] = {}
+        self._files: dict[str, dict[str, Any]] = self.manifest["files"]
+        self._handles: dict[str, SafetensorsFile] = {}
         self._indexes: dict[str, dict[str, Any]] = {}
-        self._check_files(verify)
+        self._check_files()
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -92,32 +142,25 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
-        """Drops the open safetensors handles (their memory maps)."""
+        """Drops the open files (their memory maps)."""
         self._handles.clear()
 
     # ---------------------------------------------------------------- validation
     def _load_manifest(self) -> dict[str, Any]:
         f = self.path / MANIFEST
         try:
-            m = json.loads(f.read_text())
+            raw = f.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{f}: cannot be read ({e})") from None
+        try:
+            m = json.loads(raw.decode("utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{f}: not valid JSON ({e}); the manifest is corrupt") from None
-        if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
-            got = m.get("format") if isinstance(m, dict) else type(m).__name__
-            raise CheckpointError(f"{f}: format is {got!r}, expected {FORMAT_NAME!r}; not a shardkit checkpoint")
-        if m.get("version") != FORMAT_VERSION:
-            raise CheckpointError(f"{f}: format version {m.get('version')!r} is not supported by this shardkit "
-                                  f"(it reads version {FORMAT_VERSION}); upgrade shardkit to read it")
-        for k in ("files", "entries"):
-            if not isinstance(m.get(k), dict):
-                raise CheckpointError(f"{f}: field {k!r} is missing or not an object; the manifest is corrupt")
-        return m
+        return check_manifest(m, f)
 
-    def _check_files(self, verify: bool) -> None:
-        for name, meta in self.manifest["files"].items():
-            f = self.path / name
-            if not isinstance(meta, dict) or not isinstance(meta.get("size"), int) or "sha256" not in meta:
-                raise CheckpointError(f"{self.path / MANIFEST}: entry for {name} lacks size/sha256; it is corrupt")
+    def _check_files(self) -> None:
+        for name, meta in self._files.items():
+            f = member_path(self.path, name, str(self.path / MANIFEST))
             try:
                 size = f.stat().st_size
             except OSError:
@@ -125,8 +168,12 @@ class CheckpointReader:
             if size != meta["size"]:
                 raise CheckpointError(f"{f}: is {size} bytes but {MANIFEST} says {meta['size']}: the file is "
                                       f"{'truncated' if size < meta['size'] else 'overwritten'}")
-            if verify and sha256_file(f) != meta["sha256"]:
-                raise CheckpointError(f"{f}: sha256 does not match {MANIFEST}: the file is corrupt")
+
+    def verify_all(self) -> None:
+        """Hashes every file the manifest lists (one pass each); raises on the first mismatch."""
+        for name, meta in self._files.items():
+            if sha256_file(member_path(self.path, name, str(self.path / MANIFEST))) != meta["sha256"]:
+                raise CheckpointError(f"{self.path / name}: sha256 does not match {MANIFEST}: the file is corrupt")
 
     def _entry(self, name: str, *kinds: str) -> dict[str, Any]:
         e = self._entries.get(name)
@@ -136,31 +183,30 @@ class CheckpointReader:
             raise CheckpointError(f"{self.path}: entry {name!r} is {e['kind']!r}, not {' or '.join(kinds)}")
         return e
 
-    def _open(self, file: str) -> Any:
+    def _open(self, file: str) -> SafetensorsFile:
         h = self._handles.get(file)
         if h is None:
-            try:
-                h = safe_open(str(self.path / file), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for bad headers
-                raise CheckpointError(f"{self.path / file}: not a readable safetensors file ({e})") from None
+            meta = self._files[file]
+            path = member_path(self.path, file, str(self.path / MANIFEST))
+            h = SafetensorsFile(path, meta["size"], meta["sha256"] if self.verify else None)
             self._handles[file] = h
         return h
 
     def _get(self, file: str, key: str, slices: tuple | None = None) -> torch.Tensor:
         h = self._open(file)
-        try:
-            if slices is None:
-                return h.get_tensor(key)
-            return h.get_slice(key)[slices]
-        except Exception as e:
-            raise CheckpointError(f"{self.path / file}: cannot read tensor {key!r} ({e})") from None
+        if slices is None:
+            return h.get_tensor(key)
+        return h.get_slice(key)[slices]
 
     def _read_json_file(self, file: str) -> Any:
-        f = self.path / file
+        f = member_path(self.path, file, str(self.path / MANIFEST))
+        meta = self._files[file]
         try:
-            return json.loads(f.read_text())
+            data = read_checked_bytes(f, meta["size"], meta["sha256"] if self.verify else None)
         except OSError as e:
             raise CheckpointError(f"{f}: cannot be read ({e})") from None
+        try:
+            return json.loads(data.decode("utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{f}: not valid JSON ({e})") from None
 
@@ -206,9 +252,7 @@ class CheckpointReader:
         if name not in self._indexes:
             e = self._entry(name, "sharded")
             idx = self._read_json_file(e["index"])
-            if not isinstance(idx, dict) or not isinstance(idx.get("tensors"), dict):
-                raise CheckpointError(f"{self.path / e['index']}: has no 'tensors' object; the index is corrupt")
-            self._indexes[name] = idx["tensors"]
+            self._indexes[name] = check_index(idx, self.path / e["index"], self._files)
         return self._indexes[name]
 
     def sharded_keys(self, name: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

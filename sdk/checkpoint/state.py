@@ -77,33 +77,78 @@ def encode_state(obj: Any, name: str = "state") -> tuple[Any, dict[str, torch.Te
     return enc.encode(obj, name), enc.tensors
 
 
+# Only dtypes decode: a name is looked up here, never through getattr(torch, name) (which would hand
+# back any torch attribute, e.g. torch.load, to code that then calls it).
+_TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
 def decode_state(node: Any, tensors: dict[str, torch.Tensor], name: str = "state") -> Any:
-    """Inverse of :func:`encode_state`."""
+    """Inverse of :func:`encode_state`.
+
+    Raises:
+        CheckpointError: naming ``name`` and the node, for any malformed or unknown node.
+    """
+    try:
+        return _decode(node, tensors, name)
+    except CheckpointError:
+        raise
+    except (KeyError, ValueError, TypeError, IndexError, AttributeError, OverflowError) as e:
+        raise CheckpointError(f"{name}: malformed skeleton ({type(e).__name__}: {e}); the state file is corrupt") \
+            from None
+
+
+def _decode(node: Any, tensors: dict[str, torch.Tensor], name: str) -> Any:
     if node is None or isinstance(node, (bool, str, int, float)):
         return node
     if isinstance(node, list):
-        return [decode_state(x, tensors, name) for x in node]
+        return [_decode(x, tensors, name) for x in node]
     if not isinstance(node, dict) or len(node) == 0:
-        raise CheckpointError(f"{name}: malformed skeleton node {node!r}")
+        raise CheckpointError(f"{name}: malformed skeleton node {node!r:.80}")
+    if "dict" in node:
+        return {_hashable(_decode(k, tensors, name)): _decode(v, tensors, name) for k, v in node["dict"]}
+    if "tuple" in node:
+        return tuple(_decode(x, tensors, name) for x in node["tuple"])
+    if "tensor" in node:
+        return _tensor(tensors, node["tensor"], name)
+    if "ndarray" in node:
+        raw = _tensor(tensors, node["ndarray"], name)
+        if raw.dtype != torch.uint8 or raw.dim() != 1:
+            raise CheckpointError(f"{name}: ndarray node points to a {raw.dtype} tensor, expected 1-D uint8 bytes")
+        return raw.numpy().view(_np_dtype(node["dtype"], name)).reshape(node["shape"]).copy()
+    if "npscalar" in node:
+        dtype = _np_dtype(node["npscalar"], name)
+        data = bytes.fromhex(node["hex"])
+        if len(data) != dtype.itemsize:
+            raise CheckpointError(f"{name}: numpy scalar of {dtype} holds {len(data)} bytes, not {dtype.itemsize}")
+        return np.frombuffer(data, dtype=dtype)[0]
+    if "float" in node:
+        return float(node["float"])
+    if "torch_dtype" in node:
+        dtype = _TORCH_DTYPES.get(node["torch_dtype"]) if isinstance(node["torch_dtype"], str) else None
+        if dtype is None:
+            raise CheckpointError(f"{name}: torch_dtype {node['torch_dtype']!r:.60} is not a torch dtype name "
+                                  f"(e.g. 'float32', 'bfloat16')")
+        return dtype
+    raise CheckpointError(f"{name}: unknown skeleton node {sorted(node)!r:.80}")
+
+
+def _tensor(tensors: dict[str, torch.Tensor], key: Any, name: str) -> torch.Tensor:
+    if not isinstance(key, str) or key not in tensors:
+        raise CheckpointError(f"{name}: skeleton refers to tensor {key!r:.60} that is not in the safetensors file")
+    return tensors[key]
+
+
+def _np_dtype(spec: Any, name: str) -> np.dtype:
+    """A numpy dtype from its ``.str`` (``"<f8"``); object and structured dtypes are refused."""
+    if not isinstance(spec, str) or len(spec) > 16:
+        raise CheckpointError(f"{name}: numpy dtype {spec!r:.60} is not a dtype string")
     try:
-        if "dict" in node:
-            return {_hashable(decode_state(k, tensors, name)): decode_state(v, tensors, name) for k, v in node["dict"]}
-        if "tuple" in node:
-            return tuple(decode_state(x, tensors, name) for x in node["tuple"])
-        if "tensor" in node:
-            return tensors[node["tensor"]]
-        if "ndarray" in node:
-            raw = tensors[node["ndarray"]].numpy()
-            return raw.view(np.dtype(node["dtype"])).reshape(node["shape"]).copy()
-        if "npscalar" in node:
-            return np.frombuffer(bytes.fromhex(node["hex"]), dtype=np.dtype(node["npscalar"]))[0]
-        if "float" in node:
-            return float(node["float"])
-        if "torch_dtype" in node:
-            return getattr(torch, node["torch_dtype"])
-    except KeyError as e:
-        raise CheckpointError(f"{name}: skeleton refers to tensor {e} that is not in the safetensors file") from None
-    raise CheckpointError(f"{name}: unknown skeleton node {sorted(node)}")
+        dtype = np.dtype(spec)
+    except TypeError:
+        raise CheckpointError(f"{name}: numpy dtype {spec!r:.60} is not a dtype string") from None
+    if dtype.hasobject or dtype.fields is not None or dtype.kind not in "biufcmMSU":
+        raise CheckpointError(f"{name}: numpy dtype {spec!r} is not a plain numeric dtype")
+    return dtype
 
 
 def _hashable(k: Any) -> Any:

@@ -228,9 +228,13 @@ def test_flipped_byte_caught_by_verify(ckpt):
     data = bytearray(f.read_bytes())
     data[-5] ^= 0xFF
     f.write_bytes(bytes(data))
-    CheckpointReader(ckpt)  # sizes still match: only verify=True reads the bytes
+    r = CheckpointReader(ckpt)  # sizes still match: the hash is checked as the file is read
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*sha256"):
-        CheckpointReader(ckpt, verify=True)
+        r.read_tensors("model")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*sha256"):
+        CheckpointReader(ckpt).verify_all()
+    # the explicit opt-out reads the flipped byte as data
+    assert not torch.equal(CheckpointReader(ckpt, verify=False).read_tensors("model")["w"], torch.arange(64.0))
 
 
 def test_truncated_file(ckpt):
@@ -243,8 +247,10 @@ def test_truncated_file(ckpt):
 def test_bad_json_entry_and_manifest(ckpt):
     f = ckpt / "trainer_state.json"
     f.write_bytes(b"{" * f.stat().st_size)
-    with pytest.raises(CheckpointError, match=r"trainer_state\.json.*not valid JSON"):
+    with pytest.raises(CheckpointError, match=r"trainer_state\.json.*sha256"):
         CheckpointReader(ckpt).read_json("trainer_state")
+    with pytest.raises(CheckpointError, match=r"trainer_state\.json.*not valid JSON"):
+        CheckpointReader(ckpt, verify=False).read_json("trainer_state")
     (ckpt / "shardkit.json").write_text('{"format": "shardkit-checkpoint", "vers')
     with pytest.raises(CheckpointError, match=r"shardkit\.json.*not valid JSON"):
         CheckpointReader(ckpt)
@@ -256,7 +262,7 @@ def test_corrupt_safetensors_header(ckpt):
     data[8:12] = b"XXXX"
     f.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"model\.safetensors.*safetensors"):
-        CheckpointReader(ckpt).read_tensors("model")
+        CheckpointReader(ckpt, verify=False).read_tensors("model")
 
 
 def test_unknown_version(ckpt):
