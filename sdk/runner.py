@@ -174,9 +174,32 @@ class Runner:
         return self.strategy.unwrap(model)
 
     def gathered_parameters(self, params: Any, modifier_rank: int | None = None) -> contextlib.AbstractContextManager:
-        """Context in which partitioned parameters (ZeRO-3) are whole; changes made on
-        ``modifier_rank`` are scattered back on exit. A null context for other strategies."""
-        return self.strategy.gathered_parameters(params, modifier_rank)
+        """Context that yields ``params`` (a tensor, an iterable of them, or a module) as a list of plain,
+        whole tensors under every strategy: ZeRO-3 partitions and FSDP/TP DTensors are gathered, one full
+        copy each. Every rank must enter it. Inside the block the set-up model's own attributes read whole
+        too (``model.parameters()``). With ``modifier_rank=r``, in-place changes rank r makes are kept on
+        every rank on exit; without it they are dropped. Don't run forward inside the block.
+
+        Example:
+            with runner.gathered_parameters(model.parameters()) as params:
+                flat = torch.cat([p.reshape(-1) for p in params])
+        """
+        module = self.strategy.unwrap(self._module) if self._module is not None else None
+        return self.strategy.gathered_parameters(params, modifier_rank, module=module)
+
+    def iter_full_state_dict(self, model: nn.Module | None = None):
+        """Stream the full state dict to the main process one module at a time: ``(name, tensor)`` pairs.
+
+        Same keys and order as ``state_dict()``; whole tensors (gathered one module at a time, so no rank
+        holds the whole model), detached CPU copies in the dtype the model holds. Every rank must run the
+        loop to its end (the gathers are collectives); ranks other than the main process yield nothing.
+        ``model`` defaults to the model given to :meth:`setup`.
+
+        Example:
+            state = dict(runner.iter_full_state_dict(model))   # whole on rank 0, {} elsewhere
+        """
+        module = model if model is not None else self._require("_module", "iter_full_state_dict")
+        return self.strategy.iter_full_state_dict(module)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Run a block in the precision's compute dtype (setup() already does this for forward)."""
@@ -245,6 +268,36 @@ class Runner:
         mask = self._loader.duplicate_mask() if self._loader is not None else None
         return gathered if mask is None else gathered[mask.to(gathered.device)]
 
+    # ---- inference ----------------------------------------------------------------------------
+
+    def generate(self, model: nn.Module, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        """Generate with a model set up by this Runner (shardkit's Llama or a Hugging Face model), under any
+        strategy. Call it on EVERY rank, each with its own prompts: under ZeRO-3, FSDP and TP the ranks decode
+        in lock step until all are done. ``kwargs`` go to the model's ``generate`` (``max_new_tokens``,
+        ``eos_token_id``, ...; ``keep_unsharded`` for FSDP). See :func:`shardkit.inference.generate`."""
+        from shardkit.inference import generate
+
+        s = self.strategy
+        with self.autocast():
+            return generate(self.unwrap_model(model), input_ids, data_parallel_rank=s.data_parallel_rank,
+                            data_parallel_size=s.data_parallel_size, **kwargs)
+
+    def split_between_processes(self, items: Any, apply_padding: bool = False) -> contextlib.AbstractContextManager:
+        """Context yielding this data-parallel rank's contiguous share of ``items`` (list, tuple, tensor or
+        dict of them); with ``apply_padding`` every rank gets as many (short ranks repeat their last item)."""
+        from shardkit.inference import split_between_processes
+
+        s = self.strategy
+        return split_between_processes(items, apply_padding, dp_rank=s.data_parallel_rank, dp_size=s.data_parallel_size)
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every data-parallel rank's ``obj`` in rank order (lists concatenated); inside
+        :meth:`split_between_processes` the padding repeats are dropped, so outputs line up with the items."""
+        from shardkit.inference import gather_object
+
+        s = self.strategy
+        return gather_object(obj, dp_rank=s.data_parallel_rank, dp_size=s.data_parallel_size)
+
     # ---- checkpoints --------------------------------------------------------------------------
 
     def save(self, path: str | Path, state: dict[str, Any]) -> Path:
@@ -256,7 +309,7 @@ class Runner:
         """
         saver = StateSaver(self.strategy, self._owner_of)
         with ckpt.CheckpointWriter(
-            path, rank=self.rank, world_size=self.world_size, barrier=self.barrier,
+            path, rank=self.rank, world_size=self.world_size, barrier=self.barrier, broadcast=self.broadcast,
             keep_last=self.checkpoint_keep_last, info=self.strategy.checkpoint_info(),
         ) as writer:
             saver.save(writer, state)
@@ -266,22 +319,24 @@ class Runner:
             writer.write_state(f"rng.rank{self.rank:05d}", ckpt.capture_rng_state())
         return Path(path)
 
-    def load(self, path: str | Path, state: dict[str, Any]) -> dict[str, Any]:
+    def load(self, path: str | Path, state: dict[str, Any], *, verify: bool = True) -> dict[str, Any]:
         """Restore the objects in ``state`` in place from a checkpoint; return its plain values.
 
         ``path`` may be a checkpoint directory or its parent (the ``latest`` pointer is followed).
+        Every file read is checked against the manifest's sha256 in the same pass that reads it;
+        ``verify=False`` skips the hashes (sizes, schema and paths are still checked).
         """
-        reader = ckpt.CheckpointReader(path)
-        saver = StateSaver(self.strategy, self._owner_of)
-        values = saver.load(reader, state)
-        self.precision.load_state_dict(reader.read_json("precision"))
-        self._load_runner_state(reader.read_json(_RUNNER_STATE))
-        rng_name = f"rng.rank{self.rank:05d}"
-        if reader.has(rng_name):
-            ckpt.restore_rng_state(reader.read_state(rng_name))
-        else:
-            self.logger.warning("checkpoint %s has no RNG state for rank %d (saved with %d ranks); "
-                                "random streams start fresh", reader.path, self.rank, reader.world_size)
+        with ckpt.CheckpointReader(path, verify=verify) as reader:
+            saver = StateSaver(self.strategy, self._owner_of)
+            values = saver.load(reader, state)
+            self.precision.load_state_dict(reader.read_json("precision"))
+            self._load_runner_state(reader.read_json(_RUNNER_STATE))
+            rng_name = f"rng.rank{self.rank:05d}"
+            if reader.has(rng_name):
+                ckpt.restore_rng_state(reader.read_state(rng_name))
+            else:
+                self.logger.warning("checkpoint %s has no RNG state for rank %d (saved with %d ranks); "
+                                    "random streams start fresh", reader.path, self.rank, reader.world_size)
         return values
 
     def _runner_state(self) -> dict[str, Any]:

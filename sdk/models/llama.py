@@ -13,6 +13,7 @@ PyTorch modules (the eager baseline the benchmarks compare against).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -225,27 +226,59 @@ class Llama(nn.Module):
     @torch.no_grad()
     def generate(
         self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | None = None, eos_token_id: int | None = None, pad_token_id: int | None = None,
+        synced: bool | None = None,
     ) -> torch.Tensor:
-        """Append ``max_new_tokens`` tokens: greedy at temperature 0, else sampled (optionally top-k).
+        """Append up to ``max_new_tokens`` tokens: greedy at temperature 0, else sampled (optionally top-k).
+
+        With ``eos_token_id`` a row that produced it is finished: later positions get ``pad_token_id``
+        (default: the EOS id), and decoding stops once every row is finished.
+
+        Under ZeRO-3, FSDP and tensor parallelism call it on every rank (or use ``runner.generate``): each
+        forward is a collective, so with ``synced`` (default: when the weights are partitioned across
+        ranks) a rank that is done, or has an empty batch, keeps joining every forward until all ranks are
+        done (an all-reduced flag per step) and a call on only some ranks fails within seconds
+        (:class:`shardkit.inference.NotCalledOnAllRanksError`).
 
         NOTE: recomputes the full prefix each step (no KV cache); fine for the small models this file
-        is for, quadratic for long outputs.
+        is for, quadratic for long outputs. Steps go through ``self(...)`` (the root forward) so that
+        FSDP's and ZeRO-3's hooks gather the weights.
         """
+        from shardkit.inference.sync import any_rank, needs_sync, synced_call
+
+        synced = needs_sync(self) if synced is None else synced
         was_training = self.training
         self.eval()
-        tokens = input_ids
-        for _ in range(max_new_tokens):
-            window = tokens[:, -self.config.max_position :]
-            logits = self.lm_head(self.hidden_states(window)[:, -1]).float()
-            if temperature <= 0:
-                next_token = logits.argmax(-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                    logits = logits.masked_fill(logits < kth, float("-inf"))
-                next_token = torch.multinomial(logits.softmax(-1), 1, generator=generator)
-            tokens = torch.cat([tokens, next_token], dim=1)
-        self.train(was_training)
+        tokens, device = input_ids, input_ids.device
+        pad = eos_token_id if pad_token_id is None else pad_token_id
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
+        dummy = torch.zeros((1, 1), dtype=input_ids.dtype, device=device)
+        try:
+            with synced_call("Llama.generate()") if synced else contextlib.nullcontext():
+                while True:
+                    running = tokens.shape[1] - input_ids.shape[1] < max_new_tokens and not bool(done.all())
+                    if not (any_rank(running, device) if synced else running):
+                        break
+                    if not running:
+                        self(dummy)  # keep the other ranks' collectives company; the result is not used
+                        continue
+                    logits = self(tokens[:, -self.config.max_position :])[:, -1].float()
+                    next_token = _pick(logits, temperature, top_k, generator)
+                    if eos_token_id is not None:
+                        next_token = next_token.masked_fill(done[:, None], pad)
+                        done |= next_token[:, 0] == eos_token_id
+                    tokens = torch.cat([tokens, next_token], dim=1)
+        finally:
+            self.train(was_training)
         return tokens
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None):
+    """The next token of each row, (batch, 1): argmax at temperature 0, else a (top-k) sample."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)

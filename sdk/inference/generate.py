@@ -1,0 +1,154 @@
+"""One way to generate under every strategy: shardkit's Llama and Hugging Face models alike.
+
+    model = runner.setup(model)                     # any strategy; no optimizer needed
+    out = runner.generate(model, input_ids, max_new_tokens=32, eos_token_id=2)   # on EVERY rank
+
+Every rank calls it, each with its own prompts (any batch size, prompt length, ``max_new_tokens``;
+an empty batch is fine). Where a forward is a collective (ZeRO-3, FSDP, tensor parallelism) the ranks
+decode in lock step: a rank that is done keeps joining every forward until all are done (Hugging
+Face: ``synced_gpus=True``, set here; shardkit's Llama: the same all-reduced flag). Ranks of one
+tensor-parallel group share every forward, so their prompts are exchanged and each group generates
+its members' requests one after the other (identical requests once). A call made on only some ranks
+fails within $SHARDKIT_GENERATE_ENTRY_TIMEOUT seconds (60) with :class:`NotCalledOnAllRanksError`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.inference.sync import check_group, distributed, fsdp_unsharded, needs_sync, synced_call
+
+__all__ = ["generate", "is_hf_model"]
+
+log = logging.getLogger("shardkit.inference")
+_logged: set[str] = set()
+
+
+def is_hf_model(module: nn.Module) -> bool:
+    """A Hugging Face model with ``generate`` (a GenerationMixin), without importing transformers."""
+    return any(c.__name__ == "GenerationMixin" for c in type(module).__mro__)
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    from torch.distributed.tensor import DTensor
+
+    for p in module.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        return local.device
+    return torch.device("cpu")
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(v, device) for v in obj)
+    return obj
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _describe_mode(module: nn.Module, sync: bool, fsdp_mode: str | None) -> str:
+    if not sync:
+        return "generate: every rank decodes on its own (whole weights on each rank)"
+    if fsdp_mode is not None:
+        return f"generate: ranks decode in lock step; FSDP parameters {fsdp_mode.replace('-', ' ')}"
+    if any(hasattr(p, "ds_tensor") for p in module.parameters()):
+        return "generate: ranks decode in lock step; ZeRO-3 gathers each module's parameters in every forward"
+    return "generate: ranks decode in lock step (sharded weights: every forward is a collective)"
+
+
+def _call(module: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any], sync: bool) -> Any:
+    """One generate call on this rank's request (an empty batch joins the others' forwards and returns it)."""
+    if is_hf_model(module):
+        if sync and kwargs.get("synced_gpus") is False:
+            raise ValueError("generate: synced_gpus=False with parameters partitioned across ranks would hang the "
+                             "ranks that finish first; leave synced_gpus unset")
+        kwargs = {**kwargs, "synced_gpus": sync}
+        if input_ids.shape[0] == 0:
+            keep = {k: v for k, v in kwargs.items() if k in ("synced_gpus", "pad_token_id", "eos_token_id")}
+            dummy = torch.zeros((1, 1), dtype=torch.long, device=input_ids.device)
+            module.generate(dummy, max_new_tokens=1, do_sample=False, **keep)
+            return input_ids
+        return module.generate(input_ids, **kwargs)
+    if "synced" not in inspect.signature(module.generate).parameters:
+        raise TypeError(f"generate: {type(module).__name__}.generate has no `synced` argument; shardkit generates "
+                        "with shardkit.models.Llama and Hugging Face models (GenerationMixin)")
+    return module.generate(input_ids, synced=sync, **kwargs)
+
+
+def _group_requests(input_ids: torch.Tensor, kwargs: dict, dp_rank: int, group: Any) -> tuple[list, int, int]:
+    """Exchange requests with every rank; return this data-parallel group's distinct requests, the index of
+    this rank's among them, and the most calls any group needs (so every group runs as many)."""
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (dp_rank, _to(input_ids, torch.device("cpu")), _to(kwargs, torch.device("cpu"))),
+                           group=group)
+    by_group: dict[int, list[tuple]] = {}
+    for r, ids, kw in everyone:
+        distinct = by_group.setdefault(r, [])
+        if not any(_same(ids, i) and _same(kw, k) for i, k in distinct):
+            distinct.append((ids, kw))
+    mine = by_group[dp_rank]
+    own = (input_ids.cpu(), _to(kwargs, torch.device("cpu")))
+    index = next(i for i, (ids, kw) in enumerate(mine) if _same(ids, own[0]) and _same(kw, own[1]))
+    return mine, index, max(len(v) for v in by_group.values())
+
+
+def generate(model: nn.Module, input_ids: torch.Tensor, *, data_parallel_rank: int | None = None,
+             data_parallel_size: int | None = None, keep_unsharded: bool | None = None, **kwargs: Any) -> Any:
+    """Generate on every rank, whatever the strategy (see the module docstring).
+
+    Args:
+        model: the user's module (``runner.unwrap_model(model)``): shardkit's Llama or a Hugging Face model.
+        input_ids: this rank's prompts, (batch, seq); batch may be 0.
+        data_parallel_rank, data_parallel_size: this rank's data-parallel index and the number of them;
+            ranks sharing an index (a tensor-parallel group) run each other's requests together. Default:
+            every rank is its own.
+        keep_unsharded: FSDP2 only: keep parameters gathered across decoding steps (True), gather them in
+            every forward (False), or decide from free memory (None).
+        **kwargs: passed to the model's ``generate`` (``max_new_tokens``, ``eos_token_id``, ...).
+
+    Returns:
+        What the model's ``generate`` returns for this rank's prompts.
+
+    Raises:
+        NotCalledOnAllRanksError: not every rank called it within the entry timeout.
+    """
+    if not distributed():
+        with torch.no_grad():
+            return _call(model, input_ids, kwargs, sync=False)
+    sync = needs_sync(model)
+    device = _device_of(model)
+    with synced_call("runner.generate()"), torch.no_grad():
+        requests, index, calls = [(input_ids, kwargs)], 0, 1
+        world = dist.get_world_size()
+        if data_parallel_size is not None and data_parallel_size < world:
+            requests, index, calls = _group_requests(input_ids, kwargs, data_parallel_rank, check_group())
+        with fsdp_unsharded(model, device, keep_unsharded) as fsdp_mode:
+            _log_once(_describe_mode(model, sync, fsdp_mode))
+            outputs = [_call(model, _to(ids, device), _to(kw, device), sync) for ids, kw in requests]
+            for _ in range(calls - len(requests)):  # another group has more requests: join its forwards
+                _call(model, _to(input_ids[:0], device), _to(kwargs, device), sync)
+    return outputs[index]
