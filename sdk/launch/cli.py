@@ -9,13 +9,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from shardkit.launch.distributed import TIMEOUT_ENV_VAR, _cpu_budget
-from shardkit.launch.launcher import find_free_port
+from shardkit.launch.distributed import TIMEOUT_ENV_VAR, _cpu_budget, check_timeout, default_timeout
+from shardkit.launch.launcher import GRACE_PERIOD_S, find_free_port
+from shardkit.launch.signals import STOP_GRACE_S
+from shardkit.launch.supervise import run_supervised
 
 __all__ = ["CONFIG_FIELDS", "LaunchUsageError", "build_command", "register"]
 
@@ -47,8 +48,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--main-process-port", "--main_process_port", type=int, dest="main_process_port",
                         help=f"port on machine 0 (default: a free one on a single machine, else "
                              f"{DEFAULT_MAIN_PROCESS_PORT})")
-    parser.add_argument("--timeout", type=float, help=f"collective timeout in seconds (sets {TIMEOUT_ENV_VAR}; "
-                                                      "default 1800)")
+    parser.add_argument("--timeout", help=f"collective timeout in seconds (sets {TIMEOUT_ENV_VAR}; default 1800). "
+                                          "A rank still running this long plus a grace after another exited is "
+                                          "taken as hung and the job is stopped")
+    parser.add_argument("--stop-grace", "--stop_grace", dest="stop_grace", default=str(STOP_GRACE_S),
+                        help=f"seconds ranks get to save after SIGTERM/SIGINT reaches the launcher (forwarded to "
+                             f"them as SIGTERM) before everything is killed (default {STOP_GRACE_S:g})")
     parser.add_argument("--config-file", "--config_file", dest="config_file",
                         help="an Accelerate-style YAML file supplying the options above")
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
@@ -67,7 +72,12 @@ def _apply_config_file(args: argparse.Namespace) -> dict[str, str]:
             raise
         raise LaunchUsageError("--config-file: config files arrive with the config module "
                                "(shardkit.config.accelerate); pass the options as flags for now") from None
-    values: Mapping[str, Any] = accelerate.launch_args_from_yaml(args.config_file)
+    try:
+        values: Mapping[str, Any] = accelerate.launch_args_from_yaml(args.config_file)
+    except LaunchUsageError:
+        raise
+    except Exception as err:  # noqa: BLE001 - one line naming the file, never a traceback (issue 13, O)
+        raise LaunchUsageError(f"--config-file {args.config_file}: {type(err).__name__}: {err}") from None
     unknown = sorted(set(values) - set(CONFIG_FIELDS))
     if unknown:
         raise LaunchUsageError(f"--config-file {args.config_file}: launch_args_from_yaml returned unknown "
@@ -103,10 +113,21 @@ def _resolve(args: argparse.Namespace) -> None:
         args.main_process_port = find_free_port() if single else DEFAULT_MAIN_PROCESS_PORT
     if not 0 < args.main_process_port < 65536:
         raise LaunchUsageError(f"--main-process-port({args.main_process_port}) must be in [1, 65535]")
-    if args.timeout is not None and not args.timeout > 0:
-        raise LaunchUsageError(f"--timeout({args.timeout}) must be > 0 seconds")
+    try:
+        if args.timeout is not None:
+            args.timeout = check_timeout(args.timeout, _label("--timeout", args.timeout))
+        args.stop_grace = check_timeout(args.stop_grace, _label("--stop-grace", args.stop_grace))
+    except ValueError as err:
+        raise LaunchUsageError(str(err)) from None
     if not args.module and not Path(args.script).is_file():
         raise LaunchUsageError(f"script {args.script!r} not found (use -m for a module name)")
+
+
+def _label(flag: str, raw: Any) -> str:
+    try:
+        return f"{flag}({float(raw)})"
+    except (TypeError, ValueError):
+        return f"{flag}({raw!r})"
 
 
 def build_command(args: argparse.Namespace) -> list[str]:
@@ -134,22 +155,13 @@ def _run(args: argparse.Namespace) -> int:
     try:
         extra = _apply_config_file(args) if args.config_file else {}
         _resolve(args)
-    except LaunchUsageError as err:
+        env = _child_env(args, extra)
+        collective = default_timeout(env)
+    except (LaunchUsageError, ValueError) as err:
         print(f"shardkit launch: error: {err}", file=sys.stderr)
         return 2
     command = build_command(args)
     if args.dry_run:
         print(" ".join(command))
         return 0
-    process = subprocess.Popen(command, env=_child_env(args, extra))
-    try:
-        code = process.wait()
-    except KeyboardInterrupt:
-        # The terminal sent SIGINT to torchrun too; give it time to stop its workers.
-        try:
-            code = process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            code = process.wait()
-    # A negative code is death by signal: report it the way a shell does (128 + signal).
-    return 128 - code if code < 0 else code
+    return run_supervised(command, env, straggle_s=collective + GRACE_PERIOD_S, stop_grace=args.stop_grace)

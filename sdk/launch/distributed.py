@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from datetime import timedelta
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
+from shardkit.launch import watchdog
 from shardkit.launch.env import ClusterEnvironment, detect_environment
 
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
     "TIMEOUT_ENV_VAR",
+    "MAX_COLLECTIVE_TIMEOUT_S",
     "backend_for_device",
+    "check_timeout",
     "default_timeout",
     "destroy_distributed",
     "init_distributed",
@@ -27,24 +32,38 @@ TIMEOUT_ENV_VAR = "SHARDKIT_COLLECTIVE_TIMEOUT"
 # 30 minutes, torch's own default for gloo/NCCL: long enough for a first-step compile or a slow
 # checkpoint on rank 0, short enough that a silent peer ends the job the same working session.
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+# One year: torch turns the timeout into int64 milliseconds and a timedelta, and `inf` or 1e400 overflowed
+# inside every rank (OverflowError); no real collective needs longer.
+MAX_COLLECTIVE_TIMEOUT_S = 365 * 24 * 3600.0
 
 
-def default_timeout() -> float:
-    """The collective timeout in seconds: $SHARDKIT_COLLECTIVE_TIMEOUT, else 1800.
+def check_timeout(value: object, label: str) -> float:
+    """`value` as a number of seconds in (0, one year]; ValueError starting with `label` otherwise.
+
+    Args:
+        value: a number or its text ("600", "1e3").
+        label: how the message names the setting and its value, e.g. "SHARDKIT_COLLECTIVE_TIMEOUT='inf'".
+    """
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{label} is not a number of seconds; use e.g. 600") from None
+    if isinstance(value, bool) or not math.isfinite(seconds) or not 0 < seconds <= MAX_COLLECTIVE_TIMEOUT_S:
+        raise ValueError(f"{label} must be > 0 and finite, at most {MAX_COLLECTIVE_TIMEOUT_S:g} seconds (a year); "
+                         f"use e.g. 600")
+    return seconds
+
+
+def default_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """The collective timeout in seconds: $SHARDKIT_COLLECTIVE_TIMEOUT (in `environ`, default os.environ), else 1800.
 
     Raises:
-        ValueError: the variable is not a positive number.
+        ValueError: the variable is not a positive finite number of seconds (at most a year).
     """
-    raw = os.environ.get(TIMEOUT_ENV_VAR, "").strip()
+    raw = (os.environ if environ is None else environ).get(TIMEOUT_ENV_VAR, "").strip()
     if not raw:
         return DEFAULT_COLLECTIVE_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV_VAR}={raw!r} is not a number of seconds; use e.g. 600") from None
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV_VAR}={raw!r} must be > 0 seconds")
-    return value
+    return check_timeout(raw, f"{TIMEOUT_ENV_VAR}={raw!r}")
 
 
 def backend_for_device(device_type: str) -> str:
@@ -76,6 +95,8 @@ def init_distributed(device_type: str = "cpu", timeout: float | None = None) -> 
     Returns:
         The detected `ClusterEnvironment`.
     """
+    # Checked even for one process: a bad value must not wait for the first multi-process run to surface.
+    seconds = default_timeout() if timeout is None else check_timeout(timeout, f"timeout({timeout!r})")
     env = detect_environment()
     kind = torch.device(device_type).type
     if kind == "cuda" and torch.cuda.is_available():
@@ -90,9 +111,6 @@ def init_distributed(device_type: str = "cpu", timeout: float | None = None) -> 
         raise RuntimeError(f"world_size({env.world_size}) > 1 but this torch build has no torch.distributed")
     if kind != "cuda" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, _cpu_budget() // env.local_world_size))
-    seconds = default_timeout() if timeout is None else float(timeout)
-    if not seconds > 0:
-        raise ValueError(f"timeout({timeout}) must be > 0 seconds")
     # NOTE: env:// rather than tcp://: under torchrun the workers must join the agent's store
     # (TORCHELASTIC_USE_AGENT_STORE), which only the env:// rendezvous knows about.
     os.environ.setdefault("MASTER_ADDR", env.master_addr)
@@ -104,6 +122,7 @@ def init_distributed(device_type: str = "cpu", timeout: float | None = None) -> 
         world_size=env.world_size,
         timeout=timedelta(seconds=seconds),
     )
+    watchdog.install_excepthook(seconds)
     return env
 
 
@@ -115,18 +134,30 @@ def destroy_distributed() -> None:
     to a tensor Python created needs the GIL, so callers also keep their collectives' tensors alive
     until after this returns (Strategy._held): destroying a group joins that thread while holding the
     GIL. A dead peer makes the barrier fail fast.
+
+    Raises:
+        CollectiveTimeoutError: a peer is alive but never reached the barrier (it hangs after its last
+            collective); the message names it. The group is destroyed first.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
+    timed_out = None
     if dist.get_world_size() > 1:
         try:
             dist.barrier()
-        except Exception:  # noqa: BLE001 - a peer is gone: nothing left to drain
-            pass
+        except Exception as err:  # noqa: BLE001 - a peer is gone: nothing left to drain
+            if watchdog.is_collective_timeout(err):
+                rank, missing = dist.get_rank(), watchdog.missing_ranks()
+                timed_out = watchdog.CollectiveTimeoutError(
+                    watchdog.describe(rank, missing, "the final barrier (destroy_distributed)"), missing)
         # NOTE: gloo's worker drops the work it ran last (the barrier, which references the earlier works and
         # so their tensors) a moment after that work completes. Give it the moment, with the GIL released,
         # before anything can free the last Python reference to those tensors: freed first, the worker's
         # release needs the GIL, and a group destroyed under the GIL (by DDP's reducer) joins that worker. An
         # exit deadlock seen on the loaded 2-core CI machine.
         time.sleep(_WORKER_RELEASE_GRACE_S)
+    if timed_out is not None:
+        # NOTE: swallowed, this let a rank exit 0 while its peer hung for ever (issue 13, L). Not destroyed
+        # either: destroying a gloo group with a receive still pending waits for it.
+        raise timed_out
     dist.destroy_process_group()

@@ -13,6 +13,12 @@ Each child gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and 
 port), so `init_distributed()` inside `fn` joins the job. When a rank fails, the others get a short
 grace period to report their own errors, are then stopped, and `LaunchError` names every failed
 rank with its exit code or signal and traceback.
+
+Every job ends: a rank that hangs inside a collective is named by its peers (they time out and find out
+which rank never arrived, see `shardkit.launch.watchdog`); a rank still running the collective timeout
+plus `GRACE_PERIOD_S` after another returned (it hangs after its last collective) is stopped and named;
+SIGTERM or SIGINT sent to the launching process is forwarded to every rank, which gets `stop_grace`
+seconds to save before it is killed.
 """
 
 from __future__ import annotations
@@ -32,7 +38,14 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from shardkit.launch.distributed import _cpu_budget, destroy_distributed
+from shardkit.launch import watchdog
+from shardkit.launch.distributed import (
+    _cpu_budget,
+    check_timeout,
+    default_timeout,
+    destroy_distributed,
+)
+from shardkit.launch.signals import STOP_GRACE_S, catch_stop_signals, redeliver
 
 __all__ = ["GRACE_PERIOD_S", "LaunchError", "LaunchTimeout", "find_free_port", "launch"]
 
@@ -53,16 +66,21 @@ class LaunchError(RuntimeError):
     """One or more ranks failed. The message names each with its exit code or signal and traceback.
 
     Attributes:
-        failed_ranks: ranks that failed, first failure first.
+        failed_ranks: ranks that failed, the root cause first: a rank its peers name as never arriving
+            at a collective, then the first failure.
+        hung_ranks: ranks named as hung: peers timed out waiting for them in a collective, or they kept
+            running after another rank returned (longer than the collective timeout plus a grace).
         still_running: ranks alive when the launch gave up (timeout), else empty.
         exitcodes: rank -> exit code (negative: killed by that signal; None: never exited).
         tracebacks: rank -> formatted traceback, for ranks that raised.
     """
 
     def __init__(self, message: str, failed_ranks: Sequence[int] = (), still_running: Sequence[int] = (),
-                 exitcodes: Mapping[int, int | None] | None = None, tracebacks: Mapping[int, str] | None = None):
+                 exitcodes: Mapping[int, int | None] | None = None, tracebacks: Mapping[int, str] | None = None,
+                 hung_ranks: Sequence[int] = ()):
         super().__init__(message)
         self.failed_ranks = list(failed_ranks)
+        self.hung_ranks = list(hung_ranks)
         self.still_running = list(still_running)
         self.exitcodes = dict(exitcodes or {})
         self.tracebacks = dict(tracebacks or {})
@@ -81,7 +99,8 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 
 def launch(fn: Callable[..., Any], args: Sequence[Any] = (), num_processes: int | None = None,
            start_method: str = "spawn", timeout: float | None = None,
-           env: Mapping[str, str] | None = None, in_process: bool | None = None) -> list[Any]:
+           env: Mapping[str, str] | None = None, in_process: bool | None = None,
+           stop_grace: float = STOP_GRACE_S) -> list[Any]:
     """Run `fn(*args)` on `num_processes` local processes and return each rank's result, in rank order.
 
     Args:
@@ -101,6 +120,8 @@ def launch(fn: Callable[..., Any], args: Sequence[Any] = (), num_processes: int 
         env: extra environment variables for every rank, e.g. {"SHARDKIT_COLLECTIVE_TIMEOUT": "20"}.
         in_process: None (default): in this process exactly when there is one rank; False: always
             in child processes (tests that need a fresh process or an enforced timeout).
+        stop_grace: seconds the ranks get to save after SIGTERM/SIGINT reaches this process (forwarded
+            to them as SIGTERM) before they are killed; the signal then acts here as it would have.
 
     Returns:
         `[result of rank 0, result of rank 1, ...]`; results must be picklable.
@@ -111,23 +132,30 @@ def launch(fn: Callable[..., Any], args: Sequence[Any] = (), num_processes: int 
     """
     n = _resolve_num_processes(num_processes)
     extra = _check_env(env)
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout({timeout}) must be > 0 seconds or None")
+    if timeout is not None:
+        check_timeout(timeout, f"timeout({timeout!r})")
+    check_timeout(stop_grace, f"stop_grace({stop_grace!r})")
+    # A malformed collective timeout fails here, once, rather than in every rank.
+    collective = default_timeout({**os.environ, **extra})
     if in_process and n > 1:
         raise ValueError(f"in_process=True needs num_processes=1, got {n}")
     if n == 1 and in_process is not False:
         return [_run_in_process(fn, tuple(args), extra)]
     _check_start_method(fn, start_method)
-    ranks = _start(fn, tuple(args), n, mp.get_context(start_method), extra)
-    try:
-        still_running = _monitor(ranks, timeout)
-    finally:
-        for state in ranks:  # Ctrl-C in a notebook, or a bug here: leave no orphans.
-            if state.process.is_alive():
-                state.process.kill()
-            state.process.join()
-            state.conn.close()
-    _raise_if_failed(ranks, timeout, still_running)
+    policy = _Policy(timeout, collective + GRACE_PERIOD_S, stop_grace)
+    with catch_stop_signals() as received:
+        ranks = _start(fn, tuple(args), n, mp.get_context(start_method), extra)
+        try:
+            still_running = _monitor(ranks, policy, received)
+        finally:
+            for state in ranks:  # Ctrl-C in a notebook, or a bug here: leave no orphans.
+                if state.process.is_alive():
+                    state.process.kill()
+                state.process.join()
+                state.conn.close()
+    if received:
+        redeliver(received[0])
+    _raise_if_failed(ranks, policy, still_running)
     return [state.result for state in ranks]
 
 
@@ -180,6 +208,16 @@ def _check_start_method(fn: Callable[..., Any], start_method: str) -> None:
                          f"{start_method!r} children cannot import; use start_method='fork' in a notebook")
 
 
+@dataclass(frozen=True)
+class _Policy:
+    """When the launcher gives up on ranks: the job `timeout`, `straggle_s` after the first rank returned
+    (collective timeout + grace), `stop_grace` between a forwarded SIGTERM and SIGKILL."""
+
+    timeout: float | None
+    straggle_s: float
+    stop_grace: float
+
+
 @dataclass
 class _Rank:
     rank: int
@@ -189,7 +227,10 @@ class _Rank:
     has_result: bool = False
     traceback: str | None = None
     failed_at: float | None = None
+    finished_at: float | None = None
     stopped_by_launcher: bool = False
+    straggler: bool = False
+    missing: list[int] | None = None  # ranks this one timed out waiting for
     open: bool = True
 
     @property
@@ -250,19 +291,33 @@ def _start(fn: Callable[..., Any], args: tuple, n: int, ctx: Any, extra: dict[st
     return ranks
 
 
-def _monitor(ranks: list[_Rank], timeout: float | None) -> list[int] | None:
-    """Collect results until every rank has exited; if the timeout runs out, return the ranks still running."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+def _monitor(ranks: list[_Rank], policy: _Policy, received: list[int]) -> list[int] | None:
+    """Collect results until every rank has exited; if the timeout runs out, return the ranks still running.
+
+    Stops the job (SIGTERM, then SIGKILL) a grace after the first failure, at once when this process got
+    SIGTERM/SIGINT (then with `policy.stop_grace` before SIGKILL), and when ranks keep running
+    `policy.straggle_s` after another returned (they are marked as failed stragglers).
+    """
+    deadline = None if policy.timeout is None else time.monotonic() + policy.timeout
     term_at = kill_at = None
+    kill_after = KILL_AFTER_S
     while any(state.process.exitcode is None or state.open for state in ranks):
         now = time.monotonic()
         if deadline is not None and now >= deadline:
             return [state.rank for state in ranks if state.process.exitcode is None]
+        if received and kill_after != policy.stop_grace:
+            term_at, kill_at, kill_after = now, None, policy.stop_grace  # forward the signal at once
         first_failure = min((s.failed_at for s in ranks if s.failed_at is not None), default=None)
         if first_failure is not None and term_at is None:
             term_at = first_failure + GRACE_PERIOD_S
+        straggle_at = _straggle_deadline(ranks, policy.straggle_s) if term_at is None else None
+        if straggle_at is not None and now >= straggle_at:
+            for state in ranks:
+                if state.process.exitcode is None:
+                    state.straggler, state.failed_at = True, now
+            term_at = now
         if term_at is not None and now >= term_at and kill_at is None:
-            kill_at = now + KILL_AFTER_S
+            kill_at = now + kill_after
             for state in ranks:
                 if state.process.exitcode is None:
                     state.stopped_by_launcher = True
@@ -271,13 +326,22 @@ def _monitor(ranks: list[_Rank], timeout: float | None) -> list[int] | None:
             for state in ranks:
                 if state.process.exitcode is None:
                     state.process.kill()
-        waits = [t - now for t in (deadline, term_at, kill_at) if t is not None and t > now]
+        waits = [t - now for t in (deadline, term_at, kill_at, straggle_at) if t is not None and t > now]
         objects = [s.conn for s in ranks if s.open] + [s.process.sentinel for s in ranks if s.process.exitcode is None]
-        wait(objects, timeout=min(waits, default=None) if objects else 0.05)
+        # NOTE: at most 0.5 s: a signal's handler runs inside wait() and wait() then resumes its full timeout.
+        wait(objects, timeout=min([*waits, 0.5]) if objects else 0.05)
         now = time.monotonic()
         for state in ranks:
             _poll(state, now)
     return None
+
+
+def _straggle_deadline(ranks: list[_Rank], straggle_s: float) -> float | None:
+    """When ranks still running after another returned count as hung (after their last collective)."""
+    first = min((s.finished_at for s in ranks if s.finished_at is not None), default=None)
+    if first is None or all(s.process.exitcode is not None for s in ranks):
+        return None
+    return first + straggle_s
 
 
 def _poll(state: _Rank, now: float) -> None:
@@ -291,6 +355,8 @@ def _poll(state: _Rank, now: float) -> None:
             break
         if kind == "ok":
             state.result, state.has_result = payload, True
+        elif kind == "missing":
+            state.missing = payload
         else:
             state.traceback = payload
             state.failed_at = state.failed_at or now
@@ -300,6 +366,8 @@ def _poll(state: _Rank, now: float) -> None:
     # A rank the launcher stopped after another failed is reported as stopped, not as a failure.
     if state.failed_at is None and not state.stopped_by_launcher and (exitcode != 0 or not state.has_result):
         state.failed_at = now
+    if exitcode == 0 and state.has_result and state.finished_at is None:
+        state.finished_at = now
 
 
 def _describe_exit(state: _Rank) -> str:
@@ -325,21 +393,41 @@ def _failure_order(state: _Rank) -> tuple:
     return (consequence, state.failed_at, state.rank)
 
 
-def _raise_if_failed(ranks: list[_Rank], timeout: float | None, still_running: list[int] | None) -> None:
-    failed = sorted((s for s in ranks if s.failed_at is not None), key=_failure_order)
+def _hung(ranks: list[_Rank]) -> dict[int, str]:
+    """rank -> why it is named as hung: peers timed out waiting for it, or it outlived the others."""
+    hung: dict[int, str] = {}
+    for state in ranks:
+        for rank in state.missing or ():
+            waiting = [s.rank for s in ranks if rank in (s.missing or ())]
+            hung.setdefault(rank, f"rank {rank} did not arrive at a collective: rank(s) {waiting} timed out "
+                                  f"waiting for it")
+    finished = [s.rank for s in ranks if s.finished_at is not None]
+    for state in ranks:
+        if state.straggler:
+            hung.setdefault(state.rank, f"rank {state.rank} was still running after rank(s) {finished} had "
+                                        f"returned, longer than the collective timeout plus "
+                                        f"{GRACE_PERIOD_S:g} s: it hangs after its last collective")
+    return hung
+
+
+def _raise_if_failed(ranks: list[_Rank], policy: _Policy, still_running: list[int] | None) -> None:
+    hung = _hung(ranks)
+    failed = sorted((s for s in ranks if s.failed_at is not None or s.rank in hung),
+                    key=lambda s: (s.rank not in hung, *_failure_order(s)))
     timed_out = still_running is not None
     if not failed and not timed_out:
         return
-    lines: list[str] = []
+    lines: list[str] = [f"{why}; it was stopped by the launcher ({_describe_exit(ranks[rank])})"
+                        for rank, why in hung.items()]
     if timed_out:
-        lines.append(f"launch timed out after {timeout:g} s with rank(s) {still_running} still running; "
+        lines.append(f"launch timed out after {policy.timeout:g} s with rank(s) {still_running} still running; "
                      "they were killed")
-    for index, state in enumerate(failed):
-        first = " (first to fail)" if index == 0 and len(failed) > 1 else ""
+    for index, state in enumerate(s for s in failed if s.rank not in hung):
+        first = " (first to fail)" if index == 0 and len(failed) > 1 and not hung else ""
         last = state.traceback.strip().splitlines()[-1] if state.traceback else "no Python traceback"
         lines.append(f"rank {state.rank}{first} {_describe_exit(state)}: {last}")
     for state in ranks:
-        if state.stopped_by_launcher and state.failed_at is None and not timed_out:
+        if state.stopped_by_launcher and state.failed_at is None and state.rank not in hung and not timed_out:
             lines.append(f"rank {state.rank} was stopped by the launcher after rank {failed[0].rank} failed "
                          f"({_describe_exit(state)})")
     for state in failed:
@@ -348,7 +436,7 @@ def _raise_if_failed(ranks: list[_Rank], timeout: float | None, still_running: l
     error = LaunchTimeout if timed_out else LaunchError
     raise error("\n".join(lines), failed_ranks=[s.rank for s in failed], still_running=still_running or [],
                 exitcodes={s.rank: s.exitcode for s in ranks},
-                tracebacks={s.rank: s.traceback for s in ranks if s.traceback})
+                tracebacks={s.rank: s.traceback for s in ranks if s.traceback}, hung_ranks=list(hung))
 
 
 def _worker(fn: Callable[..., Any], args: tuple, variables: dict[str, str], threads: int | None,
@@ -365,8 +453,13 @@ def _worker(fn: Callable[..., Any], args: tuple, variables: dict[str, str], thre
         result = fn(*args)
         destroy_distributed()
         message: tuple[str, Any] = ("ok", result)
-    except BaseException:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are reported too.
+    except BaseException as err:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are reported too.
         message = ("error", traceback.format_exc())
+        report = watchdog.explain(err)  # which peers never arrived, when a collective timed out
+        if report is not None:
+            conn.send_bytes(pickle.dumps(("missing", report.missing)))
+            if not isinstance(err, watchdog.CollectiveTimeoutError):
+                message = ("error", f"{message[1]}shardkit: {report.message}\n")
     # NOTE: plain pickle bytes, not conn.send: multiprocessing's pickler moves tensors through shared
     # memory whose file descriptors die with this process, so a returned tensor would arrive broken.
     try:

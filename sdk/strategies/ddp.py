@@ -59,6 +59,11 @@ class DDP(BackwardSyncControl, ProcessGroupStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
+        if not dist.is_initialized():
+            # NOTE: one process (an Accelerate YAML with MULTI_CPU and num_processes: 1): init_distributed makes
+            # no group, and torch's DDP cannot wrap without one. Nothing is reduced at world size 1, so the
+            # module runs as it is: the same losses and weights as SingleDevice.
+            return module
         device_ids = [self._device.index] if self._device.type == "cuda" else None
         wrapped = DistributedDataParallel(
             module, device_ids=device_ids, bucket_cap_mb=self.settings.bucket_cap_mb,
