@@ -1,0 +1,91 @@
+"""TrainingArguments: HF names and defaults, validation that names the fix, --flags and JSON/YAML files."""
+
+import json
+
+import pytest
+import torch
+
+from shardkit.trainer import HfArgumentParser, TrainingArguments, get_scheduler
+
+
+def test_defaults_follow_hugging_face():
+    args = TrainingArguments(output_dir="out")
+    assert (args.per_device_train_batch_size, args.learning_rate, args.num_train_epochs) == (8, 5e-5, 3.0)
+    assert (args.lr_scheduler_type, args.save_strategy, args.eval_strategy, args.report_to) == ("linear", "steps",
+                                                                                                 "no", [])
+    assert args.logging_dir == "out/runs" and args.run_name == "out"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(load_best_model_at_end=True), "eval_strategy"),
+    (dict(load_best_model_at_end=True, eval_strategy="steps", eval_steps=30, save_steps=100), "save_steps=90"),
+    (dict(load_best_model_at_end=True, eval_strategy="epoch", save_strategy="steps"), "save_strategy='epoch'"),
+    (dict(eval_strategy="stpes"), "did you mean 'steps'"),
+    (dict(lr_scheduler_type="cosin"), "did you mean 'cosine'"),
+    (dict(fp16=True, bf16=True), "choose one"),
+    (dict(save_strategy="best"), "metric_for_best_model"),
+    (dict(warmup_ratio=1.5), "warmup_ratio"),
+    (dict(fsdp="full_shard", deepspeed={"zero_optimization": {"stage": 2}}), "choose one engine"),
+    (dict(lr_scheduler_type="reduce_lr_on_plateau"), "eval_strategy"),
+])
+def test_contradictions_name_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainingArguments(output_dir="out", **kwargs)
+
+
+def test_best_model_defaults_to_loss_lower_is_better():
+    args = TrainingArguments(load_best_model_at_end=True, eval_strategy="steps", eval_steps=10, save_steps=20)
+    assert (args.metric_for_best_model, args.greater_is_better) == ("loss", False)
+    args = TrainingArguments(metric_for_best_model="accuracy")
+    assert args.greater_is_better is True
+
+
+def test_flags_json_and_yaml(tmp_path):
+    argv = ["--output_dir", "o", "--learning_rate", "0.1", "--fp16", "--gradient-accumulation-steps", "4",
+            "--report_to", "jsonl", "--lr_scheduler_kwargs", '{"num_cycles": 2}', "--no_remove_unused_columns"]
+    args = TrainingArguments.from_cli(argv)
+    assert (args.learning_rate, args.fp16, args.gradient_accumulation_steps) == (0.1, True, 4)
+    assert args.report_to == ["jsonl"] and args.lr_scheduler_kwargs == {"num_cycles": 2}
+    assert args.remove_unused_columns is False
+    (tmp_path / "a.json").write_text(json.dumps({"output_dir": "o", "max_steps": 7, "bf16": True}))
+    (tmp_path / "a.yaml").write_text("output_dir: o\nmax_steps: 7\nbf16: true\n")
+    for name in ("a.json", "a.yaml"):
+        args = TrainingArguments.from_file(str(tmp_path / name))
+        assert (args.max_steps, args.bf16) == (7, True)
+    (tmp_path / "bad.yaml").write_text("output_dir: o\nlearning_rat: 1\n")
+    with pytest.raises(ValueError, match="did you mean 'learning_rate'"):
+        TrainingArguments.from_file(str(tmp_path / "bad.yaml"))
+    with pytest.raises(ValueError, match="unknown command-line"):
+        HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(["--lerning_rate", "1"])
+
+
+def test_tensorboard_without_the_package_names_it(monkeypatch):
+    import shardkit.trainer.arguments as arguments
+
+    monkeypatch.setattr(arguments, "_has_tensorboard", lambda: False)
+    with pytest.raises(ValueError, match="pip install tensorboard"):
+        TrainingArguments(report_to="tensorboard")
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("linear", {}), ("cosine", {}), ("cosine_with_restarts", {"num_cycles": 2}), ("polynomial", {"power": 2.0}),
+    ("constant", {}), ("constant_with_warmup", {}), ("inverse_sqrt", {}), ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
+    ("warmup_stable_decay", {"num_decay_steps": 8}),
+])
+def test_schedules_match_transformers(name, kwargs):
+    transformers = pytest.importorskip("transformers")
+
+    def lrs(factory):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        sched = factory(opt)
+        out = []
+        for _ in range(30):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    ours = lrs(lambda o: get_scheduler(name, o, 5, 30, kwargs))
+    theirs = lrs(lambda o: transformers.get_scheduler(name, o, num_warmup_steps=5, num_training_steps=30,
+                                                      scheduler_specific_kwargs=dict(kwargs)))
+    assert ours == pytest.approx(theirs, rel=1e-9, abs=1e-12)
