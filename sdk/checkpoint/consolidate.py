@@ -1,4 +1,4 @@
-"""Consolidating any shardkit checkpoint into Hugging Face-style safetensors (the zero-to-fp32 tool)."""
+"""Consolidating shardkit and DeepSpeed checkpoints into Hugging Face-style safetensors (the zero-to-fp32 tool)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 
+from .deepspeed_reader import DeepSpeedCheckpoint
 from .format import CheckpointError, SafetensorsStreamWriter, fsync_dir, write_bytes_durable
 from .reader import CheckpointReader
 
-__all__ = ["consolidate", "parse_size"]
+__all__ = ["consolidate", "consolidate_deepspeed", "parse_size", "write_hf_shards"]
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -45,6 +47,53 @@ def _plan(keys: dict, dtype: torch.dtype | None, limit: int) -> list[list[tuple[
     return shards
 
 
+def write_hf_shards(out_dir: Path, keys: dict[str, tuple[tuple, torch.dtype]], fetch: Callable[[str], torch.Tensor],
+                    *, dtype: torch.dtype | None, max_shard_size: int | str, tied: dict[str, str]) -> list[Path]:
+    """Writes ``keys`` (name -> (shape, source dtype)) as ``model.safetensors`` or shards + index.
+
+    ``fetch(name)`` returns one tensor; only one is held at a time. Floating tensors are cast to
+    ``dtype`` (None keeps them). ``tied`` (alias -> kept name) goes into the metadata and index. Old
+    ``model*.safetensors`` outputs in ``out_dir`` are replaced; each file appears whole (temporary name,
+    fsync, rename) or not at all.
+    """
+    limit = parse_size(max_shard_size)
+    if limit <= 0:
+        raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size!r}")
+    shards = _plan(keys, dtype, limit)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.iterdir():
+        if _OUTPUT_RE.match(old.name):
+            old.unlink()
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    meta = {"format": "pt"}
+    if tied:
+        meta["tied_weights"] = json.dumps(tied)
+    written = []
+    for file, specs in zip(names, shards):
+        tmp = out_dir / f".{file}.tmp"
+        w = SafetensorsStreamWriter(tmp, specs, meta)
+        try:
+            for key, out_dtype, _ in specs:
+                w.write(key, fetch(key).to(out_dtype))
+        except BaseException:
+            w.abort()
+            tmp.unlink(missing_ok=True)
+            raise
+        w.close()
+        os.replace(tmp, out_dir / file)
+        written.append(out_dir / file)
+    if n > 1:
+        total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for sh in shards for _, d, s in sh)
+        index = {"metadata": {"total_size": total, **({"tied_weights": tied} if tied else {})},
+                 "weight_map": {k: f for f, sh in zip(names, shards) for k, _, _ in sh}}
+        idx = out_dir / "model.safetensors.index.json"
+        write_bytes_durable(idx, json.dumps(index, indent=2).encode())
+        written.append(idx)
+    fsync_dir(out_dir)
+    return written
+
+
 def consolidate(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike, *, name: str = "model",
                 dtype: torch.dtype | None = torch.float32, max_shard_size: int | str = "5GB") -> list[Path]:
     """Writes entry ``name`` of a checkpoint (full or sharded, any world size) as HF-style safetensors.
@@ -62,46 +111,40 @@ def consolidate(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLik
     Returns:
         The paths written: the shard files, then the index if there is one.
     """
-    out_dir = Path(output_dir)
-    limit = parse_size(max_shard_size)
-    if limit <= 0:
-        raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size!r}")
+    parse_size(max_shard_size)
     with CheckpointReader(checkpoint_path) as reader:
         if not reader.has(name):
             raise CheckpointError(f"{reader.path}: has no entry {name!r}; it has {sorted(reader.entries())}; "
                                   "pass --name")
         tied = reader.aliases(name)
         keys = {k: v for k, v in reader.sharded_keys(name).items() if k not in tied}
-        shards = _plan(keys, dtype, limit)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for old in out_dir.iterdir():
-            if _OUTPUT_RE.match(old.name):
-                old.unlink()
-        n = len(shards)
-        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        meta = {"format": "pt"}
-        if tied:
-            meta["tied_weights"] = json.dumps(tied)
-        written = []
-        for file, specs in zip(names, shards):
-            tmp = out_dir / f".{file}.tmp"
-            w = SafetensorsStreamWriter(tmp, specs, meta)
-            try:
-                for key, out_dtype, _ in specs:
-                    w.write(key, reader.read_full(name, key).to(out_dtype))
-            except BaseException:
-                w.abort()
-                tmp.unlink(missing_ok=True)
-                raise
-            w.close()
-            os.replace(tmp, out_dir / file)
-            written.append(out_dir / file)
-    if n > 1:
-        total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for sh in shards for _, d, s in sh)
-        index = {"metadata": {"total_size": total, **({"tied_weights": tied} if tied else {})},
-                 "weight_map": {k: f for f, sh in zip(names, shards) for k, _, _ in sh}}
-        idx = out_dir / "model.safetensors.index.json"
-        write_bytes_durable(idx, json.dumps(index, indent=2).encode())
-        written.append(idx)
-    fsync_dir(out_dir)
-    return written
+        return write_hf_shards(Path(output_dir), keys, lambda k: reader.read_full(name, k), dtype=dtype,
+                               max_shard_size=max_shard_size, tied=tied)
+
+
+def consolidate_deepspeed(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike, *,
+                          tag: str | None = None, dtype: torch.dtype | None = torch.float32,
+                          max_shard_size: int | str = "5GB", exclude_frozen_parameters: bool = False) -> list[Path]:
+    """Writes a DeepSpeed ZeRO-1/2/3 checkpoint as HF-style safetensors, like :func:`consolidate`.
+
+    Never imports DeepSpeed and never runs code from the files (see :mod:`.safe_unpickle`). Every
+    rank file is opened and checked before anything is written; then one parameter at a time is read
+    from the memory-mapped files and written, so peak memory stays near the largest parameter.
+    Shared parameters are written once; the others are listed under ``"tied_weights"``.
+
+    Args:
+        checkpoint_path: the directory holding ``latest`` (or the tag directory itself).
+        output_dir: where ``model*.safetensors`` go.
+        tag: the tag directory (``global_step14``); default: the one ``latest`` names.
+        dtype: dtype of floating tensors in the output (None: fp32, as read).
+        max_shard_size: largest output file (``"5GB"``, ``"500MiB"``, bytes).
+        exclude_frozen_parameters: leave out parameters that were not trained.
+
+    Returns:
+        The paths written: the shard files, then the index if there is one.
+    """
+    parse_size(max_shard_size)
+    with DeepSpeedCheckpoint(checkpoint_path, tag, exclude_frozen_parameters) as ckpt:
+        keys = {k: (tuple(s), d) for k in ckpt.sources for s, d in [ckpt.spec(k)]}
+        return write_hf_shards(Path(output_dir), keys, ckpt.read, dtype=dtype, max_shard_size=max_shard_size,
+                               tied=dict(ckpt.aliases))
