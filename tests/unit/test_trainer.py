@@ -1,0 +1,279 @@
+"""Trainer on one process: loss trace equals a hand-written Runner loop, exact accumulation, exact resume,
+best-model selection with save_total_limit, early stopping, callback order, SIGTERM save."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from shardkit import FP32, Runner, SingleDevice
+from shardkit.models import ByteTextDataset, Llama, LlamaConfig
+from shardkit.trainer import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
+from shardkit.trainer.callbacks import EVENTS
+
+TEXT = Path(__file__).resolve().parents[2] / "examples" / "data" / "public_domain.txt"
+TINY = LlamaConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, max_position=16, dropout=0.1)
+
+
+def _data(n=64):
+    return Subset(ByteTextDataset(TEXT, seq_len=16, stride=16), range(n))
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, learning_rate=1e-2,
+                weight_decay=0.01, max_steps=8, logging_steps=1, save_strategy="no", disable_tqdm=True,
+                lr_scheduler_type="linear", warmup_steps=2, seed=0)
+    return TrainingArguments(**{**base, **kw})
+
+
+def _llama():
+    torch.manual_seed(1)
+    return Llama(TINY)
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_loss_trace_equals_a_hand_written_runner_loop(tmp_path):
+    trainer = Trainer(_llama(), _args(tmp_path, gradient_accumulation_steps=2), train_dataset=_data())
+    trainer.train()
+    # The same run by hand: same seeds, param groups (no decay on 1-d weights), schedule and clipping.
+    runner = Runner(SingleDevice("cpu"), FP32(), gradient_accumulation_steps=2, seed=0)
+    torch.manual_seed(0)
+    model = _llama()
+    torch.manual_seed(0)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: s / 2 if s < 2 else max(0.0, (8 - s) / 6))
+    model, opt, sched = runner.setup(model, opt, sched)
+    loader = runner.setup_dataloader(DataLoader(_data(), batch_size=4, shuffle=True))
+    losses, window = [], 0.0
+    for batch in loader:
+        loss = model(batch["input_ids"], batch["labels"])
+        runner.backward(loss)
+        window += loss.item() / 2
+        if runner.sync_gradients:
+            runner.clip_gradients(1.0)
+            runner.step()
+            losses.append(window)
+            window = 0.0
+            if len(losses) == 8:
+                break
+    assert _losses(trainer) == pytest.approx(losses, rel=1e-6)
+    for (name, a), b in zip(trainer.model.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+
+
+class SumLossLM(nn.Module):
+    """A causal LM whose forward takes num_items_in_batch by name and returns sum / num_items_in_batch."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = nn.Embedding(32, 16)
+        self.out = nn.Linear(16, 32)
+
+    def forward(self, input_ids, labels=None, num_items_in_batch=None):
+        logits = self.out(torch.tanh(self.emb(input_ids)))
+        if labels is None:
+            return logits
+        flat = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 32), labels[:, 1:].reshape(-1),
+                                           ignore_index=-100, reduction="sum")
+        count = num_items_in_batch if num_items_in_batch is not None else (labels[:, 1:] != -100).sum()
+        return flat / count
+
+    loss_type = "ForCausalLM"
+
+
+class LogitsOnly(SumLossLM):
+    """No labels argument: the Trainer owns the loss and takes it from the logits."""
+
+    def forward(self, input_ids):
+        return super().forward(input_ids)
+
+
+class VarLen(Dataset):
+    def __init__(self, n=16):
+        g = torch.Generator().manual_seed(5)
+        self.rows = [torch.randint(0, 32, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g)
+                     for _ in range(n)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i]}
+
+
+def pad_collate(samples):
+    width = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    labels = torch.full((len(samples), width), -100)
+    for i, s in enumerate(samples):
+        ids[i, : len(s["input_ids"])] = s["input_ids"]
+        labels[i, : len(s["input_ids"])] = s["input_ids"]
+    return {"input_ids": ids, "labels": labels}
+
+
+class GradCatcher(TrainerCallback):
+    def __init__(self):
+        self.grads = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("cls", [SumLossLM, LogitsOnly])
+def test_accumulation_gives_the_big_batch_gradients(tmp_path, cls):
+    data = VarLen(16)
+    catcher = GradCatcher()
+    args = _args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=8, max_steps=1,
+                 max_grad_norm=0.0, remove_unused_columns=False)
+    Trainer(cls(), args, train_dataset=data, data_collator=pad_collate, callbacks=[catcher]).train()
+    big = cls()
+    batch = pad_collate([data[i] for i in range(16)])
+    logits = big(batch["input_ids"]) if cls is LogitsOnly else None
+    if logits is None:
+        loss = big(**batch)
+    else:
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 32), batch["labels"][:, 1:].reshape(-1),
+                                           ignore_index=-100)
+    loss.backward()
+    for name, p in big.named_parameters():
+        torch.testing.assert_close(catcher.grads[name], p.grad, rtol=1e-5, atol=1e-7)
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def test_resume_true_continues_exactly(tmp_path):
+    full = Trainer(_llama(), _args(tmp_path / "a", gradient_accumulation_steps=2, logging_steps=3),
+                   train_dataset=_data())
+    full.train()
+    args = _args(tmp_path / "b", gradient_accumulation_steps=2, logging_steps=3, save_strategy="steps", save_steps=5)
+    first = Trainer(_llama(), args, train_dataset=_data(), callbacks=[StopAt(5)])  # as a preempted job would
+    first.train()
+    torch.manual_seed(123)  # the resumed process starts with other RNG states: the checkpoint must restore them
+    second = Trainer(_llama(), _args(tmp_path / "b", gradient_accumulation_steps=2, logging_steps=3,
+                                     save_strategy="steps", save_steps=5), train_dataset=_data())
+    second.train(resume_from_checkpoint=True)
+    assert _losses(second) == _losses(full)  # the log at step 6 averages steps 4-6 across the resume
+    assert second.state.global_step == 8
+    for (name, a), b in zip(second.model.named_parameters(), full.model.parameters()):
+        assert torch.equal(a, b), name
+    state = json.loads((tmp_path / "b" / "out" / "checkpoint-5" / "trainer_state.json").read_text())
+    assert state["global_step"] == 5
+
+
+class Accuracy:
+    def __call__(self, pred):
+        logits, labels = pred
+        return {"accuracy": float((logits[:, :-1].argmax(-1) == labels[:, 1:]).mean())}
+
+
+def test_best_model_is_kept_and_loaded(tmp_path):
+    args = _args(tmp_path, max_steps=12, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
+                 save_total_limit=1,
+                 load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
+                 learning_rate=3e-2)
+    trainer = Trainer(_llama(), args, train_dataset=_data(), eval_dataset=_data(8), compute_metrics=Accuracy())
+    trainer.train()
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    best = max(evals, key=lambda h: h["eval_loss"])  # "greater is better" on a falling loss: the first wins
+    assert trainer.state.best_model_checkpoint.endswith(f"checkpoint-{best['step']}")
+    kept = sorted(p.name for p in Path(args.output_dir).glob("checkpoint-*"))
+    assert kept == sorted({f"checkpoint-{best['step']}", "checkpoint-12"})
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(best["eval_loss"], rel=1e-6)
+    assert "eval_accuracy" in evals[0]
+
+
+def test_early_stopping_stops_and_its_counter_is_saved(tmp_path):
+    args = _args(tmp_path, max_steps=40, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+                 metric_for_best_model="loss", greater_is_better=True, learning_rate=3e-2)
+    trainer = Trainer(_llama(), args, train_dataset=_data(), eval_dataset=_data(8),
+                      callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
+    trainer.train()
+    assert trainer.state.global_step == 3  # the loss falls: steps 2 and 3 are not "better"
+    state = json.loads((Path(args.output_dir) / "checkpoint-3" / "trainer_state.json").read_text())
+    assert state["stateful_callbacks"]["EarlyStoppingCallback"]["attributes"]["early_stopping_patience_counter"] == 2
+
+
+class Recorder(TrainerCallback):
+    def __init__(self):
+        self.events = []
+
+
+for _event in EVENTS:
+    setattr(Recorder, _event, (lambda name: lambda self, *a, **k: self.events.append(name))(_event))
+
+
+def test_callback_event_order(tmp_path):
+    recorder = Recorder()
+    args = _args(tmp_path, max_steps=2, gradient_accumulation_steps=2, logging_steps=2, eval_strategy="steps",
+                 eval_steps=2, save_strategy="steps", save_steps=2)
+    trainer = Trainer(_llama(), args, train_dataset=_data(16), eval_dataset=_data(4), callbacks=[recorder])
+    trainer.train()
+    step = ["on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end"]
+    expected = (["on_init_end", "on_train_begin", "on_epoch_begin"] + step + step
+                + ["on_log", "on_prediction_step", "on_log", "on_evaluate", "on_save", "on_epoch_end", "on_log",
+                   "on_train_end"])
+    assert recorder.events == expected
+
+
+class SigtermAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_saves_and_resumes_exactly(tmp_path):
+    full = Trainer(_llama(), _args(tmp_path / "a"), train_dataset=_data())
+    full.train()
+    args = _args(tmp_path / "b")
+    first = Trainer(_llama(), args, train_dataset=_data(), callbacks=[SigtermAt(3)])
+    first.train()
+    assert first.state.global_step == 3
+    assert (Path(args.output_dir) / "checkpoint-3" / "trainer_state.json").is_file()
+    torch.manual_seed(7)
+    second = Trainer(_llama(), _args(tmp_path / "b"), train_dataset=_data())
+    second.train(resume_from_checkpoint=True)
+    assert _losses(first) == _losses(full)[:3]
+    assert _losses(second) == _losses(full)  # log_history continues from the checkpoint
+    for a, b in zip(second.model.parameters(), full.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_resume_true_without_a_checkpoint_says_so(tmp_path):
+    trainer = Trainer(_llama(), _args(tmp_path), train_dataset=_data())
+    with pytest.raises(ValueError, match="no complete checkpoint"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_jsonl_report_and_nan_filter(tmp_path, caplog):
+    class NaNAt(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 1:
+                trainer._pending_local.append(torch.tensor(float("nan")))
+
+    args = _args(tmp_path, max_steps=3, logging_steps=3, report_to="jsonl")
+    trainer = Trainer(_llama(), args, train_dataset=_data(), callbacks=[NaNAt()])
+    trainer.train()
+    lines = [json.loads(x) for p in Path(args.logging_dir).glob("*.jsonl") for x in p.read_text().splitlines()]
+    assert lines[0]["step"] == 3 and lines[0]["loss"] == lines[0]["loss"]  # finite
+    assert "NaN/inf" in caplog.text
