@@ -13,12 +13,13 @@ from .format import FORMAT_NAME, FORMAT_VERSION, CheckpointError
 from .optimizer import load_optimizer_state_by_name, optimizer_state_by_name
 from .reader import CheckpointReader, resolve_checkpoint
 from .rng import capture_rng_state, restore_rng_state
-from .writer import CheckpointWriter, ShardPiece, prune_checkpoints
+from .writer import CheckpointBusyError, CheckpointWriter, ShardPiece, prune_checkpoints, recover_checkpoints
 from .zero_to_fp32 import get_fp32_state_dict, load_state_dict_from_zero_checkpoint
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "CheckpointBusyError",
     "CheckpointError",
     "CheckpointReader",
     "CheckpointWriter",
@@ -32,6 +33,7 @@ __all__ = [
     "optimizer_state_by_name",
     "parse_size",
     "prune_checkpoints",
+    "recover_checkpoints",
     "resolve_checkpoint",
     "restore_rng_state",
 ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import time
 import uuid
@@ -28,11 +27,32 @@ from .format import (
     write_safetensors,
 )
 from .merge import merge_parts
+from .publish import (
+    FAULT_ENV,
+    FAULT_STEPS,
+    CheckpointBusyError,
+    acquire_lock,
+    fault_point,
+    prune_checkpoints,
+    recover_checkpoints,
+    rename_into_place,
+    update_latest,
+)
+from .reader import tmp_prefix
+from .schema import NAME_RE as _NAME_RE
 from .state import encode_state
 
-__all__ = ["CheckpointWriter", "ShardPiece", "update_latest", "prune_checkpoints"]
+__all__ = [
+    "FAULT_ENV",
+    "FAULT_STEPS",
+    "CheckpointBusyError",
+    "CheckpointWriter",
+    "ShardPiece",
+    "prune_checkpoints",
+    "recover_checkpoints",
+    "update_latest",
+]
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 _PART = ".part-rank{:05d}.json"
 _SAVE_ID = ".save-id"
 
@@ -80,10 +100,14 @@ class ShardPiece:
 class CheckpointWriter:
     """Writes one checkpoint directory atomically, from one or many ranks.
 
-    Everything goes into ``parent/.<name>.tmp``; on a clean exit every rank fsyncs its files and
-    writes its manifest part, rank 0 merges the parts into ``shardkit.json``, renames the directory
-    into place, moves ``parent/latest`` and prunes old checkpoints. On an exception nothing becomes
-    visible and ``latest`` is untouched. All ranks must see the same filesystem.
+    Rank 0 takes an exclusive lock on ``parent/.shardkit.lock`` for the whole save (a second save into
+    the same parent fails at once with :class:`CheckpointBusyError`; the lock dies with its process),
+    repairs what killed saves left behind (:func:`recover_checkpoints`), and makes a fresh hidden
+    directory ``parent/.<name>.tmp-<id>`` that every rank writes into. On a clean exit every rank fsyncs
+    its files and writes its manifest part, rank 0 checks that every part belongs to this save, merges
+    them into ``shardkit.json``, renames the directory into place, moves ``parent/latest`` and prunes
+    old checkpoints. On an exception nothing becomes visible and ``latest`` is untouched. All ranks
+    must see the same filesystem.
 
     Args:
         path: this save's directory, e.g. ``runs/ckpt/step-000100``.
@@ -91,14 +115,19 @@ class CheckpointWriter:
         world_size: number of ranks taking part; each must enter and exit the writer.
         barrier: a callable that blocks until every rank calls it (e.g. ``torch.distributed.barrier``);
             ``None`` only when ``world_size == 1``.
+        broadcast: ``broadcast(obj) -> obj`` from rank 0 to every rank (``Runner.broadcast``); tells the
+            other ranks which temporary directory is theirs, or that rank 0 could not start. Without it
+            they find it through ``parent/.<name>.saving``, which a second job saving the same path at
+            the same moment could overwrite.
         keep_last: keep only this many newest checkpoints in ``parent`` (the new one included).
         info: JSON-able dict stored in the manifest (step, strategy, ...), returned by ``reader.info``.
         update_latest: move ``parent/latest`` to this checkpoint (default True).
     """
 
     def __init__(self, path: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
-                 barrier: Callable[[], Any] | None = None, keep_last: int | None = None,
-                 info: Mapping[str, Any] | None = None, update_latest: bool = True) -> None:
+                 barrier: Callable[[], Any] | None = None, broadcast: Callable[[Any], Any] | None = None,
+                 keep_last: int | None = None, info: Mapping[str, Any] | None = None,
+                 update_latest: bool = True) -> None:
         self.path = Path(path)
         if not _NAME_RE.match(self.path.name):
             raise CheckpointError(f"{self.path}: checkpoint directory name must match {_NAME_RE.pattern}")
@@ -116,7 +145,9 @@ class CheckpointWriter:
             raise CheckpointError(f"{self.path}: info must be JSON-serialisable: {e}") from None
         self.update_latest = update_latest
         self._barrier = barrier or (lambda: None)
-        self.tmp = self.path.parent / f".{self.path.name}.tmp"
+        self._broadcast = broadcast
+        self.tmp: Path | None = None
+        self._lock: int | None = None
         self._files: dict[str, dict[str, Any]] = {}
         self._entries: dict[str, dict[str, Any]] = {}
         self._open = False
@@ -133,20 +164,69 @@ class CheckpointWriter:
             self.abort(exc)
 
     def open(self) -> None:
-        """Creates the temporary directory (rank 0) and waits for every rank."""
+        """Rank 0 locks, recovers and creates the temporary directory; every rank learns its name."""
+        msg: Any = None
+        failure: CheckpointError | None = None
         if self.rank == 0:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            if self.tmp.exists():  # a crashed earlier save of the same name
-                shutil.rmtree(self.tmp)
-            self.tmp.mkdir()
-            write_bytes_durable(self.tmp / _SAVE_ID, uuid.uuid4().hex.encode())
-        self._barrier()
+            try:
+                msg = self._start()
+            except CheckpointError as e:
+                failure, msg = e, {"error": str(e), "busy": isinstance(e, CheckpointBusyError)}
+        if self._broadcast is not None and self.world_size > 1:
+            msg = self._broadcast(msg)
+        elif self.world_size > 1:
+            self._barrier()
+            if self.rank != 0:
+                msg = self._read_pointer()
+        if failure is not None:
+            raise failure
+        if isinstance(msg, dict):
+            cls = CheckpointBusyError if msg.get("busy") else CheckpointError
+            raise cls(f"{self.path}: rank 0 could not start the save: {msg.get('error')}")
+        self.tmp = self.path.parent / msg
         try:
             self._save_id = (self.tmp / _SAVE_ID).read_text()
         except OSError as e:
             raise CheckpointError(f"{self.tmp}: rank {self.rank} cannot see the temporary directory made by "
                                   f"rank 0 ({e}); all ranks must share one filesystem") from None
         self._open = True
+
+    def _start(self) -> str:
+        """Rank 0: lock the parent, repair killed saves, make this save's directory; returns its name."""
+        parent = self.path.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        self._lock = acquire_lock(parent, self.path)
+        try:
+            fault_point("locked")
+            recover_checkpoints(parent)
+            fault_point("recovered")
+            save_id = uuid.uuid4().hex
+            tmp = parent / f"{tmp_prefix(self.path.name)}{save_id[:16]}"
+            tmp.mkdir()
+            write_bytes_durable(tmp / _SAVE_ID, save_id.encode())
+            if self._broadcast is None and self.world_size > 1:
+                write_bytes_durable(self._pointer(), tmp.name.encode())
+            fault_point("tmp-created")
+        except BaseException:
+            self._release()
+            raise
+        return tmp.name
+
+    def _pointer(self) -> Path:
+        return self.path.parent / f".{self.path.name}.saving"
+
+    def _read_pointer(self) -> str:
+        f = self._pointer()
+        try:
+            return f.read_text()
+        except OSError as e:
+            raise CheckpointError(f"{f}: rank {self.rank} cannot find rank 0's temporary directory ({e}); "
+                                  "all ranks must share one filesystem") from None
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # closing the descriptor drops the flock
+            self._lock = None
 
     def commit(self) -> None:
         """Publishes the checkpoint (every rank must call it)."""
@@ -160,7 +240,11 @@ class CheckpointWriter:
                 self._publish()
             except BaseException as e:  # other ranks must still reach the barrier below
                 failure = e
-                shutil.rmtree(self.tmp, ignore_errors=True)
+                if self.tmp is not None and (self.tmp / _SAVE_ID).is_file():  # never remove a published dir
+                    shutil.rmtree(self.tmp, ignore_errors=True)
+                self._pointer().unlink(missing_ok=True)
+            finally:
+                self._release()
         self._barrier()
         if failure is not None:
             raise failure
@@ -177,9 +261,12 @@ class CheckpointWriter:
             self._barrier()
             if self.rank == 0:
                 shutil.rmtree(self.tmp, ignore_errors=True)
+                self._pointer().unlink(missing_ok=True)
             self._barrier()
         except Exception:  # NOTE: the original exception is what the caller needs to see
             pass
+        finally:
+            self._release()
 
     # ---------------------------------------------------------------- writing
     def write_tensors(self, name: str, tensors: Mapping[str, torch.Tensor],
@@ -283,19 +370,40 @@ class CheckpointWriter:
 
     def _record(self, file: str, size_sha: tuple[int, str]) -> None:
         self._files[file] = {"size": size_sha[0], "sha256": size_sha[1]}
+        fault_point("file-written")
 
     def _write_part(self, error: str | None) -> None:
-        part = {"rank": self.rank, "error": error, "files": self._files, "entries": self._entries}
+        part = {"rank": self.rank, "save_id": self._save_id, "error": error, "files": self._files,
+                "entries": self._entries}
         write_bytes_durable(self.tmp / _PART.format(self.rank), json.dumps(part).encode())
+        fault_point("part-written")
 
-    def _publish(self) -> None:
-        """Rank 0: merge the parts, write the manifest, rename into place, move latest, prune."""
+    def _read_parts(self) -> list[dict[str, Any]]:
+        """Rank 0: every rank's part, checked to belong to this save (a checked publish)."""
+        try:
+            mine = (self.tmp / _SAVE_ID).read_text()
+        except OSError:
+            mine = None
+        if mine != self._save_id:
+            raise CheckpointError(f"{self.tmp}: no longer holds this save (its id changed or it was removed by "
+                                  "another process); nothing was published")
         parts = []
         for r in range(self.world_size):
             f = self.tmp / _PART.format(r)
-            if not f.exists():
-                raise CheckpointError(f"{f}: rank {r} wrote no manifest part; the save of {self.path} is abandoned")
-            parts.append(json.loads(f.read_text()))
+            try:
+                part = json.loads(f.read_text())
+            except OSError:
+                raise CheckpointError(f"{f}: rank {r} wrote no manifest part; the save of {self.path} is "
+                                      "abandoned") from None
+            if not isinstance(part, dict) or part.get("save_id") != self._save_id or part.get("rank") != r:
+                raise CheckpointError(f"{f}: belongs to another save (rank {r} wrote into the wrong temporary "
+                                      "directory?); nothing was published")
+            parts.append(part)
+        return parts
+
+    def _publish(self) -> None:
+        """Rank 0: merge the parts, write the manifest, rename into place, move latest, prune."""
+        parts = self._read_parts()
         failed = [(p["rank"], p["error"]) for p in parts if p["error"]]
         if failed:
             raise CheckpointError(f"{self.path}: rank {failed[0][0]} failed during save ({failed[0][1]}); "
@@ -307,11 +415,14 @@ class CheckpointWriter:
                     "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
                     "info": self.info, "entries": entries, "files": files}
         write_bytes_durable(self.tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        fault_point("manifest-written")
         for r in range(self.world_size):
             (self.tmp / _PART.format(r)).unlink()
         (self.tmp / _SAVE_ID).unlink()
         fsync_dir(self.tmp)
-        _rename_into_place(self.tmp, self.path)
+        fault_point("tmp-sealed")
+        rename_into_place(self.tmp, self.path)
+        self._pointer().unlink(missing_ok=True)
         if self.update_latest:
             update_latest(self.path)
         if self.keep_last is not None:
@@ -332,63 +443,3 @@ def _storage_identity(t: torch.Tensor) -> tuple | None:
     if t.numel() == 0:
         return None  # NOTE: empty tensors may all report data_ptr 0
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-
-
-def _rename_into_place(tmp: Path, path: Path) -> None:
-    """Renames ``tmp`` to ``path``; an existing ``path`` is moved aside first and removed afterwards."""
-    old = path.parent / f".{path.name}.old"
-    if old.exists():
-        shutil.rmtree(old)
-    if path.exists():
-        # NOTE: between these two renames `path` is missing; resolve_checkpoint falls back to `.old`.
-        os.rename(path, old)
-    os.rename(tmp, path)
-    fsync_dir(path.parent)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def update_latest(path: Path) -> None:
-    """Points ``path.parent/latest`` at ``path`` atomically (temp file, fsync, rename, fsync dir)."""
-    tmp = path.parent / f".{LATEST}.tmp"
-    write_bytes_durable(tmp, (path.name + "\n").encode())
-    os.replace(tmp, path.parent / LATEST)
-    fsync_dir(path.parent)
-
-
-def prune_checkpoints(parent: Path, keep_last: int, keep: Path | None = None) -> list[Path]:
-    """Removes all but the ``keep_last`` newest shardkit checkpoints in ``parent``; returns those removed.
-
-    Only directories whose ``shardkit.json`` names the shardkit format count; ``keep`` and the target
-    of ``latest`` are never removed. Each victim is renamed to a hidden name before deletion so that
-    a crash mid-delete never leaves a half checkpoint that looks whole.
-    """
-    found = []
-    for d in parent.iterdir():
-        if d.name.startswith(".") or not d.is_dir():
-            continue
-        try:
-            m = json.loads((d / MANIFEST).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(m, dict) and m.get("format") == FORMAT_NAME:
-            found.append((float(m.get("created", 0.0)), d.name, d))
-    found.sort(reverse=True)
-    protected = {keep.resolve()} if keep is not None else set()
-    try:
-        protected.add((parent / (parent / LATEST).read_text().strip()).resolve())
-    except OSError:
-        pass
-    removed = []
-    for _, _, d in found[keep_last:]:
-        if d.resolve() in protected:
-            continue
-        doomed = parent / f".{d.name}.deleting"
-        if doomed.exists():
-            shutil.rmtree(doomed)
-        os.rename(d, doomed)
-        shutil.rmtree(doomed)
-        removed.append(d)
-    if removed:
-        fsync_dir(parent)
-    return removed
