@@ -8,6 +8,7 @@ A ``.json`` path (or a dict) is a DeepSpeed config; ``.yaml``/``.yml`` is an Acc
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +26,8 @@ __all__ = ["CONFIG_FILE_ENV", "ConfigError", "ConfigKeyError", "ConfigMismatchEr
            "ResolvedConfig", "resolve_runner_config"]
 
 CONFIG_FILE_ENV = "SHARDKIT_CONFIG_FILE"
+log = logging.getLogger("shardkit.config")
+_LOGGED: set[str] = set()
 
 
 def resolve_runner_config(
@@ -56,14 +59,28 @@ def resolve_runner_config(
     if isinstance(config, Mapping):
         from shardkit.config.deepspeed import resolve_deepspeed
 
-        return resolve_deepspeed(config, **kwargs)
+        return _logged(resolve_deepspeed(config, **kwargs))
     suffix = Path(config).suffix.lower()
     if suffix == ".json":
         from shardkit.config.deepspeed import resolve_deepspeed
 
-        return resolve_deepspeed(config, **kwargs)
+        return _logged(resolve_deepspeed(config, **kwargs))
     if suffix in (".yaml", ".yml"):
         from shardkit.config.accelerate import resolve_accelerate
 
-        return resolve_accelerate(config, **kwargs)
+        return _logged(resolve_accelerate(config, **kwargs))
     raise ConfigError(f"config {str(config)!r}: use a DeepSpeed .json file (or dict) or an Accelerate .yaml/.yml file")
+
+
+def _logged(resolved: ResolvedConfig) -> ResolvedConfig:
+    """Log what the config resolved to (every "auto" settled), once per source, on the main process only."""
+    rank = os.environ.get("RANK", "0").strip()
+    if rank in ("", "0") and resolved.source not in _LOGGED:
+        _LOGGED.add(resolved.source)
+        settings = getattr(resolved.strategy, "settings", None)
+        log.info("%s resolves to strategy=%r%s precision=%r gradient_accumulation_steps=%d micro_batch_size=%s "
+                 "max_grad_norm=%s optimizer=%s scheduler=%s", resolved.source, resolved.strategy,
+                 f" ({settings})" if settings is not None else "", resolved.precision,
+                 resolved.gradient_accumulation_steps, resolved.micro_batch_size, resolved.max_grad_norm,
+                 resolved.optimizer, resolved.scheduler)
+    return resolved

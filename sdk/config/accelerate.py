@@ -22,9 +22,11 @@ from shardkit.config.common import (
     ConfigResourceError,
     ResolvedConfig,
     check_known_keys,
+    check_number,
     closest,
     load_mapping,
     reconcile,
+    warn_once,
     world_size_from_env,
 )
 from shardkit.config.deepspeed import StrategySpec, build_strategy, resolve_deepspeed
@@ -134,7 +136,8 @@ def load_accelerate_config(path: str | os.PathLike) -> AccelerateConfig:
     return AccelerateConfig(
         path=path, distributed_type=kind, mixed_precision=mixed, num_processes=processes, num_machines=machines,
         machine_rank=rank, main_process_ip=raw.get("main_process_ip") or None,
-        main_process_port=None if port is None else _int(raw, "main_process_port", where, 0, minimum=1),
+        main_process_port=None if port is None else _int(raw, "main_process_port", where, 0, minimum=1,
+                                                         maximum=65535),
         use_cpu=use_cpu, gpu_ids=_gpu_ids(raw.get("gpu_ids"), where), strategy=spec, deepspeed=ds,
         deepspeed_source=ds_where, env=_env(raw, use_cpu, path),
     )
@@ -170,7 +173,10 @@ def _check_unsupported(raw: Mapping[str, Any], where: str) -> None:
                                   f"you; call torch.compile(model) in the script and set dynamo_backend: 'NO'")
     for key in ("megatron_lm_config", "mpirun_config", "fp8_config", "parallelism_config", "ipex_config"):
         section = raw.get(key)
-        if section and any(v not in (None, False, "", [], {}) for v in dict(section).values()):
+        if section is not None and not isinstance(section, Mapping):
+            raise ConfigError(f"{key} in {where} must be a section (a mapping), not {section!r}; remove it (shardkit "
+                              f"does not use it)")
+        if section and any(v not in (None, False, "", [], {}) for v in section.values()):
             raise NotImplementedError(f"{key} in {where} is not supported by shardkit; remove it")
 
 
@@ -185,12 +191,15 @@ def _check_sections_match(raw: Mapping[str, Any], kind: str, where: str) -> None
                               f"set distributed_type: {owner} or remove {section}")
 
 
-def _int(raw: Mapping[str, Any], key: str, where: str, default: int, minimum: int) -> int:
+def _int(raw: Mapping[str, Any], key: str, where: str, default: int, minimum: int,
+         maximum: int | None = None) -> int:
     value = raw.get(key, default)
     if value is None:
         value = default
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{key}: {value!r} in {where} must be a whole number >= {minimum}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or \
+            (maximum is not None and value > maximum):
+        upper = f" and <= {maximum}" if maximum is not None else ""
+        raise ConfigError(f"{key}: {value!r} in {where} must be a whole number >= {minimum}{upper}")
     return value
 
 
@@ -246,7 +255,7 @@ def _fsdp_spec(section: Mapping[str, Any], where: str) -> StrategySpec:
         kwargs["reshard_after_forward"] = reshard
     kwargs["auto_wrap"] = _fsdp_auto_wrap(section, where)
     state = section.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")
-    if state not in _STATE_DICT:
+    if not isinstance(state, str) or state not in _STATE_DICT:
         raise (NotImplementedError if state == "LOCAL_STATE_DICT" else ConfigError)(
             f"fsdp_config.fsdp_state_dict_type: {state!r} in {where}; use one of {list(_STATE_DICT)}")
     kwargs["state_dict_type"] = _STATE_DICT[state]
@@ -258,21 +267,42 @@ def _fsdp_spec(section: Mapping[str, Any], where: str) -> StrategySpec:
                           f"(only rank 0 loads the weights; the others receive them) in {where}")
     kwargs["sync_module_states"] = sync
     version = section.get("fsdp_version", 1)
-    if version not in (1, 2):
+    if isinstance(version, bool) or not isinstance(version, int) or version not in (1, 2):
         raise ConfigError(f"fsdp_config.fsdp_version: {version!r} in {where} must be 1 or 2")
-    for key in ("fsdp_backward_prefetch", "fsdp_backward_prefetch_policy"):
-        if key in section and section[key] not in _PREFETCH:
-            raise ConfigError(f"fsdp_config.{key}: {section[key]!r} in {where}; use one of {list(_PREFETCH)}")
-    # FSDP2 prefetches on its own and always keeps the original parameters, so these change nothing.
-    noted = [k for k in ("fsdp_version", "fsdp_backward_prefetch", "fsdp_backward_prefetch_policy",
-                         "fsdp_forward_prefetch", "fsdp_use_orig_params") if k in section]
-    if noted:
-        log.debug("%s: shardkit runs FSDP2 (fully_shard); not acted on: %s", where, ", ".join(noted))
+    _fsdp_no_effect(section, where)
     return "FSDP", kwargs
+
+
+def _fsdp_no_effect(section: Mapping[str, Any], where: str) -> None:
+    """Warn once for each FSDP1 knob that asks for something FSDP2 (fully_shard) does not do."""
+    for key in ("fsdp_backward_prefetch", "fsdp_backward_prefetch_policy"):
+        if key in section and (not isinstance(section[key], str) or section[key] not in _PREFETCH):
+            raise ConfigError(f"fsdp_config.{key}: {section[key]!r} in {where}; use one of {list(_PREFETCH)}")
+        if section.get(key, "BACKWARD_PRE") != "BACKWARD_PRE":
+            warn_once(f"fsdp:{key}", f"{where}: fsdp_config.{key}: {section[key]} has no effect: FSDP2 always "
+                      f"prefetches the next block's all-gather in backward (BACKWARD_PRE); for another order call "
+                      f"module.set_modules_to_backward_prefetch([...]) on the sharded blocks after runner.setup()")
+    forward = _bool(section, "fsdp_forward_prefetch", False, where)
+    if forward:
+        warn_once("fsdp:forward_prefetch", f"{where}: fsdp_config.fsdp_forward_prefetch: true has no effect: FSDP2 "
+                  f"overlaps the next all-gather implicitly; for explicit forward prefetching call "
+                  f"module.set_modules_to_forward_prefetch([...]) on the sharded blocks after runner.setup()")
+    if not _bool(section, "fsdp_use_orig_params", True, where):
+        warn_once("fsdp:use_orig_params", f"{where}: fsdp_config.fsdp_use_orig_params: false has no effect: FSDP2 "
+                  f"always keeps the original parameters (as DTensor shards); remove the key")
+    if _bool(section, "fsdp_cpu_ram_efficient_loading", False, where):
+        warn_once("fsdp:cpu_ram_efficient_loading", f"{where}: fsdp_config.fsdp_cpu_ram_efficient_loading: true "
+                  f"does not set Accelerate's FSDP_CPU_RAM_EFFICIENT_LOADING variable (transformers would load "
+                  f"on rank 0 alone): build the model inside runner.init_module(empty_init=True) instead; with "
+                  f"fsdp_sync_module_states rank 0 holds the weights and the other ranks receive them")
 
 
 def _fsdp_sharding(section: Mapping[str, Any], where: str) -> str:
     value = section.get("fsdp_sharding_strategy", "FULL_SHARD")
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        # NOTE: 1.7 used to become FULL_SHARD through int(); [1] raised a bare TypeError.
+        raise ConfigError(f"fsdp_config.fsdp_sharding_strategy: {value!r} in {where} must be a name like "
+                          f"'FULL_SHARD' or a whole number 1-5")
     reshard = section.get("fsdp_reshard_after_forward")
     if isinstance(reshard, str):  # Accelerate's FSDP1 spelling: the sharding strategy's name
         if "fsdp_sharding_strategy" in section and reshard != value:
@@ -357,6 +387,9 @@ def _deepspeed_dict(section: Mapping[str, Any], mixed: str, raw: Mapping[str, An
         if inline:
             raise ConfigError(f"deepspeed_config in {path} names deepspeed_config_file and also {inline}; put those "
                               f"in the JSON file")
+        if not isinstance(section["deepspeed_config_file"], str):
+            raise ConfigError(f"deepspeed_config.deepspeed_config_file: {section['deepspeed_config_file']!r} in "
+                              f"{path} must be the path of a DeepSpeed JSON file")
         file = Path(section["deepspeed_config_file"])
         file = file if file.is_absolute() else path.parent / file
         return load_mapping(file), str(file)
@@ -382,6 +415,13 @@ def _inline_deepspeed(section: Mapping[str, Any], mixed: str, where: str) -> dic
         zero["stage3_gather_16bit_weights_on_model_save"] = bool(section["zero3_save_16bit_model"])
     if section.get("zero3_init_flag") and stage != 3:
         log.warning("%s: zero3_init_flag applies to zero_stage 3 only; ignored at stage %s", where, stage)
+    elif section.get("zero3_init_flag"):
+        warn_once("deepspeed:zero3_init_flag", f"{where}: zero3_init_flag: true has no effect by itself: build the "
+                  f"model inside runner.init_module(), where ZeRO3 partitions it as it is built (deepspeed.zero.Init)")
+    for key in ("gradient_accumulation_steps", "gradient_clipping"):
+        if key in section and section[key] != "auto":
+            check_number(section[key], f"deepspeed_config.{key}", where, integer=key != "gradient_clipping",
+                         minimum=1 if key == "gradient_accumulation_steps" else 0)
     config: dict[str, Any] = {"zero_optimization": zero}
     for key in ("gradient_accumulation_steps", "gradient_clipping"):
         if key in section:

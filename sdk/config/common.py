@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import logging
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -18,11 +20,16 @@ __all__ = [
     "ConfigResourceError",
     "ResolvedConfig",
     "check_known_keys",
+    "check_number",
     "closest",
     "load_mapping",
     "reconcile",
+    "warn_once",
     "world_size_from_env",
 ]
+
+log = logging.getLogger("shardkit.config")
+_WARNED: set[str] = set()
 
 AUTO = "auto"
 
@@ -120,12 +127,52 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def warn_once(key: str, message: str) -> None:
+    """Log `message` as a warning the first time `key` is seen in this process (a key with no effect)."""
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning("%s", message)
+
+
+def check_number(value: Any, key: str, where: str, *, integer: bool = False, minimum: float | None = None,
+                 maximum: float | None = None, above: float | None = None) -> float | int:
+    """`value` if it is a finite number in range, else ConfigError naming the key, the value and the range.
+
+    Args:
+        integer: whole numbers only (2.0 is accepted as 2).
+        minimum, maximum: inclusive bounds; above: exclusive lower bound.
+    """
+    kind = "a whole number" if integer else "a number"
+    bounds = [f">= {minimum:g}" if minimum is not None else "", f"> {above:g}" if above is not None else "",
+              f"<= {maximum:g}" if maximum is not None else ""]
+    wanted = f"{kind} {' and '.join(b for b in bounds if b)}".strip()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key}={value!r} in {where} must be {wanted}, not {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r} in {where} must be {wanted} (NaN and infinity are not numbers here; "
+                          f"a JSON 1e400 reads as infinity)")
+    if integer and float(value) != int(value):
+        raise ConfigError(f"{key}={value!r} in {where} must be {wanted}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum) or \
+            (above is not None and value <= above):
+        raise ConfigError(f"{key}={value!r} in {where} must be {wanted}")
+    return int(value) if integer else value
+
+
 def load_mapping(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a JSON or YAML file into a dict, naming the file on a parse error."""
+    """Read a JSON or YAML file into a dict, naming the file on a read, decode or parse error."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found")
-    text = path.read_text()
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {raw[err.start]:#04x} at offset "
+                          f"{err.start}); save it as UTF-8") from None
     try:
         if path.suffix.lower() == ".json":
             data = json.loads(text)
@@ -134,7 +181,8 @@ def load_mapping(path: str | os.PathLike) -> dict[str, Any]:
 
             data = yaml.safe_load(text)
     except Exception as err:  # json.JSONDecodeError / yaml.YAMLError: both say where
-        raise ConfigError(f"cannot parse {path}: {err}") from None
+        detail = " ".join(str(err).split())  # one line: YAML's messages span several
+        raise ConfigError(f"cannot parse {path}: {detail}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):

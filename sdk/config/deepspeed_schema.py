@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardkit.config.common import AUTO, ConfigError, check_known_keys
+from shardkit.config.common import AUTO, ConfigError, check_known_keys, check_number, warn_once
 
 __all__ = ["Key", "SCHEMA", "OPTIMIZER_PARAMS", "SCHEDULER_PARAMS", "walk"]
 
@@ -34,6 +34,17 @@ class Key:
     auto: bool = False
     opaque: bool = False
     aliases: tuple[str, ...] = field(default=())
+    number: Mapping[str, Any] | None = None  # check_number's bounds; every numeric key has them
+    no_effect: str = ""  # accepted but changes nothing here: warned once, with what to use instead
+
+
+def _num(kind: str = "use", auto: bool = False, **bounds: Any) -> Key:
+    return Key(kind, auto=auto, number=bounds)
+
+
+POSITIVE_INT = dict(integer=True, minimum=1)
+COUNT = dict(integer=True, minimum=0)
+SIZE = dict(minimum=0)  # bucket sizes in elements; fractional values are rounded later
 
 
 def _disabled(value: Any) -> bool:
@@ -59,39 +70,48 @@ def _ignored_section(*keys: str) -> Key:
 
 
 OFFLOAD_PARAM = {
-    "device": USE, "nvme_path": USE, "buffer_count": USE, "buffer_size": USE, "max_in_cpu": USE,
+    "device": USE, "nvme_path": USE, "buffer_count": _num(**POSITIVE_INT), "buffer_size": _num(above=0),
+    "max_in_cpu": _num(**SIZE),
     "pin_memory": Key("ignore", why="shardkit pins memory only where a GPU exists"),
 }
 OFFLOAD_OPTIMIZER = {
-    "device": USE, "nvme_path": USE, "buffer_count": USE,
+    "device": USE, "nvme_path": USE, "buffer_count": _num(**POSITIVE_INT),
     "pin_memory": Key("ignore", why="shardkit pins memory only where a GPU exists"),
-    "pipeline_read": PASS, "pipeline_write": PASS, "pipeline": PASS, "fast_init": PASS, "ratio": PASS,
+    "pipeline_read": PASS, "pipeline_write": PASS, "pipeline": PASS, "fast_init": PASS,
+    "ratio": _num("pass", minimum=0, maximum=1),
     "super_offload": PASS, "cpuadam_cores_perc": PASS,
 }
-AIO = {"block_size": USE, "queue_depth": USE, "intra_op_parallelism": USE, "thread_count": USE,
+AIO = {"block_size": _num(**POSITIVE_INT), "queue_depth": _num(**POSITIVE_INT),
+       "intra_op_parallelism": _num(**POSITIVE_INT), "thread_count": _num(**POSITIVE_INT),
        "single_submit": USE, "overlap_events": USE, "use_gds": USE}
 
 ZERO = {
-    "stage": USE, "contiguous_gradients": USE, "reduce_bucket_size": USE_AUTO, "allgather_bucket_size": USE,
+    "stage": _num(integer=True, minimum=0, maximum=3), "contiguous_gradients": USE,
+    "reduce_bucket_size": _num(auto=True, above=0), "allgather_bucket_size": _num(above=0),
     "overlap_comm": USE, "offload_param": Key("use", section=OFFLOAD_PARAM),
     "offload_optimizer": Key("use", section=OFFLOAD_OPTIMIZER),
     # DeepSpeed reads aio at the top level; some configs nest it here, so both places are accepted.
     "aio": Key("use", section=AIO),
-    "stage3_prefetch_bucket_size": USE_AUTO, "prefetch_bucket_size": USE_AUTO,
-    "stage3_param_persistence_threshold": USE_AUTO, "param_persistence_threshold": USE_AUTO,
-    "stage3_max_live_parameters": USE, "max_live_parameters": USE,
-    "stage3_max_reuse_distance": USE, "max_reuse_distance": USE,
+    "stage3_prefetch_bucket_size": _num(auto=True, **SIZE), "prefetch_bucket_size": _num(auto=True, **SIZE),
+    "stage3_param_persistence_threshold": _num(auto=True, **SIZE),
+    "param_persistence_threshold": _num(auto=True, **SIZE),
+    "stage3_max_live_parameters": _num(**SIZE), "max_live_parameters": _num(**SIZE),
+    "stage3_max_reuse_distance": _num(**SIZE), "max_reuse_distance": _num(**SIZE),
     "stage3_gather_16bit_weights_on_model_save": USE, "gather_16bit_weights_on_model_save": USE,
     "stage3_gather_fp16_weights_on_model_save": USE,
     "reduce_scatter": PASS, "use_multi_rank_bucket_allreduce": PASS, "allgather_partitions": PASS,
-    "compute_grad_norm": PASS, "load_from_fp32_weights": PASS, "elastic_checkpoint": PASS, "sub_group_size": PASS,
-    "stage3_model_persistence_threshold": PASS, "stage3_module_granularity_threshold": PASS,
+    "compute_grad_norm": PASS, "load_from_fp32_weights": PASS, "elastic_checkpoint": PASS,
+    "sub_group_size": _num("pass", above=0),
+    "stage3_model_persistence_threshold": _num("pass", **SIZE),
+    "stage3_module_granularity_threshold": _num("pass", **SIZE),
     "stage3_use_all_reduce_for_fetch_params": PASS, "stage3_allgather_sequential": PASS,
     "ignore_unused_parameters": PASS, "legacy_stage1": PASS, "round_robin_gradients": PASS,
-    "parameter_alignment": PASS, "zero_hpz_partition_size": PASS, "zero_quantized_weights": PASS,
+    "parameter_alignment": PASS,
+    "zero_hpz_partition_size": _num("pass", **POSITIVE_INT), "zero_quantized_weights": PASS,
     "zero_quantized_nontrainable_weights": PASS, "zero_quantized_gradients": PASS, "memory_efficient_linear": PASS,
     "pipeline_loading_checkpoint": PASS, "override_module_apply": PASS, "enable_sanity_checks": PASS,
-    "mics_shard_size": PASS, "mics_hierarchical_params_gather": PASS, "leaf_module": PASS,
+    "mics_shard_size": _num("pass", integer=True, minimum=-1), "mics_hierarchical_params_gather": PASS,
+    "leaf_module": PASS,
     "save_muon_momentum_buffer_in_memory": PASS, "log_trace_cache_warnings": IGNORE,
     "cpu_offload": _unsupported("deprecated; use zero_optimization.offload_optimizer.device", _false),
     "cpu_offload_param": _unsupported("deprecated; use zero_optimization.offload_param.device", _false),
@@ -100,8 +120,10 @@ ZERO = {
 }
 
 FP16 = {
-    "enabled": USE_AUTO, "loss_scale": USE, "initial_scale_power": USE, "loss_scale_window": USE,
-    "hysteresis": USE, "min_loss_scale": USE,
+    "enabled": USE_AUTO, "loss_scale": _num(minimum=0),  # 0: dynamic scaling
+    # 2**initial_scale_power must stay finite in fp32 (2**127 is the largest power of two).
+    "initial_scale_power": _num(integer=True, minimum=0, maximum=127),
+    "loss_scale_window": _num(**POSITIVE_INT), "hysteresis": _num(**POSITIVE_INT), "min_loss_scale": _num(above=0),
     "auto_cast": _unsupported("fp16.auto_cast (casting inputs to fp16) is not supported; shardkit autocasts "
                               "the forward", _false),
     "consecutive_hysteresis": _unsupported("consecutive_hysteresis is not supported by shardkit's loss scaler",
@@ -115,22 +137,33 @@ BF16 = {
 }
 
 SCHEMA: dict[str, Key] = {
-    "train_batch_size": USE_AUTO, "train_micro_batch_size_per_gpu": USE_AUTO,
-    "gradient_accumulation_steps": USE_AUTO, "gradient_clipping": USE_AUTO, "communication_data_type": USE,
+    "train_batch_size": _num(auto=True, **POSITIVE_INT),
+    "train_micro_batch_size_per_gpu": _num(auto=True, **POSITIVE_INT),
+    "gradient_accumulation_steps": _num(auto=True, **POSITIVE_INT),
+    # A negative clip norm reverses the gradients (issue 13: loss 4.65 -> 26.9 in 30 steps); 0 means no clipping.
+    "gradient_clipping": _num(auto=True, minimum=0), "communication_data_type": USE,
     "optimizer": Key("use", section={"type": USE, "params": Key("use", opaque=True), "legacy_fusion": IGNORE}),
     "scheduler": Key("use", section={"type": USE, "params": Key("use", opaque=True)}),
     "fp16": Key("use", section=FP16), "bf16": Key("use", section=BF16), "bfloat16": Key("use", section=BF16),
     "zero_optimization": Key("use", section=ZERO), "aio": Key("use", section=AIO),
     "zero_allow_untested_optimizer": PASS, "zero_force_ds_cpu_optimizer": PASS,
-    "activation_checkpointing": Key("pass", section={k: PASS for k in (
-        "partition_activations", "contiguous_memory_optimization", "cpu_checkpointing", "number_checkpoints",
-        "synchronize_checkpoint_boundary", "profile")}),
+    "activation_checkpointing": Key("pass", section={
+        **{k: PASS for k in ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                             "synchronize_checkpoint_boundary", "profile")},
+        "number_checkpoints": _num("pass", **POSITIVE_INT)}, no_effect=(
+        "activation_checkpointing configures deepspeed.checkpointing, which acts only where the model itself calls "
+        "deepspeed.checkpointing.checkpoint; shardkit does not recompute anything because of it. Use "
+        "FSDP(activation_checkpointing=...) or torch.utils.checkpoint in the model's blocks")),
     "data_types": Key("pass", section={"grad_accum_dtype": PASS}),
-    "steps_per_print": IGNORE, "wall_clock_breakdown": IGNORE, "dump_state": IGNORE, "memory_breakdown": IGNORE,
+    "steps_per_print": _num("ignore", **POSITIVE_INT),
+    "wall_clock_breakdown": IGNORE, "dump_state": IGNORE, "memory_breakdown": IGNORE,
     "dataloader_drop_last": IGNORE, "seq_parallel_communication_data_type": IGNORE, "disable_allgather": IGNORE,
     "use_data_before_expert_parallelism": IGNORE, "gradient_allreduce_op": IGNORE,
-    "checkpoint": _ignored_section("tag_validation", "use_node_local_storage", "load_universal", "parallel_write",
-                                   "writer"),
+    "checkpoint": Key("ignore", section={
+        **{k: IGNORE for k in ("tag_validation", "load_universal", "parallel_write", "writer")},
+        "use_node_local_storage": Key("ignore", no_effect=(
+            "checkpoint.use_node_local_storage has no effect: shardkit checkpoints are written by Runner.save to one "
+            "directory every rank reaches; give Runner.save a node-local path only on a single machine"))}),
     "tensorboard": _ignored_section("enabled", "output_path", "job_name"),
     "csv_monitor": _ignored_section("enabled", "output_path", "job_name"),
     "wandb": _ignored_section("enabled", "group", "team", "project"),
@@ -210,10 +243,14 @@ def walk(config: Mapping[str, Any], source: str, schema: Mapping[str, Key] = SCH
                                           f"off) to train with shardkit.")
             found["ignore"].append(dotted)
             continue
+        if key.no_effect and value not in (None, False, {}):
+            warn_once(f"deepspeed:{dotted}", f"{source}: {key.no_effect}")
         if value == AUTO and not key.auto:
             raise ConfigError(f"{dotted}: 'auto' is not accepted here in {source}; write a value (only batch sizes, "
                               f"accumulation, clipping, precision switches, bucket sizes and optimizer/scheduler "
                               f"params may be 'auto')")
+        if key.number is not None and value != AUTO:
+            check_number(value, dotted, source, **key.number)
         if key.kind in ("ignore", "pass"):
             found[key.kind].append(dotted)
         if key.section is not None and not key.opaque:

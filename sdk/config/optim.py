@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from shardkit.config.common import ConfigError, check_known_keys, closest, reconcile
+from shardkit.config.common import ConfigError, check_known_keys, check_number, closest, reconcile
 from shardkit.config.deepspeed_schema import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, UNSUPPORTED_OPTIMIZERS
 
 __all__ = ["build_optimizer", "build_scheduler", "resolve_optimizer", "resolve_scheduler"]
@@ -19,6 +19,20 @@ _CANONICAL = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "adagrad": "Adagra
 # Filled in for "auto" when nothing else supplied a value: torch.optim.AdamW's defaults, DeepSpeed's for the
 # schedulers (warmup_num_steps=1000, log warmup), and the optimizer's lr as the warmup target.
 _OPTIMIZER_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "momentum": 0.0}
+_NONNEG, _POSITIVE, _FRACTION = dict(minimum=0), dict(above=0), dict(minimum=0, maximum=1)
+_STEPS, _POSITIVE_STEPS = dict(integer=True, minimum=0), dict(integer=True, minimum=1)
+# The range of every numeric param (issue 13, N): "abc" or -1 for lr failed only when the optimizer was built.
+_PARAM_RANGES: dict[str, dict[str, Any]] = {
+    "lr": _NONNEG, "eps": _POSITIVE, "weight_decay": _NONNEG, "momentum": _NONNEG, "dampening": _NONNEG,
+    "lr_decay": _NONNEG, "initial_accumulator_value": _NONNEG,
+    "warmup_min_lr": _NONNEG, "warmup_max_lr": _NONNEG, "warmup_num_steps": _STEPS,
+    "total_num_steps": _POSITIVE_STEPS, "warmup_min_ratio": _FRACTION, "cos_min_ratio": _FRACTION,
+    "last_batch_iteration": dict(integer=True, minimum=-1), "cycle_min_lr": _NONNEG, "cycle_max_lr": _NONNEG,
+    "decay_lr_rate": _NONNEG, "cycle_first_step_size": _POSITIVE_STEPS, "cycle_second_step_size": _POSITIVE_STEPS,
+    "cycle_first_stair_count": _STEPS, "cycle_second_stair_count": _STEPS, "decay_step_size": _STEPS,
+    "cycle_min_mom": _FRACTION, "cycle_max_mom": _FRACTION, "decay_mom_rate": _NONNEG,
+    "lr_range_test_min_lr": _NONNEG, "lr_range_test_step_size": _POSITIVE_STEPS, "lr_range_test_step_rate": _POSITIVE,
+}
 _SCHEDULER_DEFAULTS = {"warmup_min_lr": 0.0, "warmup_num_steps": 1000, "warmup_type": "log",
                        "warmup_min_ratio": 0.0, "cos_min_ratio": 1e-4}
 
@@ -49,7 +63,23 @@ def resolve_optimizer(section: Mapping[str, Any] | None, where: str,
         value = reconcile(f"optimizer.params.{param}", params.get(param), where, values.get(param),
                           "Runner(optimizer_params=...)")
         params[param] = value if value is not None else _default(param, key)
+    _check_ranges(params, "optimizer.params", where)
     return {"type": _CANONICAL[key], "params": params}
+
+
+def _check_ranges(params: Mapping[str, Any], path: str, where: str) -> None:
+    """Every numeric param in its range; betas two numbers in [0, 1)."""
+    for name, value in params.items():
+        dotted = f"{path}.{name}"
+        if name in _PARAM_RANGES and not (value is None and name == "cycle_second_step_size"):
+            check_number(value, dotted, where, **_PARAM_RANGES[name])
+        if name == "betas":
+            if not isinstance(value, (list, tuple)) or len(value) != 2:
+                raise ConfigError(f"{dotted}={value!r} in {where} must be two numbers like [0.9, 0.999]")
+            for index, beta in enumerate(value):
+                check_number(beta, f"{dotted}[{index}]", where, minimum=0)
+                if beta >= 1:
+                    raise ConfigError(f"{dotted}[{index}]={beta!r} in {where} must be < 1 (like 0.9 or 0.999)")
 
 
 def _default(param: str, optimizer: str) -> Any:
@@ -88,6 +118,7 @@ def resolve_scheduler(section: Mapping[str, Any] | None, where: str, values: Map
             raise ConfigError(f"scheduler.params.{param} is 'auto' in {where} and nothing supplies it; write a "
                               f"value or pass it in scheduler_params")
         params[param] = value
+    _check_ranges(params, "scheduler.params", where)
     return {"type": name, "params": params}
 
 
