@@ -7,7 +7,8 @@ fp32 master partition. :class:`DeepSpeedCheckpoint` reads the files through the 
 (:mod:`.safe_unpickle`), works out where every parameter's pieces lie, and reads one parameter at a
 time from the memory-mapped files, so the whole model is never in memory. The results equal, value
 for value, DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` (frozen 16-bit parameters come
-back upcast to fp32, which is exact).
+back upcast to fp32, which is exact), with one addition: for ZeRO-1, where DeepSpeed's converter drops
+frozen parameters (the engine saves no list of them), they are taken from the module state.
 """
 
 from __future__ import annotations
@@ -195,7 +196,19 @@ class DeepSpeedCheckpoint:
             self._plan_zero12(optim, m0["param_shapes"])
         else:
             self._plan_zero3(optim, m0["param_shapes"])
-        self.aliases = {a: t for a, t in (m0.get("shared_params") or {}).items() if t in self.sources}
+        shared = m0.get("shared_params") or {}
+        if self.zero_stage == 1 and m0.get("frozen_param_shapes") is None and not exclude_frozen:
+            self._frozen_from_module(m0, shared)
+        self.aliases = {a: t for a, t in shared.items() if t in self.sources}
+
+    def _frozen_from_module(self, m0: dict, shared: Mapping) -> None:
+        """ZeRO-1 saves no frozen-parameter list (DeepSpeed's converter then drops them); the module
+        state holds every weight whole, so what is neither trained, a buffer nor an alias is frozen."""
+        trained = {k for d in m0["param_shapes"] for k in d}
+        buffers = set(m0["buffer_names"])
+        for k, v in m0["module"].items():
+            if k not in trained and k not in buffers and k not in shared and k not in self.sources:
+                self.sources[k] = (v.shape, v.dtype, [(v, 0, v.numel())])
 
     def _plan_zero12(self, optim: list[dict], param_shapes: list[Mapping]) -> None:
         groups = [o["single_partition_of_fp32_groups"] for o in optim]

@@ -140,6 +140,7 @@ def _allowlist() -> dict[str, Any]:
 
 
 _ALLOWED = _allowlist()
+_PY2_MODULES = {"__builtin__": "builtins"}  # torch.save writes protocol 2, which spells builtins the old way
 _SETSTATE_OK = (DeepSpeedStandIn,)
 
 
@@ -152,7 +153,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # the pure-Python one, so BUILD 
         self.dispatch[pickle.BUILD[0]] = _RestrictedUnpickler._load_build
 
     def find_class(self, module: str, name: str) -> Any:
-        key = f"{module}.{name}"
+        key = f"{_PY2_MODULES.get(module, module)}.{name}"
         if key in _ALLOWED:
             return _ALLOWED[key]
         raise UnsafePickleError(

@@ -140,3 +140,67 @@ def test_register_adds_subcommand():
                                     (123, 123), ("1.5KB", 1500)])
 def test_parse_size(text, n):
     assert parse_size(text) == n
+
+
+# --- DeepSpeed-format inputs read through the allowlist unpickler (no DeepSpeed needed) ---
+
+
+class _RunsCommand:
+    """Unpickling this with a plain pickle loader would run `touch <marker>`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickle_that_would_run_a_command_is_refused_and_nothing_runs(tmp_path, capsys):
+    from shardkit.checkpoint.safe_unpickle import UnsafePickleError, load_torch_zip
+
+    marker = tmp_path / "pwned"
+    step = tmp_path / "ckpt" / "global_step1"
+    step.mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest").write_text("global_step1")
+    payload = {"optimizer_state_dict": {"zero_stage": 2, "partition_count": 1, "x": _RunsCommand(marker)}}
+    torch.save(payload, step / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    torch.save({"module": {}, "buffer_names": [], "param_shapes": []}, step / "mp_rank_00_model_states.pt")
+    with pytest.raises(UnsafePickleError, match=r"'posix\.system'"):
+        load_torch_zip(step / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert main([str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "posix.system" in err and "zero_pp_rank_0_mp_rank_00_optim_states.pt" in err
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    # the same file through an unrestricted loader does run it: the test can fail
+    torch.load(step / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    assert marker.exists()
+
+
+def test_allowlisted_tensors_are_mapped_lazily_and_equal(tmp_path):
+    from shardkit.checkpoint.safe_unpickle import TorchZipFile
+
+    state = {"a": torch.arange(10, dtype=torch.float32), "b": torch.randn(3, 4).to(torch.bfloat16).t(),
+             "n": torch.tensor(7), "shape": torch.Size([2, 3]), "s": {1, 2}, "empty": torch.empty(0, 5)}
+    state["view"] = state["a"][3:7]  # shares a's storage
+    torch.save(state, tmp_path / "x.pt")
+    f = TorchZipFile(tmp_path / "x.pt")
+    got = f.load()
+    for k in ("a", "b", "n", "view", "empty"):
+        assert got[k].dtype == state[k].dtype and torch.equal(got[k], state[k]), k
+    assert got["shape"] == torch.Size([2, 3]) and got["s"] == {1, 2}
+    assert got["view"].untyped_storage().data_ptr() == got["a"].untyped_storage().data_ptr()
+    f.release()  # pages dropped, re-read on the next touch
+    assert torch.equal(got["b"], state["b"])
+
+
+def test_truncated_torch_file_is_a_named_error(tmp_path):
+    from shardkit.checkpoint.format import CheckpointError
+    from shardkit.checkpoint.safe_unpickle import load_torch_zip
+
+    torch.save({"w": torch.randn(100)}, tmp_path / "x.pt")
+    data = (tmp_path / "x.pt").read_bytes()
+    (tmp_path / "x.pt").write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match=r"x\.pt: not a complete torch.save zip file"):
+        load_torch_zip(tmp_path / "x.pt")
