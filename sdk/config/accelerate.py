@@ -392,6 +392,9 @@ def _deepspeed_dict(section: Mapping[str, Any], mixed: str, raw: Mapping[str, An
                               f"{path} must be the path of a DeepSpeed JSON file")
         file = Path(section["deepspeed_config_file"])
         file = file if file.is_absolute() else path.parent / file
+        if not file.is_file():
+            raise ConfigError(f"deepspeed_config.deepspeed_config_file: {str(file)!r} named in {path} is not a file; "
+                              f"fix the path (relative paths start at the YAML's directory)")
         return load_mapping(file), str(file)
     return _inline_deepspeed(section, mixed, where), where
 
@@ -524,6 +527,19 @@ def check_resources(cfg: AccelerateConfig, device_count: int | None = None) -> N
             f"or set use_cpu: true to run on CPU")
 
 
+def _check_deepspeed(cfg: AccelerateConfig) -> None:
+    """The DeepSpeed settings' own checks, without building a strategy: a bad value fails at launch, not in N ranks."""
+    from shardkit.config.deepspeed import strategy_spec_from_deepspeed
+    from shardkit.config.deepspeed_schema import walk
+    from shardkit.config.optim import resolve_optimizer
+
+    raw, where = cfg.deepspeed, cfg.deepspeed_source
+    walk(raw, where)
+    strategy_spec_from_deepspeed(raw, where, cfg.num_processes)
+    # NOTE: the scheduler waits for the Runner: its "auto" total_num_steps is known only to the training script.
+    resolve_optimizer(raw.get("optimizer"), where)
+
+
 def launch_args_from_yaml(path: str | os.PathLike) -> dict[str, Any]:
     """What `shardkit launch --config_file` needs: per-machine process count, machines, rank, address, env.
 
@@ -535,6 +551,8 @@ def launch_args_from_yaml(path: str | os.PathLike) -> dict[str, Any]:
     try:
         cfg = load_accelerate_config(path)
         check_resources(cfg)
+        if cfg.deepspeed is not None:
+            _check_deepspeed(cfg)
     except (ConfigError, NotImplementedError) as err:
         raise LaunchUsageError(f"--config-file {path}: {err}") from None
     args: dict[str, Any] = {"num_processes": cfg.processes_per_machine, "num_machines": cfg.num_machines,
