@@ -3,27 +3,46 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, RandomSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, get_worker_info
 
-__all__ = ["ResumableSampler", "RunnerDataLoader", "move_to_device"]
+__all__ = ["ResumableSampler", "RunnerDataLoader", "SeededDataset", "move_to_device", "sample_seed"]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def sample_seed(seed: int, epoch: int, position: int) -> int:
+    """A 63-bit seed for the sample at ``position`` of epoch ``epoch``'s order (splitmix64 of the three)."""
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + position * 0x94D049BB133111EB) & _MASK64
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        x = ((x ^ (x >> shift)) * mult) & _MASK64
+    return (x ^ (x >> 31)) >> 1
 
 
 class ResumableSampler(Sampler[int]):
     """Distributed sampler whose order depends only on (seed, epoch) and that can start mid-epoch.
 
-    Rank ``r`` of ``W`` takes positions ``r, r+W, r+2W, ...`` of the epoch's permutation, padded by
-    repeating its head so that every rank gets ``ceil(N / W)`` samples (or truncated to
-    ``floor(N / W)`` with ``drop_last``). :meth:`skip` drops the first samples of the current epoch so
-    that a resumed run sees exactly the samples the interrupted one had not yet seen.
+    The epoch's order is a permutation of the dataset (or ``range(N)``). A *split* deals the part of it
+    from ``offset`` on to the ranks: rank ``r`` of ``W`` takes positions ``offset + r, offset + r + W,
+    ...``, padded by repeating the split's head so that every rank gets ``ceil(M / W)`` samples (or
+    truncated to ``floor(M / W)`` with ``drop_last``), ``M = N - offset``. A fresh epoch is one split
+    with ``offset = 0``. :meth:`skip` drops the first samples of this rank in the current split (a
+    resume at the same world size); :meth:`resplit` starts a new split where a run at another world
+    size stopped, so the remaining samples of the epoch are each served once over the new ranks.
+
+    With ``with_seeds`` it yields ``(index, seed)`` pairs, ``seed`` a function of (seed, epoch,
+    position in the epoch's order), for :class:`SeededDataset` to seed worker RNGs per sample.
     """
 
     def __init__(
         self, length: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0,
-        drop_last: bool = False,
+        drop_last: bool = False, with_seeds: bool = False,
     ):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside [0, num_replicas={num_replicas})")
@@ -33,25 +52,40 @@ class ResumableSampler(Sampler[int]):
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.with_seeds = with_seeds
         self.epoch = 0
+        self.offset = 0  # positions of the epoch's order served before the current split began
         self._skip = 0
-        if drop_last:
-            self.per_rank = length // num_replicas
-        else:
-            self.per_rank = math.ceil(length / num_replicas)
+
+    @property
+    def split_length(self) -> int:
+        """Samples of the epoch the current split deals out (before padding or dropping)."""
+        return max(self.length - self.offset, 0)
+
+    @property
+    def per_rank(self) -> int:
+        m, w = self.split_length, self.num_replicas
+        return m // w if self.drop_last else math.ceil(m / w)
 
     def __len__(self) -> int:
         return self.per_rank - self._skip
 
     def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` from its beginning (a new split at offset 0)."""
+        if epoch != self.epoch:
+            self.offset = 0
         self.epoch = epoch
 
     def skip(self, count: int) -> None:
-        """Skip the first ``count`` samples of this rank in the current epoch (once)."""
+        """Skip the first ``count`` samples of this rank in the current split (once)."""
         self._skip = count
 
+    def resplit(self, offset: int) -> None:
+        """Deal the epoch's order from ``offset`` on over this sampler's ranks (a resume at another world size)."""
+        self.offset, self._skip = min(max(offset, 0), self.length), 0
+
     def positions(self) -> list[int]:
-        """Padded-permutation positions this rank yields this epoch, in order (before skipping)."""
+        """Split positions this rank yields this epoch, in order (before skipping)."""
         return [self.rank + k * self.num_replicas for k in range(self.per_rank)]
 
     def __iter__(self) -> Iterator[int]:
@@ -61,12 +95,41 @@ class ResumableSampler(Sampler[int]):
             order = torch.randperm(self.length, generator=generator).tolist()
         else:
             order = list(range(self.length))
+        split = order[self.offset:]
         total = self.per_rank * self.num_replicas
-        if total > len(order):
-            order += (order * math.ceil(total / max(len(order), 1)))[: total - len(order)]
-        mine = order[self.rank : total : self.num_replicas]
+        if total > len(split):
+            split += (split * math.ceil(total / max(len(split), 1)))[: total - len(split)]
         skip, self._skip = self._skip, 0
-        return iter(mine[skip:])
+        first = self.rank + skip * self.num_replicas
+        mine = split[first:total:self.num_replicas]
+        if not self.with_seeds:
+            return iter(mine)
+        positions = range(self.offset + first, self.offset + total, self.num_replicas)
+        return iter([(i, sample_seed(self.seed, self.epoch, p)) for i, p in zip(mine, positions)])
+
+
+class SeededDataset(Dataset):
+    """Wraps a map-style dataset for DataLoader workers: each sample is fetched right after torch, numpy
+    and ``random`` are seeded from its (seed, epoch, position), so the random draws a dataset makes do
+    not depend on which worker fetched it or on how many samples that worker fetched before a resume.
+
+    In the main process (``num_workers=0``) nothing is reseeded: there the draws come from the main RNG
+    streams, which a checkpoint saves and restores exactly.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, item: tuple[int, int]) -> Any:
+        index, seed = item
+        if get_worker_info() is not None:
+            random.seed(seed)
+            np.random.seed(seed % 2**32)
+            torch.manual_seed(seed)
+        return self.dataset[index]
 
 
 class RunnerDataLoader:
@@ -74,6 +137,8 @@ class RunnerDataLoader:
 
     Each ``iter()`` starts the next epoch (reshuffled by the sampler's seed and the epoch number)
     unless a resumed position is pending, in which case it finishes the interrupted epoch first.
+    ``batches_seen`` counts the batches of the current split (the whole epoch unless the run resumed
+    at another world size).
     """
 
     def __init__(self, loader: DataLoader, sampler: ResumableSampler, device: torch.device):
@@ -81,7 +146,7 @@ class RunnerDataLoader:
         self.sampler = sampler
         self.device = device
         self.epoch = 0
-        self.batches_seen = 0  # batches yielded in the current epoch
+        self.batches_seen = 0  # batches yielded in the current split
         self._resume = False
         self._started = False
         self._last_batch_start = 0  # per-rank sample index of the last yielded batch's first sample
@@ -89,7 +154,8 @@ class RunnerDataLoader:
 
     @property
     def dataset(self) -> Any:
-        return self.loader.dataset
+        ds = self.loader.dataset
+        return ds.dataset if isinstance(ds, SeededDataset) else ds
 
     @property
     def batch_size(self) -> int | None:
@@ -103,6 +169,7 @@ class RunnerDataLoader:
         if self._resume and epoch == self.epoch:
             return
         self.epoch, self.batches_seen, self._resume = epoch, 0, False
+        self.sampler.resplit(0)
         self._started = False
 
     def __iter__(self) -> Iterator[Any]:
@@ -112,6 +179,7 @@ class RunnerDataLoader:
         elif self._started:
             self.epoch += 1
             self.batches_seen = 0
+            self.sampler.resplit(0)
         self._started = True
         self.sampler.set_epoch(self.epoch)
         start = self.batches_seen * (self.loader.batch_size or 1)
@@ -128,27 +196,69 @@ class RunnerDataLoader:
         Returns None when the last batch holds no padding duplicates.
         """
         sampler, size = self.sampler, self._last_batch_size
-        if (self._last_batch_start + size) * sampler.num_replicas <= sampler.length:
+        if (self._last_batch_start + size) * sampler.num_replicas <= sampler.split_length:
             return None
         k = torch.arange(self._last_batch_start, self._last_batch_start + size)
         positions = k.unsqueeze(0) * sampler.num_replicas + torch.arange(sampler.num_replicas).unsqueeze(1)
-        return (positions < sampler.length).reshape(-1)
+        return (positions < sampler.split_length).reshape(-1)
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches_seen": self.batches_seen, "seed": self.sampler.seed}
+        """Where this rank is: the epoch, the split it walks (offset, world size) and its batches in it."""
+        s = self.sampler
+        samples = min(self.batches_seen * (self.loader.batch_size or 1), s.per_rank)
+        return {"epoch": self.epoch, "batches_seen": self.batches_seen, "seed": s.seed, "offset": s.offset,
+                "world_size": s.num_replicas, "samples_seen": samples, "length": s.length}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Continue from a saved position: the next ``iter()`` resumes the saved epoch where it stopped."""
-        if state["seed"] != self.sampler.seed:
-            raise ValueError(
-                f"data loader was saved with shuffle seed {state['seed']} but this one uses {self.sampler.seed}; "
-                "pass the same Runner(seed=...) to resume the same order"
-            )
-        self.epoch, self.batches_seen = int(state["epoch"]), int(state["batches_seen"])
+        """Continue from a saved position: the next ``iter()`` resumes the saved epoch where it stopped.
+
+        At the world size that saved it, each rank skips what it had seen (the same batches as an
+        uninterrupted run). At another world size the samples of the epoch no rank had been served are
+        dealt anew over the current ranks, each once.
+        """
+        state = _check_state(state, self.sampler)
+        self.epoch, self.batches_seen = state["epoch"], state["batches_seen"]
         self._resume, self._started = True, True
-        if self.batches_seen >= len(self.loader):  # saved at the very end of an epoch
+        world, offset = state.get("world_size", self.sampler.num_replicas), state.get("offset", 0)
+        self.sampler.set_epoch(self.epoch)
+        if world == self.sampler.num_replicas:
+            self.sampler.resplit(offset)
+            done = self.batches_seen >= len(self.loader)
+        else:  # the first offset + samples_seen * world positions of the epoch's order were served
+            consumed = offset + state["samples_seen"] * world
+            self.sampler.resplit(consumed)
+            self.batches_seen = 0
+            done = consumed >= self.sampler.length or len(self.loader) == 0
+        if done:  # saved at the very end of an epoch
             self.epoch, self.batches_seen, self._resume = self.epoch + 1, 0, False
+            self.sampler.resplit(0)
             self._started = False
+
+
+def _check_state(state: Mapping[str, Any], sampler: ResumableSampler) -> dict[str, int]:
+    """Validates a saved loader state (every checkpoint file is hostile): ints >= 0, the same seed/dataset."""
+    need = ("epoch", "batches_seen", "seed")
+    optional = ("offset", "world_size", "samples_seen", "length")
+    if not isinstance(state, Mapping) or any(k not in state for k in need):
+        raise ValueError(f"data loader state must hold {need}; got {state!r:.120}")
+    out = {}
+    for k in need + optional:
+        if k in state:
+            v = state[k]
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"data loader state field {k!r} must be an integer >= 0, got {v!r:.40}")
+            out[k] = v
+    if out["seed"] != sampler.seed:
+        raise ValueError(
+            f"data loader was saved with shuffle seed {out['seed']} but this one uses {sampler.seed}; "
+            "pass the same Runner(seed=...) to resume the same order"
+        )
+    if out.get("length", sampler.length) != sampler.length:
+        raise ValueError(f"data loader was saved over {out['length']} samples, this dataset has {sampler.length}; "
+                         "resume with the same dataset")
+    if "world_size" in out and ("samples_seen" not in out or out["world_size"] < 1):
+        raise ValueError("data loader state has world_size without samples_seen (or world_size 0); it is corrupt")
+    return out
 
 
 def rebuild_dataloader(loader: DataLoader, rank: int, world_size: int, seed: int, device: torch.device):
@@ -159,7 +269,10 @@ def rebuild_dataloader(loader: DataLoader, rank: int, world_size: int, seed: int
             "sharding and resuming work per sample"
         )
     shuffle = isinstance(loader.sampler, RandomSampler)
-    sampler = ResumableSampler(len(loader.dataset), world_size, rank, shuffle, seed, loader.drop_last)
+    # Workers get per-sample seeds (see SeededDataset); without workers the main RNG state is checkpointed.
+    workers = loader.num_workers > 0
+    sampler = ResumableSampler(len(loader.dataset), world_size, rank, shuffle, seed, loader.drop_last, workers)
+    dataset = SeededDataset(loader.dataset) if workers else loader.dataset
     kwargs = dict(
         batch_size=loader.batch_size,
         sampler=sampler,
@@ -177,7 +290,7 @@ def rebuild_dataloader(loader: DataLoader, rank: int, world_size: int, seed: int
     )
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
-    return RunnerDataLoader(DataLoader(loader.dataset, **kwargs), sampler, device)
+    return RunnerDataLoader(DataLoader(dataset, **kwargs), sampler, device)
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:

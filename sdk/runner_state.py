@@ -12,7 +12,7 @@ from shardkit import checkpoint as ckpt
 from shardkit.data import RunnerDataLoader
 from shardkit.strategies.base import Strategy
 
-__all__ = ["StateSaver"]
+__all__ = ["StateSaver", "check_module_dtypes"]
 
 _ENTRIES = "entries"
 _VALUES = "values"
@@ -79,6 +79,7 @@ class StateSaver:
         for key, obj in state.items():
             kind = _kind(obj)
             if kind == "module":
+                check_module_dtypes(reader, key, self.strategy.unwrap(obj))
                 self.strategy.load_module(reader, key, obj)
             elif kind == "optimizer":
                 self.strategy.load_optimizer(reader, key, obj, self.owner_of(obj))
@@ -87,6 +88,32 @@ class StateSaver:
             elif kind == "stateful":
                 obj.load_state_dict(reader.read_state(key))
         return values
+
+
+# The only dtype changes a load makes: between fp32 and a 16-bit float, the casts mixed precision needs
+# (ZeRO stores fp32 masters of bf16 parameters; a bf16 save loads into an fp32 model). Anything else
+# (int64 data in a float parameter, fp64, fp16 <-> bf16) is refused rather than silently converted.
+_CASTS = {(torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+          (torch.float16, torch.float32), (torch.bfloat16, torch.float32)}
+
+
+def check_module_dtypes(reader: ckpt.CheckpointReader, name: str, module: nn.Module) -> None:
+    """Refuses to load entry ``name`` into ``module`` when a tensor's stored dtype would change on load,
+    other than by a documented cast (fp32 <-> fp16/bf16 of floating tensors).
+
+    Raises:
+        CheckpointError: naming the checkpoint, the key and both dtypes.
+    """
+    saved = reader.sharded_keys(name)
+    for key, live in module.state_dict(keep_vars=True).items():
+        if key not in saved or not isinstance(live, torch.Tensor):
+            continue  # missing keys are the strategy's error to report, with its own message
+        stored = saved[key][1]
+        if stored != live.dtype and (stored, live.dtype) not in _CASTS:
+            raise ckpt.CheckpointError(
+                f"{reader.path}: {name}: {key!r} is stored as {stored} but the model holds {live.dtype}; a load "
+                "only casts between float32 and float16/bfloat16. Build the model in the stored dtype, or convert "
+                "the checkpoint explicitly")
 
 
 def _rank_entry(reader: ckpt.CheckpointReader, key: str, rank: int) -> str:
