@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 __all__ = [
     "build_mesh",
     "clip_grad_norm",
+    "gathered_parameters",
     "local_tensor",
     "meta_parameters",
     "model_state_bytes",
@@ -98,6 +99,65 @@ def initialize_parameters(module: nn.Module) -> None:
         for sub in module.modules():
             if callable(getattr(sub, "reset_parameters", None)):
                 sub.reset_parameters()
+
+
+# ---- whole parameters on demand -------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def gathered_parameters(params: list[torch.Tensor], modifier_rank: int | None = None,
+                        module: nn.Module | None = None) -> Iterator[list[torch.Tensor]]:
+    """Yield each of ``params`` as a plain whole tensor (DTensors gathered, one full copy per tensor).
+
+    With ``module``, its attributes holding these parameters point at whole ``nn.Parameter`` views of
+    the gathered tensors inside the block (so ``module.parameters()`` reads whole weights there) and
+    are put back on exit. With ``modifier_rank=r``, rank r's whole tensors are broadcast on exit and each
+    rank keeps its shard of them; otherwise writes are dropped. Do not run forward inside the block.
+    """
+    whole: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for p in params:
+            if id(p) not in whole:
+                whole[id(p)] = p.full_tensor() if isinstance(p, DTensor) else p
+    swapped = _swap_in(module, params, whole) if module is not None else []
+    try:
+        yield [whole[id(p)] for p in params]
+    finally:
+        for sub, name, original in swapped:
+            sub._parameters[name] = original
+        if modifier_rank is not None:
+            _keep_writes(params, whole, modifier_rank)
+
+
+def _swap_in(module: nn.Module, params: list[torch.Tensor], whole: dict[int, torch.Tensor]) -> list:
+    wanted = {id(p) for p in params if isinstance(p, DTensor)}
+    views: dict[int, nn.Parameter] = {}
+    swapped = []
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is not None and id(p) in wanted:
+                if id(p) not in views:  # tied parameters stay one object
+                    views[id(p)] = nn.Parameter(whole[id(p)], requires_grad=p.requires_grad)
+                swapped.append((sub, name, p))
+                sub._parameters[name] = views[id(p)]
+    return swapped
+
+
+@torch.no_grad()
+def _keep_writes(params: list[torch.Tensor], whole: dict[int, torch.Tensor], src: int) -> None:
+    from shardkit.strategies._sharded_state import dtensor_box
+
+    done: set[int] = set()
+    for p in params:
+        if id(p) in done:
+            continue
+        done.add(id(p))
+        full = whole[id(p)]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(full, src=src)
+        if isinstance(p, DTensor):
+            offsets, shape = dtensor_box(p)
+            local_tensor(p).copy_(full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))])
 
 
 # ---- optimizers -----------------------------------------------------------------------------------

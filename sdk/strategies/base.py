@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 from shardkit import checkpoint as ckpt
 from shardkit.precision import FP32, Precision
 
-__all__ = ["Strategy", "BackwardSyncControl"]
+__all__ = ["Strategy", "BackwardSyncControl", "param_list"]
 
 
 class Strategy(ABC):
@@ -119,10 +120,42 @@ class Strategy(ABC):
         return getattr(module, "module", module)
 
     def gathered_parameters(
-        self, params: Any, modifier_rank: int | None = None
-    ) -> contextlib.AbstractContextManager:
-        """Context in which partitioned parameters are whole (ZeRO-3); a null context where they always are."""
-        return contextlib.nullcontext()
+        self, params: Any, modifier_rank: int | None = None, module: nn.Module | None = None
+    ) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+        """Context that yields ``params`` as plain, whole tensors (a list, in the order given).
+
+        Every rank must enter it (sharded strategies gather). With ``modifier_rank=r``, in-place
+        changes rank r makes to the yielded tensors are kept on every rank on exit; other ranks'
+        changes are dropped. Where ``module`` holds the parameters, reading them from the module inside
+        the block gives the whole tensors too. Replicated strategies yield the parameters themselves.
+        """
+        return contextlib.nullcontext(param_list(params))
+
+    def iter_full_state_dict(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream the model's full state dict to the main process, one module at a time.
+
+        Yields ``(name, tensor)`` with the keys and order of ``module.state_dict()`` (tied weights under
+        each name): whole tensors in the dtype the model holds them, detached copies on the CPU. Only one
+        module's parameters are gathered at a time, so peak memory is the largest module, not the model.
+        Every rank must drive the iterator to the end (the gathers are collectives); ranks other than the
+        main process yield nothing.
+
+        Example:
+            for name, tensor in runner.iter_full_state_dict(model):   # on every rank
+                writer.add(name, tensor)                               # runs on rank 0 only
+        """
+        main = self.is_global_zero
+        for prefix, sub in _modules_like_state_dict(self.unwrap(module)):
+            named = [(n, p) for n, p in sub._parameters.items() if p is not None]
+            with self.gathered_parameters([p for _, p in named]) as whole:
+                if main:
+                    for (n, _), t in zip(named, whole):
+                        yield prefix + n, t.detach().to("cpu", copy=True)
+            if main:
+                skip = sub._non_persistent_buffers_set
+                for n, b in sub._buffers.items():
+                    if b is not None and n not in skip:
+                        yield prefix + n, b.detach().to("cpu", copy=True)
 
     def model_state_bytes(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds (for memory reports)."""
@@ -257,6 +290,23 @@ class BackwardSyncControl:
 
     def set_gradient_sync(self, module: nn.Module, enabled: bool) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+
+def param_list(params: Any) -> list[torch.Tensor]:
+    """``params`` (one tensor, an iterable of them, or a module) as a list."""
+    if isinstance(params, nn.Module):
+        return list(params.parameters())
+    if isinstance(params, torch.Tensor):
+        return [params]
+    return list(params)
+
+
+def _modules_like_state_dict(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """``(prefix, module)`` in ``state_dict``'s order, a module shared under two names visited under each."""
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _modules_like_state_dict(child, f"{prefix}{name}.")
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:

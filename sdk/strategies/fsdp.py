@@ -18,7 +18,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from shardkit.strategies import _mesh, _sharded_state
+from shardkit.strategies import _init, _mesh, _sharded_state
+from shardkit.strategies.base import param_list
 from shardkit.strategies.distributed import MeshStrategy
 
 __all__ = ["FSDP", "FSDPSettings"]
@@ -156,6 +157,7 @@ class FSDP(MeshStrategy):
         self.settings = FSDPSettings(sharding, auto_wrap, cpu_offload, activation_checkpointing,
                                      reshard_after_forward, sync_module_states, hybrid_shard_size, state_dict_type)
         self.mesh: DeviceMesh | None = None
+        self._recorders: list[_init.MetaInitRecorder] = []
 
     # ---- environment -------------------------------------------------------------------------------
 
@@ -169,12 +171,24 @@ class FSDP(MeshStrategy):
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
-        """Build in the parameter dtype on the device; with ``empty_init=True`` the parameters go on the meta
-        device (on every rank but 0 when ``sync_module_states``, so rank 0's weights, pretrained ones loaded
-        into it included, are what every shard starts from) and are materialised shard by shard in setup."""
+        """Context to build a model in, in the parameter dtype.
+
+        ``empty_init=None`` (the default): parameters go on the meta device and each one's init is
+        recorded with the RNG state it drew from; ``setup`` rebuilds them one at a time and keeps the
+        local shards, so the weights equal, bitwise, an unsharded build's from the same seed (rank 0's
+        RNG stream), and no rank ever holds more than one whole parameter.
+        ``empty_init=True``: on the meta device (on every rank but 0 when ``sync_module_states``, so rank
+        0's weights, pretrained ones loaded into it included, are what every shard starts from),
+        materialised shard by shard in setup. ``empty_init=False``: the whole model on every rank.
+        """
         stack = contextlib.ExitStack()
         stack.enter_context(super().module_init_context(empty_init))
-        if empty_init and not (self.settings.sync_module_states and self.is_global_zero):
+        if empty_init is None:
+            stack.enter_context(_init.rank0_rng(self.root_device))
+            recorder = _init.MetaInitRecorder()
+            self._recorders.append(recorder)
+            stack.enter_context(recorder)
+        elif empty_init and not (self.settings.sync_module_states and self.is_global_zero):
             stack.enter_context(_mesh.meta_parameters())
         return stack
 
@@ -192,6 +206,9 @@ class FSDP(MeshStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
+        records = self._init_records(module)
+        if records:
+            return self._setup_recorded(module, records)
         meta = self._any_rank(_mesh.has_meta_parameters(module))
         sync = self.settings.sync_module_states and self.world_size > 1
         if sync and not meta:
@@ -210,6 +227,32 @@ class FSDP(MeshStrategy):
                     _mesh.initialize_parameters(module)
             if sync:
                 _scatter_from_rank0(module, rank0_state)
+        return module
+
+    def _init_records(self, module: nn.Module) -> dict[str, _init.ParamRecord]:
+        """Parameter name -> its init record, for a module built under ``init_module()``."""
+        records, used = {}, set()
+        for name, p in module.named_parameters():
+            for i, recorder in enumerate(self._recorders):
+                if p in recorder.records:
+                    records[name] = recorder.records[p]
+                    used.add(i)
+        # A record is used once; the recorder (and the meta parameters it keys on) is dropped with it.
+        self._recorders = [r for i, r in enumerate(self._recorders) if i not in used]
+        return records
+
+    def _setup_recorded(self, module: nn.Module, records: dict[str, _init.ParamRecord]) -> nn.Module:
+        missing = [n for n, p in module.named_parameters() if p.is_meta and n not in records]
+        if missing:
+            raise ValueError(f"FSDP: parameters {missing[:5]} are on the meta device but were not built under "
+                             "runner.init_module(); build the whole model inside it")
+        blocks = self._block_classes(module)
+        for sub in self._checkpoint_targets(module, blocks):
+            _checkpoint_forward(sub)
+        self._shard(module, blocks)
+        device = self.root_device if not self.settings.cpu_offload else torch.device("cpu")
+        _mesh.materialize(module, device)
+        _init.replay_into(module, records, device)
         return module
 
     def _any_rank(self, flag: bool) -> bool:
@@ -256,6 +299,15 @@ class FSDP(MeshStrategy):
             raise ValueError(f"FSDP activation_checkpointing=True found no repeated block in {type(module).__name__}; "
                              "pass the block class, e.g. activation_checkpointing=LlamaBlock")
         return [m for m in module.modules() if m is not module and isinstance(m, classes)]
+
+    @override
+    def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
+                            module: nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """Context that yields ``params`` as plain whole tensors (DTensors gathered over their mesh).
+
+        See :meth:`Strategy.gathered_parameters`; with ``modifier_rank=r`` rank r's writes are kept.
+        """
+        return _mesh.gathered_parameters(param_list(params), modifier_rank, module)
 
     # ---- checkpoints -------------------------------------------------------------------------------
 

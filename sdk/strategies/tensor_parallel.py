@@ -8,6 +8,7 @@ with gradients all-reduced (``dp="replicate"``, FSDP2 with shard groups of one r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import fnmatch
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 from typing_extensions import override
 
 from shardkit.strategies import _mesh
+from shardkit.strategies.base import param_list
 from shardkit.strategies.distributed import MeshStrategy
 
 __all__ = ["TensorParallel", "TensorParallelSettings", "llama_plan"]
@@ -43,7 +45,8 @@ class TensorParallelSettings:
     """Settings of tensor parallelism.
 
     Args:
-        tp_size: ranks that split each layer; must divide the world size.
+        tp_size: ranks that split each layer; must divide the world size. None (the default): every rank
+            (pure TP), set when the Runner starts.
         plan: FQN pattern (fnmatch, e.g. ``"layers.*.mlp.up_proj"``) -> ParallelStyle; None uses the
             built-in plan for ``shardkit.models.llama.Llama``.
         sequence_parallel: shard the norms' activations along the sequence (built-in plan only).
@@ -52,14 +55,15 @@ class TensorParallelSettings:
         state_dict_type: "sharded" (each rank writes its shards) or "full" (gathered to rank 0).
     """
 
-    tp_size: int
+    tp_size: int | None = None
     plan: dict[str, ParallelStyle] | None = field(default=None, hash=False)
     sequence_parallel: bool = False
     dp: str | None = None
     state_dict_type: str = "sharded"
 
     def __post_init__(self) -> None:
-        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
+        if self.tp_size is not None and (isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int)
+                                         or self.tp_size < 1):
             raise ValueError(f"TensorParallel tp_size={self.tp_size!r} must be an int >= 1")
         if self.dp not in DP_MODES:
             close = difflib.get_close_matches(str(self.dp), [m for m in DP_MODES if m], n=1)
@@ -72,7 +76,9 @@ class TensorParallelSettings:
                              "SequenceParallel() styles in the plan itself")
 
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
-        """(dp_replicate, dp_shard, tp) for ``world_size`` ranks."""
+        """(dp_replicate, dp_shard, tp) for ``world_size`` ranks (``tp_size`` None: all of them)."""
+        if self.tp_size is None:
+            return (1, 1, world_size)
         if world_size % self.tp_size:
             raise ValueError(f"TensorParallel: world_size({world_size}) % tp_size({self.tp_size}) != 0; "
                              f"use a tp_size that divides {world_size}")
@@ -147,8 +153,9 @@ class TensorParallel(MeshStrategy):
         timeout: seconds a collective may wait before the job fails.
     """
 
-    def __init__(self, tp_size: int, plan: dict[str, ParallelStyle] | None = None, sequence_parallel: bool = False,
-                 dp: str | None = None, state_dict_type: str = "sharded", timeout: float | None = None):
+    def __init__(self, tp_size: int | None = None, plan: dict[str, ParallelStyle] | None = None,
+                 sequence_parallel: bool = False, dp: str | None = None, state_dict_type: str = "sharded",
+                 timeout: float | None = None):
         super().__init__(timeout)
         self.settings = TensorParallelSettings(tp_size, plan, sequence_parallel, dp, state_dict_type)
         self.mesh: DeviceMesh | None = None
@@ -156,12 +163,12 @@ class TensorParallel(MeshStrategy):
     @property
     def data_parallel_size(self) -> int:
         """Number of TP groups: each sees its own part of the data."""
-        return self.world_size // self.settings.tp_size
+        return self.world_size // (self.settings.tp_size or self.world_size)
 
     @property
     def data_parallel_rank(self) -> int:
         """Index of this rank's TP group (ranks of one group share a batch)."""
-        return self.rank // self.settings.tp_size
+        return self.rank // (self.settings.tp_size or self.world_size)
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -170,6 +177,8 @@ class TensorParallel(MeshStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        if self.settings.tp_size is None:  # strategy_from_name("tp"): TP over every rank
+            self.settings = dataclasses.replace(self.settings, tp_size=self.world_size)
         shape = self.settings.mesh_shape(self.world_size)  # validates before anything is built
         self.mesh = _mesh.build_mesh(self.device_type, shape, ("dp_replicate", "dp_shard", "tp"))
 
@@ -205,6 +214,15 @@ class TensorParallel(MeshStrategy):
                     fully_shard(sub, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=s.dp == "fsdp")
             fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=s.dp == "fsdp")
         return module
+
+    @override
+    def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
+                            module: nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """Context that yields ``params`` as plain whole tensors (DTensors gathered over their mesh).
+
+        See :meth:`Strategy.gathered_parameters`; with ``modifier_rank=r`` rank r's writes are kept.
+        """
+        return _mesh.gathered_parameters(param_list(params), modifier_rank, module)
 
     # ---- checkpoints -------------------------------------------------------------------------------
 

@@ -23,7 +23,8 @@ from typing_extensions import override
 
 from shardkit import checkpoint as ckpt
 from shardkit.launch.distributed import backend_for_device
-from shardkit.strategies import zero_checkpoint
+from shardkit.strategies import _init, zero_checkpoint
+from shardkit.strategies.base import param_list
 from shardkit.strategies.distributed import ProcessGroupStrategy
 from shardkit.strategies.zero_config import ZeROSettings, ZeROSettingsError, model_hidden_size
 
@@ -109,6 +110,10 @@ class _ZeRO(ProcessGroupStrategy):
         stack = contextlib.ExitStack()
         stack.enter_context(self.precision.module_init_context())
         stack.enter_context(deepspeed.zero.Init(config_dict_or_path=self.deepspeed_config(), mpu=None))
+        # zero.Init partitions each submodule as soon as it is built; the model's own init that runs later
+        # (Llama.reset_parameters, Hugging Face's post_init) is run on the gathered parameter instead of
+        # the empty partition, so the weights equal an unsharded build's from the same seed.
+        stack.enter_context(_init.ZeroInitInterceptor())
         return stack
 
     @override
@@ -123,6 +128,10 @@ class _ZeRO(ProcessGroupStrategy):
         if optimizer is not None and self.settings.offload_optimizer:
             optimizer = _host_optimizer(optimizer, scheduler)
         config = self.deepspeed_config(module)
+        if optimizer is None and self.settings.stage < 3:
+            # DeepSpeed refuses stage 1/2 without an optimizer; what they partition (optimizer state,
+            # gradients) does not exist in inference, so the engine runs the model replicated.
+            config["zero_optimization"] = {"stage": 0}
         if self.settings.offload_optimizer and _is_fused_adamw(optimizer):
             config["zero_force_ds_cpu_optimizer"] = False  # DeepSpeed accepts only its CPU Adam unless told
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
@@ -131,6 +140,10 @@ class _ZeRO(ProcessGroupStrategy):
         # NOTE: the user gets the torch optimizer inside DeepSpeed's ZeRO wrapper: it is a real
         # torch.optim.Optimizer (the Runner checkpoints it through this strategy's hooks, its
         # param_groups are the ones DeepSpeed steps), while the wrapper is reached as engine.optimizer.
+        if optimizer is None:
+            # Inference: stage 3 runs DeepSpeed's parameter offload/partitioning alone (DeepSpeedZeRoOffload,
+            # reached as engine.optimizer): no gradients, no fp32 master copy, no optimizer state.
+            return engine, None, scheduler
         inner = getattr(ds_optimizer, "optimizer", ds_optimizer)
         return engine, inner if isinstance(inner, torch.optim.Optimizer) else ds_optimizer, scheduler
 
@@ -138,17 +151,17 @@ class _ZeRO(ProcessGroupStrategy):
     def unwrap(self, module: nn.Module) -> nn.Module:
         return getattr(module, "module", module)
 
-    def gathered_parameters(self, params: Any, modifier_rank: int | None = None) -> contextlib.AbstractContextManager:
-        """Context in which ZeRO-3 partitioned ``params`` are whole on every rank.
+    def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
+                            module: nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """Context that yields ``params`` whole on every rank (a list; ZeRO-3 gathers the partitions in place).
 
         With ``modifier_rank=r``, changes rank r makes inside the block are kept (broadcast and
-        re-partitioned on exit). A null context below stage 3, where every rank holds whole parameters.
+        re-partitioned on exit). Below stage 3 every rank holds whole parameters: the list is yielded as is.
         """
+        params = param_list(params)
         if self.settings.stage != 3:
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+            return contextlib.nullcontext(params)
+        return _gathered_zero3(params, modifier_rank)
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -344,6 +357,14 @@ class ZeROInfinity(ZeRO3):
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _gathered_zero3(params: list[torch.Tensor], modifier_rank: int | None):
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+        yield params
 
 
 def _check_fp16_supported(precision_section: dict[str, Any], device: torch.device) -> None:
