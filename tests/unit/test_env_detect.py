@@ -120,3 +120,39 @@ def test_collective_timeout_setting(monkeypatch):
         monkeypatch.setenv("SHARDKIT_COLLECTIVE_TIMEOUT", bad)
         with pytest.raises(ValueError, match=f"SHARDKIT_COLLECTIVE_TIMEOUT='{bad}'"):
             default_timeout()
+
+
+def _two_node_task(procid: int, tasks_per_node: tuple[int, int], with_ntasks_per_node: bool) -> dict[str, str]:
+    """The variables `srun` gives task `procid` of a 2-node allocation (`sbatch -N2`), as SLURM 23 sets them."""
+    node = 0 if procid < tasks_per_node[0] else 1
+    local = procid - (0 if node == 0 else tasks_per_node[0])
+    same = tasks_per_node[0] == tasks_per_node[1]
+    env = {"SLURM_JOB_ID": "918273", "SLURM_JOBID": "918273", "SLURM_JOB_NAME": "train",
+           "SLURM_JOB_NODELIST": "gpu-[17-18]", "SLURM_NODELIST": "gpu-[17-18]", "SLURM_STEP_NODELIST": "gpu-[17-18]",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2", "SLURM_STEP_NUM_NODES": "2",
+           "SLURM_NTASKS": str(sum(tasks_per_node)), "SLURM_NPROCS": str(sum(tasks_per_node)),
+           "SLURM_TASKS_PER_NODE": f"{tasks_per_node[0]}(x2)" if same else f"{tasks_per_node[0]},{tasks_per_node[1]}",
+           "SLURM_STEP_TASKS_PER_NODE": f"{tasks_per_node[0]}(x2)" if same else f"{tasks_per_node[0]},"
+                                                                                f"{tasks_per_node[1]}",
+           "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(local), "SLURM_NODEID": str(node),
+           "SLURMD_NODENAME": f"gpu-{17 + node}", "SLURM_CPUS_ON_NODE": "32", "SLURM_SUBMIT_DIR": "/home/u"}
+    if with_ntasks_per_node and same:
+        env["SLURM_NTASKS_PER_NODE"] = str(tasks_per_node[0])
+    return env
+
+
+@pytest.mark.parametrize("with_ntasks_per_node", [True, False])
+def test_every_task_of_a_two_node_slurm_allocation_finds_its_place(with_ntasks_per_node):
+    envs = [detect_environment(_two_node_task(p, (2, 2), with_ntasks_per_node)) for p in range(4)]
+
+    assert [(e.rank, e.node_rank, e.local_rank, e.local_world_size) for e in envs] == [
+        (0, 0, 0, 2), (1, 0, 1, 2), (2, 1, 0, 2), (3, 1, 1, 2)]
+    assert {(e.world_size, e.master_addr, e.master_port, e.source) for e in envs} == {
+        (4, "gpu-17", 15000 + 8273, "slurm")}  # every task agrees on rank 0's host and the port
+
+
+def test_uneven_two_node_slurm_allocation():
+    envs = [detect_environment(_two_node_task(p, (3, 1), False)) for p in range(4)]
+
+    assert [(e.node_rank, e.local_rank, e.local_world_size) for e in envs] == [
+        (0, 0, 3), (0, 1, 3), (0, 2, 3), (1, 0, 1)]
