@@ -12,8 +12,11 @@ is stepped by the Runner, not by DeepSpeed. Importing this module does not impor
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import torch
@@ -26,7 +29,13 @@ from shardkit.launch.distributed import backend_for_device
 from shardkit.strategies import _init, zero_checkpoint
 from shardkit.strategies.base import param_list
 from shardkit.strategies.distributed import ProcessGroupStrategy
-from shardkit.strategies.zero_config import ZeROSettings, ZeROSettingsError, model_hidden_size
+from shardkit.strategies.zero_config import (
+    NVME_PATH_ENV_VAR,
+    ZeROSettings,
+    ZeROSettingsError,
+    default_nvme_path,
+    model_hidden_size,
+)
 
 __all__ = ["ZeRO1", "ZeRO2", "ZeRO3", "ZeROInfinity", "ZeROSettingsError"]
 
@@ -46,6 +55,7 @@ class _ZeRO(ProcessGroupStrategy):
         self._runner_values: dict[str, int] = {}
         self._sync_next = True
         self._pending_norm: torch.Tensor | None = None
+        self._created_nvme_path: str | None = None
 
     # ---- environment ---------------------------------------------------------------------------
 
@@ -59,12 +69,27 @@ class _ZeRO(ProcessGroupStrategy):
 
             dist.init_process_group(backend_for_device(self.device_type), rank=0, world_size=1,
                                     init_method=f"tcp://127.0.0.1:{find_free_port()}")
+        if self.settings.uses_nvme and not self.settings.nvme_path:
+            self._choose_nvme_path()
+
+    def _choose_nvme_path(self) -> None:
+        path, created = default_nvme_path(self.rank)
+        self.settings = dataclasses.replace(self.settings, nvme_path=path)  # validates it (writable)
+        self._created_nvme_path = path if created else None
+        if self.is_global_zero:
+            where = f"${NVME_PATH_ENV_VAR}" if not created else f"a new directory under {tempfile.gettempdir()}"
+            log.warning("shardkit: %s swaps offloaded state to %s (%s, one per rank%s); for speed point "
+                        "nvme_path= or $%s at a directory on a fast local NVMe disk", type(self).__name__, path,
+                        where, ", removed at teardown" if created else "", NVME_PATH_ENV_VAR)
 
     @override
     def teardown(self) -> None:
         if self._engine is not None and hasattr(self._engine, "destroy"):
             self._engine.destroy()
         super().teardown()
+        if self._created_nvme_path is not None:
+            shutil.rmtree(self._created_nvme_path, ignore_errors=True)  # ours alone: made by default_nvme_path
+            self._created_nvme_path = None
 
     def set_runner_values(self, gradient_accumulation_steps: int | None = None,
                           micro_batch_size: int | None = None) -> None:
@@ -303,7 +328,8 @@ class ZeRO3(_ZeRO):
         offload_optimizer: None, "cpu" or "nvme" for the fp32 master weights and optimizer state
             (overrides ``offload``).
         offload_params: None, "cpu" or "nvme" for the partitioned parameters (overrides ``offload``).
-        nvme_path: directory for NVMe offload (required with "nvme"; must be writable; needs libaio).
+        nvme_path: directory for NVMe offload (must be writable; needs libaio). None: $SHARDKIT_NVME_PATH,
+            else a new per-job directory under the system temp dir, removed at teardown (logged once).
         prefetch_bucket_size: elements prefetched ahead of use; "auto" = 0.9·hidden².
         param_persistence_threshold: parameters with fewer elements stay whole on every rank;
             "auto" = 10·hidden.
@@ -339,7 +365,7 @@ class ZeROInfinity(ZeRO3):
     """ZeRO-3 with parameters and optimizer state on NVMe (DeepSpeed's async_io op; needs libaio).
 
     Args:
-        nvme_path: directory for the swap files (required, must be writable).
+        nvme_path: directory for the swap files (must be writable); None: as in ZeRO3.
         offload_params: "nvme" (default), "cpu" or None.
         offload_optimizer: "nvme" (default), "cpu" or None.
         aio: DeepSpeed's async I/O settings: block_size (1 MiB), queue_depth (8), thread_count (1),
@@ -349,8 +375,9 @@ class ZeROInfinity(ZeRO3):
         **kwargs: any ZeRO3 argument.
     """
 
-    def __init__(self, nvme_path: str, offload_params: str | None = "nvme", offload_optimizer: str | None = "nvme",
-                 aio: dict[str, Any] | None = None, buffer_count: int = 5, buffer_size: int = 100_000_000,
+    def __init__(self, nvme_path: str | None = None, offload_params: str | None = "nvme",
+                 offload_optimizer: str | None = "nvme", aio: dict[str, Any] | None = None, buffer_count: int = 5,
+                 buffer_size: int = 100_000_000,
                  **kwargs: Any):
         super().__init__(offload_optimizer=offload_optimizer, offload_params=offload_params, nvme_path=nvme_path,
                          aio=dict(aio or {}), buffer_count=buffer_count, buffer_size=buffer_size, **kwargs)

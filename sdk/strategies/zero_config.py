@@ -16,9 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ZeROSettingsError", "ZeROSettings", "model_hidden_size", "deep_merge", "libaio_available"]
+__all__ = ["ZeROSettingsError", "ZeROSettings", "model_hidden_size", "deep_merge", "libaio_available",
+           "default_nvme_path", "NVME_PATH_ENV_VAR"]
 
 _OFFLOAD_DEVICES = (None, "cpu", "nvme")
+NVME_PATH_ENV_VAR = "SHARDKIT_NVME_PATH"
 # DeepSpeed's own defaults (deepspeed/runtime/zero/config.py), kept so that "not set" means the same.
 _DEFAULT_ALLGATHER_BUCKET = 500_000_000
 _DEFAULT_AIO = {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
@@ -33,6 +35,20 @@ def libaio_available() -> bool:
     """Whether libaio (needed by DeepSpeed's async_io op for NVMe offload) can be linked: header and library."""
     headers = ("/usr/include/libaio.h", "/usr/local/include/libaio.h")
     return ctypes.util.find_library("aio") is not None and any(os.path.exists(h) for h in headers)
+
+
+def default_nvme_path(rank: int) -> tuple[str, bool]:
+    """Where NVMe offload swaps when no ``nvme_path`` is given: ``(path, created_here)``.
+
+    ``$SHARDKIT_NVME_PATH`` when set (made if missing; kept at teardown), else a new directory for this
+    job and rank under ``tempfile.gettempdir()`` (removed at teardown). The temp dir is often a RAM disk
+    or a slow system disk: point the variable at a fast local NVMe drive for real runs.
+    """
+    env = os.environ.get(NVME_PATH_ENV_VAR)
+    if env:
+        return os.path.abspath(env), False
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or "local"
+    return tempfile.mkdtemp(prefix=f"shardkit-nvme-{job}-rank{rank}-"), True
 
 
 def model_hidden_size(model: nn.Module) -> int:
@@ -137,8 +153,11 @@ class ZeROSettings:
         return "nvme" in (self.offload_optimizer, self.offload_params)
 
     def _check_nvme(self, name: str) -> None:
+        if not libaio_available():
+            raise ZeROSettingsError(f"{name}: NVMe offload needs libaio for DeepSpeed's async_io op and it is "
+                                    "missing; install it (`apt-get install -y libaio-dev`) or use offload='cpu'")
         if not self.nvme_path:
-            raise ZeROSettingsError(f"{name}: NVMe offload needs nvme_path=<a directory on a fast local disk>")
+            return  # the default (see default_nvme_path) is chosen, and checked, when the Runner starts
         path = os.path.abspath(self.nvme_path)
         try:
             os.makedirs(path, exist_ok=True)
@@ -147,9 +166,6 @@ class ZeROSettings:
         except OSError as err:
             raise ZeROSettingsError(f"{name}(nvme_path={self.nvme_path!r}) is not a writable directory ({err}); "
                                     "point it at a directory this process can write") from None
-        if not libaio_available():
-            raise ZeROSettingsError(f"{name}: NVMe offload needs libaio for DeepSpeed's async_io op and it is "
-                                    "missing; install it (`apt-get install -y libaio-dev`) or use offload='cpu'")
 
     # ---- the engine config ---------------------------------------------------------------------
 
@@ -187,6 +203,10 @@ class ZeROSettings:
         device = getattr(self, key)
         out: dict[str, Any] = {"device": device, "pin_memory": pin}
         if device == "nvme":
+            if not self.nvme_path:
+                raise ZeROSettingsError("nvme_path is chosen when the Runner starts (SHARDKIT_NVME_PATH or a "
+                                        "directory under the system temp dir); build the config after that, or "
+                                        "pass nvme_path=")
             out["nvme_path"] = os.path.abspath(self.nvme_path)
             out["buffer_count"] = self.buffer_count if key == "offload_optimizer" else max(self.buffer_count, 5)
             if key == "offload_params":
