@@ -1,0 +1,68 @@
+"""Issue 13 A, B, C, E: every checkpoint of a corpus of bad ones (tests/faults/ckpt_corpus.py) gives a named
+CheckpointError when it is read in full, never a bare Python error and never wrong data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ckpt_corpus import CASES, build_corpus, write_good
+
+from shardkit.checkpoint import CheckpointError, CheckpointReader
+
+
+def read_everything(path, verify=True):
+    """What a load does: open, then read every entry of every kind."""
+    with CheckpointReader(path, verify=verify) as r:
+        out = {}
+        for name, kind in r.entries().items():
+            if kind == "tensors":
+                out[name] = r.read_tensors(name)
+            elif kind == "json":
+                out[name] = r.read_json(name)
+            elif kind == "state":
+                out[name] = r.read_state(name)
+            else:
+                out[name] = dict(r.iter_full_tensors(name))
+        return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    return root, build_corpus(root)
+
+
+def test_the_good_checkpoint_reads(tmp_path):
+    got = read_everything(write_good(tmp_path / "good"))
+    assert torch.equal(got["model"]["head.weight"], torch.arange(12.0).reshape(3, 4))
+    assert got["optim"]["dtype"] is torch.bfloat16 and torch.equal(got["shard"]["x"], torch.arange(10.0))
+
+
+def test_every_bad_checkpoint_gives_a_named_error(corpus, capsys):
+    root, expected = corpus
+    unnamed = {}
+    for name, text in expected.items():
+        try:
+            read_everything(root / name)
+        except CheckpointError as e:
+            if text not in str(e):
+                unnamed[name] = f"message lacks {text!r}: {e}"
+        except Exception as e:  # noqa: BLE001 - a bare error is exactly what this test hunts
+            unnamed[name] = f"{type(e).__name__}: {e}"
+        else:
+            unnamed[name] = "loaded without an error"
+    with capsys.disabled():
+        print(f"\ncheckpoint corpus: {len(expected) - len(unnamed)} of {len(expected)} bad checkpoints give a "
+              "named CheckpointError")
+    assert not unnamed, unnamed
+
+
+@pytest.mark.parametrize("name", ["a_entry_file_dotdot", "a_symlink_out", "a_latest_dotdot"])
+def test_escapes_are_refused_with_verify_off_too(corpus, name):
+    root, expected = corpus
+    with pytest.raises(CheckpointError, match=expected[name].replace(".", r"\.")):
+        read_everything(root / name, verify=False)
+
+
+def test_corpus_covers_each_item():
+    assert {n.split("_")[0] for n in CASES} == {"a", "b", "c", "e", "f"}
