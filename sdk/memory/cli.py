@@ -1,0 +1,96 @@
+"""``shardkit estimate-memory``: per-device memory of every strategy for a model, and which one fits."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .estimate import PRECISIONS, STRATEGIES, activation_bytes, deepspeed_table, estimate_model_states, recommend
+from .model_spec import ModelSpec, parse_count, spec_from_hf_config
+
+__all__ = ["register"]
+
+GIB = 2**30
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", help="total parameters, e.g. 2783M or 2.78B")
+    src.add_argument("--config", help="a Hugging Face config.json (or its directory) of a decoder model")
+    p.add_argument("--largest-layer-params", help="parameters of the largest layer (ZeRO-3), e.g. 131M")
+    p.add_argument("--num-gpus", type=int, default=1, help="GPUs per node (default 1)")
+    p.add_argument("--num-nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--strategy", default="all", choices=["all", *STRATEGIES],
+                   help="one strategy, or all (default; includes DeepSpeed's ZeRO-2 and ZeRO-3 tables)")
+    p.add_argument("--precision", default="bf16", choices=PRECISIONS, help="default bf16 (mixed)")
+    p.add_argument("--batch-size", type=int, help="micro-batch per device, for the activation estimate")
+    p.add_argument("--seq-len", type=int, help="sequence length, for the activation estimate")
+    p.add_argument("--activation-checkpointing", action="store_true", help="activations with checkpointing")
+    p.add_argument("--device-memory", help="memory per device, e.g. 80GB or 24GiB: recommend what fits")
+    p.add_argument("--additional-buffer-factor", type=float, default=1.5, help="DeepSpeed's tables' CPU factor")
+
+
+def _spec(args: argparse.Namespace) -> ModelSpec:
+    if args.config:
+        spec = spec_from_hf_config(args.config)
+        if args.largest_layer_params:
+            spec = ModelSpec(**{**spec.__dict__, "largest_layer_params": parse_count(args.largest_layer_params)})
+        return spec
+    return ModelSpec(parse_count(args.params), parse_count(args.largest_layer_params or 0))
+
+
+def _strategy_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
+    names = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    rows = [f"{'strategy':<16}{'params':>9}{'grads':>9}{'optim':>9}{'states':>9}{'+working':>10}{'host':>9}  "
+            f"(GiB per device, {args.precision})"]
+    for name in names:
+        e = estimate_model_states(spec, name, num_gpus_per_node=args.num_gpus, num_nodes=args.num_nodes,
+                                  precision=args.precision)
+        rows.append(f"{name:<16}{e.params / GIB:9.2f}{e.grads / GIB:9.2f}{e.optimizer / GIB:9.2f}"
+                    f"{e.device_total / GIB:9.2f}{e.device_peak / GIB:10.2f}{e.host / GIB:9.2f}")
+    return rows
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        spec = _spec(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    n = args.num_gpus * args.num_nodes
+    print(f"Model: {spec.total_params / 1e6:.0f}M params, largest layer {spec.largest_layer_params / 1e6:.0f}M; "
+          f"{args.num_nodes} node(s) x {args.num_gpus} device(s) = {n}")
+    if args.strategy in ("all", "zero2"):
+        print("\nDeepSpeed ZeRO-2:\n" + deepspeed_table(2, spec.total_params, spec.largest_layer_params, args.num_gpus,
+                                                        args.num_nodes, args.additional_buffer_factor))
+    if args.strategy in ("all", "zero3", "zero3_offload", "zero_infinity"):
+        print("\nDeepSpeed ZeRO-3:\n" + deepspeed_table(3, spec.total_params, spec.largest_layer_params, args.num_gpus,
+                                                        args.num_nodes, args.additional_buffer_factor))
+    print("\nModel states (Adam):")
+    print("\n".join(_strategy_rows(spec, args)))
+    if args.batch_size and args.seq_len:
+        if not spec.has_shape:
+            print("\nActivations: need --config (the model's shape), not a bare --params")
+        else:
+            plain = activation_bytes(spec, args.batch_size, args.seq_len)
+            ckpt = activation_bytes(spec, args.batch_size, args.seq_len, checkpointing=True)
+            print(f"\nActivations per device (batch {args.batch_size} x seq {args.seq_len}, 16-bit): "
+                  f"{plain / GIB:.2f} GiB; with activation checkpointing {ckpt / GIB:.2f} GiB")
+    if args.device_memory:
+        from shardkit.checkpoint.consolidate import parse_size
+
+        best, _ = recommend(spec, parse_size(args.device_memory), num_gpus_per_node=args.num_gpus,
+                            num_nodes=args.num_nodes, precision=args.precision, batch_size=args.batch_size,
+                            seq_len=args.seq_len, checkpointing=args.activation_checkpointing)
+        print(f"\nRecommended for {args.device_memory} per device: "
+              f"{best or 'nothing fits: add devices, offload to NVMe or lower the batch'}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Adds ``estimate-memory``; its ``func`` default takes the parsed args and returns the exit code."""
+    p = subparsers.add_parser("estimate-memory", help="per-device memory of each strategy; what fits",
+                              description=__doc__.splitlines()[0])
+    _add_arguments(p)
+    p.set_defaults(func=_run)
+    return p

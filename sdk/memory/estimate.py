@@ -1,0 +1,250 @@
+"""Memory estimates per device: model states by strategy and precision, activations, DeepSpeed's tables.
+
+Model states per rank, with Ψ parameters on N ranks (G per node) and Adam (two fp32 states):
+
+==================  ==============================  ==========================================
+strategy            on each device                  notes
+==================  ==============================  ==========================================
+ddp                 p + g + s                       everything replicated
+zero1               p + g + (m + s)/N               + a reduce bucket
+zero2               p + (g + m + s)/N               + a reduce bucket
+zero3, fsdp         (p + g + m + s)/N               + the largest layer gathered (working)
+fsdp_grad_op        (p + g + s)/N                   + all of p gathered between forward and backward
+fsdp_hybrid         (p + g + s)/G                   sharded within a node, replicated across
+tensor_parallel     split/T + replicated            T = tp_size (default G); dp replicates
+zero3_offload       (p + g)/N on device             m + s on the host
+zero_infinity       the largest layer only          the rest on the host or NVMe
+==================  ==============================  ==========================================
+
+Bytes per parameter (p params, g grads, m fp32 master, s optimizer states) depend on the engine and
+the precision: torch engines (DDP, FSDP2, DTensor) keep fp32 params under mixed bf16/fp16 (autocast)
+so p=4, g=4, s=8, m=0; ``bf16-true`` halves all three. DeepSpeed keeps 16-bit params and grads and a
+separate fp32 master under mixed precision (p=2, g=2, m=4, s=8) and, in fp32, still a separate master
+(p=4, g=4, m=4, s=8; see ``shardkit.strategies.zero_memory``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .model_spec import ModelSpec
+
+__all__ = ["STRATEGIES", "ModelStates", "activation_bytes", "deepspeed_table", "estimate_model_states",
+           "recommend", "zero2_mem_needs", "zero3_mem_needs"]
+
+# From least to most sharded / slowest: recommend() walks this order.
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp_grad_op", "fsdp_hybrid", "tensor_parallel", "fsdp", "zero3",
+              "zero3_offload", "zero_infinity")
+_DEEPSPEED = {"zero1", "zero2", "zero3", "zero3_offload", "zero_infinity"}
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes one rank holds for model states.
+
+    Attributes:
+        params, grads, optimizer: held on the device between steps (optimizer includes the fp32 master).
+        working: gathered on top during forward/backward (ZeRO-3/FSDP layers, grad_op's whole model).
+        host: held in CPU memory per rank (offloaded states).
+    """
+
+    strategy: str
+    params: int
+    grads: int
+    optimizer: int
+    working: int = 0
+    host: int = 0
+
+    @property
+    def device_total(self) -> int:
+        """params + grads + optimizer: what ``model_state_bytes`` measures."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def device_peak(self) -> int:
+        """device_total + working."""
+        return self.device_total + self.working
+
+
+def _bytes_per_param(strategy: str, precision: str) -> tuple[int, int, int, int]:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
+    if strategy in _DEEPSPEED:
+        return (4, 4, 4, 8) if precision == "fp32" else (2, 2, 4, 8)
+    return (2, 2, 0, 4) if precision == "bf16-true" else (4, 4, 0, 8)
+
+
+def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: int = 1, num_nodes: int = 1,
+                          precision: str = "bf16", tp_size: int | None = None,
+                          reduce_bucket_size: int | None = None) -> ModelStates:
+    """Bytes of parameters, gradients and optimizer state per rank under ``strategy`` (see the module table).
+
+    Args:
+        spec: the model's sizes.
+        strategy: one of :data:`STRATEGIES`.
+        num_gpus_per_node, num_nodes: the job's shape (N = their product).
+        precision: "fp32", "bf16" / "fp16" (mixed), or "bf16-true".
+        tp_size: ranks per tensor-parallel group (default: a node).
+        reduce_bucket_size: ZeRO-1/2 gradient bucket elements (shardkit's "auto" is hidden^2; default
+            from ``spec.hidden_size``, else none counted).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r} is not one of {STRATEGIES}")
+    n, psi = num_gpus_per_node * num_nodes, spec.total_params
+    p, g, m, s = _bytes_per_param(strategy, precision)
+    if reduce_bucket_size is None and spec.hidden_size:
+        reduce_bucket_size = spec.hidden_size**2
+    bucket = min(reduce_bucket_size or 0, psi) * g
+    layer = spec.largest_layer_params * p
+    if strategy == "ddp":
+        return ModelStates(strategy, psi * p, psi * g, psi * s)
+    if strategy == "zero1":
+        return ModelStates(strategy, psi * p, psi * g + bucket, _div(psi * (m + s), n))
+    if strategy == "zero2":
+        return ModelStates(strategy, psi * p, _div(psi * g, n) + bucket, _div(psi * (m + s), n))
+    if strategy in ("zero3", "fsdp"):
+        return ModelStates(strategy, _div(psi * p, n), _div(psi * g, n), _div(psi * (m + s), n), working=layer)
+    if strategy == "fsdp_grad_op":
+        return ModelStates(strategy, _div(psi * p, n), _div(psi * g, n), _div(psi * s, n),
+                           working=psi * p - _div(psi * p, n))
+    if strategy == "fsdp_hybrid":
+        k = num_gpus_per_node
+        return ModelStates(strategy, _div(psi * p, k), _div(psi * g, k), _div(psi * s, k), working=layer)
+    if strategy == "tensor_parallel":
+        t = tp_size or num_gpus_per_node
+        split = spec.tp_params if spec.tp_params is not None else psi
+        held = _div(split, t) + (psi - split)
+        return ModelStates(strategy, held * p, held * g, held * s)
+    if strategy == "zero3_offload":
+        return ModelStates(strategy, _div(psi * p, n), _div(psi * g, n), 0, working=layer,
+                           host=_div(psi * (m + s + g), n))
+    # zero_infinity: parameters and optimizer offloaded; the device holds the layers being computed
+    return ModelStates(strategy, 0, 0, 0, working=layer, host=_div(psi * (p + g + m + s), n))
+
+
+def _div(x: int, n: int) -> int:
+    return math.ceil(x / n)
+
+
+def zero2_mem_needs(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1, cpu_offload: bool = True,
+                    additional_buffer_factor: float = 1.5) -> tuple[int, int]:
+    """(per CPU, per GPU) bytes as DeepSpeed's ``estimate_zero2_model_states_mem_needs`` computes them.
+
+    Mixed precision with Adam: 2 bytes of 16-bit params per GPU, plus 16 bytes/param of grads,
+    master and states spread over the GPUs or kept in CPU memory when offloaded.
+    """
+    total_gpus = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu = 2 * total_params
+        cpu = total_params * max(4 * total_gpus, 16) * additional_buffer_factor
+    else:
+        gpu = 2 * total_params + int(18 * total_params / total_gpus)
+        cpu = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu), int(gpu)
+
+
+def zero3_mem_needs(total_params: int, largest_layer_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1,
+                    cpu_offload: bool = True, cpu_offload_params: bool = True, zero_init: bool = True,
+                    additional_buffer_factor: float = 1.5) -> tuple[int, int, int]:
+    """(per CPU, per GPU, largest layer) bytes as DeepSpeed's ``estimate_zero3_model_states_mem_needs``."""
+    total_gpus = num_nodes * num_gpus_per_node
+    per_node = 1 / num_nodes
+    layer = 4 * largest_layer_params  # the gathered fp16 layer and its gradient
+    if cpu_offload:
+        states = 18 if cpu_offload_params else 16
+        gpu = layer if cpu_offload_params else layer + int(2 * total_params / total_gpus)
+        factor = states * per_node if zero_init else max(4 * num_gpus_per_node, states * per_node)
+        cpu = total_params * factor * additional_buffer_factor
+    else:
+        gpu = layer + int(18 * total_params / total_gpus)
+        # without zero.Init every process first builds the whole fp32 model on the CPU
+        cpu = (largest_layer_params if zero_init else total_params) * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu), int(gpu), layer
+
+
+def deepspeed_table(stage: int, total_params: int, largest_layer_params: int = 0, num_gpus_per_node: int = 1,
+                    num_nodes: int = 1, additional_buffer_factor: float = 1.5) -> str:
+    """The table DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs_all_live`` prints, line for line."""
+    nodes = "nodes" if num_nodes > 1 else "node"
+    gpus = "GPUs" if num_gpus_per_node > 1 else "GPU"
+    head = ("Estimated memory needed for params, optim states and gradients for a:\n"
+            f"HW: Setup with {num_nodes} {nodes}, {num_gpus_per_node} {gpus} per node.\n"
+            f"SW: Model with {int(total_params / 1e6)}M total params")
+    lines = []
+    if stage == 2:
+        lines.append(head + ".")
+        lines.append("  per CPU  |  per GPU |   Options")
+        for off in (True, False):
+            cpu, gpu = zero2_mem_needs(total_params, num_gpus_per_node, num_nodes, off, additional_buffer_factor)
+            opts = f"offload_optimizer={'cpu ' if off else 'none'}"
+            lines.append(f" {cpu / 2**30:7.2f}GB | {gpu / 2**30:6.2f}GB | {opts}")
+        return "\n".join(lines)
+    if stage != 3:
+        raise ValueError(f"DeepSpeed prints tables for stages 2 and 3, not {stage}")
+    lines.append(head + f", {int(largest_layer_params / 1e6)}M largest layer params.")
+    lines.append("  per CPU  |  per GPU |   Options")
+    for off in (True, False):
+        for off_params in (True, False):
+            if not off and off_params:
+                continue
+            for init in (True, False):
+                cpu, gpu, _ = zero3_mem_needs(total_params, largest_layer_params, num_gpus_per_node, num_nodes, off,
+                                              off_params, init, additional_buffer_factor)
+                opts = (f"offload_param={'cpu ' if off_params else 'none'}, "
+                        f"offload_optimizer={'cpu ' if off else 'none'}, zero_init={int(init)}")
+                lines.append(f" {cpu / 2**30:7.2f}GB | {gpu / 2**30:6.2f}GB | {opts}")
+    return "\n".join(lines)
+
+
+def activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, *, checkpointing: bool = False,
+                     dtype_bytes: int = 2, tp_size: int = 1) -> int:
+    """Activations a decoder keeps for backward, per rank (fused SDPA attention: no s^2 scores kept).
+
+    Per token and layer a Llama block saves about ``5h + 3kv + 4i`` values (two norm inputs, the normed
+    input shared by q/k/v, q and k after RoPE, v, the attention output, the o-projection input; gate,
+    up, silu(gate) and their product for down), plus the logits (fp32, with their gradient) once.
+    With checkpointing each layer keeps only its input ``h``, and one layer is recomputed at a time.
+    ``tp_size`` divides the split parts (without sequence parallelism the norms' inputs are not split).
+    """
+    if not spec.has_shape:
+        raise ValueError("an activation estimate needs the decoder's shape (hidden, layers, intermediate, vocab): "
+                         "give a config or a model instead of a bare parameter count")
+    h, i, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
+    kv = h * (spec.num_kv_heads or spec.num_heads or 1) // (spec.num_heads or 1)
+    tokens = batch_size * seq_len
+    per_layer = tokens * dtype_bytes * (2 * h + (3 * h + 3 * kv + 4 * i) / tp_size)
+    logits = tokens * v * 4 * 2 / tp_size
+    if checkpointing:
+        return int(spec.num_layers * tokens * h * dtype_bytes + per_layer + logits)
+    return int(spec.num_layers * per_layer + logits)
+
+
+def recommend(spec: ModelSpec, device_memory: int, *, num_gpus_per_node: int = 1, num_nodes: int = 1,
+              precision: str = "bf16", batch_size: int | None = None, seq_len: int | None = None,
+              checkpointing: bool = False, reserve: float = 0.1) -> tuple[str | None, dict[str, int]]:
+    """The first strategy in :data:`STRATEGIES` whose peak per-device bytes fit ``device_memory``.
+
+    Peak = model states + working set + activations (when batch and sequence are given and the shape
+    is known). ``reserve`` keeps that fraction back for the allocator, the CUDA context and buffers.
+
+    Returns:
+        (the strategy or None if nothing fits, {strategy: peak bytes} for every strategy).
+    """
+    budget = device_memory * (1 - reserve)
+    act = 0
+    if batch_size and seq_len and spec.has_shape:
+        act = activation_bytes(spec, batch_size, seq_len, checkpointing=checkpointing)
+    peaks = {}
+    for name in STRATEGIES:
+        if name == "fsdp_hybrid" and num_nodes == 1:
+            continue  # the same as fsdp on one node
+        est = estimate_model_states(spec, name, num_gpus_per_node=num_gpus_per_node, num_nodes=num_nodes,
+                                    precision=precision)
+        tp = num_gpus_per_node if name == "tensor_parallel" else 1
+        a = act if tp == 1 or not act else activation_bytes(spec, batch_size, seq_len, checkpointing=checkpointing,
+                                                             tp_size=tp)
+        peaks[name] = est.device_peak + a
+    fits = [n for n, b in peaks.items() if b <= budget]
+    return (fits[0] if fits else None), peaks

@@ -1,0 +1,123 @@
+"""What the estimator needs to know about a model, from a parameter count, a config, or the model itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+__all__ = ["ModelSpec", "parse_count", "spec_from_hf_config", "spec_from_llama_config", "spec_from_model"]
+
+_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+def parse_count(text: str | int | float) -> int:
+    """``"2783M"``, ``"2.78B"``, ``"350k"``, ``"1e9"`` or a number -> an integer count."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
+    if not m:
+        raise ValueError(f"{text!r} is not a count; use e.g. 2783M, 2.78B, 350K or 1000000")
+    return int(round(float(m.group(1)) * _SUFFIX[m.group(2).upper()]))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Sizes of a model. Only ``total_params`` is required; the rest sharpen the estimate.
+
+    Attributes:
+        total_params: parameters, tied ones counted once.
+        largest_layer_params: parameters of the largest single module (what ZeRO-3 gathers at once).
+        hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, vocab_size: a decoder's
+            shape, for activations and for the tensor-parallel split.
+        tp_params: parameters tensor parallelism splits (attention and MLP projections); the rest are
+            replicated. None: assume all are split.
+    """
+
+    total_params: int
+    largest_layer_params: int = 0
+    hidden_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    intermediate_size: int | None = None
+    vocab_size: int | None = None
+    tp_params: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.total_params <= 0:
+            raise ValueError(f"total_params must be positive, got {self.total_params}")
+        if self.largest_layer_params > self.total_params:
+            raise ValueError(f"largest_layer_params({self.largest_layer_params}) > total_params({self.total_params})")
+
+    @property
+    def has_shape(self) -> bool:
+        """True when the decoder shape needed for an activation estimate is known."""
+        return None not in (self.hidden_size, self.num_layers, self.intermediate_size, self.vocab_size)
+
+
+def _decoder_spec(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, tied: bool,
+                  norm_bias: bool = False) -> ModelSpec:
+    head_dim = hidden // heads
+    attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o + k, v
+    mlp = 3 * hidden * inter  # gate, up, down
+    norms = 2 * hidden * (2 if norm_bias else 1)
+    embed = vocab * hidden
+    total = embed * (1 if tied else 2) + layers * (attn + mlp + norms) + hidden
+    largest = max(embed, hidden * inter)  # nn.Embedding / lm_head vs one MLP projection
+    return ModelSpec(total_params=total, largest_layer_params=largest, hidden_size=hidden, num_layers=layers,
+                     num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter, vocab_size=vocab,
+                     tp_params=layers * (attn + mlp))
+
+
+def spec_from_llama_config(config: Any) -> ModelSpec:
+    """From a ``shardkit.models.LlamaConfig``."""
+    return _decoder_spec(config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers,
+                         config.num_heads, config.num_kv_heads or config.num_heads, config.tie_embeddings)
+
+
+def spec_from_hf_config(config: str | os.PathLike | dict) -> ModelSpec:
+    """From a Hugging Face decoder ``config.json`` (a path, its directory, or the dict): Llama, Mistral, Qwen2, ..."""
+    where = "config"
+    if not isinstance(config, dict):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        where = str(path)
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{where}: cannot read a JSON config: {e}") from None
+    need = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
+    missing = [k for k in need if k not in config]
+    if missing:
+        raise ValueError(f"{where}: lacks {missing}; pass --params and --largest-layer-params instead")
+    heads = config["num_attention_heads"]
+    return _decoder_spec(config["vocab_size"], config["hidden_size"], config["intermediate_size"],
+                         config["num_hidden_layers"], heads, config.get("num_key_value_heads") or heads,
+                         bool(config.get("tie_word_embeddings", False)))
+
+
+def spec_from_model(model: nn.Module) -> ModelSpec:
+    """From a model instance: parameters counted as DeepSpeed's estimators count them (tied once; largest module)."""
+    total = sum({p.data_ptr(): p.numel() for p in model.parameters()}.values())
+    largest = max((sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()), default=0)
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "num_layers") and hasattr(cfg, "tie_embeddings"):
+        shape = spec_from_llama_config(cfg)
+    elif cfg is not None and hasattr(cfg, "to_dict"):
+        try:
+            shape = spec_from_hf_config(cfg.to_dict())
+        except ValueError:
+            shape = None
+    else:
+        shape = None
+    if shape is None:
+        return ModelSpec(total_params=total, largest_layer_params=largest)
+    return ModelSpec(total_params=total, largest_layer_params=largest, hidden_size=shape.hidden_size,
+                     num_layers=shape.num_layers, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
+                     intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size, tp_params=shape.tp_params)
