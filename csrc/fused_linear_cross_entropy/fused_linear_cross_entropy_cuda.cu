@@ -20,7 +20,7 @@ struct Stats {
 
 __device__ __forceinline__ Stats merge(Stats a, Stats b) {
   const float m = fmaxf(a.m, b.m);
-  const float d = (a.m == -INFINITY ? 0.f : a.d * __expf(a.m - m)) + (b.m == -INFINITY ? 0.f : b.d * __expf(b.m - m));
+  const float d = (a.m == -INFINITY ? 0.f : a.d * expf(a.m - m)) + (b.m == -INFINITY ? 0.f : b.d * expf(b.m - m));
   return Stats{m, d, a.s + b.s};
 }
 
@@ -69,7 +69,7 @@ __global__ void flce_rows_kernel(float* __restrict__ logits, int64_t vocab, int6
   const float off = eps / static_cast<float>(vocab);
   for (int64_t j = threadIdx.x; j < vocab; j += blockDim.x) {
     const float v = capped(y[j], cap);
-    float g = __expf(v - lse) - off - (j == label ? 1.f - eps : 0.f);
+    float g = expf(v - lse) - off - (j == label ? 1.f - eps : 0.f);
     if (cap > 0.f) g *= 1.f - (v / cap) * (v / cap);
     y[j] = scale * g;
   }

@@ -213,7 +213,10 @@ def _run(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, ro
     # the reference loop
     backend = "reference" if compute_dtype == torch.float64 else \
         select_backend("flce_chunked", hidden.device, _SUPPORTED)
-    if check_labels and backend in ("reference", "triton"):  # cpp and cuda check, and name the label, themselves
+    # NOTE: checked here for every backend, though the C++ ops check too (for direct callers): on an H100 machine
+    # (torch 2.11+cu130) the CUDA binding's TORCH_CHECK segfaulted formatting its message (in libstdc++'s ostream,
+    # seen under cuda-gdb), so a bad label must never reach it from Python. One host sync per call on GPU.
+    if check_labels:
         _check_labels(labels, weight.shape[0], ignore_index)
     if chunk_rows <= 0:
         chunk_rows = chunk_rows_for(hidden.shape[0], weight.shape[0], compute_dtype)

@@ -8,14 +8,15 @@ import torch
 from shardkit.optim import FusedAdamW
 
 
-def _params(make_rand, dtype, seed=0):
+def _params(make_rand, dtype, device, seed=0):
     # odd sizes: a ragged last block / chunk for every kernel; 70001 spans two 64 Ki-element C++ chunks
-    return [make_rand(*s, dtype=torch.float32, seed=seed + i) for i, s in enumerate([(37, 13), (257,), (70001,)])]
+    shapes = [(37, 13), (257,), (70001,)]
+    return [make_rand(*s, dtype=torch.float32, device=device, seed=seed + i) for i, s in enumerate(shapes)]
 
 
 def _run(backend_steps, make_rand, dtype, weight_decay=1e-2, maximize=False, steps=100, scheduler=False,
-         master_weights=None):
-    base = _params(make_rand, dtype)
+         master_weights=None, device="cpu"):
+    base = _params(make_rand, dtype, device)
     ref = [p.clone().requires_grad_() for p in base]
     mine = [p.clone().to(dtype).requires_grad_() for p in base]
     kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay, maximize=maximize)
@@ -27,7 +28,7 @@ def _run(backend_steps, make_rand, dtype, weight_decay=1e-2, maximize=False, ste
     gen = torch.Generator().manual_seed(123)
     for _ in range(steps):
         for r, m in zip(ref, mine):
-            g = torch.randn(r.shape, generator=gen)
+            g = torch.randn(r.shape, generator=gen).to(device)
             r.grad, m.grad = g.clone(), g.to(dtype)
         o_ref.step()
         backend_steps(o_mine)
@@ -42,7 +43,7 @@ def _run(backend_steps, make_rand, dtype, weight_decay=1e-2, maximize=False, ste
 def test_fp32_matches_torch_adamw(backend, make_rand, weight_decay, maximize, scheduler):
     steps = 8 if backend.interpreted else 100
     ref, mine, o_ref, o_mine = _run(lambda o: o.step(), make_rand, torch.float32, weight_decay, maximize, steps,
-                                    scheduler)
+                                    scheduler, device=backend.device)
     for r, m in zip(ref, mine):
         torch.testing.assert_close(m, r, atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(o_mine.state[m]["exp_avg"], o_ref.state[r]["exp_avg"], atol=1e-6, rtol=1e-5)
@@ -54,7 +55,7 @@ def test_fp32_matches_torch_adamw(backend, make_rand, weight_decay, maximize, sc
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_master_weights_track_fp32(backend, make_rand, dtype):
     steps = 8 if backend.interpreted else 100
-    ref, mine, _, o_mine = _run(lambda o: o.step(), make_rand, dtype, 0.1, steps=steps)
+    ref, mine, _, o_mine = _run(lambda o: o.step(), make_rand, dtype, 0.1, steps=steps, device=backend.device)
     for r, m in zip(ref, mine):
         state = o_mine.state[m]
         assert state["master_param"].dtype == state["exp_avg"].dtype == torch.float32 and m.dtype == dtype
@@ -86,14 +87,15 @@ def test_state_dict_round_trip_keeps_fp32_states(backend, make_rand, tmp_path):
 
     def make():
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Linear(7, 3)).to(torch.bfloat16)
+        model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.Linear(7, 3))
+        model = model.to(device=backend.device, dtype=torch.bfloat16)
         return model, FusedAdamW(model.parameters(), lr=1e-2)
 
     def train(model, opt, n, seed):
         gen = torch.Generator().manual_seed(seed)
         for _ in range(n):
             for p in model.parameters():
-                p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+                p.grad = torch.randn(p.shape, generator=gen).to(device=p.device, dtype=p.dtype)
             opt.step()
 
     model_a, opt_a = make()

@@ -30,7 +30,7 @@ def _problem(make_rand, n, h, v, dtype, seed=0, bias=False, ignore=True):
     hidden = make_rand(n, h, dtype=dtype, seed=seed)
     weight = make_rand(v, h, dtype=dtype, seed=seed + 1, scale=h**-0.5 * 2)
     b = make_rand(v, dtype=dtype, seed=seed + 2) if bias else None
-    labels = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(seed + 3))
+    labels = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(seed + 3)).to(hidden.device)
     if ignore:
         labels[1::4] = -100
     return hidden, weight, b, labels
@@ -40,7 +40,7 @@ def _loss_and_grads(fn, tensors, labels, upstream, **kw):
     leaves = [t.detach().clone().requires_grad_() for t in tensors if t is not None]
     hidden, weight, *rest = leaves
     loss = fn(hidden, weight, labels, rest[0] if rest else None, **kw)
-    grads = torch.autograd.grad(loss, leaves, upstream.to(loss.dtype))
+    grads = torch.autograd.grad(loss, leaves, upstream.to(device=loss.device, dtype=loss.dtype))
     return loss.detach(), grads
 
 
@@ -110,11 +110,12 @@ def test_mixed_dtypes(backend, make_rand, check_close, dtypes, bias, reduction):
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                     (torch.bfloat16, torch.bfloat16)], ids=["fp32", "bf16-fp32", "bf16"])
 def test_autocast(backend, make_rand, check_close, dtypes):
-    """Under CPU autocast (bf16) the matmuls run in bf16, as F.linear's would; grads come back in input dtypes."""
+    """Under autocast (bf16, on the backend's device) the matmuls run in bf16, as F.linear's would; grads come back
+    in the input dtypes."""
     n, h, v = TINY[0] if backend.interpreted else SHAPES[0]
     hidden, weight, b, labels = _problem(make_rand, n, h, v, torch.float32, bias=True)
     tensors = (hidden.to(dtypes[0]), weight.to(dtypes[1]), b)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(backend.device, dtype=torch.bfloat16):
         _check_against_fp64(check_close, functools.partial(fused_linear_cross_entropy, chunk_rows=8),
                             linear_cross_entropy_reference, tensors, labels, torch.tensor(0.37))
 
