@@ -39,8 +39,8 @@ _LOCK = ".shardkit.lock"
 _HIDDEN_RE = re.compile(r"^\.(?P<name>.+)\.(?:tmp-[0-9a-f]+|tmp|old|saving)$")
 
 # Fault injection for the crash tests: SHARDKIT_CHECKPOINT_FAULT=<step> SIGKILLs the process when rank 0
-# (or any rank, for the per-rank steps) reaches <step>; "<step>:stop" SIGSTOPs it instead, so a test can
-# run a second save while the first one is parked at a known point.
+# (or any rank, for the per-rank steps) reaches <step>; "<step>:stop" SIGSTOPs it instead, once, so a test
+# can run a second save while the first one is parked at a known point.
 FAULT_ENV = "SHARDKIT_CHECKPOINT_FAULT"
 FAULT_STEPS = ("locked", "recovered", "tmp-created", "file-written", "part-written", "manifest-written",
                "tmp-sealed", "old-moved", "renamed", "old-removed", "latest-written", "latest-moved",
@@ -57,8 +57,13 @@ def fault_point(step: str) -> None:
     if not spec:
         return
     want, _, action = spec.partition(":")
-    if want == step:
-        os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
+    if want != step:
+        return
+    if action == "stop":
+        del os.environ[FAULT_ENV]  # once: after SIGCONT the save runs to its end
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def acquire_lock(parent: Path, path: Path) -> int:
