@@ -78,8 +78,9 @@ def _logged(resolved: ResolvedConfig) -> ResolvedConfig:
     if rank in ("", "0") and resolved.source not in _LOGGED:
         _LOGGED.add(resolved.source)
         settings = getattr(resolved.strategy, "settings", None)
-        log.info("%s resolves to strategy=%r%s precision=%r gradient_accumulation_steps=%d micro_batch_size=%s "
-                 "max_grad_norm=%s optimizer=%s scheduler=%s", resolved.source, resolved.strategy,
+        # NOTE: the class name, not repr(): a strategy's repr may need the device, known only after setup.
+        log.info("%s resolves to strategy=%s%s precision=%r gradient_accumulation_steps=%d micro_batch_size=%s "
+                 "max_grad_norm=%s optimizer=%s scheduler=%s", resolved.source, type(resolved.strategy).__name__,
                  f" ({settings})" if settings is not None else "", resolved.precision,
                  resolved.gradient_accumulation_steps, resolved.micro_batch_size, resolved.max_grad_norm,
                  resolved.optimizer, resolved.scheduler)
