@@ -124,6 +124,9 @@ def create_optimizer(model: nn.Module, args: TrainingArguments, spec: EngineSpec
         {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
+    if not args.weight_decay and spec.optimizer is None:
+        # Without weight decay the two groups are the same: one group is the same maths and lighter to save.
+        groups = [{"params": [p for _, p in params], "weight_decay": 0.0}]
     if spec.optimizer is not None:
         from shardkit.config.optim import build_optimizer
 

@@ -1,0 +1,215 @@
+"""Trainer on 2 CPU ranks: exact loss under accumulation across ranks, loss trace equal to a hand-written
+Runner loop, uneven eval counted once, and mid-epoch resume equal to the uninterrupted run (DDP, FSDP, ZeRO-2)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from harness import run_distributed
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset
+from workloads import TEXT
+
+from shardkit import Runner
+from shardkit.models import ByteTextDataset, Llama, LlamaConfig
+from shardkit.strategies import strategy_from_name
+from shardkit.trainer import Trainer, TrainerCallback, TrainingArguments
+from shardkit.trainer.export import full_state_dict
+
+TINY = LlamaConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, max_position=16)
+
+
+class SumLossLM(nn.Module):
+    """Takes num_items_in_batch by name and returns sum / num_items_in_batch."""
+
+    loss_type = "ForCausalLM"
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.emb = nn.Embedding(32, 16)
+        self.out = nn.Linear(16, 32)
+
+    def forward(self, input_ids, labels=None, num_items_in_batch=None):
+        logits = self.out(torch.tanh(self.emb(input_ids)))
+        if labels is None:
+            return logits
+        total = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 32), labels[:, 1:].reshape(-1),
+                                            ignore_index=-100, reduction="sum")
+        return total / (num_items_in_batch if num_items_in_batch is not None else (labels[:, 1:] != -100).sum())
+
+
+class LogitsOnly(SumLossLM):
+    def forward(self, input_ids):
+        return super().forward(input_ids)
+
+
+def _llama():
+    torch.manual_seed(3)
+    return Llama(TINY)
+
+
+class VarLen(Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(5)
+        self.rows = [torch.randint(0, 32, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g)
+                     for _ in range(n)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i]}
+
+
+def pad_collate(samples):
+    width = max(len(s["input_ids"]) for s in samples)
+    ids = torch.zeros(len(samples), width, dtype=torch.long)
+    labels = torch.full((len(samples), width), -100)
+    for i, s in enumerate(samples):
+        ids[i, : len(s["input_ids"])] = s["input_ids"]
+        labels[i, : len(s["input_ids"])] = s["input_ids"]
+    return {"input_ids": ids, "labels": labels}
+
+
+class GradCatcher(TrainerCallback):
+    grads = None
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads = {n.removeprefix("module."): p.grad.clone() for n, p in model.named_parameters()}
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def _args(out, **kw):
+    base = dict(output_dir=str(out), per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
+                save_strategy="no", disable_tqdm=True, seed=0, warmup_steps=1, max_steps=6)
+    return TrainingArguments(**{**base, **kw})
+
+
+def _big_batch_grads(factory, data) -> dict[str, torch.Tensor]:
+    model = factory()
+    batch = pad_collate([data[i] for i in range(len(data))])
+    if isinstance(model, LogitsOnly):
+        logits = model(batch["input_ids"])
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 32), batch["labels"][:, 1:].reshape(-1),
+                                           ignore_index=-100)
+    else:
+        loss = model(**batch)
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _accumulation_gap(out: Path, factory) -> float:
+    """2 ranks x GA 4 x batch 2 of padded variable-length rows: largest gap to the gradients of one batch of 16."""
+    data, catcher = VarLen(16), GradCatcher()
+    args = _args(out, gradient_accumulation_steps=4, max_steps=1, max_grad_norm=0.0, remove_unused_columns=False)
+    Trainer(factory(), args, train_dataset=data, data_collator=pad_collate, callbacks=[catcher],
+            strategy=strategy_from_name("ddp")).train()
+    expected = _big_batch_grads(factory, data)
+    return max(float((catcher.grads[n] - g).abs().max() / g.abs().max()) for n, g in expected.items())
+
+
+def _trace_pair(out: Path) -> tuple[list[float], list[float], bool]:
+    """The Trainer's logged losses and a hand-written DDP Runner loop's, on the same data and settings."""
+    data = Subset(ByteTextDataset(TEXT, seq_len=16, stride=16), range(64))
+    args = _args(out, gradient_accumulation_steps=2, max_steps=4, lr_scheduler_type="constant", warmup_steps=0,
+                 max_grad_norm=1.0, weight_decay=0.01)
+    trainer = Trainer(_llama(), args, train_dataset=data, strategy=strategy_from_name("ddp"))
+    trainer.train()
+    runner = Runner(strategy_from_name("ddp"), gradient_accumulation_steps=2, seed=0)
+    model = _llama()
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.01},
+              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    model, opt = runner.setup(model, torch.optim.AdamW(groups, lr=1e-2))
+    loader = runner.setup_dataloader(DataLoader(data, batch_size=2, shuffle=True))
+    losses, window = [], torch.zeros(1, dtype=torch.float64)
+    for batch in loader:
+        loss = model(batch["input_ids"], batch["labels"])
+        runner.backward(loss)
+        window += loss.detach().double() / (2 * runner.world_size)
+        if runner.sync_gradients:
+            runner.clip_gradients(1.0)
+            runner.step()
+            losses.append(round(float(runner.all_reduce(window, "sum")), 6))
+            window = torch.zeros(1, dtype=torch.float64)
+            if len(losses) == 4:
+                break
+    ours = full_state_dict(trainer.runner, trainer.model)
+    same = all(torch.equal(ours[k], v) for k, v in full_state_dict(runner, model).items())
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], losses, same
+
+
+def _uneven_eval(out: Path) -> tuple[int, float, float]:
+    """7 eval rows on 2 ranks in batches of 2: compute_metrics must see each row once."""
+    seen = {}
+
+    def metrics(pred):
+        seen["rows"] = pred.label_ids.shape[0]
+        return {"rows": float(pred.label_ids.shape[0])}
+
+    data = VarLen(7)
+    args = _args(out, per_device_eval_batch_size=2, remove_unused_columns=False)
+    trainer = Trainer(SumLossLM(), args, eval_dataset=data, data_collator=pad_collate, compute_metrics=metrics,
+                      strategy=strategy_from_name("ddp"))
+    result = trainer.evaluate()
+    return seen["rows"], result["eval_rows"], result["eval_loss"]
+
+
+def _exactness_worker(out: str) -> dict:
+    out = Path(out)
+    gaps = {f.__name__: _accumulation_gap(out / f.__name__, f) for f in (SumLossLM, LogitsOnly, _llama)}
+    trace = _trace_pair(out / "trace")
+    rows = _uneven_eval(out / "eval")
+    return {"gaps": gaps, "trace": trace, "rows": rows}
+
+
+def test_exact_loss_trace_and_uneven_eval(tmp_path):
+    results = run_distributed(_exactness_worker, 2, args=(str(tmp_path),))
+    for result in results:
+        for name, gap in result["gaps"].items():
+            assert gap < 1e-5, (name, gap)  # mean-of-means would be off by ~1e-1 with these lengths
+        trainer_losses, runner_losses, same_weights = result["trace"]
+        assert trainer_losses == pytest.approx(runner_losses, rel=1e-6)
+        assert same_weights
+        assert result["rows"][0] == 7 and result["rows"][1] == 7.0
+
+
+def _resume_worker(strategy: str, out: str) -> dict:
+    out = Path(out)
+    data = Subset(ByteTextDataset(TEXT, seq_len=16, stride=16), range(96))
+    dropout = LlamaConfig(**{**TINY.to_dict(), "dropout": 0.1})
+
+    def trainer(path, callbacks=()):
+        torch.manual_seed(3)
+        args = _args(path, gradient_accumulation_steps=2, logging_steps=2, save_strategy="steps", save_steps=3)
+        return Trainer(Llama(dropout), args, train_dataset=data, callbacks=list(callbacks),
+                       strategy=strategy_from_name(strategy))
+
+    full = trainer(out / "full")
+    full.train()
+    first = trainer(out / "resumed", [StopAt(3)])
+    first.train()
+    torch.manual_seed(99)  # other RNG state than at the save: the checkpoint must restore it
+    second = trainer(out / "resumed")
+    second.train(resume_from_checkpoint=True)
+    losses = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]  # noqa: E731
+    a, b = full_state_dict(full.runner, full.model), full_state_dict(second.runner, second.model)
+    return {"full": losses(full), "resumed": losses(second), "equal": all(torch.equal(a[k], b[k]) for k in a),
+            "step": second.state.global_step}
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
+def test_resume_mid_epoch_equals_the_uninterrupted_run(tmp_path, strategy):
+    results = run_distributed(_resume_worker, 2, args=(strategy, str(tmp_path)), env={"DS_ACCELERATOR": "cpu"})
+    for result in results:
+        assert result["step"] == 6
+        assert result["resumed"] == result["full"]
+        assert result["equal"]
