@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Callable
 import torch
 
 from .deepspeed_reader import DeepSpeedCheckpoint
-from .format import CheckpointError, SafetensorsStreamWriter, fsync_dir, write_bytes_durable
+from .format import CheckpointError, dtype_name, fsync_dir, write_bytes_durable
 from .reader import CheckpointReader
 
 __all__ = ["consolidate", "consolidate_deepspeed", "parse_size", "write_hf_shards"]
@@ -47,6 +48,35 @@ def _plan(keys: dict, dtype: torch.dtype | None, limit: int) -> list[list[tuple[
     return shards
 
 
+def _write_file(path: Path, specs: list[tuple[str, torch.dtype, tuple]], meta: dict[str, str],
+                fetch: Callable[[str], torch.Tensor]) -> None:
+    """One safetensors file, tensor by tensor (header first: the specs fix every offset), then fsync.
+
+    Unlike the checkpoint writer it does not hash: an export is verified by loading it, and hashing
+    every byte costs seconds per GB for nothing the output format keeps.
+    """
+    header: dict = {"__metadata__": meta}
+    offset = 0
+    for key, dtype, shape in specs:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[key] = {"dtype": dtype_name(dtype, f"{path.name}:{key}"), "shape": list(shape),
+                       "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for key, dtype, shape in specs:
+            t = fetch(key).to(dtype).contiguous()
+            if tuple(t.shape) != tuple(shape):
+                raise CheckpointError(f"{path.name}: {key} has shape {list(t.shape)}, planned {list(shape)}")
+            if t.numel():
+                f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            del t
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_hf_shards(out_dir: Path, keys: dict[str, tuple[tuple, torch.dtype]], fetch: Callable[[str], torch.Tensor],
                     *, dtype: torch.dtype | None, max_shard_size: int | str, tied: dict[str, str]) -> list[Path]:
     """Writes ``keys`` (name -> (shape, source dtype)) as ``model.safetensors`` or shards + index.
@@ -72,15 +102,11 @@ def write_hf_shards(out_dir: Path, keys: dict[str, tuple[tuple, torch.dtype]], f
     written = []
     for file, specs in zip(names, shards):
         tmp = out_dir / f".{file}.tmp"
-        w = SafetensorsStreamWriter(tmp, specs, meta)
         try:
-            for key, out_dtype, _ in specs:
-                w.write(key, fetch(key).to(out_dtype))
+            _write_file(tmp, specs, meta, fetch)
         except BaseException:
-            w.abort()
             tmp.unlink(missing_ok=True)
             raise
-        w.close()
         os.replace(tmp, out_dir / file)
         written.append(out_dir / file)
     if n > 1:

@@ -262,17 +262,31 @@ class DeepSpeedCheckpoint:
         shape, dtype, pieces = self.sources[self.aliases.get(key, key)]
         n = _numel(shape)
         out = torch.empty(n, dtype=self.spec(key)[1])
-        pos = 0
+        pos, touched = 0, False
         for flat, start, take in pieces:
             take = min(take, n - pos)  # ZeRO-3's last rank carries padding past the end
             if take <= 0:
                 break
-            out[pos: pos + take].copy_(flat.reshape(-1)[start: start + take])
+            if not self._pread(out[pos: pos + take], flat, start):
+                out[pos: pos + take].copy_(flat.reshape(-1)[start: start + take])
+                touched = True
             pos += take
         if pos != n:
             raise CheckpointError(f"{self.path}: {key} has {pos} of its {n} elements in the files")
-        self.release()
+        if touched:
+            self.release()
         return out.view(shape)
+
+    def _pread(self, out: torch.Tensor, flat: torch.Tensor, start: int) -> bool:
+        """Reads a same-dtype contiguous run straight from its file into ``out``: no page-cache mapping, no copy."""
+        if flat.dtype != out.dtype or not flat.is_contiguous():
+            return False
+        for f in self._files:
+            offset = f.file_offset(flat)
+            if offset is not None:
+                f.read_into(out, offset + start * flat.element_size())
+                return True
+        return False
 
     def release(self) -> None:
         """Drops the file pages read so far (bounded memory while streaming)."""

@@ -15,6 +15,7 @@ reading a 100 GB optimizer file to pull out one tensor costs about that tensor's
 from __future__ import annotations
 
 import collections
+import ctypes
 import enum
 import io
 import mmap
@@ -211,6 +212,29 @@ class TorchZipFile:
         self._fd = os.open(self.path, os.O_RDONLY)
         # ACCESS_COPY: a private mapping, so frombuffer gets a writable buffer without a copy; the file never changes
         self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY) if self._size else None
+        self._base = 0
+        if self._mm is not None:
+            view = ctypes.c_char.from_buffer(self._mm)
+            self._base = ctypes.addressof(view)
+            del view  # the export would keep the mapping from closing
+
+    def file_offset(self, t: torch.Tensor) -> int | None:
+        """Where ``t``'s first element lies in the file, when ``t`` is a view of this file's mapping."""
+        ptr = t.data_ptr()
+        if self._mm is None or not self._base <= ptr < self._base + self._size:
+            return None
+        return ptr - self._base
+
+    def read_into(self, out: torch.Tensor, offset: int) -> None:
+        """Fills the contiguous CPU tensor ``out`` with its byte count read at ``offset`` (pread: no page-cache
+        pages mapped into this process, so reading does not grow RSS)."""
+        buf = memoryview(out.view(torch.uint8).reshape(-1).numpy())
+        done = 0
+        while done < len(buf):
+            n = os.preadv(self._fd, [buf[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: unexpected end of file at byte {offset + done} (truncated?)")
+            done += n
 
     def _data_offset(self, info: zipfile.ZipInfo) -> int:
         if info.compress_type != zipfile.ZIP_STORED:
