@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,6 +195,9 @@ class FSDP(MeshStrategy):
 
     @override
     def setup(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None):
+        if self.is_global_zero:  # issue 13: the effective settings, once per setup, on the main process
+            logging.getLogger("shardkit.strategies.fsdp").info("shardkit: FSDP2 settings: %s, precision %r",
+                                                               self.settings, self.precision)
         names = _mesh.parameter_names(module)
         module = self.precision.convert_module(module)
         if not _mesh.has_meta_parameters(module):

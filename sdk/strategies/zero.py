@@ -159,6 +159,8 @@ class _ZeRO(ProcessGroupStrategy):
             config["zero_optimization"] = {"stage": 0}
         if self.settings.offload_optimizer and _is_fused_adamw(optimizer):
             config["zero_force_ds_cpu_optimizer"] = False  # DeepSpeed accepts only its CPU Adam unless told
+        if self.is_global_zero:  # issue 13: the effective engine config, once, every "auto" settled
+            log.info("shardkit: DeepSpeed engine config: %s", config)
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
                                                           dist_init_required=False)
         self._engine = engine
