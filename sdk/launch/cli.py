@@ -158,7 +158,8 @@ def _run(args: argparse.Namespace) -> int:
         env = _child_env(args, extra)
         collective = default_timeout(env)
     except (LaunchUsageError, ValueError) as err:
-        print(f"shardkit launch: error: {err}", file=sys.stderr)
+        # One line, whatever the error holds (several unknown keys, a YAML parser's multi-line message).
+        print(f"shardkit launch: error: {'; '.join(str(err).splitlines())}", file=sys.stderr)
         return 2
     command = build_command(args)
     if args.dry_run:

@@ -131,3 +131,19 @@ def test_ddp_at_world_size_one_from_an_accelerate_yaml_trains(tmp_path):
                                   env={"SHARDKIT_CONFIG_FILE": str(config)})
 
     assert strategy == "DDP" and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("bad", ["inf", "nan", "-1", "1e400"])
+def test_cli_refuses_a_non_finite_timeout_in_one_line(bad, tmp_path, capsys, monkeypatch):
+    from shardkit import cli
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+
+    assert cli.main(["launch", "--timeout", bad, "--dry-run", str(script)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardkit launch: error: --timeout(") and len(err.strip().splitlines()) == 1
+
+    monkeypatch.setenv("SHARDKIT_COLLECTIVE_TIMEOUT", bad)  # inherited by every rank: refused before starting
+    assert cli.main(["launch", "--dry-run", str(script)]) == 2
+    assert f"SHARDKIT_COLLECTIVE_TIMEOUT='{bad}'" in capsys.readouterr().err
