@@ -6,7 +6,7 @@ Model states per rank, with Ψ parameters on N ranks (G per node) and Adam (two 
 strategy            on each device                  notes
 ==================  ==============================  ==========================================
 ddp                 p + g + s                       everything replicated
-zero1               p + g + (m + s)/N               + a reduce bucket
+zero1               p + (g + m + s)/N               + a bucket; g whole until reduced (working)
 zero2               p + (g + m + s)/N               + a reduce bucket
 zero3, fsdp         (p + g + m + s)/N               + the largest layer gathered (working)
 fsdp_grad_op        (p + g + s)/N                   + all of p gathered between forward and backward
@@ -101,7 +101,10 @@ def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: 
     if strategy == "ddp":
         return ModelStates(strategy, psi * p, psi * g, psi * s)
     if strategy == "zero1":
-        return ModelStates(strategy, psi * p, psi * g + bucket, _div(psi * (m + s), n))
+        # DeepSpeed's stage 1 is stage 2's code: once reduced, a rank keeps only its gradient partition
+        # (measured equal to stage 2 after a backward); the full gradients live until the reduction.
+        return ModelStates(strategy, psi * p, _div(psi * g, n) + bucket, _div(psi * (m + s), n),
+                           working=psi * g - _div(psi * g, n))
     if strategy == "zero2":
         return ModelStates(strategy, psi * p, _div(psi * g, n) + bucket, _div(psi * (m + s), n))
     if strategy in ("zero3", "fsdp"):

@@ -122,8 +122,9 @@ def test_strategies_shard_as_documented():
 
     psi = spec.total_params
     assert total("ddp") == 16 * psi
-    assert total("zero1") == 4 * psi + 4 * psi + 12 * psi // n  # DeepSpeed's separate fp32 master
-    assert total("zero2") == 4 * psi + 16 * psi // n
+    assert total("zero1") == total("zero2") == 4 * psi + 16 * psi // n  # DeepSpeed's separate fp32 master
+    zero1 = estimate_model_states(spec, "zero1", num_gpus_per_node=n, precision="fp32")
+    assert zero1.device_peak == 8 * psi + 12 * psi // n  # the paper's 4+4+12/N while gradients are whole
     assert total("zero3") == 20 * psi // n and total("fsdp") == 16 * psi // n
     assert total("tensor_parallel") == 16 * (800_000 // n + 200_000)
     two_nodes = estimate_model_states(spec, "fsdp_hybrid", num_gpus_per_node=n, num_nodes=2, precision="fp32")
