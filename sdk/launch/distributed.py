@@ -137,7 +137,7 @@ def destroy_distributed() -> None:
 
     Raises:
         CollectiveTimeoutError: a peer is alive but never reached the barrier (it hangs after its last
-            collective); the message names it. The group is destroyed first.
+            collective); the message names it. The group is not destroyed then.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
@@ -157,7 +157,7 @@ def destroy_distributed() -> None:
         # exit deadlock seen on the loaded 2-core CI machine.
         time.sleep(_WORKER_RELEASE_GRACE_S)
     if timed_out is not None:
-        # NOTE: swallowed, this let a rank exit 0 while its peer hung for ever (issue 13, L). Not destroyed
-        # either: destroying a gloo group with a receive still pending waits for it.
+        # NOTE: swallowed, this let a rank exit 0 while its peer hung for ever (issue 13, L). The group is left
+        # to process exit: this rank ends on the error, and its closing sockets end the peer's next collective.
         raise timed_out
     dist.destroy_process_group()
