@@ -31,7 +31,9 @@ __all__ = ["CollectiveTimeoutError", "REPORT_DIR_ENV", "TimeoutReport", "explain
 
 REPORT_DIR_ENV = "SHARDKIT_REPORT_DIR"
 _KEY = "shardkit/collective_timeout/"
-_TIMEOUT_TEXT = re.compile(r"timed out|timeout", re.IGNORECASE)
+# gloo: "Timed out waiting 6000ms for recv operation"; NCCL's watchdog: "Watchdog caught collective operation
+# timeout". Narrow on purpose: a diagnosis waits for peers, so an unrelated "timeout" must not trigger one.
+_TIMEOUT_TEXT = re.compile(r"timed out waiting \d+ ?ms|collective operation timeout", re.IGNORECASE)
 # Peers that arrived late start their own clock late and so time out late; wait this long for their marks.
 # Half the timeout (a peer later than that was itself close to timing out), between 2 and 10 seconds.
 _MIN_WAIT_S, _MAX_WAIT_S = 2.0, 10.0

@@ -147,3 +147,19 @@ def test_cli_refuses_a_non_finite_timeout_in_one_line(bad, tmp_path, capsys, mon
     monkeypatch.setenv("SHARDKIT_COLLECTIVE_TIMEOUT", bad)  # inherited by every rank: refused before starting
     assert cli.main(["launch", "--dry-run", str(script)]) == 2
     assert f"SHARDKIT_COLLECTIVE_TIMEOUT='{bad}'" in capsys.readouterr().err
+
+
+def test_timeout_recognition_and_launcher_reports_are_strict(tmp_path):
+    from shardkit.launch import watchdog
+
+    gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for recv operation")
+    nccl = RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)")
+    assert watchdog.is_collective_timeout(gloo) and watchdog.is_collective_timeout(nccl)
+    assert not watchdog.is_collective_timeout(RuntimeError("request timeout from the data server"))
+    assert not watchdog.is_collective_timeout(TimeoutError("Timed out waiting 5ms"))  # not a collective's
+    assert watchdog.explain(gloo) is None  # no process group here: nothing to ask
+
+    (tmp_path / "rank-0.json").write_text('{"rank": 0, "missing": [1], "message": "m0"}')
+    (tmp_path / "rank-2.json").write_text('{"rank": 2, "missing": "all", "message": "m2"}')  # hostile: skipped
+    (tmp_path / "rank-3.json").write_bytes(b"\xff\xfe")
+    assert watchdog.read_reports(tmp_path) == [watchdog.TimeoutReport(0, [1], "m0")]
