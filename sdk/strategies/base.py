@@ -20,7 +20,7 @@ from torch import nn
 from shardkit import checkpoint as ckpt
 from shardkit.precision import FP32, Precision
 
-__all__ = ["Strategy", "BackwardSyncControl", "param_list"]
+__all__ = ["Strategy", "BackwardSyncControl", "param_list", "replicated_gathered"]
 
 
 class Strategy(ABC):
@@ -129,7 +129,7 @@ class Strategy(ABC):
         changes are dropped. Where ``module`` holds the parameters, reading them from the module inside
         the block gives the whole tensors too. Replicated strategies yield the parameters themselves.
         """
-        return contextlib.nullcontext(param_list(params))
+        return replicated_gathered(param_list(params), modifier_rank)
 
     def iter_full_state_dict(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream the model's full state dict to the main process, one module at a time.
@@ -299,6 +299,20 @@ def param_list(params: Any) -> list[torch.Tensor]:
     if isinstance(params, torch.Tensor):
         return [params]
     return list(params)
+
+
+@contextlib.contextmanager
+def replicated_gathered(params: list[torch.Tensor], modifier_rank: int | None) -> Iterator[list[torch.Tensor]]:
+    """``gathered_parameters`` where every rank holds whole parameters: yields them; with ``modifier_rank``
+    broadcasts that rank's values on exit, so replicas stay equal."""
+    yield params
+    if modifier_rank is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        seen: set[int] = set()
+        with torch.no_grad():
+            for p in params:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    dist.broadcast(p.data, src=modifier_rank)
 
 
 def _modules_like_state_dict(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:

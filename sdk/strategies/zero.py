@@ -27,7 +27,7 @@ from typing_extensions import override
 from shardkit import checkpoint as ckpt
 from shardkit.launch.distributed import backend_for_device
 from shardkit.strategies import _init, zero_checkpoint
-from shardkit.strategies.base import param_list
+from shardkit.strategies.base import param_list, replicated_gathered
 from shardkit.strategies.distributed import ProcessGroupStrategy
 from shardkit.strategies.zero_config import (
     NVME_PATH_ENV_VAR,
@@ -183,11 +183,13 @@ class _ZeRO(ProcessGroupStrategy):
         """Context that yields ``params`` whole on every rank (a list; ZeRO-3 gathers the partitions in place).
 
         With ``modifier_rank=r``, changes rank r makes inside the block are kept (broadcast and
-        re-partitioned on exit). Below stage 3 every rank holds whole parameters: the list is yielded as is.
+        re-partitioned on exit). Below stage 3 every rank holds whole parameters: the list is yielded as is
+        (rank r's values broadcast on exit). NOTE: once the optimizer is set up, DeepSpeed's fp32 master
+        weights overwrite such changes at the next step; change weights before ``setup`` or load a checkpoint.
         """
         params = param_list(params)
         if self.settings.stage != 3:
-            return contextlib.nullcontext(params)
+            return replicated_gathered(params, modifier_rank)
         return _gathered_zero3(params, modifier_rank)
 
     # ---- the step ------------------------------------------------------------------------------
