@@ -1,0 +1,144 @@
+"""Hugging Face-format weights out of a model set up under any strategy, one module at a time.
+
+    runner.setup(model, ...)
+    save_pretrained(runner, "export/", model, dtype=torch.bfloat16, max_shard_size="2GB")   # on every rank
+
+The main process receives the full tensors from :meth:`Runner.iter_full_state_dict` (which gathers one
+module at a time) and writes them into safetensors shards as they arrive: no rank ever holds more than
+one output shard plus one module. Tied weights are written once, as ``save_pretrained`` does, and an HF
+model's ``config.json`` (and generation config) is written beside them, so ``from_pretrained`` loads
+the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .consolidate import _OUTPUT_RE, _write_file, parse_size
+from .format import CheckpointError, fsync_dir, write_bytes_durable
+
+__all__ = ["save_pretrained"]
+
+
+def _tied_aliases(module: nn.Module) -> dict[str, str]:
+    """alias -> first name, for parameters registered under several names (tied embeddings)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+class _ShardBuffer:
+    """Collects tensors until the next one would pass the limit, then writes them as one temporary file."""
+
+    def __init__(self, out_dir: Path, limit: int, meta: dict[str, str]) -> None:
+        self.out_dir, self.limit, self.meta = out_dir, limit, meta
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.files: list[tuple[Path, list[str], int]] = []  # (temporary path, keys, bytes)
+
+    def add(self, key: str, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
+        if self.pending and self.size + n > self.limit:
+            self.flush()
+        self.pending[key] = t
+        self.size += n
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        tmp = self.out_dir / f".export-{len(self.files):05d}.tmp"
+        specs = [(k, t.dtype, tuple(t.shape)) for k, t in self.pending.items()]
+        _write_file(tmp, specs, self.meta, self.pending.pop)
+        self.files.append((tmp, [k for k, _, _ in specs], self.size))
+        self.pending, self.size = {}, 0
+
+    def finish(self) -> list[Path]:
+        """Renames the temporary files to model.safetensors or model-0000K-of-0000N + the index."""
+        self.flush()
+        n = len(self.files)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        written = []
+        for (tmp, _, _), name in zip(self.files, names):
+            os.replace(tmp, self.out_dir / name)
+            written.append(self.out_dir / name)
+        if n > 1:
+            tied = json.loads(self.meta.get("tied_weights", "{}"))
+            index = {"metadata": {"total_size": sum(s for _, _, s in self.files), **({"tied_weights": tied} if tied
+                                                                                      else {})},
+                     "weight_map": {k: name for (_, keys, _), name in zip(self.files, names) for k in keys}}
+            idx = self.out_dir / "model.safetensors.index.json"
+            write_bytes_durable(idx, json.dumps(index, indent=2).encode())
+            written.append(idx)
+        fsync_dir(self.out_dir)
+        return written
+
+
+def _prepare_dir(out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.iterdir():
+        if _OUTPUT_RE.match(old.name) or old.name.startswith(".export-"):
+            old.unlink()
+
+
+def _save_config(module: nn.Module, out_dir: Path) -> None:
+    for attr in ("config", "generation_config"):
+        cfg = getattr(module, attr, None)
+        if cfg is not None and hasattr(cfg, "save_pretrained"):
+            cfg.save_pretrained(out_dir)
+
+
+def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *,
+                    dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
+                    save_config: bool = True) -> list[Path]:
+    """Writes the whole model as HF-style safetensors (sharded with an index past ``max_shard_size``).
+
+    Call it on every rank (the gathers are collectives). Works under every strategy; under ZeRO-3 this is
+    DeepSpeed's ``stage3_gather_16bit_weights_on_model_save`` case without holding the model on rank 0.
+
+    Args:
+        runner: the :class:`shardkit.Runner` the model was set up with.
+        out_dir: the directory to write (created; old ``model*.safetensors`` there are replaced).
+        model: the model ``runner.setup`` returned.
+        dtype: dtype of floating tensors (e.g. ``torch.bfloat16`` for 16-bit, ``torch.float32``); None
+            keeps the dtype the model holds.
+        max_shard_size: largest output file (``"5GB"``, ``"500MiB"`` or bytes).
+        save_config: also write an HF model's ``config.json`` / ``generation_config.json``.
+
+    Returns:
+        On the main process the files written (shards, then the index); ``[]`` on the other ranks.
+    """
+    limit = parse_size(max_shard_size)
+    if limit <= 0:
+        raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size!r}")
+    out = Path(out_dir)
+    main = runner.is_main_process
+    module = runner.unwrap_model(model)
+    tied = _tied_aliases(module)
+    buffer = None
+    if main:
+        _prepare_dir(out)
+        buffer = _ShardBuffer(out, limit, {"format": "pt", **({"tied_weights": json.dumps(tied)} if tied else {})})
+    for name, tensor in runner.iter_full_state_dict(model):  # every rank drives it; only the main one gets items
+        if name in tied:
+            continue
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        buffer.add(name, tensor)
+    written: list[Path] = []
+    if main:
+        written = buffer.finish()
+        if save_config:
+            _save_config(module, out)
+    runner.barrier("save_pretrained")
+    return written

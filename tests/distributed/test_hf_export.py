@@ -1,0 +1,54 @@
+"""save_pretrained under sharded strategies on 2 ranks: the directory from_pretrained loads equals the model."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from harness import run_distributed
+
+from shardkit.checkpoint.hf import save_pretrained
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg)
+
+
+def _export(strategy, out):
+    from shardkit import Runner
+    from shardkit.strategies import strategy_from_name
+
+    runner = Runner(strategy_from_name(strategy), seed=0)
+    model = _tiny_llama()
+    model, _ = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    sharded = save_pretrained(runner, out, model, max_shard_size="20KB")
+    save_pretrained(runner, out + "_bf16", model, dtype=torch.bfloat16)
+    runner.teardown()
+    return [str(p) for p in sharded]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_save_pretrained_loads_with_from_pretrained(tmp_path, strategy):
+    from transformers import LlamaForCausalLM
+
+    out = str(tmp_path / "export")
+    written = run_distributed(_export, world_size=2, args=(strategy, out), env={"DS_ACCELERATOR": "cpu"})
+    assert written[1] == [] and written[0][-1].endswith("model.safetensors.index.json") and len(written[0]) > 3
+    index = json.loads(Path(written[0][-1]).read_text())
+    assert "lm_head.weight" not in index["weight_map"]  # tied: written once, as save_pretrained does
+    ref = _tiny_llama().eval()
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(1))
+    for suffix, dtype in (("", torch.float32), ("_bf16", torch.bfloat16)):
+        loaded = LlamaForCausalLM.from_pretrained(out + suffix, torch_dtype=dtype).eval()
+        got, want = loaded.state_dict(), ref.state_dict()
+        assert set(got) == set(want)
+        for k, v in want.items():
+            assert got[k].dtype == dtype and torch.equal(got[k], v.to(dtype)), k
+    loaded = LlamaForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ref(ids).logits)
