@@ -62,7 +62,9 @@ def model_state_bytes(module: nn.Module, optimizer: Any, stage: int) -> dict[str
     masters = list(getattr(optimizer, "single_partition_of_fp32_groups", None)
                    or getattr(optimizer, "fp32_partitioned_groups_flat", None) or [])
     # The optimizer first, so that a parameter aliasing a master (fp32 without a copy) is counted once.
-    opt_bytes = counter.add(masters) + counter.add(_tensors(list(inner.state.values())))
+    # An inference engine's "optimizer" (DeepSpeedZeRoOffload, or None below stage 3) has no state.
+    state = getattr(inner, "state", None) or {}
+    opt_bytes = counter.add(masters) + counter.add(_tensors(list(state.values())))
     params = list(module.parameters())
     if stage == 3:
         lp = [p.ds_tensor for p in params if hasattr(p, "ds_tensor")] + [p.data for p in params if p.data.numel()]
