@@ -140,3 +140,37 @@ def test_init_module_gives_single_device_weights_bitwise(name, tmp_path):
             assert r0["peak_init_bytes"] >= r0["model_bytes"]
         print(f"{name}/{kind}: peak bytes during init rank0={r0['peak_init_bytes']} rank1={r1['peak_init_bytes']} "
               f"of model {r0['model_bytes']}")
+
+
+class _CopiesInit(torch.nn.Module):
+    """Init code that writes one parameter from another, which a sharded build cannot honour."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8, bias=False)
+        self.b = torch.nn.Linear(8, 8, bias=False)
+        with torch.no_grad():
+            self.b.weight.copy_(self.a.weight)
+
+
+def unhonoured_init_worker() -> dict:
+    from shardkit import Runner
+    from shardkit.strategies import strategy_from_name
+
+    out = {}
+    for name in ("fsdp", "zero3"):
+        runner = Runner(strategy_from_name(name), seed=0)
+        try:
+            with runner.init_module():
+                _CopiesInit()
+            out[name] = None
+        except RuntimeError as err:
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def test_init_that_cannot_be_honoured_raises_naming_the_parameter():
+    for r in run_distributed(unhonoured_init_worker, world_size=2, timeout=300):
+        for name, message in r.items():
+            assert message is not None, f"{name}: a write from one sharded parameter into another passed silently"
+            assert message.startswith("ShardedInitError") and "Linear.weight" in message, message
