@@ -1,4 +1,4 @@
-"""Hugging Face-format weights out of a model set up under any strategy, one module at a time.
+"""Hugging Face-format weights into and out of a model set up under any strategy, one module at a time.
 
     runner.setup(model, ...)
     save_pretrained(runner, "export/", model, dtype=torch.bfloat16, max_shard_size="2GB")   # on every rank
@@ -8,6 +8,12 @@ module at a time) and writes them into safetensors shards as they arrive: no ran
 one output shard plus one module. Tied weights are written once, as ``save_pretrained`` does, and an HF
 model's ``config.json`` (and generation config) is written beside them, so ``from_pretrained`` loads
 the directory.
+
+:func:`load_pretrained` goes the other way: an HF checkpoint directory into a model already set up
+(sharded) under any strategy, one module at a time. The main process reads each module's tensors
+(memory-mapped safetensors: only those bytes are read) into the module's gathered parameters, and the
+strategy scatters them on leaving the gather (``gathered_parameters(modifier_rank=0)``). No rank ever
+holds the whole model: the peak is one module gathered plus its tensors read.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from torch import nn
 from .consolidate import _OUTPUT_RE, _write_file, parse_size
 from .format import CheckpointError, fsync_dir, write_bytes_durable
 
-__all__ = ["save_pretrained"]
+__all__ = ["load_pretrained", "save_pretrained"]
 
 
 def _tied_aliases(module: nn.Module) -> dict[str, str]:
@@ -142,3 +148,91 @@ def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *
             _save_config(module, out)
     runner.barrier("save_pretrained")
     return written
+
+
+class _HFWeights:
+    """The tensors of an HF checkpoint directory, opened lazily (``model.safetensors`` or an index)."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        self.path = path
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        elif (path / "model.safetensors").is_file():
+            with safe_open(str(path / "model.safetensors"), "pt") as f:
+                weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise CheckpointError(f"{path}: has neither model.safetensors nor model.safetensors.index.json "
+                                  "(pytorch_model.bin pickles are not read: convert them to safetensors)")
+        self.weight_map = weight_map
+        self._open: dict[str, Any] = {}
+        self._safe_open = safe_open
+
+    def get(self, key: str) -> torch.Tensor:
+        file = self.weight_map[key]
+        if file not in self._open:
+            if not (self.path / file).is_file():
+                raise CheckpointError(f"{self.path}: the index names {file} for {key}, but it is missing")
+            self._open[file] = self._safe_open(str(self.path / file), "pt")
+        return self._open[file].get_tensor(key)
+
+
+def _modules(module: nn.Module, prefix: str = ""):
+    yield prefix, module
+    for name, child in module._modules.items():
+        if child is not None:
+            yield from _modules(child, f"{prefix}{name}.")
+
+
+def _copy_checked(key: str, target: torch.Tensor, value: torch.Tensor, where: Path) -> None:
+    if tuple(value.shape) != tuple(target.shape):
+        raise CheckpointError(f"{where}: {key} has shape {list(value.shape)} in the checkpoint, "
+                              f"{list(target.shape)} in the model")
+    with torch.no_grad():
+        target.copy_(value)
+
+
+def load_pretrained(runner: Any, model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> list[str]:
+    """Loads an HF safetensors checkpoint directory into ``model`` set up (sharded or not) under ``runner``.
+
+    Call on every rank (the gathers are collectives). Tied parameters missing from the files (HF drops
+    ``lm_head.weight`` when tied) are filled through the tie. Values are cast to each parameter's dtype.
+
+    Args:
+        runner: the :class:`shardkit.Runner` the model was set up with.
+        model: the model ``runner.setup`` returned.
+        path: the directory holding ``model.safetensors`` or ``model.safetensors.index.json`` + shards.
+        strict: raise when the model has keys the files lack, or the files keys the model lacks.
+
+    Returns:
+        The model's keys the files lacked (empty under ``strict``).
+    """
+    path = Path(path)
+    weights = _HFWeights(path)
+    module = runner.unwrap_model(model)
+    tied = _tied_aliases(module)
+    own = [k for k in module.state_dict() if k not in tied]
+    missing = [k for k in own if k not in weights.weight_map]
+    unexpected = [k for k in weights.weight_map if k not in own and k not in tied]
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"{path}: does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
+                              "; pass strict=False to load what matches")
+    main = runner.is_main_process
+    for prefix, sub in _modules(module):
+        named = [(prefix + n, p) for n, p in sub._parameters.items() if p is not None and prefix + n not in tied]
+        named = [(k, p) for k, p in named if k in weights.weight_map]
+        if named:
+            with runner.gathered_parameters([p for _, p in named], modifier_rank=0) as whole:
+                if main:
+                    for (k, _), target in zip(named, whole):
+                        _copy_checked(k, target, weights.get(k), path)
+        for n, b in sub._buffers.items():  # buffers are never sharded: every rank reads its own
+            if b is not None and prefix + n in weights.weight_map:
+                _copy_checked(prefix + n, b, weights.get(prefix + n), path)
+    runner.barrier("load_pretrained")
+    return missing

@@ -52,3 +52,68 @@ def test_save_pretrained_loads_with_from_pretrained(tmp_path, strategy):
     loaded = LlamaForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, ref(ids).logits)
+
+
+def _load(strategy, src, ids):
+    # NOTE: torch._dynamo imported for the first time inside zero.Init fails (DeepSpeed patches tensor
+    # constructors that dynamo's polyfills check), and transformers' Llama module imports it: import it first.
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    from shardkit import Runner
+    from shardkit.checkpoint.hf import load_pretrained
+    from shardkit.strategies import strategy_from_name
+
+    runner = Runner(strategy_from_name(strategy), seed=0)
+    torch.manual_seed(123)  # other weights than the files hold: the load must replace them
+    with runner.init_module():
+        model = _tiny_llama_unseeded()
+    model, _ = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    peak = [0]
+    gather = runner.gathered_parameters
+
+    def counting(params, modifier_rank=None):  # bytes of whole tensors this rank holds at once while loading
+        ctx = gather(params, modifier_rank)
+
+        class _Count:
+            def __enter__(self):
+                whole = ctx.__enter__()
+                peak[0] = max(peak[0], sum(t.numel() * t.element_size() for t in whole))
+                return whole
+
+            def __exit__(self, *exc):
+                return ctx.__exit__(*exc)
+
+        return _Count()
+
+    runner.gathered_parameters = counting
+    assert load_pretrained(runner, model, src) == []
+    runner.gathered_parameters = gather
+    with torch.no_grad():
+        logits = model(ids).logits
+    runner.teardown()
+    return logits, peak[0]
+
+
+def _tiny_llama_unseeded():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_load_pretrained_into_a_sharded_model(tmp_path, strategy):
+    ref = _tiny_llama().eval()
+    ref.save_pretrained(tmp_path / "hf", max_shard_size="20KB")  # sharded with an index
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    ids = torch.randint(0, 61, (2, 9), generator=torch.Generator().manual_seed(1))
+    results = run_distributed(_load, world_size=2, args=(strategy, str(tmp_path / "hf"), ids),
+                              env={"DS_ACCELERATOR": "cpu"})
+    with torch.no_grad():
+        want = ref(ids).logits
+    total = sum(p.numel() * p.element_size() for p in ref.parameters())
+    for logits, peak in results:
+        assert torch.allclose(logits, want, rtol=1e-5, atol=1e-6)
+        # the largest module (the embedding, 61 x 32 fp32) at most: never the whole model
+        assert 0 < peak <= 61 * 32 * 4 < total / 4
