@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .format import CheckpointError, dtype_from_name, dtype_name
@@ -60,7 +61,9 @@ class SafetensorsFile:
         self.path = path
         fd = _open_checked(path, size)
         try:
-            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if size else None
+            # NOTE: read-only, not ACCESS_COPY: a private writable map of a 100 GB shard counts in full
+            # against the commit limit under vm.overcommit_memory=2.
+            self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
         finally:
             os.close(fd)
         if sha256 is not None:
@@ -141,7 +144,8 @@ class SafetensorsFile:
         """A fresh (aligned) copy of data bytes ``[a, b)``."""
         if b == a:
             return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(self._mm, dtype=torch.uint8, count=b - a, offset=self._base + a).clone()
+        # numpy reads the read-only map without torch's non-writable-buffer warning; .copy() is the one copy
+        return torch.from_numpy(np.frombuffer(self._mm, dtype=np.uint8, count=b - a, offset=self._base + a).copy())
 
     def get_tensor(self, key: str) -> torch.Tensor:
         dtype, shape, a, b = self._lookup(key)
