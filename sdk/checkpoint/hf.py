@@ -234,5 +234,10 @@ def load_pretrained(runner: Any, model: nn.Module, path: str | os.PathLike, *, s
         for n, b in sub._buffers.items():  # buffers are never sharded: every rank reads its own
             if b is not None and prefix + n in weights.weight_map:
                 _copy_checked(prefix + n, b, weights.get(prefix + n), path)
+    # DeepSpeed's optimizers keep fp32 master copies made at setup; the next step would write them back over
+    # the loaded weights, so they are refreshed from the parameters (torch engines have no separate copy).
+    refresh = getattr(getattr(model, "optimizer", None), "refresh_fp32_params", None)
+    if callable(refresh):
+        refresh()
     runner.barrier("load_pretrained")
     return missing

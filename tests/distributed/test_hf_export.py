@@ -67,7 +67,8 @@ def _load(strategy, src, ids):
     torch.manual_seed(123)  # other weights than the files hold: the load must replace them
     with runner.init_module():
         model = _tiny_llama_unseeded()
-    model, _ = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    # lr 0: the step below must leave the loaded weights as they are (DeepSpeed's fp32 masters refreshed)
+    model, optimizer = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
     peak = [0]
     gather = runner.gathered_parameters
 
@@ -88,6 +89,8 @@ def _load(strategy, src, ids):
     runner.gathered_parameters = counting
     assert load_pretrained(runner, model, src) == []
     runner.gathered_parameters = gather
+    runner.backward(model(ids, labels=ids).loss)
+    runner.step()
     with torch.no_grad():
         logits = model(ids).logits
     runner.teardown()
