@@ -1,0 +1,215 @@
+"""Worker functions for the generation and batch-inference tests; top level so spawned ranks import them.
+
+Every rank builds the same weights (a seed) as a plain module and computes the reference outputs of
+every rank's requests with plain ``generate`` (no Runner, no collectives); then each strategy sets up
+a copy of those weights and generates through ``runner.generate`` with rank-dependent requests.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardkit import Runner
+from shardkit.launch.distributed import init_distributed
+from shardkit.models.llama import Llama, LlamaConfig
+from shardkit.strategies import strategy_from_name
+
+TINY = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, max_position=32)
+
+
+def hf_tiny():
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = HFConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=4, max_position_embeddings=64, pad_token_id=0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def shardkit_tiny():
+    torch.manual_seed(0)
+    return Llama(TINY).eval()
+
+
+def requests(rank: int) -> tuple[torch.Tensor, int]:
+    """Rank 0: two prompts of 5 tokens, 6 new tokens; rank 1: one prompt of 3 tokens, 3 new tokens."""
+    g = torch.Generator().manual_seed(100 + rank)
+    batch, length, new = (2, 5, 6) if rank == 0 else (1, 3, 3)
+    return torch.randint(1, 64, (batch, length), generator=g), new
+
+
+def reference(model: nn.Module, ids: torch.Tensor, new: int, eos: int | None, hf: bool) -> torch.Tensor:
+    if hf:
+        return model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                              synced_gpus=False)
+    return model.generate(ids, max_new_tokens=new, eos_token_id=eos, pad_token_id=0, synced=False)
+
+
+def pick_eos(model: nn.Module, hf: bool) -> int:
+    """A token rank 0's first row produces at its 2nd step: EOS then comes at different steps on each row."""
+    ids, new = requests(0)
+    return int(reference(model, ids, new, None, hf)[0, ids.shape[1] + 1])
+
+
+STRATEGY_KWARGS = {
+    "ddp": {}, "zero2": {}, "zero3": {}, "fsdp": {}, "tp": {"tp_size": 2},
+    "zero_infinity": {"buffer_size": 100_000},
+}
+
+
+def hf_tp_plan() -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"model.layers.*.self_attn.q_proj": ColwiseParallel(), "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+            "model.layers.*.self_attn.v_proj": ColwiseParallel(), "model.layers.*.self_attn.o_proj": RowwiseParallel(),
+            "model.layers.*.mlp.gate_proj": ColwiseParallel(), "model.layers.*.mlp.up_proj": ColwiseParallel(),
+            "model.layers.*.mlp.down_proj": RowwiseParallel()}
+
+
+def make_runner(name: str, hf: bool, nvme_path: str | None) -> Runner:
+    kwargs = dict(STRATEGY_KWARGS[name])
+    if name == "zero_infinity":
+        kwargs["nvme_path"] = nvme_path
+    if name == "tp" and hf:
+        kwargs["plan"] = hf_tp_plan()
+    return Runner(strategy=strategy_from_name(name, **kwargs), seed=0)
+
+
+def _rank() -> int:
+    init_distributed("cpu")
+    return dist.get_rank()
+
+
+def setup(runner: Runner, model: nn.Module, name: str) -> nn.Module:
+    """``runner.setup(model)``; ZeRO-1/2 get an optimizer that never steps: DeepSpeed 0.19.8 builds no engine
+    for them without one (an inference engine without an optimizer is issue 9 item 4)."""
+    if name in ("zero1", "zero2"):
+        return runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))[0]
+    return runner.setup(model)
+
+
+def generation_worker(names: list[str], nvme_path: str | None = None) -> dict:
+    """For each model kind, strategy and case (no EOS / EOS): this rank's output and the reference."""
+    rank = _rank()
+    out: dict = {}
+    for kind, build in (("shardkit", shardkit_tiny), ("hf", hf_tiny)):
+        hf = kind == "hf"
+        base = build()
+        state = {k: v.clone() for k, v in base.state_dict().items()}
+        eos = pick_eos(base, hf)
+        ids, new = requests(rank)
+        want = {case: reference(base, ids, new, e, hf) for case, e in (("plain", None), ("eos", eos))}
+        for name in names:
+            model = build()
+            model.load_state_dict(state)
+            runner = make_runner(name, hf, nvme_path)
+            model = setup(runner, model, name)
+            for case, e in (("plain", None), ("eos", eos)):
+                kw = {"do_sample": False} if hf else {}
+                got = runner.generate(model, ids, max_new_tokens=new, eos_token_id=e, pad_token_id=0, **kw)
+                out[(kind, name, case)] = (got.cpu(), want[case])
+    return out
+
+
+def fsdp_gather_count_worker() -> dict:
+    """All-gathers issued by one generate call under FSDP2, with parameters kept unsharded and without."""
+    runner = Runner(strategy=strategy_from_name("fsdp"), seed=0)
+    model = runner.setup(shardkit_tiny())
+    ids, new = requests(dist.get_rank())
+    counts, outputs = {}, {}
+    # FSDP2 all-gathers through dist.all_gather_single (torch 2.13; all_gather_into_tensor before): count both
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    real = {n: getattr(dist, n) for n in names}
+    calls = [0]
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            return real[name](*args, **kwargs)
+        return call
+
+    for n in names:
+        setattr(dist, n, counting(n))
+    try:
+        for keep in (True, False):
+            calls[0] = 0
+            outputs[keep] = runner.generate(model, ids, max_new_tokens=new, keep_unsharded=keep)
+            counts[keep] = calls[0]
+    finally:
+        for n in names:
+            setattr(dist, n, real[n])
+    units = sum(1 for m in model.modules() if type(m).__name__.startswith("FSDP"))
+    return {"counts": counts, "units": units, "same": torch.equal(outputs[True], outputs[False])}
+
+
+def rank0_only_worker() -> dict:
+    """Both ranks generate once; then rank 0 alone calls generate (rank 1 went on to a barrier)."""
+    runner = Runner(strategy=strategy_from_name("zero3"), seed=0)
+    model = runner.setup(shardkit_tiny())
+    ids, new = requests(dist.get_rank())
+    runner.generate(model, ids, max_new_tokens=new)
+    result = {}
+    if runner.rank == 0:
+        from shardkit.inference import NotCalledOnAllRanksError
+
+        start = time.perf_counter()
+        try:
+            runner.generate(model, ids, max_new_tokens=new)
+            result["error"] = None
+        except NotCalledOnAllRanksError as err:
+            result["error"] = str(err)
+        result["seconds"] = time.perf_counter() - start
+    dist.barrier()  # the job goes on after the error: rank 1 waited here all along
+    return result
+
+
+def llama_direct_rank0_only_worker() -> dict:
+    """Llama.generate called directly (not through the Runner) on rank 0 only, under FSDP."""
+    runner = Runner(strategy=strategy_from_name("fsdp"), seed=0)
+    model = runner.setup(shardkit_tiny())
+    result = {}
+    if runner.rank == 0:
+        from shardkit.inference import NotCalledOnAllRanksError
+
+        start = time.perf_counter()
+        try:
+            model.generate(requests(0)[0], max_new_tokens=2)
+            result["error"] = None
+        except NotCalledOnAllRanksError as err:
+            result["error"] = str(err)
+        result["seconds"] = time.perf_counter() - start
+    dist.barrier()
+    return result
+
+
+def batch_worker(names: list[str], n_prompts: int) -> dict:
+    """Split ``n_prompts`` prompts over the ranks, generate, gather. With padding: one call per prompt, each
+    with its own max_new_tokens; without: this rank's share in one batched call (possibly empty). Per
+    strategy and mode: the gathered outputs and the indices this rank was given."""
+    from shardkit.inference import split_between_processes
+
+    prompts = [torch.tensor([[1 + i, 2 + i, 3 + (i % 5)]]) for i in range(n_prompts)]
+    _rank()
+    base = shardkit_tiny()
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    out = {"want_each": [base.generate(p, max_new_tokens=2 + i % 3, synced=False) for i, p in enumerate(prompts)],
+           "want_batched": [base.generate(p, max_new_tokens=3, synced=False) for p in prompts]}
+    for name in names:
+        model = shardkit_tiny()
+        model.load_state_dict(state)
+        runner = make_runner(name, False, None)
+        model = setup(runner, model, name)
+        with runner.split_between_processes(list(range(n_prompts)), apply_padding=True) as mine:
+            results = [runner.generate(model, prompts[i], max_new_tokens=2 + i % 3).cpu() for i in mine]
+            out[(name, "each")] = {"gathered": runner.gather_object(results), "mine": list(mine)}
+        with runner.split_between_processes(torch.cat(prompts)) as mine:
+            results = runner.generate(model, mine, max_new_tokens=3).cpu()
+            out[(name, "batched")] = {"gathered": runner.gather_object(list(results)), "mine": mine.shape[0]}
+    with split_between_processes({"a": [1, 2, 3], "b": ["x", "y", "z"]}, dp_rank=dist.get_rank(), dp_size=2) as d:
+        out["dict"] = d
+    return out
