@@ -10,10 +10,12 @@ model's ``config.json`` (and generation config) is written beside them, so ``fro
 the directory.
 
 :func:`load_pretrained` goes the other way: an HF checkpoint directory into a model already set up
-(sharded) under any strategy, one module at a time. The main process reads each module's tensors
-(memory-mapped safetensors: only those bytes are read) into the module's gathered parameters, and the
-strategy scatters them on leaving the gather (``gathered_parameters(modifier_rank=0)``). No rank ever
-holds the whole model: the peak is one module gathered plus its tensors read.
+(sharded) under any strategy, one module at a time. Under ZeRO-3 each rank reads only its own
+partition of each parameter from the files (safetensors slices) straight into it. Elsewhere (FSDP, TP,
+replicated strategies, ZeRO-3's persistent small parameters) the main process reads each module's
+tensors into the module's gathered parameters and the strategy scatters them on leaving the gather
+(``gathered_parameters(modifier_rank=0)``). No rank ever holds the whole model: the peak is one
+module gathered plus its tensors read.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 from .consolidate import _OUTPUT_RE, _write_file, parse_size
-from .format import CheckpointError, fsync_dir, write_bytes_durable
+from .format import CheckpointError, flat_to_boxes, fsync_dir, write_bytes_durable
 
 __all__ = ["load_pretrained", "save_pretrained"]
 
@@ -173,13 +175,31 @@ class _HFWeights:
         self._open: dict[str, Any] = {}
         self._safe_open = safe_open
 
-    def get(self, key: str) -> torch.Tensor:
+    def _file(self, key: str) -> Any:
         file = self.weight_map[key]
         if file not in self._open:
             if not (self.path / file).is_file():
                 raise CheckpointError(f"{self.path}: the index names {file} for {key}, but it is missing")
             self._open[file] = self._safe_open(str(self.path / file), "pt")
-        return self._open[file].get_tensor(key)
+        return self._open[file]
+
+    def get(self, key: str) -> torch.Tensor:
+        """The whole tensor."""
+        return self._file(key).get_tensor(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The tensor's shape, read from the header only."""
+        return tuple(self._file(key).get_slice(key).get_shape())
+
+    def read_flat(self, key: str, start: int, count: int) -> torch.Tensor:
+        """Elements ``[start, start + count)`` of the flattened tensor, reading only those bytes."""
+        sl = self._file(key).get_slice(key)
+        shape = tuple(sl.get_shape())
+        if not shape:
+            return self.get(key).reshape(-1)[start: start + count]
+        parts = [sl[tuple(slice(o, o + n) for o, n in zip(offsets, box))].reshape(-1)
+                 for offsets, box, _ in flat_to_boxes(start, start + count, shape)]
+        return torch.cat(parts) if parts else torch.empty(0)
 
 
 def _modules(module: nn.Module, prefix: str = ""):
@@ -195,6 +215,32 @@ def _copy_checked(key: str, target: torch.Tensor, value: torch.Tensor, where: Pa
                               f"{list(target.shape)} in the model")
     with torch.no_grad():
         target.copy_(value)
+
+
+def _zero3_partition(p: torch.Tensor) -> tuple[int, int] | None:
+    """(first element, count) of this rank's part of a DeepSpeed ZeRO-3 partitioned parameter, else None.
+
+    NOTE: DeepSpeed's layout: the flattened parameter, padded to a multiple of the partition group's
+    size, is cut into equal runs in rank order; ``ds_tensor`` holds this rank's run. Parameters kept whole
+    (``ds_persist``) or swapped out (empty ``ds_tensor``) take the gather path instead.
+    """
+    ds = getattr(p, "ds_tensor", None)
+    if ds is None or getattr(p, "ds_persist", False) or p.data.numel() != 0 or ds.numel() == 0:
+        return None
+    import torch.distributed as dist
+
+    start = dist.get_rank(group=p.ds_process_group) * ds.numel()
+    return start, max(0, min(p.ds_numel, start + ds.numel()) - start)
+
+
+def _load_partition(key: str, p: torch.Tensor, weights: _HFWeights) -> None:
+    if weights.shape(key) != tuple(p.ds_shape):
+        raise CheckpointError(f"{weights.path}: {key} has shape {list(weights.shape(key))} in the checkpoint, "
+                              f"{list(p.ds_shape)} in the model")
+    start, count = _zero3_partition(p)
+    if count:
+        with torch.no_grad():
+            p.ds_tensor.view(-1)[:count].copy_(weights.read_flat(key, start, count))
 
 
 def load_pretrained(runner: Any, model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> list[str]:
@@ -226,6 +272,10 @@ def load_pretrained(runner: Any, model: nn.Module, path: str | os.PathLike, *, s
     for prefix, sub in _modules(module):
         named = [(prefix + n, p) for n, p in sub._parameters.items() if p is not None and prefix + n not in tied]
         named = [(k, p) for k, p in named if k in weights.weight_map]
+        local = [(k, p) for k, p in named if _zero3_partition(p) is not None]
+        for k, p in local:  # each rank reads its own partition: nothing gathered, nothing scattered
+            _load_partition(k, p, weights)
+        named = [(k, p) for k, p in named if _zero3_partition(p) is None]
         if named:
             with runner.gathered_parameters([p for _, p in named], modifier_rank=0) as whole:
                 if main:
