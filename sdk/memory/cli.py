@@ -41,13 +41,13 @@ def _spec(args: argparse.Namespace) -> ModelSpec:
 
 def _strategy_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
     names = STRATEGIES if args.strategy == "all" else (args.strategy,)
-    rows = [f"{'strategy':<16}{'params':>9}{'grads':>9}{'optim':>9}{'states':>9}{'+working':>10}{'host':>9}  "
-            f"(GiB per device, {args.precision})"]
+    cols = "".join(f"{c:>9}" for c in ("params", "grads", "optim", "states", "+working", "host", "nvme"))
+    rows = [f"{'strategy':<16}{cols}  (GiB per device, {args.precision})"]
     for name in names:
         e = estimate_model_states(spec, name, num_gpus_per_node=args.num_gpus, num_nodes=args.num_nodes,
                                   precision=args.precision)
         rows.append(f"{name:<16}{e.params / GIB:9.2f}{e.grads / GIB:9.2f}{e.optimizer / GIB:9.2f}"
-                    f"{e.device_total / GIB:9.2f}{e.device_peak / GIB:10.2f}{e.host / GIB:9.2f}")
+                    f"{e.device_total / GIB:9.2f}{e.device_peak / GIB:9.2f}{e.host / GIB:9.2f}{e.nvme / GIB:9.2f}")
     return rows
 
 

@@ -13,7 +13,7 @@ fsdp_grad_op        (p + g + s)/N                   + all of p gathered between 
 fsdp_hybrid         (p + g + s)/G                   sharded within a node, replicated across
 tensor_parallel     split/T + replicated            T = tp_size (default G); dp replicates
 zero3_offload       (p + g)/N on device             m + s on the host
-zero_infinity       the largest layer only          the rest on the host or NVMe
+zero_infinity       the largest layer only          (p + g)/N on the host, (m + s)/N on NVMe
 ==================  ==============================  ==========================================
 
 Bytes per parameter (p params, g grads, m fp32 master, s optimizer states) depend on the engine and
@@ -48,6 +48,7 @@ class ModelStates:
         params, grads, optimizer: held on the device between steps (optimizer includes the fp32 master).
         working: gathered on top during forward/backward (ZeRO-3/FSDP layers, grad_op's whole model).
         host: held in CPU memory per rank (offloaded states).
+        nvme: swapped out to NVMe per rank (not held in memory).
     """
 
     strategy: str
@@ -56,6 +57,7 @@ class ModelStates:
     optimizer: int
     working: int = 0
     host: int = 0
+    nvme: int = 0
 
     @property
     def device_total(self) -> int:
@@ -123,8 +125,9 @@ def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: 
     if strategy == "zero3_offload":
         return ModelStates(strategy, _div(psi * p, n), _div(psi * g, n), 0, working=layer,
                            host=_div(psi * (m + s + g), n))
-    # zero_infinity: parameters and optimizer offloaded; the device holds the layers being computed
-    return ModelStates(strategy, 0, 0, 0, working=layer, host=_div(psi * (p + g + m + s), n))
+    # zero_infinity: the device holds the layers being computed; the parameter and gradient partitions stay
+    # in host memory (measured: DeepSpeed keeps them in its pinned swap buffers), master and states on NVMe
+    return ModelStates(strategy, 0, 0, 0, working=layer, host=_div(psi * (p + g), n), nvme=_div(psi * (m + s), n))
 
 
 def _div(x: int, n: int) -> int:
