@@ -73,12 +73,13 @@ class SafetensorsFile:
     def _verify(self, sha256: str) -> None:
         h = hashlib.sha256()
         if self._mm is not None:
-            self._mm.madvise(mmap.MADV_SEQUENTIAL)
+            # NOTE: WILLNEED (read-ahead), not SEQUENTIAL: the latter lets the kernel drop pages behind the
+            # hash, and the tensor copies that follow then fault them in again (1.6 s instead of 0.4 s per GiB).
+            self._mm.madvise(mmap.MADV_WILLNEED)
             view = memoryview(self._mm)
             for i in range(0, len(view), _HASH_CHUNK):
                 h.update(view[i:i + _HASH_CHUNK])
             view.release()
-            self._mm.madvise(mmap.MADV_NORMAL)
         if h.hexdigest() != sha256:
             raise CheckpointError(f"{self.path}: sha256 does not match the manifest: the file is corrupt "
                                   "(restore it from a copy; load with verify=False only to inspect it)")
