@@ -114,10 +114,10 @@ def train(args: argparse.Namespace) -> float:
     bar.close()
     if first is not None:
         runner.print(f"loss {first:.4f} -> {last:.4f} over {args.steps} steps")
-    if runner.is_main_process:
-        prompt = torch.tensor([list(b"To be")], device=runner.device)
-        sample = runner.unwrap_model(model).generate(prompt, max_new_tokens=60)
-        runner.print("sample:", bytes(sample[0].tolist()).decode("utf-8", errors="replace"))
+    # Every rank generates (under ZeRO-3, FSDP and TP each forward is a collective); the main process prints.
+    prompt = torch.tensor([list(b"To be")], device=runner.device)
+    sample = runner.generate(model, prompt, max_new_tokens=60)
+    runner.print("sample:", bytes(sample[0].tolist()).decode("utf-8", errors="replace"))
     runner.teardown()
     return last
 
