@@ -16,13 +16,17 @@ CASES = {
     "zero3": {},
     "zero3_offload_cpu": {"offload_params": "cpu"},
     # Swap buffers sized to this model (the default, 5 x 1e8 elements, is 2 GB per rank); nvme_path defaults.
-    "zero_infinity": {"offload_optimizer": None, "buffer_size": 100_000},
+    "zero_infinity": {"offload_optimizer": None, "buffer_size": 600_000},
 }
 
 
-def _model():
+def _model(case: str):
     from shardkit.models import Llama, LlamaConfig
 
+    if case == "zero_infinity":
+        # DeepSpeed swaps only partitions of at least 1 MiB (MIN_AIO_BYTES): the MLP weights here are
+        # 512 x 1024 fp32, 1 MiB per rank; the smaller ones stay in host memory.
+        return Llama(LlamaConfig(hidden_size=512, intermediate_size=1024, num_layers=2, num_heads=4, max_position=16))
     return Llama(LlamaConfig(hidden_size=32, intermediate_size=64, num_layers=4, num_heads=2, max_position=16))
 
 
@@ -33,14 +37,14 @@ def inference_worker(case: str) -> dict:
     tokens = (torch.arange(24).reshape(2, 12) * 5 + 3 * torch.arange(2).reshape(2, 1)) % 256
     reference = Runner(SingleDevice("cpu"), seed=0)
     with reference.init_module():
-        ref_model = _model()
+        ref_model = _model(case)
     with torch.no_grad():
         ref_logits = ref_model.eval()(tokens)
 
     name = "zero_infinity" if case == "zero_infinity" else "zero3"
     runner = Runner(strategy_from_name(name, **CASES[case]), seed=0)
     with runner.init_module():
-        model = _model()
+        model = _model(case)
     engine = runner.setup(model)
     with torch.no_grad():
         engine.eval()  # NOTE: DeepSpeed's engine.eval() returns None, not the engine
@@ -62,6 +66,10 @@ def inference_worker(case: str) -> dict:
         "model_bytes": sum(p.numel() * p.element_size() for p in ref_model.parameters()),
         "param_devices": sorted({str(getattr(p.ds_tensor, "final_location", None) or p.ds_tensor.device)
                                  for p in inner.parameters()}),
+        "on_nvme": sum(p.ds_tensor.ds_numel for p in inner.parameters()
+                       if str(getattr(p.ds_tensor, "final_location", None)).endswith("nvme")),
+        "numel": sum(p.ds_tensor.ds_numel for p in inner.parameters()),
+        "resident": sum(p.ds_tensor.numel() for p in inner.parameters()),
         "swap_files": len(swap_files),
         "engine_offload": str(getattr(engine.zero_offload_param(), "device", None)),
     }
@@ -83,8 +91,12 @@ def test_zero_inference_holds_no_training_state_and_matches_single_device(case, 
               f"offload {r['engine_offload']}; "
               f"partitions on {r['param_devices']}; swap files {r['swap_files']}")
     if case == "zero_infinity":
-        assert all(r["engine_offload"] == "nvme" and r["swap_files"] > 0 for r in results)
-        assert all(r["param_devices"] == ["OffloadDeviceEnum.nvme"] for r in results), results[0]["param_devices"]
+        for r in results:
+            assert r["engine_offload"] == "nvme" and r["swap_files"] > 0
+            # Most of each rank's partition (all its MLP weights) lives in swap files, not in memory.
+            assert r["on_nvme"] > 0.5 * r["numel"] and r["resident"] < 0.5 * r["numel"], r
+            print(f"zero_infinity: {r['on_nvme']} of {r['numel']} partition elements on NVMe, {r['resident']} "
+                  "resident")
     elif case == "zero3_offload_cpu":
         # The engine runs with its partitions offloaded to host memory (on this CPU-only machine that is
         # where they live anyway; with a GPU they leave the device).
