@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -108,6 +109,8 @@ def main() -> None:
     weights = args.layers * args.hidden**2 * 4
     print(f"model: {args.layers} x Linear({args.hidden}, {args.hidden}): {weights / GB:.2f} GB fp32; "
           f"max shard {args.max_shard_size}; MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}")
+    baseline = _measure([sys.executable, "-c", "import torch, safetensors"], env)[1]
+    print(f"(python + import torch, safetensors alone: peak RSS {baseline / GB:.2f} GB)")
     print(f"{'stage':<7}{'tool':<11}{'wall s':>8}{'peak RSS GB':>13}   largest output file GB")
     for stage in (2, 3):
         ckpt = _ensure_checkpoint(workdir, stage, args.layers, args.hidden)
@@ -115,6 +118,7 @@ def main() -> None:
         results: dict[str, list[tuple[float, float]]] = {"shardkit": [], "deepspeed": []}
         for _ in range(args.rounds):
             for tool, cmd in _commands(ckpt, out, args.max_shard_size).items():
+                shutil.rmtree(out / tool, ignore_errors=True)  # DeepSpeed leaves older shards of another size
                 results[tool].append(_measure(cmd, env))
         for tool, runs in results.items():
             largest = max(f.stat().st_size for f in (out / tool).glob("*.safetensors"))
