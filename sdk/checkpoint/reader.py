@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,12 @@ from .format import (
     sha256_file,
 )
 from .safefile import SafetensorsFile, read_checked_bytes
-from .schema import check_index, check_manifest, member_path, read_latest
+from .schema import check_index, check_manifest, member_path, read_latest, read_small_file
 from .state import decode_state
 
 __all__ = ["CheckpointReader", "hidden_copies", "old_name", "resolve_checkpoint", "tmp_prefix"]
+
+_MAX_MANIFEST = 256 << 20  # ~1M files' worth of entries; a bigger "manifest" is not one
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -148,10 +151,7 @@ class CheckpointReader:
     # ---------------------------------------------------------------- validation
     def _load_manifest(self) -> dict[str, Any]:
         f = self.path / MANIFEST
-        try:
-            raw = f.read_bytes()
-        except OSError as e:
-            raise CheckpointError(f"{f}: cannot be read ({e})") from None
+        raw = read_small_file(f, _MAX_MANIFEST, "the manifest")
         try:
             m = json.loads(raw.decode("utf-8"))
         except (ValueError, UnicodeDecodeError) as e:
@@ -162,9 +162,12 @@ class CheckpointReader:
         for name, meta in self._files.items():
             f = member_path(self.path, name, str(self.path / MANIFEST))
             try:
-                size = f.stat().st_size
+                st = f.lstat()
             except OSError:
                 raise CheckpointError(f"{f}: listed in {MANIFEST} but missing") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{f}: listed in {MANIFEST} but not a regular file")
+            size = st.st_size
             if size != meta["size"]:
                 raise CheckpointError(f"{f}: is {size} bytes but {MANIFEST} says {meta['size']}: the file is "
                                       f"{'truncated' if size < meta['size'] else 'overwritten'}")

@@ -14,6 +14,7 @@ import json
 import math
 import mmap
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,18 @@ _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
 def _open_checked(path: Path, size: int) -> int:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-    got = os.fstat(fd).st_size
-    if got != size:
+    """Opens a regular file (never through a symlink, never blocking on a FIFO) of the manifest's size."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be opened ({e.strerror}); it must be a regular file") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
         os.close(fd)
-        raise CheckpointError(f"{path}: is {got} bytes but the manifest says {size}: the file is "
-                              f"{'truncated' if got < size else 'overwritten'}")
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: is not a regular file")
+        raise CheckpointError(f"{path}: is {st.st_size} bytes but the manifest says {size}: the file is "
+                              f"{'truncated' if st.st_size < size else 'overwritten'}")
     return fd
 
 

@@ -9,13 +9,15 @@ and no symlink that resolves outside the directory.
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
 from .format import FORMAT_NAME, FORMAT_VERSION, CheckpointError, dtype_from_name
 
-__all__ = ["NAME_RE", "check_index", "check_manifest", "member_path", "read_latest"]
+__all__ = ["NAME_RE", "check_index", "check_manifest", "member_path", "read_latest", "read_small_file"]
 
 # The names the writer produces (directories, entries and files): no separators, no leading dot.
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
@@ -67,13 +69,31 @@ class _Field:
 
 
 def member_path(directory: Path, name: str, where: str) -> Path:
-    """``directory / name`` after checking that it stays inside ``directory`` (symlinks resolved)."""
+    """``directory / name`` after checking that it is a plain name and not a symlink (the writer makes none;
+    one that resolves outside the checkpoint would load foreign data under the manifest's hashes)."""
     if not NAME_RE.match(name):
         raise CheckpointError(f"{where}: {name!r:.80} is not a plain file name inside {directory}; {_CORRUPT}")
     p = directory / name
-    if p.is_symlink() and p.resolve().parent != directory.resolve():
-        raise CheckpointError(f"{where}: {p} is a symlink to {p.resolve()}, outside the checkpoint; refusing it")
+    if p.is_symlink():
+        target = p.resolve()
+        inside = "inside" if target.parent == directory.resolve() else "outside the checkpoint"
+        raise CheckpointError(f"{where}: {p} is a symlink to {target}, {inside}; a checkpoint's files must be "
+                              "regular files in its directory, refusing it")
     return p
+
+
+def read_small_file(path: Path, limit: int, what: str) -> bytes:
+    """Reads a regular, non-symlink file of at most ``limit`` bytes (a FIFO or /dev/zero would hang or fill
+    memory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror}); {what} must be a regular file") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            raise CheckpointError(f"{path}: {what} must be a regular file of at most {limit} bytes")
+        return f.read(limit + 1)
 
 
 def check_manifest(m: Any, file: Path) -> dict[str, Any]:
@@ -166,10 +186,7 @@ def _check_piece(f: _Field, where: str, p: dict, shape: list[int], files: dict) 
 def read_latest(parent: Path) -> str:
     """Reads ``parent/latest``: the name of a child directory of ``parent``, nothing else."""
     latest = parent / "latest"
-    try:
-        raw = latest.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"{latest}: cannot be read ({e})") from None
+    raw = read_small_file(latest, 4096, "`latest`")
     try:
         target = raw.decode("utf-8").strip()
     except UnicodeDecodeError as e:

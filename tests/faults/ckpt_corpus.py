@@ -116,6 +116,23 @@ def _symlink_out(d: Path) -> None:
     os.symlink(outside, d / "model.safetensors")  # same bytes, same hash: only the path is wrong
 
 
+def _symlink_inside(d: Path) -> None:
+    os.rename(d / "model.safetensors", d / "model-data.bin")
+    os.symlink("model-data.bin", d / "model.safetensors")
+
+
+def _fifo(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+    os.mkfifo(d / "model.safetensors")  # opening it would block for ever
+
+
+def _manifest_symlink(d: Path) -> None:
+    outside = d.parent / "outside" / f"{d.name}.json"
+    outside.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(d / MANIFEST, outside)
+    os.symlink(outside, d / MANIFEST)
+
+
 def _latest(text: bytes | str, extra: Callable[[Path], None] | None = None) -> Callable[[Path], None]:
     """The case is a parent directory whose ``latest`` holds ``text``; the good checkpoint sits beside it."""
     def build(d: Path) -> None:
@@ -200,6 +217,8 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
                               "abs.safetensors"),
     "a_entry_file_subdir": (_escape_entry(lambda d: "sub/evil.safetensors"), "evil.safetensors"),
     "a_symlink_out": (_symlink_out, "model.safetensors"),
+    "a_symlink_inside": (_symlink_inside, "symlink"),
+    "a_manifest_symlink": (_manifest_symlink, "shardkit.json"),
     "a_index_piece_dotdot": (_escape_piece, "evil.rank00000.safetensors"),
     "a_latest_dotdot": (_latest(".."), "latest"),
     "a_latest_elsewhere": (_latest("../elsewhere/ckpt"), "latest"),
@@ -255,6 +274,7 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "e_unknown_node": (_edit_json_file("optim.json", lambda o: {"pickle": "cos\nsystem"}), "unknown skeleton"),
     # the safetensors files themselves
     "f_truncated": (_truncate, "truncated"),
+    "f_fifo": (_fifo, "not a regular file"),
     "f_missing": (lambda d: (d / "model.safetensors").unlink(), "missing"),
     "f_header_length_huge": (_raw("model.safetensors", (2**40).to_bytes(8, "little") + b"{}" + b" " * 6, True),
                              "header length"),
