@@ -76,7 +76,7 @@ def member_path(directory: Path, name: str, where: str) -> Path:
     p = directory / name
     if p.is_symlink():
         target = p.resolve()
-        inside = "inside" if target.parent == directory.resolve() else "outside the checkpoint"
+        inside = "inside the checkpoint" if target.parent == directory.resolve() else "outside the checkpoint"
         raise CheckpointError(f"{where}: {p} is a symlink to {target}, {inside}; a checkpoint's files must be "
                               "regular files in its directory, refusing it")
     return p
