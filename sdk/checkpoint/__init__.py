@@ -8,13 +8,18 @@ A checkpoint is a directory (``runs/ckpt/step-000100``) whose parent holds a ``l
     r = CheckpointReader("runs/ckpt")          # follows `latest`
 """
 
-from .consolidate import consolidate, consolidate_deepspeed, parse_size
+from .consolidate import (
+    consolidate,
+    consolidate_deepspeed,
+    get_fp32_state_dict,
+    load_state_dict_from_zero_checkpoint,
+    parse_size,
+)
 from .format import FORMAT_NAME, FORMAT_VERSION, CheckpointError
 from .optimizer import load_optimizer_state_by_name, optimizer_state_by_name
 from .reader import CheckpointReader, resolve_checkpoint
 from .rng import capture_rng_state, restore_rng_state
 from .writer import CheckpointBusyError, CheckpointWriter, ShardPiece, prune_checkpoints, recover_checkpoints
-from .zero_to_fp32 import get_fp32_state_dict, load_state_dict_from_zero_checkpoint
 
 __all__ = [
     "FORMAT_NAME",

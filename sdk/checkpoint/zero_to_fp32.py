@@ -9,92 +9,19 @@ format is detected. Also ``python -m shardkit.checkpoint.zero_to_fp32``. From Py
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from .consolidate import consolidate, consolidate_deepspeed
-from .deepspeed_reader import DeepSpeedCheckpoint, ZeroFp32StateDict, find_deepspeed_checkpoint
+from .consolidate import consolidate, consolidate_deepspeed, get_fp32_state_dict, load_state_dict_from_zero_checkpoint
+from .deepspeed_reader import find_deepspeed_checkpoint
 from .format import CheckpointError
-from .reader import CheckpointReader
 
 __all__ = ["get_fp32_state_dict", "load_state_dict_from_zero_checkpoint", "main", "register"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
-
-
-class _ShardkitFp32StateDict(Mapping):
-    """The lazy mapping over a shardkit checkpoint's ``model`` entry (aliases included, like DeepSpeed's)."""
-
-    def __init__(self, path: Path, name: str = "model") -> None:
-        self._reader = CheckpointReader(path)
-        self._name = name
-        self.aliases = self._reader.aliases(name)
-        self._specs = self._reader.sharded_keys(name)
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._specs:
-            raise KeyError(key)
-        t = self._reader.read_full(self._name, self.aliases.get(key, key))
-        return t.float() if t.is_floating_point() else t
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._specs)
-
-    def __len__(self) -> int:
-        return len(self._specs)
-
-
-def get_fp32_state_dict(checkpoint_dir: str | os.PathLike, tag: str | None = None,
-                        exclude_frozen_parameters: bool = False) -> Mapping[str, torch.Tensor]:
-    """A lazy ``{name: tensor}`` of a checkpoint's model: each lookup reads one tensor, floating ones as fp32.
-
-    Works on DeepSpeed ZeRO checkpoints (the values equal DeepSpeed's
-    ``get_fp32_state_dict_from_zero_checkpoint``) and on shardkit checkpoints. Shared parameters appear
-    under each name. ``dict(get_fp32_state_dict(d))`` makes an ordinary state dict.
-
-    Args:
-        checkpoint_dir: the directory holding ``latest``, or a checkpoint/tag directory itself.
-        tag: a tag directory under ``checkpoint_dir`` (``global_step14``); default: ``latest``.
-        exclude_frozen_parameters: DeepSpeed only: leave out parameters that were not trained.
-
-    Raises:
-        CheckpointError: naming the file and problem (missing rank, truncated file, foreign directory).
-    """
-    ds = find_deepspeed_checkpoint(checkpoint_dir, tag)
-    if ds is not None:
-        return ZeroFp32StateDict(DeepSpeedCheckpoint(ds, exclude_frozen_parameters=exclude_frozen_parameters))
-    return _ShardkitFp32StateDict(Path(checkpoint_dir) / tag if tag else Path(checkpoint_dir))
-
-
-def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str | os.PathLike,
-                                         tag: str | None = None, strict: bool = False) -> torch.nn.Module:
-    """Copies a checkpoint's fp32 weights into ``model`` one tensor at a time; returns ``model``.
-
-    Unlike DeepSpeed's function of the same name the model stays on its device and the full state
-    dict is never built. Keys the model lacks, or that the checkpoint lacks, are an error only with
-    ``strict=True`` (DeepSpeed loads with ``strict=False``).
-    """
-    sd = get_fp32_state_dict(checkpoint_dir, tag)
-    own = model.state_dict(keep_vars=True)
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    if strict and (missing or unexpected):
-        raise CheckpointError(f"{checkpoint_dir}: does not match the model: missing {missing[:10]}, "
-                              f"unexpected {unexpected[:10]}; pass strict=False to load what matches")
-    with torch.no_grad():
-        for k, target in own.items():
-            if k not in sd:
-                continue
-            value = sd[k]
-            if value.shape != target.shape:
-                raise CheckpointError(f"{checkpoint_dir}: {k} has shape {list(value.shape)} in the checkpoint, "
-                                      f"{list(target.shape)} in the model")
-            target.copy_(value)
-    return model
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
