@@ -22,7 +22,9 @@ a partition cannot take) raises an error that names the module's parameter and t
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,6 +153,7 @@ class _TrackingMode(TorchFunctionMode):
         self.owners = WeakIdKeyDictionary()  # parameter -> "Class.attr" for messages
         self._aliases = WeakIdKeyDictionary()  # alias tensor -> (parameter, chain of view calls)
         self._original_register: Callable | None = None
+        self.holders: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules that registered tracked params
 
     def __enter__(self):
         self._original_register = original = nn.Module.register_parameter
@@ -160,6 +163,8 @@ class _TrackingMode(TorchFunctionMode):
             param = mode._on_register(param)
             if param is not None and param not in mode.owners:
                 mode.owners[param] = f"{type(module).__name__}.{name}"
+            if param is not None and mode.is_tracked(param):
+                mode.holders.add(module)
             original(module, name, param)
 
         nn.Module.register_parameter = register  # type: ignore[method-assign]
@@ -319,6 +324,14 @@ class MetaInitRecorder(_TrackingMode):
         self.records[meta] = ParamRecord(real.shape, real.dtype, real.device, param.requires_grad, initial=real)
         return meta
 
+    def __exit__(self, *exc):
+        # Weights loaded between init_module() and setup() (``model.load_state_dict(...)``) would land on
+        # the meta device and be lost; each module holding recorded parameters takes them into the record.
+        hook = functools.partial(_load_into_records, self.records)
+        for module in list(self.holders):
+            module.register_load_state_dict_pre_hook(hook)
+        return super().__exit__(*exc)
+
     def is_tracked(self, t: torch.Tensor) -> bool:
         return t in self.records
 
@@ -349,6 +362,19 @@ class MetaInitRecorder(_TrackingMode):
             record.initial, record.entries = None, [entry]
         else:
             record.entries.append(entry)
+
+
+def _load_into_records(records, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """``load_state_dict`` pre-hook on a module built by :class:`MetaInitRecorder`: a loaded value replaces
+    the parameter's record (the meta parameter itself cannot take it), so ``setup`` shards the loaded weights."""
+    for name, param in module._parameters.items():
+        key = prefix + name
+        if param is not None and param in records and key in state_dict:
+            value = state_dict[key]
+            record: ParamRecord = records[param]
+            if tuple(value.shape) != tuple(record.shape):
+                continue  # load_state_dict reports the size mismatch itself
+            record.initial, record.entries = value.detach().to(record.device, record.dtype, copy=True), []
 
 
 @torch.no_grad()

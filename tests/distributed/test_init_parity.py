@@ -169,8 +169,30 @@ def unhonoured_init_worker() -> dict:
     return out
 
 
+def load_after_init_worker() -> dict:
+    """FSDP builds on meta under init_module(); weights loaded before setup() must be the ones sharded."""
+    from shardkit import Runner
+    from shardkit.strategies import strategy_from_name
+
+    torch.manual_seed(123)
+    pretrained = {k: v.clone() for k, v in _build("shardkit_llama").state_dict().items()}
+    runner = Runner(strategy_from_name("fsdp"), seed=0)
+    with runner.init_module():
+        model = _build("shardkit_llama")
+    model.load_state_dict(pretrained)
+    model = runner.setup(model)
+    state = dict(runner.iter_full_state_dict(model))
+    return {"loaded": all(torch.equal(state[k], v) for k, v in pretrained.items()) if state else None}
+
+
 def test_init_that_cannot_be_honoured_raises_naming_the_parameter():
     for r in run_distributed(unhonoured_init_worker, world_size=2, timeout=300):
         for name, message in r.items():
             assert message is not None, f"{name}: a write from one sharded parameter into another passed silently"
             assert message.startswith("ShardedInitError") and "Linear.weight" in message, message
+
+
+def test_weights_loaded_between_init_module_and_setup_are_kept():
+    r0, r1 = run_distributed(load_after_init_worker, world_size=2, timeout=300)
+
+    assert r0["loaded"] is True and r1["loaded"] is None
