@@ -219,6 +219,10 @@ class _TrackingMode(TorchFunctionMode):
         try:
             out = func(*args, **kwargs)
         except (IndexError, RuntimeError) as err:
+            out = self._stand_in_view(param, chain, func, args, kwargs)
+            if out is not None:
+                self._aliases[out] = (param, [*chain, (func, tuple(args[1:]), dict(kwargs))])
+                return out
             raise ShardedInitError(f"init code takes {_name(func)} of {self.describe(param)}, which is sharded while "
                                    f"the model is built ({err}); write the whole parameter (nn.init.*, p.copy_) or "
                                    "do it after runner.setup() inside runner.gathered_parameters(...)") from None
@@ -226,6 +230,11 @@ class _TrackingMode(TorchFunctionMode):
             step = (func, tuple(args[1:]), dict(kwargs))
             self._aliases[out] = (param, [*chain, step])
         return out
+
+    def _stand_in_view(self, param, chain, func, args, kwargs) -> torch.Tensor | None:
+        """A view that the sharded tensor cannot take (``p.data[0]`` of an empty partition), taken of a
+        meta tensor of the whole shape instead, so that a write through it can be replayed; None: refuse."""
+        return None
 
     def _check_untracked(self, func, args, kwargs) -> None:
         """Hook for writes to tensors that are not tracked (the recorder refuses RNG draws into meta tensors)."""
@@ -259,6 +268,13 @@ class ZeroInitInterceptor(_TrackingMode):
 
     def full_shape(self, param: torch.Tensor) -> torch.Size:
         return getattr(param, "ds_shape", param.shape)
+
+    def _stand_in_view(self, param, chain, func, args, kwargs) -> torch.Tensor | None:
+        whole = torch.empty(self.full_shape(param), dtype=param.dtype, device="meta")
+        try:
+            return func(_apply_chain(whole, chain), *args[1:], **kwargs)
+        except (IndexError, RuntimeError):
+            return None
 
     def _write(self, param, chain, func, rest, kwargs) -> None:
         import deepspeed

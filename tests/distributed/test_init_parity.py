@@ -153,6 +153,34 @@ class _CopiesInit(torch.nn.Module):
             self.b.weight.copy_(self.a.weight)
 
 
+class _DataInit(torch.nn.Module):
+    """Init code in the older style: through ``.data`` and a view of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.a.weight.data.normal_(0.0, 0.5)
+        self.a.weight.data[3].zero_()
+        self.a.bias.data.uniform_(-1.0, 1.0)
+
+
+def data_init_worker() -> dict:
+    from shardkit import Runner
+    from shardkit.strategies import SingleDevice, strategy_from_name
+
+    reference = Runner(SingleDevice("cpu"), seed=0)
+    with reference.init_module():
+        expected = _DataInit().state_dict()
+    out = {}
+    for name in ("fsdp", "zero3"):
+        runner = Runner(strategy_from_name(name, **({"auto_wrap": False} if name == "fsdp" else {})), seed=0)
+        with runner.init_module():
+            model = _DataInit()
+        state = dict(runner.iter_full_state_dict(runner.setup(model)))
+        out[name] = [k for k in expected if not torch.equal(state[k], expected[k])] if state else None
+    return out
+
+
 def unhonoured_init_worker() -> dict:
     from shardkit import Runner
     from shardkit.strategies import strategy_from_name
@@ -190,6 +218,12 @@ def test_init_that_cannot_be_honoured_raises_naming_the_parameter():
         for name, message in r.items():
             assert message is not None, f"{name}: a write from one sharded parameter into another passed silently"
             assert message.startswith("ShardedInitError") and "Linear.weight" in message, message
+
+
+def test_init_through_data_and_views_is_replayed():
+    r0, r1 = run_distributed(data_init_worker, world_size=2, timeout=300)
+
+    assert r0 == {"fsdp": [], "zero3": []} and r1 == {"fsdp": None, "zero3": None}
 
 
 def test_weights_loaded_between_init_module_and_setup_are_kept():
