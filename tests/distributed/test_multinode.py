@@ -30,7 +30,9 @@ TRAIN = textwrap.dedent("""
     from shardkit import DDP, FSDP, Runner
 
     kind, out = sys.argv[1], Path(sys.argv[2])
-    strategy = DDP() if kind == "ddp" else FSDP(sharding="hybrid", hybrid_shard_size=2, auto_wrap=False)
+    # Hybrid's shard groups default to the processes of one machine; the one-machine run asks for 2 explicitly.
+    size = int(os.environ["HYBRID_SHARD_SIZE"]) if os.environ.get("HYBRID_SHARD_SIZE") else None
+    strategy = DDP() if kind != "fsdp_hybrid" else FSDP(sharding="hybrid", hybrid_shard_size=size, auto_wrap=False)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     runner = Runner(strategy=strategy)
@@ -49,18 +51,53 @@ TRAIN = textwrap.dedent("""
             time.sleep(0.2)
     if runner.rank == 0:
         (out / "losses.json").write_text(json.dumps(losses))
+    mesh = getattr(runner.strategy, "mesh", None)
+    if mesh is not None:  # which ranks share this rank's shards
+        (out / f"shard-group-{runner.rank}").write_text(json.dumps(sorted(dist.get_process_group_ranks(
+            mesh.get_group("shard")))))
     runner.teardown()
 """)
 
 
-def _launch(tmp_path: Path, kind: str, out: Path, *flags: str, new_session: bool = False) -> subprocess.Popen:
+def _launch(tmp_path: Path, kind: str, out: Path, *flags: str,
+            hybrid_shard_size: int | None = None) -> subprocess.Popen:
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     out.mkdir(exist_ok=True)
-    env = {**os.environ, "SHARDKIT_COLLECTIVE_TIMEOUT": "30", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "shardkit.cli", "launch", *flags, str(script), kind, str(out)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=new_session)
+    env = {**os.environ, "SHARDKIT_COLLECTIVE_TIMEOUT": "30", "OMP_NUM_THREADS": "1",
+           "HYBRID_SHARD_SIZE": str(hybrid_shard_size or "")}
+    # Output to a file, not a pipe: a launcher blocked on a full pipe that nobody reads would stall the job.
+    log = open(out.parent / f"{out.name}-{len(list(out.parent.glob(f'{out.name}-*.log')))}.log", "w+")
+    process = subprocess.Popen([sys.executable, "-m", "shardkit.cli", "launch", *flags, str(script), kind,
+                                str(out)], env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    process.log = log  # type: ignore[attr-defined]
+    return process
+
+
+def _finish(processes: list[subprocess.Popen], seconds: float) -> list[str]:
+    """Wait for every launcher; when one fails or time runs out, kill the rest (their whole sessions).
+
+    Returns each launcher's output; fails the test with all of it when one did not exit 0.
+    """
+    deadline = time.monotonic() + seconds
+    while any(p.poll() is None for p in processes):
+        failed = any(p.poll() not in (None, 0) for p in processes)
+        if failed or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for process in processes:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    logs = []
+    for process in processes:
+        process.log.seek(0)
+        logs.append(process.log.read())
+        process.log.close()
+    codes = [p.returncode for p in processes]
+    assert codes == [0] * len(processes), f"exit codes {codes}:\n" + "\n====\n".join(log[-3000:] for log in logs)
+    return logs
 
 
 def _two_machines(tmp_path: Path, kind: str, out: Path) -> list[subprocess.Popen]:
@@ -71,17 +108,15 @@ def _two_machines(tmp_path: Path, kind: str, out: Path) -> list[subprocess.Popen
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp_hybrid"])
 def test_two_machines_of_two_ranks_give_the_single_machine_losses(tmp_path, kind):
-    machines = _two_machines(tmp_path, kind, tmp_path / "two")
-    results = [m.communicate(timeout=300) for m in machines]
-    for machine, (_, err) in zip(machines, results):
-        assert machine.returncode == 0, err[-3000:]
-    single = _launch(tmp_path, kind, tmp_path / "one", "--num-processes", "4")
-    _, err = single.communicate(timeout=300)
-    assert single.returncode == 0, err[-3000:]
+    _finish(_two_machines(tmp_path, kind, tmp_path / "two"), 300)
+    _finish([_launch(tmp_path, kind, tmp_path / "one", "--num-processes", "4", hybrid_shard_size=2)], 300)
 
     two = json.loads((tmp_path / "two" / "losses.json").read_text())
     one = json.loads((tmp_path / "one" / "losses.json").read_text())
     assert two[-1] < two[0]  # it trains
+    if kind == "fsdp_hybrid":  # sharded inside each machine (ranks 0-1, 2-3), replicated across them
+        groups = [json.loads((tmp_path / "two" / f"shard-group-{r}").read_text()) for r in range(4)]
+        assert groups == [[0, 1], [0, 1], [2, 3], [2, 3]]
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-7)
 
 
@@ -98,7 +133,7 @@ def test_a_dying_machine_ends_the_other_machines_ranks_with_a_message(tmp_path):
     flags = ["--num-processes", "2", "--num-machines", "2", "--main-process-ip", "127.0.0.1",
              "--main-process-port", port]
     survivor = _launch(tmp_path, "die", out, *flags, "--machine-rank", "0")
-    victim = _launch(tmp_path, "die", out, *flags, "--machine-rank", "1", new_session=True)
+    victim = _launch(tmp_path, "die", out, *flags, "--machine-rank", "1")
     deadline = time.monotonic() + 180
     while not all((out / f"pid-{r}").exists() for r in range(4)):
         assert time.monotonic() < deadline and survivor.poll() is None, "the job never started"
@@ -108,8 +143,10 @@ def test_a_dying_machine_ends_the_other_machines_ranks_with_a_message(tmp_path):
     for rank in (2, 3):
         os.kill(int((out / f"pid-{rank}").read_text()), signal.SIGKILL)
     os.killpg(victim.pid, signal.SIGKILL)
-    _, err = survivor.communicate(timeout=120)
-    victim.communicate()
+    survivor.wait(timeout=120)
+    victim.wait()
+    survivor.log.seek(0)
+    err = survivor.log.read()
 
     assert survivor.returncode != 0
     assert not any(_alive(int((out / f"pid-{r}").read_text())) for r in (0, 1))
