@@ -24,4 +24,8 @@ def __getattr__(name: str):
         from shardkit.strategies import zero
 
         return getattr(zero, name)
+    if name in ("Trainer", "TrainingArguments"):  # lazily too: the Trainer pulls in more than a Runner needs
+        from shardkit import trainer
+
+        return getattr(trainer, name)
     raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
