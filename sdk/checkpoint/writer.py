@@ -166,11 +166,11 @@ class CheckpointWriter:
     def open(self) -> None:
         """Rank 0 locks, recovers and creates the temporary directory; every rank learns its name."""
         msg: Any = None
-        failure: CheckpointError | None = None
+        failure: Exception | None = None
         if self.rank == 0:
             try:
                 msg = self._start()
-            except CheckpointError as e:
+            except Exception as e:  # the other ranks must hear of it, not wait in the broadcast
                 failure, msg = e, {"error": str(e), "busy": isinstance(e, CheckpointBusyError)}
         if self._broadcast is not None and self.world_size > 1:
             msg = self._broadcast(msg)
