@@ -37,6 +37,7 @@ _TIMEOUT_TEXT = re.compile(r"timed out waiting \d+ ?ms|collective operation time
 # Peers that arrived late start their own clock late and so time out late; wait this long for their marks.
 # Half the timeout (a peer later than that was itself close to timing out), between 2 and 10 seconds.
 _MIN_WAIT_S, _MAX_WAIT_S = 2.0, 10.0
+_PEER_LOST_TEXT = re.compile(r"Connection (closed|reset) by peer", re.IGNORECASE)
 _state: dict[str, float | None] = {"timeout_s": None}  # the timeout init_distributed gave the group
 
 
@@ -167,6 +168,10 @@ def install_excepthook(timeout_s: float | None = None) -> None:
         report = explain(value) if isinstance(value, BaseException) else None
         if report is not None and not isinstance(value, CollectiveTimeoutError):
             print(f"shardkit: {report.message}", file=sys.stderr, flush=True)
+        elif isinstance(value, RuntimeError) and _PEER_LOST_TEXT.search(str(value)) and dist.is_initialized():
+            print(f"shardkit: rank {dist.get_rank()}: a peer closed its connection during a collective: that rank "
+                  f"died (its own error says why; on another machine, see that machine's launcher, or the machine "
+                  f"itself went down)", file=sys.stderr, flush=True)
 
     hook._shardkit = True  # type: ignore[attr-defined]
     sys.excepthook = hook

@@ -151,3 +151,4 @@ def test_a_dying_machine_ends_the_other_machines_ranks_with_a_message(tmp_path):
     assert survivor.returncode != 0
     assert not any(_alive(int((out / f"pid-{r}").read_text())) for r in (0, 1))
     assert "Connection closed by peer" in err or "Connection reset by peer" in err, err[-3000:]
+    assert "a peer closed its connection during a collective: that rank died" in err, err[-3000:]
