@@ -5,8 +5,8 @@ bytes each rank holds in ZeRO inference with CPU and NVMe offload against DDP.
 
 speed: a Hugging Face LlamaForCausalLM built from a config (random weights, nothing downloaded), greedy,
 ``--batch`` prompts of ``--prompt`` tokens per rank, ``--new`` new tokens (no EOS). Tokens/s counts the new
-tokens of every rank over the wall time. Rounds alternate (raw engine, shardkit, raw, ...) in the same 2
-processes: "raw" is DeepSpeed's engine built by ``deepspeed.initialize`` with the same config shardkit builds
+tokens of every rank over the wall time. Rounds alternate (raw engine then shardkit, shardkit then raw, ...) in
+the same 2 processes: "raw" is DeepSpeed's engine built by ``deepspeed.initialize`` with the same config shardkit builds
 and driven directly with ``model.generate(synced_gpus=True)``, and torch FSDP2 (``fully_shard`` per decoder
 layer) with the same call; shardkit is ``runner.generate``. SingleDevice runs alone in 1 process.
 memory: ``strategy.model_state_bytes`` of each rank after ``runner.setup(model)`` without an optimizer.
@@ -81,9 +81,10 @@ def _alternate(raw, ours, args) -> dict:
     for fn in (raw, ours):
         ranks_timed(fn, 1)  # warm-up: lazy inits, engine hooks, first all-gathers
     times = {"raw": [], "ours": []}
-    for _ in range(args.rounds):
-        times["raw"].append(ranks_timed(raw, 1))
-        times["ours"].append(ranks_timed(ours, 1))
+    for i in range(args.rounds):
+        order = (("raw", raw), ("ours", ours)) if i % 2 == 0 else (("ours", ours), ("raw", raw))
+        for key, fn in order:  # who goes first alternates: neither always runs on a warmer (or busier) machine
+            times[key].append(ranks_timed(fn, 1))
     return times
 
 
