@@ -252,7 +252,8 @@ def describe_foreign(path: Path) -> str:
           n.startswith("global_step")]
     if ds:
         return (f"it looks like a DeepSpeed checkpoint ({', '.join(ds[:3])}); {_FOREIGN_HINT}: convert it with "
-                "DeepSpeed's own zero_to_fp32.py, or load it with the ZeRO strategy and save again with shardkit")
+                f"`shardkit zero-to-fp32 {path} OUT_DIR` (no DeepSpeed needed) and load the result with "
+                "shardkit.checkpoint.hf.load_pretrained, or get_fp32_state_dict()")
     pt = [n for n in names if n.endswith((".pt", ".pth", ".bin", ".ckpt", ".pkl"))]
     if pt:
         return (f"it looks like a torch.save/pickle checkpoint ({', '.join(pt[:3])}); {_FOREIGN_HINT}: load it "
