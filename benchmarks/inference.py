@@ -9,7 +9,9 @@ tokens of every rank over the wall time. Rounds alternate (raw engine then shard
 the same 2 processes: "raw" is DeepSpeed's engine built by ``deepspeed.initialize`` with the same config shardkit builds
 and driven directly with ``model.generate(synced_gpus=True)``, and torch FSDP2 (``fully_shard`` per decoder
 layer) with the same call; shardkit is ``runner.generate``. SingleDevice runs alone in 1 process.
-memory: ``strategy.model_state_bytes`` of each rank after ``runner.setup(model)`` without an optimizer.
+memory: ``strategy.model_state_bytes`` of each rank (bytes held in memory, host or device) after the model is
+built in ``runner.init_module()``, ``runner.setup(model)`` without an optimizer and one generate; "on NVMe"
+is the parameter partitions DeepSpeed swapped out (partitions under 1 MiB stay in memory).
 """
 
 from __future__ import annotations
@@ -143,12 +145,16 @@ def memory_worker(name: str, kwargs: dict, args: argparse.Namespace) -> dict:
     hidden = args.mem_hidden
     cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 8 * 8,
                       num_layers=args.layers, num_heads=max(1, hidden // 32), max_position=args.prompt + args.new)
-    model = Llama(cfg)
-    psi = sum(p.numel() for p in model.parameters())
+    with runner.init_module():  # ZeRO-3: built partitioned (and offloaded) from the start
+        model = Llama(cfg)
+    psi = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     model = runner.setup(model)
     ids = _prompts(args)[:1]
     runner.generate(model, ids, max_new_tokens=2)  # bytes after a generation, parameters released again
     counted = runner.strategy.model_state_bytes(model, None)
+    params = list(runner.unwrap_model(model).parameters())
+    counted["nvme"] = sum(p.ds_tensor.ds_numel * p.element_size() for p in params if hasattr(p, "ds_tensor")
+                          and str(getattr(p.ds_tensor, "final_location", "")).endswith("nvme"))
     runner.teardown()
     return {"psi": psi, **counted}
 
@@ -164,10 +170,12 @@ def run_memory(args: argparse.Namespace) -> None:
         total = r["params"] + r["grads"] + r["optimizer"]
         ddp_total = ddp_total or total
         rows.append([label, f"{r['params'] / 2**20:.2f}", f"{r['grads'] / 2**20:.2f}", f"{r['optimizer'] / 2**20:.2f}",
-                     f"{total / 2**20:.2f}", f"{total / ddp_total:.3f}", f"{total / r['psi']:.2f}"])
+                     f"{total / 2**20:.2f}", f"{total / ddp_total:.3f}", f"{total / r['psi']:.2f}",
+                     f"{r['nvme'] / 2**20:.2f}"])
     print(f"\nmodel-state bytes per rank after setup(model) with no optimizer and one generate, shardkit Llama "
           f"hidden={args.mem_hidden} layers={args.layers} vocab={args.vocab} (Ψ parameters), 2 ranks, fp32")
-    print_table(["strategy", "params MiB", "grads MiB", "optimizer MiB", "total MiB", "vs ddp", "bytes/Ψ"], rows)
+    print_table(["strategy", "params MiB", "grads MiB", "optimizer MiB", "total held MiB", "vs ddp", "bytes/Ψ",
+                 "on NVMe MiB"], rows)
 
 
 def main() -> None:
