@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -80,7 +81,7 @@ def build_runner(args: TrainingArguments, strategy: Any, precision: Any, max_ste
             micro_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm or None,
             optimizer_params={"lr": args.learning_rate, "betas": [args.adam_beta1, args.adam_beta2],
                               "eps": args.adam_epsilon, "weight_decay": args.weight_decay},
-            scheduler_params=_ds_scheduler_values(args, max_steps, warmup_steps),
+            scheduler_params=_ds_scheduler_values(args, max_steps, warmup_steps, _ds_scheduler_type(args.deepspeed)),
         )
         spec = EngineSpec(resolved.optimizer, resolved.scheduler)
         runner = Runner(resolved.strategy, resolved.precision, **common)
@@ -92,13 +93,32 @@ def build_runner(args: TrainingArguments, strategy: Any, precision: Any, max_ste
     return runner, spec
 
 
-def _ds_scheduler_values(args: TrainingArguments, max_steps: int | None, warmup: int | None) -> dict[str, Any]:
+def _ds_scheduler_type(config: Any) -> str | None:
+    if isinstance(config, dict):
+        raw = config
+    else:
+        import json
+
+        try:
+            raw = json.loads(Path(config).read_text())
+        except (OSError, ValueError):
+            return None  # resolve_runner_config reports the unreadable file with its own message
+    section = raw.get("scheduler") if isinstance(raw, dict) else None
+    return section.get("type") if isinstance(section, dict) else None
+
+
+def _ds_scheduler_values(args: TrainingArguments, max_steps: int | None, warmup: int | None,
+                         kind: str | None) -> dict[str, Any]:
+    """Values for the DeepSpeed scheduler's "auto" params, only those its type takes (others are refused)."""
+    from shardkit.config.deepspeed_schema import SCHEDULER_PARAMS
+
     values: dict[str, Any] = {"warmup_max_lr": args.learning_rate, "warmup_min_lr": 0.0}
     if warmup is not None:
         values["warmup_num_steps"] = warmup
     if max_steps is not None:
         values["total_num_steps"] = max_steps
-    return values
+    known = SCHEDULER_PARAMS.get(kind or "", ())
+    return {k: v for k, v in values.items() if k in known}
 
 
 def estimate_world_size() -> int:

@@ -99,9 +99,9 @@ class EvaluationMixin:
                 output_dir: str | Path | None = None) -> PredictionOutput:
         """Predictions (numpy, every sample once in dataset order), label ids and metrics for ``test_dataset``.
 
-        With ``output_dir``, predictions stream to ``<output_dir>/predictions.rank<R>.npy``-free files: each
-        batch's gathered predictions are appended to ``predictions.npy`` chunks on the main process and
-        ``predictions`` in the result is the list of those file paths.
+        With ``output_dir``, each batch's gathered predictions are written by the main process to
+        ``<output_dir>/predictions-<batch>.npy`` as they come, nothing is kept in memory, and
+        ``predictions`` in the result is the list of those files.
         """
         self._ensure_setup()
         start = time.perf_counter()

@@ -89,3 +89,24 @@ def test_schedules_match_transformers(name, kwargs):
     theirs = lrs(lambda o: transformers.get_scheduler(name, o, num_warmup_steps=5, num_training_steps=30,
                                                       scheduler_specific_kwargs=dict(kwargs)))
     assert ours == pytest.approx(theirs, rel=1e-9, abs=1e-12)
+
+
+def test_deepspeed_auto_values_come_from_the_arguments(tmp_path):
+    from shardkit.config import resolve_runner_config
+    from shardkit.trainer.engine import _ds_scheduler_type, _ds_scheduler_values
+
+    args = TrainingArguments(learning_rate=3e-4, warmup_steps=5)
+    for kind in ("WarmupLR", "WarmupDecayLR"):
+        extra = {"total_num_steps": "auto"} if kind == "WarmupDecayLR" else {}
+        ds = {"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+              "scheduler": {"type": kind, "params": {"warmup_num_steps": "auto", "warmup_max_lr": "auto", **extra}},
+              "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+        path = tmp_path / f"{kind}.json"
+        path.write_text(json.dumps(ds))
+        values = _ds_scheduler_values(args, 100, 5, _ds_scheduler_type(str(path)))
+        resolved = resolve_runner_config(str(path), gradient_accumulation_steps=2, micro_batch_size=8,
+                                         optimizer_params={"lr": 3e-4}, scheduler_params=values)
+        assert resolved.optimizer["params"]["lr"] == 3e-4
+        assert resolved.scheduler["params"]["warmup_num_steps"] == 5
+        assert resolved.scheduler["params"].get("total_num_steps", 100) == 100
+        assert (resolved.gradient_accumulation_steps, resolved.micro_batch_size) == (2, 8)
