@@ -43,11 +43,11 @@ def _config(kind: str):
     if kind == "shardkit_llama":
         from shardkit.models import LlamaConfig
 
-        return LlamaConfig(hidden_size=32, intermediate_size=64, num_layers=8, num_heads=2, max_position=16)
+        return LlamaConfig(hidden_size=32, intermediate_size=64, num_layers=16, num_heads=2, max_position=16)
     from transformers import LlamaConfig, Qwen2Config
 
     cls = LlamaConfig if kind == "hf_llama" else Qwen2Config
-    return cls(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=2,
+    return cls(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=16, num_attention_heads=2,
                num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=kind == "hf_qwen2")
 
 
@@ -102,6 +102,7 @@ def init_worker(name: str) -> dict:
         ref_state = {k: v.detach().clone() for k, v in ref_model.state_dict().items()}
         ref_loss = _first_loss(ref_model, tokens, kind)
         total = sum(p.numel() * p.element_size() for p in ref_model.parameters())
+        largest = max(p.numel() * p.element_size() for p in ref_model.parameters())
         del ref_model
 
         runner = Runner(_strategy(name, kind), seed=0)
@@ -111,7 +112,8 @@ def init_worker(name: str) -> dict:
         model = runner.setup(model)
         state = dict(runner.iter_full_state_dict(model))
         out[kind] = {"reference": ref_state, "state": state, "ref_loss": ref_loss,
-                     "loss": _first_loss(model, tokens, kind), "peak_init_bytes": probe.peak, "model_bytes": total}
+                     "loss": _first_loss(model, tokens, kind), "peak_init_bytes": probe.peak, "model_bytes": total,
+                     "largest_param_bytes": largest}
     return out
 
 
@@ -132,8 +134,11 @@ def test_init_module_gives_single_device_weights_bitwise(name, tmp_path):
             assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5, abs=0), f"{name}/{kind}"
         if name in SHARDED_INIT:
             for r in (r0, r1):
-                # Shards (half the model on 2 ranks) plus one whole parameter or module at a time.
-                assert r["peak_init_bytes"] < 0.75 * r["model_bytes"], \
+                # This rank's shards (half the model on 2 ranks; none yet under FSDP, which builds on meta)
+                # plus a few whole copies of one parameter at a time: the gathered one, its gather buffer,
+                # a scratch copy. Measured: ZeRO-3 exactly half + 3 x the embedding; never the whole model.
+                bound = r["model_bytes"] / 2 + 4 * r["largest_param_bytes"]
+                assert r["peak_init_bytes"] < min(bound, 0.75 * r["model_bytes"]), \
                     f"{name}/{kind}: {r['peak_init_bytes']} bytes live during init of a {r['model_bytes']}-byte model"
         else:
             # The probe sees whole models where they are built whole (it can fail).
