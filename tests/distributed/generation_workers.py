@@ -85,14 +85,6 @@ def _rank() -> int:
     return dist.get_rank()
 
 
-def setup(runner: Runner, model: nn.Module, name: str) -> nn.Module:
-    """``runner.setup(model)``; ZeRO-1/2 get an optimizer that never steps: DeepSpeed 0.19.8 builds no engine
-    for them without one (an inference engine without an optimizer is issue 9 item 4)."""
-    if name in ("zero1", "zero2"):
-        return runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))[0]
-    return runner.setup(model)
-
-
 def generation_worker(names: list[str], nvme_path: str | None = None) -> dict:
     """For each model kind, strategy and case (no EOS / EOS): this rank's output and the reference."""
     rank = _rank()
@@ -108,7 +100,7 @@ def generation_worker(names: list[str], nvme_path: str | None = None) -> dict:
             model = build()
             model.load_state_dict(state)
             runner = make_runner(name, hf, nvme_path)
-            model = setup(runner, model, name)
+            model = runner.setup(model)
             for case, e in (("plain", None), ("eos", eos)):
                 kw = {"do_sample": False} if hf else {}
                 got = runner.generate(model, ids, max_new_tokens=new, eos_token_id=e, pad_token_id=0, **kw)
@@ -203,7 +195,7 @@ def batch_worker(names: list[str], n_prompts: int) -> dict:
         model = shardkit_tiny()
         model.load_state_dict(state)
         runner = make_runner(name, False, None)
-        model = setup(runner, model, name)
+        model = runner.setup(model)
         with runner.split_between_processes(list(range(n_prompts)), apply_padding=True) as mine:
             results = [runner.generate(model, prompts[i], max_new_tokens=2 + i % 3).cpu() for i in mine]
             out[(name, "each")] = {"gathered": runner.gather_object(results), "mine": list(mine)}
