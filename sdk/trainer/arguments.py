@@ -100,7 +100,7 @@ class TrainingArguments:
     fsdp_config: dict[str, Any] | str | None = None
     deepspeed: str | dict[str, Any] | None = None
     label_smoothing_factor: float = 0.0
-    optim: str = "adamw_torch"
+    optim: str = "adamw_torch_fused"
     optim_args: dict[str, Any] = field(default_factory=dict)
     report_to: str | list[str] = "none"
     resume_from_checkpoint: str | None = None

@@ -90,7 +90,7 @@ class StopAt(TrainerCallback):
 
 def _args(out, **kw):
     base = dict(output_dir=str(out), per_device_train_batch_size=2, learning_rate=1e-2, logging_steps=1,
-                save_strategy="no", disable_tqdm=True, seed=0, warmup_steps=1, max_steps=6)
+                save_strategy="no", disable_tqdm=True, seed=0, warmup_steps=1, max_steps=6, optim="adamw_torch")
     return TrainingArguments(**{**base, **kw})
 
 

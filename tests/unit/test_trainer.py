@@ -27,7 +27,7 @@ def _data(n=64):
 def _args(tmp_path, **kw):
     base = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, learning_rate=1e-2,
                 weight_decay=0.01, max_steps=8, logging_steps=1, save_strategy="no", disable_tqdm=True,
-                lr_scheduler_type="linear", warmup_steps=2, seed=0)
+                lr_scheduler_type="linear", warmup_steps=2, seed=0, optim="adamw_torch")
     return TrainingArguments(**{**base, **kw})
 
 

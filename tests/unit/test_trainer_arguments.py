@@ -11,6 +11,7 @@ from shardkit.trainer import HfArgumentParser, TrainingArguments, get_scheduler
 def test_defaults_follow_hugging_face():
     args = TrainingArguments(output_dir="out")
     assert (args.per_device_train_batch_size, args.learning_rate, args.num_train_epochs) == (8, 5e-5, 3.0)
+    assert args.optim == "adamw_torch_fused" and args.average_tokens_across_devices
     assert (args.lr_scheduler_type, args.save_strategy, args.eval_strategy, args.report_to) == ("linear", "steps",
                                                                                                  "no", [])
     assert args.logging_dir == "out/runs" and args.run_name == "out"
