@@ -124,6 +124,8 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         self._last_log_time = time.perf_counter()
         self._stop_signal = threading.Event()
         self._grad_norm = None
+        # A subclass's compute_loss with HF's old signature returns a micro-batch mean (checked once, not per step).
+        self._compute_loss_takes_items = "num_items_in_batch" in inspect.signature(self.compute_loss).parameters
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
     # ---- setup ------------------------------------------------------------------------------------
@@ -345,7 +347,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         """Forward and backward of one micro-batch; returns its detached share of the window's loss."""
         model.train()
         inputs = self._prepare_inputs(inputs)
-        if "num_items_in_batch" in inspect.signature(self.compute_loss).parameters:
+        if self._compute_loss_takes_items:
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         else:  # an override with HF's old signature returns a micro-batch mean
             loss = self.compute_loss(model, inputs) / self._backward_scale
