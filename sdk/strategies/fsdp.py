@@ -177,7 +177,9 @@ class FSDP(MeshStrategy):
         ``empty_init=None`` (the default): parameters go on the meta device and each one's init is
         recorded with the RNG state it drew from; ``setup`` rebuilds them one at a time and keeps the
         local shards, so the weights equal, bitwise, an unsharded build's from the same seed (rank 0's
-        RNG stream), and no rank ever holds more than one whole parameter.
+        RNG stream), and no rank ever holds more than one whole parameter. Between the block and ``setup``
+        the parameters are on the meta device: ``model.load_state_dict(...)`` there is kept (it goes into the
+        records), any other write is lost; write weights inside the block or after ``setup``.
         ``empty_init=True``: on the meta device (on every rank but 0 when ``sync_module_states``, so rank
         0's weights, pretrained ones loaded into it included, are what every shard starts from),
         materialised shard by shard in setup. ``empty_init=False``: the whole model on every rank.
