@@ -277,3 +277,23 @@ def test_jsonl_report_and_nan_filter(tmp_path, caplog):
     lines = [json.loads(x) for p in Path(args.logging_dir).glob("*.jsonl") for x in p.read_text().splitlines()]
     assert lines[0]["step"] == 3 and lines[0]["loss"] == lines[0]["loss"]  # finite
     assert "NaN/inf" in caplog.text
+
+
+def test_max_time_saves_and_stops(tmp_path):
+    args = _args(tmp_path, max_time=1e-6)
+    trainer = Trainer(_llama(), args, train_dataset=_data())
+    trainer.train()
+    assert trainer.state.global_step == 1
+    assert (Path(args.output_dir) / "checkpoint-1" / "trainer_state.json").is_file()
+
+
+def test_predict_keeps_or_streams_every_sample_once(tmp_path):
+    trainer = Trainer(_llama(), _args(tmp_path, per_device_eval_batch_size=3))
+    kept = trainer.predict(_data(7))
+    assert kept.predictions.shape == (7, 16, 256) and kept.label_ids.shape == (7, 16)
+    assert "test_loss" in kept.metrics
+    streamed = trainer.predict(_data(7), output_dir=tmp_path / "preds")
+    import numpy as np
+
+    parts = [np.load(p) for p in streamed.predictions]
+    assert len(parts) == 3 and np.allclose(np.concatenate(parts), kept.predictions, atol=1e-6)
