@@ -132,6 +132,10 @@ class _ZeRO(ProcessGroupStrategy):
         # process group only once told to; without it every rank would see world_size 1.
         deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
                                         dist_init_required=False, verbose=False)
+        # NOTE: torch._dynamo imported for the first time inside zero.Init fails (DeepSpeed patches the tensor
+        # constructors dynamo's polyfills check), and building a Hugging Face model imports it: import it first.
+        import torch._dynamo  # noqa: F401
+
         stack = contextlib.ExitStack()
         stack.enter_context(self.precision.module_init_context())
         stack.enter_context(deepspeed.zero.Init(config_dict_or_path=self.deepspeed_config(), mpu=None))

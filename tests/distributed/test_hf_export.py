@@ -55,10 +55,6 @@ def test_save_pretrained_loads_with_from_pretrained(tmp_path, strategy):
 
 
 def _load(strategy, src, ids):
-    # NOTE: torch._dynamo imported for the first time inside zero.Init fails (DeepSpeed patches tensor
-    # constructors that dynamo's polyfills check), and transformers' Llama module imports it: import it first.
-    import transformers.models.llama.modeling_llama  # noqa: F401
-
     import shardkit.checkpoint.hf as hf
     from shardkit import Runner
     from shardkit.checkpoint.hf import load_pretrained
