@@ -51,7 +51,8 @@ def _shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(getattr(param, "ds_shape", param.shape))
 
 
-def _fragment(param: nn.Parameter, stage: int, key: str | None) -> tuple[torch.Tensor, tuple[int, int]] | None:
+def _fragment(param: nn.Parameter, stage: int, key: str | None,
+              optimizer: Any = None) -> tuple[torch.Tensor, tuple[int, int]] | None:
     """This rank's fp32 fragment of ``param`` (or of its optimizer state ``key``) and its flat range."""
     from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
 
@@ -65,7 +66,26 @@ def _fragment(param: nn.Parameter, stage: int, key: str | None) -> tuple[torch.T
     if mapping is None:
         return None
     address = mapping.lp_fragment_address
-    return mapping.get_hp_fragment(key), (address.start, address.start + address.numel)
+    value = mapping.hp_fragment if key is None else _state_fragment(optimizer, mapping, key)
+    return value, (address.start, address.start + address.numel)
+
+
+def _state_fragment(optimizer: Any, mapping: Any, key: str) -> torch.Tensor:
+    """ZeRO-1/2: the view of optimizer state ``key`` over the fragment ``mapping`` describes.
+
+    Taken from the state of the param group's flat fp32 partition, not from DeepSpeed's per-parameter
+    link (``mapping.optim_fragment``): DeepSpeed 0.19.8 links every group right after stepping the
+    FIRST group, when Adam has not yet created the other groups' state, and never links again, so
+    under two or more param groups every parameter outside group 0 has no state there.
+    """
+    flat = optimizer.single_partition_of_fp32_groups[mapping.param_group_index]
+    value = _inner(optimizer).state.get(flat, {}).get(key)
+    if not isinstance(value, torch.Tensor) or value.shape != flat.shape:
+        raise ckpt.CheckpointError(f"optimizer state {key!r} of param group {mapping.param_group_index} is "
+                                   f"missing or not one value per element (the other groups have it); "
+                                   "save after the optimizer has stepped every group")
+    address = mapping.hp_fragment_address
+    return value.narrow(0, address.start, address.numel)
 
 
 def _piece(tensor: torch.Tensor, shape: tuple[int, ...], flat: tuple[int, int]) -> ckpt.ShardPiece:
@@ -193,7 +213,7 @@ def save_optimizer(writer: ckpt.CheckpointWriter, name: str, optimizer: Any, mod
         if not _trainable(param, stage):
             continue
         for key in keys:
-            found = _fragment(param, stage, key)
+            found = _fragment(param, stage, key, optimizer)
             if found is not None:
                 pieces[f"{pname}/{key}"] = _piece(found[0], _shape(param), found[1])
     writer.write_shard(name, pieces)
@@ -282,7 +302,7 @@ def load_optimizer(reader: ckpt.CheckpointReader, name: str, optimizer: Any, mod
                 continue
             address = mapping.lp_fragment_address
             value = source.flat(pname, key, address.start, address.start + address.numel)
-            mapping.get_hp_fragment(key).data.copy_(value.reshape(-1).float())
+            _state_fragment(optimizer, mapping, key).copy_(value.reshape(-1).float())
     _load_meta(optimizer, source.meta)
 
 

@@ -261,3 +261,47 @@ def resume_phase(strategy: str, precision: str, ckpt: str | None, phase: str, st
               "masters": [m.detach().clone() for m in masters], "moments": moments}
     runner.teardown()
     return result
+
+
+def make_grouped_optimizer(model: nn.Module, groups: int) -> torch.optim.Optimizer:
+    """AdamW as HF-style scripts build it: with ``groups=2`` the matrices decay and the biases and the
+    model's ``unused`` parameter (no gradient ever) do not; ``groups=1`` puts everything in one group."""
+    params = list(model.named_parameters())
+    if groups == 1:
+        return torch.optim.AdamW([p for _, p in params], lr=1e-2, weight_decay=0.01)
+    return torch.optim.AdamW([
+        {"params": [p for _, p in params if p.ndim >= 2], "weight_decay": 0.1},
+        {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0},
+    ], lr=1e-2)
+
+
+def _grouped_run(name: str, groups: int, path: str, phase: str, steps: int) -> list[float]:
+    """One phase of the exact-resume protocol in a fresh engine ("full", "first" saves, "second" loads)."""
+    runner = make_runner(name, "fp32")
+    model = make_model()
+    # Listed last in the no-decay group and as large as its two biases together, so that on 2 ranks
+    # the second rank's partition of that group holds only this parameter: no gradient, no Adam update.
+    model.register_parameter("unused", nn.Parameter(torch.zeros(2 * HIDDEN)))
+    model, optimizer = runner.setup(model, make_grouped_optimizer(model, groups))
+    state = {"model": model, "optimizer": optimizer}
+    if phase == "full":
+        return train(runner, model, optimizer, 0, 2 * steps, 1, None)[0]
+    if phase == "first":
+        losses = train(runner, model, optimizer, 0, steps, 1, None)[0]
+        runner.save(path, state)
+        return losses
+    runner.load(path, state)
+    return train(runner, model, optimizer, steps, steps, 1, None)[0]
+
+
+def grouped_resume_worker(names: list[str], groups: list[int], root: str, steps: int):
+    """Per (strategy, number of param groups): the losses of an uninterrupted run and of the same run
+    saved after ``steps`` steps and resumed in a fresh engine; every engine shares this process group."""
+    out = {}
+    for name in names:
+        for count in groups:
+            path = f"{root}/{name}-{count}"
+            full = _grouped_run(name, count, path, "full", steps)
+            first = _grouped_run(name, count, path, "first", steps)
+            out[(name, count)] = {"full": full, "resumed": first + _grouped_run(name, count, path, "second", steps)}
+    return out
