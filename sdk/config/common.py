@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 import math
@@ -11,6 +10,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from shardkit.suggest import closest
 
 __all__ = [
     "AUTO",
@@ -75,18 +76,6 @@ class ResolvedConfig:
     scheduler: dict[str, Any] | None
     source: str
     ignored_keys: tuple[str, ...] = ()
-
-
-def closest(name: str, candidates: Iterable[str]) -> str | None:
-    """The candidate nearest to ``name`` (difflib), or None when nothing is near."""
-    names = list(candidates)
-    match = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
-    if not match:
-        # Case or separator slips ("Stage", "zero-stage") score low with difflib; compare normalised too.
-        norm = {n.lower().replace("-", "_"): n for n in names}
-        match = difflib.get_close_matches(name.lower().replace("-", "_"), list(norm), n=1, cutoff=0.6)
-        match = [norm[match[0]]] if match else []
-    return match[0] if match else None
 
 
 def check_known_keys(section: Mapping[str, Any], known: Iterable[str], path: str, source: str) -> None:
