@@ -23,13 +23,13 @@ from shardkit.config.common import (
     ResolvedConfig,
     check_known_keys,
     check_number,
-    closest,
     load_mapping,
     reconcile,
     warn_once,
     world_size_from_env,
 )
 from shardkit.config.deepspeed import StrategySpec, build_strategy, resolve_deepspeed
+from shardkit.suggest import did_you_mean
 
 __all__ = ["AccelerateConfig", "CONFIG_FILE_ENV", "check_resources", "launch_args_from_yaml",
            "load_accelerate_config", "resolve_accelerate"]
@@ -149,9 +149,8 @@ def _distributed_type(raw: Mapping[str, Any], where: str) -> str:
         raise NotImplementedError(f"distributed_type: {kind} in {where}: {_OTHER_TYPES[kind]} are not supported by "
                                   f"shardkit; use one of {list(DISTRIBUTED_TYPES)}")
     if kind not in DISTRIBUTED_TYPES:
-        near = closest(kind, DISTRIBUTED_TYPES)
         raise ConfigError(f"distributed_type: {raw.get('distributed_type')!r} in {where} is not a distributed type"
-                          + (f" (did you mean {near!r}?)" if near else "") + f"; use one of {list(DISTRIBUTED_TYPES)}")
+                          f"{did_you_mean(kind, DISTRIBUTED_TYPES)}; use one of {list(DISTRIBUTED_TYPES)}")
     return kind
 
 
@@ -312,18 +311,16 @@ def _fsdp_sharding(section: Mapping[str, Any], where: str) -> str:
     key = value.upper() if isinstance(value, str) and not value.isdigit() else int(value)
     if key not in _SHARDING:
         names = [k for k in _SHARDING if isinstance(k, str)]
-        near = closest(str(value), names)
-        raise ConfigError(f"fsdp_config.fsdp_sharding_strategy: {value!r} in {where}" +
-                          (f" (did you mean {near!r}?)" if near else "") + f"; use one of {names} or 1-5")
+        raise ConfigError(f"fsdp_config.fsdp_sharding_strategy: {value!r} in {where}"
+                          f"{did_you_mean(str(value), names)}; use one of {names} or 1-5")
     return _SHARDING[key]
 
 
 def _fsdp_auto_wrap(section: Mapping[str, Any], where: str) -> Any:
     policy = section.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
     if policy not in _WRAP_POLICIES:
-        near = closest(str(policy), _WRAP_POLICIES)
         raise ConfigError(f"fsdp_config.fsdp_auto_wrap_policy: {policy!r} in {where}"
-                          + (f" (did you mean {near!r}?)" if near else "") + f"; use one of {list(_WRAP_POLICIES)}")
+                          f"{did_you_mean(str(policy), _WRAP_POLICIES)}; use one of {list(_WRAP_POLICIES)}")
     if policy == "SIZE_BASED_WRAP":
         return _fsdp_int(section, "fsdp_min_num_params", _DEFAULT_MIN_NUM_PARAMS, where)
     if policy == "NO_WRAP":

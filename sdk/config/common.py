@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.suggest import closest
+from shardkit.suggest import did_you_mean
 
 __all__ = [
     "AUTO",
@@ -22,7 +22,6 @@ __all__ = [
     "ResolvedConfig",
     "check_known_keys",
     "check_number",
-    "closest",
     "load_mapping",
     "reconcile",
     "warn_once",
@@ -86,9 +85,7 @@ def check_known_keys(section: Mapping[str, Any], known: Iterable[str], path: str
         if key in known:
             continue
         dotted = f"{path}.{key}" if path else str(key)
-        near = closest(str(key), known)
-        hint = f"; did you mean {(f'{path}.' if path else '') + near!r}?" if near else \
-            f"; valid keys here: {sorted(known)}"
+        hint = did_you_mean(str(key), known, prefix=f"{path}." if path else "") or f"; valid keys here: {sorted(known)}"
         problems.append(f"unknown key {dotted!r} in {source}{hint}")
     if problems:
         raise ConfigKeyError("\n".join(problems))

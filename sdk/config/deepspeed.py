@@ -21,13 +21,13 @@ from shardkit.config.common import (
     ConfigError,
     ConfigMismatchError,
     ResolvedConfig,
-    closest,
     load_mapping,
     reconcile,
     world_size_from_env,
 )
 from shardkit.config.deepspeed_schema import walk
 from shardkit.config.optim import resolve_optimizer, resolve_scheduler
+from shardkit.suggest import did_you_mean
 
 __all__ = ["StrategySpec", "build_strategy", "check_nvme_path", "known_top_level_keys", "precision_from_deepspeed",
            "resolve_deepspeed", "strategy_spec_from_deepspeed"]
@@ -191,9 +191,8 @@ def _offload(zero: Mapping[str, Any], name: str, where: str) -> tuple[str, dict[
     section = zero.get(name) or {}
     device = str(section.get("device", "none") or "none").lower()
     if device not in _OFFLOAD_DEVICES:
-        near = closest(device, _OFFLOAD_DEVICES)
-        raise ConfigError(f"zero_optimization.{name}.device={section.get('device')!r} in {where} is not a device; "
-                          f"use one of {list(_OFFLOAD_DEVICES)}" + (f" (did you mean {near!r}?)" if near else ""))
+        raise ConfigError(f"zero_optimization.{name}.device={section.get('device')!r} in {where} is not a device"
+                          f"{did_you_mean(device, _OFFLOAD_DEVICES)}; use one of {list(_OFFLOAD_DEVICES)}")
     if device == "nvme" and not section.get("nvme_path"):
         raise ConfigError(f"zero_optimization.{name}.device='nvme' in {where} needs "
                           f"zero_optimization.{name}.nvme_path (a directory on a fast local disk)")

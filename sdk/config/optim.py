@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from shardkit.config.common import ConfigError, check_known_keys, check_number, closest, reconcile
+from shardkit.config.common import ConfigError, check_known_keys, check_number, reconcile
 from shardkit.config.deepspeed_schema import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, UNSUPPORTED_OPTIMIZERS
+from shardkit.suggest import did_you_mean
 
 __all__ = ["build_optimizer", "build_scheduler", "resolve_optimizer", "resolve_scheduler"]
 
@@ -52,9 +53,8 @@ def resolve_optimizer(section: Mapping[str, Any] | None, where: str,
         raise NotImplementedError(f"optimizer.type={name!r} in {where} is not supported by shardkit; use one of "
                                   f"{sorted(_CANONICAL.values())}")
     if key not in OPTIMIZER_PARAMS:
-        near = closest(key, OPTIMIZER_PARAMS)
-        hint = f" (did you mean {_CANONICAL[near]!r}?)" if near else ""
-        raise ConfigError(f"optimizer.type={name!r} in {where} is not a known optimizer{hint}; use one of "
+        raise ConfigError(f"optimizer.type={name!r} in {where} is not a known optimizer"
+                          f"{did_you_mean(name, _CANONICAL.values())}; use one of "
                           f"{sorted(_CANONICAL.values())}")
     params = dict(section.get("params") or {})
     check_known_keys(params, OPTIMIZER_PARAMS[key], "optimizer.params", where)
@@ -101,9 +101,8 @@ def resolve_scheduler(section: Mapping[str, Any] | None, where: str, values: Map
     values = dict(values or {})
     name = str(section.get("type", ""))
     if name not in SCHEDULER_PARAMS:
-        near = closest(name, SCHEDULER_PARAMS)
         raise ConfigError(f"scheduler.type={name!r} in {where} is not a DeepSpeed scheduler"
-                          + (f" (did you mean {near!r}?)" if near else "") + f"; use one of {sorted(SCHEDULER_PARAMS)}")
+                          f"{did_you_mean(name, SCHEDULER_PARAMS)}; use one of {sorted(SCHEDULER_PARAMS)}")
     params = dict(section.get("params") or {})
     check_known_keys(params, SCHEDULER_PARAMS[name], "scheduler.params", where)
     check_known_keys(values, SCHEDULER_PARAMS[name], "scheduler_params", "the Runner's scheduler values")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
+
+from shardkit.suggest import did_you_mean
 
 from .adamw import FusedAdamW
 
@@ -66,7 +67,6 @@ def create_optimizer(name: str, params: Iterable[Any], **kwargs: Any) -> Optimiz
     key = _normalize(name)
     factory = _REGISTRY.get(key)
     if factory is None:
-        close = difflib.get_close_matches(key, _REGISTRY, n=1, cutoff=0.0)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown optimizer {name!r}{hint} Valid names: {', '.join(available_optimizers())}")
+        raise ValueError(f"unknown optimizer {name!r}{did_you_mean(key, _REGISTRY)} Valid names: "
+                         f"{', '.join(available_optimizers())}")
     return factory(params, **kwargs)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from shardkit.suggest import did_you_mean
 
 __all__ = ["TrainingArguments", "IntervalStrategy", "SaveStrategy", "SCHEDULER_TYPES", "REPORTERS"]
 
@@ -23,9 +24,8 @@ LOG_LEVELS = ("passive", "debug", "info", "warning", "error", "critical")
 def _choice(name: str, value: Any, valid: tuple[str, ...]) -> str:
     value = str(value).lower() if value is not None else value
     if value not in valid:
-        close = difflib.get_close_matches(str(value), valid, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"TrainingArguments.{name}={value!r} is not valid{hint} Use one of {list(valid)}")
+        raise ValueError(f"TrainingArguments.{name}={value!r} is not valid{did_you_mean(str(value), valid)} "
+                         f"Use one of {list(valid)}")
     return value
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import json
 import sys
 import types
@@ -12,6 +11,8 @@ import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from shardkit.suggest import did_you_mean
 
 __all__ = ["HfArgumentParser"]
 
@@ -117,9 +118,9 @@ class HfArgumentParser(argparse.ArgumentParser):
         known = {f.name for dtype in self.dataclass_types for f in dataclasses.fields(dtype)}
         unknown = sorted(set(values) - known)
         if unknown and not allow_extra_keys:
-            hints = [f"{k!r} (did you mean {c[0]!r}?)" if (c := difflib.get_close_matches(k, known, n=1)) else repr(k)
-                     for k in unknown]
-            raise ValueError(f"unknown argument(s) {', '.join(hints)}; remove or rename them")
+            # One line per key, as the config readers do, so each hint sits beside its own key.
+            lines = [f"unknown argument {k!r}{did_you_mean(k, known)}" for k in unknown]
+            raise ValueError("\n".join(lines) + "\nremove or rename them")
         return tuple(self._build(values, defaults=False))
 
     def parse_json_file(self, path: str | Path, allow_extra_keys: bool = False) -> tuple[Any, ...]:
