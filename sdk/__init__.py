@@ -19,11 +19,12 @@ __all__ = ["Runner", "Strategy", "SingleDevice", "DDP", "FSDP", "TensorParallel"
 
 
 def __getattr__(name: str):
-    # ZeRO classes load on first use, so that `import shardkit` does not import DeepSpeed.
-    if name in ("ZeRO1", "ZeRO2", "ZeRO3", "ZeROInfinity"):
-        from shardkit.strategies import zero
+    # Registered strategies not imported above (the ZeRO family) load on first use, so that `import shardkit`
+    # does not import DeepSpeed; the registry is the one list of them.
+    from shardkit.strategies.registry import STRATEGIES
 
-        return getattr(zero, name)
+    if name in STRATEGIES.class_names():
+        return STRATEGIES.get_class(name)
     if name in ("Trainer", "TrainingArguments"):  # lazily too: the Trainer pulls in more than a Runner needs
         from shardkit import trainer
 

@@ -4,18 +4,16 @@ from shardkit.precision.base import Precision
 from shardkit.precision.bf16 import BF16
 from shardkit.precision.fp16 import FP16
 from shardkit.precision.fp32 import FP32
+from shardkit.precision.registry import PRECISIONS
 
-__all__ = ["Precision", "FP32", "FP16", "BF16"]
-
-
-def precision_from_name(name: str) -> Precision:
-    """"fp32", "tf32", "fp16", "bf16" (mixed) or "bf16-true" -> a Precision with default settings."""
-    table = {"fp32": FP32, "32": FP32, "tf32": lambda: FP32(tf32=True), "fp16": FP16, "16-mixed": FP16,
-             "bf16": BF16, "bf16-mixed": BF16, "bf16-true": lambda: BF16(mode="true")}
-    key = name.lower()
-    if key not in table:
-        raise ValueError(f"unknown precision {name!r}; use one of {sorted(table)}")
-    return table[key]()
+__all__ = ["Precision", "FP32", "FP16", "BF16", "PRECISIONS", "precision_from_name"]
 
 
-__all__ += ["precision_from_name"]
+def precision_from_name(name: str, **kwargs) -> Precision:
+    """A Precision from a name or alias in :data:`PRECISIONS` ("fp32", "tf32", "fp16", "bf16", "bf16-true",
+    "no", "16-mixed", "bf16-mixed", ...), with its defaults and then ``kwargs``.
+
+    Raises:
+        ValueError: an unknown name (with the closest known one and the list of names).
+    """
+    return PRECISIONS.build(name, **kwargs)
