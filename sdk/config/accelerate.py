@@ -440,11 +440,11 @@ def resolve_accelerate(path: str | os.PathLike, *, strategy: Any = None, precisi
                        optimizer_params: Mapping[str, Any] | None = None,
                        scheduler_params: Mapping[str, Any] | None = None) -> ResolvedConfig:
     """The Runner settings an Accelerate YAML asks for, checked against the Runner's explicit values."""
-    from shardkit.precision import precision_from_name
+    from shardkit.precision.registry import PRECISIONS
 
     cfg = load_accelerate_config(path)
     where = str(cfg.path)
-    file_precision = precision_from_name("fp32" if cfg.mixed_precision == "no" else cfg.mixed_precision)
+    file_precision = PRECISIONS.build(cfg.mixed_precision)  # "no" is fp32's alias
     if cfg.deepspeed is not None:
         names = None
         if cfg.mixed_precision != "no":

@@ -36,19 +36,16 @@ log = logging.getLogger("shardkit.config")
 
 StrategySpec = tuple[str, dict[str, Any]]  # ("ZeRO3", {"offload_optimizer": "cpu", ...})
 
-_STRATEGY_MODULES = {"SingleDevice": "single", "DDP": "ddp", "FSDP": "fsdp", "TensorParallel": "tensor_parallel",
-                     "ZeRO1": "zero", "ZeRO2": "zero", "ZeRO3": "zero", "ZeROInfinity": "zero"}
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 _RUNNER = "Runner({}=...)"
 
 
 def build_strategy(spec: StrategySpec) -> Any:
-    """Instantiate a strategy from its spec (imports the engine's module only now)."""
-    import importlib
+    """Instantiate a strategy from its spec (class or registry name; imports the engine's module only now)."""
+    from shardkit.strategies.registry import STRATEGIES
 
     name, kwargs = spec
-    module = importlib.import_module(f"shardkit.strategies.{_STRATEGY_MODULES[name]}")
-    return getattr(module, name)(**kwargs)
+    return STRATEGIES.build(name, **kwargs)
 
 
 def resolve_deepspeed(
@@ -126,8 +123,8 @@ def _precision_kind(precision: Any) -> str:
 def precision_from_deepspeed(raw: Mapping[str, Any], where: str, precision: Any = None,
                              precision_where: str = "Runner(precision=...)") -> Any:
     """The Precision the fp16/bf16 sections and communication_data_type ask for, checked against ``precision``."""
-    from shardkit.precision import BF16, FP16, FP32
     from shardkit.precision.base import parse_dtype
+    from shardkit.precision.registry import PRECISIONS
 
     fp16, bf16 = _flag(raw, "fp16", where), _flag(raw, "bf16", where)
     if fp16 and bf16:
@@ -153,10 +150,8 @@ def precision_from_deepspeed(raw: Mapping[str, Any], where: str, precision: Any 
         return precision
     extra = {"comm_dtype": comm_dtype} if comm_dtype is not None else {}
     if stated == "fp16":
-        return FP16(**{k: _number(v, f"fp16.{k}", where) for k, v in knobs.items()}, **extra)
-    if stated == "bf16":
-        return BF16(**extra)
-    return FP32(**extra)
+        extra.update({k: _number(v, f"fp16.{k}", where) for k, v in knobs.items()})
+    return PRECISIONS.build(stated or "fp32", **extra)
 
 
 def _not_excluded(kind: str, fp16: bool | None, bf16: bool | None) -> bool:
