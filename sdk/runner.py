@@ -316,7 +316,7 @@ class Runner:
             if self.is_main_process:
                 writer.write_json("precision", self.precision.state_dict())
                 writer.write_json(_RUNNER_STATE, self._runner_state())
-            writer.write_state(f"rng.rank{self.rank:05d}", ckpt.capture_rng_state())
+            writer.write_state(ckpt.rank_entry("rng", self.rank), ckpt.capture_rng_state())
         return Path(path)
 
     def load(self, path: str | Path, state: dict[str, Any], *, verify: bool = True) -> dict[str, Any]:
@@ -331,7 +331,7 @@ class Runner:
             values = saver.load(reader, state)
             self.precision.load_state_dict(reader.read_json("precision"))
             self._load_runner_state(reader.read_json(_RUNNER_STATE))
-            rng_name = f"rng.rank{self.rank:05d}"
+            rng_name = ckpt.rank_entry("rng", self.rank)
             if reader.has(rng_name):
                 ckpt.restore_rng_state(reader.read_state(rng_name))
             else:

@@ -53,7 +53,7 @@ class StateSaver:
             elif kind == "optimizer":
                 strategy.save_optimizer(writer, key, obj, self.owner_of(obj))
             elif kind == "dataloader":
-                writer.write_json(f"{key}.rank{strategy.rank:05d}", obj.state_dict())
+                writer.write_json(ckpt.rank_entry(key, strategy.rank), obj.state_dict())
             elif kind == "stateful" and main:
                 writer.write_state(key, obj.state_dict())
             elif kind == "value":
@@ -117,8 +117,8 @@ def check_module_dtypes(reader: ckpt.CheckpointReader, name: str, module: nn.Mod
 
 
 def _rank_entry(reader: ckpt.CheckpointReader, key: str, rank: int) -> str:
-    name = f"{key}.rank{rank:05d}"
+    name = ckpt.rank_entry(key, rank)
     if reader.has(name):
         return name
     # Saved with fewer ranks: every rank of a data-parallel run walks the same position.
-    return f"{key}.rank00000"
+    return ckpt.rank_entry(key, 0)

@@ -15,7 +15,7 @@ from .consolidate import (
     load_state_dict_from_zero_checkpoint,
     parse_size,
 )
-from .format import FORMAT_NAME, FORMAT_VERSION, CheckpointError
+from .format import FORMAT_NAME, FORMAT_VERSION, CheckpointError, rank_entry
 from .optimizer import load_optimizer_state_by_name, optimizer_state_by_name
 from .reader import CheckpointReader, resolve_checkpoint
 from .rng import capture_rng_state, restore_rng_state
@@ -38,6 +38,7 @@ __all__ = [
     "optimizer_state_by_name",
     "parse_size",
     "prune_checkpoints",
+    "rank_entry",
     "recover_checkpoints",
     "resolve_checkpoint",
     "restore_rng_state",

@@ -28,6 +28,7 @@ __all__ = [
     "dtype_from_name",
     "dtype_name",
     "flat_to_boxes",
+    "rank_entry",
     "fsync_dir",
     "sha256_file",
     "write_bytes_durable",
@@ -80,6 +81,15 @@ def dtype_from_name(name: str, where: str = "") -> torch.dtype:
         return _DTYPES_BACK[name]
     except KeyError:
         raise CheckpointError(f"{where}: unknown safetensors dtype {name!r}") from None
+
+
+def rank_entry(key: str, rank: int) -> str:
+    """The entry name of one rank's own copy of ``key``: ``rank_entry("rng", 3) == "rng.rank00003"``.
+
+    Five digits keep a directory listing in rank order up to 99,999 ranks; every writer and reader of
+    per-rank entries (data loader positions, RNG states, sharded tensor files) goes through here.
+    """
+    return f"{key}.rank{rank:05d}"
 
 
 def fsync_dir(path: Path) -> None:

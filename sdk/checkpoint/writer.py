@@ -23,6 +23,7 @@ from .format import (
     CheckpointError,
     dtype_name,
     fsync_dir,
+    rank_entry,
     write_bytes_durable,
     write_safetensors,
 )
@@ -350,7 +351,7 @@ class CheckpointWriter:
             index[key] = {"shape": [int(x) for x in plist[0].global_shape] if plist else [],
                           "dtype": dtype_name(plist[0].tensor.dtype, f"{name}: {key}") if plist else None,
                           "pieces": descs}
-        file = f"{name}.rank{self.rank:05d}.safetensors"
+        file = f"{rank_entry(name, self.rank)}.safetensors"
         self._record(file, write_safetensors(self.tmp / file, items))
         for desc in (d for e in index.values() for d in e["pieces"]):
             desc["file"] = file
