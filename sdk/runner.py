@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from shardkit import checkpoint as ckpt
+from shardkit.config.common import CONFIG_FILE_ENV
 from shardkit.data import RunnerDataLoader, rebuild_dataloader
 from shardkit.precision import FP32, Precision
 from shardkit.runner_state import StateSaver
@@ -23,9 +24,6 @@ from shardkit.strategies.base import Strategy
 __all__ = ["Runner"]
 
 _RUNNER_STATE = "runner"
-# Set by `shardkit launch --config_file`: a Runner built without arguments in the launched script
-# takes its strategy and precision from this file.
-CONFIG_ENV_VAR = "SHARDKIT_CONFIG_FILE"
 
 
 def _default_strategy() -> Strategy:
@@ -65,7 +63,7 @@ class Runner:
     ):
         self.config = None
         self.max_grad_norm: float | None = None
-        config = config if config is not None else os.environ.get(CONFIG_ENV_VAR)
+        config = config if config is not None else os.environ.get(CONFIG_FILE_ENV)
         if config is not None:
             from shardkit.config import resolve_runner_config
 

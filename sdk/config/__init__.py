@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shardkit.config.common import (
+    CONFIG_FILE_ENV,
     ConfigError,
     ConfigKeyError,
     ConfigMismatchError,
@@ -25,7 +26,6 @@ from shardkit.config.common import (
 __all__ = ["CONFIG_FILE_ENV", "ConfigError", "ConfigKeyError", "ConfigMismatchError", "ConfigResourceError",
            "ResolvedConfig", "resolve_runner_config"]
 
-CONFIG_FILE_ENV = "SHARDKIT_CONFIG_FILE"
 log = logging.getLogger("shardkit.config")
 _LOGGED: set[str] = set()
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shardkit.config.common import (
+    CONFIG_FILE_ENV,
     ConfigError,
     ConfigMismatchError,
     ConfigResourceError,
@@ -35,8 +36,6 @@ __all__ = ["AccelerateConfig", "CONFIG_FILE_ENV", "check_resources", "launch_arg
            "load_accelerate_config", "resolve_accelerate"]
 
 log = logging.getLogger("shardkit.config")
-
-CONFIG_FILE_ENV = "SHARDKIT_CONFIG_FILE"
 
 _IGNORED = ("same_network", "main_training_function", "enable_cpu_affinity", "downcast_bf16", "tpu_name",
             "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "tpu_env", "command_file", "commands")

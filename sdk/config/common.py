@@ -15,6 +15,7 @@ from shardkit.suggest import did_you_mean
 
 __all__ = [
     "AUTO",
+    "CONFIG_FILE_ENV",
     "ConfigError",
     "ConfigKeyError",
     "ConfigMismatchError",
@@ -32,6 +33,9 @@ log = logging.getLogger("shardkit.config")
 _WARNED: set[str] = set()
 
 AUTO = "auto"
+# Set by `shardkit launch --config_file` (the config's absolute path): a Runner built without arguments in
+# the launched script takes its strategy and precision from this file.
+CONFIG_FILE_ENV = "SHARDKIT_CONFIG_FILE"
 
 
 class ConfigError(ValueError):
