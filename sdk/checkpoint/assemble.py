@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .format import CheckpointError, dtype_from_name, flat_to_boxes
+from .format import CheckpointError, dtype_from_tag, flat_to_boxes
 
 __all__ = ["read_region"]
 
@@ -31,7 +31,7 @@ def read_region(get: Getter, entry: dict[str, Any], where: str, *, box: tuple | 
         where: names the tensor in error messages.
     """
     gshape = tuple(entry["shape"])
-    dtype = dtype_from_name(entry["dtype"], where)
+    dtype = dtype_from_tag(entry["dtype"], where)
     if flat is not None:
         start, end = flat
         if not 0 <= start <= end <= math.prod(gshape):

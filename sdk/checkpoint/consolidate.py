@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from .deepspeed_reader import DeepSpeedCheckpoint, ZeroFp32StateDict, find_deepspeed_checkpoint
-from .format import CheckpointError, dtype_name, fsync_dir, write_bytes_durable
+from .format import CheckpointError, dtype_tag, fsync_dir, write_bytes_durable
 from .reader import CheckpointReader
 
 __all__ = ["consolidate", "consolidate_deepspeed", "get_fp32_state_dict", "load_state_dict_from_zero_checkpoint",
@@ -62,7 +62,7 @@ def _write_file(path: Path, specs: list[tuple[str, torch.dtype, tuple]], meta: d
     offset = 0
     for key, dtype, shape in specs:
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        header[key] = {"dtype": dtype_name(dtype, f"{path.name}:{key}"), "shape": list(shape),
+        header[key] = {"dtype": dtype_tag(dtype, f"{path.name}:{key}"), "shape": list(shape),
                        "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()

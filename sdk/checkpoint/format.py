@@ -25,8 +25,8 @@ __all__ = [
     "LATEST",
     "SafetensorsStreamWriter",
     "describe_foreign",
-    "dtype_from_name",
-    "dtype_name",
+    "dtype_from_tag",
+    "dtype_tag",
     "flat_to_boxes",
     "rank_entry",
     "fsync_dir",
@@ -64,8 +64,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message names the file and what is wrong."""
 
 
-def dtype_name(dtype: torch.dtype, where: str = "") -> str:
-    """Returns the safetensors tag of ``dtype`` (``"BF16"``), or raises naming ``where``."""
+def dtype_tag(dtype: torch.dtype, where: str = "") -> str:
+    """Returns the safetensors tag of ``dtype`` (``"BF16"``), or raises naming ``where``.
+
+    Not :func:`shardkit.dtypes.dtype_name` (``"bf16"``, the config spelling): this is the file format's tag.
+    """
     try:
         return _DTYPES[dtype]
     except KeyError:
@@ -75,12 +78,12 @@ def dtype_name(dtype: torch.dtype, where: str = "") -> str:
         ) from None
 
 
-def dtype_from_name(name: str, where: str = "") -> torch.dtype:
-    """Inverse of :func:`dtype_name`."""
+def dtype_from_tag(tag: str, where: str = "") -> torch.dtype:
+    """Inverse of :func:`dtype_tag`."""
     try:
-        return _DTYPES_BACK[name]
+        return _DTYPES_BACK[tag]
     except KeyError:
-        raise CheckpointError(f"{where}: unknown safetensors dtype {name!r}") from None
+        raise CheckpointError(f"{where}: unknown safetensors dtype {tag!r}") from None
 
 
 def rank_entry(key: str, rank: int) -> str:
@@ -159,7 +162,7 @@ class SafetensorsStreamWriter:
             if name in header:
                 raise CheckpointError(f"{self.path.name}: tensor name {name!r} appears twice")
             nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": dtype_name(dtype, f"{self.path.name}:{name}"), "shape": list(shape),
+            header[name] = {"dtype": dtype_tag(dtype, f"{self.path.name}:{name}"), "shape": list(shape),
                             "data_offsets": [offset, offset + nbytes]}
             self._expected.append((name, dtype, tuple(shape), nbytes))
             offset += nbytes

@@ -18,7 +18,7 @@ from .format import (
     MANIFEST,
     CheckpointError,
     describe_foreign,
-    dtype_from_name,
+    dtype_from_tag,
     sha256_file,
 )
 from .safefile import SafetensorsFile, read_checked_bytes
@@ -263,12 +263,12 @@ class CheckpointReader:
         e = self._entry(name, "tensors", "sharded")
         if e["kind"] == "sharded":
             where = str(self.path / e["index"])
-            return {k: (tuple(v["shape"]), dtype_from_name(v["dtype"], where)) for k, v in self._index(name).items()}
+            return {k: (tuple(v["shape"]), dtype_from_tag(v["dtype"], where)) for k, v in self._index(name).items()}
         h = self._open(e["file"])
         out = {}
         for k in e["keys"]:
             s = h.get_slice(e["aliases"].get(k, k))
-            out[k] = (tuple(s.get_shape()), dtype_from_name(s.get_dtype(), str(self.path / e["file"])))
+            out[k] = (tuple(s.get_shape()), dtype_from_tag(s.get_dtype(), str(self.path / e["file"])))
         return out
 
     def _sharded_entry(self, name: str, key: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .format import CheckpointError, dtype_from_name, dtype_name
+from .format import CheckpointError, dtype_from_tag, dtype_tag
 
 __all__ = ["SafetensorsFile", "read_checked_bytes"]
 
@@ -117,10 +117,10 @@ class SafetensorsFile:
     def _spec(self, key: str, e: Any, data_len: int) -> tuple[torch.dtype, tuple[int, ...], int, int]:
         if not isinstance(e, dict):
             raise self._bad(f"tensor {key!r:.60} has no header object")
-        dtype_tag, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-        if not isinstance(dtype_tag, str):
+        tag, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if not isinstance(tag, str):
             raise self._bad(f"tensor {key!r:.60} has no dtype")
-        dtype = dtype_from_name(dtype_tag, f"{self.path}: {key}")
+        dtype = dtype_from_tag(tag, f"{self.path}: {key}")
         ok = (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                               for s in shape)
               and isinstance(offs, list) and len(offs) == 2
@@ -131,7 +131,7 @@ class SafetensorsFile:
                             f"for {data_len} data bytes")
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if offs[1] - offs[0] != nbytes:
-            raise self._bad(f"tensor {key!r:.60}: {dtype_tag} {shape} needs {nbytes} bytes, data_offsets span "
+            raise self._bad(f"tensor {key!r:.60}: {tag} {shape} needs {nbytes} bytes, data_offsets span "
                             f"{offs[1] - offs[0]}")
         return dtype, tuple(shape), offs[0], offs[1]
 
@@ -174,7 +174,7 @@ class _Slice:
         return list(self.shape)
 
     def get_dtype(self) -> str:
-        return dtype_name(self.dtype)
+        return dtype_tag(self.dtype)
 
     def __getitem__(self, slices: Any) -> torch.Tensor:
         slices = slices if isinstance(slices, tuple) else (slices,)

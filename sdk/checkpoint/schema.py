@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from .format import FORMAT_NAME, FORMAT_VERSION, CheckpointError, dtype_from_name
+from .format import FORMAT_NAME, FORMAT_VERSION, CheckpointError, dtype_from_tag
 
 __all__ = ["NAME_RE", "check_index", "check_manifest", "member_path", "read_latest", "read_small_file"]
 
@@ -158,7 +158,7 @@ def check_index(idx: Any, file: Path, files: dict) -> dict[str, Any]:
         where = f"tensors.{key}"
         e = f.obj(e, where)
         shape = f.ints(f.get(e, "shape", where), f"{where}.shape")
-        dtype_from_name(f.str_(f.get(e, "dtype", where), f"{where}.dtype"), f"{file}: field {where}.dtype")
+        dtype_from_tag(f.str_(f.get(e, "dtype", where), f"{where}.dtype"), f"{file}: field {where}.dtype")
         pieces = f.get(e, "pieces", where)
         if not isinstance(pieces, list):
             raise f.fail(f"{where}.pieces", "must be a list")

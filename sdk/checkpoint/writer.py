@@ -21,7 +21,7 @@ from .format import (
     LATEST,
     MANIFEST,
     CheckpointError,
-    dtype_name,
+    dtype_tag,
     fsync_dir,
     rank_entry,
     write_bytes_durable,
@@ -349,7 +349,7 @@ class CheckpointWriter:
             if len(dtypes) > 1:
                 raise CheckpointError(f"{name}: {key}: pieces on rank {self.rank} have mixed dtypes {dtypes}")
             index[key] = {"shape": [int(x) for x in plist[0].global_shape] if plist else [],
-                          "dtype": dtype_name(plist[0].tensor.dtype, f"{name}: {key}") if plist else None,
+                          "dtype": dtype_tag(plist[0].tensor.dtype, f"{name}: {key}") if plist else None,
                           "pieces": descs}
         file = f"{rank_entry(name, self.rank)}.safetensors"
         self._record(file, write_safetensors(self.tmp / file, items))

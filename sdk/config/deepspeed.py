@@ -27,6 +27,7 @@ from shardkit.config.common import (
 )
 from shardkit.config.deepspeed_schema import walk
 from shardkit.config.optim import resolve_optimizer, resolve_scheduler
+from shardkit.dtypes import dtype_name
 from shardkit.suggest import did_you_mean
 
 __all__ = ["StrategySpec", "build_strategy", "check_nvme_path", "known_top_level_keys", "precision_from_deepspeed",
@@ -145,7 +146,7 @@ def precision_from_deepspeed(raw: Mapping[str, Any], where: str, precision: Any 
             for key, value in knobs.items():
                 reconcile(f"fp16.{key}", value, where, getattr(precision, key), f"{precision_where} ({precision!r})")
         if comm_dtype is not None:
-            reconcile("communication_data_type", comm, where, _dtype_name(precision.comm_dtype),
+            reconcile("communication_data_type", comm, where, dtype_name(precision.comm_dtype),
                       f"{precision_where} ({precision!r})")
         return precision
     extra = {"comm_dtype": comm_dtype} if comm_dtype is not None else {}
@@ -157,12 +158,6 @@ def precision_from_deepspeed(raw: Mapping[str, Any], where: str, precision: Any 
 def _not_excluded(kind: str, fp16: bool | None, bf16: bool | None) -> bool:
     """True when ``kind`` is compatible with a partial statement such as fp16 false and bf16 open."""
     return {"fp16": fp16 is None, "bf16": bf16 is None, "fp32": True}[kind]
-
-
-def _dtype_name(dtype: Any) -> str:
-    from shardkit.precision.base import dtype_name
-
-    return dtype_name(dtype)
 
 
 # ---- strategy --------------------------------------------------------------------------------------
