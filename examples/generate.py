@@ -24,7 +24,8 @@ import shardkit
 from shardkit import Runner
 from shardkit.models import Llama, LlamaConfig
 from shardkit.precision import precision_from_name
-from shardkit.strategies import strategy_from_name
+from shardkit.precision.registry import add_precision_argument
+from shardkit.strategies.registry import add_strategy_arguments, strategy_from_args, strategy_options
 
 PROMPTS = ["To be", "Once upon a time", "The king", "And so", "What light", "Now is the"]
 
@@ -35,16 +36,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt", action="append", help="repeatable; default: six built-in prompts")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--strategy", default="zero3", help="zero3 (default, with --offload), fsdp, ddp, tp, ...")
+    add_strategy_arguments(parser, default="zero3")
     parser.add_argument("--offload", default="cpu", help="zero3's parameter offload: cpu (default), nvme or none")
     parser.add_argument("--nvme-path", default=None, help="directory for --offload nvme")
-    parser.add_argument("--precision", default="fp32")
+    add_precision_argument(parser, default="fp32")
     parser.add_argument("--num-processes", type=int, default=1, help="spawn this many ranks (or use shardkit launch)")
     parser.add_argument("--hidden-size", type=int, default=128, help="as in train_llama.py")
     parser.add_argument("--layers", type=int, default=4, help="as in train_llama.py")
     parser.add_argument("--seq-len", type=int, default=64, help="as in train_llama.py (the context length)")
     parser.add_argument("--seed", type=int, default=0)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    strategy_options(args, parser)  # a bad --strategy-opt stops here, before any rank starts
+    return args
 
 
 def model_config(args: argparse.Namespace) -> LlamaConfig:
@@ -54,9 +57,10 @@ def model_config(args: argparse.Namespace) -> LlamaConfig:
 
 
 def make_strategy(args: argparse.Namespace):
+    # --strategy-opt wins over --offload/--nvme-path (e.g. --strategy-opt offload_params=none).
     if args.strategy in ("zero3", "zero_infinity") and args.offload != "none":
-        return strategy_from_name(args.strategy, offload_params=args.offload, nvme_path=args.nvme_path)
-    return strategy_from_name(args.strategy)
+        return strategy_from_args(args, offload_params=args.offload, nvme_path=args.nvme_path)
+    return strategy_from_args(args)
 
 
 def generate(args: argparse.Namespace) -> list[str]:

@@ -3,6 +3,7 @@
     python examples/train_llama.py                                   # one process, CPU or GPU
     python examples/train_llama.py --num-processes 2 --strategy ddp  # two ranks
     python examples/train_llama.py --steps 200 --resume              # continue from the latest save
+    python examples/train_llama.py --num-processes 2 --strategy zero3 --strategy-opt overlap_comm=false
 
 Byte-level tokens (vocabulary 256), so no tokenizer and nothing to download.
 """
@@ -22,15 +23,16 @@ import shardkit
 from shardkit import Runner
 from shardkit.models import ByteTextDataset, Llama, LlamaConfig
 from shardkit.precision import precision_from_name
-from shardkit.strategies import strategy_from_name
+from shardkit.precision.registry import add_precision_argument
+from shardkit.strategies.registry import add_strategy_arguments, strategy_from_args, strategy_options
 
 DATA = Path(__file__).parent / "data" / "public_domain.txt"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default="auto", help="single, ddp, ... (auto: ddp when several processes)")
-    parser.add_argument("--precision", default="fp32", help="fp32, tf32, fp16, bf16, bf16-true")
+    add_strategy_arguments(parser, default="auto", auto_help=" (ddp when several processes, else single)")
+    add_precision_argument(parser, default="fp32")
     parser.add_argument("--num-processes", type=int, default=1)
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps in all (a resumed run stops here too)")
     parser.add_argument("--batch-size", type=int, default=16, help="micro-batch size per rank")
@@ -48,7 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep-last", type=int, default=2)
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     parser.add_argument("--log-every", type=int, default=25)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    strategy_options(args, parser)  # a bad --strategy-opt stops here, before any rank starts
+    return args
 
 
 def warmup_cosine(warmup: int, total: int):
@@ -62,7 +66,7 @@ def warmup_cosine(warmup: int, total: int):
 
 
 def train(args: argparse.Namespace) -> float:
-    strategy = None if args.strategy == "auto" else strategy_from_name(args.strategy)
+    strategy = strategy_from_args(args)  # None for auto
     runner = Runner(strategy, precision_from_name(args.precision), gradient_accumulation_steps=args.grad_accum,
                     seed=args.seed, checkpoint_keep_last=args.keep_last)
     config = LlamaConfig(hidden_size=args.hidden_size, intermediate_size=int(args.hidden_size * 8 / 3 // 8 * 8),

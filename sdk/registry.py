@@ -12,13 +12,14 @@ dict (as JSON) can be set as ``key=value``, checked against that type.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 import inspect
 import json
 import types
 import typing
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from shardkit.suggest import did_you_mean
@@ -51,6 +52,23 @@ class Option:
     kinds: tuple[type, ...]
     default: Any
     annotation: str
+
+    def argparse_type(self, *extra: str) -> Callable[[str], str]:
+        """An argparse ``type=``: alias -> canonical name; unknown -> a usage error naming the closest name.
+
+        Args:
+            *extra: values taken as they are (e.g. ``"auto"``).
+        """
+        def convert(text: str) -> str:
+            if text in extra:
+                return text
+            try:
+                return self.canonical(text)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+
+        convert.__name__ = self.kind
+        return convert
 
     def describe(self) -> str:
         """``"offload: str | None = None"``."""
@@ -279,6 +297,23 @@ class Registry:
         """:meth:`build` with ``key=value`` options from a command line (see :meth:`parse_options`)."""
         options = self.parse_options(name, pairs)
         return self.build(name, **{**kwargs, **options})
+
+    def argparse_type(self, *extra: str) -> Callable[[str], str]:
+        """An argparse ``type=``: alias -> canonical name; unknown -> a usage error naming the closest name.
+
+        Args:
+            *extra: values taken as they are (e.g. ``"auto"``).
+        """
+        def convert(text: str) -> str:
+            if text in extra:
+                return text
+            try:
+                return self.canonical(text)
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
+
+        convert.__name__ = self.kind
+        return convert
 
     def describe(self) -> str:
         """One line per entry: name, aliases and description, for ``--help`` texts."""

@@ -10,9 +10,11 @@ A new precision is one ``PRECISIONS.register(...)`` line here.
 
 from __future__ import annotations
 
+import argparse
+
 from shardkit.registry import Registry
 
-__all__ = ["PRECISIONS"]
+__all__ = ["PRECISIONS", "add_precision_argument"]
 
 PRECISIONS = Registry("precision")
 
@@ -27,3 +29,9 @@ PRECISIONS.register("bf16", f"{_P}.bf16:BF16", aliases=("bf16-mixed", "bfloat16"
                     description="fp32 master weights, bf16 compute (mixed)")
 PRECISIONS.register("bf16-true", f"{_P}.bf16:BF16", defaults={"mode": "true"},
                     description="bf16 parameters and compute (gradients reduced in fp32)")
+
+
+def add_precision_argument(parser: argparse.ArgumentParser, default: str = "fp32") -> None:
+    """Add ``--precision`` (choices: the registry's names; aliases such as "bf16-mixed" or "no" accepted)."""
+    parser.add_argument("--precision", default=default, type=PRECISIONS.argparse_type(), choices=PRECISIONS.names(),
+                        help=f"default {default}; aliases: {', '.join(PRECISIONS.aliases())}")

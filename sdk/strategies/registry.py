@@ -12,13 +12,12 @@ A new strategy is one ``STRATEGIES.register(...)`` line here: ``shardkit.X``, ``
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
 from shardkit.registry import Entry, Option, Registry
 
-__all__ = ["STRATEGIES", "Entry", "Option", "Registry", "add_strategy_arguments", "argument_type",
-           "strategy_from_args", "strategy_options"]
+__all__ = ["STRATEGIES", "Entry", "Option", "Registry", "add_strategy_arguments", "strategy_from_args",
+           "strategy_options"]
 
 STRATEGIES = Registry("strategy")
 
@@ -41,25 +40,6 @@ STRATEGIES.register("zero_infinity", f"{_S}.zero:ZeROInfinity", aliases=("zero-i
                     description="ZeRO-3 with parameters and optimizer state on NVMe (default path: see ZeRO3)")
 
 
-def argument_type(registry: Registry, *extra: str) -> Callable[[str], str]:
-    """An argparse ``type=``: alias -> canonical name, unknown -> a usage error naming the closest name.
-
-    Args:
-        registry: the registry to look names up in.
-        *extra: values taken as they are (e.g. ``"auto"``).
-    """
-    def convert(text: str) -> str:
-        if text in extra:
-            return text
-        try:
-            return registry.canonical(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    convert.__name__ = registry.kind
-    return convert
-
-
 def add_strategy_arguments(parser: argparse.ArgumentParser, default: str = "auto", auto_help: str = "") -> None:
     """Add ``--strategy`` (choices: the registry's names; aliases accepted) and ``--strategy-opt KEY=VALUE``.
 
@@ -69,7 +49,7 @@ def add_strategy_arguments(parser: argparse.ArgumentParser, default: str = "auto
         auto_help: what "auto" means to this script.
     """
     extra = ("auto",) if default == "auto" else ()
-    parser.add_argument("--strategy", default=default, type=argument_type(STRATEGIES, *extra),
+    parser.add_argument("--strategy", default=default, type=STRATEGIES.argparse_type(*extra),
                         choices=[*extra, *STRATEGIES.names()],
                         help=f"default {default}{auto_help}; aliases: {', '.join(STRATEGIES.aliases())}")
     parser.add_argument("--strategy-opt", action="append", default=[], metavar="KEY=VALUE",
