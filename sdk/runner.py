@@ -17,9 +17,9 @@ from shardkit import checkpoint as ckpt
 from shardkit.config.common import CONFIG_FILE_ENV
 from shardkit.data import RunnerDataLoader, rebuild_dataloader
 from shardkit.precision import FP32, Precision
-from shardkit.runner_state import StateSaver
 from shardkit.seeding import rank_logger, seed_everything
 from shardkit.strategies.base import Strategy
+from shardkit.user_state import StateSaver
 
 __all__ = ["Runner"]
 

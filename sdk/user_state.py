@@ -1,4 +1,5 @@
-"""How the Runner maps a ``state`` dict of user objects onto checkpoint entries."""
+"""The user's state in a checkpoint: how ``Runner.save``/``load`` map a ``state`` dict of user objects
+(models, optimizers, data loaders, stateful objects, plain values) onto checkpoint entries."""
 
 from __future__ import annotations
 
