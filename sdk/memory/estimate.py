@@ -20,7 +20,7 @@ Bytes per parameter (p params, g grads, m fp32 master, s optimizer states) depen
 the precision: torch engines (DDP, FSDP2, DTensor) keep fp32 params under mixed bf16/fp16 (autocast)
 so p=4, g=4, s=8, m=0; ``bf16-true`` halves all three. DeepSpeed keeps 16-bit params and grads and a
 separate fp32 master under mixed precision (p=2, g=2, m=4, s=8) and, in fp32, still a separate master
-(p=4, g=4, m=4, s=8; see ``shardkit.strategies.zero_memory``).
+(p=4, g=4, m=4, s=8; see ``shardkit.strategies.zero.memory``).
 """
 
 from __future__ import annotations

@@ -6,8 +6,6 @@ hidden states and the ``lm_head`` weight, chunk by chunk, so the (tokens, vocab)
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -16,41 +14,7 @@ from torch import Tensor, nn
 
 from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
-__all__ = ["causal_lm_forward", "fused_causal_lm_loss", "gathered_if_partitioned", "is_zero3_partitioned"]
-
-
-def is_zero3_partitioned(param: Tensor | None) -> bool:
-    """Whether ``param`` is a DeepSpeed ZeRO-3 parameter that is partitioned right now (not gathered).
-
-    ZeRO-3 tags its parameters with ``ds_id`` and ``ds_status`` (``AVAILABLE`` while gathered).
-    """
-    if param is None or not (hasattr(param, "ds_id") or hasattr(param, "ds_status")):
-        return False
-    return getattr(getattr(param, "ds_status", None), "name", "NOT_AVAILABLE") != "AVAILABLE"
-
-
-@contextlib.contextmanager
-def gathered_if_partitioned(*params: Tensor | None) -> Iterator[None]:
-    """Gather the ZeRO-3-partitioned ones among ``params`` for the duration of the block (read-only).
-
-    The fused loss reads ``lm_head.weight`` directly instead of calling ``lm_head``, so ZeRO-3's hooks around
-    ``lm_head``'s forward never fire: gather here, on every rank (``modifier_rank=None``: nobody modifies the
-    weight, so nothing is broadcast back). NOTE: inside a DeepSpeed engine's forward, reading a partitioned
-    parameter from another module already gathers it and registers it as an "external parameter" of the module
-    in forward (DeepSpeed's ZeROOrderedDict), which the engine then fetches and releases itself from the next
-    step on; gathering it again here would make GatheredParameters' exit free a parameter that module still
-    holds ("Cannot free a ZeRO-3 parameter while it is still active"). So only parameters still partitioned
-    when read (``ds_status`` not AVAILABLE: outside an engine's forward, or with its hooks off) are gathered.
-    Parameters that are not ZeRO-3 ones (no DeepSpeed, ZeRO-1/2) are used as they are, deepspeed not imported.
-    """
-    parts = [p for p in params if is_zero3_partitioned(p)]
-    if not parts:
-        yield
-        return
-    import deepspeed  # only reached under ZeRO-3, where deepspeed is necessarily installed
-
-    with deepspeed.zero.GatheredParameters(parts[0] if len(parts) == 1 else parts, modifier_rank=None):
-        yield
+__all__ = ["causal_lm_forward", "fused_causal_lm_loss"]
 
 
 def fused_causal_lm_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor | None = None,
@@ -82,7 +46,13 @@ def fused_causal_lm_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor | No
                          f"{tuple(hidden.shape[:-1])} (after logits_to_keep); pass labels for the kept positions")
     reduction = "sum" if num_items_in_batch is not None else "mean"
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
-    with gathered_if_partitioned(weight, bias):
+    # The head's weight is read here, not through lm_head's forward, so an engine that partitions parameters
+    # in place (ZeRO-3) and gathers them in hooks around each module's forward would not gather it: ask the
+    # strategies' interface to, on every rank, read-only (a no-op for whole parameters; no engine is imported).
+    # Imported here so that importing shardkit.nn does not load the strategies.
+    from ..strategies.partitioned import gathered_for_read
+
+    with gathered_for_read(weight, bias):
         loss = fused_linear_cross_entropy(hidden, weight, shift_labels.to(hidden.device), bias,
                                           ignore_index=ignore_index, reduction=reduction, logit_softcap=logit_softcap)
     loss = loss.float()  # HF's loss is fp32 for a float64 model too (the fused op keeps float64 there)

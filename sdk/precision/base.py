@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["Precision", "dtype_name", "parse_dtype"]
+from shardkit.dtypes import dtype_name  # re-exported: the one definition lives in shardkit.dtypes
+
+__all__ = ["Precision", "LossScaling", "dtype_name", "parse_dtype"]
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -31,9 +34,23 @@ def parse_dtype(value: str | torch.dtype | None, field: str) -> torch.dtype | No
         raise ValueError(f"{field}={value!r} is not a dtype; use one of {sorted(set(_DTYPES))}") from None
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bf16"`` (the short names DeepSpeed and Accelerate use)."""
-    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+@dataclass(frozen=True)
+class LossScaling:
+    """Loss scaling settings, static or dynamic (the names and meaning DeepSpeed's scaler uses too).
+
+    Args:
+        loss_scale: a value > 0 fixes the scale (static scaling); 0 means dynamic.
+        initial_scale_power: the first dynamic scale is ``2**initial_scale_power``.
+        loss_scale_window: good steps in a row before the scale doubles.
+        hysteresis: overflows tolerated before the scale halves.
+        min_loss_scale: the scale never drops below this.
+    """
+
+    loss_scale: float
+    initial_scale_power: int
+    loss_scale_window: int
+    hysteresis: int
+    min_loss_scale: float
 
 
 class Precision:
@@ -103,14 +120,12 @@ class Precision:
         optimizer.step()
         return True
 
-    # ---- engine configuration -----------------------------------------------------------------
+    # ---- loss scaling -------------------------------------------------------------------------
 
-    def deepspeed_config(self) -> dict[str, Any]:
-        """The DeepSpeed config sections this precision implies (``fp16``/``bf16`` and the comm dtype)."""
-        config: dict[str, Any] = {"communication_data_type": dtype_name(self.comm_dtype)}
-        config["bf16"] = {"enabled": self.param_dtype == torch.bfloat16 or self.compute_dtype == torch.bfloat16}
-        config["fp16"] = {"enabled": self.compute_dtype == torch.float16}
-        return config
+    @property
+    def loss_scaling(self) -> LossScaling | None:
+        """The loss-scale settings, for strategies whose engine scales the loss itself; None: no scaling."""
+        return None
 
     # ---- state --------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from shardkit.precision.base import Precision, parse_dtype
+from shardkit.precision.base import LossScaling, Precision, parse_dtype
 
 __all__ = ["FP16", "LossScaler"]
 
@@ -134,18 +134,11 @@ class FP16(Precision):
         self._scaler.update(skipped)
         return not skipped
 
+    @property
     @override
-    def deepspeed_config(self) -> dict[str, Any]:
-        config = super().deepspeed_config()
-        config["fp16"] = {
-            "enabled": True,
-            "loss_scale": self.loss_scale,
-            "initial_scale_power": self.initial_scale_power,
-            "loss_scale_window": self.loss_scale_window,
-            "hysteresis": self.hysteresis,
-            "min_loss_scale": self.min_loss_scale,
-        }
-        return config
+    def loss_scaling(self) -> LossScaling:
+        return LossScaling(self.loss_scale, self.initial_scale_power, self.loss_scale_window, self.hysteresis,
+                           self.min_loss_scale)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -39,7 +39,7 @@ def test_greedy_generation_equals_single_device_under_every_strategy(tmp_path):
 
 @pytest.mark.slow
 def test_greedy_generation_equals_single_device_under_zero_infinity_nvme(tmp_path):
-    from shardkit.strategies.zero_config import libaio_available
+    from shardkit.strategies.zero.config import libaio_available
 
     if not libaio_available():
         pytest.skip("NVMe offload needs libaio (apt-get install libaio-dev)")

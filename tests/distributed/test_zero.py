@@ -76,7 +76,7 @@ def test_fused_adamw_steps_the_offloaded_optimizer_and_matches_ddp():
 @pytest.mark.slow
 @pytest.mark.parametrize("precision, optimizer", [("fp32", "torch"), ("bf16", "torch"), ("fp32", "fused")])
 def test_zero_infinity_on_nvme_trains(tmp_path, precision, optimizer):
-    from shardkit.strategies.zero_config import libaio_available
+    from shardkit.strategies.zero.config import libaio_available
 
     if not libaio_available():
         pytest.skip("libaio is missing (apt-get install -y libaio-dev): DeepSpeed's async_io op cannot be built")

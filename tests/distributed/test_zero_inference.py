@@ -10,7 +10,7 @@ import pytest
 import torch
 from harness import run_distributed
 
-from shardkit.strategies.zero_config import libaio_available
+from shardkit.strategies.zero.config import libaio_available
 
 CASES = {
     "zero3": {},

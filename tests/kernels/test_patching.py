@@ -22,9 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 transformers = pytest.importorskip("transformers")
 
 from shardkit.nn import apply_fused_kernels  # noqa: E402
-from shardkit.nn._hf_loss import fused_causal_lm_loss, is_zero3_partitioned  # noqa: E402
+from shardkit.nn._hf_loss import fused_causal_lm_loss  # noqa: E402
 from shardkit.nn.patching import supported_model_types  # noqa: E402
 from shardkit.ops import available_backends, force_backend  # noqa: E402
+from shardkit.strategies.zero.stage3 import is_zero3_partitioned  # noqa: E402
 
 _TINY = dict(hidden_size=64, num_hidden_layers=2, vocab_size=160, intermediate_size=128, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=128)

@@ -10,7 +10,7 @@ import tempfile
 import pytest
 
 from shardkit.strategies import strategy_from_name
-from shardkit.strategies.zero_config import NVME_PATH_ENV_VAR, default_nvme_path, libaio_available
+from shardkit.strategies.zero.config import NVME_PATH_ENV_VAR, default_nvme_path, libaio_available
 
 pytestmark = pytest.mark.skipif(not libaio_available(), reason="NVMe offload needs libaio (apt-get install libaio-dev)")
 

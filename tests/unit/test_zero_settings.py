@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from shardkit.strategies import zero_config
+from shardkit.precision import BF16, FP16, FP32
 from shardkit.strategies.zero import ZeRO1, ZeRO2, ZeRO3, ZeROInfinity, ZeROSettingsError
+from shardkit.strategies.zero import config as zero_config
 
 
 def _model():
@@ -35,6 +36,20 @@ def test_explicit_values_precision_sections_and_extra_merged_last():
     assert zero["round_robin_gradients"] is True and config["gradient_clipping"] == 1.0
     assert config["train_micro_batch_size_per_gpu"] == 2 and config["gradient_accumulation_steps"] == 4
     assert config["bf16"] == {"enabled": False} and config["communication_data_type"] == "fp32"
+
+
+def test_precision_sections_are_built_from_the_precisions_plain_attributes():
+    # Precisions carry no DeepSpeed JSON (moved here from test_precision.py); the ZeRO config builds it.
+    assert zero_config.precision_section(FP16())["fp16"]["initial_scale_power"] == 16
+    assert zero_config.precision_section(BF16())["bf16"]["enabled"] is True
+    assert zero_config.precision_section(FP32())["communication_data_type"] == "fp32"
+    fp16 = zero_config.precision_section(FP16(loss_scale_window=50, hysteresis=3, min_loss_scale=2, comm_dtype="fp16"))
+    assert fp16 == {"communication_data_type": "fp16", "bf16": {"enabled": False},
+                    "fp16": {"enabled": True, "loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 50,
+                             "hysteresis": 3, "min_loss_scale": 2.0}}
+    assert zero_config.precision_section(BF16(mode="true"))["fp16"] == {"enabled": False}
+    assert ZeRO2().deepspeed_config(_model())["fp16"] == {"enabled": False}  # FP32 by default
+    assert not hasattr(FP16(), "deepspeed_config")
 
 
 def test_pin_memory_is_off_without_a_gpu():

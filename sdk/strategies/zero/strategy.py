@@ -1,4 +1,4 @@
-"""ZeRO stages 1, 2 and 3 and ZeRO-Infinity on the DeepSpeed engine, configured from shardkit objects.
+"""The ZeRO strategy on the DeepSpeed engine, configured from shardkit objects, and its stages 1 and 2.
 
     from shardkit.strategies.zero import ZeRO3
     runner = Runner(strategy=ZeRO3(offload="cpu"), precision=BF16(), gradient_accumulation_steps=4)
@@ -7,6 +7,10 @@ The Runner stays the source of truth: its accumulation window decides when gradi
 (``engine.set_gradient_accumulation_boundary``), the loss is averaged over the window as under DDP,
 its ``clip_gradients(max_norm)`` sets the clip DeepSpeed applies inside that step, and its scheduler
 is stepped by the Runner, not by DeepSpeed. Importing this module does not import DeepSpeed.
+
+:class:`ZeROStrategy` is written for stages 1 and 2 (whole parameters on every rank); what stage 3 does
+differently is the overrides of :class:`~shardkit.strategies.zero.stage3.ZeRO3`, and where each stage keeps
+its share of the state is its :class:`~shardkit.strategies.zero.layout.ZeROLayout`.
 """
 
 from __future__ import annotations
@@ -26,18 +30,20 @@ from typing_extensions import override
 
 from shardkit import checkpoint as ckpt
 from shardkit.launch.distributed import backend_for_device
-from shardkit.strategies import _init, zero_checkpoint
 from shardkit.strategies.base import param_list, replicated_gathered
 from shardkit.strategies.distributed import ProcessGroupStrategy
-from shardkit.strategies.zero_config import (
+from shardkit.strategies.zero import checkpoint as zero_checkpoint
+from shardkit.strategies.zero.config import (
     NVME_PATH_ENV_VAR,
     ZeROSettings,
     ZeROSettingsError,
     default_nvme_path,
     model_hidden_size,
+    precision_section,
 )
+from shardkit.strategies.zero.layout import FlatPartitionLayout, ZeROLayout
 
-__all__ = ["ZeRO1", "ZeRO2", "ZeRO3", "ZeROInfinity", "ZeROSettingsError"]
+__all__ = ["ZeROStrategy", "ZeRO1", "ZeRO2", "ZeROSettingsError"]
 
 log = logging.getLogger("shardkit.strategies.zero")
 
@@ -45,12 +51,20 @@ log = logging.getLogger("shardkit.strategies.zero")
 _OP_NOTES = {"ShareMemCommBuilder": "~50 s", "CPUAdamBuilder": "~90 s", "AsyncIOBuilder": "~5 min"}
 
 
-class _ZeRO(ProcessGroupStrategy):
-    """The one implementation behind ZeRO1/2/3 and ZeROInfinity; the subclasses only build settings."""
+class ZeROStrategy(ProcessGroupStrategy):
+    """The one implementation behind ZeRO1/2/3 and ZeROInfinity, as stages 1 and 2 run it.
+
+    ZeRO1 and ZeRO2 only build settings; ZeRO3 overrides what partitioned parameters change (module
+    init, gathering, inference without an optimizer) and brings its own :class:`ZeROLayout`.
+
+    Args:
+        settings: the validated settings (the stage among them).
+    """
 
     def __init__(self, settings: ZeROSettings):
         super().__init__(settings.timeout)
         self.settings = settings
+        self.layout: ZeROLayout = self._make_layout(settings.stage)
         self._engine: Any | None = None
         self._runner_values: dict[str, int] = {}
         self._sync_next = True
@@ -59,9 +73,13 @@ class _ZeRO(ProcessGroupStrategy):
 
     # ---- environment ---------------------------------------------------------------------------
 
+    def _make_layout(self, stage: int) -> ZeROLayout:
+        """Where this stage keeps each rank's share of the state (checkpoints and memory read it)."""
+        return FlatPartitionLayout(stage)
+
     @override
     def setup_environment(self) -> None:
-        _check_fp16_supported(self.precision.deepspeed_config(), torch.device(self.device_type))
+        _check_fp16_supported(precision_section(self.precision), torch.device(self.device_type))
         super().setup_environment()
         if not dist.is_initialized():
             # DeepSpeed's engine needs a process group even for one process: a private 1-rank group.
@@ -112,7 +130,7 @@ class _ZeRO(ProcessGroupStrategy):
         values = {**self._runner_values, **(runner_values or {})}
         on_gpu = torch.cuda.is_available()
         return self.settings.engine_config(
-            model_hidden_size(model) if model is not None else 0, self.precision.deepspeed_config(),
+            model_hidden_size(model) if model is not None else 0, precision_section(self.precision),
             micro_batch_size=int(values.get("micro_batch_size", 1)),
             gradient_accumulation_steps=int(values.get("gradient_accumulation_steps", 1)),
             world_size=self.world_size, gradient_clipping=float(values.get("gradient_clipping", 0.0)),
@@ -120,30 +138,6 @@ class _ZeRO(ProcessGroupStrategy):
         )
 
     # ---- modules and optimizers ----------------------------------------------------------------
-
-    @override
-    def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
-        if self.settings.stage != 3:
-            return super().module_init_context(empty_init)
-        _prepare_deepspeed(self.settings)
-        import deepspeed
-
-        # NOTE: zero.Init sizes its partitions from DeepSpeed's own comm layer, which wraps our
-        # process group only once told to; without it every rank would see world_size 1.
-        deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
-                                        dist_init_required=False, verbose=False)
-        # NOTE: torch._dynamo imported for the first time inside zero.Init fails (DeepSpeed patches the tensor
-        # constructors dynamo's polyfills check), and building a Hugging Face model imports it: import it first.
-        import torch._dynamo  # noqa: F401
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.precision.module_init_context())
-        stack.enter_context(deepspeed.zero.Init(config_dict_or_path=self.deepspeed_config(), mpu=None))
-        # zero.Init partitions each submodule as soon as it is built; the model's own init that runs later
-        # (Llama.reset_parameters, Hugging Face's post_init) is run on the gathered parameter instead of
-        # the empty partition, so the weights equal an unsharded build's from the same seed.
-        stack.enter_context(_init.ZeroInitInterceptor())
-        return stack
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -157,10 +151,8 @@ class _ZeRO(ProcessGroupStrategy):
         if optimizer is not None and self.settings.offload_optimizer:
             optimizer = _host_optimizer(optimizer, scheduler)
         config = self.deepspeed_config(module)
-        if optimizer is None and self.settings.stage < 3:
-            # DeepSpeed refuses stage 1/2 without an optimizer; what they partition (optimizer state,
-            # gradients) does not exist in inference, so the engine runs the model replicated.
-            config["zero_optimization"] = {"stage": 0}
+        if optimizer is None:
+            config = self._inference_config(config)
         if self.settings.offload_optimizer and _is_fused_adamw(optimizer):
             config["zero_force_ds_cpu_optimizer"] = False  # DeepSpeed accepts only its CPU Adam unless told
         if self.is_global_zero:  # issue 13: the effective engine config, once, every "auto" settled
@@ -171,30 +163,34 @@ class _ZeRO(ProcessGroupStrategy):
         # NOTE: the user gets the torch optimizer inside DeepSpeed's ZeRO wrapper: it is a real
         # torch.optim.Optimizer (the Runner checkpoints it through this strategy's hooks, its
         # param_groups are the ones DeepSpeed steps), while the wrapper is reached as engine.optimizer.
-        if optimizer is None:
-            # Inference: stage 3 runs DeepSpeed's parameter offload/partitioning alone (DeepSpeedZeRoOffload,
-            # reached as engine.optimizer): no gradients, no fp32 master copy, no optimizer state.
+        if optimizer is None:  # inference: no gradients, no fp32 master copy, no optimizer state
             return engine, None, scheduler
         inner = getattr(ds_optimizer, "optimizer", ds_optimizer)
         return engine, inner if isinstance(inner, torch.optim.Optimizer) else ds_optimizer, scheduler
+
+    def _inference_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The engine config for a model set up without an optimizer.
+
+        DeepSpeed refuses stage 1/2 without an optimizer; what they partition (optimizer state,
+        gradients) does not exist in inference, so the engine runs the model replicated (stage 0).
+        """
+        return {**config, "zero_optimization": {"stage": 0}}
 
     @override
     def unwrap(self, module: nn.Module) -> nn.Module:
         return getattr(module, "module", module)
 
+    @override
     def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
                             module: nn.Module | None = None) -> contextlib.AbstractContextManager:
-        """Context that yields ``params`` whole on every rank (a list; ZeRO-3 gathers the partitions in place).
+        """Context that yields ``params`` whole on every rank (a list).
 
-        With ``modifier_rank=r``, changes rank r makes inside the block are kept (broadcast and
-        re-partitioned on exit). Below stage 3 every rank holds whole parameters: the list is yielded as is
-        (rank r's values broadcast on exit). NOTE: once the optimizer is set up, DeepSpeed's fp32 master
-        weights overwrite such changes at the next step; change weights before ``setup`` or load a checkpoint.
+        Stages 1 and 2 keep whole parameters on every rank: the list is yielded as is, and with
+        ``modifier_rank=r`` rank r's values are broadcast on exit. NOTE: once the optimizer is set up,
+        DeepSpeed's fp32 master weights overwrite such changes at the next step; change weights before
+        ``setup`` or load a checkpoint.
         """
-        params = param_list(params)
-        if self.settings.stage != 3:
-            return replicated_gathered(params, modifier_rank)
-        return _gathered_zero3(params, modifier_rank)
+        return replicated_gathered(param_list(params), modifier_rank)
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -251,21 +247,20 @@ class _ZeRO(ProcessGroupStrategy):
 
     @override
     def save_module(self, writer: ckpt.CheckpointWriter, name: str, module: nn.Module) -> None:
-        zero_checkpoint.save_module(writer, name, self.unwrap(module), self.settings.stage, self.rank)
+        zero_checkpoint.save_module(writer, name, self.unwrap(module), self.layout, self.rank)
 
     @override
     def load_module(self, reader: ckpt.CheckpointReader, name: str, module: nn.Module) -> None:
         optimizer = getattr(module, "optimizer", None)
-        zero_checkpoint.load_module(reader, name, self.unwrap(module), self.settings.stage, optimizer)
+        zero_checkpoint.load_module(reader, name, self.unwrap(module), self.layout, optimizer)
 
     @override
     def save_optimizer(self, writer: ckpt.CheckpointWriter, name: str, optimizer: Any, module: nn.Module) -> None:
-        zero_checkpoint.save_optimizer(writer, name, module.optimizer, self.unwrap(module), self.settings.stage,
-                                       self.rank)
+        zero_checkpoint.save_optimizer(writer, name, module.optimizer, self.unwrap(module), self.layout, self.rank)
 
     @override
     def load_optimizer(self, reader: ckpt.CheckpointReader, name: str, optimizer: Any, module: nn.Module) -> None:
-        zero_checkpoint.load_optimizer(reader, name, module.optimizer, self.unwrap(module), self.settings.stage)
+        zero_checkpoint.load_optimizer(reader, name, module.optimizer, self.unwrap(module), self.layout)
 
     @override
     def checkpoint_info(self) -> dict[str, Any]:
@@ -274,18 +269,19 @@ class _ZeRO(ProcessGroupStrategy):
 
     # ---- measurement ---------------------------------------------------------------------------
 
+    @override
     def model_state_bytes(self, module: nn.Module, optimizer: Any) -> dict[str, int]:
-        """Bytes of model state this rank holds right now, by kind (see ``zero_memory.model_state_bytes``)."""
-        from shardkit.strategies.zero_memory import model_state_bytes
+        """Bytes of model state this rank holds right now, by kind (see ``zero.memory.model_state_bytes``)."""
+        from shardkit.strategies.zero.memory import model_state_bytes
 
-        return model_state_bytes(self.unwrap(module), module.optimizer, self.settings.stage)
+        return model_state_bytes(self.unwrap(module), module.optimizer, self.layout)
 
     def __repr__(self) -> str:
         s = self.settings
         return f"{type(self).__name__}(offload_optimizer={s.offload_optimizer}, offload_params={s.offload_params})"
 
 
-class ZeRO1(_ZeRO):
+class ZeRO1(ZeROStrategy):
     """ZeRO stage 1: optimizer state partitioned across ranks; parameters and gradients replicated.
 
     Args:
@@ -306,7 +302,7 @@ class ZeRO1(_ZeRO):
                                       offload_optimizer=offload_optimizer, timeout=timeout, extra=dict(extra or {})))
 
 
-class ZeRO2(_ZeRO):
+class ZeRO2(ZeROStrategy):
     """ZeRO stage 2: optimizer state and gradients partitioned; parameters replicated.
 
     Args:
@@ -327,79 +323,7 @@ class ZeRO2(_ZeRO):
                                       extra=dict(extra or {})))
 
 
-class ZeRO3(_ZeRO):
-    """ZeRO stage 3: parameters, gradients and optimizer state all partitioned; parameters are
-    gathered layer by layer for forward and backward.
-
-    Args:
-        offload: shorthand for both ``offload_optimizer`` and ``offload_params``: None, "cpu" or "nvme".
-        offload_optimizer: None, "cpu" or "nvme" for the fp32 master weights and optimizer state
-            (overrides ``offload``).
-        offload_params: None, "cpu" or "nvme" for the partitioned parameters (overrides ``offload``).
-        nvme_path: directory for NVMe offload (must be writable; needs libaio). None: $SHARDKIT_NVME_PATH,
-            else a new per-job directory under the system temp dir, removed at teardown (logged once).
-        prefetch_bucket_size: elements prefetched ahead of use; "auto" = 0.9·hidden².
-        param_persistence_threshold: parameters with fewer elements stay whole on every rank;
-            "auto" = 10·hidden.
-        max_live_parameters: most elements gathered at once (1e9).
-        max_reuse_distance: keep a gathered parameter if it is used again within this many elements (1e9).
-        gather_16bit_weights_on_model_save: DeepSpeed's consolidated 16-bit save flag (kept for
-            configs; shardkit's checkpoints never need it).
-        pin_memory, reduce_bucket_size, allgather_bucket_size, overlap_comm, contiguous_gradients,
-        timeout, extra: see ZeRO1/ZeRO2.
-    """
-
-    def __init__(self, offload: str | None = None, offload_optimizer: str | None = None,
-                 offload_params: str | None = None, nvme_path: str | None = None,
-                 prefetch_bucket_size: int | str = "auto", param_persistence_threshold: int | str = "auto",
-                 max_live_parameters: int = 1_000_000_000, max_reuse_distance: int = 1_000_000_000,
-                 gather_16bit_weights_on_model_save: bool = False, reduce_bucket_size: int | str = "auto",
-                 allgather_bucket_size: int = 500_000_000, overlap_comm: bool | None = None,
-                 contiguous_gradients: bool = True, pin_memory: bool | None = None, timeout: float | None = None,
-                 extra: dict[str, Any] | None = None, **infinity: Any):
-        super().__init__(ZeROSettings(
-            3, reduce_bucket_size, allgather_bucket_size, overlap_comm, contiguous_gradients,
-            offload_optimizer=offload_optimizer if offload_optimizer is not None else offload,
-            offload_params=offload_params if offload_params is not None else offload, nvme_path=nvme_path,
-            pin_memory=pin_memory, prefetch_bucket_size=prefetch_bucket_size,
-            param_persistence_threshold=param_persistence_threshold, max_live_parameters=max_live_parameters,
-            max_reuse_distance=max_reuse_distance,
-            gather_16bit_weights_on_model_save=gather_16bit_weights_on_model_save, timeout=timeout,
-            extra=dict(extra or {}), **infinity,
-        ))
-
-
-class ZeROInfinity(ZeRO3):
-    """ZeRO-3 with parameters and optimizer state on NVMe (DeepSpeed's async_io op; needs libaio).
-
-    Args:
-        nvme_path: directory for the swap files (must be writable); None: as in ZeRO3.
-        offload_params: "nvme" (default), "cpu" or None.
-        offload_optimizer: "nvme" (default), "cpu" or None.
-        aio: DeepSpeed's async I/O settings: block_size (1 MiB), queue_depth (8), thread_count (1),
-            single_submit (False), overlap_events (True).
-        buffer_count: swap buffers (5; parameter offload uses at least 5).
-        buffer_size: elements per parameter swap buffer (1e8); must hold the largest parameter.
-        **kwargs: any ZeRO3 argument.
-    """
-
-    def __init__(self, nvme_path: str | None = None, offload_params: str | None = "nvme",
-                 offload_optimizer: str | None = "nvme", aio: dict[str, Any] | None = None, buffer_count: int = 5,
-                 buffer_size: int = 100_000_000,
-                 **kwargs: Any):
-        super().__init__(offload_optimizer=offload_optimizer, offload_params=offload_params, nvme_path=nvme_path,
-                         aio=dict(aio or {}), buffer_count=buffer_count, buffer_size=buffer_size, **kwargs)
-
-
 # ---- helpers ------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _gathered_zero3(params: list[torch.Tensor], modifier_rank: int | None):
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
-        yield params
 
 
 def _check_fp16_supported(precision_section: dict[str, Any], device: torch.device) -> None:

@@ -1,7 +1,11 @@
-"""Settings of the ZeRO strategies and the DeepSpeed engine config built from them.
+"""Settings of the ZeRO strategies and the DeepSpeed engine config built from them and the precision.
 
 Nothing here imports DeepSpeed at module level, so that settings can be built, validated and turned
 into a config dict (for inspection, tests and the config engineer's JSON mapping) without it.
+
+The stage number is data here, not a behaviour switch: which offloads a stage allows (validation)
+and which keys the ``zero_optimization`` section has (the JSON DeepSpeed reads) depend on it; what
+the strategy does differently at stage 3 is the ZeRO3 class (``stage3.py``).
 """
 
 from __future__ import annotations
@@ -16,8 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardkit.dtypes import dtype_name
+from shardkit.precision.base import Precision
+
 __all__ = ["ZeROSettingsError", "ZeROSettings", "model_hidden_size", "deep_merge", "libaio_available",
-           "default_nvme_path", "NVME_PATH_ENV_VAR"]
+           "default_nvme_path", "precision_section", "NVME_PATH_ENV_VAR"]
 
 _OFFLOAD_DEVICES = (None, "cpu", "nvme")
 NVME_PATH_ENV_VAR = "SHARDKIT_NVME_PATH"
@@ -81,6 +88,25 @@ def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = copy.deepcopy(value)
     return out
+
+
+def precision_section(precision: Precision) -> dict[str, Any]:
+    """The DeepSpeed config sections a precision implies: ``bf16``/``fp16`` and the communication dtype.
+
+    Built from the precision's plain attributes (its dtypes and, where it scales the loss, its
+    ``loss_scaling``), so precisions know nothing of DeepSpeed and no precision class is switched on.
+    """
+    bf16 = torch.bfloat16 in (precision.param_dtype, precision.compute_dtype)
+    config: dict[str, Any] = {"communication_data_type": dtype_name(precision.comm_dtype),
+                              "bf16": {"enabled": bf16},
+                              "fp16": {"enabled": precision.compute_dtype == torch.float16}}
+    scaling = precision.loss_scaling
+    if scaling is not None:  # DeepSpeed's own scaler runs with the precision's settings (same names and meaning)
+        config["fp16"] = {"enabled": True, "loss_scale": scaling.loss_scale,
+                          "initial_scale_power": scaling.initial_scale_power,
+                          "loss_scale_window": scaling.loss_scale_window, "hysteresis": scaling.hysteresis,
+                          "min_loss_scale": scaling.min_loss_scale}
+    return config
 
 
 def _check_size(name: str, value: Any, allow_auto: bool = True) -> None:

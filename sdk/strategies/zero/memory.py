@@ -1,10 +1,10 @@
-"""Bytes of model state one rank holds under ZeRO, by kind, for the memory benchmark.
+"""Bytes of model state one rank holds under ZeRO, by kind: ``ZeRO*.model_state_bytes`` (every strategy has it).
 
 What is counted (each storage once, whole, wherever it lives: device or host):
 
 * ``params``: the parameters the model computes with (fp32, or bf16/fp16 under mixed precision).
   Stage 1/2: every rank holds them whole. Stage 3: the rank's partition (``ds_tensor``), plus
-  the small parameters kept whole (``ds_persist``) and any still gathered.
+  the small parameters kept whole (``ds_persist``) and any still gathered (the stage's layout says which).
 * ``grads``: gradient buffers of the parameters and of the fp32 master partition, DeepSpeed's
   reduction buckets and its partitioned-gradient buffers.
 * ``optimizer``: the fp32 master partition and the optimizer's states (``exp_avg``,
@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from shardkit.strategies.zero.layout import ZeROLayout
 
 __all__ = ["model_state_bytes"]
 
@@ -55,7 +57,7 @@ class _Counter:
         return total
 
 
-def model_state_bytes(module: nn.Module, optimizer: Any, stage: int) -> dict[str, int]:
+def model_state_bytes(module: nn.Module, optimizer: Any, layout: ZeROLayout) -> dict[str, int]:
     """``{"params": ..., "grads": ..., "optimizer": ...}`` in bytes for this rank (see the module docstring)."""
     counter = _Counter()
     inner = getattr(optimizer, "optimizer", optimizer)
@@ -66,11 +68,7 @@ def model_state_bytes(module: nn.Module, optimizer: Any, stage: int) -> dict[str
     state = getattr(inner, "state", None) or {}
     opt_bytes = counter.add(masters) + counter.add(_tensors(list(state.values())))
     params = list(module.parameters())
-    if stage == 3:
-        lp = [p.ds_tensor for p in params if hasattr(p, "ds_tensor")] + [p.data for p in params if p.data.numel()]
-    else:
-        lp = [p.data for p in params]
-    param_bytes = counter.add(lp)
+    param_bytes = counter.add(layout.held_parameters(params))
     grads = [p.grad for p in params if p.grad is not None] + [m.grad for m in masters if m.grad is not None]
     # NOTE: DeepSpeed 0.19.8 names; stage 2 keeps the reduced partition between micro-batches in
     # all_grad_tensors, and the reduction buckets in ipg_buckets[dtype].buffer.

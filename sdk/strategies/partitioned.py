@@ -1,0 +1,61 @@
+"""Reading a parameter that a strategy's engine partitions in place, from code that bypasses its module.
+
+An engine that partitions parameters in place (DeepSpeed ZeRO-3) gathers a module's parameters in hooks
+around that module's forward. Code that reads a weight directly instead of calling its module (the fused
+loss reads ``lm_head.weight`` without calling ``lm_head``) wraps the read in :func:`gathered_for_read`; the
+strategy that partitions supplies, as a :class:`PartitionedParameters` handler, how to tell such a
+parameter and how to gather it, so that the reading code never imports or names the engine.
+
+A strategy whose engine partitions parameters adds its handler to ``_HANDLERS`` below ("module:attribute",
+imported on the first read, without importing the engine itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator
+from typing import Protocol
+
+from torch import Tensor
+
+__all__ = ["PartitionedParameters", "gathered_for_read", "handlers"]
+
+
+class PartitionedParameters(Protocol):
+    """How one engine's partitioned parameters are recognised and gathered for a read."""
+
+    def is_partitioned(self, param: Tensor) -> bool:
+        """Whether ``param`` is this engine's and not whole right now (nothing gathered it)."""
+        ...
+
+    def gathered_for_read(self, params: list[Tensor]) -> contextlib.AbstractContextManager:
+        """Context in which ``params`` (all partitioned) are whole on every rank; nothing is written back."""
+        ...
+
+
+_HANDLERS: list[str | PartitionedParameters] = ["shardkit.strategies.zero.stage3:ZERO3_PARAMETERS"]
+
+
+def handlers() -> list[PartitionedParameters]:
+    """The registered handlers, imported on first use."""
+    for i, handler in enumerate(_HANDLERS):
+        if isinstance(handler, str):
+            module, _, attr = handler.partition(":")
+            _HANDLERS[i] = getattr(importlib.import_module(module), attr)
+    return _HANDLERS  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def gathered_for_read(*params: Tensor | None) -> Iterator[None]:
+    """Gather, for the duration of the block and read-only, those of ``params`` an engine holds partitioned.
+
+    Every rank must enter it with the same parameters (the gathers are collectives). Parameters no engine
+    partitions (None, plain tensors, ones already gathered) are left as they are, and no engine is imported.
+    """
+    with contextlib.ExitStack() as stack:
+        for handler in handlers():
+            parts = [p for p in params if p is not None and handler.is_partitioned(p)]
+            if parts:
+                stack.enter_context(handler.gathered_for_read(parts))
+        yield
