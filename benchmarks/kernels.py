@@ -41,12 +41,13 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().paren
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from shardkit.ops import available_backends, force_backend, rms_norm, rope, swiglu  # noqa: E402
+from shardkit.ops import available_backends, force_backend, get_op, registered_ops  # noqa: E402
 from shardkit.ops.fused_linear_cross_entropy import (  # noqa: E402
     chunk_rows_for,
     fused_linear_cross_entropy,
     linear_cross_entropy_reference,
 )
+from shardkit.ops.registry import OpSpec  # noqa: E402
 from shardkit.optim import FusedAdamW  # noqa: E402
 
 Fn = Callable[[], object]
@@ -116,6 +117,7 @@ class OpCase:
     liger: Callable | None
     inputs: list[torch.Tensor]
     grads_out: list[torch.Tensor]
+    op: str = "rms_norm"
 
 
 def _liger_functional():
@@ -127,39 +129,46 @@ def _liger_functional():
     return functional
 
 
+# Per op (by registered name): the torch eager version Hugging Face's modeling code runs (default: the op's own
+# reference) and Liger-Kernel's functional version (default: none). Ops with a section of their own below
+# (fused linear cross-entropy, AdamW) are left out of the per-op table.
+_EAGER: dict[str, Callable] = {"rms_norm": rms_norm_eager, "rope": rope_eager, "swiglu": swiglu_eager}
+_LIGER: dict[str, Callable] = {"rms_norm": lambda lg: lambda x, w: lg.liger_rms_norm(x, w, 1e-6),
+                               "rope": lambda lg: lg.liger_rope, "swiglu": lambda lg: lg.liger_swiglu}
+_OWN_SECTION = ("fused_linear_cross_entropy",)
+_CPU_FP32_ONLY = ("rope", "swiglu")  # bf16 on CPU only for rms_norm: keeps the CPU run near 5 minutes
+
+
+def _case(spec: OpSpec, device: str, dtype: torch.dtype, quick: bool, lg) -> OpCase:
+    """``spec.example`` at the benchmark's shape (the test's tiny one with ``quick``), with output gradients."""
+    args = spec.example(device, dtype, "test" if quick else "bench")
+    with torch.no_grad():
+        outs = spec.reference(*args)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads_out = [_leaf(*o.shape, dtype=o.dtype, device=device, seed=100 + i, grad=False) for i, o in enumerate(outs)]
+    shapes = ", ".join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
+    liger = _LIGER[spec.name](lg) if lg is not None and spec.name in _LIGER else None
+    return OpCase(f"{spec.name} {shapes} {str(dtype)[6:]}", spec.function, _EAGER.get(spec.name, spec.reference),
+                  liger, list(args), grads_out, spec.name)
+
+
 def op_cases(device: str, quick: bool) -> list[OpCase]:
-    """Each op and dtype at the shapes of the issue; on a GPU every op in fp32 and bf16."""
-    s = 16 if quick else 1
+    """Every registered op with an example, per dtype, at the shapes of the issue; on a GPU in fp32 and bf16."""
     lg = _liger_functional() if device != "cpu" else None
-    wide = (torch.float32, torch.bfloat16)
     cases = []
-    n, h = 4096 // s, 4096 // s
-    for dt in wide:
-        x, w = _leaf(n, h, dtype=dt, device=device, seed=0), _leaf(h, dtype=dt, device=device, seed=1)
-        cases.append(OpCase(f"rms_norm ({n}, {h}) {str(dt)[6:]}", lambda x, w: rms_norm(x, w, 1e-6), rms_norm_eager,
-                            lg and (lambda x, w: lg.liger_rms_norm(x, w, 1e-6)), [x, w],
-                            [_leaf(n, h, dtype=dt, device=device, seed=2, grad=False)]))
-    b, nh, t, d = 4, 32 // s, 1024 // s, 128
-    ang = torch.arange(t, dtype=torch.float32)[:, None] * (1e-4 ** (torch.arange(d // 2) / (d // 2)))[None]
-    emb = torch.cat((ang, ang), -1)[None].to(device)
-    cos, sin = emb.cos(), emb.sin()
-    for dt in wide if device != "cpu" else (torch.float32,):
-        q, k = (_leaf(b, nh, t, d, dtype=dt, device=device, seed=i) for i in (3, 4))
-        dq, dk = (_leaf(b, nh, t, d, dtype=dt, device=device, seed=i, grad=False) for i in (5, 6))
-        cases.append(OpCase(f"rope q,k ({b}, {nh}, {t}, {d}) {str(dt)[6:]}", lambda q, k: rope(q, k, cos, sin),
-                            lambda q, k: rope_eager(q, k, cos, sin),
-                            lg and (lambda q, k: lg.liger_rope(q, k, cos, sin)), [q, k], [dq, dk]))
-    m, f = 4096 // s, 11008 // s
-    for dt in wide if device != "cpu" else (torch.float32,):
-        g, u = (_leaf(m, f, dtype=dt, device=device, seed=i) for i in (7, 8))
-        cases.append(OpCase(f"swiglu ({m}, {f}) {str(dt)[6:]}", swiglu, swiglu_eager, lg and lg.liger_swiglu,
-                            [g, u], [_leaf(m, f, dtype=dt, device=device, seed=9, grad=False)]))
+    for spec in registered_ops():
+        if spec.example is None or spec.name in _OWN_SECTION:
+            continue
+        cpu_fp32 = device == "cpu" and spec.name in _CPU_FP32_ONLY
+        for dt in (torch.float32,) if cpu_fp32 else (torch.float32, torch.bfloat16):
+            cases.append(_case(spec, device, dt, quick, lg))
     return cases
 
 
-def _our_backends(device: str) -> list[str]:
-    """Our native backends that run here, best first: cpp on CPU; cuda and triton on a GPU."""
-    return [b for b in available_backends(device, "rms_norm_fwd") if b != "reference" and
+def _our_backends(device: str, op: str = "rms_norm") -> list[str]:
+    """The op's native backends that run here, best first: cpp on CPU; cuda and triton on a GPU."""
+    kernel = get_op(op).native_kernels[0]
+    return [b for b in available_backends(device, kernel) if b != "reference" and
             (device != "cpu" or b != "triton")]
 
 
@@ -179,7 +188,7 @@ def bench_ops(device: str, quick: bool) -> str:
         # the output gradients, so the contenders measured after it see the same values as before it
         res = {name: measure(_fwd_bwd(fn, case.inputs, [g.clone() for g in case.grads_out] if name == "liger"
                                       else case.grads_out)) for name, fn in others.items()}
-        for backend in _our_backends(device):
+        for backend in _our_backends(device, case.op):
             t, mem = measure(_fwd_bwd(case.ours, case.inputs, case.grads_out, backend))
             cells = [f"{res[k][0] * 1e3:.2f} ms / {fmt_bytes(res[k][1])}" if k in res else "n/a"
                      for k in ("eager", "compile", "liger")]
@@ -236,7 +245,7 @@ def bench_flce(device: str, quick: bool, dt: torch.dtype = torch.float32) -> str
         "naive (logits + F.cross_entropy)": (lambda: linear_cross_entropy_reference(h, w, y), None),
         "plain chunked (torch ops)": (lambda: _PlainChunked.apply(h, w, y, chunk), None),
     }
-    for backend in _our_backends(device):
+    for backend in _our_backends(device, "fused_linear_cross_entropy"):
         variants[f"ours fused ({backend})"] = (lambda: fused_linear_cross_entropy(h, w, y, chunk_rows=chunk), backend)
     lg = _liger_functional() if not cpu else None
     if lg is not None:
@@ -309,7 +318,7 @@ def _params(n: int, device: str, piece: int = 1 << 22) -> list[torch.Tensor]:
 def _optimizers(device: str) -> dict[str, tuple[Callable[[list[torch.Tensor]], torch.optim.Optimizer], str | None]]:
     """name -> (factory, backend forced for ours)."""
     opts = {f"ours FusedAdamW ({b})": (lambda ps: FusedAdamW(ps, lr=1e-3, weight_decay=0.01), b)
-            for b in _our_backends(device)}
+            for b in _our_backends(device, "adamw")}
     opts |= {"torch AdamW foreach": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=True), None),
              "torch AdamW fused": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True), None)}
     if device == "cpu":

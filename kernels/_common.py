@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-__all__ = ["empty_out", "finish_out"]
+__all__ = ["Launch", "dtype_label", "empty_out", "finish_out", "meta"]
+
+Launch = tuple[str, Callable[[], object]]
+"""(label, call): one launch of a Triton kernel for scripts/check_triton.py (see ``OpSpec.triton_checks``)."""
 
 
 def _interpreted(t: torch.Tensor) -> bool:
@@ -27,3 +32,13 @@ def empty_out(like: torch.Tensor, shape=None, dtype: torch.dtype | None = None) 
 def finish_out(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast an :func:`empty_out` buffer to ``dtype`` (a no-op on GPU)."""
     return buf if buf.dtype == dtype else buf.to(dtype)
+
+
+def meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A tensor without storage: scripts/check_triton.py compiles launches on these, nothing is run."""
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    """fp32, bf16, fp16: the short dtype names of the compile-check labels."""
+    return str(dtype).removeprefix("torch.").replace("float", "fp").replace("bfp", "bf")

@@ -11,7 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["adamw_step_"]
+from ._common import Launch, dtype_label, meta
+
+__all__ = ["adamw_step_", "compile_checks"]
 
 
 @triton.jit
@@ -63,3 +65,15 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
         _adamw_kernel[(triton.cdiv(n, block),)](
             p, master, grads[i], exp_avgs[i], exp_avg_sqs[i], n, decay, beta1, beta2, eps, step_sizes[i],
             bc2_sqrts[i], HAS_MASTER=bool(masters), MAXIMIZE=maximize, BLOCK=block)
+
+
+def compile_checks(dtypes: tuple[torch.dtype, ...]) -> list[Launch]:
+    """One 4 Mi-element tensor per param dtype, with fp32 masters for 16-bit params (scripts/check_triton.py)."""
+    out: list[Launch] = []
+    for dt in dtypes:
+        master = [meta(4 << 20)] if dt != torch.float32 else []
+        p, st = [meta(4 << 20, dtype=dt)], [meta(4 << 20)]
+        out.append((f"adamw {dtype_label(dt)}{' +master' if master else ''}",
+                    lambda p=p, st=st, m=master: adamw_step_(p, p, st, st, m, [1e-3], [1.0], 1e-3, 0.9, 0.999, 1e-8,
+                                                             0.01, False)))
+    return out

@@ -13,7 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["flce_rows_"]
+from ._common import Launch, meta
+
+__all__ = ["compile_checks", "flce_rows_"]
 
 
 @triton.jit
@@ -95,3 +97,19 @@ def flce_rows_(z: torch.Tensor, labels: torch.Tensor, row_scale: torch.Tensor, i
         ignore_index, float(label_smoothing), float(softcap) if softcap > 0 else 1.0,
         HAS_SOFTCAP=softcap > 0, WRITE_GRAD=write_grad, BLOCK=block, num_warps=8 if block >= 2048 else 4)
     return loss
+
+
+def compile_checks(dtypes: tuple[torch.dtype, ...]) -> list[Launch]:
+    """The row pass on 512-row chunks at an odd vocab and Llama 3's 128256, with and without softcap and gradient.
+
+    The logits are fp32 whatever the model's dtype, so ``dtypes`` does not multiply these launches.
+    """
+    out: list[Launch] = []
+    for vocab in (123, 128256):
+        z, labels, scale = meta(512, vocab), meta(512, dtype=torch.int64), meta(512)
+        for cap in (0.0, 30.0):
+            for grad in (False, True):
+                label = f"flce rows V={vocab}{' softcap' if cap else ''}{' +grad' if grad else ''}"
+                out.append((label, lambda z=z, lb=labels, sc=scale, c=cap, gr=grad:
+                            flce_rows_(z, lb, sc, -100, 0.1, c, gr)))
+    return out

@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import empty_out, finish_out
+from ._common import Launch, dtype_label, empty_out, finish_out, meta
 
-__all__ = ["rms_norm_bwd", "rms_norm_fwd"]
+__all__ = ["compile_checks", "rms_norm_bwd", "rms_norm_fwd"]
 
 
 @triton.jit
@@ -92,3 +92,15 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
         _rms_norm_bwd_kernel[(programs,)](dy, x, weight, rstd, dx, partial, rows, n, per, offset,
                                           BLOCK=block, num_warps=_num_warps(block))
     return finish_out(dx, x.dtype), partial.sum(0).to(weight.dtype)
+
+
+def compile_checks(dtypes: tuple[torch.dtype, ...]) -> list[Launch]:
+    """Forward and backward at Llama-class widths and an odd one (scripts/check_triton.py)."""
+    out: list[Launch] = []
+    for dt in dtypes:
+        for n in (123, 2048, 4096, 8192):
+            x, w, rstd = meta(64, n, dtype=dt), meta(n, dtype=dt), meta(64)
+            s = dtype_label(dt)
+            out.append((f"rms_norm fwd n={n} {s}", lambda x=x, w=w: rms_norm_fwd(x, w, 1e-6, 0.0)))
+            out.append((f"rms_norm bwd n={n} {s}", lambda x=x, w=w, r=rstd: rms_norm_bwd(x, x, w, r, 0.0)))
+    return out

@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import empty_out, finish_out
+from ._common import Launch, dtype_label, empty_out, finish_out, meta
 
-__all__ = ["rope_apply"]
+__all__ = ["compile_checks", "rope_apply"]
 
 
 @triton.jit
@@ -82,3 +82,19 @@ def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     if position_ids is not None:  # the kernel reads POS[b*T + t]: (T,) or (1, T) positions expand to (B, T) first
         pos = position_ids.expand(q.shape[0], q.shape[2]).to(torch.int64).contiguous()
     return _apply_one(q, cos, sin, pos, backward), _apply_one(k, cos, sin, pos, backward)
+
+
+def compile_checks(dtypes: tuple[torch.dtype, ...]) -> list[Launch]:
+    """Both directions, with and without positions, at head dims 64 and 128 (scripts/check_triton.py)."""
+    out: list[Launch] = []
+    for dt in dtypes:
+        for d in (64, 128):
+            q, k = meta(2, 32, 256, d, dtype=dt), meta(2, 8, 256, d, dtype=dt)
+            cos = meta(1, 256, d)  # fp32 tables with low-precision q/k: what HF rotary embeddings hand over
+            pos = meta(2, 256, dtype=torch.int64)
+            for backward in (False, True):
+                for p in (None, pos):
+                    label = f"rope d={d} {'bwd' if backward else 'fwd'}{' pos' if p is not None else ''} "
+                    out.append((label + dtype_label(dt),
+                                lambda q=q, k=k, c=cos, p=p, b=backward: rope_apply(q, k, c, c, p, b)))
+    return out

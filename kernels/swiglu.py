@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import empty_out, finish_out
+from ._common import Launch, dtype_label, empty_out, finish_out, meta
 
-__all__ = ["swiglu_bwd", "swiglu_fwd"]
+__all__ = ["compile_checks", "swiglu_bwd", "swiglu_fwd"]
 
 # 1024 elements per program = 4 warps x 32 threads x 8 elements: 16-byte bf16 vectors per thread.
 _BLOCK = 1024
@@ -56,3 +56,13 @@ def swiglu_bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[
     if n:
         _swiglu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](dy.to(gate.dtype), gate, up, dg, du, n, BLOCK=_BLOCK)
     return finish_out(dg, gate.dtype), finish_out(du, up.dtype)
+
+
+def compile_checks(dtypes: tuple[torch.dtype, ...]) -> list[Launch]:
+    """Forward and backward at a 7B Llama MLP's (tokens, intermediate) = (4096, 11008) (scripts/check_triton.py)."""
+    out: list[Launch] = []
+    for dt in dtypes:
+        g = meta(4096, 11008, dtype=dt)
+        out.append((f"swiglu fwd {dtype_label(dt)}", lambda g=g: swiglu_fwd(g, g)))
+        out.append((f"swiglu bwd {dtype_label(dt)}", lambda g=g: swiglu_bwd(g, g, g)))
+    return out

@@ -3,9 +3,10 @@
 The tests run the Triton kernels under TRITON_INTERPRET=1, which executes their Python semantics on CPU tensors
 but never lowers them: a kernel can pass every CPU test and still fail to compile for a GPU, ask for more shared
 memory than the GPU has, or compile into a loop that spills registers to local memory. This script drives every
-launcher in ``kernels/`` with meta tensors at the shapes a real model uses, turns each launch into Triton's own
-ahead-of-time compile (same binder, specialisation and options as a real launch, nothing run) for sm_80 (A100)
-and sm_90 (H100), and reads the resource use of each cubin with the cuobjdump that ships with Triton.
+launcher of every registered op (``OpSpec.triton_checks`` in ``shardkit.ops.registry`` names a function beside
+the op's kernels in ``kernels/<op>.py``) with meta tensors at the shapes a real model uses, turns each launch into
+Triton's own ahead-of-time compile (same binder, specialisation and options as a real launch, nothing run) for
+sm_80 (A100) and sm_90 (H100), and reads the resource use of each cubin with the cuobjdump that ships with Triton.
 
 Fails (exit 1) when a kernel does not compile, spills (local memory > 0), or needs more shared memory than the
 architecture gives one block. Prints one markdown row per launch and architecture (registers per thread,
@@ -17,6 +18,7 @@ Usage: python scripts/check_triton.py [--arch 80 90] [--json FILE]     (TRITON_I
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -80,48 +82,15 @@ class _CompileOnlyDriver:
         return 0
 
 
-def _meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.empty(*shape, dtype=dtype, device="meta")
-
-
-def _short(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.").replace("float", "fp").replace("bfp", "bf")
-
-
 def cases() -> list[tuple[str, Callable[[], object]]]:
-    """(label, call) for each launcher at the shapes that matter: Llama-class sizes plus an odd one."""
-    from shardkit.kernels import adamw, fused_linear_cross_entropy, rms_norm, rope, swiglu
+    """(label, call) for each launcher at the shapes that matter: every registered op's ``triton_checks``."""
+    from shardkit.ops.registry import registered_ops
 
     out: list[tuple[str, Callable[[], object]]] = []
-    for dt in DTYPES:
-        s = _short(dt)
-        for n in (123, 2048, 4096, 8192):
-            x, w, rstd = _meta(64, n, dtype=dt), _meta(n, dtype=dt), _meta(64)
-            out.append((f"rms_norm fwd n={n} {s}", lambda x=x, w=w: rms_norm.rms_norm_fwd(x, w, 1e-6, 0.0)))
-            out.append((f"rms_norm bwd n={n} {s}",
-                        lambda x=x, w=w, r=rstd: rms_norm.rms_norm_bwd(x, x, w, r, 0.0)))
-        for d in (64, 128):
-            q, k = _meta(2, 32, 256, d, dtype=dt), _meta(2, 8, 256, d, dtype=dt)
-            cos = _meta(1, 256, d)  # fp32 tables with low-precision q/k: what HF rotary embeddings hand over
-            pos = _meta(2, 256, dtype=torch.int64)
-            for backward in (False, True):
-                for p in (None, pos):
-                    label = f"rope d={d} {'bwd' if backward else 'fwd'}{' pos' if p is not None else ''} {s}"
-                    out.append((label, lambda q=q, k=k, c=cos, p=p, b=backward: rope.rope_apply(q, k, c, c, p, b)))
-        g = _meta(4096, 11008, dtype=dt)
-        out.append((f"swiglu fwd {s}", lambda g=g: swiglu.swiglu_fwd(g, g)))
-        out.append((f"swiglu bwd {s}", lambda g=g: swiglu.swiglu_bwd(g, g, g)))
-        master = [_meta(4 << 20)] if dt != torch.float32 else []
-        p, st = [_meta(4 << 20, dtype=dt)], [_meta(4 << 20)]
-        out.append((f"adamw {s}{' +master' if master else ''}", lambda p=p, st=st, m=master: adamw.adamw_step_(
-            p, p, st, st, m, [1e-3], [1.0], 1e-3, 0.9, 0.999, 1e-8, 0.01, False)))
-    for vocab in (123, 128256):
-        z, labels, scale = _meta(512, vocab), _meta(512, dtype=torch.int64), _meta(512)
-        for cap in (0.0, 30.0):
-            for grad in (False, True):
-                label = f"flce rows V={vocab}{' softcap' if cap else ''}{' +grad' if grad else ''}"
-                out.append((label, lambda z=z, lb=labels, sc=scale, c=cap, gr=grad:
-                            fused_linear_cross_entropy.flce_rows_(z, lb, sc, -100, 0.1, c, gr)))
+    for spec in registered_ops():
+        if spec.triton_checks is not None:
+            module, _, function = spec.triton_checks.partition(":")
+            out += getattr(importlib.import_module(module), function)(DTYPES)
     return out
 
 

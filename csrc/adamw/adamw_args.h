@@ -24,8 +24,8 @@ inline void check_state(const at::Tensor& t, const at::Tensor& p, const char* na
               "] must be contiguous with the ", p.numel(), " elements of params[", i, "] on its device");
 }
 
-// Every list has one entry per param (masters: none or one per param); every tensor is contiguous, on
-// `device_type`, of a float dtype, with fp32 states of the param's size on the param's device.
+// Every list has one entry per param (masters: none or one per param); every tensor is contiguous, on one
+// `device_type` device, of a float dtype, with fp32 states of the param's size on the param's device.
 inline void check_all(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                       at::TensorList exp_avg_sqs, at::TensorList masters, at::ArrayRef<double> step_sizes,
                       at::ArrayRef<double> bc2_sqrts, c10::DeviceType device_type) {
@@ -39,6 +39,8 @@ inline void check_all(at::TensorList params, at::TensorList grads, at::TensorLis
     const at::Tensor& p = params[i];
     TORCH_CHECK(p.device().type() == device_type && p.is_contiguous(), kOp, ": params[", i,
                 "] must be a contiguous ", c10::DeviceTypeName(device_type), " tensor");
+    TORCH_CHECK(p.device() == params[0].device(), kOp, ": params[", i, "] is on ", p.device(), " but params[0] on ",
+                params[0].device(), "; step each device's tensors in a separate call");
     TORCH_CHECK(grads[i].numel() == p.numel() && grads[i].is_contiguous() && grads[i].device() == p.device(), kOp,
                 ": grads[", i, "] must be contiguous with ", p.numel(), " elements on the device of params[", i,
                 "]");

@@ -33,12 +33,7 @@ void adamw_step_cuda_op(at::TensorList params, at::TensorList grads, at::TensorL
   adamw_args::check_all(params, grads, exp_avgs, exp_avg_sqs, masters, step_sizes, bc2_sqrts,
                         c10::DeviceType::CUDA);
   if (params.empty()) return;
-  const c10::Device device = params[0].device();
-  for (size_t i = 1; i < params.size(); ++i) {
-    TORCH_CHECK(params[i].device() == device, kOp, ": params[", i, "] is on ", params[i].device(), " but params[0] on ",
-                device, "; step each device's tensors in a separate call");
-  }
-  const c10::cuda::CUDAGuard guard(device);
+  const c10::cuda::CUDAGuard guard(params[0].device());
   std::map<std::pair<DType, DType>, Group> groups;
   for (size_t i = 0; i < params.size(); ++i) {
     Group& g = groups[{to_dtype(params[i], kOp), to_dtype(grads[i], kOp)}];

@@ -110,20 +110,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flce_chunk_loop(
   return {loss, gh, gw, gb};
 }
 
-// The checks flce_chunked makes on every device before the loop.
-inline void flce_check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
-                              const at::Tensor& row_scale, int64_t chunk_rows, const char* op) {
-  TORCH_CHECK(hidden.scalar_type() == weight.scalar_type(), op, ": hidden is ", hidden.scalar_type(),
-              " but weight is ", weight.scalar_type(), "; cast them to one dtype");
-  TORCH_CHECK(hidden.device() == weight.device() && labels.device() == hidden.device() &&
-                  row_scale.device() == hidden.device(),
-              op, ": hidden, weight, labels and row_scale must be on one device");
-  TORCH_CHECK(hidden.dim() == 2 && weight.dim() == 2 && hidden.size(1) == weight.size(1), op,
-              ": hidden (N, H) and weight (V, H) must share H; got ", hidden.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.numel() == hidden.size(0), op,
-              ": labels must be int64 with one entry per row of hidden (", hidden.size(0), ")");
-  TORCH_CHECK(row_scale.numel() == hidden.size(0), op, ": row_scale needs one value per row (", hidden.size(0), ")");
-  TORCH_CHECK(chunk_rows > 0, op, ": chunk_rows must be positive, got ", chunk_rows);
-}
-
 }  // namespace shardkit

@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "flce_chunk_loop.h"
+#include "fused_linear_cross_entropy_args.h"
 #include "fused_linear_cross_entropy_cpu.h"
 
 namespace shardkit {
@@ -18,8 +19,7 @@ namespace {
 // Runs the row pass; raises naming the row when a label is outside [0, V) and not ignore_index.
 void row_pass(at::Tensor& logits, const at::Tensor& labels, const float* scale, float* loss, int64_t row0,
               const FlceRowParams& p, const char* op) {
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1, op,
-              ": logits must be a 2-D float32 tensor with contiguous rows");
+  check_flce_logits(logits, op);
   TORCH_CHECK(labels.scalar_type() == at::kLong && labels.is_contiguous() && labels.numel() == logits.size(0), op,
               ": labels must be contiguous int64 with one entry per row (", logits.size(0), ")");
   const int64_t bad = flce_rows_cpu(logits.data_ptr<float>(), logits.size(0), logits.size(1), logits.stride(0),
@@ -31,16 +31,16 @@ void row_pass(at::Tensor& logits, const at::Tensor& labels, const float* scale, 
 at::Tensor flce_rows_(at::Tensor logits, const at::Tensor& labels, const std::optional<at::Tensor>& row_scale,
                       int64_t ignore_index, double label_smoothing, double softcap, bool write_grad) {
   constexpr const char* op = "shardkit_C::flce_rows_";
+  check_flce_rows_args(logits, labels, row_scale, op);
   at::Tensor loss = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
   const float* scale = nullptr;
   at::Tensor sc;
   if (row_scale.has_value()) {
     sc = row_scale->to(at::kFloat).contiguous();
-    TORCH_CHECK(sc.numel() == logits.size(0), op, ": row_scale needs one value per row (", logits.size(0), ")");
     scale = sc.data_ptr<float>();
   }
   const FlceRowParams p{ignore_index, static_cast<float>(label_smoothing), static_cast<float>(softcap), write_grad};
-  row_pass(logits, labels, scale, loss.data_ptr<float>(), 0, p, op);
+  row_pass(logits, labels.contiguous(), scale, loss.data_ptr<float>(), 0, p, op);
   return loss;
 }
 

@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "flce_chunk_loop.h"
+#include "fused_linear_cross_entropy_args.h"
 #include "fused_linear_cross_entropy_cuda.h"
 #include "shardkit/torch_cuda_utils.h"
 
@@ -25,8 +26,7 @@ void check_labels(const at::Tensor& labels, int64_t vocab, int64_t ignore_index,
 
 void rows_cuda(at::Tensor& z, const at::Tensor& labels, const float* scale, float* loss, int64_t ignore_index,
                double label_smoothing, double softcap, bool write_grad, const char* op) {
-  TORCH_CHECK(z.scalar_type() == at::kFloat && z.dim() == 2 && z.stride(1) == 1, op,
-              ": logits must be a 2-D float32 tensor with contiguous rows");
+  check_flce_logits(z, op);
   check_cuda(flce_rows_cuda(z.data_ptr<float>(), z.size(0), z.size(1), z.stride(0), labels.data_ptr<int64_t>(), scale,
                             loss, ignore_index, static_cast<float>(label_smoothing), static_cast<float>(softcap),
                             write_grad, current_stream(z)),
@@ -36,17 +36,13 @@ void rows_cuda(at::Tensor& z, const at::Tensor& labels, const float* scale, floa
 at::Tensor flce_rows_cuda_op(at::Tensor logits, const at::Tensor& labels, const std::optional<at::Tensor>& row_scale,
                              int64_t ignore_index, double label_smoothing, double softcap, bool write_grad) {
   constexpr const char* op = "shardkit_C::flce_rows_";
+  check_flce_rows_args(logits, labels, row_scale, op);
   const c10::cuda::CUDAGuard guard(logits.device());
-  TORCH_CHECK(labels.scalar_type() == at::kLong && labels.numel() == logits.size(0) &&
-                  labels.device() == logits.device(),
-              op, ": labels must be int64 on the logits' device with one entry per row (", logits.size(0), ")");
   const at::Tensor lab = labels.contiguous();
   check_labels(lab, logits.size(1), ignore_index, op);
   at::Tensor sc;
   if (row_scale.has_value()) {
     sc = row_scale->to(at::kFloat).contiguous();
-    TORCH_CHECK(sc.numel() == logits.size(0) && sc.device() == logits.device(), op,
-                ": row_scale needs one value per row (", logits.size(0), ") on the logits' device");
   }
   at::Tensor loss = at::empty({logits.size(0)}, logits.options().dtype(at::kFloat));
   rows_cuda(logits, lab, sc.defined() ? sc.data_ptr<float>() : nullptr, loss.data_ptr<float>(), ignore_index,

@@ -14,9 +14,8 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::Tensor& w, double eps,
                                                 double offset) {
-  check_same(x, w, "shardkit_C::rms_norm_fwd", "x", "weight");
   const int64_t n = w.numel();
-  const int64_t rows = rms_norm_rows(x, w, "shardkit_C::rms_norm_fwd");
+  const int64_t rows = check_rms_norm_args(x, w, nullptr, "shardkit_C::rms_norm_fwd");
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = w.contiguous();
   at::Tensor y = empty_output_like(xc);
@@ -31,16 +30,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x, const at::T
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
                                                 const at::Tensor& rstd, double offset) {
-  check_same(x, w, "shardkit_C::rms_norm_bwd", "x", "weight");
-  check_same(x, dy, "shardkit_C::rms_norm_bwd", "x", "grad_output");
   const int64_t n = w.numel();
-  const int64_t rows = rms_norm_rows(x, w, "shardkit_C::rms_norm_bwd");
+  const int64_t rows = check_rms_norm_args(x, w, &dy, "shardkit_C::rms_norm_bwd");
   const at::Tensor dyc = dy.contiguous();
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = w.contiguous();
   const at::Tensor rc = rstd.contiguous();
-  TORCH_CHECK(rc.numel() == rows && rc.scalar_type() == at::kFloat,
-              "shardkit_C::rms_norm_bwd: rstd must be float32 with one value per row (", rows, ")");
+  check_rms_norm_rstd(rc, rows, "shardkit_C::rms_norm_bwd");
   at::Tensor dx = empty_output_like(xc);
   at::Tensor dw = at::empty_like(wc);
   dispatch_float_types(xc, "shardkit_C::rms_norm_bwd", [&](auto tag) {

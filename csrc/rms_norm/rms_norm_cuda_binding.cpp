@@ -14,10 +14,9 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_fwd_cuda_op(const at::Tensor& x, const at::Tensor& w, double eps,
                                                         double offset) {
-  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "shardkit_C::rms_norm_fwd: x and weight dtypes differ");
+  const int64_t rows = check_rms_norm_args(x, w, nullptr, "shardkit_C::rms_norm_fwd");
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = w.numel();
-  const int64_t rows = rms_norm_rows(x, w, "shardkit_C::rms_norm_fwd");
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = w.contiguous();
   at::Tensor y = at::empty_like(xc);
@@ -31,17 +30,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_fwd_cuda_op(const at::Tensor& x, con
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cuda_op(const at::Tensor& dy, const at::Tensor& x,
                                                         const at::Tensor& w, const at::Tensor& rstd, double offset) {
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.scalar_type() == dy.scalar_type(),
-              "shardkit_C::rms_norm_bwd: grad, x and weight dtypes differ");
+  const int64_t rows = check_rms_norm_args(x, w, &dy, "shardkit_C::rms_norm_bwd");
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor dyc = dy.contiguous();
   const at::Tensor xc = x.contiguous();
   const at::Tensor wc = w.contiguous();
   const at::Tensor rc = rstd.contiguous();
   const int64_t n = w.numel();
-  const int64_t rows = rms_norm_rows(x, w, "shardkit_C::rms_norm_bwd");
-  TORCH_CHECK(rc.numel() == rows && rc.scalar_type() == at::kFloat,
-              "shardkit_C::rms_norm_bwd: rstd must be float32 with one value per row (", rows, ")");
+  check_rms_norm_rstd(rc, rows, "shardkit_C::rms_norm_bwd");
   at::Tensor dx = at::empty_like(xc);
   at::Tensor dw = at::empty_like(wc);
   const int blocks = rms_norm_bwd_blocks(rows, x.device().index());

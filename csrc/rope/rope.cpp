@@ -16,13 +16,7 @@ namespace {
 // contiguous int64 (B, T). The kernels read cos/sin row pos[b*T + t] unchecked, so every position must be a row of
 // the (rows, D) table; on CPU checking that is one pass over B*T ints next to B*H*T*D elements of work.
 at::Tensor positions_cpu(const at::Tensor& position_ids, int64_t B, int64_t T, int64_t rows) {
-  bool broadcasts = position_ids.dim() <= 2;
-  for (int64_t i = 0; broadcasts && i < position_ids.dim(); ++i) {
-    const int64_t n = position_ids.size(position_ids.dim() - 1 - i);
-    broadcasts = n == 1 || n == (i == 0 ? T : B);
-  }
-  TORCH_CHECK(broadcasts, "shardkit_C::rope: position_ids of shape ", position_ids.sizes(),
-              " do not broadcast to (B, T) = (", B, ", ", T, "); pass (T,), (1, T) or (B, T)");
+  check_rope_positions(position_ids, B, T);
   at::Tensor pos = position_ids.expand({B, T}).to(at::kLong).contiguous();
   const int64_t* p = pos.const_data_ptr<int64_t>();
   int64_t lo = 0, hi = 0;
@@ -40,19 +34,10 @@ at::Tensor positions_cpu(const at::Tensor& position_ids, int64_t B, int64_t T, i
 // cos/sin: (cs_batch, T, D), or (max_pos, D) with pos (int64 (B, T) from positions_cpu); float32 or x's dtype.
 at::Tensor rope_apply(const at::Tensor& x, const at::Tensor& c, const at::Tensor& s,
                       const std::optional<at::Tensor>& pos, bool backward) {
-  TORCH_CHECK(x.dim() == 4, "shardkit_C::rope: q/k must be (B, H, T, D), got ", x.sizes());
-  TORCH_CHECK(x.size(3) % 2 == 0, "shardkit_C::rope: head_dim ", x.size(3), " must be even");
+  const int64_t cs_batch = check_rope_apply_args(x, c, pos);
   const at::Tensor xc = x.stride(3) == 1 ? x : x.contiguous();
-  RopeShape shape{xc.size(0), xc.size(1), xc.size(2), xc.size(3), xc.stride(0), xc.stride(1), xc.stride(2), 1};
-  TORCH_CHECK(c.size(-1) == shape.D, "shardkit_C::rope: cos last dim ", c.size(-1), " != head_dim ", shape.D);
-  if (pos.has_value()) {
-    TORCH_CHECK(pos->sizes() == at::IntArrayRef({shape.B, shape.T}), "shardkit_C::rope: q/k ", x.sizes(),
-                " do not match position_ids (B, T) = ", pos->sizes());
-  } else {
-    TORCH_CHECK(c.dim() == 3 && c.size(1) == shape.T && (c.size(0) == 1 || c.size(0) == shape.B),
-                "shardkit_C::rope: cos must be (1 or B, T, D) without position_ids, got ", c.sizes());
-    shape.cs_batch = c.size(0);
-  }
+  const RopeShape shape{xc.size(0),   xc.size(1),   xc.size(2),   xc.size(3),
+                        xc.stride(0), xc.stride(1), xc.stride(2), cs_batch};
   const int64_t* pos_ptr = pos.has_value() ? pos->const_data_ptr<int64_t>() : nullptr;
   at::Tensor y = empty_output({shape.B, shape.H, shape.T, shape.D}, xc.options());
   dispatch_float_types(xc, "shardkit_C::rope", [&](auto tag) {

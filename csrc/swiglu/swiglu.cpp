@@ -4,14 +4,14 @@
 #include <tuple>
 
 #include "shardkit/torch_utils.h"
+#include "swiglu_args.h"
 #include "swiglu_cpu.h"
 
 namespace shardkit {
 namespace {
 
 at::Tensor swiglu_fwd(const at::Tensor& gate, const at::Tensor& up) {
-  check_same(gate, up, "shardkit_C::swiglu_fwd", "gate", "up");
-  TORCH_CHECK(gate.sizes() == up.sizes(), "shardkit_C::swiglu_fwd: gate ", gate.sizes(), " != up ", up.sizes());
+  check_swiglu_args(gate, up, nullptr, "shardkit_C::swiglu_fwd");
   const at::Tensor g = gate.contiguous();
   const at::Tensor u = up.contiguous();
   at::Tensor y = empty_output_like(g);
@@ -24,8 +24,7 @@ at::Tensor swiglu_fwd(const at::Tensor& gate, const at::Tensor& up) {
 
 std::tuple<at::Tensor, at::Tensor> swiglu_bwd(const at::Tensor& grad, const at::Tensor& gate,
                                               const at::Tensor& up) {
-  check_same(gate, up, "shardkit_C::swiglu_bwd", "gate", "up");
-  check_same(gate, grad, "shardkit_C::swiglu_bwd", "gate", "grad_output");
+  check_swiglu_args(gate, up, &grad, "shardkit_C::swiglu_bwd");
   const at::Tensor d = grad.contiguous();
   const at::Tensor g = gate.contiguous();
   const at::Tensor u = up.contiguous();

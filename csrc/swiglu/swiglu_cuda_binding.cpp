@@ -5,14 +5,14 @@
 #include <tuple>
 
 #include "shardkit/torch_cuda_utils.h"
+#include "swiglu_args.h"
 #include "swiglu_cuda.h"
 
 namespace shardkit {
 namespace {
 
 at::Tensor swiglu_fwd_cuda_op(const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(),
-              "shardkit_C::swiglu_fwd: gate and up must have one shape and dtype");
+  check_swiglu_args(gate, up, nullptr, "shardkit_C::swiglu_fwd");
   const c10::cuda::CUDAGuard guard(gate.device());
   const at::Tensor g = gate.contiguous();
   const at::Tensor u = up.contiguous();
@@ -25,9 +25,7 @@ at::Tensor swiglu_fwd_cuda_op(const at::Tensor& gate, const at::Tensor& up) {
 
 std::tuple<at::Tensor, at::Tensor> swiglu_bwd_cuda_op(const at::Tensor& grad, const at::Tensor& gate,
                                                       const at::Tensor& up) {
-  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type() &&
-                  grad.scalar_type() == gate.scalar_type(),
-              "shardkit_C::swiglu_bwd: grad, gate and up must have one shape and dtype");
+  check_swiglu_args(gate, up, &grad, "shardkit_C::swiglu_bwd");
   const c10::cuda::CUDAGuard guard(gate.device());
   const at::Tensor d = grad.contiguous();
   const at::Tensor g = gate.contiguous();

@@ -1,6 +1,7 @@
 """One builder for the C++/CUDA extension ``shardkit_C``: JIT on first use and ahead of time in setup.py.
 
-Every ``csrc/<op>/<op>.cpp`` is one source of ONE shared library that registers its raw kernels in the
+The folders compiled are the ones the registered ops name (``OpSpec.csrc``, see ``shardkit.ops.registry``);
+every ``csrc/<op>/<op>.cpp`` is one source of ONE shared library that registers its raw kernels in the
 torch op namespace ``shardkit_C`` (``TORCH_LIBRARY_FRAGMENT``). The library has no Python module init:
 it is loaded with ``torch.ops.load_library`` and used through ``torch.ops.shardkit_C.<kernel>``.
 
@@ -21,6 +22,7 @@ import shutil
 import sys
 import time
 import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -49,17 +51,27 @@ def _rank() -> int:
     return 0
 
 
+def _registered_op_dirs() -> list[str]:
+    from .registry import native_source_dirs  # lazily: the registry imports every op, which import this module
+
+    return native_source_dirs()
+
+
 class ExtensionBuilder:
     """Builds, caches and loads the ``shardkit_C`` library (see the module docstring).
 
     Args:
         csrc: the folder holding ``<op>/<op>.cpp`` sources and ``include/``.
         name: the library name (also the torch op namespace of the raw kernels).
+        op_dirs: returns the ``csrc/`` folders to compile (for :data:`BUILDER`: the registered ops'); None
+            compiles every folder but ``include/`` and ``tests/``.
     """
 
-    def __init__(self, csrc: Path = _CSRC, name: str = _NAME) -> None:
+    def __init__(self, csrc: Path = _CSRC, name: str = _NAME,
+                 op_dirs: Callable[[], Iterable[str]] | None = None) -> None:
         self.csrc = Path(csrc)
         self.name = name
+        self._op_dirs = op_dirs
         self._loaded: str | None = None
         self._failure: str | None = None
 
@@ -71,13 +83,23 @@ class ExtensionBuilder:
 
         return bool(torch.version.cuda) and CUDA_HOME is not None
 
+    def op_dirs(self) -> list[Path]:
+        """The op folders compiled, sorted. Raises FileNotFoundError for a registered folder that does not exist."""
+        if self._op_dirs is None:
+            return sorted(p for p in self.csrc.iterdir() if p.is_dir() and p.name not in ("include", "tests"))
+        dirs = sorted(self.csrc / name for name in self._op_dirs())
+        missing = [str(d) for d in dirs if not d.is_dir()]
+        if missing:
+            raise FileNotFoundError(f"registered ops name C++ source folders that do not exist: {missing}; fix the "
+                                    "op's OpSpec(csrc=...) or add the folder")
+        return dirs
+
     def sources(self, cuda: bool | None = None) -> list[str]:
-        """``csrc/*/*.cpp`` (CPU kernels + bindings), plus ``*.cu`` and ``*_cuda_binding.cpp`` with CUDA."""
+        """``<op>/*.cpp`` (CPU kernels + bindings), plus ``*.cu`` and ``*_cuda_binding.cpp`` with CUDA."""
         cuda = self.with_cuda() if cuda is None else cuda
+        dirs = self.op_dirs() if self.csrc.is_dir() else []
         found = []
-        for path in sorted(self.csrc.glob("*/*.cpp")) + sorted(self.csrc.glob("*/*.cu")):
-            if path.parent.name == "tests":
-                continue
+        for path in sorted(p for d in dirs for p in d.glob("*.cpp")) + sorted(p for d in dirs for p in d.glob("*.cu")):
             is_cuda = path.suffix == ".cu" or path.stem.endswith("_cuda_binding")
             if is_cuda and not cuda:
                 continue
@@ -215,6 +237,10 @@ class ExtensionBuilder:
         from torch.utils.cpp_extension import load
 
         sources = self.sources()
+        # NOTE: torch's own build baton (build_dir/lock) stays behind when a build is killed mid-compile (a test's
+        # timeout did it on 2026-11-23), and every later build then polls for it to go, forever. Every shardkit
+        # build takes .lock first, so a baton seen here belongs to a dead process.
+        (build_dir / "lock").unlink(missing_ok=True)
         if verbose_rank and not marker.exists():
             _log.warning("shardkit: building C++ ops (first use, ~%d s)...", _SECONDS_PER_SOURCE * len(sources))
         verbose = verbose_rank and os.environ.get("SHARDKIT_BUILD_VERBOSE") == "1"
@@ -246,7 +272,9 @@ class ExtensionBuilder:
         return CppExtension("shardkit.ops._C", sources, **kwargs)
 
 
-BUILDER = ExtensionBuilder()
+# NOTE: loaded by path (setup.py, scripts/check_cuda_link.py) this file has no package, hence no registry: those
+# build every folder of csrc/ (tests/kernels/test_builder.py checks that the folders are exactly the registered ones).
+BUILDER = ExtensionBuilder(op_dirs=_registered_op_dirs if __package__ else None)
 
 if __name__ == "__main__":  # `python -m shardkit.ops._builder` builds (or explains why not) and exits
     logging.basicConfig(level=logging.INFO)

@@ -20,6 +20,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from shardkit.suggest import did_you_mean
+
 from ._builder import BUILDER
 
 __all__ = [
@@ -39,7 +41,8 @@ _forced: list[str] = []
 
 def _check(name: str, source: str) -> str:
     if name not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {name!r} from {source}; choose one of {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown kernel backend {name!r} from {source}{did_you_mean(name, BACKENDS)}; choose one of "
+                         f"{', '.join(BACKENDS)}")
     return name
 
 
@@ -126,14 +129,16 @@ def available_backends(device: torch.device | str, kernel: str | None = None) ->
     return tuple(found)
 
 
-def select_backend(kernel: str, device: torch.device | str, supported: Sequence[str] = BACKENDS) -> str:
-    """Pick the backend for one call.
+def select_backend(kernel: str, device: torch.device | str, supported: Sequence[str] = BACKENDS,
+                   op: str | None = None) -> str:
+    """Pick the backend for one call (ops call it through ``OpSpec.select``, which passes their table).
 
     Args:
         kernel: the raw ``shardkit_C`` kernel the call would use (e.g. ``"rms_norm_fwd"``); checked for the
             cpp/cuda backends, and named in errors.
         device: the device of the op's tensors.
         supported: the backends this op implements.
+        op: the op's name, for errors.
 
     Returns:
         One of :data:`BACKENDS`.
@@ -148,8 +153,10 @@ def select_backend(kernel: str, device: torch.device | str, supported: Sequence[
             hint = {"triton": "set TRITON_INTERPRET=1 before importing shardkit.kernels to run Triton on CPU",
                     "cpp": "the C++ CPU kernels need CPU tensors and a working build (see the warning above)",
                     "cuda": "the CUDA kernels need CUDA tensors and a CUDA build of torch"}.get(forced, "")
-            raise RuntimeError(f"kernel backend {forced!r} forced (SHARDKIT_KERNEL_BACKEND or force_backend) cannot "
-                               f"run {kernel} on {device_type} tensors: {hint}; unset it or pick another")
+            who = f"op {op!r}: " if op else ""
+            raise RuntimeError(f"{who}kernel backend {forced!r} forced (SHARDKIT_KERNEL_BACKEND or force_backend) "
+                               f"cannot run {kernel} on {device_type} tensors: {hint}; unset it or pick another of "
+                               f"{', '.join(supported)}")
         return forced
     for backend in _ORDER.get(device_type, ("reference",)):
         if backend in supported and _runnable(backend, device_type, kernel):

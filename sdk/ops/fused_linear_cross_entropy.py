@@ -33,9 +33,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ._dispatch import select_backend
+from .registry import OpSpec, native, register
 
 __all__ = [
+    "SPEC",
     "chunk_rows_for",
     "flce_benchmark_case",
     "flce_compute_dtype",
@@ -44,7 +45,6 @@ __all__ = [
     "linear_cross_entropy_reference",
 ]
 
-_SUPPORTED = ("reference", "cpp", "triton", "cuda")
 _REDUCTIONS = ("mean", "sum", "none")
 _HALF = (torch.float16, torch.bfloat16)
 # NOTE: budget for one chunk's logits. At V=128256 (Llama 3) a row is 501 KiB in fp32, so 256 MiB gives
@@ -149,6 +149,17 @@ def _rows_triton(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_index: int
     return tk.flce_rows_(z, labels, row_scale, ignore_index, label_smoothing, softcap, write_grad)
 
 
+def _loop_with(rows_fn: RowsFn) -> Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]:
+    """The Python chunk loop with ``rows_fn`` as its row pass, in the signature of ``shardkit_C::flce_chunked``."""
+    def loop(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, row_scale: Tensor,
+             ignore_index: int, label_smoothing: float, softcap: float, chunk_rows: int, need_hidden: bool,
+             need_weight: bool, need_bias: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return _chunked(hidden, weight, labels, bias, row_scale, ignore_index, label_smoothing, softcap, chunk_rows,
+                        (need_hidden, need_weight, need_bias), rows_fn)
+
+    return loop
+
+
 def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, row_scale: Tensor,
              ignore_index: int, label_smoothing: float, softcap: float, chunk_rows: int,
              need: tuple[bool, bool, bool], rows_fn: RowsFn) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -211,8 +222,7 @@ def _run(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, ro
     labels = labels.contiguous()
     # NOTE: the native kernels take fp32 logits from one storage dtype; float64 (the test oracle) goes through
     # the reference loop
-    backend = "reference" if compute_dtype == torch.float64 else \
-        select_backend("flce_chunked", hidden.device, _SUPPORTED)
+    backend = "reference" if compute_dtype == torch.float64 else SPEC.select("flce_chunked", hidden.device)
     # NOTE: checked here for every backend, though the C++ ops check too (for direct callers): on an H100 machine
     # (torch 2.11+cu130) the CUDA binding's TORCH_CHECK segfaulted formatting its message (in libstdc++'s ostream,
     # seen under cuda-gdb), so a bad label must never reach it from Python. One host sync per call on GPU.
@@ -222,12 +232,8 @@ def _run(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, ro
         chunk_rows = chunk_rows_for(hidden.shape[0], weight.shape[0], compute_dtype)
     # the dtypes above are final: autocast (on around the op when the caller runs under it) must not recast them
     with torch.autocast(hidden.device.type, enabled=False):
-        if backend in ("cpp", "cuda"):  # one op, a CPU and a CUDA kernel: the chunk loop runs in C++
-            return torch.ops.shardkit_C.flce_chunked(hidden, weight, labels, bias, row_scale, ignore_index,
-                                                     label_smoothing, softcap, chunk_rows, *need)
-        rows_fn = {"reference": flce_rows_reference, "triton": _rows_triton}[backend]
-        return _chunked(hidden, weight, labels, bias, row_scale, ignore_index, label_smoothing, softcap, chunk_rows,
-                        need, rows_fn)
+        return SPEC.call("flce_chunked", backend, hidden, weight, labels, bias, row_scale, ignore_index,
+                         label_smoothing, softcap, chunk_rows, *need)
 
 
 def _reduce(loss_rows: Tensor, valid: Tensor, reduction: str) -> Tensor:
@@ -448,3 +454,21 @@ def flce_benchmark_case(n: int, hidden_size: int, vocab: int, dtype: torch.dtype
         return run
 
     return {"fused": step(fused_linear_cross_entropy), "naive": step(linear_cross_entropy_reference)}
+
+
+def _example(device: str, dtype: torch.dtype, size: str) -> tuple:
+    n, h, v = (4096, 2048, 8192) if size == "bench" else (7, 16, 37)
+    gen = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(n, h, generator=gen) * 0.5).to(device, dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=gen) / h**0.5).to(device, dtype).requires_grad_()
+    return hidden, weight, torch.randint(0, v, (n,), generator=gen).to(device)
+
+
+SPEC = register(OpSpec(
+    name="fused_linear_cross_entropy", function=fused_linear_cross_entropy, reference=linear_cross_entropy_reference,
+    csrc="fused_linear_cross_entropy",
+    # cpp/cuda run the whole chunk loop in C++ (matmuls through MKL/cuBLAS); the others run it here around their
+    # row pass
+    kernels={"flce_chunked": {"reference": _loop_with(flce_rows_reference), "triton": _loop_with(_rows_triton),
+                              **native("flce_chunked")}},
+    triton_checks="shardkit.kernels.fused_linear_cross_entropy:compile_checks", example=_example))

@@ -7,14 +7,14 @@ row) is saved for backward.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from ._dispatch import select_backend
+from .registry import OpSpec, native, register
 
-__all__ = ["rms_norm", "rms_norm_reference"]
-
-_SUPPORTED = ("reference", "cpp", "triton", "cuda")
+__all__ = ["SPEC", "rms_norm", "rms_norm_reference"]
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0) -> Tensor:
@@ -41,26 +41,23 @@ def _reference_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, offset: 
     return dx.to(x.dtype).contiguous(), dw.to(weight.dtype)
 
 
+def _rows(t: Tensor) -> Tensor:
+    """``t`` as contiguous (rows, n) rows of its last dim: the layout every backend of the table takes."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1]).contiguous()
+
+
 def _backend(x: Tensor, weight: Tensor, kernel: str) -> str:
     # NOTE: the native kernels take one storage dtype; mixed x/weight dtypes (fp32 weight, bf16 activations)
     # and float64 go through the reference, which upcasts.
     if x.dtype != weight.dtype or x.dtype == torch.float64:
         return "reference"
-    return select_backend(kernel, x.device, _SUPPORTED)
+    return SPEC.select(kernel, x.device)
 
 
 @torch.library.custom_op("shardkit::rms_norm", mutates_args=())
 def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, offset: float) -> tuple[Tensor, Tensor]:
     backend = _backend(x, weight, "rms_norm_fwd")
-    if backend == "reference":
-        return _reference_fwd(x, weight, eps, offset)
-    x2 = x.reshape(-1, x.shape[-1])
-    if backend == "triton":
-        from shardkit.kernels import rms_norm as tk
-
-        y, rstd = tk.rms_norm_fwd(x2.contiguous(), weight.contiguous(), eps, offset)
-    else:  # cpp and cuda: the same shardkit_C op, the dispatcher picks the device kernel
-        y, rstd = torch.ops.shardkit_C.rms_norm_fwd(x2, weight, eps, offset)
+    y, rstd = SPEC.call("rms_norm_fwd", backend, _rows(x), weight.contiguous(), eps, offset)
     return y.view(x.shape), rstd.view(x.shape[:-1])
 
 
@@ -72,16 +69,8 @@ def _(x: Tensor, weight: Tensor, eps: float, offset: float) -> tuple[Tensor, Ten
 @torch.library.custom_op("shardkit::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, offset: float) -> tuple[Tensor, Tensor]:
     backend = _backend(x, weight, "rms_norm_bwd")
-    if backend == "reference":
-        return _reference_bwd(dy, x, weight, rstd, offset)
-    n = x.shape[-1]
-    dy2, x2, r = dy.reshape(-1, n).contiguous(), x.reshape(-1, n).contiguous(), rstd.reshape(-1).contiguous()
-    if backend == "triton":
-        from shardkit.kernels import rms_norm as tk
-
-        dx, dw = tk.rms_norm_bwd(dy2, x2, weight.contiguous(), r, offset)
-    else:
-        dx, dw = torch.ops.shardkit_C.rms_norm_bwd(dy2, x2, weight, r, offset)
+    dx, dw = SPEC.call("rms_norm_bwd", backend, _rows(dy), _rows(x), weight.contiguous(), rstd.reshape(-1).contiguous(),
+                       offset)
     return dx.view(x.shape), dw
 
 
@@ -124,3 +113,20 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0) 
         raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} does not match x of shape {tuple(x.shape)}; "
                          "the weight needs one entry per feature of x's last dim")
     return _rms_norm_op(x, weight, float(eps), float(offset))[0]
+
+
+def _example(device: str, dtype: torch.dtype, size: str) -> tuple:
+    rows, n = (4096, 4096) if size == "bench" else (5, 123)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, n, generator=gen).to(device, dtype).requires_grad_()
+    w = torch.randn(n, generator=gen).to(device, dtype).requires_grad_()
+    return x, w
+
+
+SPEC = register(OpSpec(
+    name="rms_norm", function=rms_norm, reference=rms_norm_reference, csrc="rms_norm",
+    kernels={"rms_norm_fwd": {"reference": _reference_fwd, "triton": "shardkit.kernels.rms_norm:rms_norm_fwd",
+                              **native("rms_norm_fwd")},
+             "rms_norm_bwd": {"reference": _reference_bwd, "triton": "shardkit.kernels.rms_norm:rms_norm_bwd",
+                              **native("rms_norm_bwd")}},
+    triton_checks="shardkit.kernels.rms_norm:compile_checks", example=_example))

@@ -12,11 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._dispatch import select_backend
+from .registry import OpSpec, native, register
 
-__all__ = ["rope", "rope_reference"]
-
-_SUPPORTED = ("reference", "cpp", "triton", "cuda")
+__all__ = ["SPEC", "rope", "rope_reference"]
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -108,20 +106,19 @@ def _reference_apply(x: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor |
     return (xf * c + torch.cat((v2, -v1), dim=-1)).to(x.dtype).contiguous()
 
 
+def _reference_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None,
+                    backward: bool) -> tuple[Tensor, Tensor]:
+    return (_reference_apply(q, cos, sin, position_ids, backward),
+            _reference_apply(k, cos, sin, position_ids, backward))
+
+
 def _apply(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None,
            backward: bool) -> tuple[Tensor, Tensor]:
-    native = q.dtype == k.dtype and q.dtype != torch.float64 and cos.dtype in (torch.float32, q.dtype)
-    backend = select_backend("rope_fwd", q.device, _SUPPORTED) if native else "reference"
-    if backend == "reference":
-        return (_reference_apply(q, cos, sin, position_ids, backward),
-                _reference_apply(k, cos, sin, position_ids, backward))
-    if position_ids is not None:  # the native kernels read int64 (B, T) rows: one copy of B*T ints for q and k
+    fits = q.dtype == k.dtype and q.dtype != torch.float64 and cos.dtype in (torch.float32, q.dtype)
+    backend = SPEC.select("rope_fwd", q.device) if fits else "reference"
+    if position_ids is not None:  # the kernels read int64 (B, T) rows: one copy of B*T ints for q and k
         position_ids = _broadcast_positions(position_ids, q.shape[0], q.shape[2]).to(torch.int64).contiguous()
-    if backend == "triton":
-        from shardkit.kernels import rope as tk
-
-        return tk.rope_apply(q, k, cos, sin, position_ids, backward)
-    return torch.ops.shardkit_C.rope_fwd(q, k, cos, sin, position_ids, backward)
+    return SPEC.call("rope_fwd", backend, q, k, cos, sin, position_ids, backward)
 
 
 @torch.library.custom_op("shardkit::rope", mutates_args=())
@@ -191,3 +188,20 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
                              f"max_position={T}))")
         cos, sin = cos[:T].unsqueeze(0), sin[:T].unsqueeze(0)
     return _rope_op(q, k, cos, sin, position_ids)
+
+
+def _example(device: str, dtype: torch.dtype, size: str) -> tuple:
+    b, h, t, d = (4, 32, 1024, 128) if size == "bench" else (2, 3, 5, 8)
+    ang = torch.arange(t, dtype=torch.float32)[:, None] * (1e-4 ** (torch.arange(d // 2) / (d // 2)))[None]
+    emb = torch.cat((ang, ang), -1)[None].to(device)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(b, h, t, d, generator=gen).to(device, dtype).requires_grad_() for _ in range(2))
+    return q, k, emb.cos(), emb.sin()
+
+
+SPEC = register(OpSpec(
+    name="rope", function=rope, reference=rope_reference, csrc="rope",
+    # backward=True applies the transpose of the rotation: one kernel serves both directions
+    kernels={"rope_fwd": {"reference": _reference_rope, "triton": "shardkit.kernels.rope:rope_apply",
+                          **native("rope_fwd")}},
+    triton_checks="shardkit.kernels.rope:compile_checks", example=_example))

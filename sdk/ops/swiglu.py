@@ -11,11 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._dispatch import select_backend
+from .registry import OpSpec, native, register
 
-__all__ = ["swiglu", "swiglu_reference"]
-
-_SUPPORTED = ("reference", "cpp", "triton", "cuda")
+__all__ = ["SPEC", "swiglu", "swiglu_reference"]
 
 
 def swiglu_reference(gate: Tensor, up: Tensor) -> Tensor:
@@ -32,22 +30,40 @@ def _reference_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor
     return dg.to(gate.dtype), (d * g * sig).to(up.dtype)
 
 
+def _reference_fwd(gate: Tensor, up: Tensor) -> Tensor:
+    return swiglu_reference(gate, up).contiguous()
+
+
+def _reference_bwd_contiguous(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    dg, du = _reference_bwd(dy, gate, up)
+    return dg.contiguous(), du.contiguous()
+
+
+def _triton_fwd(gate: Tensor, up: Tensor) -> Tensor:
+    from shardkit.kernels import swiglu as tk
+
+    return tk.swiglu_fwd(gate.contiguous(), up.contiguous())
+
+
+def _triton_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    from shardkit.kernels import swiglu as tk
+
+    return tk.swiglu_bwd(dy.contiguous(), gate.contiguous(), up.contiguous())
+
+
+def _native_bwd(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.ops.shardkit_C.swiglu_bwd(dy.to(gate.dtype), gate, up)  # the kernel takes one dtype
+
+
 def _backend(gate: Tensor, up: Tensor, kernel: str) -> str:
     if gate.dtype != up.dtype or gate.dtype == torch.float64 or gate.shape != up.shape:
         return "reference"
-    return select_backend(kernel, gate.device, _SUPPORTED)
+    return SPEC.select(kernel, gate.device)
 
 
 @torch.library.custom_op("shardkit::swiglu", mutates_args=())
 def _swiglu_op(gate: Tensor, up: Tensor) -> Tensor:
-    backend = _backend(gate, up, "swiglu_fwd")
-    if backend == "reference":
-        return swiglu_reference(gate, up).contiguous()
-    if backend == "triton":
-        from shardkit.kernels import swiglu as tk
-
-        return tk.swiglu_fwd(gate.contiguous(), up.contiguous())
-    return torch.ops.shardkit_C.swiglu_fwd(gate, up)
+    return SPEC.call("swiglu_fwd", _backend(gate, up, "swiglu_fwd"), gate, up)
 
 
 @_swiglu_op.register_fake
@@ -57,15 +73,7 @@ def _(gate: Tensor, up: Tensor) -> Tensor:
 
 @torch.library.custom_op("shardkit::swiglu_backward", mutates_args=())
 def _swiglu_backward_op(dy: Tensor, gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:
-    backend = _backend(gate, up, "swiglu_bwd")
-    if backend == "reference":
-        dg, du = _reference_bwd(dy, gate, up)
-        return dg.contiguous(), du.contiguous()
-    if backend == "triton":
-        from shardkit.kernels import swiglu as tk
-
-        return tk.swiglu_bwd(dy.contiguous(), gate.contiguous(), up.contiguous())
-    return torch.ops.shardkit_C.swiglu_bwd(dy.to(gate.dtype), gate, up)
+    return SPEC.call("swiglu_bwd", _backend(gate, up, "swiglu_bwd"), dy, gate, up)
 
 
 @_swiglu_backward_op.register_fake
@@ -102,3 +110,17 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
         Tensor like ``gate``.
     """
     return _swiglu_op(gate, up)
+
+
+def _example(device: str, dtype: torch.dtype, size: str) -> tuple:
+    m, f = (4096, 11008) if size == "bench" else (5, 123)
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(m, f, generator=gen).to(device, dtype).requires_grad_() for _ in range(2))
+
+
+SPEC = register(OpSpec(
+    name="swiglu", function=swiglu, reference=swiglu_reference, csrc="swiglu",
+    kernels={"swiglu_fwd": {"reference": _reference_fwd, "triton": _triton_fwd, **native("swiglu_fwd")},
+             "swiglu_bwd": {"reference": _reference_bwd_contiguous, "triton": _triton_bwd,
+                            "cpp": _native_bwd, "cuda": _native_bwd}},
+    triton_checks="shardkit.kernels.swiglu:compile_checks", example=_example))

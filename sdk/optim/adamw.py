@@ -1,14 +1,7 @@
 """FusedAdamW: AdamW with one fused pass per tensor, fp32 states and fp32 master weights for 16-bit params.
 
-Backends (``shardkit.ops.select_backend``): ``cpp`` on CPU (``shardkit_C::adamw_step_``: OpenMP over 64 Ki-element
-chunks of every tensor at once, 28 bytes/param in fp32: the optimizer of ZeRO CPU/NVMe offload), ``cuda`` on GPU
-(the same op's CUDA kernel: multi-tensor launches of up to 24 tensors), ``triton`` on GPU (``shardkit.kernels.adamw``)
-when the extension has no CUDA kernel, and ``reference`` (torch._foreach ops) everywhere else. The update is the
-one of torch.optim.AdamW, in the same operation order:
-
-    p = p * (1 - lr * weight_decay)
-    m = lerp(m, g, 1 - beta1);   v = v * beta2 + (1 - beta2) * g^2
-    p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+The step itself is the fused op ``shardkit.ops.adamw.adamw_step`` (its backends and the update it computes are
+described there); this module keeps the optimizer: param groups, state, master weights and batching per device.
 """
 
 from __future__ import annotations
@@ -22,43 +15,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from shardkit.ops._dispatch import select_backend
+from shardkit.ops.adamw import adamw_step, adamw_step_reference
 
 __all__ = ["FusedAdamW", "adamw_step_reference"]
 
-_SUPPORTED = ("reference", "cpp", "cuda", "triton")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _FP32_STATE = ("exp_avg", "exp_avg_sq", "master_param")
-
-
-def adamw_step_reference(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
-                         exp_avg_sqs: list[Tensor], masters: list[Tensor], step_sizes: list[float],
-                         bc2_sqrts: list[float], lr: float, beta1: float, beta2: float, eps: float,
-                         weight_decay: float, maximize: bool) -> None:
-    """AdamW step with torch._foreach ops; same contract as ``torch.ops.shardkit_C.adamw_step_`` (in place).
-
-    ``masters`` is empty (params are updated directly, in fp32 if they are 16-bit) or one fp32 copy per param.
-    """
-    g32 = [g.float() for g in grads]
-    if maximize:
-        g32 = torch._foreach_neg(g32)
-    work = masters if masters else [p if p.dtype == torch.float32 else p.float() for p in params]
-    torch._foreach_mul_(work, 1.0 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs, g32, 1.0 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, g32, g32, 1.0 - beta2)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bc2_sqrts)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(work, exp_avgs, denom, [-s for s in step_sizes])
-    for p, w in zip(params, work):
-        if w is not p:
-            p.copy_(w)  # round the fp32 result back to the param dtype
-
-
-def _native_ok(params: list[Tensor], grads: list[Tensor]) -> bool:
-    ok_dtypes = (torch.float32,) + _LOW_PRECISION
-    return all(p.is_contiguous() and p.dtype in ok_dtypes and g.dtype in ok_dtypes for p, g in zip(params, grads))
 
 
 class FusedAdamW(Optimizer):
@@ -115,18 +77,6 @@ class FusedAdamW(Optimizer):
             state["master_param"] = p.detach().to(torch.float32, copy=True).contiguous()
         return state
 
-    def _apply(self, device: torch.device, args: tuple, hyper: tuple) -> None:
-        params, grads = args[0], args[1]
-        backend = select_backend("adamw_step_", device, _SUPPORTED) if _native_ok(params, grads) else "reference"
-        if backend in ("cpp", "cuda"):  # one op, a CPU and a CUDA kernel
-            torch.ops.shardkit_C.adamw_step_(*args, *hyper)
-        elif backend == "triton":
-            from shardkit.kernels import adamw as tk
-
-            tk.adamw_step_(*args, *hyper)
-        else:
-            adamw_step_reference(*args, *hyper)
-
     @override
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -159,8 +109,8 @@ class FusedAdamW(Optimizer):
                 lists[5].append(lr / (1.0 - beta1**step))
                 lists[6].append(math.sqrt(1.0 - beta2**step))
             hyper = (lr, beta1, beta2, group["eps"], group["weight_decay"], group["maximize"])
-            for (device, _), lists in batches.items():
-                self._apply(device, lists, hyper)
+            for lists in batches.values():
+                adamw_step(*lists, *hyper)
         return loss
 
     @override

@@ -15,6 +15,7 @@ import torch._inductor.config  # noqa: F401 - reads $CXX at import: import it be
 
 from shardkit.ops import _dispatch, force_backend, rms_norm, rms_norm_reference, select_backend
 from shardkit.ops._builder import BUILDER, ExtensionBuilder, ExtensionUnavailable
+from shardkit.ops.registry import registered_ops
 
 
 def _collect(builder: ExtensionBuilder, calls: int = 3) -> list[warnings.WarningMessage]:
@@ -67,19 +68,45 @@ def test_env_override_and_validation(monkeypatch):
     monkeypatch.setenv("SHARDKIT_KERNEL_BACKEND", "fastest")
     with pytest.raises(ValueError, match="reference, cpp, triton, cuda"):
         select_backend("rms_norm_fwd", "cpu")
+    monkeypatch.setenv("SHARDKIT_KERNEL_BACKEND", "trition")
+    with pytest.raises(ValueError, match="did you mean 'triton'"):
+        select_backend("rms_norm_fwd", "cpu")
 
 
 def test_forced_backend_that_cannot_run_raises():
     with force_backend("cuda"), pytest.raises(RuntimeError, match="CUDA tensors"):
+        rms_norm(torch.randn(2, 8), torch.randn(8))
+    with force_backend("cuda"), pytest.raises(RuntimeError, match="op 'rms_norm': kernel backend 'cuda'"):
         rms_norm(torch.randn(2, 8), torch.randn(8))
 
 
 def test_default_cpu_backend_is_cpp_when_built():
     if not BUILDER.available():
         pytest.skip("C++ build unavailable here (see the warning)")
-    for kernel in ("rms_norm_fwd", "rms_norm_bwd", "rope_fwd", "swiglu_fwd", "swiglu_bwd"):
+    kernels = [k for spec in registered_ops() for k in spec.native_kernels]
+    assert {"rms_norm_fwd", "rms_norm_bwd", "rope_fwd", "swiglu_fwd", "swiglu_bwd"} <= set(kernels)
+    for kernel in kernels:
         assert select_backend(kernel, "cpu") == "cpp", kernel
     assert select_backend("no_such_kernel", "cpu") == "reference"
+
+
+def test_builder_compiles_exactly_the_registered_ops_folders():
+    """BUILDER's sources are the csrc/ folders the OpSpecs name; every op folder on disk has a spec (setup.py and
+    scripts/check_cuda_link.py load the builder by path, without the registry, and build every folder)."""
+    repo = Path(__file__).resolve().parents[2]
+    registered = sorted(spec.csrc for spec in registered_ops() if spec.csrc)
+    on_disk = sorted(p.name for p in (repo / "csrc").iterdir() if p.is_dir() and p.name not in ("include", "tests"))
+    assert registered == on_disk
+    assert [p.name for p in BUILDER.op_dirs()] == registered
+    assert BUILDER.sources(cuda=False) == ExtensionBuilder().sources(cuda=False)
+    assert {Path(s).parent.name for s in BUILDER.sources(cuda=False)} == set(registered)
+
+
+def test_builder_names_a_registered_folder_that_does_not_exist(tmp_path):
+    (tmp_path / "include").mkdir()
+    builder = ExtensionBuilder(csrc=tmp_path, op_dirs=lambda: ["no_such_op"])
+    with pytest.raises(FileNotFoundError, match="no_such_op.*OpSpec"):
+        builder.sources(cuda=False)
 
 
 def test_non_zero_rank_reuses_rank0_failure_marker(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@
 #endif
 
 #include "shardkit/cpu_common.h"
+#include "shardkit/torch_checks.h"  // check_same
 
 namespace shardkit {
 
@@ -44,13 +45,6 @@ void dispatch_float_types(const at::Tensor& t, const char* op, Fn&& fn) {
 template <typename T>
 T* ptr(const at::Tensor& t) {
   return reinterpret_cast<T*>(t.data_ptr());
-}
-
-inline void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const char* a_name,
-                       const char* b_name) {
-  TORCH_CHECK(a.scalar_type() == b.scalar_type(), op, ": ", a_name, " is ", a.scalar_type(), " but ", b_name,
-              " is ", b.scalar_type(), "; cast them to one dtype");
-  TORCH_CHECK(a.device() == b.device(), op, ": ", a_name, " and ", b_name, " are on different devices");
 }
 
 // Transparent huge pages for large fresh outputs. A fresh CPU tensor of more than a few MiB is a new mmap
