@@ -53,23 +53,6 @@ class Option:
     default: Any
     annotation: str
 
-    def argparse_type(self, *extra: str) -> Callable[[str], str]:
-        """An argparse ``type=``: alias -> canonical name; unknown -> a usage error naming the closest name.
-
-        Args:
-            *extra: values taken as they are (e.g. ``"auto"``).
-        """
-        def convert(text: str) -> str:
-            if text in extra:
-                return text
-            try:
-                return self.canonical(text)
-            except ValueError as e:
-                raise argparse.ArgumentTypeError(str(e)) from None
-
-        convert.__name__ = self.kind
-        return convert
-
     def describe(self) -> str:
         """``"offload: str | None = None"``."""
         default = "" if self.default is inspect.Parameter.empty else f" = {self.default!r}"
@@ -279,8 +262,8 @@ class Registry:
             key, sep, text = str(pair).partition("=")
             key = key.strip().replace("-", "_")
             if not sep or not key:
-                raise ValueError(f"{self.kind} option {pair!r} for {canonical!r} must be key=value, "
-                                 f"e.g. {next(iter(valid), 'name')}=...; valid: {listing}")
+                raise ValueError(f"{self.kind} option {pair!r} for {canonical!r} must be key=value "
+                                 f"(e.g. {next(iter(valid), 'name')}=...). Valid: {listing or '(none)'}")
             if key not in valid:
                 hint = did_you_mean(key, valid) or "."
                 raise ValueError(f"unknown option {key!r} for {self.kind} {canonical!r}{hint} Valid: "
