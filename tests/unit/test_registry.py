@@ -252,3 +252,12 @@ def test_examples_reject_bad_flags_before_starting(argv, message, capsys):
     with pytest.raises(SystemExit) as caught:
         _example("train_llama").parse_args(argv)
     assert caught.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_memory_estimator_speaks_the_registries_names():
+    # Its rows are configurations with a formula each (zero3_offload, fsdp_grad_op); each names a registered
+    # strategy, or one with a variant suffix, and a registered precision.
+    from shardkit.memory import estimate
+
+    assert all(n in STRATEGIES or n.split("_")[0] in STRATEGIES for n in estimate.STRATEGIES)
+    assert {PRECISIONS.canonical(p) for p in estimate.PRECISIONS} <= set(PRECISIONS.names())
