@@ -31,7 +31,7 @@ def _build(root: str, stage: int, layers: int, hidden: int) -> bool:
     import deepspeed
     from torch import nn
 
-    from shardkit.launch.distributed import init_distributed
+    from shardkit.distributed.process_group import init_distributed
 
     init_distributed("cpu")
     torch.manual_seed(0)
@@ -45,7 +45,7 @@ def _build(root: str, stage: int, layers: int, hidden: int) -> bool:
 
 
 def _ensure_checkpoint(workdir: Path, stage: int, layers: int, hidden: int) -> Path:
-    from shardkit.launch.launcher import launch
+    from shardkit.distributed.launcher import launch
 
     path = workdir / f"zero{stage}"
     if not (path / "latest").exists():

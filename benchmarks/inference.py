@@ -28,7 +28,7 @@ from _timing import machine_description, print_table, ranks_timed
 
 import shardkit
 from shardkit import Runner
-from shardkit.launch.distributed import init_distributed
+from shardkit.distributed.process_group import init_distributed
 from shardkit.strategies import strategy_from_name
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import shardkit
 from shardkit import DDP, Runner
-from shardkit.launch.distributed import init_distributed
+from shardkit.distributed.process_group import init_distributed
 from shardkit.models import Llama, LlamaConfig
 from shardkit.precision import precision_from_name
 

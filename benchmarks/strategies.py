@@ -24,7 +24,7 @@ from _timing import ranks_timed
 
 import shardkit
 from shardkit import Runner
-from shardkit.launch.distributed import init_distributed
+from shardkit.distributed.process_group import init_distributed
 from shardkit.models import Llama, LlamaBlock, LlamaConfig
 from shardkit.strategies import strategy_from_name
 

@@ -4,7 +4,7 @@
     runner = Runner(strategy=DDP(), precision=BF16())
 """
 
-from shardkit.launch import launch
+from shardkit.distributed import launch
 from shardkit.precision import BF16, FP16, FP32, Precision
 from shardkit.runner import Runner
 from shardkit.seeding import seed_everything

@@ -18,8 +18,8 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 
 # (subcommand, module exposing register(subparsers), help shown if that module cannot be imported)
 COMMANDS: list[tuple[str, str, str]] = [
-    ("launch", "shardkit.launch.cli", "run a script on N processes and M machines (torchrun)"),
-    ("env", "shardkit.launch.report", "print versions and devices for a bug report"),
+    ("launch", "shardkit.distributed.cli", "run a script on N processes and M machines (torchrun)"),
+    ("env", "shardkit.env_info", "print versions and devices for a bug report"),
     ("config", "shardkit.config.cli", "write a launch config (Accelerate-style YAML) by answering questions"),
     ("zero-to-fp32", "shardkit.checkpoint.zero_to_fp32", "consolidate a checkpoint into fp32 safetensors"),
     ("estimate-memory", "shardkit.memory.cli", "per-device memory of each strategy for a model; what fits"),

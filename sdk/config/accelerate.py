@@ -542,7 +542,7 @@ def launch_args_from_yaml(path: str | os.PathLike) -> dict[str, Any]:
     The environment carries ``SHARDKIT_CONFIG_FILE`` (the YAML's absolute path) so that ``Runner()`` in the
     launched script builds the strategy and precision the file asks for.
     """
-    from shardkit.launch.cli import LaunchUsageError
+    from shardkit.distributed.cli import LaunchUsageError
 
     try:
         cfg = load_accelerate_config(path)

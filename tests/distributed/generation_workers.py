@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit import Runner
-from shardkit.launch.distributed import init_distributed
+from shardkit.distributed.process_group import init_distributed
 from shardkit.models.llama import Llama, LlamaConfig
 from shardkit.strategies import strategy_from_name
 

@@ -10,7 +10,7 @@
     def test_all_reduce():
         results = run_distributed(_check_all_reduce, world_size=2, args=(3,))
 
-Built on `shardkit.launch.launch`, so the harness and the product share the code that starts
+Built on `shardkit.launch`, so the harness and the product share the code that starts
 processes, picks the port and reports failures.
 """
 
@@ -20,8 +20,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import pytest
 
-from shardkit.launch.distributed import TIMEOUT_ENV_VAR
-from shardkit.launch.launcher import LaunchError, LaunchTimeout, launch
+from shardkit.distributed.launcher import LaunchError, LaunchTimeout, launch
+from shardkit.distributed.process_group import TIMEOUT_ENV_VAR
 
 __all__ = ["TEST_COLLECTIVE_TIMEOUT_S", "run_distributed"]
 

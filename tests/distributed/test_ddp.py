@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from workloads import TINY, build, full_state, train
 
 from shardkit import DDP, FP16, Runner
-from shardkit.launch.distributed import init_distributed
-from shardkit.launch.launcher import LaunchError
+from shardkit.distributed.launcher import LaunchError
+from shardkit.distributed.process_group import init_distributed
 from shardkit.models import Llama
 
 STEPS = 5
@@ -150,7 +150,7 @@ def _crash_mid_step() -> None:
 
 
 def test_a_rank_raising_mid_step_ends_the_job_with_its_name():
-    from shardkit.launch import launch
+    from shardkit.distributed import launch
 
     start = time.monotonic()
     with pytest.raises(LaunchError, match="rank 1") as err:
@@ -185,7 +185,7 @@ def _load_latest(path: str) -> int:
 
 
 def test_a_rank_killed_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
-    from shardkit.launch import launch
+    from shardkit.distributed import launch
 
     with pytest.raises(LaunchError, match="rank 1"):
         launch(_killed_mid_save, args=(str(tmp_path),), num_processes=2, timeout=90,

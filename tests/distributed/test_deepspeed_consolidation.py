@@ -72,7 +72,7 @@ def _train_and_save(model, out, stage, dtype, steps, vocab):
 
 def _build(root):
     """Rank worker: every checkpoint of the module, in one process group."""
-    from shardkit.launch.distributed import init_distributed
+    from shardkit.distributed.process_group import init_distributed
 
     init_distributed("cpu")
     for stage, dtype in CONFIGS:

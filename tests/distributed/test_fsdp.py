@@ -16,7 +16,7 @@ from harness import run_distributed
 from torch.distributed.tensor import DTensor
 
 from shardkit import BF16, FP16, FP32, Runner
-from shardkit.launch import LaunchError, launch
+from shardkit.distributed import LaunchError, launch
 from shardkit.models.llama import Llama, LlamaBlock, LlamaConfig
 from shardkit.strategies import strategy_from_name
 

@@ -1,4 +1,4 @@
-"""`shardkit.launch.launch`, the harness and `shardkit launch` on real processes (gloo on CPU)."""
+"""`shardkit.launch`, the harness and `shardkit launch` on real processes (gloo on CPU)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from harness import run_distributed
 
-from shardkit.launch import LaunchError, LaunchTimeout, init_distributed, launch
-from shardkit.launch.distributed import _cpu_budget
+from shardkit.distributed import LaunchError, LaunchTimeout, init_distributed, launch
+from shardkit.distributed.process_group import _cpu_budget
 
 SCRIPTS = Path(__file__).parent / "scripts"
 SHORT = {"SHARDKIT_COLLECTIVE_TIMEOUT": "20"}

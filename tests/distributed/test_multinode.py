@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit.launch import find_free_port
+from shardkit.distributed import find_free_port
 
 pytestmark = pytest.mark.distributed
 

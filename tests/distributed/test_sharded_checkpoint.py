@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from shardkit import Runner, SingleDevice
 from shardkit import checkpoint as ckpt
-from shardkit.launch import launch
+from shardkit.distributed import launch
 from shardkit.models.llama import Llama
 
 N = 3  # steps before and after the save

@@ -13,7 +13,7 @@ import torch
 import zero_workers as w
 from harness import run_distributed
 
-from shardkit.launch import LaunchError, launch
+from shardkit.distributed import LaunchError, launch
 
 pytest.importorskip("deepspeed")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardkit.launch import LaunchError, LaunchTimeout, default_timeout, init_distributed, launch
+from shardkit.distributed import LaunchError, LaunchTimeout, default_timeout, init_distributed, launch
 
 SHORT = {"SHARDKIT_COLLECTIVE_TIMEOUT": "4"}
 
@@ -150,7 +150,7 @@ def test_cli_refuses_a_non_finite_timeout_in_one_line(bad, tmp_path, capsys, mon
 
 
 def test_timeout_recognition_and_launcher_reports_are_strict(tmp_path):
-    from shardkit.launch import watchdog
+    from shardkit.distributed import watchdog
 
     gloo = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 4000ms for recv operation")
     nccl = RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE)")

@@ -22,7 +22,7 @@ RANK_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     from pathlib import Path
     import torch, torch.distributed as dist
-    from shardkit.launch import init_distributed
+    from shardkit.distributed import init_distributed
 
     pids, mode = Path(sys.argv[1]), sys.argv[2]
     env = init_distributed("cpu")

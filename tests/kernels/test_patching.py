@@ -295,7 +295,7 @@ def zero3_worker() -> tuple[bool, list[list[float]], float, float]:
     """Each rank: unpatched and patched llama under ZeRO-3, 3 SGD steps on rank-dependent batches."""
     import deepspeed
 
-    from shardkit.launch.distributed import init_distributed
+    from shardkit.distributed.process_group import init_distributed
 
     init_distributed("cpu")
     deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, dist_init_required=False,
@@ -332,7 +332,7 @@ def zero3_worker() -> tuple[bool, list[list[float]], float, float]:
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed")
 def test_zero3_two_processes():
     """2 ranks (gloo, DeepSpeed's CPU accelerator): patched and unpatched ZeRO-3 models train identically."""
-    from shardkit.launch.launcher import LaunchError, launch
+    from shardkit.distributed.launcher import LaunchError, launch
 
     env = {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": os.environ.get(
         "TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(__file__), "..", "..", ".torch_extensions"))}

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit import cli
-from shardkit.launch import report
+from shardkit import cli, env_info
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "distributed" / "scripts" / "all_reduce.py")
 
@@ -29,7 +28,7 @@ def test_env_prints_versions_for_a_bug_report(capsys):
 
 
 def test_env_json_and_missing_packages(capsys, monkeypatch):
-    monkeypatch.setattr(report, "_PACKAGES", ("numpy", "no-such-package-shardkit-test"))
+    monkeypatch.setattr(env_info, "_PACKAGES", ("numpy", "no-such-package-shardkit-test"))
     monkeypatch.setenv("SHARDKIT_SOMETHING", "7")
 
     assert cli.main(["env", "--json"]) == 0

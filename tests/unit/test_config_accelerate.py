@@ -159,7 +159,7 @@ def test_machines_that_cannot_exist(tmp_path):
 
 
 def test_launch_reports_resource_errors(tmp_path):
-    from shardkit.launch.cli import LaunchUsageError
+    from shardkit.distributed.cli import LaunchUsageError
 
     path = _write(tmp_path, {**BASE, "num_machines": 2, "num_processes": 4})
     with pytest.raises(LaunchUsageError, match="needs main_process_ip"):

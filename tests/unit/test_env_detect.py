@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardkit.launch import ClusterEnvironment, ClusterEnvironmentError, default_timeout, detect_environment
-from shardkit.launch.env import expand_nodelist
+from shardkit.distributed import ClusterEnvironment, ClusterEnvironmentError, default_timeout, detect_environment
+from shardkit.distributed.cluster import expand_nodelist
 
 TORCHRUN = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
             "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29555"}

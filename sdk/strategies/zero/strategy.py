@@ -29,7 +29,7 @@ from torch import nn
 from typing_extensions import override
 
 from shardkit import checkpoint as ckpt
-from shardkit.launch.distributed import backend_for_device
+from shardkit.distributed.process_group import backend_for_device
 from shardkit.strategies.base import param_list, replicated_gathered
 from shardkit.strategies.distributed import ProcessGroupStrategy
 from shardkit.strategies.zero import checkpoint as zero_checkpoint
@@ -83,7 +83,7 @@ class ZeROStrategy(ProcessGroupStrategy):
         super().setup_environment()
         if not dist.is_initialized():
             # DeepSpeed's engine needs a process group even for one process: a private 1-rank group.
-            from shardkit.launch.launcher import find_free_port
+            from shardkit.distributed.launcher import find_free_port
 
             dist.init_process_group(backend_for_device(self.device_type), rank=0, world_size=1,
                                     init_method=f"tcp://127.0.0.1:{find_free_port()}")

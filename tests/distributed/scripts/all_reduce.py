@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from shardkit.launch import destroy_distributed, init_distributed
+from shardkit.distributed import destroy_distributed, init_distributed
 
 env = init_distributed("cpu")
 total = torch.tensor([float(env.rank)])

@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from shardkit.launch import init_distributed
+from shardkit.distributed import init_distributed
 
 env = init_distributed("cpu")
 if env.rank == 1:

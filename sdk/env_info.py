@@ -73,7 +73,7 @@ def _torch_facts() -> dict[str, str]:
 
 def collect_environment() -> dict[str, str]:
     """Every fact of the report as name -> value; absent packages and tools say so."""
-    from shardkit.launch.distributed import _cpu_budget
+    from shardkit.distributed.process_group import _cpu_budget
 
     facts = {"shardkit": _version("shardkit"),
              "Python": f"{platform.python_version()} ({sys.executable})",

@@ -15,7 +15,7 @@ grace period to report their own errors, are then stopped, and `LaunchError` nam
 rank with its exit code or signal and traceback.
 
 Every job ends: a rank that hangs inside a collective is named by its peers (they time out and find out
-which rank never arrived, see `shardkit.launch.watchdog`); a rank still running the collective timeout
+which rank never arrived, see `shardkit.distributed.watchdog`); a rank still running the collective timeout
 plus `GRACE_PERIOD_S` after another returned (it hangs after its last collective) is stopped and named;
 SIGTERM or SIGINT sent to the launching process is forwarded to every rank, which gets `stop_grace`
 seconds to save before it is killed.
@@ -38,14 +38,14 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from shardkit.launch import watchdog
-from shardkit.launch.distributed import (
+from shardkit.distributed import watchdog
+from shardkit.distributed.process_group import (
     _cpu_budget,
     check_timeout,
     default_timeout,
     destroy_distributed,
 )
-from shardkit.launch.signals import STOP_GRACE_S, catch_stop_signals, redeliver
+from shardkit.distributed.signals import STOP_GRACE_S, catch_stop_signals, redeliver
 
 __all__ = ["GRACE_PERIOD_S", "LaunchError", "LaunchTimeout", "find_free_port", "launch"]
 

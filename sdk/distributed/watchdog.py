@@ -89,7 +89,7 @@ def missing_ranks(wait_s: float | None = None) -> list[int] | None:
 
 
 def _group_timeout_s() -> float:
-    from shardkit.launch.distributed import default_timeout
+    from shardkit.distributed.process_group import default_timeout
 
     if _state["timeout_s"] is not None:
         return _state["timeout_s"]

@@ -11,7 +11,7 @@ torchrun stops all ranks when one fails, but two cases hung for ever or orphaned
 
 Ranks are torchrun's children, each in its own session (torchrun starts them so); they are found in /proc,
 and their rank is read from their environment. After the job, the reports ranks wrote on a collective
-timeout (see `shardkit.launch.watchdog`) are summarised, naming the ranks that did not arrive.
+timeout (see `shardkit.distributed.watchdog`) are summarised, naming the ranks that did not arrive.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from shardkit.launch.signals import catch_stop_signals, redeliver
-from shardkit.launch.watchdog import REPORT_DIR_ENV, read_reports
+from shardkit.distributed.signals import catch_stop_signals, redeliver
+from shardkit.distributed.watchdog import REPORT_DIR_ENV, read_reports
 
 __all__ = ["run_supervised"]
 

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from shardkit.launch.distributed import TIMEOUT_ENV_VAR, _cpu_budget, check_timeout, default_timeout
-from shardkit.launch.launcher import GRACE_PERIOD_S, find_free_port
-from shardkit.launch.signals import STOP_GRACE_S
-from shardkit.launch.supervise import run_supervised
+from shardkit.distributed.launcher import GRACE_PERIOD_S, find_free_port
+from shardkit.distributed.process_group import TIMEOUT_ENV_VAR, _cpu_budget, check_timeout, default_timeout
+from shardkit.distributed.signals import STOP_GRACE_S
+from shardkit.distributed.supervise import run_supervised
 
 __all__ = ["CONFIG_FIELDS", "LaunchUsageError", "build_command", "register"]
 
@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "launch", help="run a script on N processes and M machines (torchrun)",
         description="Run SCRIPT (or -m MODULE) on --num-processes processes on each of --num-machines "
-                    "machines through torchrun. The script calls shardkit.launch.init_distributed() or builds "
+                    "machines through torchrun. The script calls shardkit.distributed.init_distributed() or builds "
                     "a Runner. The exit code is the job's.")
     parser.add_argument("--num-processes", "--num_processes", type=int, dest="num_processes",
                         help="processes per machine (default: one per visible CUDA device, else 1)")

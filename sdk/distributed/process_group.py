@@ -11,8 +11,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from shardkit.launch import watchdog
-from shardkit.launch.env import ClusterEnvironment, detect_environment
+from shardkit.distributed import watchdog
+from shardkit.distributed.cluster import ClusterEnvironment, detect_environment
 
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT_S",
@@ -132,7 +132,7 @@ def destroy_distributed() -> None:
     NOTE: the barrier lets every earlier collective finish before the group goes (with the GIL
     released while waiting). gloo's worker thread frees finished work, and freeing the last reference
     to a tensor Python created needs the GIL, so callers also keep their collectives' tensors alive
-    until after this returns (Strategy._held): destroying a group joins that thread while holding the
+    until after this returns (ProcessGroupStrategy._held): destroying a group joins that thread while holding the
     GIL. A dead peer makes the barrier fail fast.
 
     Raises:
