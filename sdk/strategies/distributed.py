@@ -9,7 +9,7 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from shardkit import checkpoint as ckpt
-from shardkit.launch.distributed import destroy_distributed, init_distributed
+from shardkit.distributed.process_group import destroy_distributed, init_distributed
 from shardkit.strategies import _mesh, _sharded_state
 from shardkit.strategies.base import BackwardSyncControl, Strategy
 

@@ -9,7 +9,7 @@ from harness import run_distributed
 from test_fsdp import TINY, build_and_train
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from shardkit.launch import LaunchError, launch
+from shardkit.distributed import LaunchError, launch
 from shardkit.models.llama import Llama, LlamaConfig
 
 
