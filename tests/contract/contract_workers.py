@@ -45,23 +45,15 @@ CHECKS = ("init", "gathered", "fp32_losses", "accumulation_clipping", "fp16_over
 
 def strategy_names() -> list[str]:
     """Every registered strategy name, in registration order."""
-    try:
-        from shardkit.strategies.registry import STRATEGIES
-    except ImportError:  # TEMPORARY until the registry lands
-        from shardkit.strategies import STRATEGY_NAMES
+    from shardkit.strategies.registry import STRATEGIES
 
-        return [n for n in STRATEGY_NAMES if n != "tensor_parallel"]
     return list(STRATEGIES.names())
 
 
 def build_strategy(name: str):
     """A fresh strategy built from its registered name with its defaults (test sizes where they apply)."""
-    try:
-        from shardkit.strategies.registry import STRATEGIES
-    except ImportError:  # TEMPORARY until the registry lands
-        from shardkit.strategies import strategy_from_name
+    from shardkit.strategies.registry import STRATEGIES
 
-        return strategy_from_name(name, **TEST_SIZE_KWARGS.get(name, {}))
     return STRATEGIES.build(name, **TEST_SIZE_KWARGS.get(name, {}))
 
 

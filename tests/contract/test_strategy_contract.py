@@ -38,21 +38,31 @@ from harness import run_distributed
 
 pytest.importorskip("deepspeed")  # four of the registered strategies are DeepSpeed's engine
 
-# (rtol, atol) against DDP, as each engine's own test compares (test_fsdp.py, test_zero.py,
-# test_tensor_parallel.py, test_ddp.py); None: bitwise. ZeROInfinity steps DeepSpeedCPUAdam, torch AdamW's
-# math in another rounding order (test_zero.py's offload tolerance).
+# (rtol, atol) against DDP, as each engine's own parity test compares (test_fsdp.py, test_zero.py,
+# test_tensor_parallel.py); None: bitwise (DDP against itself). Losses and clip norms: test_zero.py's and
+# test_fsdp.py's 1e-5/1e-6. Weights after AdamW on the Llama: test_fsdp.py's 1e-4/1e-5, as Adam turns a 1-ulp
+# difference in the clip norm into ~3e-6 in a weight (measured under ZeRO-3). ZeROInfinity steps
+# DeepSpeedCPUAdam, torch AdamW's math in another rounding order (test_zero.py's offload tolerance).
 COMMON = {"losses": (1e-5, 1e-6), "norms": (1e-5, 1e-6), "weights": (1e-4, 1e-5)}
 TOLERANCE = {
     "ddp": {"losses": None, "norms": None, "weights": None},
-    "zero1": {"losses": (1e-5, 1e-6), "norms": (1e-5, 1e-6), "weights": (1e-5, 1e-6)},
-    "zero2": {"losses": (1e-5, 1e-6), "norms": (1e-5, 1e-6), "weights": (1e-5, 1e-6)},
-    "zero3": {"losses": (1e-5, 1e-6), "norms": (1e-5, 1e-6), "weights": (1e-5, 1e-6)},
     "zero_infinity": {"losses": (1e-4, 1e-5), "norms": (1e-4, 1e-5), "weights": (1e-4, 1e-5)},
-    # TP sums its matmuls in another order; Adam amplifies the ulp noise in the weights.
+    # TP sums its matmuls in another order (test_tensor_parallel.py's tolerances).
     "tp": {"losses": (1e-5, 1e-5), "norms": (1e-5, 1e-5), "weights": (1e-4, 5e-5)},
 }
-# (strategy, check) -> reason: a real bug, reported, marked strict so that its fix shows up. Empty today.
-KNOWN_FAILURES: dict[tuple[str, str], str] = {}
+# (strategy, check) -> reason: a real bug (or engine limitation) reported to the lead, marked as a strict xfail
+# of that one case so that its fix shows up as an XPASS failure.
+KNOWN_FAILURES: dict[tuple[str, str], str] = {
+    ("tp", "fp16_overflow"): (
+        "TensorParallel + FP16 crashes on the first step: FP16.unscale_gradients (sdk/precision/fp16.py) calls "
+        "torch._foreach_mul_ on one list holding the DTensor grads of the parallelised Linears and the plain "
+        "grads of the norms and embedding: 'aten._foreach_mul_.Scalar got mixed torch.Tensor and DTensor'"),
+    ("zero_infinity", "resume"): (
+        "ZeROInfinity resume is exact to ~1 ulp, not bitwise: its offloaded optimizer is DeepSpeedCPUAdam, whose "
+        "C++ state keeps Adam's bias corrections beta**t as running products; a resumed optimizer recomputes "
+        "them with pow(beta, t) (deepspeed/ops/csrc/includes/cpu_adam.h IncrementStep), so the first step after "
+        "the load differs (loss 4e-6, weights 2e-7, moments 1e-8)"),
+}
 # strategy -> (error type name, text the message contains) where loading on another world size is a
 # documented limitation. Empty today: every registered strategy reshards.
 NO_RESHARD: dict[str, tuple[str, str]] = {}
