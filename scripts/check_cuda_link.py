@@ -3,9 +3,11 @@
 Run it with the Python of a CUDA build of torch (and nvcc of the same CUDA major version on PATH or CUDA_HOME):
 it JIT-builds every csrc/ source through the one builder (sdk/ops/_builder.py, loaded by path so shardkit's
 other dependencies are not needed) for the architectures in TORCH_CUDA_ARCH_LIST (default "8.0;9.0"), into a
-fresh temporary TORCH_EXTENSIONS_DIR, loads the library (no GPU is needed to load it) and checks that every
-shardkit_C op has both a CPU and a CUDA kernel. This is the step scripts/check_cuda.sh cannot do with a CPU
-build of torch: compiling the torch bindings for real and linking them against libtorch_cuda.
+fresh temporary TORCH_EXTENSIONS_DIR (loaded by path the builder has no op registry and compiles every op folder
+of csrc/, which tests/kernels/test_builder.py checks are exactly the registered ops'), loads the library (no GPU
+is needed to load it) and checks that every shardkit_C op has both a CPU and a CUDA kernel. This is the step
+scripts/check_cuda.sh cannot do with a CPU build of torch: compiling the torch bindings for real and linking them
+against libtorch_cuda.
 
 Usage: /path/to/cuda-torch/python scripts/check_cuda_link.py
 """
