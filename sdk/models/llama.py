@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LlamaConfig", "Llama", "LlamaBlock"]
+__all__ = ["LlamaConfig", "Llama", "LlamaBlock", "llama_plan"]
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,10 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.reset_parameters()
 
+    def parallel_plan(self, tp_size: int, sequence_parallel: bool = False) -> dict:
+        """The tensor-parallel plan ``TensorParallel`` applies to this model: see :func:`llama_plan`."""
+        return llama_plan(self, tp_size, sequence_parallel)
+
     def reset_parameters(self) -> None:
         """Normal(0, init_std) for linear and embedding weights, ones for norms."""
         for module in self.modules():
@@ -282,3 +286,59 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)
+
+
+def llama_plan(model: nn.Module, tp_size: int, sequence_parallel: bool = False) -> dict:
+    """The tensor-parallel plan for :class:`Llama`: column-wise q/k/v/gate/up, row-wise o/down.
+
+    Attention keeps ``num_heads / tp_size`` heads per rank (the model views its projections as
+    ``(batch, seq, -1, head_dim)``, so local heads need no change). Embedding and the tied output head
+    stay replicated. With ``sequence_parallel`` the norms and residual stream are sharded on the
+    sequence dim between the blocks.
+
+    Returns:
+        module name -> ``ParallelStyle`` (torch.distributed.tensor.parallel), as ``TensorParallel`` takes.
+
+    Raises:
+        ValueError: ``model`` is not a Llama, or the head counts are not divisible by ``tp_size``.
+    """
+    # Imported here so that building a Llama does not import the DTensor machinery.
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "layers"):
+        raise ValueError(f"llama_plan is shardkit Llama's plan; there is no built-in plan for {type(model).__name__}: "
+                         "pass TensorParallel(plan={FQN pattern: ParallelStyle}), e.g. {'layers.*.mlp.up_proj': "
+                         "ColwiseParallel()}, or give the model a parallel_plan(tp_size, sequence_parallel) method")
+    for what, heads in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.kv_heads)):
+        if heads % tp_size:
+            raise ValueError(f"TensorParallel: {what}({heads}) % tp_size({tp_size}) != 0; each rank needs whole "
+                             "attention heads")
+    sp = sequence_parallel
+    plan: dict = {}
+    if sp:
+        plan["embed_tokens"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                                   use_local_output=False)
+        plan["norm"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                          use_local_output=True)
+    for i in range(len(model.layers)):
+        p = f"layers.{i}"
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            plan[f"{p}.{name}"] = ColwiseParallel()
+        out = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
+        plan[f"{p}.self_attn.o_proj"] = RowwiseParallel(**out)
+        plan[f"{p}.mlp.down_proj"] = RowwiseParallel(**out)
+        if sp:
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                plan[f"{p}.{norm}"] = SequenceParallel()
+            for sub in ("self_attn", "mlp"):
+                plan[f"{p}.{sub}"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                        use_local_output=True)
+    return plan

@@ -1,4 +1,5 @@
-"""DTensor helpers shared by FSDP and TensorParallel: meshes, meta-device init, gradient norms, memory.
+"""DTensor helpers shared by FSDP and TensorParallel: meshes, blocks and sharding, the mixed-precision
+policy, the rank-0 broadcast, meta-device init, gradient norms, memory.
 
 Everything here works on a mix of DTensor and plain tensors, because a module set up by FSDP2 or
 ``parallelize_module`` holds DTensors on one or more meshes next to plain replicated tensors.
@@ -15,18 +16,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from shardkit.precision import Precision
+
 __all__ = [
+    "blocks_bottom_up",
+    "broadcast_from_rank0",
     "build_mesh",
     "clip_grad_norm",
     "gathered_parameters",
     "local_tensor",
     "meta_parameters",
     "model_state_bytes",
+    "mp_policy",
     "parameter_names",
     "rebind_optimizer",
     "reduce_max",
+    "repeated_blocks",
+    "shard_bottom_up",
     "total_grad_norm",
 ]
 
@@ -43,6 +52,49 @@ def build_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...])
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The part of ``t`` this rank holds: a DTensor's local shard (a view, not a copy), else ``t``."""
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+# ---- blocks, sharding, precision, rank 0's weights ----------------------------------------------------
+
+
+def repeated_blocks(module: nn.Module) -> tuple[type, ...]:
+    """The classes held in any ``nn.ModuleList`` of ``module`` (a transformer's layers), sorted by name.
+
+    These are the units FSDP2 shards one by one, so only one block's parameters are whole at a time.
+    """
+    found = {type(child) for m in module.modules() if isinstance(m, nn.ModuleList) for child in m}
+    return tuple(sorted(found, key=lambda c: c.__qualname__))
+
+
+def blocks_bottom_up(module: nn.Module, classes: tuple[type, ...]) -> list[nn.Module]:
+    """Submodules of ``module`` (not itself) that are instances of ``classes``, children before parents."""
+    return [m for m in reversed(list(module.modules())) if m is not module and isinstance(m, classes)]
+
+
+def shard_bottom_up(module: nn.Module, targets: list[nn.Module], **kwargs: Any) -> None:
+    """``fully_shard`` each of ``targets`` (children before parents: FSDP2 needs bottom-up), then the root."""
+    for sub in targets:
+        fully_shard(sub, **kwargs)
+    fully_shard(module, **kwargs)
+
+
+def mp_policy(precision: Precision) -> MixedPrecisionPolicy:
+    """FSDP2's mixed-precision policy from a shardkit precision.
+
+    FSDP2 casts the gathered parameters to the policy's param_dtype for compute, so the master weights
+    stay in the precision's ``param_dtype`` (no cast when the two agree); gradients are reduced in its
+    ``comm_dtype``. The Runner's autocast on top only touches the ops autocast lists.
+    """
+    compute = precision.compute_dtype if precision.compute_dtype != precision.param_dtype else None
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=precision.comm_dtype, cast_forward_inputs=True)
+
+
+@torch.no_grad()
+def broadcast_from_rank0(module: nn.Module) -> None:
+    """Copy rank 0's parameters and buffers into every rank's (whole, not yet sharded) module."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for t in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(t.data, src=0)
 
 
 # ---- meta-device construction -------------------------------------------------------------------

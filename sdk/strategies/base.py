@@ -2,12 +2,13 @@
 
 A subclass overrides a handful of methods; everything else has a working default for a module
 whose full state every rank holds (SingleDevice, DDP). Sharded strategies override the state
-and checkpoint hooks.
+and checkpoint hooks. The base knows nothing of process groups: rank 0 of a world of one, until a
+subclass says otherwise (:class:`shardkit.strategies.distributed.ProcessGroupStrategy` holds the
+collectives and the process-group plumbing). The contract each method keeps is in ``strategies/README.md``.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from torch import nn
 from shardkit import checkpoint as ckpt
 from shardkit.precision import FP32, Precision
 
-__all__ = ["Strategy", "BackwardSyncControl", "param_list", "replicated_gathered"]
+__all__ = ["Strategy", "param_list", "replicated_gathered"]
 
 
 class Strategy(ABC):
@@ -28,11 +29,6 @@ class Strategy(ABC):
 
     def __init__(self) -> None:
         self._precision: Precision = FP32()
-        # NOTE: the tensors of our last few collectives stay referenced here until teardown. gloo's
-        # worker thread frees finished work; if that drops the last reference to a tensor Python
-        # created, it needs the GIL, and a process group being destroyed (by DDP's reducer, holding
-        # the GIL) joins that thread: a deadlock at exit, seen here. Work older than the ring is long done.
-        self._held: collections.deque = collections.deque(maxlen=8)
 
     # ---- wiring --------------------------------------------------------------------------------
 
@@ -51,7 +47,8 @@ class Strategy(ABC):
 
     @property
     def rank(self) -> int:
-        return dist.get_rank() if dist.is_initialized() else 0
+        """This process's rank among all processes of the job."""
+        return 0
 
     @property
     def local_rank(self) -> int:
@@ -59,7 +56,8 @@ class Strategy(ABC):
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size() if dist.is_initialized() else 1
+        """How many processes the job has."""
+        return 1
 
     @property
     def is_global_zero(self) -> bool:
@@ -129,7 +127,7 @@ class Strategy(ABC):
         changes are dropped. Where ``module`` holds the parameters, reading them from the module inside
         the block gives the whole tensors too. Replicated strategies yield the parameters themselves.
         """
-        return replicated_gathered(param_list(params), modifier_rank)
+        return contextlib.nullcontext(param_list(params))  # one process: the parameters are whole and the only copy
 
     def iter_full_state_dict(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream the model's full state dict to the main process, one module at a time.
@@ -198,45 +196,24 @@ class Strategy(ABC):
         return self.all_reduce(flag.to(self.root_device), "max")
 
     # ---- collectives ---------------------------------------------------------------------------
+    # The Runner calls these four; every rank must call each one (they are collectives where there is
+    # more than one rank). SingleDevice answers them locally; ProcessGroupStrategy runs them on the group.
 
+    @abstractmethod
     def barrier(self, name: str | None = None) -> None:
-        if dist.is_initialized() and self.world_size > 1:
-            dist.barrier()
+        """Wait until every rank has reached this call (``name`` labels it in logs and errors)."""
 
+    @abstractmethod
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Send a picklable object (or a tensor) from ``src`` to every rank."""
-        if not dist.is_initialized() or self.world_size == 1:
-            return obj
-        if isinstance(obj, torch.Tensor):
-            dist.broadcast(obj, src)
-            self._held.append(obj)
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
+        """Send a picklable object (or a tensor, in place) from ``src`` to every rank; return it."""
 
+    @abstractmethod
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` in place across ranks with "sum", "mean", "max" or "min" and return it."""
-        if not dist.is_initialized() or self.world_size == 1:
-            return tensor
-        ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-        if op not in ops:
-            raise ValueError(f"all_reduce op={op!r} is not supported; use one of {sorted(ops)}")
-        dist.all_reduce(tensor, op=ops[op])
-        self._held.append(tensor)
-        if op == "mean":
-            tensor /= self.world_size
-        return tensor
 
+    @abstractmethod
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Stack each rank's ``tensor`` (same shape on every rank) into a new leading dimension."""
-        if not dist.is_initialized() or self.world_size == 1:
-            return tensor.unsqueeze(0)
-        flat = tensor.contiguous().reshape(-1)
-        out = torch.empty(self.world_size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(out, flat)
-        self._held.append((flat, out))
-        return out.view(self.world_size, *tensor.shape)
 
     # ---- checkpoint hooks ----------------------------------------------------------------------
     # Defaults for replicated state: rank 0 writes the full tensors. Sharded strategies override
@@ -283,13 +260,6 @@ class Strategy(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.root_device})"
-
-
-class BackwardSyncControl:
-    """Mixin for strategies that can skip the gradient reduction on accumulation micro-steps."""
-
-    def set_gradient_sync(self, module: nn.Module, enabled: bool) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
 
 
 def param_list(params: Any) -> list[torch.Tensor]:

@@ -11,7 +11,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from shardkit.strategies.base import BackwardSyncControl
 from shardkit.strategies.distributed import ProcessGroupStrategy
 
 __all__ = ["DDP", "DDPSettings"]
@@ -38,7 +37,7 @@ class DDPSettings:
             raise ValueError(f"DDP bucket_cap_mb={self.bucket_cap_mb} must be > 0")
 
 
-class DDP(BackwardSyncControl, ProcessGroupStrategy):
+class DDP(ProcessGroupStrategy):
     """torch DistributedDataParallel; NCCL on GPUs and gloo on CPUs, chosen from the device.
 
     Gradients are reduced in the precision's ``comm_dtype`` (fp32 unless set otherwise), whatever
@@ -85,7 +84,7 @@ class DDP(BackwardSyncControl, ProcessGroupStrategy):
 def _cast_allreduce_hook(comm_dtype: torch.dtype):
     """DDP comm hook that averages each bucket in ``comm_dtype`` and casts back to the gradient dtype."""
 
-    held: collections.deque = collections.deque(maxlen=16)  # see Strategy.__init__ on gloo and the GIL
+    held: collections.deque = collections.deque(maxlen=16)  # see ProcessGroupStrategy.__init__ on gloo and the GIL
 
     def hook(process_group, bucket):
         buffer = bucket.buffer()

@@ -1,8 +1,14 @@
-"""Base of the strategies that run one process per device in a process group."""
+"""Base of the strategies that run one process per device in a process group: the collectives, the
+process group's lifetime (with the gloo teardown workaround), and the DTensor mesh base of FSDP and TP."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
@@ -11,7 +17,7 @@ from typing_extensions import override
 from shardkit import checkpoint as ckpt
 from shardkit.distributed.process_group import destroy_distributed, init_distributed
 from shardkit.strategies import _mesh, _sharded_state
-from shardkit.strategies.base import BackwardSyncControl, Strategy
+from shardkit.strategies.base import Strategy, param_list, replicated_gathered
 
 __all__ = ["ProcessGroupStrategy", "MeshStrategy"]
 
@@ -30,6 +36,11 @@ class ProcessGroupStrategy(Strategy):
         self._device: torch.device | None = None
         self._local_rank = 0
         self._local_world_size = 1
+        # NOTE: the tensors of our last few collectives stay referenced here until teardown. gloo's
+        # worker thread frees finished work; if that drops the last reference to a tensor Python
+        # created, it needs the GIL, and a process group being destroyed (by DDP's reducer, holding
+        # the GIL) joins that thread: a deadlock at exit, seen here. Work older than the ring is long done.
+        self._held: collections.deque = collections.deque(maxlen=8)
 
     @property
     @override
@@ -41,8 +52,18 @@ class ProcessGroupStrategy(Strategy):
 
     @property
     @override
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    @override
     def local_rank(self) -> int:
         return self._local_rank
+
+    @property
+    @override
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else 1
 
     @property
     def device_type(self) -> str:
@@ -58,17 +79,96 @@ class ProcessGroupStrategy(Strategy):
     @override
     def teardown(self) -> None:
         destroy_distributed()  # drains the group's workers (see there) while we still hold the tensors
-        self._held.clear()  # freed here, by this thread, with the GIL: see Strategy.__init__
+        self._held.clear()  # freed here, by this thread, with the GIL: see __init__
+
+    @override
+    def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
+                            module: nn.Module | None = None) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
+        """Every rank holds whole parameters: yields them; with ``modifier_rank=r``, rank r's values are
+        broadcast on exit so the replicas stay equal."""
+        return replicated_gathered(param_list(params), modifier_rank)
+
+    # ---- collectives (a world of one, e.g. one process without a group, answers locally) -----------
+
+    def _alone(self) -> bool:
+        return not dist.is_initialized() or self.world_size == 1
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not self._alone():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._alone():
+            return obj
+        if isinstance(obj, torch.Tensor):
+            dist.broadcast(obj, src)
+            self._held.append(obj)
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    @override
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if self._alone():
+            return tensor
+        ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        if op not in ops:
+            raise ValueError(f"all_reduce op={op!r} is not supported; use one of {sorted(ops)}")
+        dist.all_reduce(tensor, op=ops[op])
+        self._held.append(tensor)
+        if op == "mean":
+            tensor /= self.world_size
+        return tensor
+
+    @override
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._alone():
+            return tensor.unsqueeze(0)
+        flat = tensor.contiguous().reshape(-1)
+        out = torch.empty(self.world_size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather_into_tensor(out, flat)
+        self._held.append((flat, out))
+        return out.view(self.world_size, *tensor.shape)
 
 
-class MeshStrategy(BackwardSyncControl, ProcessGroupStrategy):
-    """Strategies whose parameters are DTensors on a device mesh (FSDP2, TensorParallel, 2D)."""
+class MeshStrategy(ProcessGroupStrategy):
+    """Strategies whose parameters are DTensors on a device mesh (FSDP2, TensorParallel, 2D).
+
+    A subclass builds ``self.mesh`` in ``setup_environment`` and shards the module in ``setup_module``;
+    setup (optimizer rebinding included), whole parameters on demand, clipping, the FP16 overflow vote,
+    memory reports and checkpoints are shared here. The pieces both engines use (block detection,
+    the mixed-precision policy, the rank-0 broadcast) are in :mod:`shardkit.strategies._mesh`.
+    """
 
     mesh: DeviceMesh | None = None
 
     @override
+    def setup(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None):
+        names = _mesh.parameter_names(module)
+        module = self.precision.convert_module(module)
+        if not _mesh.has_meta_parameters(module):  # meta parameters are allocated shard by shard in setup_module
+            module = module.to(self.root_device)
+        module = self.setup_module(module)
+        if optimizer is not None:
+            _mesh.rebind_optimizer(optimizer, names, module)
+            optimizer = self.setup_optimizer(optimizer)
+        return module, optimizer, scheduler
+
+    @override
     def unwrap(self, module: nn.Module) -> nn.Module:
         return module  # sharded in place: the module is the user's own
+
+    @override
+    def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
+                            module: nn.Module | None = None) -> contextlib.AbstractContextManager:
+        """Context that yields ``params`` as plain whole tensors (DTensors gathered over their mesh).
+
+        See :meth:`Strategy.gathered_parameters`; with ``modifier_rank=r`` rank r's writes are kept.
+        """
+        return _mesh.gathered_parameters(param_list(params), modifier_rank, module)
 
     @override
     def set_gradient_sync(self, module: nn.Module, enabled: bool) -> None:

@@ -4,7 +4,6 @@ state are sharded over a device mesh and gathered layer by layer for compute."""
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import logging
 from dataclasses import dataclass
@@ -14,14 +13,13 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from shardkit.strategies import _init, _mesh, _sharded_state
-from shardkit.strategies.base import param_list
 from shardkit.strategies.distributed import MeshStrategy
+from shardkit.suggest import did_you_mean
 
 __all__ = ["FSDP", "FSDPSettings"]
 
@@ -32,9 +30,7 @@ ModuleClasses = type | tuple[type, ...]
 
 def _choice(value: str, options: tuple[str, ...], field: str) -> None:
     if value not in options:
-        close = difflib.get_close_matches(str(value), options, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"FSDP {field}={value!r} is not one of {options}{hint}")
+        raise ValueError(f"FSDP {field}={value!r} is not one of {options}{did_you_mean(str(value), options)}")
 
 
 def _is_classes(value: Any) -> bool:
@@ -56,9 +52,8 @@ def _resolve_classes(value: Any, module: nn.Module, field: str) -> tuple[type, .
         elif item in present:
             classes.append(present[item])
         else:
-            close = difflib.get_close_matches(item, present, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"FSDP {field}: no module of class {item!r} in {type(module).__name__}{hint}")
+            raise ValueError(f"FSDP {field}: no module of class {item!r} in {type(module).__name__}"
+                             f"{did_you_mean(item, present)}")
     return tuple(classes)
 
 
@@ -157,7 +152,6 @@ class FSDP(MeshStrategy):
         super().__init__(timeout)
         self.settings = FSDPSettings(sharding, auto_wrap, cpu_offload, activation_checkpointing,
                                      reshard_after_forward, sync_module_states, hybrid_shard_size, state_dict_type)
-        self.mesh: DeviceMesh | None = None
         self._recorders: list[_init.MetaInitRecorder] = []
 
     # ---- environment -------------------------------------------------------------------------------
@@ -200,15 +194,7 @@ class FSDP(MeshStrategy):
         if self.is_global_zero:  # issue 13: the effective settings, once per setup, on the main process
             logging.getLogger("shardkit.strategies.fsdp").info("shardkit: FSDP2 settings: %s, precision %r",
                                                                self.settings, self.precision)
-        names = _mesh.parameter_names(module)
-        module = self.precision.convert_module(module)
-        if not _mesh.has_meta_parameters(module):
-            module = module.to(self.root_device)
-        module = self.setup_module(module)
-        if optimizer is not None:
-            _mesh.rebind_optimizer(optimizer, names, module)
-            optimizer = self.setup_optimizer(optimizer)
-        return module, optimizer, scheduler
+        return super().setup(module, optimizer, scheduler)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -218,7 +204,7 @@ class FSDP(MeshStrategy):
         meta = self._any_rank(_mesh.has_meta_parameters(module))
         sync = self.settings.sync_module_states and self.world_size > 1
         if sync and not meta:
-            _broadcast_module(module)
+            _mesh.broadcast_from_rank0(module)
         rank0_state = None
         if meta and sync and self.is_global_zero:
             rank0_state = {k: v.detach() for k, v in module.state_dict().items()}
@@ -264,22 +250,14 @@ class FSDP(MeshStrategy):
     def _any_rank(self, flag: bool) -> bool:
         return bool(_mesh.reduce_max(torch.tensor(float(flag))).item())
 
-    def _mp_policy(self) -> MixedPrecisionPolicy:
-        p = self.precision
-        # FSDP2 casts the gathered parameters to param_dtype for compute, so the master weights stay in the
-        # precision's param_dtype; the Runner's autocast on top only touches ops autocast lists.
-        compute = p.compute_dtype if p.compute_dtype != p.param_dtype else None
-        return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=p.comm_dtype, cast_forward_inputs=True)
-
     def _shard(self, module: nn.Module, blocks: tuple[type, ...]) -> None:
-        kwargs = dict(mesh=self.mesh, reshard_after_forward=self.settings.reshard, mp_policy=self._mp_policy(),
-                      offload_policy=OffloadPolicy())
+        offload = OffloadPolicy()
         if self.settings.cpu_offload:
             # NOTE: pinned memory needs an accelerator; on a CPU-only machine pinning crashes.
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
-        for sub in self._wrap_targets(module, blocks):
-            fully_shard(sub, **kwargs)
-        fully_shard(module, **kwargs)
+            offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
+        _mesh.shard_bottom_up(module, self._wrap_targets(module, blocks), mesh=self.mesh,
+                              reshard_after_forward=self.settings.reshard, mp_policy=_mesh.mp_policy(self.precision),
+                              offload_policy=offload)
 
     def _block_classes(self, module: nn.Module) -> tuple[type, ...]:
         wrap = self.settings.auto_wrap
@@ -287,14 +265,13 @@ class FSDP(MeshStrategy):
             return ()
         if _is_classes(wrap):
             return _resolve_classes(wrap, module, "auto_wrap")
-        found = {type(child) for m in module.modules() if isinstance(m, nn.ModuleList) for child in m}
-        return tuple(sorted(found, key=lambda c: c.__qualname__))
+        return _mesh.repeated_blocks(module)
 
     def _wrap_targets(self, module: nn.Module, blocks: tuple[type, ...]) -> list[nn.Module]:
         """Submodules to shard as their own units, children before parents (FSDP2 needs bottom-up)."""
         if isinstance(self.settings.auto_wrap, int) and not isinstance(self.settings.auto_wrap, bool):
             return _size_targets(module, self.settings.auto_wrap)
-        return [m for m in reversed(list(module.modules())) if m is not module and isinstance(m, blocks)]
+        return _mesh.blocks_bottom_up(module, blocks)
 
     def _checkpoint_targets(self, module: nn.Module, blocks: tuple[type, ...]) -> list[nn.Module]:
         ac = self.settings.activation_checkpointing
@@ -305,15 +282,6 @@ class FSDP(MeshStrategy):
             raise ValueError(f"FSDP activation_checkpointing=True found no repeated block in {type(module).__name__}; "
                              "pass the block class, e.g. activation_checkpointing=LlamaBlock")
         return [m for m in module.modules() if m is not module and isinstance(m, classes)]
-
-    @override
-    def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
-                            module: nn.Module | None = None) -> contextlib.AbstractContextManager:
-        """Context that yields ``params`` as plain whole tensors (DTensors gathered over their mesh).
-
-        See :meth:`Strategy.gathered_parameters`; with ``modifier_rank=r`` rank r's writes are kept.
-        """
-        return _mesh.gathered_parameters(param_list(params), modifier_rank, module)
 
     # ---- checkpoints -------------------------------------------------------------------------------
 
@@ -362,13 +330,6 @@ def _checkpoint_forward(module: nn.Module) -> None:
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
     module.forward = checkpointed
-
-
-@torch.no_grad()
-def _broadcast_module(module: nn.Module) -> None:
-    """Copy rank 0's parameters and buffers to every rank (before sharding)."""
-    for t in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(t.data, src=0)
 
 
 @torch.no_grad()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from typing_extensions import override
@@ -19,7 +21,7 @@ def default_device() -> torch.device:
 
 
 class SingleDevice(Strategy):
-    """Train on one device in one process.
+    """Train on one device in one process: rank 0 of a world of one, with no process group.
 
     Args:
         device: "cpu", "cuda", "cuda:1" or a torch.device; defaults to the first GPU if any, else CPU.
@@ -39,3 +41,21 @@ class SingleDevice(Strategy):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         return module.to(self._device)
+
+    # The Runner's collectives over a world of one: nothing to wait for or exchange.
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        pass
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    @override
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return tensor
+
+    @override
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.unsqueeze(0)

@@ -3,39 +3,30 @@
 The mesh is ``("dp_replicate", "dp_shard", "tp")``: TP runs inside each group of ``tp_size``
 consecutive ranks; across groups the model is either sharded by FSDP2 (``dp="fsdp"``) or replicated
 with gradients all-reduced (``dp="replicate"``, FSDP2 with shard groups of one rank).
+
+A plan (module name or fnmatch pattern -> ``ParallelStyle``) says how each layer is split. It comes from
+``TensorParallel(plan=...)`` when given, else from the model's ``parallel_plan(tp_size, sequence_parallel)``
+method, kept beside the model (shardkit's Llama: :func:`shardkit.models.llama.llama_plan`); see
+:func:`resolve_plan` and ``strategies/README.md``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import difflib
 import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from typing_extensions import override
 
 from shardkit.strategies import _mesh
-from shardkit.strategies.base import param_list
 from shardkit.strategies.distributed import MeshStrategy
+from shardkit.suggest import did_you_mean
 
-__all__ = ["TensorParallel", "TensorParallelSettings", "llama_plan"]
+__all__ = ["TensorParallel", "TensorParallelSettings", "resolve_plan"]
 
 DP_MODES = (None, "fsdp", "replicate")
 
@@ -47,9 +38,10 @@ class TensorParallelSettings:
     Args:
         tp_size: ranks that split each layer; must divide the world size. None (the default): every rank
             (pure TP), set when the Runner starts.
-        plan: FQN pattern (fnmatch, e.g. ``"layers.*.mlp.up_proj"``) -> ParallelStyle; None uses the
-            built-in plan for ``shardkit.models.llama.Llama``.
-        sequence_parallel: shard the norms' activations along the sequence (built-in plan only).
+        plan: FQN pattern (fnmatch, e.g. ``"layers.*.mlp.up_proj"``) -> ParallelStyle; None: the model's own
+            ``parallel_plan(tp_size, sequence_parallel)`` (shardkit's Llama has one). See :func:`resolve_plan`.
+        sequence_parallel: shard the norms' activations along the sequence (passed to the model's
+            ``parallel_plan``; with ``plan=...`` put SequenceParallel styles in the plan instead).
         dp: across TP groups: "fsdp" (2-D, FSDP2 shards over the data-parallel ranks), "replicate",
             or None ("replicate" when there is more than one TP group, else pure TP).
         state_dict_type: "sharded" (each rank writes its shards) or "full" (gathered to rank 0).
@@ -66,14 +58,13 @@ class TensorParallelSettings:
                                          or self.tp_size < 1):
             raise ValueError(f"TensorParallel tp_size={self.tp_size!r} must be an int >= 1")
         if self.dp not in DP_MODES:
-            close = difflib.get_close_matches(str(self.dp), [m for m in DP_MODES if m], n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(str(self.dp), [m for m in DP_MODES if m])
             raise ValueError(f"TensorParallel dp={self.dp!r} is not one of {DP_MODES}{hint}")
         if self.state_dict_type not in ("sharded", "full"):
             raise ValueError(f"TensorParallel state_dict_type={self.state_dict_type!r} is not 'sharded' or 'full'")
         if self.plan is not None and self.sequence_parallel:
-            raise ValueError("TensorParallel sequence_parallel=True applies to the built-in plan; with plan=..., put "
-                             "SequenceParallel() styles in the plan itself")
+            raise ValueError("TensorParallel sequence_parallel=True applies to the model's own parallel_plan(); with "
+                             "plan=..., put SequenceParallel() styles in the plan itself")
 
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         """(dp_replicate, dp_shard, tp) for ``world_size`` ranks (``tp_size`` None: all of them)."""
@@ -86,46 +77,29 @@ class TensorParallelSettings:
         return (1, dp, self.tp_size) if self.dp == "fsdp" else (dp, 1, self.tp_size)
 
 
-def llama_plan(model: nn.Module, tp_size: int, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The plan for ``shardkit.models.llama.Llama``: column-wise q/k/v/gate/up, row-wise o/down.
+def resolve_plan(module: nn.Module, plan: dict[str, ParallelStyle] | None, tp_size: int,
+                 sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The plan TensorParallel applies to ``module``: module name -> ParallelStyle.
 
-    Attention keeps ``num_heads / tp_size`` heads per rank (the model views its projections as
-    ``(batch, seq, -1, head_dim)``, so local heads need no change). Embedding and the tied output head
-    stay replicated. With ``sequence_parallel`` the norms and residual stream are sharded on the
-    sequence dim between the blocks.
+    ``plan`` (FQN patterns) when given, else the model's own ``parallel_plan(tp_size, sequence_parallel)``
+    (shardkit's Llama has one, :func:`shardkit.models.llama.llama_plan`). Patterns are expanded to the
+    module names they match.
 
     Raises:
-        ValueError: the head counts are not divisible by ``tp_size``.
+        ValueError: no plan was given and the model has no ``parallel_plan`` (the message names both fixes),
+            or a pattern matches no module.
     """
-    cfg = getattr(model, "config", None)
-    if cfg is None or not hasattr(model, "layers"):
-        raise ValueError(f"TensorParallel has no built-in plan for {type(model).__name__}; pass plan={{FQN pattern: "
-                         "ParallelStyle}}, e.g. {'layers.*.mlp.up_proj': ColwiseParallel()}")
-    for what, heads in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.kv_heads)):
-        if heads % tp_size:
-            raise ValueError(f"TensorParallel: {what}({heads}) % tp_size({tp_size}) != 0; each rank needs whole "
-                             "attention heads")
-    sp = sequence_parallel
-    plan: dict[str, ParallelStyle] = {}
-    if sp:
-        plan["embed_tokens"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
-                                                   use_local_output=False)
-        plan["norm"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                          use_local_output=True)
-    for i in range(len(model.layers)):
-        p = f"layers.{i}"
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[f"{p}.{name}"] = ColwiseParallel()
-        out = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
-        plan[f"{p}.self_attn.o_proj"] = RowwiseParallel(**out)
-        plan[f"{p}.mlp.down_proj"] = RowwiseParallel(**out)
-        if sp:
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                plan[f"{p}.{norm}"] = SequenceParallel()
-            for sub in ("self_attn", "mlp"):
-                plan[f"{p}.{sub}"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                        use_local_output=True)
-    return plan
+    if plan is None:
+        own = getattr(module, "parallel_plan", None)
+        if not callable(own):
+            name = type(module).__name__
+            raise ValueError(
+                f"TensorParallel has no plan for {name}: pass TensorParallel(plan={{FQN pattern: ParallelStyle}}), "
+                "e.g. {'layers.*.mlp.up_proj': ColwiseParallel(), 'layers.*.mlp.down_proj': RowwiseParallel()}, "
+                f"or define {name}.parallel_plan(self, tp_size, sequence_parallel) returning one (as "
+                "shardkit.models.llama.Llama does); see shardkit/strategies/README.md")
+        plan = own(tp_size, sequence_parallel)
+    return _expand(plan, module)
 
 
 def _expand(plan: dict[str, ParallelStyle], module: nn.Module) -> dict[str, ParallelStyle]:
@@ -135,9 +109,8 @@ def _expand(plan: dict[str, ParallelStyle], module: nn.Module) -> dict[str, Para
     for pattern, style in plan.items():
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            close = difflib.get_close_matches(pattern, names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ValueError(f"TensorParallel plan key {pattern!r} matches no module of {type(module).__name__}{hint}")
+            raise ValueError(f"TensorParallel plan key {pattern!r} matches no module of {type(module).__name__}"
+                             f"{did_you_mean(pattern, names)}")
         out.update({n: style for n in hits})
     return out
 
@@ -158,7 +131,6 @@ class TensorParallel(MeshStrategy):
                  timeout: float | None = None):
         super().__init__(timeout)
         self.settings = TensorParallelSettings(tp_size, plan, sequence_parallel, dp, state_dict_type)
-        self.mesh: DeviceMesh | None = None
 
     @property
     def data_parallel_size(self) -> int:
@@ -183,46 +155,19 @@ class TensorParallel(MeshStrategy):
         self.mesh = _mesh.build_mesh(self.device_type, shape, ("dp_replicate", "dp_shard", "tp"))
 
     @override
-    def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
-        return super().module_init_context(empty_init)
-
-    @override
-    def setup(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None):
-        names = _mesh.parameter_names(module)
-        module = self.setup_module(self.precision.convert_module(module).to(self.root_device))
-        if optimizer is not None:
-            _mesh.rebind_optimizer(optimizer, names, module)
-        return module, optimizer, scheduler
-
-    @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         s = self.settings
-        plan = _expand(s.plan, module) if s.plan is not None else llama_plan(module, s.tp_size, s.sequence_parallel)
-        if self.world_size > 1:
-            with torch.no_grad():  # every rank starts from rank 0's weights, the replicated ones included
-                for t in [*module.parameters(), *module.buffers()]:
-                    dist.broadcast(t.data, src=0)
+        plan = resolve_plan(module, s.plan, s.tp_size, s.sequence_parallel)
+        if _mesh.has_meta_parameters(module):
+            raise ValueError(f"TensorParallel: {type(module).__name__} has parameters on the meta device; TP splits "
+                             "whole weights, so build the model with real ones (runner.init_module() does)")
+        _mesh.broadcast_from_rank0(module)  # every rank starts from rank 0's weights, the replicated ones included
         parallelize_module(module, self.tp_mesh, plan)
         if self.data_parallel_size > 1:
-            dp_mesh = self.mesh["dp_replicate", "dp_shard"]
-            p = self.precision
-            mp = MixedPrecisionPolicy(param_dtype=p.compute_dtype if p.compute_dtype != p.param_dtype else None,
-                                      reduce_dtype=p.comm_dtype)
-            blocks = {type(c) for m in module.modules() if isinstance(m, nn.ModuleList) for c in m}
-            for sub in reversed(list(module.modules())):
-                if sub is not module and isinstance(sub, tuple(blocks)):
-                    fully_shard(sub, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=s.dp == "fsdp")
-            fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=s.dp == "fsdp")
+            blocks = _mesh.blocks_bottom_up(module, _mesh.repeated_blocks(module))
+            _mesh.shard_bottom_up(module, blocks, mesh=self.mesh["dp_replicate", "dp_shard"],
+                                  mp_policy=_mesh.mp_policy(self.precision), reshard_after_forward=s.dp == "fsdp")
         return module
-
-    @override
-    def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
-                            module: nn.Module | None = None) -> contextlib.AbstractContextManager:
-        """Context that yields ``params`` as plain whole tensors (DTensors gathered over their mesh).
-
-        See :meth:`Strategy.gathered_parameters`; with ``modifier_rank=r`` rank r's writes are kept.
-        """
-        return _mesh.gathered_parameters(param_list(params), modifier_rank, module)
 
     # ---- checkpoints -------------------------------------------------------------------------------
 

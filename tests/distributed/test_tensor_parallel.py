@@ -1,5 +1,5 @@
 """TensorParallel (DTensor parallelize_module) on real processes with gloo: tp=2 on the Llama model, 2-D with
-FSDP on 4 ranks, a user plan, and the settings errors."""
+FSDP on 4 ranks, a user plan, a non-Llama model with its own plan, and the settings errors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from test_fsdp import TINY, build_and_train
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from shardkit.distributed import LaunchError, launch
-from shardkit.models.llama import Llama, LlamaConfig
+from shardkit.models.llama import Llama, LlamaConfig, llama_plan
 
 
 def _tp_vs_ddp(precision: str, kwargs: dict) -> dict:
@@ -75,7 +75,7 @@ def test_a_user_plan_with_patterns_parallelises_any_model():
 
 
 def test_settings_errors_name_the_values():
-    from shardkit.strategies.tensor_parallel import TensorParallel, TensorParallelSettings, llama_plan
+    from shardkit.strategies.tensor_parallel import TensorParallel, TensorParallelSettings
 
     with pytest.raises(ValueError, match=r"world_size\(4\) % tp_size\(3\) != 0"):
         TensorParallelSettings(tp_size=3).mesh_shape(4)
@@ -92,6 +92,86 @@ def test_settings_errors_name_the_values():
         _expand({"layers.0.mlp.up_prj": ColwiseParallel()}, Llama(TINY))
     with pytest.raises(ValueError, match="no built-in plan for Linear"):
         llama_plan(torch.nn.Linear(4, 4), 2)
+
+
+class PlannedMLP(torch.nn.Module):
+    """A model that is not a Llama and keeps its own tensor-parallel plan beside it."""
+
+    def __init__(self, width: int = 8, hidden: int = 32):
+        super().__init__()
+        self.up = torch.nn.Linear(width, hidden)
+        self.down = torch.nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+    def parallel_plan(self, tp_size: int, sequence_parallel: bool = False) -> dict:
+        return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+class UnplannedMLP(PlannedMLP):
+    parallel_plan = None  # nothing to find: TensorParallel must be given plan=...
+
+
+def _mlp_losses(model: torch.nn.Module, runner=None, steps: int = 6) -> tuple[list[float], torch.nn.Module]:
+    """Fit ``2 * x`` on one fixed batch with Adam; every rank sees the whole batch (one TP group)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if runner is not None:
+        model, optimizer = runner.setup(model, optimizer)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(3))
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), 2 * x)
+        if runner is not None:
+            runner.backward(loss)
+            runner.step()
+        else:
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+def _non_llama_plans() -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from shardkit import Runner
+    from shardkit.strategies.tensor_parallel import TensorParallel
+
+    torch.manual_seed(0)
+    reference, _ = _mlp_losses(PlannedMLP())
+    out = {"reference": reference}
+    for case, cls, plan in (("own", PlannedMLP, None), ("given", UnplannedMLP, {"up": ColwiseParallel(),
+                                                                                 "down": RowwiseParallel()})):
+        torch.manual_seed(0)
+        model = cls()
+        losses, model = _mlp_losses(model, Runner(strategy=TensorParallel(2, plan=plan)))
+        up = model.up.weight
+        out[case] = {"losses": losses, "dtensor": isinstance(up, DTensor), "local_rows": up.to_local().shape[0],
+                     "up": up.full_tensor().detach().clone()}
+    return out
+
+
+def test_tp_on_a_non_llama_model_with_its_own_plan_or_a_given_one():
+    r0, r1 = run_distributed(_non_llama_plans, world_size=2, timeout=180)
+
+    for case in ("own", "given"):
+        got = r0[case]
+        assert got["dtensor"] and got["local_rows"] == 16, f"{case}: up_proj was not split over 2 ranks: {got}"
+        assert got["losses"][-1] < got["losses"][0], got["losses"]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(r0["reference"]), rtol=1e-5, atol=1e-6)
+        assert got["losses"] == r1[case]["losses"] and torch.equal(got["up"], r1[case]["up"])
+
+
+def test_a_model_without_a_plan_gets_an_error_naming_both_fixes():
+    from shardkit.strategies.tensor_parallel import resolve_plan
+
+    with pytest.raises(ValueError, match=r"no plan for UnplannedMLP: pass TensorParallel\(plan=.*define "
+                                         r"UnplannedMLP\.parallel_plan\(self, tp_size, sequence_parallel\)"):
+        resolve_plan(UnplannedMLP(), None, 2)
+    assert set(resolve_plan(PlannedMLP(), None, 2)) == {"up", "down"}
+    assert list(resolve_plan(Llama(TINY), None, 2)) == list(llama_plan(Llama(TINY), 2))
 
 
 def _tp_not_dividing() -> None:
