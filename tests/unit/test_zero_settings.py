@@ -113,3 +113,26 @@ def test_importing_the_strategies_does_not_import_deepspeed():
 
     code = "import shardkit, shardkit.strategies.zero, sys; print('deepspeed' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_each_stage_brings_its_layout_and_inference_config():
+    # Stage 3 is the ZeRO3 class's overrides, not a stage check: its layout and its engine without an optimizer.
+    from shardkit.strategies.zero.layout import FlatPartitionLayout, ParameterPartitionLayout
+
+    flat, partitioned = (ZeRO1(), ZeRO2()), (ZeRO3(), ZeROInfinity(nvme_path=None, offload_params="cpu",
+                                                                   offload_optimizer="cpu"))
+    assert [type(s.layout) for s in flat] == [FlatPartitionLayout] * 2 and [s.layout.stage for s in flat] == [1, 2]
+    assert all(type(s.layout) is ParameterPartitionLayout and s.layout.stage == 3 for s in partitioned)
+    assert ZeRO2()._inference_config(ZeRO2().deepspeed_config(_model()))["zero_optimization"] == {"stage": 0}
+    assert ZeRO3()._inference_config(ZeRO3().deepspeed_config(_model()))["zero_optimization"]["stage"] == 3
+
+
+def test_reading_whole_parameters_through_the_partitioned_interface_needs_no_engine():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from shardkit.strategies.partitioned import gathered_for_read\n"
+            "w = torch.nn.Parameter(torch.ones(2))\n"
+            "with gathered_for_read(w, None): print(bool(w.sum() == 2), 'deepspeed' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "True False", out.stderr
