@@ -38,7 +38,6 @@ from .registry import OpSpec, native, register
 __all__ = [
     "SPEC",
     "chunk_rows_for",
-    "flce_benchmark_case",
     "flce_compute_dtype",
     "flce_rows_reference",
     "fused_linear_cross_entropy",
@@ -433,27 +432,6 @@ def linear_cross_entropy_reference(hidden: Tensor, weight: Tensor, labels: Tenso
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                              ignore_index=ignore_index, reduction=reduction,
                                              label_smoothing=label_smoothing)
-
-
-def flce_benchmark_case(n: int, hidden_size: int, vocab: int, dtype: torch.dtype = torch.float32,
-                        device: str = "cpu", seed: int = 0, **kwargs) -> dict[str, Callable[[], None]]:
-    """Forward+backward closures over one random problem, for benchmarks: {"fused": ..., "naive": ...}.
-
-    Each call zeroes the gradients, runs the loss and its backward; ``kwargs`` go to both losses.
-    """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    h = (torch.randn(n, hidden_size, generator=gen) * 0.5).to(device, dtype).requires_grad_()
-    w = (torch.randn(vocab, hidden_size, generator=gen) / hidden_size**0.5).to(device, dtype).requires_grad_()
-    y = torch.randint(0, vocab, (n,), generator=gen).to(device)
-
-    def step(fn: Callable[..., Tensor]) -> Callable[[], None]:
-        def run() -> None:
-            h.grad = w.grad = None
-            fn(h, w, y, **kwargs).backward()
-
-        return run
-
-    return {"fused": step(fused_linear_cross_entropy), "naive": step(linear_cross_entropy_reference)}
 
 
 def _example(device: str, dtype: torch.dtype, size: str) -> tuple:
