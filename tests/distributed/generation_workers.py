@@ -85,11 +85,14 @@ def _rank() -> int:
     return dist.get_rank()
 
 
-def generation_worker(names: list[str], nvme_path: str | None = None) -> dict:
-    """For each model kind, strategy and case (no EOS / EOS): this rank's output and the reference."""
+def generation_worker(names: list[str], nvme_path: str | None = None, kinds: tuple[str, ...] = ("shardkit", "hf"),
+                      ) -> dict:
+    """For each model kind in ``kinds``, strategy and case (no EOS / EOS): this rank's output and the reference."""
     rank = _rank()
     out: dict = {}
     for kind, build in (("shardkit", shardkit_tiny), ("hf", hf_tiny)):
+        if kind not in kinds:
+            continue
         hf = kind == "hf"
         base = build()
         state = {k: v.clone() for k, v in base.state_dict().items()}

@@ -1,4 +1,4 @@
-"""Runner + DDP against raw torch DDP, accumulation, FP16 overflow, metrics gathering and faults."""
+"""Runner + DDP against raw torch DDP, accumulation, metrics gathering and faults."""
 
 import os
 import signal
@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 from workloads import TINY, build, full_state, train
 
-from shardkit import DDP, FP16, Runner
+from shardkit import DDP, Runner
 from shardkit.distributed.launcher import LaunchError
 from shardkit.distributed.process_group import init_distributed
 from shardkit.models import Llama
@@ -104,28 +104,8 @@ def test_accumulated_micro_batches_equal_one_big_batch():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _fp16_overflow() -> dict:
-    runner = Runner(DDP(), FP16(initial_scale_power=8, hysteresis=1), seed=0)
-    model = Llama(TINY)
-    model, optimizer = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    ids = torch.randint(0, 256, (2, 16))
-    runner.backward(model(ids, ids))
-    assert runner.step()
-    before = full_state(runner, model)
-    runner.backward(model(ids, ids))
-    if runner.rank == 1:  # an overflow on one rank must make every rank skip (the all-reduce spreads it)
-        model.module.norm.weight.grad[0] = float("inf")
-    stepped = runner.step()
-    after = full_state(runner, model)
-    result = {"stepped": stepped, "scale": runner.precision.current_loss_scale,
-              "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
-    runner.teardown()
-    return result
-
-
-def test_fp16_overflow_skips_the_step_and_halves_the_scale():
-    for result in run_distributed(_fp16_overflow, 2):
-        assert result == {"stepped": False, "scale": 128.0, "unchanged": True}
+# An FP16 overflow on one rank skipping the step on every rank and halving the scale: for every strategy in
+# tests/contract/test_strategy_contract.py.
 
 
 def _gather_metrics() -> list[int]:

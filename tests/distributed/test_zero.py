@@ -30,20 +30,15 @@ def _check_loss_falls(losses, name):
     assert last < first, f"{name}: loss did not fall ({first / GAS:.4f} -> {last / GAS:.4f})"
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_zero_stages_train_agree_across_ranks_and_match_ddp_in_fp32(precision):
+# fp32 (losses, clip norms and weights equal DDP's): tests/contract/test_strategy_contract.py, every strategy.
+@pytest.mark.parametrize("precision", ["bf16"])
+def test_zero_stages_train_and_agree_across_ranks(precision):
     names = ["ddp", "zero1", "zero2", "zero3"]
     results = run_distributed(w.compare_worker, world_size=2, timeout=600, args=(names, precision, STEPS, GAS, CLIP))
     for name in names[1:]:
         _check_replicas_agree(results, name)
         _check_loss_falls(results[0][name]["losses"], name)
         assert len(results[0][name]["norms"]) == STEPS and all(n > CLIP for n in results[0][name]["norms"])
-        if precision == "fp32":
-            for rank in (0, 1):
-                got, ddp = results[rank][name], results[rank]["ddp"]
-                torch.testing.assert_close(got["losses"], ddp["losses"], rtol=1e-5, atol=1e-6)
-                torch.testing.assert_close(got["norms"], ddp["norms"], rtol=1e-5, atol=1e-6)
-                torch.testing.assert_close(got["params"], ddp["params"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

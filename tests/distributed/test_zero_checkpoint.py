@@ -15,7 +15,9 @@ STEPS = 4  # as in test_resume.py: 2N steps in one go against N, save, new proce
 
 
 @pytest.mark.slow  # 3 launches of 2 ranks each, ~45 s per case on 2 cores
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+# fp32 (losses, weights and the whole next checkpoint, optimizer state included, bitwise after a resume):
+# tests/contract/test_strategy_contract.py, every strategy.
+@pytest.mark.parametrize("precision", ["bf16"])
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 def test_exact_resume(tmp_path, strategy, precision):
     """test_resume.py's protocol (tiny Llama, dropout, shuffled loader, StepLR, accumulation 2, clipping)."""
