@@ -208,10 +208,7 @@ class FSDP(MeshStrategy):
         rank0_state = None
         if meta and sync and self.is_global_zero:
             rank0_state = {k: v.detach() for k, v in module.state_dict().items()}
-        blocks = self._block_classes(module)
-        for sub in self._checkpoint_targets(module, blocks):
-            _checkpoint_forward(sub)
-        self._shard(module, blocks)
+        self._shard(module)
         if meta:
             if _mesh.has_meta_parameters(module):
                 _mesh.materialize(module, self.root_device if not self.settings.cpu_offload else torch.device("cpu"))
@@ -238,10 +235,7 @@ class FSDP(MeshStrategy):
         if missing:
             raise ValueError(f"FSDP: parameters {missing[:5]} are on the meta device but were not built under "
                              "runner.init_module(); build the whole model inside it")
-        blocks = self._block_classes(module)
-        for sub in self._checkpoint_targets(module, blocks):
-            _checkpoint_forward(sub)
-        self._shard(module, blocks)
+        self._shard(module)
         device = self.root_device if not self.settings.cpu_offload else torch.device("cpu")
         _mesh.materialize(module, device)
         _init.replay_into(module, records, device)
@@ -250,7 +244,11 @@ class FSDP(MeshStrategy):
     def _any_rank(self, flag: bool) -> bool:
         return bool(_mesh.reduce_max(torch.tensor(float(flag))).item())
 
-    def _shard(self, module: nn.Module, blocks: tuple[type, ...]) -> None:
+    def _shard(self, module: nn.Module) -> None:
+        """Activation checkpointing on the chosen blocks, then fully_shard each unit bottom-up and the root."""
+        blocks = self._block_classes(module)
+        for sub in self._checkpoint_targets(module, blocks):
+            _checkpoint_forward(sub)
         offload = OffloadPolicy()
         if self.settings.cpu_offload:
             # NOTE: pinned memory needs an accelerator; on a CPU-only machine pinning crashes.
