@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from shardkit.precision.base import LossScaling, Precision, parse_dtype
@@ -114,7 +115,7 @@ class FP16(Precision):
         if self._unscaled:
             return
         inv = 1.0 / self._scaler.scale
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = _local_grads(optimizer)
         if grads:
             torch._foreach_mul_(grads, inv)
         self._unscaled = True
@@ -155,8 +156,24 @@ class FP16(Precision):
         return self._scaler.skipped_steps
 
 
+def _local_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every gradient as the plain tensor this rank holds.
+
+    Tensor parallelism leaves DTensor gradients (the sharded Linears) beside plain ones (norms, embeddings),
+    and the foreach ops refuse such a mix; each rank's local part is what it unscales and checks, and the
+    strategy's found_inf reduction makes the verdict global.
+    """
+    grads = []
+    with torch.no_grad():  # to_local() is then the shard itself, so in-place unscaling reaches the gradient
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+    return grads
+
+
 def _has_inf_or_nan(optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    grads = _local_grads(optimizer)
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     # One fused pass: the sum of a tensor is non-finite iff some element is inf or NaN (or it overflows).
