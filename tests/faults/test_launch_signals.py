@@ -66,14 +66,20 @@ def _wait_for(paths: list[Path], seconds: float) -> None:
         time.sleep(0.2)
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_cli(tmp_path: Path, mode: str, *flags: str) -> tuple[subprocess.Popen, Path]:
     script, pids = tmp_path / "rank.py", tmp_path / "pids"
     script.write_text(RANK_SCRIPT)
     pids.mkdir()
     env = {**os.environ, "SHARDKIT_COLLECTIVE_TIMEOUT": "4"}
+    # The CLI runs as a foreground command would: a job started in the background (as CI may start this
+    # suite) inherits SIGINT ignored, and the launcher rightly leaves an ignored signal ignored.
     process = subprocess.Popen([sys.executable, "-m", "shardkit.cli", "launch", "--num-processes", "2", *flags,
                                 str(script), str(pids), mode], env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     return process, pids
 
 
