@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 from torch.utils.data import DataLoader
+from workloads import full_state
 
 from shardkit import FP16, Runner
 from shardkit.models import ByteTextDataset, Llama, LlamaConfig
@@ -76,18 +77,6 @@ def local_slice(runner: Runner, x: torch.Tensor) -> torch.Tensor:
 def global_mean(runner: Runner, loss: torch.Tensor) -> float:
     """The mean over ranks of each rank's loss: DDP's global batch loss; TP peers hold equal values."""
     return runner.all_reduce(loss.detach().float().clone(), "mean").item()
-
-
-def full_weights(runner: Runner, model) -> dict[str, torch.Tensor]:
-    """The model's whole fp32 weights as CPU copies (gathered where the strategy shards; a collective)."""
-    module = runner.unwrap_model(model)
-    out = {}
-    with runner.gathered_parameters(list(module.parameters())):
-        for key, value in module.state_dict().items():
-            if hasattr(value, "full_tensor"):
-                value = value.full_tensor()
-            out[key] = value.detach().float().cpu().clone()
-    return out
 
 
 def setup_training(runner: Runner, optimizer_kind: str = "adamw", dropout: float = 0.0):
@@ -177,7 +166,7 @@ def train_parity(strategy, steps: int = PARITY_STEPS) -> dict:
         runner.backward(loss)
         runner.step()
         losses.append(global_mean(runner, loss))
-    return {"losses": losses, "weights": full_weights(runner, model)}
+    return {"losses": losses, "weights": full_state(runner, model)}
 
 
 def train_accumulate_clip(strategy) -> dict:
@@ -196,7 +185,7 @@ def train_accumulate_clip(strategy) -> dict:
             norm_types.add((type(norm).__name__, norm.dim()))
             norms.append(float(norm))
     return {"losses": losses, "norms": norms, "norm_types": sorted(norm_types),
-            "weights": full_weights(runner, model), "steps": runner.optimizer_steps}
+            "weights": full_state(runner, model), "steps": runner.optimizer_steps}
 
 
 # ---- FP16 overflow --------------------------------------------------------------------------------------
@@ -219,7 +208,7 @@ def fp16_overflow(name: str) -> dict:
     runner.backward(model(x, labels=x))
     shows_grads = any(p.grad is not None for p in model.parameters())  # DeepSpeed keeps them in its engine
     first = runner.step()
-    before = full_weights(runner, model)
+    before = full_state(runner, model)
     last = runner.rank == runner.world_size - 1
     loss = model(x, labels=x)
     where = "none"
@@ -229,7 +218,7 @@ def fp16_overflow(name: str) -> dict:
     if last and shows_grads:
         where = _inf_into_grad(model)
     stepped = runner.step()
-    after = full_weights(runner, model)
+    after = full_state(runner, model)
     return {"first": first, "stepped": stepped, "scale": runner.precision.current_loss_scale, "where": where,
             "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
 
@@ -285,11 +274,11 @@ def exact_resume(name: str, root: str) -> dict:
     straight = _train_steps(runner, model, batches_left, RESUME_STEPS)
     state["step"] = RESUME_STEPS
     runner.save(where / "mid", state)
-    at_save = full_weights(runner, model)
+    at_save = full_state(runner, model)
     straight += _train_steps(runner, model, batches_left, RESUME_STEPS)
     state["step"] = 2 * RESUME_STEPS
     runner.save(where / "straight", state)
-    weights = full_weights(runner, model)
+    weights = full_state(runner, model)
 
     torch.manual_seed(1234)  # whatever the RNG holds now, the load must restore the saved one
     runner2, model2, loader2, state2 = _resume_build(name)
@@ -299,7 +288,7 @@ def exact_resume(name: str, root: str) -> dict:
     runner2.save(where / "resumed", state2)
     return {"straight": straight, "resumed": resumed, "loaded_step": values["step"], "dir": str(where),
             "saved_world_size": runner.world_size, "weights_at_save": at_save, "weights": weights,
-            "resumed_weights": full_weights(runner2, model2), "scales": [r.precision.current_loss_scale
+            "resumed_weights": full_state(runner2, model2), "scales": [r.precision.current_loss_scale
                                                                          for r in (runner, runner2)],
             "steps": [runner.optimizer_steps, runner2.optimizer_steps]}
 
@@ -395,7 +384,7 @@ def reload_worker(name: str, path: str) -> dict:
         values = runner.load(path, state)
     except Exception as err:  # noqa: BLE001 - compared with the strategy's documented error by the test
         return {"error_type": type(err).__name__, "error": str(err)}
-    weights = full_weights(runner, model)
+    weights = full_state(runner, model)
     again = Path(path).parent / "reloaded-1-rank"
     runner.save(again, state)
     x = batches(1)[0]
