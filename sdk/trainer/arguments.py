@@ -102,6 +102,7 @@ class TrainingArguments:
     label_smoothing_factor: float = 0.0
     optim: str = "adamw_torch_fused"
     optim_args: dict[str, Any] = field(default_factory=dict)
+    optim_target_modules: str | list[str] | None = None
     report_to: str | list[str] = "none"
     resume_from_checkpoint: str | None = None
     gradient_checkpointing: bool = False
@@ -111,6 +112,13 @@ class TrainingArguments:
     max_time: float | None = None
     save_on_sigterm: bool = True
     fast_dev_run: int = 0
+    neftune_noise_alpha: float | None = None  # NEFTune: embedding noise alpha/sqrt(L*d) in training (5 to 15)
+    use_fused_kernels: bool = False  # patch an HF model with shardkit.nn.apply_fused_kernels before setup
+    use_liger_kernel: bool = False  # Hugging Face's name for use_fused_kernels
+    liger_kernel_config: dict[str, Any] | None = None  # Liger's switches: rope, swiglu, rms_norm, fused_linear_ce..
+    torch_compile: bool = False  # compile the model in place (nn.Module.compile) before setup
+    torch_compile_backend: str | None = None  # default "inductor"; setting it implies torch_compile
+    torch_compile_mode: str | None = None  # inductor's mode; setting it implies torch_compile
 
     def __post_init__(self) -> None:
         self.output_dir = str(self.output_dir)
@@ -118,6 +126,7 @@ class TrainingArguments:
         self._check_numbers()
         self._check_eval_and_save()
         self._check_precision_and_engines()
+        _check_model_prep(self)  # neftune, fused kernels and torch_compile fields (shardkit.trainer.model_prep)
         if self.run_name is None:
             self.run_name = self.output_dir
         if self.logging_dir is None:
@@ -143,8 +152,15 @@ class TrainingArguments:
                              "pip install tensorboard, or use report_to='jsonl'")
         if isinstance(self.lr_scheduler_kwargs, str):
             self.lr_scheduler_kwargs = _json_field("lr_scheduler_kwargs", self.lr_scheduler_kwargs)
-        if isinstance(self.optim_args, str):
-            self.optim_args = _json_field("optim_args", self.optim_args)
+        if isinstance(self.optim_args, str) or self.optim_args is None:
+            from shardkit.optim.named import parse_optim_args  # JSON or HF's "rank=64,scale=0.25"
+
+            self.optim_args = parse_optim_args(self.optim_args)
+        if not isinstance(self.optim_target_modules, (str, list, tuple, type(None))) or (
+                isinstance(self.optim_target_modules, (list, tuple))
+                and not all(isinstance(t, str) for t in self.optim_target_modules)):
+            raise ValueError(f"TrainingArguments.optim_target_modules={self.optim_target_modules!r} must be a list "
+                             "of module names, a regex string or 'all-linear'")
 
     def _check_numbers(self) -> None:
         for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
@@ -276,6 +292,12 @@ def _json_field(name: str, text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"TrainingArguments.{name} must be a JSON object, got {type(value).__name__}")
     return value
+
+
+def _check_model_prep(args: TrainingArguments) -> None:
+    from shardkit.trainer.model_prep import check_model_prep_args
+
+    check_model_prep_args(args)
 
 
 def _has_tensorboard() -> bool:

@@ -43,6 +43,7 @@ from shardkit.trainer.engine import (
     total_steps,
 )
 from shardkit.trainer.evaluation import EvaluationMixin, _loss_of
+from shardkit.trainer.optim_modes import check_optimizer_strategy, pass_eval_loss, pass_training_loss, to_eval, to_train
 from shardkit.trainer.loss import (
     LossMode,
     accepts,
@@ -52,6 +53,8 @@ from shardkit.trainer.loss import (
     loss_mode,
     warn_mean_once,
 )
+from shardkit.trainer.model_prep import apply_model_prep, maybe_compile
+from shardkit.trainer.neftune import neftune
 from shardkit.trainer.reporting import reporter_callbacks
 from shardkit.trainer.state import TrainerControl, TrainerState
 
@@ -93,6 +96,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
             if model_init is None:
                 raise ValueError("Trainer needs a model (or model_init, a function that returns one)")
             model = model_init()
+        apply_model_prep(model, args)  # fused kernels, before anything reads the model's forward
         if args.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
             model.gradient_checkpointing_enable()
         self._user_model = self.model = model
@@ -180,9 +184,10 @@ class Trainer(CheckpointMixin, EvaluationMixin):
             self._per_epoch = steps_per_epoch(len(self._train_loader), args.gradient_accumulation_steps)
             max_steps, self._num_epochs = total_steps(args, self._per_epoch)
         self._max_steps = max_steps
-        model = self._user_model
+        model = maybe_compile(self._user_model, args)  # in place, the last change before setup
         if self.train_dataset is not None or self.optimizer is not None:
             optimizer = self.optimizer or create_optimizer(model, args, self._engine_spec)
+            check_optimizer_strategy(optimizer, runner.strategy)
             scheduler = self.lr_scheduler or create_scheduler(optimizer, args, self._engine_spec, max(max_steps, 1))
             self._plateau = isinstance(scheduler, ReduceLROnPlateau)
             if self._plateau:  # stepped on an eval metric by the Trainer, not per step by the Runner
@@ -232,7 +237,8 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         self._ignore_keys_for_eval = ignore_keys_for_eval
         previous = self._install_signal_handler()
         try:
-            return self._train_loop(resumed=path is not None)
+            with neftune(self.model, args.neftune_noise_alpha, self.runner.unwrap_model):
+                return self._train_loop(resumed=path is not None)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
@@ -268,6 +274,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
             self._run_epoch(epoch)
             if self.control.should_training_stop:
                 break
+        to_eval(self)  # schedule-free: the averaged weights are the trained model (before the best is loaded)
         if args.load_best_model_at_end:
             self._load_best_model()
         return self._finish(start, state.global_step - steps_at_start)
@@ -306,6 +313,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
     def _train_window(self, window: list[Any]) -> None:
         args, runner = self.args, self.runner
         self.control._new_step()
+        to_train(self)  # schedule-free: gradients at y (a save or an evaluation swapped the average x in)
         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
         num_items = self._count_window(window)
         window_loss = None
@@ -316,6 +324,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
                 self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
         self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
         self._grad_norm = runner.clip_gradients(args.max_grad_norm) if args.max_grad_norm > 0 else None
+        pass_training_loss(self, window_loss)  # GrokAdamW's step reads it
         runner.step()
         self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
         self._pending_local.append(window_loss.float())
@@ -411,6 +420,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         if self.eval_dataset is None:
             raise ValueError(f"eval_strategy={self.args.eval_strategy!r} needs Trainer(eval_dataset=...)")
         metrics = self.evaluate(ignore_keys=getattr(self, "_ignore_keys_for_eval", None))
+        pass_eval_loss(self, metrics)
         new_best = self._update_best(metrics)
         if self._plateau:
             self.lr_scheduler.step(metrics[self._metric_key(metrics)])
@@ -526,6 +536,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         from shardkit.trainer.export import save_full_model
 
         self._ensure_setup()
+        to_eval(self)  # schedule-free: export the averaged weights
         save_full_model(self.runner, self.model, output_dir or self.args.output_dir, self.processing_class, self.args)
 
 
