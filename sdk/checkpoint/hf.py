@@ -108,7 +108,7 @@ def _save_config(module: nn.Module, out_dir: Path) -> None:
 
 def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *,
                     dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
-                    save_config: bool = True) -> list[Path]:
+                    save_config: bool = True, tensors: Any = None) -> list[Path]:
     """Writes the whole model as HF-style safetensors (sharded with an index past ``max_shard_size``).
 
     Call it on every rank (the gathers are collectives). Works under every strategy; under ZeRO-3 this is
@@ -122,6 +122,8 @@ def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *
             keeps the dtype the model holds.
         max_shard_size: largest output file (``"5GB"``, ``"500MiB"`` or bytes).
         save_config: also write an HF model's ``config.json`` / ``generation_config.json``.
+        tensors: ``(name, tensor)`` pairs to write instead of ``runner.iter_full_state_dict(model)`` (a stream
+            built on it, e.g. LoRA adapters merged in by ``shardkit.trainer.peft_support.merged_tensors``).
 
     Returns:
         On the main process the files written (shards, then the index); ``[]`` on the other ranks.
@@ -137,7 +139,8 @@ def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *
     if main:
         _prepare_dir(out)
         buffer = _ShardBuffer(out, limit, {"format": "pt", **({"tied_weights": json.dumps(tied)} if tied else {})})
-    for name, tensor in runner.iter_full_state_dict(model):  # every rank drives it; only the main one gets items
+    stream = runner.iter_full_state_dict(model) if tensors is None else tensors
+    for name, tensor in stream:  # every rank drives it; only the main one gets items
         if name in tied:
             continue
         if dtype is not None and tensor.is_floating_point():

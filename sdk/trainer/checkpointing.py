@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from shardkit.trainer.peft_support import checkpoint_module, is_peft_model, save_adapters
 from shardkit.trainer.state import TRAINER_STATE_NAME, TrainerState
 
 __all__ = ["CheckpointMixin", "PREFIX_CHECKPOINT_DIR", "get_last_checkpoint", "sorted_checkpoints"]
@@ -38,7 +39,7 @@ class CheckpointMixin:
     """Save, rotate, resume and select the best checkpoint; mixed into Trainer."""
 
     def _checkpoint_state(self, full: bool) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": self.model}
+        state: dict[str, Any] = {"model": self._checkpoint_model()}
         if full:
             state.update(optimizer=self.optimizer, loader=self._train_loader)
             if self.lr_scheduler is not None:
@@ -46,6 +47,10 @@ class CheckpointMixin:
             state["tr_loss"] = self._pending_losses_state()
         state[_STATE_VALUE] = json.dumps(self._state_for_save())
         return state
+
+    def _checkpoint_model(self) -> Any:
+        """The "model" entry: a peft model's trainable parameters only (its base is frozen), else the model."""
+        return checkpoint_module(self.runner, self.model)
 
     def _state_for_save(self) -> dict[str, Any]:
         from dataclasses import asdict
@@ -62,6 +67,8 @@ class CheckpointMixin:
         path = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         self._note_best_checkpoint(path)
         self.runner.save(path, self._checkpoint_state(full=not self.args.save_only_model))
+        if is_peft_model(self.runner.unwrap_model(self.model)):  # peft's files too, as HF's checkpoints hold
+            save_adapters(self.runner, self.model, path)
         if self.runner.is_main_process:
             # A copy for people and tools; resume reads the copy saved atomically inside the checkpoint.
             self.state.save_to_json(path / TRAINER_STATE_NAME)
@@ -108,7 +115,8 @@ class CheckpointMixin:
 
     def _load_checkpoint(self, path: Path) -> None:
         """Restore model, optimizer, scheduler, data position, RNG and trainer state: O(1), no batch replay."""
-        state: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer, "loader": self._train_loader}
+        state: dict[str, Any] = {"model": self._checkpoint_model(), "optimizer": self.optimizer,
+                                 "loader": self._train_loader}
         if self.lr_scheduler is not None:
             state["scheduler"] = self.lr_scheduler
         state.update(tr_loss={}, **{_STATE_VALUE: ""})
@@ -141,7 +149,7 @@ class CheckpointMixin:
     def load_model(self, path: str | Path) -> None:
         """Load only the model weights of a checkpoint (any strategy, any world size) into the Trainer's model."""
         self._ensure_setup()
-        self.runner.load(path, {"model": self.model})
+        self.runner.load(path, {"model": self._checkpoint_model()})
 
     def _load_best_model(self) -> None:
         best = self.state.best_model_checkpoint
@@ -152,7 +160,7 @@ class CheckpointMixin:
             self.runner.logger.info("loading the best model from %s (%s=%s)", best, self.args.metric_for_best_model,
                                     self.state.best_metric)
         steps = self.runner.optimizer_steps
-        self.runner.load(best, {"model": self.model})
+        self.runner.load(best, {"model": self._checkpoint_model()})
         self.runner.optimizer_steps = steps  # the weights go back; the count of steps taken does not
 
     def _pending_losses_state(self) -> dict[str, Any]:

@@ -55,6 +55,7 @@ from shardkit.trainer.loss import (
 )
 from shardkit.trainer.model_prep import apply_model_prep, maybe_compile
 from shardkit.trainer.neftune import neftune
+from shardkit.trainer.peft_support import base_model_of, is_peft_model, save_peft_model
 from shardkit.trainer.reporting import reporter_callbacks
 from shardkit.trainer.state import TrainerControl, TrainerState
 
@@ -107,8 +108,9 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         self.optimizer, self.lr_scheduler = optimizers
         self.label_names = list(args.label_names or ["labels"])
         owns = compute_loss_func is not None or args.label_smoothing_factor > 0 or not accepts(model, "labels")
-        self._loss_mode = loss_mode(model, owns)
-        self._shift_labels = is_causal_lm(model)
+        probe = base_model_of(model)  # a PeftModel forwards **kwargs: its base model says what the loss takes
+        self._loss_mode = loss_mode(probe, owns)
+        self._shift_labels = is_causal_lm(probe)
         max_steps, warmup = self._estimate_steps() if args.deepspeed else (None, None)
         self.runner, self._engine_spec = build_runner(args, strategy, precision, max_steps, warmup)
         self._configure_logging()
@@ -530,14 +532,25 @@ class Trainer(CheckpointMixin, EvaluationMixin):
 
     # ---- saving the model ----------------------------------------------------------------------------
 
-    def save_model(self, output_dir: str | None = None) -> None:
+    def save_model(self, output_dir: str | None = None, merge_adapters: bool = False) -> None:
         """Save the full model (gathered from shards) for inference: HF ``save_pretrained`` format for
-        PreTrainedModels, else ``model.safetensors``; plus the processing_class when it can save itself."""
+        PreTrainedModels, else ``model.safetensors``; plus the processing_class when it can save itself.
+
+        A peft ``PeftModel`` (LoRA) saves its adapters only (``adapter_model.safetensors`` + ``adapter_config.json``,
+        for ``PeftModel.from_pretrained``); ``merge_adapters=True`` writes the base model with the adapters merged
+        in, in HF format (``from_pretrained`` loads it without peft)."""
         from shardkit.trainer.export import save_full_model
 
         self._ensure_setup()
         to_eval(self)  # schedule-free: export the averaged weights
-        save_full_model(self.runner, self.model, output_dir or self.args.output_dir, self.processing_class, self.args)
+        output_dir = output_dir or self.args.output_dir
+        if is_peft_model(self.runner.unwrap_model(self.model)):
+            save_peft_model(self.runner, self.model, output_dir, merge_adapters, self.processing_class, self.args)
+            return
+        if merge_adapters:
+            raise ValueError(f"save_model(merge_adapters=True) merges LoRA adapters into the base model, but the model "
+                             f"is a {type(self.runner.unwrap_model(self.model)).__name__}, not a peft PeftModel")
+        save_full_model(self.runner, self.model, output_dir, self.processing_class, self.args)
 
 
 def _tokens_of(batch: Any) -> int:

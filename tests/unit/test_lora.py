@@ -1,0 +1,191 @@
+"""LoRA (peft) through the Trainer on one process: only adapters train and carry state, adapter-only checkpoints
+and saves that peft loads, a merged HF export with the PeftModel's logits, exact resume, and the named errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch.utils.data import Subset
+
+from shardkit.models import ByteTextDataset, Llama
+from shardkit.models import LlamaConfig as SKConfig
+from shardkit.trainer import Trainer, TrainerCallback, TrainingArguments
+from shardkit.trainer.peft_support import merged_tensors, trainable_view
+
+peft = pytest.importorskip("peft", reason="LoRA needs the peft extra: pip install shardkit[peft]")
+transformers = pytest.importorskip("transformers")
+
+TEXT = Path(__file__).resolve().parents[2] / "examples" / "data" / "public_domain.txt"
+HF_TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=2, max_position_embeddings=32)
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def _hf_base():
+    torch.manual_seed(1)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_TINY))
+
+
+def _hf_lora():
+    model = peft.get_peft_model(_hf_base(), peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
+    for name, p in model.named_parameters():  # lora_B starts at zero: nudge it so a wrong merge shows
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def _data(n=48):
+    return Subset(ByteTextDataset(TEXT, seq_len=16, stride=16), range(n))
+
+
+def _args(out, **kw):
+    base = dict(output_dir=str(out), per_device_train_batch_size=4, learning_rate=5e-2, max_steps=6, logging_steps=1,
+                lr_scheduler_type="constant", save_strategy="no", disable_tqdm=True, seed=0, optim="adamw_torch",
+                report_to="none")
+    return TrainingArguments(**{**base, **kw})
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+class GradNames(TrainerCallback):
+    names: set = set()
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.names = {n for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One LoRA run on a tiny HF Llama, saved three ways; the checks below read it."""
+    out = tmp_path_factory.mktemp("lora")
+    model = _hf_lora()
+    base_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    grads = GradNames()
+    trainer = Trainer(model, _args(out / "run", save_strategy="steps", save_steps=3), train_dataset=_data(),
+                      callbacks=[grads])
+    trainer.train()
+    trainer.save_model(str(out / "adapter"))
+    trainer.save_model(str(out / "merged"), merge_adapters=True)
+    return dict(out=out, trainer=trainer, model=trainer.model, base_before=base_before, grads=grads.names)
+
+
+def test_only_adapters_train_and_carry_optimizer_state(trained):
+    model, trainer = trained["model"], trained["trainer"]
+    losses = _losses(trainer)
+    assert losses[-1] < losses[0] - 0.05
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all("lora_" in n for n in adapters)
+    assert trained["grads"] == adapters
+    state_params = {id(p) for p in trainer.optimizer.state}
+    assert state_params == {id(p) for n, p in model.named_parameters() if n in adapters}
+    for name, p in model.named_parameters():
+        if name in trained["base_before"]:
+            assert torch.equal(p, trained["base_before"][name]), name
+
+
+def test_saved_adapters_load_with_peft_and_give_the_same_logits(trained):
+    adapter = trained["out"] / "adapter"
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= {p.name for p in adapter.iterdir()}
+    assert not (adapter / "model.safetensors").exists()
+    with safe_open(str(adapter / "adapter_model.safetensors"), "pt") as f:
+        assert f.keys() and all("lora_" in k for k in f.keys())
+    loaded = peft.PeftModel.from_pretrained(_hf_base(), str(adapter))
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_logits(loaded, ids), _logits(trained["model"], ids))
+
+
+def test_merged_export_loads_without_peft_and_matches(trained):
+    merged_dir = trained["out"] / "merged"
+    assert (merged_dir / "config.json").is_file() and (merged_dir / "model.safetensors").is_file()
+    merged = transformers.LlamaForCausalLM.from_pretrained(str(merged_dir))
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    want = _logits(trained["model"], ids)
+    torch.testing.assert_close(_logits(merged, ids), want, rtol=1e-5, atol=1e-5)
+
+
+def test_checkpoints_hold_adapters_only_and_peft_reads_them(trained):
+    ckpt = trained["out"] / "run" / "checkpoint-3"
+    assert (ckpt / "adapter_model.safetensors").is_file()
+    names = []
+    for file in ckpt.rglob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            names += list(f.keys())
+    manifest = json.loads((ckpt / "shardkit.json").read_text())
+    assert "model" in json.dumps(manifest)
+    assert not any("embed_tokens" in n or "base_layer" in n or "mlp" in n for n in names), names[:10]
+    peft.PeftModel.from_pretrained(_hf_base(), str(ckpt))
+
+
+def test_exact_resume_of_a_lora_run(tmp_path):
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                control.should_training_stop = True
+
+    def trainer(out, callbacks=()):
+        args = _args(out, save_strategy="steps", save_steps=3, gradient_accumulation_steps=2)
+        return Trainer(_hf_lora(), args, train_dataset=_data(), callbacks=list(callbacks))
+
+    full = trainer(tmp_path / "full")
+    full.train()
+    trainer(tmp_path / "resumed", [StopAt()]).train()
+    torch.manual_seed(123)
+    second = trainer(tmp_path / "resumed")
+    second.train(resume_from_checkpoint=True)
+    assert _losses(second) == _losses(full)  # the first 3 restored from the checkpoint, the last 3 retrained
+    a, b = dict(full.model.named_parameters()), dict(second.model.named_parameters())
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_shardkit_llama_takes_lora_and_trains(tmp_path):
+    torch.manual_seed(1)
+    base = Llama(SKConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, max_position=16))
+    model = peft.get_peft_model(base, peft.LoraConfig(**{**LORA, "target_modules": ["q_proj", "v_proj", "up_proj"]}))
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainer = Trainer(model, _args(tmp_path), train_dataset=_data())
+    assert trainer._shift_labels  # read from the Llama under the PeftModel: its loss shifts labels inside
+    trainer.train()
+    losses = _losses(trainer)
+    assert losses[-1] < losses[0] - 0.05
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+    trainer.save_model(str(tmp_path / "merged"), merge_adapters=True)
+    merged = Llama(SKConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, max_position=16))
+    with safe_open(str(tmp_path / "merged" / "model.safetensors"), "pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    missing, unexpected = merged.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding: written once
+    ids = torch.randint(0, 256, (2, 12))
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged.eval()(ids), model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_merge_adapters_refuses_plain_models_and_dora(tmp_path):
+    trainer = Trainer(_hf_base(), _args(tmp_path))
+    with pytest.raises(ValueError, match="not a peft PeftModel"):
+        trainer.save_model(str(tmp_path / "x"), merge_adapters=True)
+    dora = peft.get_peft_model(_hf_base(), peft.LoraConfig(use_dora=True, **LORA))
+    with pytest.raises(NotImplementedError, match="DoRA.*merge_and_unload"):
+        list(merged_tensors(iter(dora.state_dict().items()), dora))
+
+
+def test_trainable_view_holds_the_live_trainable_parameters():
+    model = _hf_lora()
+    view = trainable_view(model)
+    assert set(view.state_dict()) == {n for n, p in model.named_parameters() if p.requires_grad}
+    name = next(iter(view.state_dict()))
+    assert view.get_parameter(name) is model.get_parameter(name)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        trainable_view(model)
