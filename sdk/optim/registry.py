@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import inspect
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from torch.optim import Optimizer
 from shardkit.suggest import did_you_mean
 
 from .adamw import FusedAdamW
+from .named import NAMED_FACTORIES
 
 __all__ = ["available_optimizers", "create_optimizer", "register_optimizer"]
 
@@ -33,6 +35,7 @@ _REGISTRY: dict[str, OptimizerFactory] = {
     "adam_torch": torch.optim.Adam,
     "sgd": torch.optim.SGD,
     "adafactor": torch.optim.Adafactor,
+    **NAMED_FACTORIES,  # GaLore, GrokAdamW, schedule-free: their packages are imported when built
 }
 
 
@@ -53,12 +56,28 @@ def register_optimizer(name: str, factory: OptimizerFactory, *, overwrite: bool 
     _REGISTRY[key] = factory
 
 
-def create_optimizer(name: str, params: Iterable[Any], **kwargs: Any) -> Optimizer:
+def _context_for(factory: OptimizerFactory, context: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The entries of ``context`` that ``factory`` names as keyword parameters (``model``, ``training_args``...)."""
+    if not context:
+        return {}
+    try:
+        named = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin without a signature takes none of them
+        return {}
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return {k: v for k, v in context.items() if k in named and named[k].kind in kinds}
+
+
+def create_optimizer(name: str, params: Iterable[Any], *, context: Mapping[str, Any] | None = None,
+                     **kwargs: Any) -> Optimizer:
     """Build the optimizer registered as ``name`` over ``params`` (tensors or param groups).
 
     Args:
         name: one of :func:`available_optimizers` (case-insensitive, ``-`` read as ``_``).
         params: what a torch optimizer takes.
+        context: what some factories need besides params, given to a factory only when its signature
+            names the key: the Trainer passes ``model``, ``training_args`` and ``optim_target_modules``
+            (a factory registered with ``def make(params, *, model, **kwargs)`` receives the model).
         **kwargs: passed to the optimizer (``lr``, ``weight_decay``, ``betas`` ...).
 
     Raises:
@@ -69,4 +88,4 @@ def create_optimizer(name: str, params: Iterable[Any], **kwargs: Any) -> Optimiz
     if factory is None:
         raise ValueError(f"unknown optimizer {name!r}{did_you_mean(key, _REGISTRY)} Valid names: "
                          f"{', '.join(available_optimizers())}")
-    return factory(params, **kwargs)
+    return factory(params, **_context_for(factory, context), **kwargs)

@@ -64,6 +64,9 @@ class CheckpointMixin:
 
     def _save_checkpoint(self) -> Path:
         """Save ``checkpoint-<global_step>`` and its trainer_state.json, then rotate old ones."""
+        from shardkit.trainer.optim_modes import to_eval
+
+        to_eval(self)  # schedule-free: the checkpoint holds the averaged weights (training swaps back)
         path = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         self._note_best_checkpoint(path)
         self.runner.save(path, self._checkpoint_state(full=not self.args.save_only_model))

@@ -156,10 +156,12 @@ def create_optimizer(model: nn.Module, args: TrainingArguments, spec: EngineSpec
         return build_optimizer(spec.optimizer, groups)
     from shardkit.optim import create_optimizer as by_name
 
-    kwargs = {"lr": args.learning_rate, **args.optim_args}
+    kwargs = {"lr": args.learning_rate}
     if "adam" in args.optim:
         kwargs.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
-    return by_name(args.optim, groups, **kwargs)
+    kwargs.update(args.optim_args)  # optim_args win over the TrainingArguments they repeat (e.g. betas)
+    context = {"model": model, "training_args": args, "optim_target_modules": args.optim_target_modules}
+    return by_name(args.optim, groups, context=context, **kwargs)
 
 
 def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, spec: EngineSpec,

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardkit.trainer.loss import LossMode, count_label_items, loss_from_logits
+from shardkit.trainer.optim_modes import to_eval
 
 __all__ = ["EvalPrediction", "EvalLoopOutput", "PredictionOutput", "EvaluationMixin"]
 
@@ -87,6 +88,7 @@ class EvaluationMixin:
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         self._ensure_setup()
+        to_eval(self)  # schedule-free: evaluate the averaged weights
         start = time.perf_counter()
         output = self.evaluation_loop(self._eval_loader(dataset), "Evaluation", self.compute_metrics is None
                                       or self.args.prediction_loss_only, ignore_keys, metric_key_prefix)
@@ -104,6 +106,7 @@ class EvaluationMixin:
         ``predictions`` in the result is the list of those files.
         """
         self._ensure_setup()
+        to_eval(self)  # schedule-free: evaluate the averaged weights
         start = time.perf_counter()
         output = self.evaluation_loop(self._eval_loader(test_dataset), "Prediction", False, ignore_keys,
                                       metric_key_prefix, stream_to=output_dir)

@@ -43,7 +43,6 @@ from shardkit.trainer.engine import (
     total_steps,
 )
 from shardkit.trainer.evaluation import EvaluationMixin, _loss_of
-from shardkit.trainer.optim_modes import check_optimizer_strategy, pass_eval_loss, pass_training_loss, to_eval, to_train
 from shardkit.trainer.loss import (
     LossMode,
     accepts,
@@ -55,6 +54,13 @@ from shardkit.trainer.loss import (
 )
 from shardkit.trainer.model_prep import apply_model_prep, maybe_compile
 from shardkit.trainer.neftune import neftune
+from shardkit.trainer.optim_modes import (
+    check_optimizer_strategy,
+    pass_eval_loss,
+    pass_training_loss,
+    to_eval,
+    to_train,
+)
 from shardkit.trainer.peft_support import base_model_of, is_peft_model, save_peft_model
 from shardkit.trainer.reporting import reporter_callbacks
 from shardkit.trainer.state import TrainerControl, TrainerState

@@ -1,0 +1,109 @@
+"""What some named optimizers need from the Trainer beyond ``step()``, under every strategy.
+
+* Schedule-free (``schedule_free_adamw/sgd/radam``): gradients are taken at a point y, but the weights
+  to evaluate and keep are the average x. ``optimizer.train()`` swaps y in and ``optimizer.eval()``
+  swaps x in; the Trainer calls :func:`to_train` before each training step and :func:`to_eval` before
+  evaluation, before every save (checkpoint and ``save_model``) and at the end of training.
+
+  Under DeepSpeed (ZeRO-1/2/3) the optimizer steps DeepSpeed's fp32 master partitions, not the model's
+  parameters: the swap changes the masters only, and the model (its 16-bit copies, or under ZeRO-3 its
+  partitioned ``ds_tensor``\\ s) keeps y until the next step copies the masters over. That is why
+  Hugging Face's integration evaluates and exports y under DeepSpeed. Here every swap is followed by
+  the copy DeepSpeed's own step makes (masters -> model parameters, gathered), so eval, save and export
+  see x, and training resumes from y.
+* GrokAdamW: reads ``param_group["train_loss"]`` (and ``"eval_loss"``) for its grokking signal; the
+  Trainer sets them (:func:`pass_training_loss`, :func:`pass_eval_loss`).
+* :func:`check_optimizer_strategy`: the combinations that cannot work are refused at setup, by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardkit.optim.named import OptimizerUnsupportedError, is_galore, is_grokadamw, is_schedule_free
+
+__all__ = ["check_optimizer_strategy", "pass_eval_loss", "pass_training_loss", "to_eval", "to_train"]
+
+
+def _optimizer(trainer: Any) -> Any:
+    return getattr(trainer, "optimizer", None) if getattr(trainer, "_setup_done", False) else None
+
+
+def _swap(trainer: Any, train: bool) -> None:
+    optimizer = _optimizer(trainer)
+    if optimizer is None or not is_schedule_free(optimizer):
+        return
+    if all(bool(g["train_mode"]) == train for g in optimizer.param_groups):
+        return
+    optimizer.train() if train else optimizer.eval()
+    _copy_masters_to_model(trainer.runner, trainer.model)
+
+
+def to_train(trainer: Any) -> None:
+    """Schedule-free: put the point gradients are taken at (y) in the weights; no-op for other optimizers."""
+    _swap(trainer, True)
+
+
+def to_eval(trainer: Any) -> None:
+    """Schedule-free: put the averaged weights (x) in the model, under every strategy; no-op otherwise."""
+    _swap(trainer, False)
+
+
+def _copy_masters_to_model(runner: Any, model: Any) -> None:
+    """Under DeepSpeed: copy the fp32 masters the optimizer just changed into the model's parameters."""
+    engine_optimizer = getattr(model, "optimizer", None)
+    if engine_optimizer is None or not hasattr(model, "set_gradient_accumulation_boundary"):
+        return  # not a DeepSpeed engine: the optimizer's params are the model's
+    with torch.no_grad():
+        if hasattr(engine_optimizer, "update_lp_params"):  # ZeRO-1/2: copy into bit16 partitions, all-gather
+            engine_optimizer.update_lp_params()
+        else:  # ZeRO-3: into each rank's partition of every parameter (gathered at the next forward)
+            runner.strategy.layout.after_module_load(engine_optimizer)
+
+
+def pass_training_loss(trainer: Any, window_loss: torch.Tensor) -> None:
+    """GrokAdamW: set the window's training loss (over all ranks) where its step reads it."""
+    optimizer = _optimizer(trainer)
+    if optimizer is None or not is_grokadamw(optimizer):
+        return
+    loss = window_loss.detach().float().reshape(1).to(trainer.runner.device)
+    if trainer.runner.world_size > 1:  # every rank must step with the same signal
+        if trainer.args.average_tokens_across_devices:
+            loss = trainer.runner.all_reduce(loss, "sum")
+        else:
+            loss = trainer.runner.all_reduce(loss, "mean") / trainer.args.gradient_accumulation_steps
+    for group in optimizer.param_groups:
+        group["train_loss"] = float(loss.item())
+
+
+def pass_eval_loss(trainer: Any, metrics: dict[str, float]) -> None:
+    """GrokAdamW: the latest eval loss, the other half of its default grokking signal."""
+    optimizer = _optimizer(trainer)
+    value = next((v for k, v in metrics.items() if k.endswith("_loss")), None)
+    if optimizer is None or value is None or not is_grokadamw(optimizer):
+        return
+    for group in optimizer.param_groups:
+        group["eval_loss"] = float(value)
+
+
+def check_optimizer_strategy(optimizer: Any, strategy: Any) -> None:
+    """Refuse, before setup, an optimizer the strategy cannot run (the message names both and the fix).
+
+    GaLore projects each 2-d weight's gradient with an SVD of the whole matrix. ZeRO (every stage) hands
+    the optimizer one flat 1-d fp32 partition per param group, so there is no matrix to project; FSDP
+    hands it row shards (DTensors), whose projections are not the whole matrix's, and an SVD of a
+    DTensor is not supported. Single device, DDP and TensorParallel-free runs keep whole weights.
+    """
+    if optimizer is None or not is_galore(optimizer):
+        return
+    name = type(strategy).__name__
+    from shardkit.strategies.fsdp import FSDP
+
+    flat = hasattr(strategy, "settings") and hasattr(strategy, "layout")  # the ZeRO family
+    if flat or isinstance(strategy, FSDP):
+        how = "flattens each param group into one 1-d partition" if flat else "shards each weight into row blocks"
+        raise OptimizerUnsupportedError(f"GaLore ({type(optimizer).__name__}) cannot run under {name}: it {how}, "
+                                        "and GaLore needs each target weight whole as a 2-d matrix. Use GaLore "
+                                        "with SingleDevice or DDP, or another optimizer under this strategy")
