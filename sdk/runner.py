@@ -54,12 +54,17 @@ class Runner:
         config: a DeepSpeed JSON or Accelerate YAML file (or a DeepSpeed dict) that sets the strategy,
             precision, accumulation and clipping; explicit arguments must agree with it. Defaults to
             the file named by SHARDKIT_CONFIG_FILE, which `shardkit launch --config_file` sets.
+        activation_checkpointing: recompute blocks' forward in backward, under every strategy: True (the
+            repeated blocks), a block class or class name (or a tuple), or
+            :class:`shardkit.nn.checkpointing.ActivationCheckpointing` (``use_reentrant``, CPU offload, ...).
+            None takes a DeepSpeed config's ``activation_checkpointing`` section; False turns block checkpointing
+            off (the section still configures ``deepspeed.checkpointing`` for a model that calls it).
     """
 
     def __init__(
         self, strategy: Strategy | None = None, precision: Precision | None = None, *,
         config: str | Path | dict | None = None, gradient_accumulation_steps: int | None = None,
-        seed: int | None = None, checkpoint_keep_last: int | None = None,
+        seed: int | None = None, checkpoint_keep_last: int | None = None, activation_checkpointing: Any = None,
     ):
         self.config = None
         self.max_grad_norm: float | None = None
@@ -81,6 +86,7 @@ class Runner:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.seed = seed
         self.checkpoint_keep_last = checkpoint_keep_last
+        self.activation_checkpointing = _activation_checkpointing(activation_checkpointing, self.config)
         self.strategy.connect(self.precision)
         if self.config is not None and self.config.micro_batch_size is not None:
             self.strategy.set_runner_values(micro_batch_size=self.config.micro_batch_size)
@@ -144,7 +150,13 @@ class Runner:
         Returns the model alone when only a model is given, else a tuple of what was given.
         """
         self.strategy.set_runner_values(gradient_accumulation_steps=self.gradient_accumulation_steps)
+        if self.activation_checkpointing is not None:  # before the strategy wraps it: one mechanism for all
+            from shardkit.nn.checkpointing import apply_activation_checkpointing, configure_deepspeed_checkpointing
+
+            apply_activation_checkpointing(model, self.activation_checkpointing)
         model, optimizer, scheduler = self.strategy.setup(model, optimizer, scheduler)
+        if self.activation_checkpointing is not None:
+            configure_deepspeed_checkpointing(self.activation_checkpointing)
         if self.precision.uses_autocast:
             _autocast_forward(model, functools.partial(self.precision.autocast, self.device))
         self._module, self._optimizer, self._scheduler = model, optimizer, scheduler
@@ -366,6 +378,20 @@ class Runner:
 
     def __repr__(self) -> str:
         return f"Runner(strategy={self.strategy!r}, precision={self.precision!r}, world_size={self.world_size})"
+
+
+def _activation_checkpointing(value: Any, config: Any) -> Any:
+    """The Runner's checkpointing settings: the explicit argument, else the config's section (False keeps
+    the section's deepspeed.checkpointing options with no block patched)."""
+    from shardkit.nn.checkpointing import resolve_activation_checkpointing, with_options
+
+    from_file = getattr(config, "activation_checkpointing", None)
+    if value is None or from_file is None:
+        return resolve_activation_checkpointing(value if value is not None else from_file)
+    explicit = resolve_activation_checkpointing(value)
+    if explicit is None:
+        return with_options(from_file, blocks=False)
+    return with_options(explicit, deepspeed=from_file.deepspeed)
 
 
 def _autocast_forward(model: nn.Module, context) -> None:

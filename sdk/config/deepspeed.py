@@ -97,7 +97,17 @@ def resolve_deepspeed(
         strategy=resolved_strategy, precision=resolved_precision, gradient_accumulation_steps=accumulation,
         micro_batch_size=micro, max_grad_norm=_as_float(clip, "gradient_clipping", where) or None,
         optimizer=optimizer, scheduler=scheduler, source=where, ignored_keys=tuple(found["ignore"]),
+        activation_checkpointing=_activation_checkpointing(raw, where),
     )
+
+
+def _activation_checkpointing(raw: Mapping[str, Any], where: str) -> Any:
+    section = raw.get("activation_checkpointing")
+    if section is None:
+        return None
+    from shardkit.nn.checkpointing import from_deepspeed_section
+
+    return from_deepspeed_section(section, where)
 
 
 # ---- precision -------------------------------------------------------------------------------------

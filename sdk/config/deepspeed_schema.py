@@ -147,13 +147,12 @@ SCHEMA: dict[str, Key] = {
     "fp16": Key("use", section=FP16), "bf16": Key("use", section=BF16), "bfloat16": Key("use", section=BF16),
     "zero_optimization": Key("use", section=ZERO), "aio": Key("use", section=AIO),
     "zero_allow_untested_optimizer": PASS, "zero_force_ds_cpu_optimizer": PASS,
-    "activation_checkpointing": Key("pass", section={
-        **{k: PASS for k in ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
-                             "synchronize_checkpoint_boundary", "profile")},
-        "number_checkpoints": _num("pass", **POSITIVE_INT)}, no_effect=(
-        "activation_checkpointing configures deepspeed.checkpointing, which acts only where the model itself calls "
-        "deepspeed.checkpointing.checkpoint; shardkit does not recompute anything because of it. Use "
-        "FSDP(activation_checkpointing=...) or torch.utils.checkpoint in the model's blocks")),
+    # Checkpointing of the repeated blocks under every strategy, and deepspeed.checkpointing's options
+    # (shardkit.nn.checkpointing.from_deepspeed_section warns by name for the keys with nothing to act on).
+    "activation_checkpointing": Key("use", section={
+        **{k: USE for k in ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                            "synchronize_checkpoint_boundary", "profile")},
+        "number_checkpoints": _num("use", **POSITIVE_INT)}),
     "data_types": Key("pass", section={"grad_accum_dtype": PASS}),
     "steps_per_print": _num("ignore", **POSITIVE_INT),
     "wall_clock_breakdown": IGNORE, "dump_state": IGNORE, "memory_breakdown": IGNORE,

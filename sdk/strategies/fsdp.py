@@ -4,19 +4,18 @@ state are sharded over a device mesh and gathered layer by layer for compute."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from shardkit.nn import checkpointing
 from shardkit.strategies import _init, _mesh, _sharded_state
 from shardkit.strategies.distributed import MeshStrategy
 from shardkit.suggest import did_you_mean
@@ -33,28 +32,11 @@ def _choice(value: str, options: tuple[str, ...], field: str) -> None:
         raise ValueError(f"FSDP {field}={value!r} is not one of {options}{did_you_mean(str(value), options)}")
 
 
-def _is_classes(value: Any) -> bool:
-    """A module class, a class name (as configs spell it, e.g. "LlamaDecoderLayer"), or a tuple of them."""
-    items = value if isinstance(value, tuple) else (value,)
-    return bool(items) and all(
-        (isinstance(c, type) and issubclass(c, nn.Module)) or (isinstance(c, str) and c) for c in items
-    )
+_is_classes = checkpointing.is_module_classes
 
 
 def _resolve_classes(value: Any, module: nn.Module, field: str) -> tuple[type, ...]:
-    """Turn class names into the classes found in ``module``; a name that matches nothing is an error."""
-    items = value if isinstance(value, tuple) else (value,)
-    present = {type(m).__name__: type(m) for m in module.modules()}
-    classes = []
-    for item in items:
-        if isinstance(item, type):
-            classes.append(item)
-        elif item in present:
-            classes.append(present[item])
-        else:
-            raise ValueError(f"FSDP {field}: no module of class {item!r} in {type(module).__name__}"
-                             f"{did_you_mean(item, present)}")
-    return tuple(classes)
+    return checkpointing.resolve_module_classes(value, module, f"FSDP {field}")
 
 
 @dataclass(frozen=True)
@@ -71,7 +53,8 @@ class FSDPSettings:
             held in any nn.ModuleList); False shards only the root.
         cpu_offload: keep sharded parameters, gradients and the optimizer step on the CPU.
         activation_checkpointing: recompute the forward of these block classes in backward
-            (True: the auto-wrap block classes).
+            (True: the auto-wrap block classes), or :class:`shardkit.nn.checkpointing.ActivationCheckpointing`
+            for ``use_reentrant`` and the rest; the same mechanism as ``Runner(activation_checkpointing=...)``.
         reshard_after_forward: override the sharding mode's choice of freeing params after forward.
         sync_module_states: start every rank from rank 0's weights.
         hybrid_shard_size: ranks per shard group in "hybrid" (default: processes per node).
@@ -81,7 +64,7 @@ class FSDPSettings:
     sharding: str = "full"
     auto_wrap: ModuleClasses | int | None = None
     cpu_offload: bool = False
-    activation_checkpointing: bool | ModuleClasses = False
+    activation_checkpointing: bool | ModuleClasses | checkpointing.ActivationCheckpointing = False
     reshard_after_forward: bool | None = None
     sync_module_states: bool = True
     hybrid_shard_size: int | None = None
@@ -108,8 +91,9 @@ class FSDPSettings:
         if isinstance(self.auto_wrap, int) and not isinstance(self.auto_wrap, bool) and self.auto_wrap < 1:
             raise ValueError(f"FSDP auto_wrap={self.auto_wrap} parameters must be >= 1")
         ac = self.activation_checkpointing
-        if not isinstance(ac, bool) and not _is_classes(ac):
-            raise ValueError(f"FSDP activation_checkpointing={ac!r} must be a bool, a module class or a tuple of them")
+        if not isinstance(ac, (bool, checkpointing.ActivationCheckpointing)) and not _is_classes(ac):
+            raise ValueError(f"FSDP activation_checkpointing={ac!r} must be a bool, a module class or a tuple of them, "
+                             "or ActivationCheckpointing(...)")
 
     def mesh_shape(self, world_size: int, local_world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The device mesh: 1-D ("shard",) or 2-D ("replicate", "shard") for "hybrid" and "none"."""
@@ -247,8 +231,9 @@ class FSDP(MeshStrategy):
     def _shard(self, module: nn.Module) -> None:
         """Activation checkpointing on the chosen blocks, then fully_shard each unit bottom-up and the root."""
         blocks = self._block_classes(module)
-        for sub in self._checkpoint_targets(module, blocks):
-            _checkpoint_forward(sub)
+        checkpointing.apply_activation_checkpointing(
+            module, checkpointing.resolve_activation_checkpointing(self.settings.activation_checkpointing),
+            default_blocks=blocks or None, owner="FSDP activation_checkpointing")
         offload = OffloadPolicy()
         if self.settings.cpu_offload:
             # NOTE: pinned memory needs an accelerator; on a CPU-only machine pinning crashes.
@@ -270,16 +255,6 @@ class FSDP(MeshStrategy):
         if isinstance(self.settings.auto_wrap, int) and not isinstance(self.settings.auto_wrap, bool):
             return _size_targets(module, self.settings.auto_wrap)
         return _mesh.blocks_bottom_up(module, blocks)
-
-    def _checkpoint_targets(self, module: nn.Module, blocks: tuple[type, ...]) -> list[nn.Module]:
-        ac = self.settings.activation_checkpointing
-        if ac is False:
-            return []
-        classes = blocks if ac is True else _resolve_classes(ac, module, "activation_checkpointing")
-        if not classes:
-            raise ValueError(f"FSDP activation_checkpointing=True found no repeated block in {type(module).__name__}; "
-                             "pass the block class, e.g. activation_checkpointing=LlamaBlock")
-        return [m for m in module.modules() if m is not module and isinstance(m, classes)]
 
     # ---- checkpoints -------------------------------------------------------------------------------
 
@@ -316,18 +291,6 @@ def _size_targets(module: nn.Module, min_params: int) -> list[nn.Module]:
 
     visit(module)
     return targets
-
-
-def _checkpoint_forward(module: nn.Module) -> None:
-    """Recompute ``module``'s forward in backward. Patches the instance's forward (not a wrapper module) so
-    parameter names, and so checkpoints, stay the same; FSDP's hooks run around it."""
-    forward = module.forward
-
-    @functools.wraps(forward)
-    def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = checkpointed
 
 
 @torch.no_grad()

@@ -84,7 +84,8 @@ def build_runner(args: TrainingArguments, strategy: Any, precision: Any, max_ste
             scheduler_params=_ds_scheduler_values(args, max_steps, warmup_steps, _ds_scheduler_type(args.deepspeed)),
         )
         spec = EngineSpec(resolved.optimizer, resolved.scheduler)
-        runner = Runner(resolved.strategy, resolved.precision, **common)
+        runner = Runner(resolved.strategy, resolved.precision,
+                        activation_checkpointing=resolved.activation_checkpointing, **common)
     else:
         if args.fsdp:
             strategy = _fsdp_strategy(args, strategy)

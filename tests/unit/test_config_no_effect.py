@@ -31,7 +31,7 @@ fsdp_config:
                           "fsdp_use_orig_params: false has no effect", "runner.init_module(empty_init=True)"]),
     (json.dumps({"activation_checkpointing": {"partition_activations": True},
                  "checkpoint": {"use_node_local_storage": True}}), ".json",
-     ["FSDP(activation_checkpointing=...)", "use_node_local_storage has no effect"]),
+     ["activation_checkpointing.partition_activations=True has no effect", "use_node_local_storage has no effect"]),
     ("distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n  zero_stage: 3\n  zero3_init_flag: true\n",
      ".yaml", ["zero3_init_flag: true has no effect by itself", "runner.init_module()"]),
 ])
