@@ -26,6 +26,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from shardkit.trainer.arguments import TrainingArguments
+from shardkit.trainer.backward_step import backward_stepper
 from shardkit.trainer.callbacks import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -136,6 +137,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         self._last_log_time = time.perf_counter()
         self._stop_signal = threading.Event()
         self._grad_norm = None
+        self._backward_stepper = None  # set at setup for optimizers that update inside backward
         # A subclass's compute_loss with HF's old signature returns a micro-batch mean (checked once, not per step).
         self._compute_loss_takes_items = "num_items_in_batch" in inspect.signature(self.compute_loss).parameters
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
@@ -196,6 +198,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         if self.train_dataset is not None or self.optimizer is not None:
             optimizer = self.optimizer or create_optimizer(model, args, self._engine_spec)
             check_optimizer_strategy(optimizer, runner.strategy)
+            self._backward_stepper = backward_stepper(optimizer, runner, args)  # LOMO, AdaLomo, layer-wise
             scheduler = self.lr_scheduler or create_scheduler(optimizer, args, self._engine_spec, max(max_steps, 1))
             self._plateau = isinstance(scheduler, ReduceLROnPlateau)
             if self._plateau:  # stepped on an eval metric by the Trainer, not per step by the Runner
@@ -333,7 +336,10 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
         self._grad_norm = runner.clip_gradients(args.max_grad_norm) if args.max_grad_norm > 0 else None
         pass_training_loss(self, window_loss)  # GrokAdamW's step reads it
-        runner.step()
+        if self._backward_stepper is None:
+            runner.step()
+        else:  # LOMO, AdaLomo, layer-wise: the weights moved in backward; the schedule steps here
+            self._grad_norm = self._backward_stepper.finish_step(None if self._plateau else self.lr_scheduler)
         self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
         self._pending_local.append(window_loss.float())
 
@@ -368,7 +374,8 @@ class Trainer(CheckpointMixin, EvaluationMixin):
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         else:  # an override with HF's old signature returns a micro-batch mean
             loss = self.compute_loss(model, inputs) / self._backward_scale
-        self.runner.backward(loss * self._backward_scale)
+        stepper = self._backward_stepper  # LOMO/AdaLomo: fused_backward replaces the Runner's backward
+        (stepper.backward if stepper is not None else self.runner.backward)(loss * self._backward_scale)
         return loss.detach()
 
     def compute_loss(self, model, inputs: dict[str, Any], return_outputs: bool = False,
