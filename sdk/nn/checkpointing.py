@@ -40,6 +40,7 @@ __all__ = [
     "apply_activation_checkpointing",
     "checkpointed_modules",
     "configure_deepspeed_checkpointing",
+    "enable_gradient_checkpointing",
     "from_deepspeed_section",
     "is_module_classes",
     "parse_checkpoint_kwargs",
@@ -371,3 +372,27 @@ def configure_deepspeed_checkpointing(settings: ActivationCheckpointing | None) 
 def with_options(settings: ActivationCheckpointing | None, **changes: Any) -> ActivationCheckpointing:
     """``settings`` (or the repeated-block default) with ``changes``; keeps a DeepSpeed section's options."""
     return replace(settings if settings is not None else ActivationCheckpointing(), **changes)
+
+
+def enable_gradient_checkpointing(model: nn.Module, args: Any, runner: Any) -> str | None:
+    """The Trainer's ``gradient_checkpointing`` (+ ``gradient_checkpointing_kwargs``) on ``model``.
+
+    A Hugging Face model checkpoints itself (``activation_checkpointing_enable``, or
+    ``gradient_checkpointing_enable`` on older transformers) with the kwargs, ``use_reentrant`` False unless
+    given; any other model (shardkit's Llama) gets the Runner's switch on its repeated blocks. Returns "model",
+    "runner", or None when off.
+    """
+    if not getattr(args, "gradient_checkpointing", False):
+        return None
+    kwargs = {"use_reentrant": False, **parse_checkpoint_kwargs(getattr(args, "gradient_checkpointing_kwargs", None))}
+    if getattr(model, "supports_gradient_checkpointing", False):
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        return "model"
+    current = runner.activation_checkpointing  # a DeepSpeed section's offload/sync options are kept
+    blocks = current.blocks if current is not None and current.enabled else True
+    runner.activation_checkpointing = with_options(current, blocks=blocks, use_reentrant=kwargs.pop("use_reentrant"),
+                                                   checkpoint_kwargs=kwargs)
+    return "runner"

@@ -106,6 +106,7 @@ class TrainingArguments:
     report_to: str | list[str] = "none"
     resume_from_checkpoint: str | None = None
     gradient_checkpointing: bool = False
+    gradient_checkpointing_kwargs: dict[str, Any] | str | None = None  # torch checkpoint kwargs; use_reentrant
     batch_eval_metrics: bool = False
     average_tokens_across_devices: bool = True
     include_num_input_tokens_seen: bool = False
@@ -127,6 +128,7 @@ class TrainingArguments:
         self._check_eval_and_save()
         self._check_precision_and_engines()
         _check_model_prep(self)  # neftune, fused kernels and torch_compile fields (shardkit.trainer.model_prep)
+        _check_gradient_checkpointing(self)  # gradient_checkpointing_kwargs (shardkit.nn.checkpointing)
         if self.run_name is None:
             self.run_name = self.output_dir
         if self.logging_dir is None:
@@ -302,3 +304,11 @@ def _check_model_prep(args: TrainingArguments) -> None:
 
 def _has_tensorboard() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
+
+
+def _check_gradient_checkpointing(args: TrainingArguments) -> None:
+    from shardkit.nn.checkpointing import parse_checkpoint_kwargs
+
+    if args.gradient_checkpointing_kwargs is not None:  # a JSON string (CLI, config file) becomes its dict
+        args.gradient_checkpointing_kwargs = parse_checkpoint_kwargs(
+            args.gradient_checkpointing_kwargs, "TrainingArguments.gradient_checkpointing_kwargs")

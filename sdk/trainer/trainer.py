@@ -25,6 +25,7 @@ import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
+from shardkit.nn.checkpointing import enable_gradient_checkpointing
 from shardkit.trainer.arguments import TrainingArguments
 from shardkit.trainer.backward_step import backward_stepper
 from shardkit.trainer.callbacks import (
@@ -105,8 +106,6 @@ class Trainer(CheckpointMixin, EvaluationMixin):
                 raise ValueError("Trainer needs a model (or model_init, a function that returns one)")
             model = model_init()
         apply_model_prep(model, args)  # fused kernels, before anything reads the model's forward
-        if args.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-            model.gradient_checkpointing_enable()
         self._user_model = self.model = model
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator, self.processing_class = data_collator, processing_class
@@ -120,6 +119,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         self._shift_labels = is_causal_lm(probe)
         max_steps, warmup = self._estimate_steps() if args.deepspeed else (None, None)
         self.runner, self._engine_spec = build_runner(args, strategy, precision, max_steps, warmup)
+        enable_gradient_checkpointing(model, args, self.runner)  # an HF model's own, else the Runner's switch
         self._configure_logging()
         self.state = TrainerState(is_world_process_zero=self.runner.is_main_process,
                                   is_local_process_zero=self.runner.local_rank == 0)
