@@ -74,6 +74,7 @@ class LayerwiseOptimizer(Optimizer):
         inner = self._by_param[p]
         inner.step()
         inner.zero_grad(set_to_none=True)
+        _contiguous_projector(inner.state.get(p))
 
     @property
     def state(self) -> dict[torch.Tensor, dict[str, Any]]:  # type: ignore[override]
@@ -136,6 +137,21 @@ def _restore_projector(state: dict[str, Any], group: dict[str, Any]) -> None:
                                 proj_type=group["proj_type"])
     projector.ortho_matrix = pieces if group["proj_type"] == "full" else pieces[0]
     state["projector"] = projector
+
+
+def _contiguous_projector(state: dict[str, Any] | None) -> None:
+    """Keep GaLore's projection matrix contiguous, as it is when a checkpoint restores it.
+
+    ``torch.linalg.svd`` returns column-major factors, so the projector's slice of them is strided; a
+    matmul with a strided and with a contiguous operand can round differently, and a resumed run (whose
+    matrix came back contiguous from the checkpoint) would drift from the uninterrupted one by ulps.
+    """
+    projector = state.get("projector") if state else None
+    ortho = getattr(projector, "ortho_matrix", None)
+    if isinstance(ortho, torch.Tensor):
+        projector.ortho_matrix = ortho.contiguous()
+    elif isinstance(ortho, (list, tuple)):
+        projector.ortho_matrix = [piece.contiguous() for piece in ortho]
 
 
 # ---- GaLore's layer-wise rows ------------------------------------------------------------------------

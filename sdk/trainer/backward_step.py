@@ -118,15 +118,12 @@ class BackwardStepper:
             self.runner.backward(loss)
             return
         lr = float(self.optimizer.param_groups[0]["lr"])  # the scheduler's rate for this step
-        self._norm = self._grad_norm(loss) if self.clips else None
-        self.optimizer.fused_backward(loss, lr)
-
-    def _grad_norm(self, loss: torch.Tensor) -> torch.Tensor | None:
-        # The package measures the norm with a first backward that keeps the graph for the second.
         try:
-            return self.optimizer.grad_norm(loss)
+            self._norm = self.optimizer.grad_norm(loss) if self.clips else None
+            self.optimizer.fused_backward(loss, lr)
         except RuntimeError as err:
-            if "retain_graph" not in str(err) and "second time" not in str(err):
+            # The package measures the norm in a first backward that keeps the graph for the second one.
+            if not self.clips or ("retain_graph" not in str(err) and "second time" not in str(err)):
                 raise
             raise BackwardStepError(
                 f"{type(self.optimizer).__name__} clips the gradient norm (max_grad_norm={self._max_grad_norm}) by "
