@@ -1,0 +1,135 @@
+"""The Trainer's model preparation on 2 CPU ranks, under every strategy, in one process group:
+use_fused_kernels patches an HF Llama before setup (patched modules in place inside the engine, losses equal to
+the unpatched model's), NEFTune finds the embedding inside the engines' wrapping (noise within its bound in
+training, eval logits bitwise unchanged, hook gone after train()). ZeRO-2 shares ZeRO-3's engine set-up path
+minus partitioning and is left out for time; torch_compile under the strategies is checked by hand (see
+sdk/trainer/model_prep.py): its tracing costs ~10 s per strategy on CPU."""
+
+import math
+
+import pytest
+import torch
+from harness import run_distributed
+from torch.utils.data import Dataset
+
+from shardkit.models import Llama, LlamaConfig
+from shardkit.strategies import strategy_from_name
+from shardkit.trainer import Trainer, TrainerCallback, TrainingArguments
+from shardkit.trainer.neftune import find_input_embeddings
+
+VOCAB, SEQ, HIDDEN, ALPHA = 64, 16, 32, 5.0
+FUSED_STRATEGIES = ("ddp", "fsdp", "zero3")
+NEFTUNE_STRATEGIES = ("fsdp", "zero3", "tp")
+
+
+class Tokens(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _hf_llama():
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(HFConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ))
+
+
+def _llama():  # shardkit's Llama: tensor parallelism has its plan
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_layers=2, num_heads=2,
+                             max_position=SEQ))
+
+
+def _args(out, **kw):
+    base = dict(output_dir=str(out), per_device_train_batch_size=2, learning_rate=1e-2, max_steps=3, logging_steps=1,
+                save_strategy="no", disable_tqdm=True, seed=0, optim="adamw_torch")
+    return TrainingArguments(**{**base, **kw})
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _fused_case(strategy: str, out: str) -> dict:
+    plain = Trainer(_hf_llama(), _args(out), train_dataset=Tokens(), strategy=strategy_from_name(strategy))
+    plain.train()
+    fused = Trainer(_hf_llama(), _args(out, use_fused_kernels=True), train_dataset=Tokens(),
+                    strategy=strategy_from_name(strategy))
+    fused.train()
+    inner = fused.runner.unwrap_model(fused.model)  # the module the engine trains, after setup
+    patched = all("forward" in m.__dict__ for m in (inner, inner.model.norm, inner.model.layers[1].mlp))
+    return {"plain": _losses(plain), "fused": _losses(fused), "patched": patched,
+            "report": inner.fused_kernels_report}
+
+
+class Probe(TrainerCallback):
+    """At train begin (the NEFTune hook in place): the embedding's output in eval and in training mode, and the
+    model's eval logits; at train end the eval logits again (learning rate 0: the weights have not moved)."""
+
+    def __init__(self, ids):
+        self.ids, self.seen, self.logits, self.unwrap = ids, [], [], None
+
+    def _logits(self, model):
+        model.eval()
+        with torch.no_grad():
+            out = model(input_ids=self.ids)
+        model.train()
+        return getattr(out, "logits", out).detach().clone()
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        emb = find_input_embeddings(self.unwrap(model))
+        handle = emb.register_forward_hook(lambda m, a, o: self.seen.append(_local(o).detach().clone()))
+        try:
+            self.logits.append(self._logits(model))
+            with torch.no_grad():
+                model(input_ids=self.ids)
+        finally:
+            handle.remove()
+        self.hooks = len(emb._forward_hooks)
+        self.embedding = emb
+
+
+def _local(tensor):
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _neftune_case(strategy: str, out: str) -> dict:
+    ids = Tokens()[0]["input_ids"][None].repeat(2, 1)
+    probe = Probe(ids)
+    model = _llama() if strategy == "tp" else _hf_llama()
+    trainer = Trainer(model, _args(out, neftune_noise_alpha=ALPHA, learning_rate=0.0, max_steps=1),
+                      train_dataset=Tokens(), strategy=strategy_from_name(strategy), callbacks=[probe])
+    probe.unwrap = trainer.runner.unwrap_model
+    trainer.train()
+    after = probe._logits(trainer.model)
+    plain, noisy = probe.seen
+    return {"noise_max": float((noisy - plain).abs().max()), "eval_equal": torch.equal(after, probe.logits[0]),
+            "hooks_during": probe.hooks, "hooks_after": len(probe.embedding._forward_hooks),
+            "noise_sum": float((noisy - plain).sum())}
+
+
+def _worker(out: str) -> dict:
+    return {"fused": {s: _fused_case(s, f"{out}/{s}") for s in FUSED_STRATEGIES},
+            "neftune": {s: _neftune_case(s, f"{out}/n{s}") for s in NEFTUNE_STRATEGIES}}
+
+
+def test_fused_kernels_and_neftune_under_every_strategy(tmp_path):
+    results = run_distributed(_worker, 2, args=(str(tmp_path),), env={"DS_ACCELERATOR": "cpu"})
+    bound = ALPHA / math.sqrt(SEQ * HIDDEN)
+    for rank, result in enumerate(results):
+        for strategy, case in result["fused"].items():
+            assert case["patched"], (rank, strategy)
+            assert case["report"]["rms_norm"] == 5 and case["report"]["cross_entropy"], (rank, strategy)
+            assert case["fused"] == pytest.approx(case["plain"], rel=1e-5), (rank, strategy)
+        for strategy, case in result["neftune"].items():
+            assert 0.5 * bound < case["noise_max"] <= bound * (1 + 1e-6), (rank, strategy, case)
+            assert case["eval_equal"], (rank, strategy)
+            assert case["hooks_during"] == case["hooks_after"] + 1, (rank, strategy, case)
+    # Tensor parallelism replicates the embeddings' output: both ranks must have drawn the same noise.
+    assert results[0]["neftune"]["tp"]["noise_sum"] == results[1]["neftune"]["tp"]["noise_sum"]
