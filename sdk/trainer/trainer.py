@@ -197,8 +197,8 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         model = maybe_compile(self._user_model, args)  # in place, the last change before setup
         if self.train_dataset is not None or self.optimizer is not None:
             optimizer = self.optimizer or create_optimizer(model, args, self._engine_spec)
-            check_optimizer_strategy(optimizer, runner.strategy)
             self._backward_stepper = backward_stepper(optimizer, runner, args)  # LOMO, AdaLomo, layer-wise
+            check_optimizer_strategy(optimizer, runner.strategy)
             scheduler = self.lr_scheduler or create_scheduler(optimizer, args, self._engine_spec, max(max_steps, 1))
             self._plateau = isinstance(scheduler, ReduceLROnPlateau)
             if self._plateau:  # stepped on an eval metric by the Trainer, not per step by the Runner
