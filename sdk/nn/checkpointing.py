@@ -20,7 +20,6 @@ whose HF checkpointing is on is not patched a second time.
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import logging
 import sys
@@ -300,7 +299,6 @@ def _patch_forward(block: nn.Module, settings: ActivationCheckpointing) -> None:
                 return torch.utils.checkpoint.checkpoint(functools.partial(run, **kw), *args, **kwargs)
             return torch.utils.checkpoint.checkpoint(run, *args, **kwargs, **kw)
 
-    checkpointed.__signature__ = inspect.signature(forward)  # type: ignore[attr-defined]
     block.forward = checkpointed
     block.__dict__[_MARK] = settings
 

@@ -206,3 +206,15 @@ def test_trainer_lets_a_hugging_face_model_checkpoint_itself(tmp_path, kwargs):
     assert all(layer.gradient_checkpointing for layer in layers)
     assert layers[0]._gradient_checkpointing_func.keywords == {"use_reentrant": bool(kwargs)}
     assert trainer.runner.activation_checkpointing is None  # no second patch over HF's own
+
+
+def test_trainer_keeps_a_deepspeed_sections_options_and_takes_its_kwargs(tmp_path):
+    model = _llama()
+    trainer = _trainer(tmp_path, model, deepspeed={"activation_checkpointing": {"cpu_checkpointing": True}},
+                       gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True,
+                                                                                   "preserve_rng_state": True})
+    ac = trainer.runner.activation_checkpointing
+    assert (ac.blocks, ac.offload_to_cpu, ac.use_reentrant, dict(ac.checkpoint_kwargs)) == (
+        True, True, True, {"preserve_rng_state": True})
+    trainer.train()
+    assert checkpointed_modules(model) == list(model.layers)
