@@ -62,7 +62,8 @@ def run(row: str, hidden: int, steps: int, out: str) -> tuple[float, int, float,
                          max_position=64)
     torch.manual_seed(0)
     model = Llama(config)
-    data = Subset(ByteTextDataset(TEXT, seq_len=64, stride=64), range(8 * steps))
+    text = ByteTextDataset(TEXT, seq_len=64, stride=64)
+    data = Subset(text, range(min(len(text), 8 * steps)))  # the Trainer runs more epochs when it is short
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=8, max_steps=steps, logging_steps=5,
                              save_strategy="no", disable_tqdm=True, seed=0, max_grad_norm=0.0, warmup_steps=2,
                              weight_decay=0.0, **ROWS[row])

@@ -8,9 +8,9 @@ clipped). The Trainer drives them (:mod:`shardkit.trainer.backward_step`); their
 - ``adalomo``: :class:`shardkit.optim.adalomo.AdaLomo`, our device-aware transcription of lomo-optim's
   AdaLomo (the package's hard-codes ``.cuda()``), so no package is needed and it runs on a CPU too.
 
-From the Trainer, ``max_grad_norm > 0`` becomes the optimizer's ``clip_grad_norm`` (HF's Trainer passes
-neither, so its clipping silently does nothing with these optimizers); the norm costs one extra
-backward per step, so ``max_grad_norm=0`` is the fast setting.
+From the Trainer, ``max_grad_norm > 0`` becomes the optimizer's ``clip_grad_norm`` (HF's Trainer gives
+these optimizers no ``clip_grad_norm``, and its clipping after backward finds no gradient left, so there
+it does nothing); the norm costs one extra backward per step, so ``max_grad_norm=0`` is the fast setting.
 """
 
 from __future__ import annotations
