@@ -2,8 +2,8 @@
 use_fused_kernels patches an HF Llama before setup (patched modules in place inside the engine, losses equal to
 the unpatched model's), NEFTune finds the embedding inside the engines' wrapping (noise within its bound in
 training, eval logits bitwise unchanged, hook gone after train()). ZeRO-2 shares ZeRO-3's engine set-up path
-minus partitioning and is left out for time; torch_compile under the strategies is checked by hand (see
-sdk/trainer/model_prep.py): its tracing costs ~10 s per strategy on CPU."""
+minus partitioning and is left out for time; torch_compile under the strategies was checked by hand (see
+sdk/trainer/model_prep.py's docstring): its tracing costs ~10 s per strategy on CPU."""
 
 import math
 
