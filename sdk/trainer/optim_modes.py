@@ -7,7 +7,8 @@
 
   Under DeepSpeed (ZeRO-1/2/3) the optimizer steps DeepSpeed's fp32 master partitions, not the model's
   parameters: the swap changes the masters only, and the model (its 16-bit copies, or under ZeRO-3 its
-  partitioned ``ds_tensor``\\ s) keeps y until the next step copies the masters over. That is why
+  partitioned ``ds_tensor``\\ s) keeps y until the next step copies the masters over (and under ZeRO-3 the
+  optimizer's param groups are even empty between steps, so the swap reaches nothing at all). That is why
   Hugging Face's integration evaluates and exports y under DeepSpeed. Here every swap is followed by
   the copy DeepSpeed's own step makes (masters -> model parameters, gathered), so eval, save and export
   see x, and training resumes from y.
@@ -18,6 +19,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,8 +40,35 @@ def _swap(trainer: Any, train: bool) -> None:
         return
     if all(bool(g["train_mode"]) == train for g in optimizer.param_groups):
         return
-    optimizer.train() if train else optimizer.eval()
+    with _zero3_partitions_visible(trainer.model, optimizer):
+        optimizer.train() if train else optimizer.eval()
     _copy_masters_to_model(trainer.runner, trainer.model)
+
+
+@contextlib.contextmanager
+def _zero3_partitions_visible(model: Any, optimizer: Any) -> Iterator[None]:
+    """ZeRO-3 empties the inner optimizer's param groups outside its step (it puts one fp32 sub-group in,
+    steps, and takes it out again), so a swap would see no parameters: put them all in for the swap."""
+    engine_optimizer = getattr(model, "optimizer", None)
+    flats = getattr(engine_optimizer, "fp32_partitioned_groups_flat", None)
+    if flats is None:
+        yield
+        return
+    owners = engine_optimizer.sub_group_to_group_id
+    per_group = [[flat for i, flat in enumerate(flats) if owners[i] == g] for g in range(len(optimizer.param_groups))]
+    if any(len(found) > 1 for found in per_group):
+        # Its step runs once per sub-group, and schedule-free counts steps (k) per param group.
+        raise OptimizerUnsupportedError("schedule-free under ZeRO-3 needs each param group in one DeepSpeed sub-group "
+                                        "(it counts steps per group, and ZeRO-3 steps each sub-group separately): "
+                                        "raise zero_optimization.sub_group_size above the largest group's size")
+    saved = [group["params"] for group in optimizer.param_groups]
+    try:
+        for group, found in zip(optimizer.param_groups, per_group):
+            group["params"] = found
+        yield
+    finally:
+        for group, params in zip(optimizer.param_groups, saved):
+            group["params"] = params
 
 
 def to_train(trainer: Any) -> None:
@@ -59,8 +89,14 @@ def _copy_masters_to_model(runner: Any, model: Any) -> None:
     with torch.no_grad():
         if hasattr(engine_optimizer, "update_lp_params"):  # ZeRO-1/2: copy into bit16 partitions, all-gather
             engine_optimizer.update_lp_params()
-        else:  # ZeRO-3: into each rank's partition of every parameter (gathered at the next forward)
+        else:  # ZeRO-3: into each rank's partition of every parameter (gathered at the next forward) ...
             runner.strategy.layout.after_module_load(engine_optimizer)
+            # ... and the small "persistent" ones, kept whole: released and gathered again from their partitions
+            # (a gather of a whole parameter is a no-op). NOTE: private DeepSpeed API (stage3.py, 0.19.8).
+            persistent = getattr(engine_optimizer, "persistent_parameters", [])
+            if persistent:
+                persistent[0].partition(persistent)
+                persistent[0].all_gather(persistent)
 
 
 def pass_training_loss(trainer: Any, window_loss: torch.Tensor) -> None:
@@ -68,7 +104,8 @@ def pass_training_loss(trainer: Any, window_loss: torch.Tensor) -> None:
     optimizer = _optimizer(trainer)
     if optimizer is None or not is_grokadamw(optimizer):
         return
-    loss = window_loss.detach().float().reshape(1).to(trainer.runner.device)
+    # A copy: the all-reduce below is in place, and window_loss is also the step's logged loss.
+    loss = window_loss.detach().float().reshape(1).to(trainer.runner.device, copy=True)
     if trainer.runner.world_size > 1:  # every rank must step with the same signal
         if trainer.args.average_tokens_across_devices:
             loss = trainer.runner.all_reduce(loss, "sum")
@@ -93,17 +130,27 @@ def check_optimizer_strategy(optimizer: Any, strategy: Any) -> None:
 
     GaLore projects each 2-d weight's gradient with an SVD of the whole matrix. ZeRO (every stage) hands
     the optimizer one flat 1-d fp32 partition per param group, so there is no matrix to project; FSDP
-    hands it row shards (DTensors), whose projections are not the whole matrix's, and an SVD of a
-    DTensor is not supported. Single device, DDP and TensorParallel-free runs keep whole weights.
+    and TensorParallel hand it shards (DTensors), whose projections are not the whole matrix's. Single
+    device and DDP keep whole weights. GrokAdamW reads each parameter's position and clips each parameter
+    by itself: under ZeRO's flat partitions it would be another optimizer, so it is refused there too.
     """
-    if optimizer is None or not is_galore(optimizer):
+    if optimizer is None:
         return
     name = type(strategy).__name__
-    from shardkit.strategies.fsdp import FSDP
-
     flat = hasattr(strategy, "settings") and hasattr(strategy, "layout")  # the ZeRO family
-    if flat or isinstance(strategy, FSDP):
-        how = "flattens each param group into one 1-d partition" if flat else "shards each weight into row blocks"
+    if flat and is_grokadamw(optimizer):
+        raise OptimizerUnsupportedError(f"GrokAdamW cannot run under {name}: its step decays beta1 by each "
+                                        "parameter's position and clips each parameter's gradient by itself, and "
+                                        "ZeRO hands it one flat partition per param group instead of the parameters "
+                                        "(it would run a different optimizer). Use GrokAdamW with SingleDevice, DDP "
+                                        "or FSDP")
+    if not is_galore(optimizer):
+        return
+    from shardkit.strategies.fsdp import FSDP
+    from shardkit.strategies.tensor_parallel import TensorParallel
+
+    if flat or isinstance(strategy, (FSDP, TensorParallel)):
+        how = "flattens each param group into one 1-d partition" if flat else "shards each weight into blocks"
         raise OptimizerUnsupportedError(f"GaLore ({type(optimizer).__name__}) cannot run under {name}: it {how}, "
                                         "and GaLore needs each target weight whole as a 2-d matrix. Use GaLore "
                                         "with SingleDevice or DDP, or another optimizer under this strategy")
