@@ -95,8 +95,9 @@ def _matches(name: str, entry: str) -> bool:
 def galore_target_parameters(model: nn.Module, targets: str | Sequence[str] | None,
                              optim: str = "galore_adamw") -> list[nn.Parameter]:
     """The weights of the ``nn.Linear`` modules ``targets`` names: a list of module names (or dotted
-    suffixes), a regex (``re.fullmatch`` on module names; non-Linear matches are passed over), or
-    ``"all-linear"`` (every Linear except an output head named ``lm_head``).
+    suffixes; a string of comma-separated plain names reads as that list), a regex (``re.fullmatch`` on
+    module names; non-Linear matches are passed over), or ``"all-linear"`` (every Linear except an
+    output head named ``lm_head``).
 
     Raises:
         GaLoreTargetError: no targets, nothing matched, or a listed name is a module other than nn.Linear.
@@ -105,6 +106,9 @@ def galore_target_parameters(model: nn.Module, targets: str | Sequence[str] | No
         raise GaLoreTargetError(f"optim={optim!r} needs TrainingArguments.optim_target_modules: a list of module "
                                 "names, a regex, or 'all-linear'")
     modules = [(n, m) for n, m in model.named_modules() if n]
+    if isinstance(targets, str) and re.fullmatch(r"[\w.]+(\s*,\s*[\w.]+)*", targets) and \
+            targets.replace("_", "-").lower() != "all-linear":
+        targets = [t.strip() for t in targets.split(",")]  # plain names, as a command line gives them: a list
     if isinstance(targets, str) and targets.replace("_", "-").lower() == "all-linear":
         chosen = [m for n, m in modules if isinstance(m, nn.Linear) and n.split(".")[-1] != "lm_head"]
     elif isinstance(targets, str):

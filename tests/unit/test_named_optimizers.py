@@ -124,7 +124,8 @@ def test_galore_targets_and_errors():
     assert {id(p) for p in everything} == {id(p) for p in linear if p is not model.lm_head.weight}
     by_regex = galore_target_parameters(model, r".*\.(q|k)_proj")
     by_list = galore_target_parameters(model, ["q_proj", "k_proj"])
-    assert len(by_regex) == len(by_list) == 2 * TINY.num_layers
+    by_text = galore_target_parameters(model, "q_proj,k_proj")  # as --optim_target_modules q_proj,k_proj gives it
+    assert len(by_regex) == len(by_list) == len(by_text) == 2 * TINY.num_layers
     with pytest.raises(GaLoreTargetError, match="matched no nn.Linear"):
         galore_target_parameters(model, ["no_such_layer"])
     with pytest.raises(GaLoreTargetError, match="Embedding"):
