@@ -153,7 +153,7 @@ class Runner:
         if self.activation_checkpointing is not None:  # before the strategy wraps it: one mechanism for all
             from shardkit.nn.checkpointing import apply_activation_checkpointing, configure_deepspeed_checkpointing
 
-            apply_activation_checkpointing(model, self.activation_checkpointing)
+            apply_activation_checkpointing(model, self.activation_checkpointing, strategy=self.strategy)
         model, optimizer, scheduler = self.strategy.setup(model, optimizer, scheduler)
         if self.activation_checkpointing is not None:
             configure_deepspeed_checkpointing(self.activation_checkpointing)

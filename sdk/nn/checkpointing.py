@@ -37,6 +37,7 @@ __all__ = [
     "ActivationCheckpointing",
     "ActivationCheckpointingError",
     "apply_activation_checkpointing",
+    "check_reentrant_supported",
     "checkpointed_modules",
     "configure_deepspeed_checkpointing",
     "enable_gradient_checkpointing",
@@ -223,7 +224,7 @@ def checkpointed_modules(module: nn.Module) -> list[nn.Module]:
 
 def apply_activation_checkpointing(module: nn.Module, settings: ActivationCheckpointing | None,
                                    default_blocks: tuple[type, ...] | None = None,
-                                   owner: str = "activation_checkpointing") -> list[nn.Module]:
+                                   owner: str = "activation_checkpointing", strategy: Any = None) -> list[nn.Module]:
     """Patch the chosen blocks of ``module`` to recompute their forward in backward; return the patched blocks.
 
     Args:
@@ -232,12 +233,15 @@ def apply_activation_checkpointing(module: nn.Module, settings: ActivationCheckp
         default_blocks: the classes ``blocks=True`` means (FSDP passes its auto-wrap classes); None: the
             repeated blocks.
         owner: how errors name the setting (e.g. "FSDP activation_checkpointing").
+        strategy: the strategy that will wrap ``module``, to refuse a combination that cannot work.
 
     A block already patched with the same options is left as it is (the Runner's switch and FSDP's may both
     name it); with other options it is an error. A Hugging Face layer whose own checkpointing is on is skipped.
     """
     if settings is None or not settings.enabled:
         return []
+    if settings.use_reentrant:
+        check_reentrant_supported(strategy, owner)
     classes = _block_classes(module, settings.blocks, default_blocks, owner)
     targets = [m for m in module.modules() if m is not module and isinstance(m, classes)]
     inside = {id(c) for t in targets for c in t.modules() if c is not t}
@@ -259,6 +263,19 @@ def apply_activation_checkpointing(module: nn.Module, settings: ActivationCheckp
         _patch_forward(block, settings)
         patched.append(block)
     return patched
+
+
+def check_reentrant_supported(strategy: Any, owner: str = "activation_checkpointing") -> None:
+    """Refuse use_reentrant=True where it cannot work: under DDP(find_unused_parameters=True) (without
+    static_graph) the backward fails with "Expected to mark a variable ready only once" (measured on 2 ranks):
+    DDP walks the graph after forward, finds no checkpointed block's parameter in it (the reentrant forward runs
+    without grad), marks them ready as unused, and then their gradients arrive from the recompute."""
+    settings = getattr(strategy, "settings", None)
+    if getattr(settings, "find_unused_parameters", False) and not getattr(settings, "static_graph", False):
+        raise ActivationCheckpointingError(
+            f"{owner}: use_reentrant=True cannot run under DDP(find_unused_parameters=True): DDP marks the "
+            "checkpointed blocks' parameters unused after the forward, then their gradients arrive in backward. Use "
+            "use_reentrant=False (the default), or DDP(static_graph=True) instead of find_unused_parameters")
 
 
 def _block_classes(module: nn.Module, blocks: Any, default_blocks: tuple[type, ...] | None,
@@ -383,6 +400,8 @@ def enable_gradient_checkpointing(model: nn.Module, args: Any, runner: Any) -> s
     if not getattr(args, "gradient_checkpointing", False):
         return None
     kwargs = {"use_reentrant": False, **parse_checkpoint_kwargs(getattr(args, "gradient_checkpointing_kwargs", None))}
+    if kwargs["use_reentrant"]:
+        check_reentrant_supported(runner.strategy, "gradient_checkpointing_kwargs")
     if getattr(model, "supports_gradient_checkpointing", False):
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

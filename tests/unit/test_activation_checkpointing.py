@@ -218,3 +218,22 @@ def test_trainer_keeps_a_deepspeed_sections_options_and_takes_its_kwargs(tmp_pat
         True, True, True, {"preserve_rng_state": True})
     trainer.train()
     assert checkpointed_modules(model) == list(model.layers)
+
+
+def test_reentrant_under_ddp_with_find_unused_parameters_is_refused_by_name(tmp_path):
+    from types import SimpleNamespace
+
+    from shardkit.nn.checkpointing import enable_gradient_checkpointing
+    from shardkit.strategies.ddp import DDP
+
+    # Measured on 2 ranks: the backward fails with "Expected to mark a variable ready only once".
+    with pytest.raises(ActivationCheckpointingError, match=r"use_reentrant=True cannot run under "
+                                                           r"DDP\(find_unused_parameters=True\)"):
+        apply_activation_checkpointing(_llama(), ActivationCheckpointing(use_reentrant=True),
+                                       strategy=DDP(find_unused_parameters=True))
+    assert apply_activation_checkpointing(_llama(), ActivationCheckpointing(use_reentrant=True),
+                                          strategy=DDP(find_unused_parameters=True, static_graph=True))
+    args = SimpleNamespace(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+    runner = SimpleNamespace(strategy=DDP(find_unused_parameters=True), activation_checkpointing=None)
+    with pytest.raises(ActivationCheckpointingError, match="gradient_checkpointing_kwargs: use_reentrant=True"):
+        enable_gradient_checkpointing(_llama(), args, runner)
