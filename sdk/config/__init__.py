@@ -80,8 +80,9 @@ def _logged(resolved: ResolvedConfig) -> ResolvedConfig:
         settings = getattr(resolved.strategy, "settings", None)
         # NOTE: the class name, not repr(): a strategy's repr may need the device, known only after setup.
         log.info("%s resolves to strategy=%s%s precision=%r gradient_accumulation_steps=%d micro_batch_size=%s "
-                 "max_grad_norm=%s optimizer=%s scheduler=%s", resolved.source, type(resolved.strategy).__name__,
+                 "max_grad_norm=%s optimizer=%s scheduler=%s activation_checkpointing=%s", resolved.source,
+                 type(resolved.strategy).__name__,
                  f" ({settings})" if settings is not None else "", resolved.precision,
                  resolved.gradient_accumulation_steps, resolved.micro_batch_size, resolved.max_grad_norm,
-                 resolved.optimizer, resolved.scheduler)
+                 resolved.optimizer, resolved.scheduler, resolved.activation_checkpointing)
     return resolved

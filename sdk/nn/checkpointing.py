@@ -262,6 +262,9 @@ def apply_activation_checkpointing(module: nn.Module, settings: ActivationCheckp
             continue
         _patch_forward(block, settings)
         patched.append(block)
+    if patched:
+        logger.info("shardkit: %s recomputes %d blocks (%s) in backward: %s", owner, len(patched),
+                    ", ".join(sorted({type(b).__name__ for b in patched})), settings)
     return patched
 
 
