@@ -1,5 +1,6 @@
 """Modules over the fused ops (shardkit.ops): drop-in replacements for Hugging Face Llama-family layers."""
 
+from .checkpointing import ActivationCheckpointing
 from .loss import FusedLinearCrossEntropyLoss
 from .patching import apply_fused_kernels
 from .rms_norm import RMSNorm
@@ -8,6 +9,7 @@ from .swiglu import SwiGLUMLP
 
 # One line per module: a new module appends its import above and its name here.
 __all__ = [
+    "ActivationCheckpointing",
     "FusedLinearCrossEntropyLoss",
     "RMSNorm",
     "RotaryEmbedding",
