@@ -32,7 +32,6 @@ import types
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from scale_watch import GIB, Budget, _dir_bytes, aio_tune, libaio_available, watched_run
 from torch import nn
 
@@ -68,9 +67,31 @@ def count_params(config) -> int:
     return config.num_layers * (4 * h * h + 3 * h * i + 2 * h) + config.vocab_size * h + h
 
 
+class _Fp32MathLinear(torch.autograd.Function):
+    """y = x W^T computed in fp32 from 16-bit x and W, in forward and backward.
+
+    Saves the parameter itself, not an fp32 copy (as DeepSpeed's own ZeRO-3 linear does): under ZeRO-3 the
+    weight is released after forward and gathered again for backward, so no rank ever holds the model whole.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        # matmul, not F.linear: DeepSpeed's ZeRO-3 leaves F.linear replaced by its own autograd wrapper
+        return (x.float() @ weight.float().t()).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        g = grad.float()
+        grad_x = (g @ weight.float()).to(x.dtype)
+        grad_w = (g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        return grad_x, grad_w
+
+
 def _fp32_linear(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    bias = None if self.bias is None else self.bias.float()
-    return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+    out = _Fp32MathLinear.apply(x, self.weight)
+    return out if self.bias is None else out + self.bias
 
 
 def use_fp32_linear_math(model: nn.Module) -> None:
@@ -95,15 +116,18 @@ def _strategy(cfg: dict):
 
     name, path = cfg["strategy"], cfg.get("nvme_path")
     extra = {"zero_optimization": {"sub_group_size": int(cfg["sub_group_size"])}}
+    # Gathered parameters kept live at most (elements): DeepSpeed's 1e9 would let a model of 1B parameters or
+    # less stay gathered whole through forward and backward.
+    live = {"max_live_parameters": int(cfg["max_live"]), "max_reuse_distance": int(cfg["max_live"])}
     if name == "zero_infinity":
         # NOTE: DeepSpeed 0.19.8 reads the aio thread count as "intra_op_parallelism"; the "thread_count"
         # key shardkit writes is ignored there, so it is passed under DeepSpeed's own name too.
         extra["aio"] = {"intra_op_parallelism": int(cfg["aio"]["thread_count"])}
         rank_dir = os.path.join(path, f"rank{int(os.environ.get('RANK', '0'))}")
         return strategy_from_name("zero_infinity", nvme_path=rank_dir, aio=cfg["aio"],
-                                  buffer_size=int(cfg["buffer_size"]), extra=extra)
+                                  buffer_size=int(cfg["buffer_size"]), extra=extra, **live)
     if name == "zero3_offload":
-        return strategy_from_name("zero3", offload="cpu", extra=extra)
+        return strategy_from_name("zero3", offload="cpu", extra=extra, **live)
     if name == "zero2_offload":
         return strategy_from_name("zero2", offload_optimizer="cpu")
     if name == "fsdp_offload":
@@ -256,7 +280,8 @@ def _cfg(args: argparse.Namespace, **over) -> dict:
     cfg = {"params": args.params, "ranks": args.ranks, "steps": args.steps, "seq_len": args.seq_len,
            "lr": args.lr, "gen_tokens": args.gen_tokens, "strategy": "zero_infinity", "driver": "shardkit",
            "aio": dict(TUNED_AIO), "sub_group_size": args.sub_group_size, "buffer_size": args.buffer_size,
-           "threads": args.threads, "linear_math": args.linear_math}
+           "threads": args.threads, "linear_math": args.linear_math, "max_live": args.max_live,
+           "repeat_batch": args.repeat_batch}
     cfg.update(over)
     return cfg
 
@@ -346,8 +371,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategies", nargs="+", default=list(LIMIT_STRATEGIES), choices=LIMIT_STRATEGIES)
     p.add_argument("--start", type=float, default=5e7, help="--limits: first size")
     p.add_argument("--max-params", type=float, default=4e9, help="--limits: largest size tried")
-    p.add_argument("--sub-group-size", type=float, default=1e8, help="DeepSpeed sub_group_size (elements)")
-    p.add_argument("--buffer-size", type=float, default=1e8, help="parameter swap buffer (elements)")
+    p.add_argument("--sub-group-size", type=float, default=5e7, help="DeepSpeed sub_group_size (elements)")
+    p.add_argument("--buffer-size", type=float, default=3e7,
+                   help="parameter swap buffer (elements; must hold the largest weight)")
+    p.add_argument("--max-live", type=float, default=1e8,
+                   help="ZeRO-3 max_live_parameters and max_reuse_distance (elements)")
+    p.add_argument("--repeat-batch", action="store_true",
+                   help="train every step on the same batch (a working step must lower its loss)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     p.add_argument("--linear-math", choices=("fp32", "native"), default="fp32")
     p.add_argument("--mem-budget", type=float, default=0.75, help="fraction of MemTotal the run's tree may hold")
