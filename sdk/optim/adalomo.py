@@ -15,13 +15,14 @@ Differences from the package, all outside the update rule:
 - the state lives in ``self.state[p]`` (fp32, on the parameter's device) and the step count in every
   param group, so ``state_dict()`` saves and restores it exactly;
 - weight decay is read per param group (the package has one value for all parameters);
-- no DeepSpeed ZeRO-3 path: the Trainer runs backward-step optimizers on one process only.
+- ``grad_reducer`` (set by the Trainer under DDP) averages each gradient across ranks before it is used;
+  no DeepSpeed ZeRO-3 path.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -66,6 +67,8 @@ class AdaLomo(Optimizer):
         self.clip_coef: torch.Tensor | None = None
         self._gather_norm = False
         self._norms: list[torch.Tensor] = []
+        # Set by a data-parallel driver: averages a gradient across ranks in place, before it is used.
+        self.grad_reducer: Callable[[torch.Tensor], None] | None = None
         self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
         self._handles = []
         for group in self.param_groups:
@@ -118,6 +121,8 @@ class AdaLomo(Optimizer):
 
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
+        if self.grad_reducer is not None:
+            self.grad_reducer(p.grad)
         grad_fp32 = p.grad.to(torch.float32)
         p.grad = None
         if self.loss_scale:

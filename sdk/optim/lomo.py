@@ -68,7 +68,22 @@ def lomo_class() -> type[Optimizer]:
                                       f"not installed: {_EXTRA_HINT} (or pip install lomo-optim)") from err
 
     class Lomo(package.Lomo):
-        """lomo-optim's LOMO: plain SGD applied from gradient hooks during ``fused_backward``."""
+        """lomo-optim's LOMO: plain SGD applied from gradient hooks during ``fused_backward``.
+
+        ``grad_reducer`` (set by the Trainer under DDP) averages each gradient across ranks as soon as it
+        is accumulated: the package's hooks use a parameter's gradient only later (from the next
+        parameter's hook, or after backward), so they see the average.
+        """
+
+        def __init__(self, model: Any, *args: Any, **kwargs: Any):
+            super().__init__(model, *args, **kwargs)
+            self.grad_reducer: Any = None
+            self._reduce_handles = [p.register_post_accumulate_grad_hook(self._reduce)
+                                    for _, p in model.named_parameters() if p.requires_grad]
+
+        def _reduce(self, p: torch.Tensor) -> None:
+            if self.grad_reducer is not None:
+                self.grad_reducer(p.grad)
 
         def step(self, closure: Any = None) -> Any:
             return closure() if closure is not None else None  # the update ran inside fused_backward

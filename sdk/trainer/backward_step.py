@@ -12,14 +12,17 @@ Two kinds, each recognised from the optimizer itself (so a user-built one works 
   (the optimizer's ``step()`` is a no-op) and clears gradients. ``max_grad_norm`` cannot apply (no total
   norm exists before the first parameter has stepped); a warning says so once.
 
-Both run on one process only (``SingleDevice``), without gradient accumulation and without FP16 loss
-scaling; anything else is refused at setup with :class:`BackwardStepError` naming the setting and the fix:
+Fused-backward optimizers run on one process or under DDP; layer-wise ones on one process only. Neither
+accumulates gradients nor takes FP16 loss scaling. Anything else is refused at setup with
+:class:`BackwardStepError`, naming the setting and the fix:
 
 - gradient accumulation: the weights change during each micro-batch's backward (HF refuses it too).
-- DDP (any data-parallel world): the hooks update each parameter before DDP's all-reduce of its
-  gradient, so ranks would apply different updates and drift apart. lomo-optim 0.1.1 all-reduces only
-  on its DeepSpeed-ZeRO-3 path (which reads HF's global DeepSpeed state, never set by shardkit); its
-  ordinary path updates with the local gradient. HF refuses layer-wise under DDP.
+- DDP, fused backward: the hooks would update each parameter from its local gradient before DDP's
+  all-reduce, and the ranks would drift apart (lomo-optim 0.1.1 all-reduces only on its DeepSpeed-ZeRO-3
+  path, which reads HF's global DeepSpeed state, never set by shardkit; HF's Trainer runs it anyway).
+  So DDP's own sync is turned off and the optimizer's hook averages each gradient across ranks before
+  using it (:meth:`BackwardStepper.setup`): one blocking all-reduce per parameter, no bucketing.
+- DDP, layer-wise: refused (as HF does); each parameter steps in the hook that DDP's reduction follows.
 - FSDP, ZeRO, tensor parallel: they replace or partition the parameters the hooks were registered on,
   and the ZeRO engines own the step.
 - FP16: its loss scale and overflow check live in the Runner's step, which these updates bypass.
@@ -64,12 +67,13 @@ def backward_stepper(optimizer: Optimizer, runner: Any, args: Any) -> BackwardSt
     kind = _kind(optimizer)
     if kind is None:
         return None
-    _check(f"{type(optimizer).__name__} (optim={args.optim!r})", runner, args)
+    _check(f"{type(optimizer).__name__} (optim={args.optim!r})", kind, runner, args)
     return BackwardStepper(kind, optimizer, runner, args)
 
 
-def _check(name: str, runner: Any, args: Any) -> None:
+def _check(name: str, kind: str, runner: Any, args: Any) -> None:
     from shardkit.precision import FP16
+    from shardkit.strategies.ddp import DDP
     from shardkit.strategies.single import SingleDevice
 
     what = f"{name} updates each weight inside backward"
@@ -78,16 +82,30 @@ def _check(name: str, runner: Any, args: Any) -> None:
                                 f"{args.gradient_accumulation_steps} is not supported; set it to 1 (raise "
                                 "per_device_train_batch_size for a bigger batch)")
     strategy = runner.strategy
-    if not isinstance(strategy, SingleDevice) or runner.world_size > 1:
+    # Fused under DDP: each gradient is averaged across ranks in the hook, before the update (see setup()).
+    if not (isinstance(strategy, SingleDevice) or (kind == "fused" and type(strategy) is DDP)):
+        where = "one process or DDP" if kind == "fused" else "one process only"
         raise BackwardStepError(
-            f"{what}, so it runs on one process only (strategy SingleDevice), not {type(strategy).__name__} "
-            f"with world size {runner.world_size}: under DDP each parameter would be updated from its local "
-            "gradient before the all-reduce and the ranks would drift apart; FSDP, ZeRO and tensor parallel "
-            "replace the parameters its hooks are on. Train on one process, or pick another optim "
-            "(e.g. adamw_torch, galore_adamw)")
+            f"{what}, so it runs on {where} (strategy SingleDevice{', DDP' if kind == 'fused' else ''}), not "
+            f"{type(strategy).__name__} with world size {runner.world_size}: "
+            + ("a layer-wise optimizer steps each parameter in its gradient hook, before DDP's all-reduce, so "
+               "the ranks would drift apart (HF refuses it under DDP too); " if kind == "layerwise" else "")
+            + "FSDP, ZeRO and tensor parallel replace or partition the parameters its hooks are on. Train on "
+            "one process, or pick another optim (e.g. adamw_torch, galore_adamw)")
     if isinstance(runner.precision, FP16):
         raise BackwardStepError(f"{what}, bypassing the Runner's step where FP16 unscales and checks for "
                                 "overflow: use bf16=True or fp32")
+
+
+def _average_across_ranks(world_size: int):
+    import torch.distributed as dist
+
+    def reduce(grad: torch.Tensor) -> None:
+        # As DDP's default hook: divide, then sum, so ranks hold bitwise the same average.
+        grad.div_(world_size)
+        dist.all_reduce(grad)
+
+    return reduce
 
 
 class BackwardStepper:
@@ -105,6 +123,17 @@ class BackwardStepper:
         self._max_grad_norm = float(args.max_grad_norm or 0.0)
         self._norm: torch.Tensor | None = None
         self._warned = False
+
+    def setup(self, model: Any) -> None:
+        """After ``runner.setup``: under DDP (fused kind) turn DDP's own gradient sync off for good and let the
+        optimizer's hooks average each gradient across ranks (one all-reduce per parameter) before using it.
+        lomo-optim 0.1.1 does this only on its DeepSpeed ZeRO-3 path; its ordinary path uses local gradients."""
+        from shardkit.strategies.ddp import DDP
+
+        if self.kind == "fused" and type(self.runner.strategy) is DDP:
+            self.runner.strategy.set_gradient_sync(model, False)  # read by DDP at each forward
+            if self.runner.world_size > 1:
+                self.optimizer.grad_reducer = _average_across_ranks(self.runner.world_size)
 
     @property
     def clips(self) -> bool:

@@ -206,6 +206,8 @@ class Trainer(CheckpointMixin, EvaluationMixin):
             else:
                 self.model, self.optimizer, scheduler = runner.setup(model, optimizer, scheduler)
             self.lr_scheduler = scheduler
+            if self._backward_stepper is not None:  # under DDP: the hooks average gradients, not DDP
+                self._backward_stepper.setup(self.model)
         else:
             self._plateau = False
             self.model = runner.setup(model)

@@ -1,8 +1,10 @@
-"""Optimizers that update inside backward (LOMO, AdaLomo, layer-wise GaLore) are refused by name on 2 ranks.
+"""Optimizers that update inside backward on 2 ranks (one process group for every check).
 
-Under DDP each parameter would be updated from its local gradient before the all-reduce (lomo-optim's
-ordinary path never all-reduces; layer-wise steps in the post-accumulate hook), so the ranks would drift;
-FSDP replaces the parameters the hooks are on. One process group checks every combination.
+- LOMO and AdaLomo under DDP: DDP's sync is off and each gradient is averaged across ranks in the hook
+  before the update, so LOMO equals SGD under DDP, with the schedule's lr and clipping, and the ranks'
+  weights stay bitwise equal.
+- Layer-wise GaLore under DDP and AdaLomo under FSDP are refused by name (the update would run before
+  DDP's all-reduce; FSDP replaces the parameters the hooks are on).
 """
 
 from pathlib import Path
@@ -17,33 +19,52 @@ from shardkit.strategies import strategy_from_name
 from shardkit.trainer import Trainer, TrainingArguments
 from shardkit.trainer.backward_step import BackwardStepError
 
-TINY = LlamaConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, max_position=16)
-ROWS = {"adalomo": {}, "galore_adamw_layerwise": dict(optim_target_modules="all-linear")}
+TINY = LlamaConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, max_position=16, fused=False)
 
 
-def _refusals(out: str) -> dict[str, str]:
-    data = Subset(ByteTextDataset(TEXT, seq_len=16, stride=16), range(16))
-    found = {}
-    # One fused-backward row (lomo is the same kind; its package import would cost a rank seconds) and the
-    # layer-wise one under DDP, and a fused-backward one under FSDP.
-    for strategy, optim in [("ddp", "adalomo"), ("ddp", "galore_adamw_layerwise"), ("fsdp", "adalomo")]:
-        extra = ROWS[optim]
-        torch.manual_seed(0)
-        args = TrainingArguments(output_dir=str(Path(out) / f"{strategy}-{optim}"), optim=optim, max_steps=2,
-                                 per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True,
-                                 max_grad_norm=0.0, **extra)
-        trainer = Trainer(Llama(TINY), args, train_dataset=data, strategy=strategy_from_name(strategy))
+def _trainer(out: Path, strategy: str, optim: str, **kw) -> Trainer:
+    data = Subset(ByteTextDataset(TEXT, seq_len=16, stride=16), range(32))
+    base = dict(output_dir=str(out / f"{strategy}-{optim}"), optim=optim, max_steps=4, logging_steps=1,
+                per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True, learning_rate=0.2,
+                weight_decay=0.0, max_grad_norm=0.0, warmup_steps=1, seed=0)
+    torch.manual_seed(0)
+    return Trainer(Llama(TINY), TrainingArguments(**{**base, **kw}), train_dataset=data,
+                   strategy=strategy_from_name(strategy))
+
+
+def _worker(out: str) -> dict:
+    out = Path(out)
+    result: dict = {}
+    # fused=False model: with max_grad_norm the norm is measured by a backward that keeps the graph.
+    lomo = _trainer(out, "ddp", "lomo", max_grad_norm=0.5)
+    lomo.train()
+    sgd = _trainer(out, "ddp", "sgd", max_grad_norm=0.5)
+    sgd.train()
+    result["lomo_vs_sgd"] = max((a - b).abs().max().item() for a, b in
+                                zip(lomo.model.parameters(), sgd.model.parameters()))
+    adalomo = _trainer(out, "ddp", "adalomo", learning_rate=0.05)
+    adalomo.train()
+    losses = [h["loss"] for h in adalomo.state.log_history if "loss" in h]
+    result["adalomo_losses"] = losses
+    result["weights"] = {name: p.detach().clone() for name, p in adalomo.model.module.named_parameters()}
+    for strategy, optim, extra in [("ddp", "galore_adamw_layerwise", dict(optim_target_modules="all-linear")),
+                                   ("fsdp", "adalomo", {})]:
         try:
-            trainer.train()
-            found[f"{strategy}/{optim}"] = "trained"
+            _trainer(out, strategy, optim, **extra).train()
+            result[f"{strategy}/{optim}"] = "trained"
         except BackwardStepError as err:
-            found[f"{strategy}/{optim}"] = str(err)
-    return found
+            result[f"{strategy}/{optim}"] = str(err)
+    return result
 
 
-def test_ddp_and_fsdp_refuse_backward_step_optimizers_by_name(tmp_path):
-    for found in run_distributed(_refusals, 2, args=(str(tmp_path),)):
-        assert len(found) == 3
-        for key, message in found.items():
-            strategy = key.split("/")[0].upper()
-            assert "one process only" in message and f"not {strategy} with world size 2" in message, (key, message)
+def test_fused_backward_under_ddp_and_refusals(tmp_path):
+    ranks = run_distributed(_worker, 2, args=(str(tmp_path),))
+    for result in ranks:
+        assert result["lomo_vs_sgd"] < 1e-6  # LOMO == SGD under DDP: averaged gradients, scheduled lr, clipping
+        losses = result["adalomo_losses"]
+        assert losses[-1] < losses[0] - 0.05, losses  # falls (the first step has lr 0: warmup)
+        assert "one process only" in result["ddp/galore_adamw_layerwise"], result["ddp/galore_adamw_layerwise"]
+        assert "not DDP with world size 2" in result["ddp/galore_adamw_layerwise"]
+        assert "one process or DDP" in result["fsdp/adalomo"] and "not FSDP with world size 2" in result["fsdp/adalomo"]
+    for name, tensor in ranks[0]["weights"].items():
+        assert torch.equal(tensor, ranks[1]["weights"][name]), name  # the replicas never drift
