@@ -45,7 +45,7 @@ logger = logging.getLogger("shardkit.trainer")
 
 class BackwardStepError(OptimizerUnsupportedError):
     """An optimizer that updates inside backward (LOMO, AdaLomo, layer-wise GaLore) cannot run with these
-    settings (gradient accumulation, a strategy other than one process, FP16); the message names the fix."""
+    settings (gradient accumulation; FSDP, ZeRO or TP; DDP for layer-wise; FP16); the message names the fix."""
 
 
 def _kind(optimizer: Optimizer) -> str | None:
@@ -62,7 +62,7 @@ def backward_stepper(optimizer: Optimizer, runner: Any, args: Any) -> BackwardSt
     """The driver for ``optimizer`` if it updates inside backward, else None. Call before ``runner.setup``.
 
     Raises:
-        BackwardStepError: gradient accumulation, a multi-process or sharding strategy, or FP16.
+        BackwardStepError: gradient accumulation, a strategy it cannot run under, or FP16.
     """
     kind = _kind(optimizer)
     if kind is None:
