@@ -20,12 +20,15 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from shardkit.optim.named import OptimizerUnsupportedError, is_galore, is_grokadamw, is_schedule_free
+
+logger = logging.getLogger("shardkit.trainer")
 
 __all__ = ["check_optimizer_strategy", "pass_eval_loss", "pass_training_loss", "to_eval", "to_train"]
 
@@ -144,13 +147,35 @@ def check_optimizer_strategy(optimizer: Any, strategy: Any) -> None:
                                         "ZeRO hands it one flat partition per param group instead of the parameters "
                                         "(it would run a different optimizer). Use GrokAdamW with SingleDevice, DDP "
                                         "or FSDP")
-    if not is_galore(optimizer):
-        return
     from shardkit.strategies.fsdp import FSDP
     from shardkit.strategies.tensor_parallel import TensorParallel
 
-    if flat or isinstance(strategy, (FSDP, TensorParallel)):
+    sharded = isinstance(strategy, (FSDP, TensorParallel))  # parameters become DTensors
+    _check_dtensor_steps(optimizer, name, sharded)
+    if flat and isinstance(optimizer, torch.optim.Adafactor):
+        logger.warning("adafactor under %s: ZeRO hands the optimizer 1-d flat partitions, so Adafactor keeps an "
+                       "unfactored second moment (one value per element, as for 1-d parameters) instead of row "
+                       "and column factors: it trains and resumes, but with more state than under DDP", name)
+    if not is_galore(optimizer):
+        return
+    if flat or sharded:
         how = "flattens each param group into one 1-d partition" if flat else "shards each weight into blocks"
         raise OptimizerUnsupportedError(f"GaLore ({type(optimizer).__name__}) cannot run under {name}: it {how}, "
                                         "and GaLore needs each target weight whole as a 2-d matrix. Use GaLore "
                                         "with SingleDevice or DDP, or another optimizer under this strategy")
+
+
+def _check_dtensor_steps(optimizer: Any, name: str, sharded: bool) -> None:
+    """Optimizers whose step cannot take FSDP/TP's DTensor parameters (found by running them, issue 14)."""
+    if not sharded:
+        return
+    from shardkit.optim import FusedAdamW
+
+    if isinstance(optimizer, FusedAdamW):
+        raise OptimizerUnsupportedError(f"adamw_shardkit (FusedAdamW) cannot run under {name}: its fused C++/Triton "
+                                        "step takes plain tensors and the parameters are DTensors there. Use "
+                                        "optim='adamw_torch_fused' (or adamw_torch) under this strategy")
+    if isinstance(optimizer, torch.optim.Adafactor):
+        raise OptimizerUnsupportedError(f"adafactor (torch.optim.Adafactor) cannot run under {name}: its step's "
+                                        "in-place norm ops are not supported on DTensor shards (torch raises on "
+                                        "aten.pow_ with a partial placement). Use adamw_torch_fused or sgd here")

@@ -140,16 +140,20 @@ def test_galore_targets_and_errors():
     assert TrainingArguments(optim_args='{"rank": 8}').optim_args == {"rank": 8}
 
 
-def test_galore_is_refused_where_weights_are_flattened_or_sharded():
+def test_impossible_strategy_combinations_are_refused_by_name():
     from shardkit.strategies.fsdp import FSDP
     from shardkit.strategies.zero import ZeRO2
 
     model = _llama()
-    optimizer = create_optimizer("galore_adamw", model.parameters(),
-                                 context={"model": model, "optim_target_modules": "all-linear"}, rank=4)
-    for strategy in (ZeRO2(), FSDP()):  # built, not set up: no process group needed
-        with pytest.raises(OptimizerUnsupportedError, match=f"under {type(strategy).__name__}"):
-            check_optimizer_strategy(optimizer, strategy)
+    context = {"model": model, "optim_target_modules": "all-linear"}
+    refused = {"galore_adamw": (ZeRO2(), FSDP()), "grokadamw": (ZeRO2(),), "adamw_shardkit": (FSDP(),),
+               "adafactor": (FSDP(),)}
+    for name, strategies in refused.items():
+        optimizer = create_optimizer(name, model.parameters(), context=context, lr=1e-3)
+        for strategy in strategies:  # built, not set up: no process group needed
+            with pytest.raises(OptimizerUnsupportedError, match=f"under {type(strategy).__name__}"):
+                check_optimizer_strategy(optimizer, strategy)
+    check_optimizer_strategy(create_optimizer("grokadamw", model.parameters()), FSDP())  # runs there (tested)
 
 
 @pytest.mark.parametrize("name,module,package", [("galore_adamw", "galore_torch", "galore-torch"),
