@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from shardkit.nn import checkpointing
 from shardkit.strategies import _init, _mesh, _sharded_state
+from shardkit.strategies._quant_storage import check_quant_storage
 from shardkit.strategies.distributed import MeshStrategy
 from shardkit.suggest import did_you_mean
 
@@ -182,6 +183,7 @@ class FSDP(MeshStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
+        check_quant_storage(module, _mesh.mp_policy(self.precision).param_dtype)  # QLoRA: packed 4-bit weights
         records = self._init_records(module)
         if records:
             return self._setup_recorded(module, records)

@@ -116,11 +116,18 @@ def _lora_layers(module: nn.Module) -> dict[str, tuple[list[str], dict[str, floa
 
     Raises:
         NotImplementedError: naming a layer whose merge is not plain ``W + scale * B @ A`` (DoRA, LoRA bias,
-            non-Linear LoRA layers) or that is already merged.
+            non-Linear LoRA layers, 4-bit base weights) or that is already merged.
     """
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
 
+    from shardkit.strategies._quant_storage import quantized_parameters
+
+    quantized = quantized_parameters(module)
+    if quantized:
+        raise NotImplementedError(f"merge_adapters: the base model holds 4-bit weights ({quantized[0][0]}, QLoRA); "
+                                  "merging into packed weights would lose the adapters' precision: save the adapters "
+                                  "(merge_adapters=False) and merge them into the unquantized base model")
     layers = {}
     for name, sub in module.named_modules():
         if not isinstance(sub, LoraLayer):

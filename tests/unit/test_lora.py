@@ -189,3 +189,71 @@ def test_trainable_view_holds_the_live_trainable_parameters():
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameter"):
         trainable_view(model)
+
+
+# ---- QLoRA (bitsandbytes 4-bit; its CPU backend quantizes and computes, so this runs without a GPU) -------------
+
+
+def _quantized_lora(tmp_path, storage=torch.float32):
+    from shardkit.trainer.qlora import qlora_config
+
+    _hf_base().save_pretrained(str(tmp_path / "base"))
+    bnb_config = qlora_config(compute_dtype=torch.float32, quant_storage=storage)
+    base = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "base"), quantization_config=bnb_config,
+                                                         dtype=torch.float32, device_map="cpu")
+    base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
+    torch.manual_seed(2)
+    return peft.get_peft_model(base, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
+
+
+def test_qlora_config_checks_its_arguments():
+    pytest.importorskip("bitsandbytes")
+    from shardkit.trainer.qlora import qlora_config
+
+    config = qlora_config(compute_dtype=torch.bfloat16)
+    assert config.load_in_4bit and config.bnb_4bit_quant_storage == torch.bfloat16
+    assert config.bnb_4bit_compute_dtype == torch.bfloat16 and config.bnb_4bit_quant_type == "nf4"
+    with pytest.raises(ValueError, match="quant_type='int3'"):
+        qlora_config(quant_type="int3")
+    with pytest.raises(ValueError, match="compute_dtype=torch.int8 must be a floating"):
+        qlora_config(compute_dtype=torch.int8)
+    with pytest.raises(ValueError, match="quant_storage=torch.int32 is not one of"):
+        qlora_config(quant_storage=torch.int32)
+
+
+def test_quant_storage_check_names_the_weight_fsdp_would_scramble():
+    bnb = pytest.importorskip("bitsandbytes")
+    from shardkit.strategies._quant_storage import check_quant_storage
+
+    layers = {}
+    for storage in (torch.uint8, torch.bfloat16, torch.float32):
+        layer = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.float32, quant_storage=storage)
+        layer.load_state_dict(torch.nn.Linear(64, 32, bias=False).state_dict())
+        layers[storage] = torch.nn.Sequential(layer.to("cpu"))  # quantized here, on the CPU
+        assert layers[storage][0].weight.dtype == storage
+    check_quant_storage(layers[torch.uint8], torch.bfloat16)  # not floating: FSDP leaves it alone
+    check_quant_storage(layers[torch.bfloat16], torch.bfloat16)  # gathered in its own dtype: no cast
+    check_quant_storage(layers[torch.float32], None)  # no mixed precision: no cast
+    with pytest.raises(ValueError, match=r"4-bit weight 0.weight is stored as torch.float32.*"
+                                         r"bnb_4bit_quant_storage=torch.bfloat16"):
+        check_quant_storage(layers[torch.float32], torch.bfloat16)
+
+
+def test_qlora_trains_on_cpu_saves_adapters_and_refuses_a_merge(tmp_path):
+    pytest.importorskip("bitsandbytes")
+    from shardkit.trainer.qlora import quantized_parameters
+
+    model = _quantized_lora(tmp_path)
+    # Packed bytes held as float32 can read as NaN: compare the bytes.
+    packed = {n: p.detach().view(torch.uint8).clone() for n, p in quantized_parameters(model)}
+    assert len(packed) == 2 * 7  # every Linear of the 2 blocks is 4-bit (lm_head stays full precision)
+    trainer = Trainer(model, _args(tmp_path / "run"), train_dataset=_data())
+    trainer.train()
+    losses = _losses(trainer)
+    assert losses[-1] < losses[0] - 0.05
+    assert all(torch.equal(p.detach().view(torch.uint8), packed[n]) for n, p in quantized_parameters(model))
+    trainer.save_model(str(tmp_path / "adapter"))
+    with safe_open(str(tmp_path / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        assert f.keys() and all("lora_" in k for k in f.keys())
+    with pytest.raises(NotImplementedError, match="4-bit weights.*merge_adapters=False"):
+        trainer.save_model(str(tmp_path / "merged"), merge_adapters=True)
