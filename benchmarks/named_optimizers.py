@@ -1,12 +1,17 @@
 """Every optimizer in shardkit's registry side by side: seconds per step and optimizer-state bytes, one run.
 
     python benchmarks/named_optimizers.py [--steps 30] [--rounds 3] [--hidden 128] [--only adamw_torch,sgd]
+    python benchmarks/named_optimizers.py --adamw-step [--hidden 128,512]
 
 On a tiny shardkit Llama through shardkit's Trainer (``optim=<name>``), one process, one thread: seconds per
 optimizer step (median of the steps after the first 5; best of ``--rounds`` rounds, the rows alternating so
 machine noise hits each) and the bytes of optimizer state after training (GaLore's projection matrices
 included; a layer-wise optimizer's per-parameter optimizers counted). Rows that need a GPU here say so.
 max_grad_norm=0 for every row (LOMO/AdaLomo would run one more backward per step to measure the norm).
+
+``--adamw-step`` times ``optimizer.step()`` alone for the AdamW rows (torch's fused, foreach, and shardkit's
+FusedAdamW) on the same models' parameters with fixed gradients, 100 alternating repeats: which one the
+Trainer's default ``optim`` should be.
 """
 
 from __future__ import annotations
@@ -77,14 +82,43 @@ def run(name: str, hidden: int, steps: int, out: str) -> tuple[float, int, float
     return statistics.median(clock.seconds[5:]), state_bytes(trainer.optimizer), losses[0], losses[-1], params
 
 
+def adamw_step_table(hiddens: list[int], repeats: int = 100) -> None:
+    names = ("adamw_torch_fused", "adamw_shardkit", "adamw_torch_foreach")
+    print("| parameters | " + " | ".join(f"{n} ms/step (median, min)" for n in names) + " |")
+    print("|---|" + "---|" * len(names))
+    for hidden in hiddens:
+        config = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_layers=4, num_heads=4,
+                             max_position=64)
+        torch.manual_seed(0)
+        params = list(Llama(config).parameters())
+        for p in params:
+            p.grad = torch.randn_like(p)
+        from shardkit.optim import create_optimizer
+
+        optimizers = {n: create_optimizer(n, params, lr=1e-3) for n in names}
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for _ in range(repeats):
+            for name, optimizer in optimizers.items():
+                start = time.perf_counter()
+                optimizer.step()
+                times[name].append(time.perf_counter() - start)
+        cells = [f"{statistics.median(times[n][5:]) * 1e3:.2f}, {min(times[n][5:]) * 1e3:.2f}" for n in names]
+        print(f"| {sum(p.numel() for p in params):,} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--hidden", default="128", help="hidden size (--adamw-step: comma-separated sizes)")
     parser.add_argument("--only", default="", help="comma-separated names (default: every registered one)")
+    parser.add_argument("--adamw-step", action="store_true", help="time optimizer.step() of the AdamW rows only")
     opts = parser.parse_args()
     torch.set_num_threads(1)
+    if opts.adamw_step:
+        adamw_step_table([int(h) for h in opts.hidden.split(",")])
+        return
+    opts.hidden = int(opts.hidden)
     names = [n for n in opts.only.split(",") if n] or available_optimizers()
     best: dict[str, list] = {}
     skipped: dict[str, str] = {}
