@@ -102,7 +102,7 @@ class TrainingArguments:
     label_smoothing_factor: float = 0.0
     optim: str = "adamw_torch_fused"
     optim_args: dict[str, Any] = field(default_factory=dict)
-    optim_target_modules: str | list[str] | None = None
+    optim_target_modules: str | list[str] | None = None  # GaLore's nn.Linear targets: names, a regex or "all-linear"
     report_to: str | list[str] = "none"
     resume_from_checkpoint: str | None = None
     gradient_checkpointing: bool = False
