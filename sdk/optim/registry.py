@@ -88,4 +88,10 @@ def create_optimizer(name: str, params: Iterable[Any], *, context: Mapping[str, 
     if factory is None:
         raise ValueError(f"unknown optimizer {name!r}{did_you_mean(key, _REGISTRY)} Valid names: "
                          f"{', '.join(available_optimizers())}")
-    return factory(params, **_context_for(factory, context), **kwargs)
+    try:
+        return factory(params, **_context_for(factory, context), **kwargs)
+    except TypeError as err:
+        if "unexpected keyword argument" not in str(err):
+            raise
+        raise TypeError(f"optimizer {key!r} does not take one of {sorted(kwargs)} ({err}): drop it from optim_args "
+                        "(TrainingArguments) or the keyword arguments") from err

@@ -138,6 +138,8 @@ def test_galore_targets_and_errors():
     assert parse_optim_args("rank=64, update_proj_gap=200,scale=0.25,proj_type=std") == \
         {"rank": 64, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}
     assert TrainingArguments(optim_args='{"rank": 8}').optim_args == {"rank": 8}
+    with pytest.raises(TypeError, match="'adamw_torch' does not take one of.*optim_args"):
+        create_optimizer("adamw_torch", model.parameters(), rank=8)
 
 
 def test_impossible_strategy_combinations_are_refused_by_name():
