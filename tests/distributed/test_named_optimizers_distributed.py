@@ -17,7 +17,7 @@ from shardkit.models import ByteTextDataset, Llama, LlamaConfig
 
 TINY = LlamaConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, max_position=16)
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
-NAMES = {"fsdp": "FSDP", "zero2": "ZeRO2", "zero3": "ZeRO3"}
+NAMES = {"zero3": "ZeRO3"}
 
 
 def _trainer(strategy: str, optim: str, out: Path, max_steps: int, save_steps: int, callbacks=()):
@@ -75,7 +75,8 @@ def _grok_and_refusals(out: str) -> dict:
         trainer = _trainer(strategy, "grokadamw", Path(out) / f"grok-{strategy}", max_steps=4, save_steps=10)
         trainer.train()
         result["grok"][strategy] = _losses(trainer)
-    for strategy, optim in (("fsdp", "galore_adamw"), ("zero3", "galore_adamw"), ("zero2", "grokadamw")):
+    # One refusal through Trainer.train (the wiring); every refused combination is checked in the unit test.
+    for strategy, optim in (("zero3", "galore_adamw"),):
         trainer = _trainer(strategy, optim, Path(out) / f"refused-{strategy}", max_steps=1, save_steps=10)
         try:
             trainer.train()
