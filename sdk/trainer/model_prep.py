@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from torch import nn
@@ -42,9 +43,10 @@ _NO_KERNEL = {"cross_entropy": "the fused linear cross-entropy replaces it (fuse
 def check_model_prep_args(args: Any) -> None:
     """Check and normalise the fields this module reads (called by ``TrainingArguments.__post_init__``)."""
     alpha = args.neftune_noise_alpha
-    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1e6):
-        raise ValueError(f"TrainingArguments.neftune_noise_alpha={alpha!r} must be a positive number (the NEFTune "
-                         "paper uses 5 to 15) or None to turn it off")
+    number = isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+    if alpha is not None and (not number or not 0 < alpha < math.inf):
+        raise ValueError(f"TrainingArguments.neftune_noise_alpha={alpha!r} must be a positive finite number (the "
+                         "NEFTune paper uses 5 to 15) or None to turn it off")
     for name in ("use_liger_kernel", "use_fused_kernels", "torch_compile"):
         if not isinstance(getattr(args, name), bool):
             raise ValueError(f"TrainingArguments.{name}={getattr(args, name)!r} must be True or False")
