@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 import types
@@ -77,15 +78,18 @@ class _Fp32MathLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        # matmul, not F.linear: DeepSpeed's ZeRO-3 leaves F.linear replaced by its own autograd wrapper
-        return (x.float() @ weight.float().t()).to(x.dtype)
+        # matmul, not F.linear: DeepSpeed's ZeRO-3 leaves F.linear replaced by its own autograd wrapper;
+        # autocast (the torch engines' BF16) off, or it would cast the fp32 operands back to bf16
+        with torch.autocast("cpu", enabled=False):
+            return (x.float() @ weight.float().t()).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         g = grad.float()
-        grad_x = (g @ weight.float()).to(x.dtype)
-        grad_w = (g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        with torch.autocast("cpu", enabled=False):
+            grad_x = (g @ weight.float()).to(x.dtype)
+            grad_w = (g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
         return grad_x, grad_w
 
 
@@ -123,6 +127,9 @@ def _strategy(cfg: dict):
         # NOTE: DeepSpeed 0.19.8 reads the aio thread count as "intra_op_parallelism"; the "thread_count"
         # key shardkit writes is ignored there, so it is passed under DeepSpeed's own name too.
         extra["aio"] = {"intra_op_parallelism": int(cfg["aio"]["thread_count"])}
+        # DeepSpeed keeps up to offload_param.max_in_cpu (1e9) 16-bit parameter elements in host memory even
+        # with parameters on NVMe: 2 GB that is not needed when the point is to stay small.
+        extra["zero_optimization"]["offload_param"] = {"max_in_cpu": int(cfg["max_in_cpu"])}
         rank_dir = os.path.join(path, f"rank{int(os.environ.get('RANK', '0'))}")
         return strategy_from_name("zero_infinity", nvme_path=rank_dir, aio=cfg["aio"],
                                   buffer_size=int(cfg["buffer_size"]), extra=extra, **live)
@@ -281,7 +288,7 @@ def _cfg(args: argparse.Namespace, **over) -> dict:
            "lr": args.lr, "gen_tokens": args.gen_tokens, "strategy": "zero_infinity", "driver": "shardkit",
            "aio": dict(TUNED_AIO), "sub_group_size": args.sub_group_size, "buffer_size": args.buffer_size,
            "threads": args.threads, "linear_math": args.linear_math, "max_live": args.max_live,
-           "repeat_batch": args.repeat_batch}
+           "repeat_batch": args.repeat_batch, "max_in_cpu": args.max_in_cpu}
     cfg.update(over)
     return cfg
 
@@ -289,6 +296,27 @@ def _cfg(args: argparse.Namespace, **over) -> dict:
 def _per_process(peaks: dict[str, int]) -> str:
     big = {k: v for k, v in peaks.items() if v > 50 * 2**20}  # helpers (compiler probes, ldconfig) left out
     return ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in sorted(big.items()))
+
+
+_ESTIMATOR_NAMES = {"fsdp_offload": "fsdp", "zero2_offload": "zero2"}  # on CPU an offload moves nothing
+
+
+def _estimate(r: dict) -> str | None:
+    """What `shardkit estimate-memory` predicts per rank for this run, beside what rank 0 measured."""
+    from shardkit.memory import ModelSpec, estimate_model_states
+
+    measured = r.get("model_state_bytes")
+    if not measured:
+        return None
+    config = model_config(r["params"], r["seq_len"])
+    spec = ModelSpec(r["params"], config.hidden_size * config.intermediate_size, hidden_size=config.hidden_size)
+    e = estimate_model_states(spec, _ESTIMATOR_NAMES.get(r["strategy"], r["strategy"]),
+                              num_gpus_per_node=r["ranks"], precision="bf16", params_in_cpu=int(r["max_in_cpu"]))
+    held = sum(measured.get(k, 0) for k in ("params", "grads", "optimizer"))  # FSDP adds a "total": not summed
+    predicted = e.device_total + e.host  # on a CPU machine both are host memory
+    r["estimate"] = {"predicted_held": predicted, "measured_held": held, "predicted_nvme": e.nvme}
+    return (f"  model states per rank: measured {held / GIB:.2f} GiB held ({measured}); estimate-memory predicts "
+            f"{predicted / GIB:.2f} GiB held (ratio {predicted / max(held, 1):.2f}), {e.nvme / GIB:.2f} GiB on NVMe")
 
 
 def _summary(name: str, r: dict) -> str:
@@ -305,6 +333,9 @@ def _summary(name: str, r: dict) -> str:
              f"of RAM); per process {_per_process(r['peak_rss_per_process'])}",
              f"  NVMe path peak {r['peak_disk_bytes'] / 1e9:.3f} GB (sampled every 2 s; after the steps "
              f"{r.get('nvme_bytes_after_steps', 0) / 1e9:.3f} GB); wall {r['wall_s']:.0f} s"]
+    est = _estimate(r)
+    if est:
+        lines.append(est)
     if r.get("generated"):
         g = r["generated"]
         lines.append(f"  generated {len(g['token_ids'])} tokens in {g['seconds']:.1f} s: {g['token_ids']} "
@@ -314,7 +345,7 @@ def _summary(name: str, r: dict) -> str:
 
 def run_one(args: argparse.Namespace, cfg: dict, budget: Budget, label: str) -> dict:
     result = watched_run(cfg, budget, Path(args.work_dir), script=Path(__file__))
-    result.update({k: cfg[k] for k in ("ranks", "seq_len", "strategy", "driver")})
+    result.update({k: cfg[k] for k in ("ranks", "seq_len", "strategy", "driver", "max_in_cpu")})
     print(_summary(label, result), flush=True)
     if args.json:
         with open(args.json, "a") as fh:
@@ -340,17 +371,24 @@ def run_compare(args: argparse.Namespace, budget: Budget) -> None:
 
 
 def run_limits(args: argparse.Namespace, budget: Budget) -> None:
-    """Largest model that completes a step, per strategy: sizes x2 from --start until a failure, then one bisection."""
+    """Largest model that completes a step, per strategy: sizes x--factor from --start until a failure (or,
+    when --start already fails, down by the factor until one completes), then one bisection."""
     for name in args.strategies:
         ok, bad, size = None, None, args.start
-        while size <= args.max_params and bad is None:
-            cfg = _cfg(args, strategy=name, params=size, steps=2, gen_tokens=0)
+        while args.min_params <= size <= args.max_params and (ok is None or bad is None):
+            cfg = _cfg(args, strategy=name, params=size, steps=1, gen_tokens=0)
             r = run_one(args, cfg, budget, f"{name} {size:.3g}")
-            ok, bad = (size, bad) if r.get("ok") else (ok, size)
-            size *= 2
+            if r.get("ok"):
+                ok = size
+                size *= args.factor
+            else:
+                bad = size
+                size /= args.factor
+            if (ok is not None and bad is not None) or (ok is not None and size > args.max_params):
+                break
         if ok is not None and bad is not None:
             mid = math.sqrt(ok * bad)
-            r = run_one(args, _cfg(args, strategy=name, params=mid, steps=2, gen_tokens=0), budget, f"{name} {mid:.3g}")
+            r = run_one(args, _cfg(args, strategy=name, params=mid, steps=1, gen_tokens=0), budget, f"{name} {mid:.3g}")
             ok, bad = (mid, bad) if r.get("ok") else (ok, mid)
         print(f"LIMIT {name}: largest completed {ok}, smallest failed {bad}", flush=True)
 
@@ -369,13 +407,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gen-tokens", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2, help="--compare: A/B rounds")
     p.add_argument("--strategies", nargs="+", default=list(LIMIT_STRATEGIES), choices=LIMIT_STRATEGIES)
-    p.add_argument("--start", type=float, default=5e7, help="--limits: first size")
+    p.add_argument("--start", type=float, default=2.5e8, help="--limits: first size")
+    p.add_argument("--factor", type=float, default=1.6, help="--limits: size ratio between trials")
+    p.add_argument("--min-params", type=float, default=2e7, help="--limits: smallest size tried")
     p.add_argument("--max-params", type=float, default=4e9, help="--limits: largest size tried")
     p.add_argument("--sub-group-size", type=float, default=5e7, help="DeepSpeed sub_group_size (elements)")
     p.add_argument("--buffer-size", type=float, default=3e7,
                    help="parameter swap buffer (elements; must hold the largest weight)")
     p.add_argument("--max-live", type=float, default=1e8,
                    help="ZeRO-3 max_live_parameters and max_reuse_distance (elements)")
+    p.add_argument("--max-in-cpu", type=float, default=1e8,
+                   help="ZeROInfinity: 16-bit parameter elements DeepSpeed keeps in host memory (its default 1e9)")
     p.add_argument("--repeat-batch", action="store_true",
                    help="train every step on the same batch (a working step must lower its loss)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -393,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     if args._trial:
         trial_main(args._trial)
         return 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the watch kills its run and removes its files
     budget = Budget(mem_fraction=args.mem_budget, min_available=args.min_available_gib * GIB,
                     disk_bytes=args.disk_budget_gb * 1e9)
     if args.aio_tune:

@@ -26,8 +26,8 @@ __all__ = ["GIB", "Budget", "watched_run", "aio_tune", "disk_bytes_needed", "lib
 
 GIB = 2**30
 # bf16 params (2) + fp32 master, Adam m and v (12) bytes per parameter on NVMe, and DeepSpeed's gradient swap
-# and alignment padding on top: 16.7 measured at 0.4B parameters (1 rank); 17 is the refusal threshold's figure.
-NVME_BYTES_PER_PARAM = 17.0
+# (fp32, 4) on top: 18.0 measured at 0.4B parameters (1 rank).
+NVME_BYTES_PER_PARAM = 18.0
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,7 @@ def watched_run(cfg: dict, budget: Budget, work_dir: Path, script: Path) -> dict
            "PYTHONWARNINGS": "ignore::FutureWarning",
            # glibc's per-thread arenas hold freed swap buffers as RSS; two arenas keep the peak near what is live
            "MALLOC_ARENA_MAX": "2"}  # torch's all_gather deprecation, once per collective
-    start = time.monotonic()
+    start, child = time.monotonic(), None
     try:
         child = subprocess.Popen([sys.executable, str(script), "--_trial", str(run_dir / "cfg.json")],
                                  start_new_session=True, env=env, cwd=script.parent)
@@ -165,7 +165,9 @@ def watched_run(cfg: dict, budget: Budget, work_dir: Path, script: Path) -> dict
             out = {"ok": True, "error": None, **json.loads((run_dir / "result.json").read_text())}
         elif not watch.error:
             out["error"] = f"the run failed (exit status {rc}); its output is above"
-    finally:
+    finally:  # also on SIGTERM/SIGINT here (main turns SIGTERM into SystemExit): no run outlives its watch
+        if child is not None and child.poll() is None:
+            _kill(child)
         shutil.rmtree(run_dir, ignore_errors=True)
     out.update({"peak_tree_rss": watch.peak_tree, "peak_rss_per_process": watch.per_proc,
                 "mem_total": psutil.virtual_memory().total, "peak_disk_bytes": watch.peak_disk,

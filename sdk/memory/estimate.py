@@ -12,8 +12,9 @@ zero3, fsdp         (p + g + m + s)/N               + the largest layer gathered
 fsdp_grad_op        (p + g + s)/N                   + all of p gathered between forward and backward
 fsdp_hybrid         (p + g + s)/G                   sharded within a node, replicated across
 tensor_parallel     split/T + replicated            T = tp_size (default G); dp replicates
-zero3_offload       (p + g)/N on device             m + s on the host
-zero_infinity       the largest layer only          (p + g)/N on the host, (m + s)/N on NVMe
+zero3_offload       (p + g)/N on device             m + s + an fp32 gradient partition on the host
+zero_infinity       the largest layer only          g/N (+ p up to max_in_cpu) on the host; the rest,
+                                                    m + s and an fp32 gradient partition on NVMe
 ==================  ==============================  ==========================================
 
 Bytes per parameter (p params, g grads, m fp32 master, s optimizer states) depend on the engine and
@@ -38,6 +39,8 @@ STRATEGIES = ("ddp", "zero1", "zero2", "fsdp_grad_op", "fsdp_hybrid", "tensor_pa
               "zero3_offload", "zero_infinity")
 _DEEPSPEED = {"zero1", "zero2", "zero3", "zero3_offload", "zero_infinity"}
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
+# DeepSpeed's offload_param.max_in_cpu: parameter elements ZeRO-Infinity keeps in host memory.
+DEEPSPEED_MAX_PARAMS_IN_CPU = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ def _bytes_per_param(strategy: str, precision: str) -> tuple[int, int, int, int]
 
 def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: int = 1, num_nodes: int = 1,
                           precision: str = "bf16", tp_size: int | None = None,
-                          reduce_bucket_size: int | None = None) -> ModelStates:
+                          reduce_bucket_size: int | None = None,
+                          params_in_cpu: int = DEEPSPEED_MAX_PARAMS_IN_CPU) -> ModelStates:
     """Bytes of parameters, gradients and optimizer state per rank under ``strategy`` (see the module table).
 
     Args:
@@ -91,6 +95,8 @@ def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: 
         tp_size: ranks per tensor-parallel group (default: a node).
         reduce_bucket_size: ZeRO-1/2 gradient bucket elements (shardkit's "auto" is hidden^2; default
             from ``spec.hidden_size``, else none counted).
+        params_in_cpu: zero_infinity: parameter elements per rank DeepSpeed keeps in host memory rather
+            than on NVMe (``offload_param.max_in_cpu``, 1e9 by default).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy {strategy!r} is not one of {STRATEGIES}")
@@ -122,12 +128,19 @@ def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: 
         split = spec.tp_params if spec.tp_params is not None else psi
         held = _div(split, t) + (psi - split)
         return ModelStates(strategy, held * p, held * g, held * s)
+    # The host optimizer steps from an fp32 copy of the rank's gradient partition (4 bytes a parameter, beside
+    # the 16-bit one): measured with benchmarks/scale.py, 2 ranks, BF16 (issue 15).
     if strategy == "zero3_offload":
         return ModelStates(strategy, _div(psi * p, n), _div(psi * g, n), 0, working=layer,
-                           host=_div(psi * (m + s + g), n))
-    # zero_infinity: the device holds the layers being computed; the parameter and gradient partitions stay
-    # in host memory (measured: DeepSpeed keeps them in its pinned swap buffers), master and states on NVMe
-    return ModelStates(strategy, 0, 0, 0, working=layer, host=_div(psi * (p + g), n), nvme=_div(psi * (m + s), n))
+                           host=_div(psi * (m + s + 4), n))
+    # zero_infinity: the device holds the layers being computed; the host holds the 16-bit gradient partition
+    # and the first ``params_in_cpu`` parameter elements; the other parameters go to NVMe, and so do the master,
+    # the optimizer states and the fp32 gradient partition the optimizer steps from (measured, issue 15: 18
+    # bytes a parameter on NVMe at 0.8B parameters with params_in_cpu=1e8; smaller tensors than 1 MiB stay in memory)
+    local = _div(psi, n)
+    in_cpu = min(local, params_in_cpu)
+    return ModelStates(strategy, 0, 0, 0, working=layer, host=local * g + in_cpu * p,
+                       nvme=(local - in_cpu) * p + local * (m + s + 4))
 
 
 def _div(x: int, n: int) -> int:

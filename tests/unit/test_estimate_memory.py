@@ -136,7 +136,11 @@ def test_strategies_shard_as_documented():
     assert estimate_model_states(spec, "zero1", precision="bf16").params == 2 * psi
     offload = estimate_model_states(spec, "zero_infinity", num_gpus_per_node=n)
     assert offload.device_total == 0 and offload.working == 2 * 10_000
-    assert offload.host == 4 * psi // n and offload.nvme == 12 * psi // n
+    # parameters within DeepSpeed's max_in_cpu stay on the host; master, states and an fp32 gradient go to NVMe
+    assert offload.host == 4 * psi // n and offload.nvme == 16 * psi // n
+    some_in_cpu = estimate_model_states(spec, "zero_infinity", num_gpus_per_node=n, params_in_cpu=psi // n // 4)
+    assert some_in_cpu.host == 2 * psi // n + 2 * (psi // n // 4)
+    assert some_in_cpu.nvme == 2 * (psi // n - psi // n // 4) + 16 * psi // n
 
 
 def test_activations_and_checkpointing():
