@@ -329,8 +329,9 @@ def _summary(name: str, r: dict) -> str:
              f"  loss per step: {', '.join(f'{x:.4f}' for x in r['losses'])}",
              f"  s/step: {', '.join(f'{t:.1f}' for t in times)} (mean after the first {per_step:.1f} s; "
              f"{r['seq_len'] * r['ranks'] / per_step:.2f} tokens/s)",
-             f"  peak RSS: tree {r['peak_tree_rss'] / GIB:.2f} GiB ({100 * r['peak_tree_rss'] / r['mem_total']:.0f}% "
-             f"of RAM); per process {_per_process(r['peak_rss_per_process'])}",
+             f"  peak memory: tree {r['peak_tree_rss'] / GIB:.2f} GiB PSS "
+             f"({100 * r['peak_tree_rss'] / r['mem_total']:.0f}% "
+             f"of RAM); peak RSS per process {_per_process(r['peak_rss_per_process'])}",
              f"  NVMe path peak {r['peak_disk_bytes'] / 1e9:.3f} GB (sampled every 2 s; after the steps "
              f"{r.get('nvme_bytes_after_steps', 0) / 1e9:.3f} GB); wall {r['wall_s']:.0f} s"]
     est = _estimate(r)
@@ -354,10 +355,11 @@ def run_one(args: argparse.Namespace, cfg: dict, budget: Budget, label: str) -> 
 
 
 def run_compare(args: argparse.Namespace, budget: Budget) -> None:
-    """shardkit and DeepSpeed directly, alternating whole runs (A B A B ...), same model, config and steps."""
+    """shardkit and DeepSpeed directly, alternating whole runs (A B B A ...), same model, config and steps."""
     per = {"shardkit": [], "deepspeed": []}
     for round_ in range(args.rounds):
-        for driver in ("shardkit", "deepspeed"):
+        # A B, B A, A B, ...: neither driver always runs first (the machine's load drifts)
+        for driver in ("shardkit", "deepspeed")[:: 1 if round_ % 2 == 0 else -1]:
             r = run_one(args, _cfg(args, driver=driver, gen_tokens=0), budget, f"{driver} round {round_ + 1}")
             if r.get("ok"):
                 per[driver].extend(r["step_times"][1:])

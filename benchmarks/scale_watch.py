@@ -1,9 +1,10 @@
 """The guard around benchmarks/scale.py's runs, and its NVMe aio measurement.
 
 A run is a child process (``scale.py --_trial cfg.json``) in its own session. From here its whole process
-tree's resident memory and the bytes under its NVMe directory are sampled twice a second; the tree is
-killed, and the run reported as "exceeded the memory budget" (or the disk budget), as soon as either
-passes its budget or the machine's available memory runs low. The run's directory is always removed.
+tree's memory (the sum of PSS; each process's peak RSS is reported too) and the bytes under its NVMe
+directory are sampled twice a second; the tree is killed, and the run reported as "exceeded the memory
+budget" (or the disk budget), as soon as either passes its budget or the machine's available memory runs
+low. The run's directory is always removed.
 """
 
 from __future__ import annotations
@@ -65,6 +66,20 @@ def _label(p: psutil.Process) -> str:
     return f"{role}:{p.pid}"
 
 
+def _pss(p: psutil.Process) -> int:
+    """Proportional set size: pages shared between processes split among them. The tree's budget sums PSS,
+    not RSS: a process forked from a 12 GiB rank (a compiler probe, a subprocess) shows the parent's pages
+    in its own RSS too, and summed RSS once read 22.8 GiB for a 12 GiB run."""
+    try:
+        with open(f"/proc/{p.pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return p.memory_info().rss
+
+
 def _dir_bytes(path: Path) -> int:
     total = 0
     for root, _, files in os.walk(path):
@@ -87,15 +102,15 @@ class _Watch:
         total = 0
         for p in _tree(proc):
             try:
-                rss = p.memory_info().rss
+                rss, pss = p.memory_info().rss, _pss(p)
             except psutil.Error:
                 continue
-            total += rss
+            total += pss
             key = _label(p)
             self.per_proc[key] = max(self.per_proc.get(key, 0), rss)
         self.peak_tree = max(self.peak_tree, total)
         if total > self.budget.mem_bytes:
-            self.error = (f"exceeded the memory budget: process tree RSS {total / GIB:.2f} GiB > "
+            self.error = (f"exceeded the memory budget: process tree PSS {total / GIB:.2f} GiB > "
                           f"{self.budget.mem_bytes / GIB:.2f} GiB ({self.budget.mem_fraction:.0%} of RAM)")
         elif psutil.virtual_memory().available < self.budget.min_available:
             self.error = (f"exceeded the memory budget: the machine's available memory fell below "
