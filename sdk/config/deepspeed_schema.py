@@ -36,10 +36,11 @@ class Key:
     aliases: tuple[str, ...] = field(default=())
     number: Mapping[str, Any] | None = None  # check_number's bounds; every numeric key has them
     no_effect: str = ""  # accepted but changes nothing here: warned once, with what to use instead
+    nullable: bool = False  # JSON null means "unset" (DeepSpeed's documented default for the key)
 
 
-def _num(kind: str = "use", auto: bool = False, **bounds: Any) -> Key:
-    return Key(kind, auto=auto, number=bounds)
+def _num(kind: str = "use", auto: bool = False, nullable: bool = False, **bounds: Any) -> Key:
+    return Key(kind, auto=auto, number=bounds, nullable=nullable)
 
 
 POSITIVE_INT = dict(integer=True, minimum=1)
@@ -152,7 +153,8 @@ SCHEMA: dict[str, Key] = {
     "activation_checkpointing": Key("use", section={
         **{k: USE for k in ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
                             "synchronize_checkpoint_boundary", "profile")},
-        "number_checkpoints": _num("use", **POSITIVE_INT)}),
+        # DeepSpeed's documented section writes "number_checkpoints": null (unset).
+        "number_checkpoints": _num("use", nullable=True, **POSITIVE_INT)}),
     "data_types": Key("pass", section={"grad_accum_dtype": PASS}),
     "steps_per_print": _num("ignore", **POSITIVE_INT),
     "wall_clock_breakdown": IGNORE, "dump_state": IGNORE, "memory_breakdown": IGNORE,
@@ -248,7 +250,7 @@ def walk(config: Mapping[str, Any], source: str, schema: Mapping[str, Key] = SCH
             raise ConfigError(f"{dotted}: 'auto' is not accepted here in {source}; write a value (only batch sizes, "
                               f"accumulation, clipping, precision switches, bucket sizes and optimizer/scheduler "
                               f"params may be 'auto')")
-        if key.number is not None and value != AUTO:
+        if key.number is not None and value != AUTO and not (value is None and key.nullable):
             check_number(value, dotted, source, **key.number)
         if key.kind in ("ignore", "pass"):
             found[key.kind].append(dotted)

@@ -154,6 +154,10 @@ def test_deepspeed_section_maps_and_warns_by_name(caplog):
                                                                           "did you mean")):
         with pytest.raises(ConfigError, match=match):
             resolve_runner_config({"activation_checkpointing": bad})
+    # DeepSpeed's documented section, as users copy it: null is "unset", not a bad number.
+    documented = {"partition_activations": False, "cpu_checkpointing": False, "contiguous_memory_optimization": False,
+                  "number_checkpoints": None, "synchronize_checkpoint_boundary": False, "profile": False}
+    assert resolve_runner_config({"activation_checkpointing": documented}).activation_checkpointing.blocks is True
 
 
 def test_runner_argument_and_config_section_precedence():
