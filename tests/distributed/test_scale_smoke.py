@@ -5,6 +5,7 @@ a run over its memory budget and refuses one over its disk budget before startin
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -12,8 +13,20 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-scale = pytest.importorskip("scale")
+
+
+def _load(name: str):
+    # By path, not by putting benchmarks/ on sys.path: its scripts (kernels.py, trainer.py, ...) would shadow
+    # real modules for every test that runs after this one.
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # scale.py imports scale_watch by name
+    spec.loader.exec_module(module)
+    return module
+
+
+_load("scale_watch")
+scale = _load("scale")
 
 pytestmark = pytest.mark.skipif(not scale.libaio_available(), reason="NVMe offload needs libaio (libaio-dev)")
 
