@@ -66,10 +66,20 @@ def test_pin_memory_is_off_without_a_gpu():
     (lambda: ZeRO3(reduce_bucket_size=-5), "reduce_bucket_size=-5"),
     (lambda: ZeRO3(pin_memory=True), "pin_memory=True"),
     (lambda: ZeROInfinity(nvme_path="/tmp", aio={"blocksize": 1}), "unknown keys.*blocksize"),
+    (lambda: ZeROInfinity(nvme_path="/tmp", aio={"thread_count": 2, "intra_op_parallelism": 4}),
+     "thread_count=2 and intra_op_parallelism=4"),
 ])
 def test_impossible_settings_raise_named_errors(build, match):
     with pytest.raises(ZeROSettingsError, match=match):
         build()
+
+
+def test_aio_thread_count_reaches_deepspeed_under_its_current_name(tmp_path):
+    # DeepSpeed 0.19 reads intra_op_parallelism and silently drops the older thread_count.
+    for aio in ({"thread_count": 3}, {"intra_op_parallelism": 3}):
+        config = ZeROInfinity(nvme_path=str(tmp_path), aio=aio).deepspeed_config(_model())["aio"]
+        assert config["intra_op_parallelism"] == 3 and "thread_count" not in config, config
+    assert ZeROInfinity(nvme_path=str(tmp_path)).deepspeed_config(_model())["aio"]["intra_op_parallelism"] == 1
 
 
 def test_nvme_path_not_writable(tmp_path):

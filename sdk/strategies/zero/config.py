@@ -30,12 +30,31 @@ _OFFLOAD_DEVICES = (None, "cpu", "nvme")
 NVME_PATH_ENV_VAR = "SHARDKIT_NVME_PATH"
 # DeepSpeed's own defaults (deepspeed/runtime/zero/config.py), kept so that "not set" means the same.
 _DEFAULT_ALLGATHER_BUCKET = 500_000_000
-_DEFAULT_AIO = {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
-                "overlap_events": True}
+_DEFAULT_AIO = {"block_size": 1_048_576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": False,
+                "overlap_events": True, "use_gds": False}
+# Older DeepSpeed releases named the I/O thread count "thread_count"; DeepSpeed >= 0.15 reads only
+# "intra_op_parallelism" and silently drops the old name, so it is translated, never passed on.
+_AIO_ALIASES = {"thread_count": "intra_op_parallelism"}
 
 
 class ZeROSettingsError(ValueError):
     """A ZeRO setting or a combination of settings that DeepSpeed does not support; raised before anything starts."""
+
+
+def _aio_with_current_names(aio: dict[str, Any], name: str) -> dict[str, Any]:
+    """``aio`` with DeepSpeed's current key names (``thread_count`` -> ``intra_op_parallelism``), checked."""
+    known = sorted({*_DEFAULT_AIO, *_AIO_ALIASES})
+    unknown = sorted(set(aio) - set(known))
+    if unknown:
+        raise ZeROSettingsError(f"{name}.aio has unknown keys {unknown}; known: {known}")
+    out = {k: v for k, v in aio.items() if k not in _AIO_ALIASES}
+    for old, new in _AIO_ALIASES.items():
+        if old in aio:
+            if new in aio and aio[new] != aio[old]:
+                raise ZeROSettingsError(f"{name}.aio sets {old}={aio[old]!r} and {new}={aio[new]!r}: they are one "
+                                        f"setting (DeepSpeed's old and current name); keep {new}")
+            out[new] = aio[old]
+    return out
 
 
 def libaio_available() -> bool:
@@ -165,9 +184,7 @@ class ZeROSettings:
             raise ZeROSettingsError(f"{name}.buffer_count={self.buffer_count} must be >= 1")
         if self.timeout is not None and not self.timeout > 0:
             raise ZeROSettingsError(f"{name}.timeout={self.timeout} must be > 0 seconds")
-        unknown = sorted(set(self.aio) - set(_DEFAULT_AIO))
-        if unknown:
-            raise ZeROSettingsError(f"{name}.aio has unknown keys {unknown}; known: {sorted(_DEFAULT_AIO)}")
+        object.__setattr__(self, "aio", _aio_with_current_names(self.aio, name))  # frozen: set once, here
         if self.pin_memory and not torch.cuda.is_available():
             raise ZeROSettingsError(f"{name}(pin_memory=True) needs a GPU (DeepSpeed fails with 'Cannot access "
                                     "accelerator device when none is available'); leave pin_memory=None")

@@ -128,8 +128,8 @@ class ZeROInfinity(ZeRO3):
         nvme_path: directory for the swap files (must be writable); None: as in ZeRO3.
         offload_params: "nvme" (default), "cpu" or None.
         offload_optimizer: "nvme" (default), "cpu" or None.
-        aio: DeepSpeed's async I/O settings: block_size (1 MiB), queue_depth (8), thread_count (1),
-            single_submit (False), overlap_events (True).
+        aio: DeepSpeed's async I/O settings: block_size (1 MiB), queue_depth (8), intra_op_parallelism (1
+            I/O thread; the older name thread_count is read as it), single_submit (False), overlap_events (True).
         buffer_count: swap buffers (5; parameter offload uses at least 5).
         buffer_size: elements per parameter swap buffer (1e8); must hold the largest parameter.
         **kwargs: any ZeRO3 argument.
