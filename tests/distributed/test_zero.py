@@ -123,3 +123,38 @@ def test_model_state_bytes_follow_the_zero_paper():
         assert got["zero1"]["grads"] >= 4 * psi > got["zero2"]["grads"] >= 4 * psi / 2
         assert got["zero3"]["params"] < 0.6 * 4 * psi
         assert total["ddp"] > total["zero1"] > total["zero2"] > total["zero3"], total
+
+
+LONE_SCRIPT = """
+import torch
+from shardkit import Runner
+from shardkit.strategies import ZeRO3
+runner = Runner(ZeRO3(), seed=0)
+with runner.init_module():
+    model = torch.nn.Linear(64, 64)
+model, optimizer = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+x = torch.randn(4, 64)
+losses = []
+for _ in range(3):
+    loss = model(x).pow(2).mean()
+    runner.backward(loss)
+    runner.step()
+    losses.append(loss.item())
+assert losses[-1] < losses[0], losses
+print("trained", runner.world_size)
+"""
+
+
+def test_zero3_in_a_plain_python_process_without_launcher_variables(tmp_path):
+    """`python train.py` with ZeRO3 and no launcher: DeepSpeed's zero.Init reads LOCAL_RANK, which nobody set."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    script = tmp_path / "train.py"
+    script.write_text(LONE_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], env={**env, "DS_ACCELERATOR": "cpu"}, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "trained 1" in done.stdout, done.stderr[-3000:]
