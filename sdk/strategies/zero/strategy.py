@@ -88,9 +88,8 @@ class ZeROStrategy(ProcessGroupStrategy):
             dist.init_process_group(backend_for_device(self.device_type), rank=0, world_size=1,
                                     init_method=f"tcp://127.0.0.1:{find_free_port()}")
             # DeepSpeed's zero.Init reads os.environ["LOCAL_RANK"] and fails with KeyError in a plain
-            # `python train.py`, which no launcher has given the rank variables.
-            for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
-                os.environ.setdefault(key, value)
+            # `python train.py`, which no launcher has given it (the only rank variable DeepSpeed requires).
+            os.environ.setdefault("LOCAL_RANK", "0")
         if self.settings.uses_nvme and not self.settings.nvme_path:
             self._choose_nvme_path()
 
