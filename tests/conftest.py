@@ -1,0 +1,17 @@
+"""Settings every test module needs before it is imported.
+
+Triton 3.x decides, when a kernel is *decorated* (``shardkit.kernels.<op>`` imported), whether it runs
+compiled or through its interpreter. Any test collected before tests/kernels that imports the fused ops
+(the Trainer's ``use_fused_kernels``, peft, ...) would otherwise fix them as compiled kernels, which cannot
+run on CPU tensors, and the kernel tests that follow fail with "Cannot call @triton.jit'd outside of the
+scope of a kernel". So on a machine without CUDA the interpreter is chosen here, first.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
