@@ -87,19 +87,11 @@ def to_eval(trainer: Any) -> None:
 def _copy_masters_to_model(runner: Any, model: Any) -> None:
     """Under DeepSpeed: copy the fp32 masters the optimizer just changed into the model's parameters."""
     engine_optimizer = getattr(model, "optimizer", None)
-    if engine_optimizer is None or not hasattr(model, "set_gradient_accumulation_boundary"):
+    layout = getattr(runner.strategy, "layout", None)
+    if engine_optimizer is None or layout is None or not hasattr(model, "set_gradient_accumulation_boundary"):
         return  # not a DeepSpeed engine: the optimizer's params are the model's
     with torch.no_grad():
-        if hasattr(engine_optimizer, "update_lp_params"):  # ZeRO-1/2: copy into bit16 partitions, all-gather
-            engine_optimizer.update_lp_params()
-        else:  # ZeRO-3: into each rank's partition of every parameter (gathered at the next forward) ...
-            runner.strategy.layout.after_module_load(engine_optimizer)
-            # ... and the small "persistent" ones, kept whole: released and gathered again from their partitions
-            # (a gather of a whole parameter is a no-op). NOTE: private DeepSpeed API (stage3.py, 0.19.8).
-            persistent = getattr(engine_optimizer, "persistent_parameters", [])
-            if persistent:
-                persistent[0].partition(persistent)
-                persistent[0].all_gather(persistent)
+        layout.masters_to_model(engine_optimizer)
 
 
 def pass_training_loss(trainer: Any, window_loss: torch.Tensor) -> None:

@@ -69,6 +69,10 @@ class ZeROLayout:
     def after_module_load(self, optimizer: Any) -> None:
         """Bring what DeepSpeed derives from the fp32 masters up to date after a module load."""
 
+    def masters_to_model(self, optimizer: Any) -> None:
+        """Copy the fp32 masters, changed outside DeepSpeed's step (a schedule-free swap), into the model."""
+        raise NotImplementedError
+
     def load_state(self, source: Any, pname: str, param: nn.Parameter, key: str, optimizer: Any) -> None:
         """Fill this rank's fragment of optimizer state ``key`` of ``param`` from ``source.flat(...)``."""
         raise NotImplementedError
@@ -141,6 +145,10 @@ class FlatPartitionLayout(ZeROLayout):
         return [p.data for p in params]
 
 
+    def masters_to_model(self, optimizer: Any) -> None:
+        optimizer.update_lp_params()  # into the bit16 partitions, then all-gathered
+
+
 def _state_fragment(optimizer: Any, mapping: Any, key: str) -> torch.Tensor:
     """ZeRO-1/2: the view of optimizer state ``key`` over the fragment ``mapping`` describes.
 
@@ -157,6 +165,7 @@ def _state_fragment(optimizer: Any, mapping: Any, key: str) -> torch.Tensor:
                                    "save after the optimizer has stepped every group")
     address = mapping.hp_fragment_address
     return value.narrow(0, address.start, address.numel)
+
 
 
 class ParameterPartitionLayout(ZeROLayout):
@@ -202,6 +211,15 @@ class ParameterPartitionLayout(ZeROLayout):
             optimizer._reassign_or_swap_out_partitioned_parameters(group)
             if swappable:
                 optimizer._optimizer_states_and_gradient_swap_out(group)
+
+    def masters_to_model(self, optimizer: Any) -> None:
+        self.after_module_load(optimizer)  # each rank's partition of every parameter, gathered at the next forward
+        # The small "persistent" parameters are kept whole: released and gathered again from their partitions.
+        # NOTE: private DeepSpeed API (stage3.py, 0.19.8).
+        persistent = getattr(optimizer, "persistent_parameters", [])
+        if persistent:
+            persistent[0].partition(persistent)
+            persistent[0].all_gather(persistent)
 
     def load_state(self, source: Any, pname: str, param: nn.Parameter, key: str, optimizer: Any) -> None:
         from deepspeed.utils import safe_set_local_optimizer_state
