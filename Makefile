@@ -16,7 +16,7 @@ demo: $(VENV)/.base
 
 test: $(VENV)/.test
 	$(BIN)/python scripts/build_ops.py
-	$(BIN)/python -m pytest tests -q -p no:cacheprovider
+	$(BIN)/python -m pytest tests -q -p no:cacheprovider --durations=25
 
 lint: $(VENV)/.test
 	$(BIN)/ruff check .

@@ -160,6 +160,7 @@ def _deepspeed_engine(cfg: dict, config, world: int):
                                     verbose=False)
     from shardkit.models import Llama
 
+    torch.manual_seed(0)  # as Runner(seed=0): the two drivers train the same weights on the same tokens
     with deepspeed.zero.Init(config_dict_or_path=ds_config):
         model = Llama(config)
     for module in model.modules():  # the same init as shardkit's build (normal(0, 0.02)), on the gathered weight
@@ -288,7 +289,8 @@ def _cfg(args: argparse.Namespace, **over) -> dict:
            "lr": args.lr, "gen_tokens": args.gen_tokens, "strategy": "zero_infinity", "driver": "shardkit",
            "aio": dict(TUNED_AIO), "sub_group_size": args.sub_group_size, "buffer_size": args.buffer_size,
            "threads": args.threads, "linear_math": args.linear_math, "max_live": args.max_live,
-           "repeat_batch": args.repeat_batch, "max_in_cpu": args.max_in_cpu}
+           "repeat_batch": args.repeat_batch, "max_in_cpu": args.max_in_cpu,
+           "malloc_mmap_threshold": args.malloc_mmap_threshold}
     cfg.update(over)
     return cfg
 
@@ -357,19 +359,21 @@ def run_one(args: argparse.Namespace, cfg: dict, budget: Budget, label: str) -> 
 def run_compare(args: argparse.Namespace, budget: Budget) -> None:
     """shardkit and DeepSpeed directly, alternating whole runs (A B B A ...), same model, config and steps."""
     per = {"shardkit": [], "deepspeed": []}
+    losses = set()  # the same seed, weights and tokens: every run of either driver gives the same losses
     for round_ in range(args.rounds):
         # A B, B A, A B, ...: neither driver always runs first (the machine's load drifts)
         for driver in ("shardkit", "deepspeed")[:: 1 if round_ % 2 == 0 else -1]:
             r = run_one(args, _cfg(args, driver=driver, gen_tokens=0), budget, f"{driver} round {round_ + 1}")
             if r.get("ok"):
                 per[driver].extend(r["step_times"][1:])
+                losses.add(tuple(r["losses"]))
     if per["shardkit"] and per["deepspeed"]:
         import statistics
 
         a, b = statistics.median(per["shardkit"]), statistics.median(per["deepspeed"])
         spread = {k: (min(v), max(v)) for k, v in per.items()}
         print(f"median s/step shardkit {a:.2f} deepspeed {b:.2f} ratio {a / b:.3f} (goal <= 1.03); "
-              f"spread {spread}")
+              f"spread {spread}; losses {'bitwise equal' if len(losses) == 1 else 'DIFFER'} across all runs")
 
 
 def run_limits(args: argparse.Namespace, budget: Budget) -> None:
@@ -423,6 +427,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat-batch", action="store_true",
                    help="train every step on the same batch (a working step must lower its loss)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    p.add_argument("--malloc-mmap-threshold", type=int, default=1 << 20,
+                   help="glibc MALLOC_MMAP_THRESHOLD_ for the run (bytes; 0: glibc's sliding default). Blocks this "
+                        "large are mapped and returned on free, so freed swap buffers do not stay resident")
     p.add_argument("--linear-math", choices=("fp32", "native"), default="fp32")
     p.add_argument("--mem-budget", type=float, default=0.75, help="fraction of MemTotal the run's tree may hold")
     p.add_argument("--min-available-gib", type=float, default=1.5, help="kill the run if the machine drops below")

@@ -59,3 +59,17 @@ def test_watchdog_kills_a_run_over_its_memory_budget_and_refuses_one_over_the_di
     result = scale.watched_run({**cfg, "params": 3.3e9}, small_disk, tmp_path, script=BENCH / "scale.py")
     assert not result["ok"] and result["error"].startswith("refused") and "--disk-budget-gb" in result["error"]
     assert not any(tmp_path.glob("run-*"))
+
+
+def test_runs_get_the_fixed_malloc_mmap_threshold_unless_turned_off(tmp_path):
+    # The 2-rank proof fitted under 60% of RAM only with a fixed glibc mmap threshold (README): each run's
+    # process must see it, and --malloc-mmap-threshold 0 must leave glibc's default alone.
+    probe = tmp_path / "probe.py"
+    probe.write_text("import json, os, sys\n"
+                     "cfg = json.load(open(sys.argv[2]))\n"
+                     "json.dump({'threshold': os.environ.get('MALLOC_MMAP_THRESHOLD_')}, open(cfg['result'], 'w'))\n")
+    for flag, expected in (([], str(1 << 20)), (["--malloc-mmap-threshold", "0"], None)):
+        args = scale.parse_args(["--proof", "--params", "1e5", "--work-dir", str(tmp_path), *flag])
+        result = scale.watched_run(scale._cfg(args, strategy="ddp"), scale.Budget(), tmp_path, script=probe)
+        assert result["ok"], result
+        assert result["threshold"] == expected, (flag, result)
