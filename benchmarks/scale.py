@@ -300,9 +300,6 @@ def _per_process(peaks: dict[str, int]) -> str:
     return ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in sorted(big.items()))
 
 
-_ESTIMATOR_NAMES = {"fsdp_offload": "fsdp", "zero2_offload": "zero2"}  # on CPU an offload moves nothing
-
-
 def _estimate(r: dict) -> str | None:
     """What `shardkit estimate-memory` predicts per rank for this run, beside what rank 0 measured."""
     from shardkit.memory import ModelSpec, estimate_model_states
@@ -312,8 +309,8 @@ def _estimate(r: dict) -> str | None:
         return None
     config = model_config(r["params"], r["seq_len"])
     spec = ModelSpec(r["params"], config.hidden_size * config.intermediate_size, hidden_size=config.hidden_size)
-    e = estimate_model_states(spec, _ESTIMATOR_NAMES.get(r["strategy"], r["strategy"]),
-                              num_gpus_per_node=r["ranks"], precision="bf16", params_in_cpu=int(r["max_in_cpu"]))
+    e = estimate_model_states(spec, r["strategy"], num_gpus_per_node=r["ranks"], precision="bf16",
+                              params_in_cpu=int(r["max_in_cpu"]))
     held = sum(measured.get(k, 0) for k in ("params", "grads", "optimizer"))  # FSDP adds a "total": not summed
     predicted = e.device_total + e.host  # on a CPU machine both are host memory
     r["estimate"] = {"predicted_held": predicted, "measured_held": held, "predicted_nvme": e.nvme}

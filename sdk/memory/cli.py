@@ -60,7 +60,7 @@ def _run(args: argparse.Namespace) -> int:
     n = args.num_gpus * args.num_nodes
     print(f"Model: {spec.total_params / 1e6:.0f}M params, largest layer {spec.largest_layer_params / 1e6:.0f}M; "
           f"{args.num_nodes} node(s) x {args.num_gpus} device(s) = {n}")
-    if args.strategy in ("all", "zero2"):
+    if args.strategy in ("all", "zero2", "zero2_offload"):
         print("\nDeepSpeed ZeRO-2:\n" + deepspeed_table(2, spec.total_params, spec.largest_layer_params, args.num_gpus,
                                                         args.num_nodes, args.additional_buffer_factor))
     if args.strategy in ("all", "zero3", "zero3_offload", "zero_infinity"):

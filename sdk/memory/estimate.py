@@ -9,6 +9,8 @@ ddp                 p + g + s                       everything replicated
 zero1               p + (g + m + s)/N               + a bucket; g whole until reduced (working)
 zero2               p + (g + m + s)/N               + a reduce bucket
 zero3, fsdp         (p + g + m + s)/N               + the largest layer gathered (working)
+zero2_offload       p + a reduce bucket             m + s + an fp32 gradient partition on the host
+fsdp_offload        the largest layer only          (p + g + s)/N on the host (CPUOffloadPolicy)
 fsdp_grad_op        (p + g + s)/N                   + all of p gathered between forward and backward
 fsdp_hybrid         (p + g + s)/G                   sharded within a node, replicated across
 tensor_parallel     split/T + replicated            T = tp_size (default G); dp replicates
@@ -36,8 +38,8 @@ __all__ = ["STRATEGIES", "ModelStates", "activation_bytes", "deepspeed_table", "
 
 # From least to most sharded / slowest: recommend() walks this order.
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp_grad_op", "fsdp_hybrid", "tensor_parallel", "fsdp", "zero3",
-              "zero3_offload", "zero_infinity")
-_DEEPSPEED = {"zero1", "zero2", "zero3", "zero3_offload", "zero_infinity"}
+              "zero2_offload", "fsdp_offload", "zero3_offload", "zero_infinity")
+_DEEPSPEED = {"zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero_infinity"}
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
 # DeepSpeed's offload_param.max_in_cpu: parameter elements ZeRO-Infinity keeps in host memory.
 DEEPSPEED_MAX_PARAMS_IN_CPU = 1_000_000_000
@@ -128,8 +130,14 @@ def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: 
         split = spec.tp_params if spec.tp_params is not None else psi
         held = _div(split, t) + (psi - split)
         return ModelStates(strategy, held * p, held * g, held * s)
-    # The host optimizer steps from an fp32 copy of the rank's gradient partition (4 bytes a parameter, beside
-    # the 16-bit one): measured with benchmarks/scale.py, 2 ranks, BF16 (issue 15).
+    # An offloaded DeepSpeed optimizer steps on the host from an fp32 copy of the rank's gradient partition (4
+    # bytes a parameter): measured with benchmarks/scale.py, 2 ranks, BF16 (issue 15). Under ZeRO-2 the reduced
+    # 16-bit gradients are not kept: each bucket is copied into that fp32 partition (measured at 0.4B: the
+    # grads counted were exactly 4 bytes a parameter over N).
+    if strategy == "zero2_offload":
+        return ModelStates(strategy, psi * p, bucket, 0, host=_div(psi * (m + s + 4), n))
+    if strategy == "fsdp_offload":
+        return ModelStates(strategy, 0, 0, 0, working=layer, host=_div(psi * (p + g + s), n))
     if strategy == "zero3_offload":
         return ModelStates(strategy, _div(psi * p, n), _div(psi * g, n), 0, working=layer,
                            host=_div(psi * (m + s + 4), n))
