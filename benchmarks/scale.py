@@ -1,18 +1,18 @@
 """How big a model trains on this machine: the ZeRO-Infinity proof run, DeepSpeed side by side, the limits table.
 
     python benchmarks/scale.py --smoke                                  # tiny, for CI (seconds)
-    python benchmarks/scale.py --proof --params 3.3e9 --ranks 1         # the proof: states >= 2 x RAM on NVMe
+    python benchmarks/scale.py --proof --params 3.22e9 --ranks 1        # the proof: states >= 2 x RAM on NVMe
     python benchmarks/scale.py --compare --params 2e8 --ranks 2 --rounds 2  # shardkit / DeepSpeed, interleaved
     python benchmarks/scale.py --limits                                 # largest model per strategy, 2 ranks
     python benchmarks/scale.py --aio-tune                               # pick DeepSpeed's aio settings here
 
-Every run is a child process watched from here (scale_watch.py): the resident memory of its whole
-process tree and the bytes under its NVMe directory are sampled, and the run is killed with "exceeded
-the memory budget" (or the disk budget) before it can take the machine down; the NVMe directory is
-removed afterwards. The model is shardkit's byte-level Llama (vocabulary 256, the tokenizer the
-examples use) on examples/data/public_domain.txt, built inside ``runner.init_module()`` so that no
-rank ever holds it whole, trained with BF16 (DeepSpeed's bf16 section: bf16 weights, fp32 master
-weights and Adam state).
+Every run is a child process watched from here (scale_watch.py): the memory of its whole process
+tree (PSS, so that pages shared by forked ranks count once) and the bytes under its NVMe directory
+are sampled, and the run is killed with "exceeded the memory budget" (or the disk budget) before it
+can take the machine down; the NVMe directory is removed afterwards. The model is shardkit's
+byte-level Llama (vocabulary 256, the tokenizer the examples use) on examples/data/public_domain.txt,
+built inside ``runner.init_module()`` so that no rank ever holds it whole, trained with BF16
+(DeepSpeed's bf16 section: bf16 weights, fp32 master weights and Adam state).
 
 NOTE on CPUs without bf16 arithmetic (no AVX512-BF16/AMX; this machine has AVX2 only): torch's bf16
 matmul there runs ~300x slower than fp32 (0.2 vs 60 GFLOP/s measured), so ``--linear-math fp32``
