@@ -2,6 +2,10 @@
 
 The step itself is the fused op ``shardkit.ops.adamw.adamw_step`` (its backends and the update it computes are
 described there); this module keeps the optimizer: param groups, state, master weights and batching per device.
+
+DTensor parameters (FSDP2 shards, tensor-parallel weights) get DTensor states laid out like the parameter, so
+sharded checkpoints save and reshard them as they do torch's AdamW states; the step runs on the local shards.
+AdamW is elementwise, so updating each rank's shard alone is the whole update.
 """
 
 from __future__ import annotations
@@ -16,6 +20,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from shardkit.ops.adamw import adamw_step, adamw_step_reference
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without distributed support: no DTensors can reach the optimizer
+    DTensor = None
 
 __all__ = ["FusedAdamW", "adamw_step_reference"]
 
@@ -71,8 +80,8 @@ class FusedAdamW(Optimizer):
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         for key in ("exp_avg", "exp_avg_sq"):
-            if key not in state:
-                state[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            if key not in state:  # zeros_like: a DTensor parameter gets a DTensor state with its placements
+                state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
         if self._wants_master(p, group) and "master_param" not in state:
             state["master_param"] = p.detach().to(torch.float32, copy=True).contiguous()
         return state
@@ -100,12 +109,12 @@ class FusedAdamW(Optimizer):
                 step = float(state["step"])
                 master = state.get("master_param")
                 lists = batches.setdefault((p.device, master is not None), ([], [], [], [], [], [], []))
-                lists[0].append(p)
-                lists[1].append(p.grad.contiguous())
-                lists[2].append(state["exp_avg"])
-                lists[3].append(state["exp_avg_sq"])
+                lists[0].append(_local(p))
+                lists[1].append(_local(_grad_like(p)).contiguous())
+                lists[2].append(_local(state["exp_avg"]))
+                lists[3].append(_local(state["exp_avg_sq"]))
                 if master is not None:
-                    lists[4].append(master)
+                    lists[4].append(_local(master))
                 lists[5].append(lr / (1.0 - beta1**step))
                 lists[6].append(math.sqrt(1.0 - beta2**step))
             hyper = (lr, beta1, beta2, group["eps"], group["weight_decay"], group["maximize"])
@@ -124,3 +133,20 @@ class FusedAdamW(Optimizer):
             for key, value in saved.get(param_id, {}).items():
                 if isinstance(value, Tensor):
                     self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (a view: in-place updates reach the DTensor), else ``t``."""
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def _grad_like(p: Tensor) -> Tensor:
+    """``p.grad`` laid out as ``p``, so that their local shards cover the same elements.
+
+    FSDP2 and tensor parallelism normally give a DTensor parameter a gradient with its own placements; one that
+    differs (a partial sum, say) is redistributed here, a collective that every rank reaches in the same order.
+    """
+    grad = p.grad
+    if DTensor is not None and isinstance(p, DTensor) and isinstance(grad, DTensor) and grad.placements != p.placements:
+        grad = grad.redistribute(p.device_mesh, p.placements)
+    return grad

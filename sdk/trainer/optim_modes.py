@@ -161,12 +161,6 @@ def _check_dtensor_steps(optimizer: Any, name: str, sharded: bool) -> None:
     """Optimizers whose step cannot take FSDP/TP's DTensor parameters (found by running them, issue 14)."""
     if not sharded:
         return
-    from shardkit.optim import FusedAdamW
-
-    if isinstance(optimizer, FusedAdamW):
-        raise OptimizerUnsupportedError(f"adamw_shardkit (FusedAdamW) cannot run under {name}: its fused C++/Triton "
-                                        "step takes plain tensors and the parameters are DTensors there. Use "
-                                        "optim='adamw_torch_fused' (or adamw_torch) under this strategy")
     if isinstance(optimizer, torch.optim.Adafactor):
         raise OptimizerUnsupportedError(f"adafactor (torch.optim.Adafactor) cannot run under {name}: its step's "
                                         "in-place norm ops are not supported on DTensor shards (torch raises on "

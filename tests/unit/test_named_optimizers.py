@@ -148,14 +148,15 @@ def test_impossible_strategy_combinations_are_refused_by_name():
 
     model = _llama()
     context = {"model": model, "optim_target_modules": "all-linear"}
-    refused = {"galore_adamw": (ZeRO2(), FSDP()), "grokadamw": (ZeRO2(),), "adamw_shardkit": (FSDP(),),
-               "adafactor": (FSDP(),)}
+    refused = {"galore_adamw": (ZeRO2(), FSDP()), "grokadamw": (ZeRO2(),), "adafactor": (FSDP(),)}
     for name, strategies in refused.items():
         optimizer = create_optimizer(name, model.parameters(), context=context, lr=1e-3)
         for strategy in strategies:  # built, not set up: no process group needed
             with pytest.raises(OptimizerUnsupportedError, match=f"under {type(strategy).__name__}"):
                 check_optimizer_strategy(optimizer, strategy)
-    check_optimizer_strategy(create_optimizer("grokadamw", model.parameters()), FSDP())  # runs there (tested)
+    # these run there (tests/distributed: test_named_optimizers_distributed.py, test_fused_adamw_sharded.py)
+    check_optimizer_strategy(create_optimizer("grokadamw", model.parameters()), FSDP())
+    check_optimizer_strategy(create_optimizer("adamw_shardkit", model.parameters()), FSDP())
 
 
 @pytest.mark.parametrize("name,module,package", [("galore_adamw", "galore_torch", "galore-torch"),
