@@ -9,9 +9,9 @@
   parameters: the swap changes the masters only, and the model (its 16-bit copies, or under ZeRO-3 its
   partitioned ``ds_tensor``\\ s) keeps y until the next step copies the masters over (and under ZeRO-3 the
   optimizer's param groups are even empty between steps, so the swap reaches nothing at all). That is why
-  Hugging Face's integration evaluates and exports y under DeepSpeed. Here every swap is followed by
-  the copy DeepSpeed's own step makes (masters -> model parameters, gathered), so eval, save and export
-  see x, and training resumes from y.
+  Hugging Face's integration evaluates and exports y under DeepSpeed. Here the ZeRO strategy follows every
+  swap with the copy DeepSpeed's own step makes (masters -> model parameters, gathered), in a user's own
+  loop as in the Trainer, so eval, save and export see x, and training resumes from y.
 * GrokAdamW: reads ``param_group["train_loss"]`` (and ``"eval_loss"``) for its grokking signal; the
   Trainer sets them (:func:`pass_training_loss`, :func:`pass_eval_loss`).
 * :func:`check_optimizer_strategy`: the combinations that cannot work are refused at setup, by name.
@@ -19,9 +19,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,35 +41,8 @@ def _swap(trainer: Any, train: bool) -> None:
         return
     if all(bool(g["train_mode"]) == train for g in optimizer.param_groups):
         return
-    with _zero3_partitions_visible(trainer.model, optimizer):
-        optimizer.train() if train else optimizer.eval()
-    _copy_masters_to_model(trainer.runner, trainer.model)
-
-
-@contextlib.contextmanager
-def _zero3_partitions_visible(model: Any, optimizer: Any) -> Iterator[None]:
-    """ZeRO-3 empties the inner optimizer's param groups outside its step (it puts one fp32 sub-group in,
-    steps, and takes it out again), so a swap would see no parameters: put them all in for the swap."""
-    engine_optimizer = getattr(model, "optimizer", None)
-    flats = getattr(engine_optimizer, "fp32_partitioned_groups_flat", None)
-    if flats is None:
-        yield
-        return
-    owners = engine_optimizer.sub_group_to_group_id
-    per_group = [[flat for i, flat in enumerate(flats) if owners[i] == g] for g in range(len(optimizer.param_groups))]
-    if any(len(found) > 1 for found in per_group):
-        # Its step runs once per sub-group, and schedule-free counts steps (k) per param group.
-        raise OptimizerUnsupportedError("schedule-free under ZeRO-3 needs each param group in one DeepSpeed sub-group "
-                                        "(it counts steps per group, and ZeRO-3 steps each sub-group separately): "
-                                        "raise zero_optimization.sub_group_size above the largest group's size")
-    saved = [group["params"] for group in optimizer.param_groups]
-    try:
-        for group, found in zip(optimizer.param_groups, per_group):
-            group["params"] = found
-        yield
-    finally:
-        for group, params in zip(optimizer.param_groups, saved):
-            group["params"] = params
+    # Under ZeRO the strategy made these switches reach the model (ZeROStrategy._follow_mode_switches).
+    optimizer.train() if train else optimizer.eval()
 
 
 def to_train(trainer: Any) -> None:
@@ -82,16 +53,6 @@ def to_train(trainer: Any) -> None:
 def to_eval(trainer: Any) -> None:
     """Schedule-free: put the averaged weights (x) in the model, under every strategy; no-op otherwise."""
     _swap(trainer, False)
-
-
-def _copy_masters_to_model(runner: Any, model: Any) -> None:
-    """Under DeepSpeed: copy the fp32 masters the optimizer just changed into the model's parameters."""
-    engine_optimizer = getattr(model, "optimizer", None)
-    layout = getattr(runner.strategy, "layout", None)
-    if engine_optimizer is None or layout is None or not hasattr(model, "set_gradient_accumulation_boundary"):
-        return  # not a DeepSpeed engine: the optimizer's params are the model's
-    with torch.no_grad():
-        layout.masters_to_model(engine_optimizer)
 
 
 def pass_training_loss(trainer: Any, window_loss: torch.Tensor) -> None:

@@ -1,7 +1,8 @@
 """Named optimizers on 2 CPU ranks (issue 14), one process group for every check: schedule-free's evaluated,
 exported and checkpointed weights are the averaged x under DDP, FSDP, ZeRO-2 and ZeRO-3 (DeepSpeed's fp32
 masters reach the model), its resume is exact under ZeRO-2 and FSDP, GrokAdamW trains under FSDP as under
-DDP, and the impossible combinations are refused at setup by name."""
+DDP, the impossible combinations are refused at setup by name, and in a user's own Runner loop schedule-free's
+train()/eval() reach the model under ZeRO-2/3 as under DDP."""
 
 from pathlib import Path
 
@@ -86,8 +87,36 @@ def _grok_and_refusals(out: str) -> dict:
     return result
 
 
+def _user_loop() -> dict:
+    """A user's own Runner loop (no Trainer) with schedulefree's documented train()/eval() calls: after eval() the
+    model holds x and after train() y, under ZeRO as under DDP (the swaps change DeepSpeed's masters there)."""
+    import schedulefree
+
+    from shardkit import FP32, Runner
+    from shardkit.strategies import strategy_from_name
+    from shardkit.trainer.export import full_state_dict
+
+    tokens = torch.randint(0, TINY.vocab_size, (3, 2, 16), generator=torch.Generator().manual_seed(3))
+    result = {}
+    for strategy in ("ddp", "zero2", "zero3"):
+        runner = Runner(strategy_from_name(strategy), FP32(), seed=0)
+        model = Llama(TINY)
+        model, optimizer = runner.setup(model, schedulefree.AdamWScheduleFree(model.parameters(), lr=1e-2))
+        optimizer.train()
+        for batch in tokens:
+            x = batch[runner.rank: runner.rank + 1].to(runner.device)
+            runner.backward(model(x, labels=x))
+            runner.step()
+        optimizer.eval()
+        x_weights = full_state_dict(runner, model)
+        optimizer.train()
+        result[strategy] = {"x": x_weights, "y": full_state_dict(runner, model)}
+    return result
+
+
 def _worker(out: str) -> dict:
-    return {"average": _average_weights(out), "resume": _resume(out), "other": _grok_and_refusals(out)}
+    return {"average": _average_weights(out), "resume": _resume(out), "other": _grok_and_refusals(out),
+            "user_loop": _user_loop()}
 
 
 def test_named_optimizers_under_every_strategy(tmp_path):
@@ -109,6 +138,13 @@ def test_named_optimizers_under_every_strategy(tmp_path):
             assert torch.equal(exported[key], got["x"][key]), (strategy, key)
     for strategy, (full, resumed) in resume.items():
         assert resumed == full, strategy
+    loop = results[0]["user_loop"]
+    for strategy, got in loop.items():  # the user's own eval()/train() reach the model under every strategy
+        for key, value in got["x"].items():
+            torch.testing.assert_close(value, loop["ddp"]["x"][key], rtol=1e-4, atol=1e-6, msg=f"{strategy} x {key}")
+            torch.testing.assert_close(got["y"][key], loop["ddp"]["y"][key], rtol=1e-4, atol=1e-6,
+                                       msg=f"{strategy} y {key}")
+        assert any(not torch.allclose(got["x"][k], got["y"][k], rtol=1e-3, atol=1e-4) for k in got["x"]), strategy
     grok = other["grok"]
     assert grok["fsdp"] == pytest.approx(grok["ddp"], rel=1e-5) and grok["ddp"][-1] < grok["ddp"][0] - 0.3
     for (strategy, optim), message in other["refused"].items():

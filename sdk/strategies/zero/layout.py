@@ -15,7 +15,9 @@ Only DeepSpeed 0.19.8's structures are read here; the private ones are marked NO
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -72,6 +74,10 @@ class ZeROLayout:
     def masters_to_model(self, optimizer: Any) -> None:
         """Copy the fp32 masters, changed outside DeepSpeed's step (a schedule-free swap), into the model."""
         raise NotImplementedError
+
+    def masters_in_groups(self, optimizer: Any) -> contextlib.AbstractContextManager[None]:
+        """Within it, the inner optimizer's param groups hold this rank's fp32 masters (ZeRO-1/2 always do)."""
+        return contextlib.nullcontext()
 
     def load_state(self, source: Any, pname: str, param: nn.Parameter, key: str, optimizer: Any) -> None:
         """Fill this rank's fragment of optimizer state ``key`` of ``param`` from ``source.flat(...)``."""
@@ -220,6 +226,32 @@ class ParameterPartitionLayout(ZeROLayout):
         if persistent:
             persistent[0].partition(persistent)
             persistent[0].all_gather(persistent)
+
+    @contextlib.contextmanager
+    def masters_in_groups(self, optimizer: Any) -> Iterator[None]:
+        # ZeRO-3 empties the inner optimizer's param groups outside its step (it puts one fp32 sub-group in,
+        # steps, and takes it out again): put every sub-group of each group in for the duration.
+        from shardkit.optim.named import OptimizerUnsupportedError
+
+        inner = inner_optimizer(optimizer)
+        owners = optimizer.sub_group_to_group_id
+        per_group = [[flat for sub, flat in enumerate(optimizer.fp32_partitioned_groups_flat) if owners[sub] == g]
+                     for g in range(len(inner.param_groups))]
+        if any(len(found) > 1 for found in per_group):
+            # Its step runs once per sub-group, and schedule-free counts steps (k) per param group.
+            raise OptimizerUnsupportedError("schedule-free under ZeRO-3 needs each param group in one DeepSpeed "
+                                            "sub-group (it counts steps per group, and ZeRO-3 steps each sub-group "
+                                            "separately): raise zero_optimization.sub_group_size above the largest "
+                                            "group's size (ZeRO3(extra={'zero_optimization': {'sub_group_size': "
+                                            "N}}))")
+        saved = [group["params"] for group in inner.param_groups]
+        try:
+            for group, found in zip(inner.param_groups, per_group):
+                group["params"] = found
+            yield
+        finally:
+            for group, params in zip(inner.param_groups, saved):
+                group["params"] = params
 
     def load_state(self, source: Any, pname: str, param: nn.Parameter, key: str, optimizer: Any) -> None:
         from deepspeed.utils import safe_set_local_optimizer_state

@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from shardkit import checkpoint as ckpt
 from shardkit.distributed.process_group import backend_for_device
+from shardkit.optim.named import is_schedule_free
 from shardkit.strategies.base import param_list, replicated_gathered
 from shardkit.strategies.distributed import ProcessGroupStrategy
 from shardkit.strategies.zero import checkpoint as zero_checkpoint
@@ -169,7 +170,35 @@ class ZeROStrategy(ProcessGroupStrategy):
         if optimizer is None:  # inference: no gradients, no fp32 master copy, no optimizer state
             return engine, None, scheduler
         inner = getattr(ds_optimizer, "optimizer", ds_optimizer)
+        if is_schedule_free(inner):
+            self._follow_mode_switches(ds_optimizer, inner)
         return engine, inner if isinstance(inner, torch.optim.Optimizer) else ds_optimizer, scheduler
+
+    def _follow_mode_switches(self, ds_optimizer: Any, optimizer: torch.optim.Optimizer) -> None:
+        """Make a schedule-free optimizer's ``train()``/``eval()`` reach the model, as they do without DeepSpeed.
+
+        They swap y (where gradients are taken) and the average x in the weights the optimizer holds, which
+        here are DeepSpeed's fp32 masters: the model keeps its own 16-bit copies (ZeRO-3: its partitions) until
+        the next step copies the masters over, and under ZeRO-3 the groups are even empty between steps. So
+        each switch runs with the masters in the groups and is followed by the copy DeepSpeed's step makes;
+        a user's loop (``optimizer.eval()`` before evaluating or saving) and the Trainer then see x.
+        """
+        layout = self.layout
+
+        def follow(switch: Any, train: bool) -> Any:
+            def switched() -> None:
+                if all(bool(group.get("train_mode")) == train for group in optimizer.param_groups):
+                    return  # already there: nothing to swap or copy (a ZeRO-3 copy would cost a gather)
+                with layout.masters_in_groups(ds_optimizer):
+                    switch()
+                with torch.no_grad():
+                    layout.masters_to_model(ds_optimizer)
+
+            return switched
+
+        # NOTE: instance attributes shadow the class's methods, for this optimizer object only.
+        optimizer.train = follow(optimizer.train, True)
+        optimizer.eval = follow(optimizer.eval, False)
 
     def _inference_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """The engine config for a model set up without an optimizer.
