@@ -102,6 +102,7 @@ class Runner:
         self._clipped = False  # clip_gradients ran in this window
         self.optimizer_steps = 0
         self._loader: RunnerDataLoader | None = None
+        self._dp_leaders: list[int] | None = None  # gather_for_metrics under model parallelism
 
     # ---- rank facts ---------------------------------------------------------------------------
 
@@ -272,11 +273,26 @@ class Runner:
         return self.strategy.all_gather(tensor)
 
     def gather_for_metrics(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate a per-sample tensor from every rank, dropping the padding duplicates that the
-        last batch of an uneven split carries (so metrics count each sample once)."""
-        gathered = self.all_gather(tensor).reshape(-1, *tensor.shape[1:])
+        """Concatenate a per-sample tensor from every data-parallel rank, dropping the padding duplicates that the
+        last batch of an uneven split carries (so metrics count each sample once); tensor-parallel peers, which
+        hold the same batch, count once."""
+        gathered = self.all_gather(tensor)
+        if self.strategy.data_parallel_size != self.world_size:
+            # Model-parallel peers (tensor parallelism) hold the same batch: one block per data-parallel rank.
+            gathered = gathered[self._data_parallel_leaders()]
+        gathered = gathered.reshape(-1, *tensor.shape[1:])
         mask = self._loader.duplicate_mask() if self._loader is not None else None
         return gathered if mask is None else gathered[mask.to(gathered.device)]
+
+    def _data_parallel_leaders(self) -> list[int]:
+        """For each data-parallel rank in order, the first global rank that holds it (asked once, then kept)."""
+        if self._dp_leaders is None:
+            dp = torch.tensor([self.strategy.data_parallel_rank], device=self.device)
+            first: dict[int, int] = {}
+            for rank, dp_rank in enumerate(self.all_gather(dp).reshape(-1).tolist()):
+                first.setdefault(dp_rank, rank)
+            self._dp_leaders = [first[r] for r in range(self.strategy.data_parallel_size)]
+        return self._dp_leaders
 
     # ---- inference ----------------------------------------------------------------------------
 

@@ -108,17 +108,24 @@ def test_accumulated_micro_batches_equal_one_big_batch():
 # tests/contract/test_strategy_contract.py.
 
 
-def _gather_metrics() -> list[int]:
-    runner = Runner(DDP())
+def _gather_metrics(strategy: str = "ddp", kwargs: dict | None = None) -> list[int]:
+    from shardkit.strategies import strategy_from_name
+
+    runner = Runner(strategy_from_name(strategy, **(kwargs or {})))
     loader = runner.setup_dataloader(DataLoader(TensorDataset(torch.arange(7)), batch_size=2))
     seen = [runner.gather_for_metrics(batch[0]) for batch in loader]
     runner.teardown()
     return torch.cat(seen).tolist()
 
 
-def test_gather_for_metrics_counts_each_sample_once():
-    for seen in run_distributed(_gather_metrics, 2):
-        assert sorted(seen) == list(range(7))
+@pytest.mark.parametrize("strategy,kwargs,world", [("ddp", {}, 2), ("tp", {"tp_size": 2}, 2),
+                                                   ("tp", {"tp_size": 2, "dp": "replicate"}, 4)],
+                         ids=["ddp", "tp", "tp2x2"])
+def test_gather_for_metrics_counts_each_sample_once(strategy, kwargs, world):
+    # Under TP the peers of a tensor-parallel group hold the same batch: each sample still counts once, and
+    # with 2 data-parallel ranks the padding of 7 samples over 2 is dropped as under DDP.
+    for seen in run_distributed(_gather_metrics, world, args=(strategy, kwargs)):
+        assert sorted(seen) == list(range(7)), seen
 
 
 def _crash_mid_step() -> None:
