@@ -25,7 +25,7 @@ __all__ = ["FSDP", "FSDPSettings"]
 
 SHARDING_MODES = ("full", "grad_op", "hybrid", "none")
 STATE_DICT_TYPES = ("sharded", "full")
-ModuleClasses = type | tuple[type, ...]
+ModuleClasses = type | str | tuple[type | str, ...]  # module classes or class names (as configs spell them)
 
 
 def _choice(value: str, options: tuple[str, ...], field: str) -> None:

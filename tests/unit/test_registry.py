@@ -127,6 +127,9 @@ def test_build_from_cli_sets_the_options_on_the_strategy():
     assert zero3.settings.overlap_comm is False
     assert (tp.settings.tp_size, tp.settings.sequence_parallel) == (2, True)
     assert (ddp.settings.bucket_cap_mb, ddp.settings.static_graph) == (50, True)  # the command line wins
+    fsdp = STRATEGIES.build_from_cli("fsdp", ["auto_wrap=LlamaBlock", "activation_checkpointing=LlamaBlock"])
+    assert (fsdp.settings.auto_wrap, fsdp.settings.activation_checkpointing) == ("LlamaBlock", "LlamaBlock")
+    assert STRATEGIES.build_from_cli("fsdp", ["auto_wrap=100000"]).settings.auto_wrap == 100_000
 
 
 def test_zero_infinity_offers_zero3_options_it_passes_on():
