@@ -169,3 +169,20 @@ def test_cli_launch_propagates_a_failing_rank_as_a_nonzero_exit():
 
     assert done.returncode != 0
     assert "rank 1 fails on purpose" in done.stderr
+
+
+def test_a_clean_run_leaves_no_leaked_semaphore_warning(tmp_path):
+    # Ranks that made a multiprocessing lock (tqdm's, a DataLoader's queues) exit through os._exit; without
+    # their finalizers the parent's resource tracker warned "There appear to be 2 leaked semaphore objects".
+    script = tmp_path / "locks.py"
+    script.write_text("import multiprocessing as mp\n"
+                      "from shardkit.distributed import launch\n"
+                      "def make_lock():\n"
+                      "    global LOCK\n"
+                      "    LOCK = mp.get_context('spawn').RLock()\n"
+                      "    return 1\n"
+                      "if __name__ == '__main__':\n"
+                      "    assert launch(make_lock, num_processes=2, timeout=60) == [1, 1]\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "leaked semaphore" not in done.stderr, done.stderr
