@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["LlamaConfig", "Llama", "LlamaBlock", "llama_plan"]
+__all__ = ["KVCache", "LlamaConfig", "Llama", "LlamaBlock", "llama_plan"]
 
 
 @dataclass(frozen=True)
@@ -88,14 +88,17 @@ class _Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.max_position = max_position
 
-    def cos_sin(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(positions, self.inv_freq.to(device))
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = torch.outer(positions.float(), self.inv_freq.to(positions.device))
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(q.shape[-2], q.device, q.dtype)
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor | None = None,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k (B, H, T, D) at ``position_ids`` (T,), default 0..T-1 (as the fused module's)."""
+        if position_ids is None:
+            position_ids = torch.arange(q.shape[-2], device=q.device)
+        cos, sin = self.cos_sin(position_ids, q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -127,19 +130,62 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=False)
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: _LayerCache | None = None) -> torch.Tensor:
+        """Causal self-attention over ``x``; with ``cache``, over the cached positions too (which it extends)."""
         cfg = self.config
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, -1, cfg.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, -1, cfg.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, cfg.head_dim).transpose(1, 2)
-        q, k = self.rotary.rotate(q, k)
+        if cache is None:
+            q, k = self.rotary.rotate(q, k)
+        else:
+            start = cache.owner.length
+            q, k = self.rotary.rotate(q, k, torch.arange(start, start + seq, device=x.device))
+            k, v = cache.extend(k, v)
         if cfg.kv_heads != cfg.num_heads:
             repeat = cfg.num_heads // cfg.kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         dropout = cfg.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        past = k.shape[-2] - seq
+        if past == 0 or seq == 1:  # no cache, or one new token that sees every position: no mask to build
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=past == 0)
+        else:  # several new tokens after cached ones: token i sees positions up to past + i
+            mask = torch.arange(past + seq, device=x.device) <= torch.arange(past, past + seq, device=x.device)[:, None]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class KVCache:
+    """The keys and values of the positions a :class:`Llama` has seen, per layer, for incremental decoding.
+
+    ``model(new_ids, cache=cache)`` attends over the cached positions and appends the new ones; the
+    keys are stored rotated and before grouped-query repetition (``num_kv_heads`` heads; under tensor
+    parallelism each rank keeps its own heads). :meth:`Llama.generate` uses one by default.
+    """
+
+    def __init__(self, num_layers: int):
+        self.length = 0  # positions cached so far
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def layer(self, index: int) -> _LayerCache:
+        return _LayerCache(self, index)
+
+
+@dataclass(frozen=True)
+class _LayerCache:
+    owner: KVCache
+    index: int
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this call's keys and values (B, H, T, D) and return every cached position's."""
+        keys, values = self.owner.keys, self.owner.values
+        i = self.index
+        if keys[i] is not None:
+            k, v = torch.cat([keys[i], k], dim=2), torch.cat([values[i], v], dim=2)
+        keys[i], values[i] = k, v
+        return k, v
 
 
 class LlamaBlock(nn.Module):
@@ -154,8 +200,10 @@ class LlamaBlock(nn.Module):
         self.mlp = mlp(config.hidden_size, config.intermediate_size)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.self_attn(self.input_layernorm(x)))
+    def forward(self, x: torch.Tensor, cache: _LayerCache | None = None) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(x)) if cache is None else \
+            self.self_attn(self.input_layernorm(x), cache=cache)
+        x = x + self.dropout(attended)
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -208,19 +256,24 @@ class Llama(nn.Module):
             elif hasattr(module, "weight") and module.weight is not None and module.weight.dim() == 1:
                 nn.init.ones_(module.weight)
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Final normed hidden states, (batch, seq, hidden)."""
-        if input_ids.shape[-1] > self.config.max_position:
-            raise ValueError(f"sequence length {input_ids.shape[-1]} exceeds max_position={self.config.max_position}")
+    def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Final normed hidden states, (batch, seq, hidden); ``cache``: see :class:`KVCache`."""
+        start = 0 if cache is None else cache.length
+        if start + input_ids.shape[-1] > self.config.max_position:
+            raise ValueError(f"sequence length {start + input_ids.shape[-1]} exceeds "
+                             f"max_position={self.config.max_position}")
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if cache is None else layer(x, cache=cache.layer(i))
+        if cache is not None:
+            cache.length += input_ids.shape[-1]
         return self.norm(x)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """The mean cross-entropy of predicting ``labels[t+1]`` from position t (labels of -100 are
-        ignored), or the logits when no labels are given."""
-        hidden = self.hidden_states(input_ids)
+        ignored), or the logits when no labels are given; ``cache`` (inference) holds earlier positions."""
+        hidden = self.hidden_states(input_ids, cache)
         if labels is None:
             return self.lm_head(hidden)
         shift_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
@@ -231,7 +284,7 @@ class Llama(nn.Module):
     def generate(
         self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
         generator: torch.Generator | None = None, eos_token_id: int | None = None, pad_token_id: int | None = None,
-        synced: bool | None = None,
+        synced: bool | None = None, use_cache: bool = True,
     ) -> torch.Tensor:
         """Append up to ``max_new_tokens`` tokens: greedy at temperature 0, else sampled (optionally top-k).
 
@@ -244,9 +297,10 @@ class Llama(nn.Module):
         done (an all-reduced flag per step) and a call on only some ranks fails within seconds
         (:class:`shardkit.inference.NotCalledOnAllRanksError`).
 
-        NOTE: recomputes the full prefix each step (no KV cache); fine for the small models this file
-        is for, quadratic for long outputs. Steps go through ``self(...)`` (the root forward) so that
-        FSDP's and ZeRO-3's hooks gather the weights.
+        With ``use_cache`` (default) the prompt runs once and each later step computes only the new token,
+        attending over a :class:`KVCache`; past ``max_position`` tokens, and with ``use_cache=False``, each
+        step recomputes the last ``max_position`` tokens instead. Steps go through ``self(...)`` (the root
+        forward) so that FSDP's and ZeRO-3's hooks gather the weights.
         """
         from shardkit.inference.sync import any_rank, needs_sync, synced_call
 
@@ -257,6 +311,7 @@ class Llama(nn.Module):
         pad = eos_token_id if pad_token_id is None else pad_token_id
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
         dummy = torch.zeros((1, 1), dtype=input_ids.dtype, device=device)
+        cache = KVCache(len(self.layers)) if use_cache else None
         try:
             with synced_call("Llama.generate()") if synced else contextlib.nullcontext():
                 while True:
@@ -266,7 +321,12 @@ class Llama(nn.Module):
                     if not running:
                         self(dummy)  # keep the other ranks' collectives company; the result is not used
                         continue
-                    logits = self(tokens[:, -self.config.max_position :])[:, -1].float()
+                    if cache is not None and tokens.shape[1] > self.config.max_position:
+                        cache = None  # the window slides from here: positions shift, cached keys no longer fit
+                    if cache is None:
+                        logits = self(tokens[:, -self.config.max_position :])[:, -1].float()
+                    else:
+                        logits = self(tokens[:, cache.length :], cache=cache)[:, -1].float()
                     next_token = _pick(logits, temperature, top_k, generator)
                     if eos_token_id is not None:
                         next_token = next_token.masked_fill(done[:, None], pad)

@@ -182,3 +182,25 @@ def _tp_not_dividing() -> None:
 def test_tp_not_dividing_world_size_fails_before_anything_is_built():
     with pytest.raises(LaunchError, match=r"world_size\(2\) % tp_size\(3\) != 0"):
         launch(_tp_not_dividing, num_processes=2, timeout=60, env={"SHARDKIT_COLLECTIVE_TIMEOUT": "20"})
+
+
+def _sp_generation() -> tuple[bool, bool]:
+    from shardkit import Runner
+    from shardkit.strategies import strategy_from_name
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         max_position=40)
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(0)
+    want = Llama(config).eval().generate(ids, 20, synced=False)
+    runner = Runner(strategy_from_name("tp", tp_size=2, sequence_parallel=True), seed=0)
+    torch.manual_seed(0)
+    model = runner.setup(Llama(config))
+    cached = runner.generate(model, ids, max_new_tokens=20)
+    return torch.equal(cached, want), torch.equal(runner.generate(model, ids, max_new_tokens=20, use_cache=False), want)
+
+
+def test_sequence_parallel_generation_equals_single_device_with_and_without_the_kv_cache():
+    # One new token a step is sharded over 2 ranks on the sequence dim (1 and 0 rows): still SingleDevice's tokens.
+    for cached, recomputed in run_distributed(_sp_generation, world_size=2, timeout=180):
+        assert cached and recomputed

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from shardkit.models import ByteTextDataset, Llama, LlamaConfig
+from shardkit.models.llama import KVCache
 
 
 def test_forward_loss_and_logits_shapes():
@@ -34,6 +35,28 @@ def test_generate_is_greedy_and_deterministic():
     prompt = torch.tensor([[1, 2, 3]])
     out = model.generate(prompt, max_new_tokens=5)
     assert out.shape == (1, 8) and torch.equal(out, model.generate(prompt, max_new_tokens=5))
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
+@pytest.mark.parametrize("kv_heads", [None, 2], ids=["mha", "gqa"])
+def test_kv_cache_gives_the_full_recompute_logits_and_tokens(fused, kv_heads):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=kv_heads, max_position=24, fused=fused)
+    model = Llama(config).eval()
+    ids = torch.randint(0, 64, (3, 9))
+    # the prompt in pieces (several tokens after cached ones need the offset causal mask), then one at a time
+    cache = KVCache(config.num_layers)
+    pieces = [model(ids[:, a:b], cache=cache) for a, b in ((0, 3), (3, 7), (7, 8), (8, 9))]
+    assert cache.length == 9 and cache.keys[0].shape == (3, config.kv_heads, 9, config.head_dim)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), model(ids), rtol=1e-5, atol=1e-5)
+    # greedy and sampled decoding, past max_position (the window slides without the cache from there)
+    for kwargs in ({}, {"temperature": 0.8, "top_k": 5}):
+        plain = model.generate(ids, 25, use_cache=False, generator=torch.Generator().manual_seed(1), **kwargs)
+        cached = model.generate(ids, 25, generator=torch.Generator().manual_seed(1), **kwargs)
+        assert plain.shape == (3, 34) and torch.equal(cached, plain), kwargs
+    with pytest.raises(ValueError, match="sequence length 25 exceeds max_position=24"):  # 9 cached + 16 new
+        model(torch.zeros(3, 16, dtype=torch.long), cache=cache)
 
 
 def test_bad_config_names_the_numbers():
