@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from shardkit.suggest import did_you_mean
 
 from ._dispatch import BACKENDS, select_backend
 
-__all__ = ["Impl", "OpSpec", "get_op", "native", "native_source_dirs", "register", "registered_ops"]
+__all__ = ["Impl", "OpSpec", "direct_call_ok", "get_op", "native", "native_source_dirs", "register", "registered_ops"]
 
 Impl = Callable[..., Any] | str
 """An implementation: a callable, or ``"module:attribute"`` imported on first use."""
@@ -41,6 +42,23 @@ def native(kernel: str) -> dict[str, Callable[..., Any]]:
 
     call.__name__ = call.__qualname__ = f"shardkit_C.{kernel}"
     return {"cpp": call, "cuda": call}
+
+
+def direct_call_ok(*tensors: torch.Tensor | None) -> bool:
+    """Whether an op may run its implementation directly instead of through its ``torch.library`` custom op.
+
+    The custom op is there for autograd, torch.compile and tensor subclasses; in plain eager inference it only
+    adds its Python dispatch, about 170 us a call on CPU: more than the rms_norm kernel itself at decoding
+    shapes ((4, 1, 128): 36 us), where a 4-layer Llama makes 9 norm, 4 rope and 4 swiglu calls per token. So
+    it is skipped when no tensor wants a gradient, every tensor is a plain tensor (no DTensor, FakeTensor or
+    functional wrapper) and nothing is tracing (dynamo, or a dispatch mode such as make_fx's).
+    """
+    present = [t for t in tensors if t is not None]
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    if any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in present):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in present))
 
 
 def _resolve(impl: Impl, op: str, backend: str) -> Callable[..., Any]:

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from .registry import OpSpec, native, register
+from .registry import OpSpec, direct_call_ok, native, register
 
 __all__ = ["SPEC", "rms_norm", "rms_norm_reference"]
 
@@ -54,11 +54,15 @@ def _backend(x: Tensor, weight: Tensor, kernel: str) -> str:
     return SPEC.select(kernel, x.device)
 
 
-@torch.library.custom_op("shardkit::rms_norm", mutates_args=())
-def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, offset: float) -> tuple[Tensor, Tensor]:
+def _forward(x: Tensor, weight: Tensor, eps: float, offset: float) -> tuple[Tensor, Tensor]:
     backend = _backend(x, weight, "rms_norm_fwd")
     y, rstd = SPEC.call("rms_norm_fwd", backend, _rows(x), weight.contiguous(), eps, offset)
     return y.view(x.shape), rstd.view(x.shape[:-1])
+
+
+@torch.library.custom_op("shardkit::rms_norm", mutates_args=())
+def _rms_norm_op(x: Tensor, weight: Tensor, eps: float, offset: float) -> tuple[Tensor, Tensor]:
+    return _forward(x, weight, eps, offset)
 
 
 @_rms_norm_op.register_fake
@@ -112,7 +116,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-6, offset: float = 0.0) 
     if weight.dim() != 1 or x.dim() == 0 or x.shape[-1] != weight.shape[0]:
         raise ValueError(f"rms_norm: weight of shape {tuple(weight.shape)} does not match x of shape {tuple(x.shape)}; "
                          "the weight needs one entry per feature of x's last dim")
-    return _rms_norm_op(x, weight, float(eps), float(offset))[0]
+    op = _forward if direct_call_ok(x, weight) else _rms_norm_op
+    return op(x, weight, float(eps), float(offset))[0]
 
 
 def _example(device: str, dtype: torch.dtype, size: str) -> tuple:

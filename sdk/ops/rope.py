@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .registry import OpSpec, native, register
+from .registry import OpSpec, direct_call_ok, native, register
 
 __all__ = ["SPEC", "rope", "rope_reference"]
 
@@ -121,12 +121,16 @@ def _apply(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor 
     return SPEC.call("rope_fwd", backend, q, k, cos, sin, position_ids, backward)
 
 
-@torch.library.custom_op("shardkit::rope", mutates_args=())
-def _rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+def _forward(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
     _check_shapes(q, k, cos, sin, position_ids)
     if position_ids is not None:  # the backward reuses these positions: checking them once here is enough
         _check_positions(position_ids, cos.shape[0])
     return _apply(q, k, cos, sin, position_ids, backward=False)
+
+
+@torch.library.custom_op("shardkit::rope", mutates_args=())
+def _rope_op(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+    return _forward(q, k, cos, sin, position_ids)
 
 
 @torch.library.custom_op("shardkit::rope_backward", mutates_args=())
@@ -187,7 +191,8 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
                              f" build the rotary table for at least {T} positions (e.g. RotaryEmbedding("
                              f"max_position={T}))")
         cos, sin = cos[:T].unsqueeze(0), sin[:T].unsqueeze(0)
-    return _rope_op(q, k, cos, sin, position_ids)
+    op = _forward if direct_call_ok(q, k, cos, sin, position_ids) else _rope_op
+    return op(q, k, cos, sin, position_ids)
 
 
 def _example(device: str, dtype: torch.dtype, size: str) -> tuple:

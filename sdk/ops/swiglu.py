@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .registry import OpSpec, native, register
+from .registry import OpSpec, direct_call_ok, native, register
 
 __all__ = ["SPEC", "swiglu", "swiglu_reference"]
 
@@ -61,9 +61,13 @@ def _backend(gate: Tensor, up: Tensor, kernel: str) -> str:
     return SPEC.select(kernel, gate.device)
 
 
+def _forward(gate: Tensor, up: Tensor) -> Tensor:
+    return SPEC.call("swiglu_fwd", _backend(gate, up, "swiglu_fwd"), gate, up)
+
+
 @torch.library.custom_op("shardkit::swiglu", mutates_args=())
 def _swiglu_op(gate: Tensor, up: Tensor) -> Tensor:
-    return SPEC.call("swiglu_fwd", _backend(gate, up, "swiglu_fwd"), gate, up)
+    return _forward(gate, up)
 
 
 @_swiglu_op.register_fake
@@ -109,7 +113,7 @@ def swiglu(gate: Tensor, up: Tensor) -> Tensor:
     Returns:
         Tensor like ``gate``.
     """
-    return _swiglu_op(gate, up)
+    return (_forward if direct_call_ok(gate, up) else _swiglu_op)(gate, up)
 
 
 def _example(device: str, dtype: torch.dtype, size: str) -> tuple:

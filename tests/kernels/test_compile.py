@@ -43,3 +43,32 @@ def test_fullgraph_compile_matches_eager(compile_backend):
     (g_out,) = torch.autograd.grad(out.square().sum(), x)
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g_out, g_eager, rtol=1e-5, atol=1e-5)
+
+
+def test_inference_skips_the_custom_ops_with_the_same_results_and_still_compiles(monkeypatch):
+    # Eager calls that want no gradient run the op's implementation directly (its torch.library wrapper costs
+    # ~170 us a call); with gradients, and under torch.compile, the custom ops are used as before.
+    import importlib
+
+    calls = []
+    for module, attr in (("rms_norm", "_rms_norm_op"), ("rope", "_rope_op"), ("swiglu", "_swiglu_op")):
+        mod = importlib.import_module(f"shardkit.ops.{module}")
+        op = getattr(mod, attr)
+        monkeypatch.setattr(mod, attr, lambda *a, _op=op, _name=module: calls.append(_name) or _op(*a))
+    torch.manual_seed(0)
+    model = _Block().eval()
+    for p in model.parameters():
+        nn.init.normal_(p, std=0.5)
+    x, pos = torch.randn(2, 5, 32), torch.arange(3, 8).expand(2, 5)
+    with_grad = model(x, pos)
+    assert sorted(set(calls)) == ["rms_norm", "rope", "swiglu"] and with_grad.requires_grad
+    calls.clear()
+    with torch.no_grad():
+        direct = model(x, pos)
+        assert calls == []  # no custom op on the eager inference path
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(x, pos)
+    assert torch.equal(direct, with_grad.detach())
+    torch.testing.assert_close(compiled, direct, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():
+        assert torch.equal(model(x, pos), direct)
