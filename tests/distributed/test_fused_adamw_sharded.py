@@ -15,14 +15,16 @@ from torch.distributed.tensor import DTensor
 from shardkit.models.llama import Llama
 from shardkit.optim import FusedAdamW
 
-STRATEGIES = {"fsdp": {"sharding": "full"}, "tp": {"tp_size": 2, "sequence_parallel": True}}
+# label -> (strategy, options); "tp2d" runs on 4 ranks (FSDP's dp_shard x TP), the others on 2
+SETUPS = {"fsdp": ("fsdp", {"sharding": "full"}), "tp": ("tp", {"tp_size": 2, "sequence_parallel": True}),
+          "tp2d": ("tp", {"tp_size": 2, "dp": "fsdp"})}
 OPTIMIZERS = {"torch": torch.optim.AdamW, "fused": FusedAdamW}
 STEPS, SAVED_AT = 5, 3
 
 
 def _run(strategy: str, precision: str, optimizer: str, data: torch.Tensor, ckpt: str | None = None,
          load: bool = False) -> dict:
-    runner = make_runner(strategy, STRATEGIES[strategy], precision)
+    runner = make_runner(*SETUPS[strategy], precision)
     model = Llama(TINY)
     model, opt = runner.setup(model, OPTIMIZERS[optimizer](model.parameters(), lr=1e-2, weight_decay=0.1))
     if load:
@@ -40,7 +42,7 @@ def _run(strategy: str, precision: str, optimizer: str, data: torch.Tensor, ckpt
 def _worker(tmp: str) -> dict:
     data = batches(STEPS)
     out = {}
-    for strategy in STRATEGIES:
+    for strategy in ("fsdp", "tp"):
         out[strategy] = {name: _run(strategy, "fp32", name, data) for name in OPTIMIZERS}
         ckpt = f"{tmp}/{strategy}"
         out[strategy]["full"] = _run(strategy, "bf16-true", "fused", data)
@@ -64,3 +66,20 @@ def test_fused_adamw_steps_dtensor_shards_like_torch_adamw_and_resumes_exactly(t
         assert resumed["losses"] == full["losses"][SAVED_AT:], (strategy, full["losses"], resumed["losses"])
         for key, w in full["weights"].items():
             assert torch.equal(w, resumed["weights"][key]), f"{strategy}: resumed weights differ on {key}"
+
+
+def _two_d() -> dict:
+    data = batches(STEPS)
+    return {name: _run("tp2d", "fp32", name, data) for name in OPTIMIZERS}
+
+
+def test_fused_adamw_on_a_2d_fsdp_x_tp_mesh_follows_torch_adamw():
+    # 4 ranks: the parameters are DTensors sharded over both mesh dims (FSDP's dp_shard and TP)
+    results = run_distributed(_two_d, world_size=4, timeout=300)
+    for r in results:
+        fused, ref = r["fused"], r["torch"]
+        assert fused["dtensor_states"] and fused["losses"][-1] < fused["losses"][0] - 0.05, fused["losses"]
+        torch.testing.assert_close(torch.tensor(fused["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+        for key, w in fused["weights"].items():
+            torch.testing.assert_close(w, ref["weights"][key], rtol=1e-4, atol=5e-5, msg=key)
+            assert torch.equal(w, results[0]["fused"]["weights"][key]), f"ranks differ on {key}"
