@@ -5,10 +5,11 @@ bytes each rank holds in ZeRO inference with CPU and NVMe offload against DDP.
 
 speed: a Hugging Face LlamaForCausalLM built from a config (random weights, nothing downloaded), greedy,
 ``--batch`` prompts of ``--prompt`` tokens per rank, ``--new`` new tokens (no EOS). Tokens/s counts the new
-tokens of every rank over the wall time. Rounds alternate (raw engine then shardkit, shardkit then raw, ...) in
-the same 2 processes: "raw" is DeepSpeed's engine built by ``deepspeed.initialize`` with the same config shardkit builds
-and driven directly with ``model.generate(synced_gpus=True)``, and torch FSDP2 (``fully_shard`` per decoder
-layer) with the same call; shardkit is ``runner.generate``. SingleDevice runs alone in 1 process.
+tokens of every rank over the wall time. "raw" is DeepSpeed's engine built by ``deepspeed.initialize`` with the
+same config shardkit builds and driven directly with ``model.generate(synced_gpus=True)``, and torch FSDP2
+(``fully_shard`` per decoder layer) with the same call; shardkit is ``runner.generate``. ZeRO-3 runs one engine
+per pair of processes, whole runs alternating (raw, shardkit, shardkit, raw); the FSDP rows alternate rounds
+(raw then shardkit, shardkit then raw, ...) in the same 2 processes. SingleDevice runs alone in 1 process.
 memory: ``strategy.model_state_bytes`` of each rank (bytes held in memory, host or device) after the model is
 built in ``runner.init_module()``, ``runner.setup(model)`` without an optimizer and one generate; "on NVMe"
 is the parameter partitions DeepSpeed swapped out (partitions under 1 MiB stay in memory).
@@ -90,17 +91,27 @@ def _alternate(raw, ours, args) -> dict:
     return times
 
 
+def zero3_worker(driver: str, args: argparse.Namespace) -> list[float]:
+    """One ZeRO-3 engine in this process, raw DeepSpeed or shardkit's, timed over ``args.rounds`` generations.
+
+    NOTE: one engine per process. With two ZeRO-3 engines in one process the one built second was measured
+    1.3-1.5x slower in 2 of 3 runs (ratios 0.65, 0.77, 1.11 with shardkit's first; 1.03 with the raw one first).
+    """
+    init_distributed("cpu")
+    ids = _prompts(args)
+    if driver == "raw":  # from the config shardkit's strategy gives for this model
+        config = Runner(strategy_from_name("zero3"), seed=0).strategy.deepspeed_config(_hf_model(args))
+        fn = _raw_deepspeed(args, ids, config)
+    else:
+        fn = _ours(args, ids, "zero3")[1]
+    ranks_timed(fn, 1)  # warm-up: lazy inits, engine hooks, first all-gathers
+    return [ranks_timed(fn, 1) for _ in range(args.rounds)]
+
+
 def speed_worker(args: argparse.Namespace) -> dict:
     init_distributed("cpu")
     ids = _prompts(args)
     results = {}
-    # The raw engine is built first, from the config shardkit's strategy gives for this model. NOTE: two ZeRO-3
-    # engines share this process; with shardkit's built first, the raw one measured 1.3-1.5x faster in 2 of 3
-    # runs (0.65, 0.77, 1.11), with the raw one first 1.03 (same code path: both call the HF module's generate).
-    runner = Runner(strategy_from_name("zero3"), seed=0)
-    raw = _raw_deepspeed(args, ids, runner.strategy.deepspeed_config(_hf_model(args)))
-    model = runner.setup(_hf_model(args))
-    results["zero3"] = _alternate(raw, lambda: runner.generate(model, ids, **_gen_kwargs(args)), args)
     raw_fsdp = _raw_fsdp(args, ids)
     results["fsdp (kept unsharded)"] = _alternate(raw_fsdp, _ours(args, ids, "fsdp")[1], args)
     results["fsdp (per forward)"] = _alternate(raw_fsdp, _ours(args, ids, "fsdp", keep_unsharded=False)[1], args)
@@ -125,7 +136,12 @@ def single_worker(args: argparse.Namespace) -> list[float]:
 
 def run_speed(args: argparse.Namespace) -> None:
     single = statistics.median(shardkit.launch(single_worker, args=(args,), num_processes=1)[0])
-    results = shardkit.launch(speed_worker, args=(args,), num_processes=2)[0]
+    zero3 = {"raw": [], "ours": []}
+    for i in range(2):  # whole processes alternate: raw, ours, then ours, raw
+        for driver in ("raw", "ours")[:: 1 if i == 0 else -1]:
+            zero3[driver] += shardkit.launch(zero3_worker, args=(driver, args), num_processes=2)[0]
+    results = {"zero3 (one engine per process)": zero3,
+               **shardkit.launch(speed_worker, args=(args,), num_processes=2)[0]}
     single_tps = args.batch * args.new / single
     print(f"\ndecoding, HF Llama hidden={args.hidden} layers={args.layers} vocab={args.vocab}, {args.batch} prompts x "
           f"{args.prompt} tokens per rank, {args.new} new tokens, greedy, fp32, CPU (gloo); medians of {args.rounds}")
