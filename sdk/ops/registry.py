@@ -48,10 +48,11 @@ def direct_call_ok(*tensors: torch.Tensor | None) -> bool:
     """Whether an op may run its implementation directly instead of through its ``torch.library`` custom op.
 
     The custom op is there for autograd, torch.compile and tensor subclasses; in plain eager inference it only
-    adds its Python dispatch, about 170 us a call on CPU: more than the rms_norm kernel itself at decoding
-    shapes ((4, 1, 128): 36 us), where a 4-layer Llama makes 9 norm, 4 rope and 4 swiglu calls per token. So
-    it is skipped when no tensor wants a gradient, every tensor is a plain tensor (no DTensor, FakeTensor or
-    functional wrapper) and nothing is tracing (dynamo, or a dispatch mode such as make_fx's).
+    adds its Python dispatch: 15 us a call on an idle 2-core CPU, twice the rms_norm kernel itself at decoding
+    shapes ((4, 1, 128): 6 us), and a 4-layer Llama makes 17 such calls per token (decoding 1.24x faster
+    without it, benchmarks/RESULTS.md). So it is skipped when no tensor wants a gradient, every tensor is a
+    plain tensor (no DTensor, FakeTensor or functional wrapper) and nothing is tracing (dynamo, or a dispatch
+    mode such as make_fx's).
     """
     present = [t for t in tensors if t is not None]
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
