@@ -1,5 +1,6 @@
 """Decoding speed of shardkit's Llama with its KV cache, without it, and Hugging Face's LlamaForCausalLM with its
-own cache, on the same weights, one process.
+own cache, on the same weights, one process (and shardkit's with its fused ops through their torch.library
+wrappers, as before eager inference called them directly).
 
     python benchmarks/kv_cache.py [--hidden 128 --layers 4 --batch 4 --prompt 32 --new 128 --rounds 3]
 
@@ -42,6 +43,22 @@ def _models(args: argparse.Namespace):
     return config, ours, hf
 
 
+def _through_custom_ops(fn):
+    """Run ``fn`` with the fused ops going through their torch.library custom ops even in inference (as before
+    ``direct_call_ok``), to show what the direct call saves."""
+    import importlib
+
+    modules = [importlib.import_module(f"shardkit.ops.{name}") for name in ("rms_norm", "rope", "swiglu")]
+    saved = [m.direct_call_ok for m in modules]
+    for m in modules:
+        m.direct_call_ok = lambda *tensors: False
+    try:
+        return fn()
+    finally:
+        for m, original in zip(modules, saved):
+            m.direct_call_ok = original
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=128)
@@ -55,6 +72,7 @@ def main() -> None:
     ids = torch.randint(1, config.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
     run = {
         "shardkit, KV cache": lambda: ours.generate(ids, args.new),
+        "shardkit, KV cache, ops via torch.library": lambda: _through_custom_ops(lambda: ours.generate(ids, args.new)),
         "shardkit, no cache": lambda: ours.generate(ids, args.new, use_cache=False),
         "transformers, its cache": lambda: hf.generate(ids, max_new_tokens=args.new, min_new_tokens=args.new,
                                                        do_sample=False, pad_token_id=0),

@@ -49,8 +49,8 @@ def direct_call_ok(*tensors: torch.Tensor | None) -> bool:
 
     The custom op is there for autograd, torch.compile and tensor subclasses; in plain eager inference it only
     adds its Python dispatch: 15 us a call on an idle 2-core CPU, twice the rms_norm kernel itself at decoding
-    shapes ((4, 1, 128): 6 us), and a 4-layer Llama makes 17 such calls per token (decoding 1.24x faster
-    without it, benchmarks/RESULTS.md). So it is skipped when no tensor wants a gradient, every tensor is a
+    shapes ((4, 1, 128): 6 us), and a 4-layer Llama makes 17 such calls per token (decoding 1.26x faster
+    without it, benchmarks/kv_cache.py). So it is skipped when no tensor wants a gradient, every tensor is a
     plain tensor (no DTensor, FakeTensor or functional wrapper) and nothing is tracing (dynamo, or a dispatch
     mode such as make_fx's).
     """
