@@ -52,6 +52,7 @@ __all__ = ["Accelerator"]
 
 # Constructor arguments of Accelerate that shardkit does not take, and what to do instead.
 _REFUSED = {"torch_tp_plugin": "use shardkit.TensorParallel through a shardkit.Runner",
+            "downcast_bf16": "a TPU (XLA) option; on CPUs and GPUs mixed_precision='bf16' needs nothing more",
             "megatron_lm_plugin": "Megatron-LM is not supported",
             "dynamo_plugin": "call torch.compile(model) in the script",
             "deepspeed_plugins": "pass one deepspeed_plugin",
@@ -286,6 +287,12 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
     def _prepare_loader(self, loader: Any) -> PreparedDataLoader:
         if isinstance(loader, PreparedDataLoader):
             return loader
+        if loader.batch_size is None:
+            given = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+            name = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+            raise NotImplementedError(f"prepare(DataLoader({name}={type(given).__name__}(...), batch_size=None)): "
+                                      f"shardkit's loaders shard and resume per sample; build the DataLoader with "
+                                      f"batch_size=... (and shuffle=True or a per-sample sampler)")
         if self.split_batches:
             loader = _split_batches(loader, self.runner.strategy.data_parallel_size)
         seed = self.dataloader_config.data_seed
@@ -398,7 +405,7 @@ def _refuse(unsupported: dict[str, Any], device_placement: bool, dynamo_backend:
 
             raise TypeError(f"Accelerator() got an unexpected keyword argument {key!r}"
                             f"{did_you_mean(key, [*_REFUSED, 'mixed_precision', 'gradient_accumulation_steps'])}")
-        if value is not None:
+        if value not in (None, False):
             raise NotImplementedError(f"Accelerator({key}=...) is not supported by shardkit; {_REFUSED[key]}")
     if device_placement is not True:
         raise NotImplementedError("Accelerator(device_placement=False): shardkit always places what it prepares")

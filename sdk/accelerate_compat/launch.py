@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,4 +41,13 @@ def notebook_launcher(function: Callable[..., Any], args: Sequence[Any] = (), nu
     env = {"ACCELERATE_MIXED_PRECISION": str(mixed_precision)}
     if str(use_port) != "29500":
         env["MASTER_PORT"] = str(int(use_port))
-    return launch(function, args=tuple(args), num_processes=num_processes, start_method="fork", env=env)
+    return launch(functools.partial(_fresh, function), args=tuple(args), num_processes=num_processes,
+                  start_method="fork", env=env)
+
+
+def _fresh(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` with no state inherited from the notebook's process (a forked child starts its own)."""
+    from shardkit.accelerate_compat.state import forget_state
+
+    forget_state()
+    return function(*args)

@@ -64,7 +64,8 @@ def gather(tensor: Any) -> Any:
     strategy = shared_strategy()
 
     def one(t: torch.Tensor) -> torch.Tensor:
-        t = t.reshape(1) if t.dim() == 0 else t
+        # detached: a gather carries no gradient, and gloo's all_gather refuses a tensor that wants one
+        t = t.detach().reshape(1) if t.dim() == 0 else t.detach()
         return strategy.all_gather(t.contiguous()).reshape(-1, *t.shape[1:])
 
     return recursively_apply(one, tensor, error_on_other_type=True)

@@ -312,7 +312,10 @@ def deepspeed_config(plugin: Any, mixed_precision: str) -> dict[str, Any]:
         if not isinstance(config, Mapping):
             raise TypeError(f"deepspeed_plugin={type(plugin).__name__}: pass a DeepSpeed config dict, a dict of "
                             f"DeepSpeedPlugin's fields, or accelerate.utils.DeepSpeedPlugin")
-        return dict(config)
+        config = dict(config)
+        if config.get("steps_per_print") == math.inf:
+            del config["steps_per_print"]  # DeepSpeedPlugin's "never print": DeepSpeed's step logs are off here anyway
+        return config
     if not set(plugin) & set(_DS_PLUGIN_KEYS):
         return dict(plugin)
     if "hf_ds_config" in plugin:

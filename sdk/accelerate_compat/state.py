@@ -21,7 +21,7 @@ import torch
 from shardkit.strategies.base import Strategy
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState", "distributed_type_of",
-           "shared_strategy", "use_strategy"]
+           "forget_state", "shared_strategy", "use_strategy"]
 
 # The strategy every PartialState of this process reads (Accelerate keeps its state in a shared dict as well).
 _SHARED: dict[str, Any] = {}
@@ -61,6 +61,12 @@ def distributed_type_of(strategy: Strategy) -> DistributedType:
 def use_strategy(strategy: Strategy) -> None:
     """Make ``strategy`` the one every PartialState of this process reads (an Accelerator calls it)."""
     _SHARED["strategy"] = strategy
+
+
+def forget_state() -> None:
+    """Drop the shared state (after the process group is destroyed, or in a freshly forked process): the next
+    PartialState joins the job the environment describes."""
+    _SHARED.clear()
 
 
 def shared_strategy(cpu: bool = False) -> Strategy:
@@ -111,7 +117,13 @@ class ProcessFacts:
 
     @property
     def distributed_type(self) -> DistributedType:
-        return distributed_type_of(self._strategy)
+        """Accelerate's name for the strategy's kind (an assignment overrides it for every state of the process,
+        as Accelerate's shared state does; ``AcceleratorState._reset_state()`` drops the override)."""
+        return _SHARED.get("distributed_type") or distributed_type_of(self._strategy)
+
+    @distributed_type.setter
+    def distributed_type(self, value: Any) -> None:
+        _SHARED["distributed_type"] = DistributedType(str(getattr(value, "value", value)))
 
     @property
     def use_distributed(self) -> bool:
@@ -199,6 +211,7 @@ class ProcessFacts:
         from shardkit.distributed import destroy_distributed
 
         destroy_distributed()
+        forget_state()
 
     def __repr__(self) -> str:
         return (f"Distributed environment: {self.distributed_type}\nNum processes: {self.num_processes}\n"
@@ -252,6 +265,13 @@ class AcceleratorState(PartialState):
     @property
     def deepspeed_plugin(self) -> Any:
         return _SHARED.get("deepspeed_plugin")
+
+    @classmethod
+    def _reset_state(cls, reset_partial_state: bool = False) -> None:
+        """Drop what was set on the shared state (a ``distributed_type`` override, ``debug``), as test suites call it
+        between cases; the process group and the Accelerators built so far stay usable."""
+        for key in ("distributed_type", "debug"):
+            _SHARED.pop(key, None)
 
     @property
     def fsdp_plugin(self) -> Any:

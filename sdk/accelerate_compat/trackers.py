@@ -106,7 +106,10 @@ class TrackingMixin:
 
     def end_training(self) -> None:
         """Finish every tracker, then leave the process group (every process must call it)."""
+        from shardkit.accelerate_compat.state import forget_state
+
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
         self.runner.teardown()
+        forget_state()
