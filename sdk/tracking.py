@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from typing_extensions import override
+
 from shardkit.registry import Registry
 
 __all__ = ["TRACKERS", "JsonlTracker", "TensorBoardTracker", "Tracker", "available_trackers"]
@@ -84,6 +86,7 @@ class JsonlTracker(Tracker):
 
     name = "jsonl"
 
+    @override
     def __init__(self, run_name: str, logging_dir: str | Path) -> None:
         super().__init__(run_name, logging_dir)
         safe = self.run_name.replace("/", "_").replace("\\", "_").strip("._") or "run"
@@ -94,9 +97,11 @@ class JsonlTracker(Tracker):
         with self.path.open("a") as handle:
             handle.write(json.dumps(record, default=str) + "\n")
 
+    @override
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         self._append({"config": {k: _plain(v) for k, v in values.items()}, "time": time.time()})
 
+    @override
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         self._append({"step": step, "time": time.time(), **{k: _plain(v) for k, v in values.items()}})
 
@@ -111,6 +116,7 @@ class TensorBoardTracker(Tracker):
 
     name = "tensorboard"
 
+    @override
     def __init__(self, run_name: str, logging_dir: str | Path, **kwargs: Any) -> None:
         super().__init__(run_name, logging_dir)
         try:
@@ -121,18 +127,22 @@ class TensorBoardTracker(Tracker):
         self.writer = SummaryWriter(log_dir=str(self.logging_dir / self.run_name), **kwargs)
 
     @classmethod
+    @override
     def is_available(cls) -> bool:
         return importlib.util.find_spec("tensorboard") is not None
 
     @property
+    @override
     def tracker(self) -> Any:
         return self.writer
 
+    @override
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         plain = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in values.items()}
         self.writer.add_hparams(plain, metric_dict={}, run_name=".")
         self.writer.flush()
 
+    @override
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         for key, value in values.items():
             value = _plain(value)
@@ -147,6 +157,7 @@ class TensorBoardTracker(Tracker):
                                 f"dicts of numbers")
         self.writer.flush()
 
+    @override
     def finish(self) -> None:
         self.writer.close()
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from shardkit.accelerate_compat.checkpointing import CheckpointMixin
 from shardkit.accelerate_compat.plugins import (
@@ -161,6 +162,7 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
     # ---- facts ------------------------------------------------------------------------------------------
 
     @property
+    @override
     def _strategy(self) -> Strategy:
         return self.runner.strategy
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from shardkit.strategies.base import Strategy
 
@@ -242,6 +243,7 @@ class PartialState(ProcessFacts):
         shared_strategy(cpu)
 
     @property
+    @override
     def _strategy(self) -> Strategy:
         return shared_strategy()
 
@@ -252,9 +254,6 @@ class PartialState(ProcessFacts):
 
 class AcceleratorState(PartialState):
     """Accelerate's ``AcceleratorState``: :class:`PartialState` plus the Accelerator's precision and plugins."""
-
-    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
-        super().__init__(cpu, **kwargs)
 
     @property
     def mixed_precision(self) -> str:

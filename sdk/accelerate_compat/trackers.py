@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from typing_extensions import override
+
 from shardkit.tracking import TRACKERS, Tracker, available_trackers
 
 __all__ = ["TrackingMixin"]
@@ -20,12 +22,15 @@ class _Blank(Tracker):
 
     name = "blank"
 
+    @override
     def __init__(self) -> None:
         super().__init__("blank", ".")
 
+    @override
     def store_init_configuration(self, values: dict[str, Any]) -> None:
         pass
 
+    @override
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
         pass
 

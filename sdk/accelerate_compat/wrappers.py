@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from shardkit.data import RunnerDataLoader
 
@@ -59,15 +60,19 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
 
+    @override
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
 
+    @override
     def step(self, closure: Any = None) -> None:
         """At the end of a window: the strategy's step (unscale, overflow vote, step); otherwise nothing."""
         if closure is not None:
@@ -76,6 +81,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if self._stepper.sync_gradients:
             self._is_overflow = not self._stepper._optimizer_step(self)
 
+    @override
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """At the end of a window: clear the gradients (through the strategy); otherwise keep accumulating."""
         if not self._stepper.sync_gradients:
