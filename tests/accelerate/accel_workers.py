@@ -210,7 +210,7 @@ def _model(checkpoint: str):
     return AutoModelForSequenceClassification.from_pretrained(checkpoint, num_labels=2)
 
 
-def accumulation_vs_runner(kind: str, checkpoint: str, steps: int = 2) -> dict[str, Any]:
+def accumulation_vs_runner(kind: str, checkpoint: str, root: str, steps: int = 2) -> dict[str, Any]:
     """``accumulate(model)`` with 2 micro-batches per step against the Runner's own window: the same weights."""
     from shardkit import Runner
 
@@ -229,6 +229,7 @@ def accumulation_vs_runner(kind: str, checkpoint: str, steps: int = 2) -> dict[s
             pattern.append(accelerator.sync_gradients)
             optimizer.zero_grad()
     front = _flat_weights(accelerator, model)
+    export = _exported(accelerator, model, str(Path(root) / f"export-{kind}"))
 
     runner = Runner(type(accelerator.runner.strategy)(**_same_settings(accelerator.runner.strategy)),
                     gradient_accumulation_steps=2)
@@ -243,7 +244,23 @@ def accumulation_vs_runner(kind: str, checkpoint: str, steps: int = 2) -> dict[s
         runner.step()
     plain = _runner_weights(runner, model)
     return {"front": front, "runner": plain, "pattern": pattern, "steps": accelerator.runner.optimizer_steps,
-            "runner_steps": runner.optimizer_steps}
+            "runner_steps": runner.optimizer_steps, "export": export, "settings": _same_settings(
+                accelerator.runner.strategy)}
+
+
+def _exported(accelerator, model, path: str) -> dict[str, Any]:
+    """``save_model`` on every rank; the main process reads the files back with safetensors and compares them with
+    the gathered state dict."""
+    from safetensors.torch import load_file
+
+    accelerator.save_model(model, path)
+    state = accelerator.get_state_dict(model)
+    if not accelerator.is_main_process:
+        return {}
+    files = sorted(Path(path).glob("*.safetensors"))
+    saved = {k: v for f in files for k, v in load_file(str(f)).items()}
+    return {"files": [f.name for f in files], "equal": sorted(saved) == sorted(state) and all(
+        torch.equal(saved[k], state[k]) for k in state)}
 
 
 def _same_settings(strategy) -> dict[str, Any]:
@@ -339,7 +356,7 @@ def worker(checkpoint: str, root: str, kinds: tuple[str, ...]) -> dict[str, Any]
         torch.manual_seed(0)
         with launched_with(kind, root, world):
             results[f"seed/{kind}"] = _guarded(run_seed_program, checkpoint)
-        results[f"accumulation/{kind}"] = _guarded(accumulation_vs_runner, kind, checkpoint)
+        results[f"accumulation/{kind}"] = _guarded(accumulation_vs_runner, kind, checkpoint, root)
         results[f"resume/{kind}"] = _guarded(resume, kind, checkpoint, root)
         results[f"metrics/{kind}"] = _guarded(metrics, kind)
     if dist.is_initialized():

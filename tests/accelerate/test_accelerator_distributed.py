@@ -4,7 +4,8 @@ ranks, under DDP, FSDP, ZeRO-2 and ZeRO-3, and the front's behaviour under each:
 - the page's program runs with only its import changed, every rank ends with the same weights, and FSDP's and
   ZeRO's weights equal DDP's;
 - ``accumulate(model)`` with 2 micro-batches per step gives the weights the Runner's own accumulation gives,
-  and ``sync_gradients`` is True exactly on the micro-batches that end a window;
+  ``sync_gradients`` is True exactly on the micro-batches that end a window, and ``save_model`` writes the whole
+  model (however it is sharded) as safetensors;
 - ``save_state`` then ``load_state`` in a fresh Accelerator resumes exactly (losses, weights, learning rate);
 - ``gather_for_metrics`` counts every sample of an uneven eval set once;
 - the TPU page's ``notebook_launcher(training_function, (model,))`` on 1 (as written) and 2 forked processes.
@@ -74,8 +75,12 @@ def test_the_pages_program_runs_as_written(jobs, world, kind):
 
 @pytest.mark.parametrize("world,kind", CASES)
 def test_accumulate_gives_the_runners_weights(jobs, world, kind):
-    for r in _result(jobs, world, "accumulation", kind):
+    for rank, r in enumerate(_result(jobs, world, "accumulation", kind)):
         assert r["pattern"] == [False, True, False, True]  # sync_gradients after optimizer.step(), each micro-batch
+        if rank == 0:  # save_model wrote the whole model as safetensors, equal to the gathered state dict
+            assert r["export"] == {"files": ["model.safetensors"], "equal": True}
+        if kind == "ddp" and world == 2:  # DistributedDataParallelKwargs(bucket_cap_mb=1) reached shardkit's DDP
+            assert r["settings"] == {"bucket_cap_mb": 1}
         assert r["steps"] == r["runner_steps"] == 2
         if kind in ("ddp", "single"):
             assert torch.equal(r["front"], r["runner"])

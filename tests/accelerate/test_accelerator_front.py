@@ -311,6 +311,30 @@ def test_unwrap_model_can_drop_the_autocast_and_free_memory_drops_every_referenc
     assert alive() is None and accelerator.runner._module is None
 
 
+def test_process_helpers_and_handlers_of_one_process(tmp_path, monkeypatch):
+    from datetime import timedelta
+
+    monkeypatch.delenv("SHARDKIT_COLLECTIVE_TIMEOUT", raising=False)
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=123))])
+    assert accelerator.device == torch.device("cpu") and accelerator.distributed_type == "NO"
+    import os
+
+    assert os.environ["SHARDKIT_COLLECTIVE_TIMEOUT"] == "123.0"  # bounds every collective of the job
+    assert (accelerator.is_main_process, accelerator.is_local_main_process, accelerator.is_last_process,
+            accelerator.process_index, accelerator.local_process_index, accelerator.num_processes) == \
+        (True, True, True, 0, 0, 1)
+    with accelerator.main_process_first(), accelerator.local_main_process_first():
+        accelerator.wait_for_everyone()
+    assert accelerator.on_main_process(lambda: 1)() == 1 and accelerator.on_process(process_index=1)(lambda: 1)() \
+        is None
+    with accelerator.split_between_processes([1, 2, 3]) as mine:
+        assert mine == [1, 2, 3]
+    accelerator.save({"a": torch.ones(2)}, tmp_path / "obj.pt")
+    assert torch.equal(torch.load(tmp_path / "obj.pt")["a"], torch.ones(2))
+    assert accelerator.gather(torch.tensor(3.0)).tolist() == [3.0] and accelerator.reduce(torch.ones(2)).tolist() \
+        == [1.0, 1.0]
+
+
 # ---- trackers ----------------------------------------------------------------------------------------------
 
 def test_trackers_write_what_their_readers_read(tmp_path):
