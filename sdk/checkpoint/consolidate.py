@@ -17,7 +17,7 @@ from .deepspeed_reader import DeepSpeedCheckpoint, ZeroFp32StateDict, find_deeps
 from .export import EXPORT_RE, copy_model_files, publish_export
 from .format import CheckpointError, dtype_tag, fsync_path, naming
 from .reader import CheckpointReader
-from .trust import check_child_dir
+from .trust import check_cast, check_child_dir
 
 __all__ = ["consolidate", "consolidate_deepspeed", "get_fp32_state_dict", "load_state_dict_from_zero_checkpoint",
            "parse_size", "write_hf_shards"]
@@ -247,7 +247,8 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
     """Copies a checkpoint's fp32 weights into ``model`` one tensor at a time; returns ``model``.
 
     Unlike DeepSpeed's function of the same name the model stays on its device and the full state
-    dict is never built. Keys the model lacks, or that the checkpoint lacks, are an error only with
+    dict is never built, and values are cast only between fp32 and 16-bit floats (int64 data into a
+    float parameter is refused). Keys the model lacks, or that the checkpoint lacks, are an error only with
     ``strict=True`` (DeepSpeed loads with ``strict=False``).
     """
     sd = get_fp32_state_dict(checkpoint_dir, tag)
@@ -265,5 +266,6 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
             if value.shape != target.shape:
                 raise CheckpointError(f"{checkpoint_dir}: {k} has shape {list(value.shape)} in the checkpoint, "
                                       f"{list(target.shape)} in the model")
+            check_cast(value.dtype, target.dtype, str(checkpoint_dir), k)
             target.copy_(value)
     return model

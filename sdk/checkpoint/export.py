@@ -5,11 +5,13 @@ when all of them are whole does the staging directory take the output's place (t
 renamed aside, the staging directory renamed in, the old copy deleted). A full disk, a killed process or
 a bad tensor half way leaves the previous export as it was. Files of the old directory that the export
 does not write (a README, tokenizer files saved earlier) are carried over as hard links. Exports never
-write into a checkpoint (``shardkit.json`` or DeepSpeed rank files), nor into the checkpoint they read.
+write into a checkpoint (``shardkit.json``, DeepSpeed rank files, or a ``latest`` naming DeepSpeed's), nor
+into the checkpoint they read.
 
-When the output cannot be swapped (it is the current directory or holds it, it is a mount point, or its
-parent is read-only) the files are staged inside it and renamed into place one by one, the index last:
-a failed write still leaves the previous export whole, only a crash in the final renames can mix the two.
+When the output cannot be swapped (it is the current directory or holds it, it is a mount point, its
+parent is read-only, or it holds directories: a training run's folder) the files are staged inside it and
+renamed into place one by one, the index last: a failed write still leaves the previous export whole, only
+a crash in the final renames can mix the two.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from .deepspeed_reader import is_deepspeed_dir
 from .format import MANIFEST, CheckpointError, fsync_dir, fsync_path, naming, write_failure
+from .schema import read_latest
 from .trust import open_regular, read_json_file
 
 __all__ = ["EXPORT_RE", "MODEL_FILES", "Export", "check_output_dir", "copy_model_files", "export_error",
@@ -37,14 +41,29 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
                "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "spiece.model", "vocab.json",
                "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
 _MAX_MODEL_FILE = 512 << 20  # the largest tokenizer.json on the Hub is ~35 MB
-_CHECKPOINT_MARKERS = (MANIFEST, "latest", "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt",
-                       "zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+_CHECKPOINT_FILES = (MANIFEST, "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt",
+                     "zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
 _STAGE = ".export-"
 _OLD = ".export-old"
 
 
+def _checkpoint_marker(d: Path, itself: bool) -> str | None:
+    """The file that makes ``d`` a checkpoint, or None. ``latest`` counts only for ``d`` itself and only when it
+    names a DeepSpeed tag (a Hugging Face Trainer's ``checkpoint-N``): a training run's output directory, whose
+    ``latest`` names shardkit checkpoints, is where ``save_model`` exports go."""
+    marker = next((m for m in _CHECKPOINT_FILES if (d / m).exists() or (d / m).is_symlink()), None)
+    if marker is None and itself and (d / "latest").is_file():
+        try:
+            tag = read_latest(d)
+        except CheckpointError:
+            return None
+        return "latest" if is_deepspeed_dir(d / tag) else None
+    return marker
+
+
 def check_output_dir(out_dir: str | os.PathLike, sources: Sequence[str | os.PathLike] = ()) -> Path:
-    """The absolute output directory, after refusing one that is, holds or lies inside a checkpoint.
+    """The absolute output directory, after refusing one that is or lies inside a checkpoint, or inside the
+    checkpoint being read.
 
     Raises:
         CheckpointError: naming the output, the checkpoint file found and what to do.
@@ -57,8 +76,8 @@ def check_output_dir(out_dir: str | os.PathLike, sources: Sequence[str | os.Path
             raise CheckpointError(f"{out}: is inside the checkpoint being read ({src}); an export never writes into "
                                   "a checkpoint: choose another output directory")
     for d in (real, *real.parents):
-        marker = next((m for m in _CHECKPOINT_MARKERS if (d / m).exists() or (d / m).is_symlink()), None)
-        if marker is not None and (d == real or marker != "latest"):
+        marker = _checkpoint_marker(d, d == real) if d.is_dir() else None
+        if marker is not None:
             where = "is" if d == real else "lies inside"
             raise CheckpointError(f"{out}: {where} a checkpoint directory ({d / marker} exists); an export never "
                                   "writes into a checkpoint (it would replace the checkpoint's own files): choose "
@@ -96,14 +115,10 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 
 def _carry_over(old: Path, stage: Path, produced: set[str]) -> None:
-    """Hard-links what ``old`` holds besides the export's own files into ``stage`` (copies across devices)."""
+    """Hard-links the files ``old`` holds besides the export's own into ``stage`` (copies across devices)."""
     for entry in old.iterdir():
         name = entry.name
-        if name in produced or EXPORT_RE.match(name) or name.startswith(_STAGE) or (stage / name).exists():
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.copytree(entry, stage / name, symlinks=True, copy_function=_link_or_copy)
-        else:
+        if not (name in produced or EXPORT_RE.match(name) or name.startswith(_STAGE) or (stage / name).exists()):
             _link_or_copy(str(entry), str(stage / name))
 
 
@@ -133,12 +148,16 @@ class Export:
             self.stage.mkdir()  # 0777 minus the umask, like any directory the user makes
 
     def _must_stay(self) -> bool:
+        """Whether the files are staged inside the output instead of swapping the directory: it is or holds the
+        current directory, a mount point, its parent is read-only, or it holds directories or symlinks (a run's
+        folder with checkpoints and live logs is never moved)."""
         if not self.out.exists():
             return False
         cwd = Path.cwd().resolve()
         real = self.out.resolve()
-        return (real == cwd or real in cwd.parents or os.path.ismount(real)
-                or not os.access(self.out.parent, os.W_OK))
+        if real == cwd or real in cwd.parents or os.path.ismount(real) or not os.access(self.out.parent, os.W_OK):
+            return True
+        return any(e.is_dir() or e.is_symlink() for e in self.out.iterdir())
 
     def _recover(self) -> None:
         """Cleans what a killed export left: staging directories, and an old copy whose swap did not finish."""

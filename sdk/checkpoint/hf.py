@@ -68,7 +68,7 @@ class _ShardBuffer:
     def flush(self) -> None:
         if not self.pending:
             return
-        tmp = self.out_dir / f".export-{len(self.files):05d}.tmp"
+        tmp = self.out_dir / f"model-{len(self.files) + 1:05d}.safetensors.partial"  # renamed once N is known
         specs = [(k, t.dtype, tuple(t.shape)) for k, t in self.pending.items()]
         _write_file(tmp, specs, self.meta, self.pending.pop)
         self.files.append((tmp, [k for k, _, _ in specs], self.size))
@@ -229,9 +229,9 @@ def _check_all(weights: HFWeights, module: nn.Module, tied: dict[str, str]) -> N
                 continue
             shape = tuple(t.ds_shape) if hasattr(t, "ds_shape") else tuple(t.shape)  # DTensors: the global shape
             if weights.shape(key) != shape:
-                raise CheckpointError(f"{weights.source}: {key} has shape {list(weights.shape(key))} in the "
+                raise CheckpointError(f"{weights.file_path(key)}: {key} has shape {list(weights.shape(key))} in the "
                                       f"checkpoint, {list(shape)} in the model")
-            check_cast(weights.dtype(key), t.dtype, str(weights.source), key)
+            check_cast(weights.dtype(key), t.dtype, str(weights.file_path(key)), key)
 
 
 def load_pretrained(runner: Any, model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> list[str]:

@@ -57,16 +57,21 @@ class HFWeights:
     def _shard(self, file: str) -> SafetensorsFile:
         h = self._open.get(file)
         if h is None:
-            p = member_path(self.path, file, f"{self.source}: weight_map")
+            where = f"{self.source}: weight_map" if self.source.name == INDEX else str(self.path)
+            p = member_path(self.path, file, where)
             h = SafetensorsFile(p, None, None, what="a weight file the index names")
             have = set(h.keys())
             wrong = [k for k in self._by_file.get(file, ()) if k not in have]
             if wrong:
                 raise CheckpointError(f"{self.source}: maps {wrong[0]!r:.200} to {file}, which has no such tensor "
-                                      f"({len(wrong)} keys mapped to the wrong shard); fix the index or export the "
-                                      "model again")
+                                      f"({len(wrong)} of the keys it maps there are in the wrong shard); fix the index "
+                                      "or export the model again")
             self._open[file] = h
         return h
+
+    def file_path(self, key: str) -> Path:
+        """The file holding ``key``."""
+        return self.path / self.weight_map[key]
 
     def _file(self, key: str) -> SafetensorsFile:
         return self._shard(self.weight_map[key])

@@ -328,7 +328,7 @@ class TorchZipFile:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        self._fd = open_regular(self.path, "a torch.save file")
+        self._fd = open_regular(self.path, "the torch.save file")
         try:
             self._size = os.fstat(self._fd).st_size
             self._read_directory()
@@ -358,8 +358,10 @@ class TorchZipFile:
                 bo = z.NameToInfo.get(self._prefix + "byteorder")
                 if bo is not None and self._read_capped(z, bo, 16).strip() not in (b"little", b""):
                     raise CheckpointError(f"{self.path}: saved on a big-endian host; re-save it on a little-endian one")
+        except CheckpointError:
+            raise
         except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
-                RuntimeError) as e:
+                RuntimeError) as e:  # RuntimeError: zipfile's "File is encrypted"
             raise CheckpointError(f"{self.path}: not a complete torch.save zip file ({str(e)[:200]}); the file is "
                                   "truncated or was written by torch < 1.6 (legacy format); re-save it or copy it "
                                   "again") from None

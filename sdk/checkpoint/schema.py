@@ -79,7 +79,7 @@ class Fields:
     def name(self, v: Any, field: str) -> str:
         s = self.str_(v, field)
         if not NAME_RE.match(s):
-            raise self.fail(field, f"is {describe(s, 80)}, not a plain file name inside the checkpoint (no '/', no "
+            raise self.fail(field, f"is {describe(s, 80)}, not a plain file name in this directory (no '/', no "
                                    "'..', no absolute path, no leading dot)")
         return s
 

@@ -58,7 +58,10 @@ __all__ = [
 
 _PART = ".part-rank{:05d}.json"
 _SAVE_ID = ".save-id"
-_KEPT = "nothing was published: the previous checkpoint and `latest` are unchanged"
+
+
+def _kept(path: Path) -> str:
+    return f"nothing was published ({path} was not saved): the previous checkpoint and `latest` are unchanged"
 
 
 def _named_write_errors(method: Callable) -> Callable:
@@ -68,7 +71,7 @@ def _named_write_errors(method: Callable) -> Callable:
         try:
             return method(self, *args, **kwargs)
         except OSError as e:
-            raise write_failure(e, _KEPT) from None
+            raise write_failure(e, _kept(self.path)) from None
     return wrapper
 
 
@@ -250,7 +253,7 @@ class CheckpointWriter:
         try:
             self._write_part(error=None)
         except OSError as e:  # rank 0 then finds no part from this rank and publishes nothing
-            failure = write_failure(e, _KEPT)
+            failure = write_failure(e, _kept(self.path))
         self._open = False
         self._barrier()
         if self.rank == 0:
@@ -258,7 +261,7 @@ class CheckpointWriter:
                 if failure is None:
                     self._publish()
             except OSError as e:
-                failure = write_failure(e, _KEPT)
+                failure = write_failure(e, _kept(self.path))
             except BaseException as e:  # other ranks must still reach the barrier below
                 failure = e
             finally:
