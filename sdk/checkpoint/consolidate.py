@@ -16,6 +16,7 @@ import torch
 from .deepspeed_reader import DeepSpeedCheckpoint, ZeroFp32StateDict, find_deepspeed_checkpoint
 from .export import EXPORT_RE, copy_model_files, publish_export
 from .format import CheckpointError, dtype_tag, fsync_path, naming
+from .hf_reader import INDEX
 from .reader import CheckpointReader
 from .trust import check_cast, check_child_dir
 
@@ -24,7 +25,6 @@ __all__ = ["consolidate", "consolidate_deepspeed", "get_fp32_state_dict", "load_
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-INDEX = "model.safetensors.index.json"
 
 
 def parse_size(size: int | str) -> int:

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .consolidate import INDEX, _write_file, parse_size
+from .consolidate import _write_file, parse_size
 from .export import EXPORT_RE, Export, export_error
 from .format import CheckpointError, naming
-from .hf_reader import SINGLE, HFWeights
+from .hf_reader import INDEX, SINGLE, HFWeights
 from .trust import check_cast
 
 __all__ = ["load_pretrained", "save_pretrained"]

@@ -17,7 +17,7 @@ import torch
 
 from .consolidate import consolidate, consolidate_deepspeed, get_fp32_state_dict, load_state_dict_from_zero_checkpoint
 from .deepspeed_reader import find_deepspeed_checkpoint
-from .export import MODEL_FILES
+from .export import MODEL_FILES, check_output_dir
 from .format import CheckpointError
 from .trust import check_child_dir
 
@@ -43,6 +43,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     try:
         ds = find_deepspeed_checkpoint(args.checkpoint, args.tag)
+        if ds is not None or args.tag:
+            check_output_dir(args.output_dir, [args.checkpoint])  # not inside what was named: a parent of tags too
         if ds is not None:
             paths = consolidate_deepspeed(ds, args.output_dir, dtype=_DTYPES[args.dtype],
                                           max_shard_size=args.max_shard_size,

@@ -175,6 +175,8 @@ def test_zero_to_fp32_copies_a_deepspeed_runs_config_and_refuses_a_hostile_one(t
     (tmp_path / "checkpoint-1" / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(CheckpointError, match="checkpoint-1/latest exists"):  # a DeepSpeed checkpoint-N itself
         Export(tmp_path / "checkpoint-1")
+    for inside in ("checkpoint-1/hf", "checkpoint-1/global_step1"):
+        assert main([str(tmp_path / "checkpoint-1"), str(tmp_path / inside)]) == 2
     assert main([str(tmp_path / "checkpoint-1"), str(tmp_path / "out")]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == {"model_type": "llama"}
     (tmp_path / "checkpoint-1" / "config.json").unlink()
