@@ -210,8 +210,8 @@ class CheckpointReader:
             raise CheckpointError(f"{f}: cannot be read ({e})") from None
         try:
             return json.loads(data.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{f}: not valid JSON ({e})") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting 1000 deep
+            raise CheckpointError(f"{f}: not valid JSON ({str(e)[:200]})") from None
 
     # ---------------------------------------------------------------- public reads
     def has(self, name: str) -> bool:
