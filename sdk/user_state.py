@@ -105,9 +105,11 @@ def check_module_dtypes(reader: ckpt.CheckpointReader, name: str, module: nn.Mod
 
 
 def _check_entries(saved: Any, file: Any) -> dict[str, str]:
-    if not isinstance(saved, dict) or not all(isinstance(v, str) for v in saved.values()):
-        raise ckpt.CheckpointError(f"{file}: must map each saved name to its kind (an object of strings), got "
-                                   f"{type(saved).__name__}; the checkpoint is corrupt or was edited")
+    bad = (None if isinstance(saved, dict) else "(the whole file)") or next(
+        (k for k, v in saved.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise ckpt.CheckpointError(f"{file}: field {bad[:200]!r} is not a kind name: the file must map each saved name "
+                                   "to its kind (an object of strings); the checkpoint is corrupt or was edited")
     return saved
 
 
