@@ -466,7 +466,9 @@ def _pair_optimizers(models: list[tuple[int, nn.Module]], optimizers: dict[int, 
         owner = next((m for m, model in models if params and params <= {id(p) for p in model.parameters()}), None)
         if owner is None:
             raise ValueError(f"prepare() got an optimizer ({type(optimizer).__name__}) whose parameters belong to no "
-                             f"model of the same call: pass the model and its optimizer to one prepare() call")
+                             f"model of the same call: pass the model and its optimizer to one prepare() call (ZeRO "
+                             f"and FSDP set them up together; an optimizer built before prepare() follows the "
+                             f"model's sharding, so there is no need to prepare the model first)")
         if owner in pairs.values():
             raise NotImplementedError("two optimizers over one model: shardkit sets up one optimizer per model; "
                                       "use one optimizer with two parameter groups")
