@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from shardkit import checkpoint as ckpt
+from shardkit.checkpoint.async_save import AsyncCheckpointer
 from shardkit.config.common import CONFIG_FILE_ENV
 from shardkit.data import RunnerDataLoader, rebuild_dataloader
 from shardkit.precision import FP32, Precision
@@ -104,6 +105,7 @@ class Runner:
         self.optimizer_steps = 0
         self._loader: RunnerDataLoader | None = None
         self._dp_leaders: list[int] | None = None  # gather_for_metrics under model parallelism
+        self._async_saves: AsyncCheckpointer | None = None  # save(..., blocking=False), made on first use
 
     # ---- rank facts ---------------------------------------------------------------------------
 
@@ -333,24 +335,52 @@ class Runner:
 
     # ---- checkpoints --------------------------------------------------------------------------
 
-    def save(self, path: str | Path, state: dict[str, Any]) -> Path:
+    def save(self, path: str | Path, state: dict[str, Any], *, blocking: bool = True) -> Path:
         """Save a checkpoint directory atomically.
 
         ``state`` maps names to models, optimizers, schedulers, data loaders and plain values; the
         precision's state, the accumulation position and every rank's RNG state are added. The
         parent directory's ``latest`` pointer moves to the new save once it is complete.
+
+        With ``blocking=False`` the state is copied to host memory (pinned, from GPUs) and the call returns while
+        a background thread writes the same atomic, verified checkpoint; the strategy's gathers still run here.
+        At most one save is in flight: the next ``save``, ``load``, :meth:`wait_for_save` and :meth:`teardown`
+        wait for it, and raise a ``CheckpointError`` naming it if it failed. The host copy (the state's size) is
+        kept for the next save.
         """
-        saver = StateSaver(self.strategy, self._owner_of)
-        with ckpt.CheckpointWriter(
-            path, rank=self.rank, world_size=self.world_size, barrier=self.barrier, broadcast=self.broadcast,
-            keep_last=self.checkpoint_keep_last, info=self.strategy.checkpoint_info(),
-        ) as writer:
-            saver.save(writer, state)
-            if self.is_main_process:
-                writer.write_json("precision", self.precision.state_dict())
-                writer.write_json(_RUNNER_STATE, self._runner_state())
-            writer.write_state(ckpt.rank_entry("rng", self.rank), ckpt.capture_rng_state())
-        return Path(path)
+        path = Path(path)
+        make_writer = functools.partial(
+            ckpt.CheckpointWriter, path, rank=self.rank, world_size=self.world_size, broadcast=self.broadcast,
+            keep_last=self.checkpoint_keep_last, info=self.strategy.checkpoint_info())
+        if not blocking:
+            self._saves().save(path, make_writer, functools.partial(self._write_checkpoint, state=state))
+            return path
+        self.wait_for_save()
+        with make_writer(barrier=self.barrier) as writer:
+            self._write_checkpoint(writer, state)
+        return path
+
+    def _write_checkpoint(self, writer: Any, state: dict[str, Any]) -> None:
+        StateSaver(self.strategy, self._owner_of).save(writer, state)
+        if self.is_main_process:
+            writer.write_json("precision", self.precision.state_dict())
+            writer.write_json(_RUNNER_STATE, self._runner_state())
+        writer.write_state(ckpt.rank_entry("rng", self.rank), ckpt.capture_rng_state())
+
+    def wait_for_save(self) -> Path | None:
+        """Wait for the background save in flight (``save(..., blocking=False)``); return its path, or None.
+
+        Raises:
+            CheckpointError: that save failed; the message names the checkpoint (the previous one is untouched).
+        """
+        return self._async_saves.wait() if self._async_saves is not None else None
+
+    def _saves(self) -> AsyncCheckpointer:
+        if self._async_saves is None:
+            from shardkit.distributed.process_group import default_timeout
+
+            self._async_saves = AsyncCheckpointer(self.rank, self.world_size, default_timeout())
+        return self._async_saves
 
     def load(self, path: str | Path, state: dict[str, Any], *, verify: bool = True) -> dict[str, Any]:
         """Restore the objects in ``state`` in place from a checkpoint; return its plain values.
@@ -359,6 +389,7 @@ class Runner:
         Every file read is checked against the manifest's sha256 in the same pass that reads it;
         ``verify=False`` skips the hashes (sizes, schema and paths are still checked).
         """
+        self.wait_for_save()
         with ckpt.CheckpointReader(path, verify=verify) as reader:
             saver = StateSaver(self.strategy, self._owner_of)
             values = saver.load(reader, state)
@@ -404,8 +435,16 @@ class Runner:
         self._micro_step, self._boundary, self._clipped = 0, False, False
 
     def teardown(self) -> None:
-        """Release the process group and anything else the strategy holds."""
-        self.strategy.teardown()
+        """Finish a background save, then release the process group and anything else the strategy holds.
+
+        Raises:
+            CheckpointError: the background save failed (the process group is released all the same).
+        """
+        try:
+            if self._async_saves is not None:
+                self._async_saves.close()
+        finally:
+            self.strategy.teardown()
 
     def __repr__(self) -> str:
         return f"Runner(strategy={self.strategy!r}, precision={self.precision!r}, world_size={self.world_size})"
