@@ -80,6 +80,7 @@ class ResolvedConfig:
     source: str
     ignored_keys: tuple[str, ...] = ()
     activation_checkpointing: Any = None  # shardkit.nn.checkpointing.ActivationCheckpointing from a DeepSpeed section
+    trackers: tuple[Any, ...] = ()  # shardkit.tracking.TrackerSpec per enabled DeepSpeed monitor section
 
 
 def check_known_keys(section: Mapping[str, Any], known: Iterable[str], path: str, source: str) -> None:
