@@ -56,7 +56,7 @@ class Runner:
             the file named by SHARDKIT_CONFIG_FILE, which `shardkit launch --config_file` sets.
         activation_checkpointing: recompute blocks' forward in backward, under every strategy: True (the
             repeated blocks), a block class or class name (or a tuple), or
-            :class:`shardkit.nn.checkpointing.ActivationCheckpointing` (``use_reentrant``, CPU offload, ...).
+            :class:`shardkit.strategies.ActivationCheckpointing` (``use_reentrant``, CPU offload, ...).
             None takes a DeepSpeed config's ``activation_checkpointing`` section; False turns block checkpointing
             off (the section still configures ``deepspeed.checkpointing`` for a model that calls it).
     """
@@ -152,7 +152,10 @@ class Runner:
         """
         self.strategy.set_runner_values(gradient_accumulation_steps=self.gradient_accumulation_steps)
         if self.activation_checkpointing is not None:  # before the strategy wraps it: one mechanism for all
-            from shardkit.nn.checkpointing import apply_activation_checkpointing, configure_deepspeed_checkpointing
+            from shardkit.strategies.activation_checkpointing import (
+                apply_activation_checkpointing,
+                configure_deepspeed_checkpointing,
+            )
 
             apply_activation_checkpointing(model, self.activation_checkpointing, strategy=self.strategy)
         model, optimizer, scheduler = self.strategy.setup(model, optimizer, scheduler)
@@ -399,7 +402,7 @@ class Runner:
 def _activation_checkpointing(value: Any, config: Any) -> Any:
     """The Runner's checkpointing settings: the explicit argument, else the config's section (False keeps
     the section's deepspeed.checkpointing options with no block patched)."""
-    from shardkit.nn.checkpointing import resolve_activation_checkpointing, with_options
+    from shardkit.strategies.activation_checkpointing import resolve_activation_checkpointing, with_options
 
     from_file = getattr(config, "activation_checkpointing", None)
     if value is None or from_file is None:

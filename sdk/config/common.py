@@ -79,7 +79,7 @@ class ResolvedConfig:
     scheduler: dict[str, Any] | None
     source: str
     ignored_keys: tuple[str, ...] = ()
-    activation_checkpointing: Any = None  # shardkit.nn.checkpointing.ActivationCheckpointing from a DeepSpeed section
+    activation_checkpointing: Any = None  # shardkit.strategies.ActivationCheckpointing from a DeepSpeed section
 
 
 def check_known_keys(section: Mapping[str, Any], known: Iterable[str], path: str, source: str) -> None:

@@ -105,7 +105,7 @@ def _activation_checkpointing(raw: Mapping[str, Any], where: str) -> Any:
     section = raw.get("activation_checkpointing")
     if section is None:
         return None
-    from shardkit.nn.checkpointing import from_deepspeed_section
+    from shardkit.strategies.activation_checkpointing import from_deepspeed_section
 
     return from_deepspeed_section(section, where)
 

@@ -6,13 +6,14 @@ registered class by name (``from shardkit.strategies import ZeRO3``), importing 
 
 from __future__ import annotations
 
+from shardkit.strategies.activation_checkpointing import ActivationCheckpointing
 from shardkit.strategies.base import Strategy
 from shardkit.strategies.ddp import DDP
 from shardkit.strategies.fsdp import FSDP
 from shardkit.strategies.registry import STRATEGIES
 from shardkit.strategies.single import SingleDevice
 
-__all__ = ["Strategy", "SingleDevice", "DDP", "FSDP", "STRATEGIES", "STRATEGY_NAMES",
+__all__ = ["ActivationCheckpointing", "Strategy", "SingleDevice", "DDP", "FSDP", "STRATEGIES", "STRATEGY_NAMES",
            "strategy_from_name"]
 
 # Every accepted name and alias -> "module:Class" (kept for callers of the old table; the registry is the source).

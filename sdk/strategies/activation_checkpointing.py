@@ -48,7 +48,7 @@ __all__ = [
     "resolve_module_classes",
 ]
 
-logger = logging.getLogger("shardkit.nn.checkpointing")
+logger = logging.getLogger("shardkit.strategies.activation_checkpointing")
 
 ModuleClasses = type | str | tuple  # a module class, a class name as configs spell it, or a tuple of them
 _MARK = "_shardkit_checkpointing"  # set on each patched block: the settings it was patched with

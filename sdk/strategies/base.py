@@ -3,7 +3,7 @@
 A subclass overrides a handful of methods; everything else has a working default for a module
 whose full state every rank holds (SingleDevice, DDP). Sharded strategies override the state
 and checkpoint hooks. The base knows nothing of process groups: rank 0 of a world of one, until a
-subclass says otherwise (:class:`shardkit.strategies.distributed.ProcessGroupStrategy` holds the
+subclass says otherwise (:class:`shardkit.strategies.parallel.ProcessGroupStrategy` holds the
 collectives and the process-group plumbing). The contract each method keeps is in ``strategies/README.md``.
 """
 

@@ -32,7 +32,7 @@ from shardkit import checkpoint as ckpt
 from shardkit.distributed.process_group import backend_for_device
 from shardkit.optim.named import is_schedule_free
 from shardkit.strategies.base import param_list, replicated_gathered
-from shardkit.strategies.distributed import ProcessGroupStrategy
+from shardkit.strategies.parallel import ProcessGroupStrategy
 from shardkit.strategies.zero import checkpoint as zero_checkpoint
 from shardkit.strategies.zero.config import (
     NVME_PATH_ENV_VAR,
