@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from typing_extensions import override
 
-from shardkit.strategies import _init
 from shardkit.strategies.base import param_list
 from shardkit.strategies.zero.config import ZeROSettings
+from shardkit.strategies.zero.init import ZeroInitInterceptor
 from shardkit.strategies.zero.layout import ParameterPartitionLayout, ZeROLayout
-from shardkit.strategies.zero.strategy import ZeROStrategy, _prepare_deepspeed
+from shardkit.strategies.zero.strategy import ZeROStrategy, prepare_deepspeed
 
 __all__ = ["ZeRO3", "ZeROInfinity", "ZERO3_PARAMETERS", "is_zero3_partitioned"]
 
@@ -83,7 +83,7 @@ class ZeRO3(ZeROStrategy):
         The model's own init that runs after its submodules are built is run on the whole parameter, so
         the weights equal an unsharded build's from the same seed.
         """
-        _prepare_deepspeed(self.settings)
+        prepare_deepspeed(self.settings)
         import deepspeed
 
         # NOTE: zero.Init sizes its partitions from DeepSpeed's own comm layer, which wraps our
@@ -100,7 +100,7 @@ class ZeRO3(ZeROStrategy):
         # zero.Init partitions each submodule as soon as it is built; the model's own init that runs later
         # (Llama.reset_parameters, Hugging Face's post_init) is run on the gathered parameter instead of
         # the empty partition, so the weights equal an unsharded build's from the same seed.
-        stack.enter_context(_init.ZeroInitInterceptor())
+        stack.enter_context(ZeroInitInterceptor())
         return stack
 
     @override

@@ -44,7 +44,7 @@ from shardkit.strategies.zero.config import (
 )
 from shardkit.strategies.zero.layout import FlatPartitionLayout, ZeROLayout
 
-__all__ = ["ZeROStrategy", "ZeRO1", "ZeRO2", "ZeROSettingsError"]
+__all__ = ["ZeROStrategy", "ZeRO1", "ZeRO2", "ZeROSettingsError", "prepare_deepspeed"]
 
 log = logging.getLogger("shardkit.strategies.zero")
 
@@ -149,7 +149,7 @@ class ZeROStrategy(ProcessGroupStrategy):
 
     @override
     def setup(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None):
-        _prepare_deepspeed(self.settings)
+        prepare_deepspeed(self.settings)
         import deepspeed
 
         if optimizer is not None and self.settings.offload_optimizer:
@@ -375,7 +375,7 @@ def _set_clip(engine: Any, max_norm: float) -> None:
         engine.optimizer.clip_grad = max_norm
 
 
-def _prepare_deepspeed(settings: ZeROSettings) -> None:
+def prepare_deepspeed(settings: ZeROSettings) -> None:
     """Quiet DeepSpeed's INFO logs and build the C++ ops this run needs, with one line per build."""
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
