@@ -152,15 +152,12 @@ class Runner:
         """
         self.strategy.set_runner_values(gradient_accumulation_steps=self.gradient_accumulation_steps)
         if self.activation_checkpointing is not None:  # before the strategy wraps it: one mechanism for all
-            from shardkit.strategies.activation_checkpointing import (
-                apply_activation_checkpointing,
-                configure_deepspeed_checkpointing,
-            )
+            from shardkit.strategies.activation_checkpointing import apply_activation_checkpointing
 
             apply_activation_checkpointing(model, self.activation_checkpointing, strategy=self.strategy)
         model, optimizer, scheduler = self.strategy.setup(model, optimizer, scheduler)
         if self.activation_checkpointing is not None:
-            configure_deepspeed_checkpointing(self.activation_checkpointing)
+            self.strategy.configure_activation_checkpointing(self.activation_checkpointing)
         if self.precision.uses_autocast:
             _autocast_forward(model, functools.partial(self.precision.autocast, self.device))
         self._module, self._optimizer, self._scheduler = model, optimizer, scheduler

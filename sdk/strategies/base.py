@@ -113,6 +113,13 @@ class Strategy(ABC):
             optimizer = self.setup_optimizer(optimizer)
         return module, optimizer, scheduler
 
+    def configure_activation_checkpointing(self, settings: Any) -> None:
+        """Hand engine-specific activation-checkpointing options to the engine, after :meth:`setup`.
+
+        ``settings`` is the Runner's :class:`~shardkit.strategies.ActivationCheckpointing` (the blocks are
+        already patched, the same way under every strategy). Nothing to do in a world of one.
+        """
+
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's module inside whatever wrapper the strategy added."""
         return getattr(module, "module", module)

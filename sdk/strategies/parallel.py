@@ -82,6 +82,14 @@ class ProcessGroupStrategy(Strategy):
         self._held.clear()  # freed here, by this thread, with the GIL: see __init__
 
     @override
+    def configure_activation_checkpointing(self, settings: Any) -> None:
+        """A DeepSpeed config's section also configures ``deepspeed.checkpointing``, under every strategy with a
+        process group (DeepSpeed's comm layer wraps it), for a model that calls it in its own forward."""
+        from shardkit.strategies.zero.activation import configure_deepspeed_checkpointing
+
+        configure_deepspeed_checkpointing(settings)
+
+    @override
     def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
                             module: nn.Module | None = None) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
         """Every rank holds whole parameters: yields them; with ``modifier_rank=r``, rank r's values are
