@@ -22,6 +22,7 @@ from shardkit.config.common import (
     ConfigMismatchError,
     ResolvedConfig,
     load_mapping,
+    precision_kind,
     reconcile,
     warn_once,
     world_size_from_env,
@@ -166,12 +167,6 @@ def _flag(raw: Mapping[str, Any], name: str, where: str) -> bool | None:
     return value
 
 
-def _precision_kind(precision: Any) -> str:
-    import torch
-
-    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(precision.compute_dtype, "fp32")
-
-
 def precision_from_deepspeed(raw: Mapping[str, Any], where: str, precision: Any = None,
                              precision_where: str = "Runner(precision=...)") -> Any:
     """The Precision the fp16/bf16 sections and communication_data_type ask for, checked against ``precision``."""
@@ -188,7 +183,7 @@ def precision_from_deepspeed(raw: Mapping[str, Any], where: str, precision: Any 
                                                                        "loss_scale_window", "hysteresis",
                                                                        "min_loss_scale")}
     if precision is not None:
-        kind = _precision_kind(precision)
+        kind = precision_kind(precision)
         # fp16 false with bf16 open says only "not fp16"; one stated switch is enough to disagree.
         if (stated is not None and stated != kind and not (stated == "fp32" and _not_excluded(kind, fp16, bf16))):
             raise ConfigMismatchError(f"precision: {stated} in {where} (fp16.enabled={fp16}, bf16.enabled={bf16}) "
