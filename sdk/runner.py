@@ -306,7 +306,7 @@ class Runner:
         s = self.strategy
         with self.autocast():
             return generate(self.unwrap_model(model), input_ids, data_parallel_rank=s.data_parallel_rank,
-                            data_parallel_size=s.data_parallel_size, **kwargs)
+                            data_parallel_size=s.data_parallel_size, strategy=s, **kwargs)
 
     def split_between_processes(self, items: Any, apply_padding: bool = False) -> contextlib.AbstractContextManager:
         """Context yielding this data-parallel rank's contiguous share of ``items`` (list, tuple, tensor or

@@ -14,6 +14,7 @@ fails within $SHARDKIT_GENERATE_ENTRY_TIMEOUT seconds (60) with :class:`NotCalle
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from typing import Any
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.inference.sync import check_group, distributed, fsdp_unsharded, needs_sync, synced_call
+from shardkit.inference.sync import check_group, distributed, needs_sync, synced_call
 
 __all__ = ["generate", "is_hf_model"]
 
@@ -70,14 +71,21 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _describe_mode(module: nn.Module, sync: bool, fsdp_mode: str | None) -> str:
+def _describe_mode(sync: bool, how: str | None) -> str:
     if not sync:
         return "generate: every rank decodes on its own (whole weights on each rank)"
-    if fsdp_mode is not None:
-        return f"generate: ranks decode in lock step; FSDP parameters {fsdp_mode.replace('-', ' ')}"
-    if any(hasattr(p, "ds_tensor") for p in module.parameters()):
-        return "generate: ranks decode in lock step; ZeRO-3 gathers each module's parameters in every forward"
+    if how is not None:
+        return f"generate: ranks decode in lock step; {how}"
     return "generate: ranks decode in lock step (sharded weights: every forward is a collective)"
+
+
+def _strategy_context(strategy: Any, model: nn.Module, keep_unsharded: bool | None) -> Any:
+    if strategy is not None:
+        return strategy.generation_context(model, keep_unsharded)
+    if keep_unsharded is not None:
+        raise ValueError("generate: keep_unsharded is the strategy's to honour; call runner.generate(...) or pass "
+                         "strategy=runner.strategy")
+    return contextlib.nullcontext(None)
 
 
 def _call(module: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any], sync: bool) -> Any:
@@ -117,7 +125,8 @@ def _group_requests(input_ids: torch.Tensor, kwargs: dict, dp_rank: int, group: 
 
 
 def generate(model: nn.Module, input_ids: torch.Tensor, *, data_parallel_rank: int | None = None,
-             data_parallel_size: int | None = None, keep_unsharded: bool | None = None, **kwargs: Any) -> Any:
+             data_parallel_size: int | None = None, strategy: Any = None, keep_unsharded: bool | None = None,
+             **kwargs: Any) -> Any:
     """Generate on every rank, whatever the strategy (see the module docstring).
 
     Args:
@@ -126,8 +135,11 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, data_parallel_rank: i
         data_parallel_rank, data_parallel_size: this rank's data-parallel index and the number of them;
             ranks sharing an index (a tensor-parallel group) run each other's requests together. Default:
             every rank is its own.
+        strategy: the strategy that set ``model`` up (``runner.strategy``; the Runner passes it): its
+            ``generation_context`` holds the parameters for the call (FSDP2: gathered once, not per token, when
+            memory allows). None: nothing is held (every forward gathers what it needs).
         keep_unsharded: FSDP2 only: keep parameters gathered across decoding steps (True), gather them in
-            every forward (False), or decide from free memory (None).
+            every forward (False), or decide from free memory (None). Needs ``strategy``.
         **kwargs: passed to the model's ``generate`` (``max_new_tokens``, ``eos_token_id``, ...).
 
     Returns:
@@ -146,8 +158,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, data_parallel_rank: i
         world = dist.get_world_size()
         if data_parallel_size is not None and data_parallel_size < world:
             requests, index, calls = _group_requests(input_ids, kwargs, data_parallel_rank, check_group())
-        with fsdp_unsharded(model, device, keep_unsharded) as fsdp_mode:
-            _log_once(_describe_mode(model, sync, fsdp_mode))
+        with _strategy_context(strategy, model, keep_unsharded) as how:
+            _log_once(_describe_mode(sync, how))
             outputs = [_call(model, _to(ids, device), _to(kw, device), sync) for ids, kw in requests]
             for _ in range(calls - len(requests)):  # another group has more requests: join its forwards
                 _call(model, _to(input_ids[:0], device), _to(kwargs, device), sync)

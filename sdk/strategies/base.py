@@ -113,6 +113,16 @@ class Strategy(ABC):
             optimizer = self.setup_optimizer(optimizer)
         return module, optimizer, scheduler
 
+    def generation_context(self, module: nn.Module,
+                           keep_unsharded: bool | None = None) -> contextlib.AbstractContextManager[str | None]:
+        """Context around one generate call on ``module`` (the user's model, set up by this strategy), entered
+        on every rank; yields how the parameters are handled during the call, for the log, or None.
+
+        Strategies that partition parameters override it: FSDP keeps them gathered across decoding steps
+        when memory allows (``keep_unsharded`` forces either way). The default does nothing.
+        """
+        return contextlib.nullcontext(None)
+
     def configure_activation_checkpointing(self, settings: Any) -> None:
         """Hand engine-specific activation-checkpointing options to the engine, after :meth:`setup`.
 

@@ -179,6 +179,19 @@ class MeshStrategy(ProcessGroupStrategy):
         return _mesh.gathered_parameters(param_list(params), modifier_rank, module)
 
     @override
+    def generation_context(self, module: nn.Module,
+                           keep_unsharded: bool | None = None) -> contextlib.AbstractContextManager[str | None]:
+        """FSDP2 units (FSDP, and TP's data-parallel dimension) stay gathered across decoding steps when the
+        extra bytes fit in half the free memory on every rank, or as ``keep_unsharded`` says."""
+        from shardkit.strategies._unshard import fsdp_unsharded
+
+        return fsdp_unsharded(module, self.root_device, keep_unsharded, self._any_rank)
+
+    def _any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0], device=self.root_device)
+        return bool(self.all_reduce(t, "max").item())
+
+    @override
     def set_gradient_sync(self, module: nn.Module, enabled: bool) -> None:
         if isinstance(module, FSDPModule):
             module.set_requires_gradient_sync(enabled)

@@ -110,6 +110,12 @@ class ZeRO3(ZeROStrategy):
         return config
 
     @override
+    def generation_context(self, module: nn.Module,
+                           keep_unsharded: bool | None = None) -> contextlib.AbstractContextManager[str | None]:
+        """The engine's hooks gather each module's partitions in every forward and free them after."""
+        return contextlib.nullcontext("ZeRO-3 gathers each module's parameters in every forward")
+
+    @override
     def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
                             module: nn.Module | None = None) -> contextlib.AbstractContextManager:
         """Context that yields ``params`` whole on every rank (a list; the partitions are gathered in place).
@@ -174,6 +180,9 @@ class _ZeRO3Parameters:
     exit free a parameter that module still holds ("Cannot free a ZeRO-3 parameter while it is still
     active"). So parameters already AVAILABLE are left to the engine.
     """
+
+    def owns(self, param: Tensor) -> bool:
+        return hasattr(param, "ds_tensor")
 
     def is_partitioned(self, param: Tensor) -> bool:
         return is_zero3_partitioned(param)
