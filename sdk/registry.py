@@ -16,13 +16,13 @@ import argparse
 import dataclasses
 import importlib
 import inspect
-import json
 import types
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from shardkit.suggest import did_you_mean
+from shardkit.utils.operations import json_object
 
 __all__ = ["Entry", "Option", "Registry"]
 
@@ -73,10 +73,7 @@ class Option:
             if kind is float and _number(text) is not None:
                 return float(_number(text))
             if kind is dict and text.strip().startswith("{"):
-                try:
-                    return json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{self.name}={text!r} is not valid JSON ({e})") from None
+                return json_object(text, f"{self.name}={text!r}", f"give a JSON object ({self.describe()})")
             if kind is str:
                 return text
         wanted = " or ".join(_KIND_NAMES[k] for k in self.kinds)

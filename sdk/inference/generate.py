@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.inference.sync import check_group, distributed, needs_sync, synced_call
+from shardkit.utils.operations import move_to_device
 
 __all__ = ["generate", "is_hf_model"]
 
@@ -49,16 +50,6 @@ def _device_of(module: nn.Module) -> torch.device:
         local = p.to_local() if isinstance(p, DTensor) else p
         return local.device
     return torch.device("cpu")
-
-
-def _to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(v, device) for v in obj)
-    return obj
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -111,7 +102,8 @@ def _group_requests(input_ids: torch.Tensor, kwargs: dict, dp_rank: int, group: 
     """Exchange requests with every rank; return this data-parallel group's distinct requests, the index of
     this rank's among them, and the most calls any group needs (so every group runs as many)."""
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (dp_rank, _to(input_ids, torch.device("cpu")), _to(kwargs, torch.device("cpu"))),
+    cpu = torch.device("cpu")
+    dist.all_gather_object(everyone, (dp_rank, move_to_device(input_ids, cpu), move_to_device(kwargs, cpu)),
                            group=group)
     by_group: dict[int, list[tuple]] = {}
     for r, ids, kw in everyone:
@@ -119,7 +111,7 @@ def _group_requests(input_ids: torch.Tensor, kwargs: dict, dp_rank: int, group: 
         if not any(_same(ids, i) and _same(kw, k) for i, k in distinct):
             distinct.append((ids, kw))
     mine = by_group[dp_rank]
-    own = (input_ids.cpu(), _to(kwargs, torch.device("cpu")))
+    own = (input_ids.cpu(), move_to_device(kwargs, cpu))
     index = next(i for i, (ids, kw) in enumerate(mine) if _same(ids, own[0]) and _same(kw, own[1]))
     return mine, index, max(len(v) for v in by_group.values())
 
@@ -160,7 +152,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, data_parallel_rank: i
             requests, index, calls = _group_requests(input_ids, kwargs, data_parallel_rank, check_group())
         with _strategy_context(strategy, model, keep_unsharded) as how:
             _log_once(_describe_mode(sync, how))
-            outputs = [_call(model, _to(ids, device), _to(kw, device), sync) for ids, kw in requests]
+            outputs = [_call(model, move_to_device(ids, device), move_to_device(kw, device), sync)
+                       for ids, kw in requests]
             for _ in range(calls - len(requests)):  # another group has more requests: join its forwards
-                _call(model, _to(input_ids[:0], device), _to(kwargs, device), sync)
+                _call(model, move_to_device(input_ids[:0], device), move_to_device(kwargs, device), sync)
     return outputs[index]

@@ -20,7 +20,6 @@ whose HF checkpointing is on is not patched a second time.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -31,6 +30,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from shardkit.suggest import did_you_mean
+from shardkit.utils.operations import json_object
 
 __all__ = [
     "ActivationCheckpointing",
@@ -140,15 +140,8 @@ def parse_checkpoint_kwargs(value: Any, where: str = "gradient_checkpointing_kwa
     """Keywords for ``torch.utils.checkpoint.checkpoint`` from a dict or a JSON object string (as HF takes them)."""
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise ActivationCheckpointingError(f"{where} is not valid JSON ({err}): pass a dict or a JSON object "
-                                               "such as '{\"use_reentrant\": false}'") from None
-    if not isinstance(value, Mapping):
-        raise ActivationCheckpointingError(f"{where} must be a dict (or JSON object) of "
-                                           f"torch.utils.checkpoint.checkpoint keywords, not {type(value).__name__}")
+    value = json_object(value, where, "pass a dict (or JSON object) of torch.utils.checkpoint.checkpoint keywords "
+                        "such as '{\"use_reentrant\": false}'", error=ActivationCheckpointingError)
     unknown = [k for k in value if k not in _TORCH_KWARGS]
     if unknown:
         raise ActivationCheckpointingError(f"{where}: {unknown[0]!r} is not a torch.utils.checkpoint.checkpoint "
