@@ -178,10 +178,6 @@ class Registry:
         entries = self._entries.values() if name is None else [self.entry(name)]
         return [alias for entry in entries for alias in entry.aliases]
 
-    def targets(self) -> Mapping[str, str]:
-        """Every name and alias -> ``"module:Class"``: a read-only view that follows later registrations."""
-        return _Targets(self)
-
     def canonical(self, name: str) -> str:
         """The canonical name for a name, alias or class name.
 
@@ -302,29 +298,6 @@ class Registry:
             also = f" (also {', '.join(entry.aliases)})" if entry.aliases else ""
             lines.append(f"{entry.name}{also}: {entry.description}")
         return "\n".join(lines)
-
-
-class _Targets(Mapping):
-    """Name or alias -> target, read live from a registry (the shape of the old STRATEGY_NAMES dict)."""
-
-    def __init__(self, registry: Registry):
-        self._registry = registry
-
-    def _table(self) -> dict[str, str]:
-        entries = self._registry._entries.values()
-        return {spelling: e.target for e in entries for spelling in (e.name, *e.aliases)}
-
-    def __getitem__(self, name: str) -> str:
-        return self._table()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._table())
-
-    def __len__(self) -> int:
-        return len(self._table())
-
-    def __repr__(self) -> str:
-        return repr(self._table())
 
 
 # ---- constructor options ---------------------------------------------------------------------------
