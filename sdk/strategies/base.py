@@ -25,7 +25,15 @@ __all__ = ["Strategy", "param_list", "replicated_gathered"]
 
 
 class Strategy(ABC):
-    """Base class of every strategy. The Runner holds one and delegates to it."""
+    """Base class of every strategy. The Runner holds one and delegates to it.
+
+    Attributes:
+        keeps_master_copy: the engine holds parameters and gradients in the compute dtype beside a separate
+            fp32 master copy it steps on (DeepSpeed, even in fp32); False: the parameters, in the precision's
+            parameter dtype, are what the optimizer steps (torch engines). The memory estimate reads it.
+    """
+
+    keeps_master_copy: bool = False
 
     def __init__(self) -> None:
         self._precision: Precision = FP32()

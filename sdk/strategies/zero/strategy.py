@@ -62,6 +62,8 @@ class ZeROStrategy(ProcessGroupStrategy):
         settings: the validated settings (the stage among them).
     """
 
+    keeps_master_copy = True  # 16-bit (or fp32) parameters and gradients beside DeepSpeed's fp32 master
+
     def __init__(self, settings: ZeROSettings):
         super().__init__(settings.timeout)
         self.settings = settings
