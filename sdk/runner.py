@@ -17,8 +17,9 @@ from shardkit import checkpoint as ckpt
 from shardkit.checkpoint.async_save import AsyncCheckpointer
 from shardkit.config.common import CONFIG_FILE_ENV
 from shardkit.data import RunnerDataLoader, rebuild_dataloader
+from shardkit.observability import RunLog, StepProfiler, Throughput, install_oom_snapshot
 from shardkit.precision import FP32, Precision
-from shardkit.seeding import rank_logger, seed_everything
+from shardkit.seeding import enable_determinism, rank_logger, seed_everything
 from shardkit.strategies.base import Strategy
 from shardkit.user_state import StateSaver
 
@@ -60,12 +61,22 @@ class Runner:
             :class:`shardkit.strategies.ActivationCheckpointing` (``use_reentrant``, CPU offload, ...).
             None takes a DeepSpeed config's ``activation_checkpointing`` section; False turns block checkpointing
             off (the section still configures ``deepspeed.checkpointing`` for a model that calls it).
+        log_with: experiment trackers for :meth:`log` and :meth:`log_hyperparams` (main process only): names of
+            :data:`shardkit.tracking.TRACKERS` (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"csv"``,
+            ``"jsonl"``, ``"all"``) or tracker objects. A DeepSpeed config's ``tensorboard`` / ``wandb`` /
+            ``csv_monitor`` sections add theirs, which also record the loss, learning rate and loss scale per step.
+        logging_dir: where the trackers named in ``log_with`` write (and the profiler, under ``profile``).
+        deterministic: torch's deterministic algorithms, cuBLAS's fixed workspace and seeded everything, so that two
+            runs are bitwise equal (``seed`` defaults to 0 then).
+        profile_steps: record these optimizer steps with torch.profiler (``(2, 4)``, ``"2-3"`` or ``2``): a Chrome
+            trace and a memory timeline per rank under ``<logging_dir>/profile``, and the top ops logged.
     """
 
     def __init__(
         self, strategy: Strategy | None = None, precision: Precision | None = None, *,
         config: str | Path | dict | None = None, gradient_accumulation_steps: int | None = None,
         seed: int | None = None, checkpoint_keep_last: int | None = None, activation_checkpointing: Any = None,
+        log_with: Any = None, logging_dir: str | Path = "runs", deterministic: bool = False, profile_steps: Any = None,
     ):
         self.config = None
         self.max_grad_norm: float | None = None
@@ -93,8 +104,12 @@ class Runner:
             self.strategy.set_runner_values(micro_batch_size=self.config.micro_batch_size)
         self.strategy.setup_environment()
         self.logger = rank_logger("shardkit", self.rank)
-        if seed is not None:
+        self.deterministic = deterministic
+        if deterministic:
+            self.seed = seed = enable_determinism(0 if seed is None else seed)
+        elif seed is not None:
             seed_everything(seed)
+        self._observe(log_with, logging_dir, profile_steps)
         self._module: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: Any | None = None
@@ -106,6 +121,18 @@ class Runner:
         self._loader: RunnerDataLoader | None = None
         self._dp_leaders: list[int] | None = None  # gather_for_metrics under model parallelism
         self._async_saves: AsyncCheckpointer | None = None  # save(..., blocking=False), made on first use
+        self._throughput: Throughput | None = None
+
+    def _observe(self, log_with: Any, logging_dir: str | Path, profile_steps: Any) -> None:
+        specs = tuple(self.config.trackers) if self.config is not None else ()
+        given = [] if log_with is None else list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
+        self.logging_dir = Path(logging_dir)
+        self.run_log = RunLog(given + list(specs), self.logging_dir, "shardkit", self.is_main_process,
+                              monitor=bool(specs))
+        self.profiler = None if profile_steps is None else StepProfiler(
+            profile_steps, self.logging_dir / "profile", self.rank, self.is_main_process)
+        if self.profiler is not None:
+            install_oom_snapshot(self.logging_dir / "profile", self.rank)
 
     # ---- rank facts ---------------------------------------------------------------------------
 
@@ -167,6 +194,7 @@ class Runner:
         if optimizer is not None:
             self._owners[optimizer] = model
         self._micro_step, self._boundary = 0, False
+        self._throughput = None  # timed from here, for this model
         self.strategy.set_gradient_sync(model, self.gradient_accumulation_steps == 1)
         if optimizer is None:
             return model
@@ -228,6 +256,9 @@ class Runner:
     def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
         """Backward of one micro-batch's loss, averaged over the accumulation window."""
         module = model if model is not None else self._require("_module", "backward")
+        if self.profiler is not None and self._micro_step == 0:
+            self.profiler.before_step(self.optimizer_steps)
+        self.run_log.on_backward(loss)
         self.strategy.backward(loss, module, self.gradient_accumulation_steps)
         self._micro_step = (self._micro_step + 1) % self.gradient_accumulation_steps
         self._boundary = self._micro_step == 0
@@ -263,7 +294,40 @@ class Runner:
                 self._scheduler.step()
         self.strategy.zero_grad(optimizer, module)
         self._boundary = False
+        self._after_step(optimizer)
         return stepped
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        scale = self.precision.current_loss_scale if self.precision.loss_scaling is not None else None
+        # DeepSpeed's monitor counts samples: micro-batches of micro_batch_size on every data-parallel rank.
+        micro = getattr(self.config, "micro_batch_size", None) or 1
+        samples = (self.optimizer_steps * self.gradient_accumulation_steps * micro
+                   * self.strategy.data_parallel_size)
+        self.run_log.on_step(optimizer, scale, samples)
+        if self.profiler is not None:
+            self.profiler.after_step(self.optimizer_steps - 1)
+
+    # ---- what the run is doing ----------------------------------------------------------------
+
+    @property
+    def throughput(self) -> Throughput:
+        """Tokens/s, samples/s, TFLOP/s and MFU of the model set up: ``runner.throughput.update(tokens, samples)``
+        after each step returns them (see :class:`shardkit.observability.Throughput`); timing starts at setup()."""
+        if self._throughput is None:
+            module = self._require("_module", "throughput")
+            self._throughput = Throughput(
+                self.unwrap_model(module), self.device, self.precision.compute_dtype,
+                data_parallel_size=self.strategy.data_parallel_size, world_size=self.world_size,
+                checkpointed=bool(self.activation_checkpointing))
+        return self._throughput
+
+    def log(self, values: dict[str, Any], step: int | None = None) -> None:
+        """Record metrics with the ``log_with`` trackers on the main process (``step``: the optimizer step)."""
+        self.run_log.log(values, self.optimizer_steps if step is None else step)
+
+    def log_hyperparams(self, values: dict[str, Any]) -> None:
+        """Record the run's configuration once with the ``log_with`` trackers on the main process."""
+        self.run_log.log_hyperparams(values)
 
     # ---- collectives --------------------------------------------------------------------------
 
@@ -441,6 +505,9 @@ class Runner:
             CheckpointError: the background save failed (the process group is released all the same).
         """
         try:
+            if self.profiler is not None:
+                self.profiler.finish()
+            self.run_log.finish()
             if self._async_saves is not None:
                 self._async_saves.close()
         finally:
