@@ -15,8 +15,9 @@ from torch.utils.data import DataLoader
 
 from shardkit import checkpoint as ckpt
 from shardkit.checkpoint.async_save import AsyncCheckpointer
-from shardkit.config.common import CONFIG_FILE_ENV
+from shardkit.config.common import CONFIG_FILE_ENV, precision_kind
 from shardkit.data import RunnerDataLoader, rebuild_dataloader
+from shardkit.distributed.oom import leave_run_facts
 from shardkit.observability import RunLog, StepProfiler, Throughput, install_oom_snapshot
 from shardkit.precision import FP32, Precision
 from shardkit.seeding import enable_determinism, rank_logger, seed_everything
@@ -195,6 +196,8 @@ class Runner:
             self._owners[optimizer] = model
         self._micro_step, self._boundary = 0, False
         self._throughput = None  # timed from here, for this model
+        if self.rank == 0:  # the run's size, for `shardkit launch`'s out-of-memory diagnosis
+            leave_run_facts(self.unwrap_model(model), precision_kind(self.precision))
         self.strategy.set_gradient_sync(model, self.gradient_accumulation_steps == 1)
         if optimizer is None:
             return model

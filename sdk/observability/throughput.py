@@ -90,16 +90,21 @@ def _matmul_params(model: nn.Module) -> int:
 
 
 def _attention_shape(model: nn.Module) -> tuple[int, int]:
-    """(layers, heads * head_dim) from a Hugging Face style config; (0, 0) for a model without one."""
+    """(layers, heads * head_dim) from a Hugging Face style config (or shardkit.models' LlamaConfig); (0, 0) for a
+    model without one."""
     config = getattr(model, "config", None)
     if config is None:
         return 0, 0
     text = getattr(config, "get_text_config", lambda: config)()
-    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None) or 0
-    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None) or 0
+    layers = _first(text, "num_hidden_layers", "n_layer", "num_layers")
+    heads = _first(text, "num_attention_heads", "n_head", "num_heads")
     hidden = getattr(text, "hidden_size", None) or getattr(text, "n_embd", None) or 0
     head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else 0)
     return int(layers), int(heads * head_dim)
+
+
+def _first(config: Any, *names: str) -> int:
+    return next((int(v) for v in (getattr(config, n, None) for n in names) if isinstance(v, int) and v > 0), 0)
 
 
 def flops_per_token(model: nn.Module, seq_len: int, *, layers: int | None = None, attention_width: int | None = None,
