@@ -6,6 +6,7 @@ import builtins
 import contextlib
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -402,7 +403,8 @@ class Runner:
 
     # ---- checkpoints --------------------------------------------------------------------------
 
-    def save(self, path: str | Path, state: dict[str, Any], *, blocking: bool = True) -> Path:
+    def save(self, path: str | Path, state: dict[str, Any], *, blocking: bool = True,
+             on_saved: Callable[[Path], None] | None = None) -> Path:
         """Save a checkpoint directory atomically.
 
         ``state`` maps names to models, optimizers, schedulers, data loaders and plain values; the
@@ -413,18 +415,21 @@ class Runner:
         a background thread writes the same atomic, verified checkpoint; the strategy's gathers still run here.
         At most one save is in flight: the next ``save``, ``load``, :meth:`wait_for_save` and :meth:`teardown`
         wait for it, and raise a ``CheckpointError`` naming it if it failed. The host copy (the state's size) is
-        kept for the next save.
+        kept for the next save. ``on_saved(path)`` runs once the checkpoint is published (on this rank; on the
+        background thread for ``blocking=False``: file work only, no collectives).
         """
         path = Path(path)
         make_writer = functools.partial(
             ckpt.CheckpointWriter, path, rank=self.rank, world_size=self.world_size, broadcast=self.broadcast,
             keep_last=self.checkpoint_keep_last, info=self.strategy.checkpoint_info())
         if not blocking:
-            self._saves().save(path, make_writer, functools.partial(self._write_checkpoint, state=state))
+            self._saves().save(path, make_writer, functools.partial(self._write_checkpoint, state=state), on_saved)
             return path
         self.wait_for_save()
         with make_writer(barrier=self.barrier) as writer:
             self._write_checkpoint(writer, state)
+        if on_saved is not None:
+            on_saved(path)
         return path
 
     def _write_checkpoint(self, writer: Any, state: dict[str, Any]) -> None:

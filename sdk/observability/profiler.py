@@ -12,6 +12,7 @@ ends, then writes, per rank, ``trace.rank<N>.json`` (Chrome trace: chrome://trac
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -98,8 +99,7 @@ class StepProfiler:
         trace = self.output_dir / f"trace.rank{self.rank}.json"
         profile.export_chrome_trace(str(trace))
         memory = self.output_dir / f"memory_timeline.rank{self.rank}.json"
-        device = "cuda:0" if torch.cuda.is_available() else "cpu"
-        profile.export_memory_timeline(str(memory), device=device)
+        _memory_timeline(profile, memory)
         sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         self.table = _top_ops(profile, sort)
         top = self.output_dir / f"top_ops.rank{self.rank}.txt"
@@ -108,6 +108,29 @@ class StepProfiler:
         if self.is_main_process:
             log.warning("profile of optimizer steps %d-%d written to %s (trace, memory timeline); top ops:\n%s",
                         self.steps.start, self.steps.stop - 1, self.output_dir, self.table)
+
+
+def _memory_timeline(profile: torch.profiler.profile, path: Path) -> None:
+    """torch's memory timeline (bytes per category over time) or, where its categorisation fails on a graph (an
+    AssertionError inside torch.profiler._memory_profiler on some models), the allocated bytes after each operator
+    from the same recording: ``{"times_us": [...], "bytes": [...]}``."""
+    device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    try:
+        profile.export_memory_timeline(str(path), device=device)
+        return
+    except (AssertionError, RuntimeError, KeyError) as err:
+        log.warning("torch's memory timeline failed (%s: %.200s); writing allocated bytes per operator to %s "
+                    "instead", type(err).__name__, err, path)
+    events = sorted(profile.events(), key=lambda e: e.time_range.start)
+    field = "device_memory_usage" if device != "cpu" else "cpu_memory_usage"
+    times, total, allocated = [], 0, []
+    for event in events:
+        change = getattr(event, field, 0) or 0
+        if change:
+            total += change
+            times.append(event.time_range.start)
+            allocated.append(total)
+    path.write_text(json.dumps({"device": device, "times_us": times, "bytes": allocated}))
 
 
 def _top_ops(profile: torch.profiler.profile, sort: str) -> str:

@@ -137,8 +137,10 @@ def peak_tflops(device: torch.device, dtype: torch.dtype) -> tuple[float | None,
 
 def measured_peak_tflops(device: torch.device, dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
     """TFLOP/s of the best of ``repeats`` square matmuls of ``size`` in ``dtype`` on ``device`` (after a warm-up)."""
-    a = torch.randn(size, size, device=device, dtype=torch.float32).to(dtype)
-    b = torch.randn(size, size, device=device, dtype=torch.float32).to(dtype)
+    # Its own generator: drawing from the global one would shift the training's dropout masks and data order.
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, generator=generator).to(dtype)
+    b = torch.randn(size, size, device=device, generator=generator).to(dtype)
     torch.mm(a, b)
     best = float("inf")
     for _ in range(repeats):
@@ -199,15 +201,16 @@ class Throughput:
             self._flops = flops_per_token(self.model, seq_len, checkpointed=self.checkpointed)
         return self._flops
 
-    def update(self, tokens: int, samples: int) -> dict[str, float]:
-        """The rates of the step that ended now, in which this rank trained ``tokens`` tokens in ``samples`` samples.
+    def update(self, tokens: float, samples: float, seconds: float | None = None) -> dict[str, float]:
+        """The rates of the step that ended now, in which this rank trained ``tokens`` tokens in ``samples`` samples
+        (over ``seconds``, when the caller timed it: a logging window of several steps).
 
         Returns:
             ``tokens_per_s``, ``samples_per_s``, ``tflops`` (model TFLOP/s per device), ``mfu``, and under
             activation checkpointing ``hfu`` (with the recompute).
         """
         now = time.perf_counter()
-        seconds, self._last = max(now - self._last, 1e-9), now
+        seconds, self._last = max(now - self._last if seconds is None else seconds, 1e-9), now
         flops = self.flops(max(1, round(tokens / max(samples, 1))))
         total_tokens = tokens * self.data_parallel_size
         tflops = flops.model * total_tokens / self.world_size / seconds / 1e12

@@ -17,7 +17,7 @@ IntervalStrategy = ("no", "steps", "epoch")
 SaveStrategy = ("no", "steps", "epoch", "best")
 SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                    "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr", "warmup_stable_decay")
-REPORTERS = ("none", "all", "jsonl", "tensorboard")
+REPORTERS = ("none", "all", "jsonl", "tensorboard", "wandb", "mlflow", "csv")  # shardkit.tracking's trackers
 LOG_LEVELS = ("passive", "debug", "info", "warning", "error", "critical")
 
 
@@ -120,6 +120,9 @@ class TrainingArguments:
     torch_compile: bool = False  # compile the model in place (nn.Module.compile) before setup
     torch_compile_backend: str | None = None  # default "inductor"; setting it implies torch_compile
     torch_compile_mode: str | None = None  # inductor's mode; setting it implies torch_compile
+    full_determinism: bool = False  # Runner(deterministic=True): deterministic algorithms, cuBLAS workspace, seeds
+    profile_steps: Any = None  # Runner(profile_steps=...): torch.profiler over these optimizer steps, e.g. (5, 7)
+    async_save: bool = False  # checkpoints written by a background thread (Runner.save(blocking=False))
 
     def __post_init__(self) -> None:
         self.output_dir = str(self.output_dir)
@@ -147,7 +150,9 @@ class TrainingArguments:
             self.report_to = [self.report_to]
         self.report_to = [_choice("report_to", r, REPORTERS) for r in self.report_to]
         if "all" in self.report_to:
-            self.report_to = ["jsonl"] + (["tensorboard"] if _has_tensorboard() else [])
+            from shardkit.tracking import available_trackers
+
+            self.report_to = [r for r in REPORTERS[2:] if r in available_trackers()]
         self.report_to = [r for r in self.report_to if r != "none"]
         if "tensorboard" in self.report_to and not _has_tensorboard():
             raise ValueError("report_to includes 'tensorboard' but the `tensorboard` package is not installed: "

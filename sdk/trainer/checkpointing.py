@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import re
 import shutil
@@ -69,16 +71,24 @@ class CheckpointMixin:
         to_eval(self)  # schedule-free: the checkpoint holds the averaged weights (training swaps back)
         path = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         self._note_best_checkpoint(path)
-        self.runner.save(path, self._checkpoint_state(full=not self.args.save_only_model))
-        if is_peft_model(self.runner.unwrap_model(self.model)):  # peft's files too, as HF's checkpoints hold
+        peft = is_peft_model(self.runner.unwrap_model(self.model))
+        # async_save: the copy of trainer_state.json and the rotation wait for the publish (the background thread);
+        # peft's adapter files are written into the published directory, so those saves block.
+        blocking = not self.args.async_save or peft
+        state = copy.deepcopy(self.state)
+        finish = functools.partial(self._after_publish, state) if self.runner.is_main_process else None
+        self.runner.save(path, self._checkpoint_state(full=not self.args.save_only_model), blocking=blocking,
+                         on_saved=finish)
+        if peft:  # peft's files too, as HF's checkpoints hold
             save_adapters(self.runner, self.model, path)
-        if self.runner.is_main_process:
-            # A copy for people and tools; resume reads the copy saved atomically inside the checkpoint.
-            self.state.save_to_json(path / TRAINER_STATE_NAME)
-            self._rotate_checkpoints()
         self.runner.barrier("trainer-save")
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         return path
+
+    def _after_publish(self, state: Any, path: Path) -> None:
+        # A copy for people and tools; resume reads the copy saved atomically inside the checkpoint.
+        state.save_to_json(path / TRAINER_STATE_NAME)
+        self._rotate_checkpoints()
 
     def _note_best_checkpoint(self, path: Path) -> None:
         if self.state.best_global_step == self.state.global_step:

@@ -1,4 +1,5 @@
-"""report_to: a JSON-lines file per run, or TensorBoard event files (needs the `tensorboard` package)."""
+"""report_to: a JSON-lines file per run, TensorBoard event files (needs the `tensorboard` package), and every other
+tracker of :data:`shardkit.tracking.TRACKERS` (``wandb``, ``mlflow``, ``csv``) through :class:`TrackerCallback`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from shardkit.trainer.callbacks import TrainerCallback
 
-__all__ = ["JsonlCallback", "TensorBoardCallback", "reporter_callbacks"]
+__all__ = ["JsonlCallback", "TensorBoardCallback", "TrackerCallback", "reporter_callbacks"]
 
 
 def _scalars(logs: dict[str, Any]) -> dict[str, float]:
@@ -78,6 +79,37 @@ class TensorBoardCallback(TrainerCallback):
             self.writer = None
 
 
+class TrackerCallback(TrainerCallback):
+    """A tracker of :data:`shardkit.tracking.TRACKERS` on the main process: the arguments as its hyperparameters once,
+    each log's values at ``global_step`` (``run_name`` is the W&B project / MLflow experiment; files under
+    ``logging_dir``)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.tracker: Any = None
+
+    def _open(self, args, state) -> None:
+        if self.tracker is None and state.is_world_process_zero:
+            from shardkit.tracking import build_trackers
+
+            name = str(args.run_name).replace("/", "_").strip("_") or "run"
+            self.tracker = build_trackers(self.name, name, args.logging_dir)[0]
+            self.tracker.store_init_configuration(json.loads(args.to_json_string()))
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._open(args, state)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self._open(args, state)
+        if self.tracker is not None and logs:
+            self.tracker.log(dict(logs), step=state.global_step)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.tracker is not None:
+            self.tracker.finish()
+            self.tracker = None
+
+
 def reporter_callbacks(report_to: list[str]) -> list[TrainerCallback]:
     table = {"jsonl": JsonlCallback, "tensorboard": TensorBoardCallback}
-    return [table[name]() for name in report_to]
+    return [table[name]() if name in table else TrackerCallback(name) for name in report_to]

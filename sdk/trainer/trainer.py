@@ -494,7 +494,19 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         logs["learning_rate"] = self._current_lr()
         logs["tokens_per_second"] = round(float(counts[0]) / elapsed, 3)
         logs["samples_per_second"] = round(float(counts[1]) / elapsed, 3)
+        logs.update(self._flops_logs(counts, elapsed))
         self.log(logs)
+
+    def _flops_logs(self, counts: torch.Tensor, seconds: float) -> dict[str, float]:
+        """Model TFLOP/s per device and MFU over the logging window (shardkit.observability.Throughput)."""
+        if counts[0] <= 0 or counts[1] <= 0:
+            return {}
+        world = self.runner.world_size
+        rates = self.runner.throughput.update(float(counts[0]) / world, float(counts[1]) / world, seconds)
+        out = {"tflops": round(rates["tflops"], 6), "mfu": round(rates["mfu"], 6)}
+        if "hfu" in rates:
+            out["hfu"] = round(rates["hfu"], 6)
+        return out
 
     def _current_lr(self) -> float:
         if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "get_last_lr") and not self._plateau:
@@ -509,6 +521,7 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=logs)
 
     def _finish(self, start: float, steps: int) -> TrainOutput:
+        self.runner.wait_for_save()  # async_save: the last checkpoint is published before train() returns
         losses = self._gather_pending_losses()
         finite = [v for v in losses if math.isfinite(v)]
         total, count = self._loss_total[0] + sum(finite), self._loss_total[1] + len(finite)

@@ -149,6 +149,8 @@ def test_runner_throughput_reports_rates_and_mfu_against_a_measured_cpu_peak(cap
     runner = Runner(seed=0)
     model = _train(runner, 0)
     meter = runner.throughput
+    rng = torch.get_rng_state()
+    assert meter.peak > 0 and torch.equal(rng, torch.get_rng_state())  # measured without drawing from the run's RNG
     with caplog.at_level(logging.INFO, logger="shardkit.observability"):
         for _ in range(2):
             runner.backward(model(torch.randn(4, 8)).pow(2).mean())
