@@ -75,10 +75,10 @@ class CheckpointMixin:
         # async_save: the copy of trainer_state.json and the rotation wait for the publish (the background thread);
         # peft's adapter files are written into the published directory, so those saves block.
         blocking = not self.args.async_save or peft
+        saved = self._checkpoint_state(full=not self.args.save_only_model)  # sets state.stateful_callbacks
         state = copy.deepcopy(self.state)
         finish = functools.partial(self._after_publish, state) if self.runner.is_main_process else None
-        self.runner.save(path, self._checkpoint_state(full=not self.args.save_only_model), blocking=blocking,
-                         on_saved=finish)
+        self.runner.save(path, saved, blocking=blocking, on_saved=finish)
         if peft:  # peft's files too, as HF's checkpoints hold
             save_adapters(self.runner, self.model, path)
         self.runner.barrier("trainer-save")
