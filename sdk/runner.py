@@ -23,6 +23,7 @@ from shardkit.observability import RunLog, StepProfiler, Throughput, install_oom
 from shardkit.precision import FP32, Precision
 from shardkit.seeding import enable_determinism, rank_logger, seed_everything
 from shardkit.strategies.base import Strategy
+from shardkit.tracking import TrackerSpec
 from shardkit.user_state import StateSaver
 
 __all__ = ["Runner"]
@@ -129,8 +130,10 @@ class Runner:
         specs = tuple(self.config.trackers) if self.config is not None else ()
         given = [] if log_with is None else list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
         self.logging_dir = Path(logging_dir)
-        self.run_log = RunLog(given + list(specs), self.logging_dir, "shardkit", self.is_main_process,
-                              monitor=bool(specs))
+        items = given + list(specs)
+        # DeepSpeed's monitor sections (TrackerSpec, from this config or a front's) also get its per-step records.
+        monitor = any(isinstance(item, TrackerSpec) for item in items)
+        self.run_log = RunLog(items, self.logging_dir, "shardkit", self.is_main_process, monitor=monitor)
         self.profiler = None if profile_steps is None else StepProfiler(
             profile_steps, self.logging_dir / "profile", self.rank, self.is_main_process)
         if self.profiler is not None:

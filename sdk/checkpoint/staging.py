@@ -77,7 +77,10 @@ class StagingWriter:
         self._buffers = buffers if buffers is not None else StagingBuffers()
         self._buffers.start()
         self._calls: list[tuple[str, tuple[Any, ...]]] = []
-        self._memo: dict[tuple, torch.Tensor] = {}  # one copy per (storage, view): tied weights stay tied
+        # One copy per (storage, view) within one call: tied weights stay tied. NOTE: per call only: a strategy's
+        # temporaries (ZeRO's fragments) are freed between calls and the allocator hands their addresses to the
+        # next ones, so an address seen in an earlier call may hold another tensor now (ZeRO-3's resume broke).
+        self._memo: dict[tuple, torch.Tensor] = {}
         self._event: Any = None  # a CUDA event after the last device-to-host copy
         self.nbytes = 0
 
@@ -86,6 +89,7 @@ class StagingWriter:
     def write_tensors(self, name: str, tensors: Mapping[str, torch.Tensor],
                       metadata: Mapping[str, str] | None = None) -> None:
         """As :meth:`CheckpointWriter.write_tensors`, with the tensors copied now."""
+        self._memo.clear()
         staged = {key: self._copy(t, f"{name}: {key}") if isinstance(t, torch.Tensor) else t
                   for key, t in tensors.items()}
         self._calls.append(("write_tensors", (name, staged, dict(metadata) if metadata else None)))
@@ -96,6 +100,7 @@ class StagingWriter:
 
     def write_state(self, name: str, nested: Any) -> None:
         """As :meth:`CheckpointWriter.write_state`: tensors copied now (the same object once), the rest deep-copied."""
+        self._memo.clear()
         memo: dict[int, Any] = {}
         for path, t in _tensors_in(nested, name):
             if id(t) not in memo:
@@ -104,6 +109,7 @@ class StagingWriter:
 
     def write_shard(self, name: str, pieces: Mapping[str, ShardPiece | Sequence[ShardPiece]]) -> None:
         """As :meth:`CheckpointWriter.write_shard`, with each piece's tensor copied now."""
+        self._memo.clear()
         staged: dict[str, Any] = {}
         for key, value in pieces.items():
             plist = [value] if isinstance(value, ShardPiece) else list(value)

@@ -86,7 +86,8 @@ def build_runner(args: TrainingArguments, strategy: Any, precision: Any, max_ste
         )
         spec = EngineSpec(resolved.optimizer, resolved.scheduler)
         runner = Runner(resolved.strategy, resolved.precision,
-                        activation_checkpointing=resolved.activation_checkpointing, **common)
+                        activation_checkpointing=resolved.activation_checkpointing,
+                        log_with=list(resolved.trackers) or None, **common)  # DeepSpeed's monitor sections
     else:
         if args.fsdp:
             strategy = _fsdp_strategy(args, strategy)

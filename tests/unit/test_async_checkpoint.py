@@ -156,3 +156,16 @@ def test_tied_weights_stay_tied_and_host_buffers_are_reused(tmp_path):
         tensors = r.read_tensors("model")
     assert tensors["0.weight"] is tensors["1.weight"]
     torch.testing.assert_close(tensors["0.weight"], model[0].weight.detach(), rtol=0, atol=0)
+
+
+def test_a_tensor_changed_between_two_writes_is_copied_again(tmp_path):
+    """Tied views are copied once within a call; across calls an address may hold other data (a strategy's
+    temporaries are freed and reused between writes, as ZeRO-3's fragments are), so each call copies afresh."""
+    staged = StagingWriter(tmp_path / "x", rank=0, world_size=1)
+    t = torch.zeros(4)
+    staged.write_tensors("a", {"w": t, "tied": t})
+    t.fill_(1.0)
+    staged.write_tensors("b", {"w": t})
+    staged.write_state("c", {"w": t.fill_(2.0)})
+    (_, (_, a, _)), (_, (_, b, _)), (_, (_, c)) = staged._calls
+    assert a["w"] is a["tied"] and a["w"].sum() == 0 and b["w"].sum() == 4 and c["w"].sum() == 8
