@@ -130,7 +130,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=False)
         self.rotary = rotary
         # Context parallelism replaces the causal attention of a training forward (no cache) with its own
-        # over the split sequence: core(q, k, v) -> out, (B, H, T_local, D) each, or None to run SDPA here.
+        # over the split sequence: core(q, k, v, dropout_p) -> out, (B, H, T_local, D) each, or None for SDPA here.
         self.core = None
 
     def forward(self, x: torch.Tensor, cache: _LayerCache | None = None,
@@ -157,7 +157,7 @@ class Attention(nn.Module):
         dropout = cfg.dropout if self.training else 0.0
         past = k.shape[-2] - seq
         if cache is None and self.core is not None:
-            out = self.core(q, k, v)
+            out = self.core(q, k, v, dropout)
         elif past == 0 or seq == 1:  # no cache, or one new token that sees every position: no mask to build
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=past == 0)
         else:  # several new tokens after cached ones: token i sees positions up to past + i

@@ -16,7 +16,7 @@ from torch import nn
 
 from shardkit.strategies.pipeline import SCHEDULES, PipelineSettings, stage_layers
 
-__all__ = ["PipelineRunner", "StageModule"]
+__all__ = ["PipelineRunner", "StageModule", "gather_optimizer_state", "iter_full_state", "own_optimizer_state"]
 
 
 class StageModule(nn.Module):
@@ -40,9 +40,6 @@ def _check_model(module: nn.Module, stages: int, split: tuple[int, ...] | None) 
     if missing:
         raise ValueError(f"Pipeline splits shardkit Llama-style models (embed_tokens, layers, norm, lm_head); "
                          f"{type(module).__name__} has no {missing}")
-    if stages > 1 and module.lm_head.weight is module.embed_tokens.weight:
-        raise ValueError("Pipeline: the output head is tied to the embedding, which live on the first and last "
-                         "stages; build the model untied (LlamaConfig(tie_embeddings=False))")
     from shardkit.strategies.mesh import ParallelDims
 
     ParallelDims(pp=stages, dp_shard=1).validate(num_layers=len(module.layers), layer_split=split)
@@ -52,13 +49,18 @@ class PipelineRunner:
     """This rank's stages, the schedule over them, and the forward installed on the user's model."""
 
     def __init__(self, module: nn.Module, settings: PipelineSettings, mesh: Any, device: torch.device,
-                 loss_scale: Callable[[], tuple[int, bool]]):
+                 loss_scale: Callable[[], tuple[int, bool]], scale_loss: Callable[[torch.Tensor], torch.Tensor]):
         import torch.distributed.pipelining as pipelining
 
         pp = settings.pp_size
         total = pp * settings.chunks
         _check_model(module, total, settings.layer_split)
-        self.settings, self.loss_scale = settings, loss_scale
+        self.settings, self.loss_scale, self.scale_loss = settings, loss_scale, scale_loss
+        # The whole model's names in state_dict order, and the tied embedding/head weight (summed across
+        # the first and last stages' ranks after backward, so both copies step alike).
+        self.keys = list(module.state_dict().keys())
+        tied = module.lm_head.weight is module.embed_tokens.weight
+        self.tied_shape = tuple(module.embed_tokens.weight.shape) if tied else None
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp_shard"].get_group()
         self.pp_rank, self.pp = dist.get_rank(self.pp_group), pp
         ranges = stage_layers(len(module.layers), total, settings.layer_split)
@@ -99,21 +101,36 @@ class PipelineRunner:
             if not int(count):
                 return hidden.sum() * 0.0
             mean = head(hidden[:, :-1].reshape(-1, hidden.shape[-1]), shift)
-            return mean * count / tokens / accumulation  # summed over micro-batches: the batch mean
+            # Summed over micro-batches: the batch mean (over the accumulation window: its share).
+            return self.scale_loss(mean * count / tokens / accumulation)
 
         schedule = self.schedule(n, loss_fn)
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.first else ()
         kwargs = {"target": labels, "losses": losses} if self.last else {}
         schedule.step(*args, **kwargs)
-        total = torch.stack([x.detach().float() for x in losses]).sum() * accumulation if self.last else \
-            torch.zeros((), device=input_ids.device)
+        total = torch.zeros((), device=input_ids.device)
+        if self.last:
+            unscaled = [self.scale_loss(torch.ones((), device=input_ids.device))] * len(losses)
+            total = sum(x.detach().float() / u for x, u in zip(losses, unscaled)) * accumulation
         last_rank = dist.get_global_rank(self.pp_group, self.pp - 1)
         dist.broadcast(total, src=last_rank, group=self.pp_group)
+        self._sum_tied_gradient()
         if sync and dist.get_world_size(self.dp_group) > 1:
             self._all_reduce_gradients()
         total._shardkit_pipeline_backward_done = True
         return total
+
+    def _sum_tied_gradient(self) -> None:
+        """A tied embedding/head: the first stage's gradient and the last's, summed on both (zeros elsewhere)."""
+        if self.tied_shape is None or self.pp == 1:
+            return
+        holder = self.module.embed_tokens if self.first else self.module.lm_head if self.last else None
+        weight = holder.weight if holder is not None else None
+        if weight is not None and weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        grad = weight.grad if weight is not None else torch.zeros(self.tied_shape, device=self.stages[0].device)
+        dist.all_reduce(grad, group=self.pp_group)
 
     def _all_reduce_gradients(self) -> None:
         size = dist.get_world_size(self.dp_group)
@@ -131,3 +148,42 @@ def _pipeline_forward(self: nn.Module, input_ids: torch.Tensor, labels: torch.Te
                                   "pipeline-split model; save a checkpoint and load it under a single-device or "
                                   "FSDP strategy for evaluation and generation")
     return self._shardkit_pipeline.run(input_ids, labels)
+
+
+def iter_full_state(runner: PipelineRunner, is_main: bool) -> Any:
+    """The whole model's state dict on the main rank, one tensor at a time in the model's own order.
+
+    Each pipeline rank says which names it holds (one small object broadcast per stage), then each tensor is
+    broadcast from its holder over the pipeline group; every rank must drive it to the end.
+    """
+    group, own = runner.pp_group, runner.module.state_dict()
+    meta: list[Any] = [None] * runner.pp
+    dist.all_gather_object(meta, {k: (tuple(v.shape), v.dtype) for k, v in own.items()}, group=group)
+    for key in runner.keys:
+        holder = next(j for j, held in enumerate(meta) if key in held)
+        shape, dtype = meta[holder][key]
+        t = own[key].detach().contiguous() if holder == runner.pp_rank else \
+            torch.empty(shape, dtype=dtype, device=runner.stages[0].device)
+        dist.broadcast(t, src=dist.get_global_rank(group, holder), group=group)
+        if is_main:
+            yield key, t.cpu().clone()
+
+
+def gather_optimizer_state(runner: PipelineRunner, state: dict[str, Any]) -> dict[str, Any] | None:
+    """Every stage's optimizer state by name merged on pipeline rank 0 (None elsewhere)."""
+    parts: list[Any] = [None] * runner.pp
+    dist.all_gather_object(parts, state, group=runner.pp_group)
+    if runner.pp_rank:
+        return None
+    merged = {"state": {}, "param_groups": [dict(g, params=[]) for g in parts[0]["param_groups"]]}
+    for part in parts:
+        merged["state"].update(part["state"])
+        for group, theirs in zip(merged["param_groups"], part["param_groups"]):
+            group["params"] += [n for n in theirs["params"] if n not in group["params"]]
+    return merged
+
+
+def own_optimizer_state(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """The part of a whole model's optimizer state (by name) that this stage's parameters hold."""
+    groups = [dict(g, params=[n for n in g["params"] if n in names]) for g in state["param_groups"]]
+    return {"state": {n: s for n, s in state["state"].items() if n in names}, "param_groups": groups}

@@ -118,9 +118,6 @@ def _install(module: nn.Module, attention: Any, dims: ParallelDims, cp_mode: str
                          "has none. Hugging Face models are not supported by this strategy yet")
     cfg = getattr(module, "config", None)
     dims.validate(num_heads=getattr(cfg, "num_heads", None), cp_mode=cp_mode)
-    if getattr(cfg, "dropout", 0.0):
-        raise ValueError(f"ContextParallel: attention dropout({cfg.dropout}) is not supported over a split sequence; "
-                         "build the model with dropout=0.0")
     for attn in attns:
         attn.core = attention
     module._shardkit_cp = attention

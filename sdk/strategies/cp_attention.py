@@ -70,7 +70,7 @@ class UlyssesAttention(_CPAttention):
         group: the context-parallel process group.
     """
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
         heads = q.shape[1]
         if heads % self.size:
             raise ValueError(f"Ulysses context parallelism: heads({heads}) % cp({self.size}) != 0; use "
@@ -78,7 +78,7 @@ class UlyssesAttention(_CPAttention):
         order = torch.cat([self.positions(r, q.device) for r in range(self.size)])
         inverse = torch.argsort(order)
         q, k, v = (self._to_heads(t).index_select(2, inverse) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
         return self._to_sequence(out.index_select(2, order))
 
     def _to_heads(self, t: torch.Tensor) -> torch.Tensor:
@@ -130,15 +130,18 @@ def _shift(t: torch.Tensor, group: Any, step: int) -> torch.Tensor:
 
 
 def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, m: torch.Tensor,
-           l: torch.Tensor, acc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One key/value block into the online softmax: new running max ``m``, sum ``l`` and output ``acc``."""
+           denom: torch.Tensor, acc: torch.Tensor, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One key/value block into the online softmax: new running max ``m``, sum ``denom`` and output ``acc``."""
     scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
     scores = scores.masked_fill(~visible, float("-inf"))
     # The result does not depend on the max chosen (it cancels), so it carries no gradient.
     m_new = torch.maximum(m, scores.amax(-1, keepdim=True)).detach()
     p = torch.exp(scores - m_new)
     alpha = torch.exp(m - m_new)
-    return m_new, l * alpha + p.sum(-1, keepdim=True), acc * alpha + p @ v.float()
+    # Dropout of the unnormalised probabilities: the sum is of the kept ones' originals, so the result is
+    # dropout of the normalised ones (SDPA's). Backward recomputes this block under the same RNG state.
+    dropped = F.dropout(p, dropout_p) if dropout_p else p
+    return m_new, denom * alpha + p.sum(-1, keepdim=True), acc * alpha + dropped @ v.float()
 
 
 class RingAttention(_CPAttention):
@@ -148,17 +151,17 @@ class RingAttention(_CPAttention):
         group: the context-parallel process group.
     """
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
         q_pos = self.positions(self.rank, q.device)
         b, h, s, _ = q.shape
         # Own block first: every query sees at least itself there, so the running max is finite after it.
         m = torch.full((b, h, s, 1), float("-inf"), device=q.device)
-        l = torch.zeros((b, h, s, 1), device=q.device)
+        denom = torch.zeros((b, h, s, 1), device=q.device)
         acc = torch.zeros((b, h, s, v.shape[-1]), device=q.device)
         for step in range(self.size):
             if step:
                 k, v = _RingShift.apply(k, self.group, 1), _RingShift.apply(v, self.group, 1)
             src = (self.rank - step) % self.size
             visible = self.positions(src, q.device)[None, :] <= q_pos[:, None]
-            m, l, acc = checkpoint(_block, q, k, v, visible, m, l, acc, use_reentrant=False)
-        return (acc / l).to(q.dtype)
+            m, denom, acc = checkpoint(_block, q, k, v, visible, m, denom, acc, dropout_p, use_reentrant=False)
+        return (acc / denom).to(q.dtype)

@@ -21,7 +21,7 @@ from typing import Any
 
 from shardkit.suggest import did_you_mean
 
-__all__ = ["ACCELERATE_KEYS", "DIM_NAMES", "ParallelDims"]
+__all__ = ["ACCELERATE_KEYS", "DIM_NAMES", "ParallelDims", "strategy_spec_from_accelerate"]
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 ACCELERATE_KEYS = {f"parallelism_config_{n}_size": n for n in ("dp_replicate", "dp_shard", "tp", "cp")}
@@ -166,3 +166,39 @@ class ParallelDims:
                 raise ValueError(f"parallelism_config.{key}: {value!r} in {where} must be a whole number >= 1")
             sizes[ACCELERATE_KEYS[key]] = value
         return cls(**sizes)
+
+
+def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_type: str,
+                                  where: str) -> tuple[str, dict[str, Any]]:
+    """The strategy (registry name, keyword arguments) an Accelerate ``parallelism_config`` section describes.
+
+    cp > 1: ContextParallel (FSDP2 over dp_shard x cp, HSDP over dp_replicate); tp > 1: TensorParallel (FSDP2
+    over the data-parallel ranks); data parallelism only: FSDP (hybrid when dp_replicate > 1).
+
+    Raises:
+        ValueError: a bad key or size, sizes whose product is not the world size, or cp and tp together.
+    """
+    if not isinstance(section, Mapping):
+        raise ValueError(f"parallelism_config in {where} must be a section (a mapping), not {type(section).__name__}")
+    if distributed_type not in ("FSDP", "MULTI_GPU", "MULTI_CPU", "NO"):
+        raise ValueError(f"parallelism_config in {where} goes with distributed_type: FSDP (as Accelerate's ND "
+                         f"parallelism does), not {distributed_type}")
+    dims = ParallelDims.from_accelerate(section, where)
+    try:
+        dims = dims.resolve(world_size)
+    except ValueError as err:
+        raise ValueError(f"parallelism_config in {where}: {err}") from None
+    if dims.cp > 1 and dims.tp > 1:
+        raise ValueError(f"parallelism_config in {where}: cp({dims.cp}) together with tp({dims.tp}) is not supported "
+                         "by shardkit yet; use one of them (ContextParallel or TensorParallel) with dp_shard")
+    if dims.cp > 1:
+        return "cp", {"cp_size": dims.cp, "dp_replicate": dims.dp_replicate}
+    if dims.tp > 1:
+        if dims.dp_replicate > 1:
+            raise ValueError(f"parallelism_config in {where}: tp({dims.tp}) with dp_replicate({dims.dp_replicate}) "
+                             "is not supported; shard the data-parallel ranks instead (dp_shard)")
+        return "tp", {"tp_size": dims.tp, **({"dp": "fsdp"} if dims.dp_shard > 1 else {})}
+    if dims.dp_replicate > 1:
+        return "fsdp", {"sharding": "hybrid" if dims.dp_shard > 1 else "none",
+                        **({"hybrid_shard_size": dims.dp_shard} if dims.dp_shard > 1 else {})}
+    return "fsdp", {}

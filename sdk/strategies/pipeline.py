@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
+from shardkit import checkpoint as ckpt
 from shardkit.strategies import _mesh
 from shardkit.strategies.mesh import ParallelDims
 from shardkit.strategies.parallel import ProcessGroupStrategy
@@ -149,7 +150,8 @@ class Pipeline(ProcessGroupStrategy):
         from shardkit.strategies._pipeline_stages import PipelineRunner
 
         _mesh.broadcast_from_rank0(module)
-        self._runner = PipelineRunner(module, self.settings, self.mesh, self.root_device, self._loss_scale)
+        self._runner = PipelineRunner(module, self.settings, self.mesh, self.root_device, self._loss_scale,
+                                      self.precision.scale_loss)
         module._shardkit_pipeline = self._runner
         return module
 
@@ -179,6 +181,63 @@ class Pipeline(ProcessGroupStrategy):
         for p in params:
             p.grad.mul_(scale)
         return norm
+
+    @override
+    def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
+                            module: nn.Module | None = None) -> Any:
+        """Not available: each rank holds other parameters (its stages'), so no list means the same on every rank;
+        read the whole model with ``runner.iter_full_state_dict(model)`` or a checkpoint instead."""
+        raise NotImplementedError("Pipeline: gathered_parameters needs the same parameters on every rank, but each "
+                                  "pipeline rank holds only its stages'; use runner.iter_full_state_dict(model) (whole "
+                                  "tensors on rank 0) or save a checkpoint")
+
+    @override
+    def iter_full_state_dict(self, module: nn.Module) -> Any:
+        """The whole model's state dict on rank 0 in the unsplit model's key order, one tensor at a time."""
+        from shardkit.strategies._pipeline_stages import iter_full_state
+
+        return iter_full_state(self._runner, self.is_global_zero)
+
+    # Checkpoints hold the whole model (rank 0 writes it, gathered tensor by tensor), so they load under any
+    # pipeline size, pp 1 and the other strategies included; each stage loads the names it holds.
+
+    @override
+    def save_module(self, writer: ckpt.CheckpointWriter, name: str, module: nn.Module) -> None:
+        state = dict(self.iter_full_state_dict(module))
+        if self.is_global_zero:
+            writer.write_tensors(name, state)
+
+    @override
+    def load_module(self, reader: ckpt.CheckpointReader, name: str, module: nn.Module) -> None:
+        own = module.state_dict()
+        if reader.entries().get(name) == "sharded":
+            tensors = {k: t for k, t in reader.iter_full_tensors(name) if k in own}
+        else:
+            tensors = {k: t for k, t in reader.read_tensors(name).items() if k in own}
+        if self._runner.tied_shape is not None:  # a tied weight may be stored under either name
+            for key, alias in (("lm_head.weight", "embed_tokens.weight"), ("embed_tokens.weight", "lm_head.weight")):
+                if key in own and key not in tensors and alias in own:
+                    tensors[key] = tensors.get(alias)
+        module.load_state_dict(tensors, strict=True)
+
+    @override
+    def save_optimizer(self, writer: ckpt.CheckpointWriter, name: str, optimizer: torch.optim.Optimizer,
+                       module: nn.Module) -> None:
+        from shardkit.strategies._pipeline_stages import gather_optimizer_state
+
+        merged = gather_optimizer_state(self._runner, ckpt.optimizer_state_by_name(optimizer, module))
+        if self.is_global_zero:
+            writer.write_state(name, merged)
+
+    @override
+    def load_optimizer(self, reader: ckpt.CheckpointReader, name: str, optimizer: torch.optim.Optimizer,
+                       module: nn.Module) -> None:
+        from shardkit.strategies._pipeline_stages import own_optimizer_state
+        from shardkit.strategies._sharded_state import read_full_optimizer_state
+
+        names = {n for n, _ in module.named_parameters()}
+        state = own_optimizer_state(read_full_optimizer_state(reader, name), names)
+        ckpt.load_optimizer_state_by_name(optimizer, module, state)
 
     @override
     def checkpoint_info(self) -> dict[str, Any]:
