@@ -49,10 +49,23 @@ def _case(first: Any, second: Any, root: Path) -> dict:
     batches = _batches()
     losses = _train(runner, model, batches[:SAVE_AT])
     runner.save(root / "mid", {"model": model, "optimizer": opt})
+    consolidated = _consolidated_matches(runner, model, root / "mid")
     losses += _train(runner, model, batches[SAVE_AT:])
     runner, model, opt = _build(second)
     runner.load(root / "mid", {"model": model, "optimizer": opt})
-    return {"uninterrupted": losses[SAVE_AT:], "resumed": _train(runner, model, batches[SAVE_AT:])}
+    return {"uninterrupted": losses[SAVE_AT:], "resumed": _train(runner, model, batches[SAVE_AT:]),
+            "consolidated": consolidated}
+
+
+def _consolidated_matches(runner: Runner, model: Any, path: Path) -> bool | None:
+    """What ``shardkit zero-to-fp32`` reads from the checkpoint equals the whole model (rank 0; None elsewhere)."""
+    from shardkit.checkpoint.consolidate import get_fp32_state_dict
+
+    whole = dict(runner.iter_full_state_dict(model))
+    if not runner.is_main_process:
+        return None
+    read = dict(get_fp32_state_dict(path))
+    return read.keys() == whole.keys() and all(torch.equal(read[k], whole[k].float()) for k in whole)
 
 
 def layout_worker(root: str) -> dict:

@@ -1,5 +1,6 @@
 """Checkpoints across parallel layouts: saved under cp 2 / pp 2, resumed under cp 1 / pp 1 and back, on 2 CPU
-ranks; the resumed run continues with the uninterrupted losses."""
+ranks; the resumed run continues with the uninterrupted losses, and ``shardkit zero-to-fp32``'s reader gives the
+whole model from each checkpoint."""
 
 from __future__ import annotations
 
@@ -20,3 +21,4 @@ def test_resume_under_another_layout_continues_the_uninterrupted_losses(results,
         got = per_rank[case]
         torch.testing.assert_close(torch.tensor(got["resumed"]), torch.tensor(got["uninterrupted"]), rtol=1e-5,
                                    atol=1e-5, msg=lambda m, r=rank: f"rank {r} {case}: resumed losses differ: {m}")
+    assert results[0][case]["consolidated"], f"{case}: zero-to-fp32's reader does not give the saved model"
