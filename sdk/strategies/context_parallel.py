@@ -110,25 +110,44 @@ def _attention_modules(module: nn.Module) -> list[nn.Module]:
 
 
 def _install(module: nn.Module, attention: Any, dims: ParallelDims, cp_mode: str) -> None:
-    """Route ``module``'s training forward through the split sequence (shardkit Llama-style models)."""
-    attns = _attention_modules(module)
-    if not attns or not callable(getattr(module, "hidden_states", None)) or not hasattr(module, "lm_head"):
-        raise ValueError(f"ContextParallel needs a model with context-parallel attention hooks: shardkit's Llama "
-                         f"(attention modules with a `core`, `hidden_states` and `lm_head`); {type(module).__name__} "
-                         "has none. Hugging Face models are not supported by this strategy yet")
+    """Route ``module``'s training forward through the split sequence (shardkit's Llama, Hugging Face decoders)."""
+    from shardkit.strategies import cp_hf
+
     cfg = getattr(module, "config", None)
-    dims.validate(num_heads=getattr(cfg, "num_heads", None), cp_mode=cp_mode)
-    for attn in attns:
-        attn.core = attention
+    if cp_hf.is_hf_decoder(module) and cp_hf.hf_attention_modules(module):
+        dims.validate(num_heads=getattr(cfg, "num_attention_heads", None), cp_mode=cp_mode)
+        cp_hf.install_hf(module, attention)
+    else:
+        attns = _attention_modules(module)
+        if not attns or not callable(getattr(module, "hidden_states", None)) or not hasattr(module, "lm_head"):
+            raise ValueError(f"ContextParallel needs attention it can replace: shardkit's Llama (attention modules "
+                             f"with a `core`, `hidden_states` and `lm_head`) or a Hugging Face decoder that "
+                             f"dispatches through ALL_ATTENTION_FUNCTIONS (Llama, Qwen2, ...); {type(module).__name__} "
+                             "is neither")
+        dims.validate(num_heads=getattr(cfg, "num_heads", None), cp_mode=cp_mode)
+        for attn in attns:
+            attn.core = attention
     module._shardkit_cp = attention
     module.forward = types.MethodType(context_parallel_forward, module)
 
 
 def context_parallel_forward(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                             **kwargs: Any) -> torch.Tensor:
+                             **kwargs: Any) -> Any:
     """The forward ContextParallel installs: with labels, the whole sequences' mean next-token loss computed
-    from this rank's chunks; without, the model's own forward over the whole sequence (every rank)."""
+    from this rank's chunks (shardkit's Llama: the loss; a Hugging Face model: its output with ``.loss`` set and
+    this rank's logits); without, the model's own forward over the whole sequence (every rank)."""
+    from shardkit.strategies import cp_hf
+
     attention = self._shardkit_cp
+    if cp_hf.is_hf_decoder(self):
+        if labels is None:
+            return type(self).forward(self, input_ids=input_ids, **kwargs)
+        attention.seq_len = input_ids.shape[1]
+        positions = load_balanced_positions(input_ids.shape[1], attention.size, attention.rank, input_ids.device)
+        local_sum, count, out = cp_hf.hf_split_forward(self, input_ids, _shift(labels), positions,
+                                                       kwargs.pop("attention_mask", None), **kwargs)
+        out.loss = _group_loss(local_sum, count, attention)
+        return out
     if labels is None or kwargs:
         cores = _attention_modules(self)
         for attn in cores:
@@ -141,15 +160,23 @@ def context_parallel_forward(self: nn.Module, input_ids: torch.Tensor, labels: t
     seq = input_ids.shape[1]
     attention.seq_len = seq
     positions = load_balanced_positions(seq, attention.size, attention.rank, input_ids.device)
-    # Shift before splitting: the label of position t is token t+1, which may live on another rank.
-    shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
     hidden = self.hidden_states(shard_sequence(input_ids, positions), position_ids=positions)
-    local_labels = shard_sequence(shifted, positions).reshape(-1)
+    local_labels = shard_sequence(_shift(labels), positions).reshape(-1)
     count = (local_labels != -100).sum()
     if int(count):
         local_sum = self.lm_head(hidden.reshape(-1, hidden.shape[-1]), local_labels) * count
     else:  # every local label ignored: no loss here, but the graph (and FSDP's hooks) still run
         local_sum = hidden.sum() * 0.0
+    return _group_loss(local_sum, count, attention)
+
+
+def _shift(labels: torch.Tensor) -> torch.Tensor:
+    """Shift before splitting: the label of position t is token t+1, which may live on another rank."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+
+
+def _group_loss(local_sum: torch.Tensor, count: torch.Tensor, attention: Any) -> torch.Tensor:
+    """The cp group's token-weighted mean loss from this rank's sum and count, with this rank's gradient."""
     totals = torch.stack([local_sum.detach(), count.to(local_sum.dtype)])
     dist.all_reduce(totals, group=attention.group)
     tokens = totals[1].clamp(min=1)

@@ -74,9 +74,49 @@ def _case(strategy: Any, reference: tuple[list[float], list[dict[str, torch.Tens
     return out
 
 
+def _hf_model(kind: str) -> Any:
+    """A tiny Hugging Face decoder from a config (no download), grouped-query attention, same weights everywhere."""
+    import transformers
+
+    config_class, model_class = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
+                                 "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}[kind]
+    config = getattr(transformers, config_class)(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                  max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return getattr(transformers, model_class)(config).float()
+
+
+def _hf_case(kind: str, mode: str) -> dict:
+    """A Hugging Face model under ContextParallel against the same model in this process, one step."""
+    from shardkit.strategies.context_parallel import ContextParallel
+
+    labels = batches()[0]
+    reference = _hf_model(kind)
+    ref_loss = reference(input_ids=labels.clamp(min=0), labels=labels).loss
+    ref_loss.backward()
+    runner = Runner(ContextParallel(cp_mode=mode), seed=0)
+    model = runner.setup(_hf_model(kind))
+    per = GLOBAL_BATCH // runner.strategy.data_parallel_size
+    local = labels[runner.strategy.data_parallel_rank * per:(runner.strategy.data_parallel_rank + 1) * per]
+    loss = model(input_ids=local.clamp(min=0), labels=local).loss
+    runner.backward(loss)
+    total = runner.all_reduce(loss.detach().clone(), "mean")
+    grads = dict(reference.named_parameters())
+    diff = max((p.grad.full_tensor() - grads[n].grad).abs().max().item() for n, p in model.named_parameters())
+    return {"loss": [abs(total.item() - ref_loss.item())], "grad": [diff]}
+
+
 def cp_worker(cases: list[dict]) -> dict:
-    """Run each case (ContextParallel keyword arguments) and return its differences from one process."""
+    """Run each case (ContextParallel keyword arguments, or {"hf": "llama"|"qwen2", "cp_mode": ...}) and return
+    its differences from one process."""
     from shardkit.strategies.context_parallel import ContextParallel
 
     reference = _reference()
-    return {repr(sorted(kw.items())): _case(ContextParallel(**kw), reference) for kw in cases}
+    out = {}
+    for kw in cases:
+        if "hf" in kw:
+            out[f"hf {kw['hf']} {kw['cp_mode']}"] = _hf_case(kw["hf"], kw["cp_mode"])
+        else:
+            out[repr(sorted(kw.items()))] = _case(ContextParallel(**kw), reference)
+    return out
