@@ -114,3 +114,18 @@ def test_memory_estimate_rows_for_context_and_pipeline_parallelism():
     assert cp.device_total == fsdp.device_total
     ddp, pp = (estimate_model_states(spec, n, num_gpus_per_node=4, pp_size=4) for n in ("ddp", "pp"))
     assert pp.device_total == pytest.approx(ddp.device_total / 4, abs=64)
+
+
+def test_estimate_memory_cli_prints_cp_activations_and_the_pipeline_bubble(tmp_path, capsys):
+    import json
+
+    from shardkit.cli import main
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
+                               "num_hidden_layers": 8, "num_attention_heads": 8, "vocab_size": 1000}))
+    assert main(["estimate-memory", "--config", str(cfg), "--num-gpus", "4", "--batch-size", "8", "--seq-len", "1024",
+                 "--cp-size", "4", "--pp-size", "4", "--microbatches", "8", "--strategy", "pp"]) == 0
+    out = capsys.readouterr().out
+    assert "Activations per rank under cp 4" in out
+    assert "bubble (pp-1)/(m+pp-1) = 27% of a step" in out
