@@ -95,11 +95,10 @@ def _stage_alone(runner, microbatches: int) -> float:
         start = time.perf_counter()
         for stage in runner.stages:
             part = stage.submod
-            x = torch.randint(0, CONFIG.vocab_size, (mb, SEQ)) if part.embed is not None else \
-                torch.randn(mb, SEQ, CONFIG.hidden_size, requires_grad=True)
-            out = part(x)
+            ids = torch.randint(0, CONFIG.vocab_size, (mb, SEQ))
+            out = part(ids if part.embed is not None else torch.randn(mb, SEQ, CONFIG.hidden_size, requires_grad=True))
             (out.float().pow(2).mean() if part.head is None else part.head(out[:, :-1].reshape(-1, out.shape[-1]),
-                                                                          x[:, 1:].reshape(-1))).backward()
+                                                                          ids[:, 1:].reshape(-1))).backward()
         times.append(time.perf_counter() - start)
         for p in runner.module.parameters():
             p.grad = None

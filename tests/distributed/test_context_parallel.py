@@ -1,5 +1,6 @@
 """Context parallelism (ring and Ulysses) on 2 and 4 CPU ranks: loss and gradients equal one process's, for
-shardkit's Llama (cp 2, cp 4, and dp_shard 2 x cp 2 on 4 ranks) and Hugging Face Llama and Qwen2 (cp 2).
+shardkit's Llama (cp 2, cp 4, dp_shard 2 x cp 2 and dp_replicate 2 x cp 2 on 4 ranks) and Hugging Face Llama
+and Qwen2 (cp 2).
 
 One launch per world size runs every case in one process group (spawning costs more than a case).
 """
@@ -14,7 +15,7 @@ CASES = {
     2: [{"cp_mode": "ring"}, {"cp_mode": "ulysses"}, {"hf": "llama", "cp_mode": "ring"},
         {"hf": "qwen2", "cp_mode": "ulysses"}],
     4: [{"cp_mode": "ring"}, {"cp_mode": "ulysses"}, {"cp_mode": "ring", "cp_size": 2},
-        {"cp_mode": "ulysses", "cp_size": 2}],
+        {"cp_mode": "ulysses", "cp_size": 2}, {"cp_mode": "ring", "cp_size": 2, "dp_replicate": 2}],
 }
 TOL = 2e-5
 
