@@ -79,11 +79,28 @@ class PipelineRunner:
                 setattr(module, name, None)
         self.first, self.last, self.module = first, last, module
         self.schedule_class = getattr(pipelining, SCHEDULES[settings.schedule])
+        self._schedules: dict[int, Any] = {}
+        self._batch: tuple[torch.Tensor, int] = (torch.ones(()), 1)
         module.forward = types.MethodType(_pipeline_forward, module)
 
-    def schedule(self, microbatches: int, loss_fn: Callable) -> Any:
-        stage = self.stages if self.settings.chunks > 1 else self.stages[0]
-        return self.schedule_class(stage, microbatches, loss_fn=loss_fn, scale_grads=False)
+    def schedule(self, microbatches: int) -> Any:
+        """The schedule for ``microbatches``, built once: a new one per step would redo the stages' setup
+        (shape inference and buffers: measured 2x the step time of a reused one, benchmarks/pipeline.py)."""
+        if microbatches not in self._schedules:
+            stage = self.stages if self.settings.chunks > 1 else self.stages[0]
+            self._schedules[microbatches] = self.schedule_class(stage, microbatches, loss_fn=self._loss,
+                                                                scale_grads=False)
+        return self._schedules[microbatches]
+
+    def _loss(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's share of the batch's token-weighted mean (and of the accumulation window)."""
+        tokens, accumulation = self._batch
+        shift = target[:, 1:].reshape(-1)
+        count = (shift != -100).sum()
+        if not int(count):
+            return hidden.sum() * 0.0
+        mean = self.module.lm_head(hidden[:, :-1].reshape(-1, hidden.shape[-1]), shift)
+        return self.scale_loss(mean * count / tokens / accumulation)
 
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-batch; the batch's token-weighted mean loss on every rank."""
@@ -92,19 +109,8 @@ class PipelineRunner:
             raise ValueError(f"Pipeline: batch size({input_ids.shape[0]}) % microbatches({n}) != 0; use a batch "
                              f"size that is a multiple of {n}, or Pipeline(microbatches=...) that divides it")
         accumulation, sync = self.loss_scale()
-        tokens = (labels[:, 1:] != -100).sum().clamp(min=1).float()
-        head = self.module.lm_head
-
-        def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            shift = target[:, 1:].reshape(-1)
-            count = (shift != -100).sum()
-            if not int(count):
-                return hidden.sum() * 0.0
-            mean = head(hidden[:, :-1].reshape(-1, hidden.shape[-1]), shift)
-            # Summed over micro-batches: the batch mean (over the accumulation window: its share).
-            return self.scale_loss(mean * count / tokens / accumulation)
-
-        schedule = self.schedule(n, loss_fn)
+        self._batch = ((labels[:, 1:] != -100).sum().clamp(min=1).float(), accumulation)
+        schedule = self.schedule(n)
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.first else ()
         kwargs = {"target": labels, "losses": losses} if self.last else {}
