@@ -11,9 +11,10 @@ Two ways to attend over the whole sequence from the local chunks, both different
 - :class:`UlyssesAttention`: all-to-all from (local sequence, all heads) to (whole sequence, heads/cp),
   ordinary causal SDPA, and back. Two all-to-alls of q/k/v/out per layer; needs heads divisible by cp.
 - :class:`RingAttention`: key/value blocks travel around the ring (cp - 1 shifts); each step adds a
-  block to an online softmax (running max, sum and unnormalised output). Any head count; each block's
-  scores are recomputed in backward (activation checkpointing), so the saved activations stay
-  O(tokens) per layer instead of O(local tokens x sequence).
+  block to an online softmax (running max, sum and unnormalised output). Any head count. Its backward is
+  written out (flash-attention style from the saved log-sum-exp): the blocks go around the ring again with
+  their gradients, so a rank keeps only its own q/k/v, output and log-sum-exp. With attention dropout it runs
+  autograd through the shifts instead (each block recomputed in backward under its RNG state).
 """
 
 from __future__ import annotations
@@ -152,6 +153,17 @@ class RingAttention(_CPAttention):
     """
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+        if not dropout_p:
+            return _Ring.apply(q, k, v, self)
+        return self._through_autograd(q, k, v, dropout_p)
+
+    def visible(self, q_pos: torch.Tensor, step: int) -> torch.Tensor:
+        """Which keys of the block held at ``step`` (from rank - step) each local query sees."""
+        return self.positions((self.rank - step) % self.size, q_pos.device)[None, :] <= q_pos[:, None]
+
+    def _through_autograd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        """With dropout: autograd through the ring shifts, each block recomputed in backward under its RNG state
+        (keeps every received key/value block until backward)."""
         q_pos = self.positions(self.rank, q.device)
         b, h, s, _ = q.shape
         # Own block first: every query sees at least itself there, so the running max is finite after it.
@@ -161,7 +173,52 @@ class RingAttention(_CPAttention):
         for step in range(self.size):
             if step:
                 k, v = _RingShift.apply(k, self.group, 1), _RingShift.apply(v, self.group, 1)
-            src = (self.rank - step) % self.size
-            visible = self.positions(src, q.device)[None, :] <= q_pos[:, None]
-            m, denom, acc = checkpoint(_block, q, k, v, visible, m, denom, acc, dropout_p, use_reentrant=False)
+            m, denom, acc = checkpoint(_block, q, k, v, self.visible(q_pos, step), m, denom, acc, dropout_p,
+                                       use_reentrant=False)
         return (acc / denom).to(q.dtype)
+
+
+class _Ring(torch.autograd.Function):
+    """Ring attention with its own backward: saves only q, the local k/v, the output and the log-sum-exp; backward
+    sends the key/value blocks around the ring again, their gradients travelling with them back to their owner."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingAttention) -> torch.Tensor:
+        q_pos = ring.positions(ring.rank, q.device)
+        b, h, s, _ = q.shape
+        m = torch.full((b, h, s, 1), float("-inf"), device=q.device)
+        denom = torch.zeros((b, h, s, 1), device=q.device)
+        acc = torch.zeros((b, h, s, v.shape[-1]), device=q.device)
+        kc, vc = k, v
+        for step in range(ring.size):
+            if step:
+                kc, vc = _shift(kc, ring.group, 1), _shift(vc, ring.group, 1)
+            m, denom, acc = _block(q, kc, vc, ring.visible(q_pos, step), m, denom, acc, 0.0)
+        out = acc / denom
+        ctx.save_for_backward(q, k, v, out, m + torch.log(denom))
+        ctx.ring = ring
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        q_pos = ring.positions(ring.rank, q.device)
+        scale = q.shape[-1] ** -0.5
+        qf, grad = q.float(), grad.float()
+        delta = (grad * out).sum(-1, keepdim=True)
+        dq = torch.zeros_like(qf)
+        kc, vc = k.float(), v.float()
+        dk, dv = torch.zeros_like(kc), torch.zeros_like(vc)
+        for step in range(ring.size):
+            if step:
+                kc, vc, dk, dv = (_shift(t, ring.group, 1) for t in (kc, vc, dk, dv))
+            scores = (qf @ kc.transpose(-1, -2)) * scale
+            p = torch.exp(scores.masked_fill(~ring.visible(q_pos, step), float("-inf")) - lse)
+            dv += p.transpose(-1, -2) @ grad
+            ds = p * (grad @ vc.transpose(-1, -2) - delta)
+            dq += (ds @ kc) * scale
+            dk += (ds.transpose(-1, -2) @ qf) * scale
+        # The block held last came from rank + 1: one more shift takes its gradients home.
+        dk, dv = _shift(dk, ring.group, 1), _shift(dv, ring.group, 1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
