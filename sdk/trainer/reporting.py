@@ -1,16 +1,24 @@
-"""report_to: a JSON-lines file per run, or TensorBoard event files (needs the `tensorboard` package)."""
+"""report_to: reporters by name, through one registry: a JSON-lines file per run, TensorBoard event files.
+
+``TrainingArguments(report_to=...)`` names reporters registered here; the Trainer adds one callback per name
+(:func:`reporter_callbacks`). Another tracker plugs in with :func:`register_reporter` (a TrainerCallback
+class or factory, and whether its package is installed, for ``report_to="all"``).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from shardkit.trainer.callbacks import TrainerCallback
 
-__all__ = ["JsonlCallback", "TensorBoardCallback", "reporter_callbacks"]
+__all__ = ["JsonlCallback", "TensorBoardCallback", "available_reporters", "register_reporter", "reporter_callbacks",
+           "reporter_names"]
 
 
 def _scalars(logs: dict[str, Any]) -> dict[str, float]:
@@ -78,6 +86,33 @@ class TensorBoardCallback(TrainerCallback):
             self.writer = None
 
 
+_REPORTERS: dict[str, tuple[Callable[[], TrainerCallback], Callable[[], bool]]] = {}
+
+
+def register_reporter(name: str, factory: Callable[[], TrainerCallback], available: Callable[[], bool] = lambda: True,
+                      *, overwrite: bool = False) -> None:
+    """Make ``report_to=name`` add ``factory()`` to the Trainer's callbacks; ``available()`` says whether its
+    package is installed (``report_to="all"`` takes the available ones). The factory may raise ImportError
+    naming the package to install, at Trainer construction."""
+    if name in _REPORTERS and not overwrite:
+        raise ValueError(f"reporter {name!r} is already registered; pass overwrite=True to replace it")
+    _REPORTERS[name] = (factory, available)
+
+
+def reporter_names() -> list[str]:
+    """Every registered reporter name, plus "none" and "all"."""
+    return sorted([*_REPORTERS, "none", "all"])
+
+
+def available_reporters() -> list[str]:
+    """The registered reporters whose packages are installed (what ``report_to="all"`` means)."""
+    return sorted(name for name, (_, available) in _REPORTERS.items() if available())
+
+
 def reporter_callbacks(report_to: list[str]) -> list[TrainerCallback]:
-    table = {"jsonl": JsonlCallback, "tensorboard": TensorBoardCallback}
-    return [table[name]() for name in report_to]
+    """One callback per name in ``report_to`` (names checked by TrainingArguments)."""
+    return [_REPORTERS[name][0]() for name in report_to]
+
+
+register_reporter("jsonl", JsonlCallback)
+register_reporter("tensorboard", TensorBoardCallback, lambda: importlib.util.find_spec("tensorboard") is not None)

@@ -53,6 +53,11 @@ class ZeRO3(ZeROStrategy):
         timeout, extra: see ZeRO1/ZeRO2.
     """
 
+    @property
+    @override
+    def partitions_parameters(self) -> bool:
+        return True
+
     def __init__(self, offload: str | None = None, offload_optimizer: str | None = None,
                  offload_params: str | None = None, nvme_path: str | None = None,
                  prefetch_bucket_size: int | str = "auto", param_persistence_threshold: int | str = "auto",

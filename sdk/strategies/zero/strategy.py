@@ -62,6 +62,11 @@ class ZeROStrategy(ProcessGroupStrategy):
         settings: the validated settings (the stage among them).
     """
 
+    @property
+    @override
+    def optimizer_parameters(self) -> str:
+        return "flat"
+
     def __init__(self, settings: ZeROSettings):
         super().__init__(settings.timeout)
         self.settings = settings
