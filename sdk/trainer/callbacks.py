@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
+from shardkit.suggest import did_you_mean
 from shardkit.trainer.state import ExportableState, TrainerControl, TrainerState
 
 __all__ = ["TrainerCallback", "CallbackHandler", "DefaultFlowCallback", "ProgressCallback", "PrinterCallback",
@@ -87,10 +90,21 @@ class CallbackHandler(TrainerCallback):
                 optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, train_dataloader=self.train_dataloader,
                 eval_dataloader=self.eval_dataloader, **kwargs,
             )
-            if result is not None:
+            if isinstance(result, Mapping):  # {"should_training_stop": True}: flags to set (the Trainer docs' form)
+                _apply_flags(control, result, type(cb).__name__, event)
+            elif result is not None:
                 control = result
         return control
 
+
+
+def _apply_flags(control: TrainerControl, flags: Mapping[str, Any], owner: str, event: str) -> None:
+    valid = [f.name for f in dataclasses.fields(TrainerControl)]
+    for key, value in flags.items():
+        if key not in valid:
+            raise ValueError(f"{owner}.{event} returned {{{key!r}: ...}}: not a TrainerControl flag"
+                             f"{did_you_mean(str(key), valid)} Flags: {valid}")
+        setattr(control, key, bool(value))
 
 
 def _router(name: str):
