@@ -234,6 +234,16 @@ class Runner:
         module = self._require("_module", "begin_window")
         self.strategy.set_gradient_sync(module, size == 1)
 
+    def abandon_window(self) -> None:
+        """Drop the gradients of an unfinished accumulation window and start the next window afresh (after
+        an out-of-memory error in the middle of one, before retrying with a smaller batch)."""
+        module, optimizer = self._require("_module", "abandon_window"), self._optimizer
+        if optimizer is not None:
+            self.strategy.zero_grad(optimizer, module)
+        self._micro_step, self._boundary, self._clipped = 0, False, False
+        self._window = self.gradient_accumulation_steps
+        self.strategy.set_gradient_sync(module, self.gradient_accumulation_steps == 1)
+
     def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
         """Backward of one micro-batch's loss, averaged over the accumulation window."""
         module = model if model is not None else self._require("_module", "backward")
@@ -371,16 +381,21 @@ class Runner:
             writer.write_state(ckpt.rank_entry("rng", self.rank), ckpt.capture_rng_state())
         return Path(path)
 
-    def load(self, path: str | Path, state: dict[str, Any], *, verify: bool = True) -> dict[str, Any]:
+    def load(self, path: str | Path, state: dict[str, Any], *, verify: bool = True,
+             runner_state: bool = True) -> dict[str, Any]:
         """Restore the objects in ``state`` in place from a checkpoint; return its plain values.
 
         ``path`` may be a checkpoint directory or its parent (the ``latest`` pointer is followed).
         Every file read is checked against the manifest's sha256 in the same pass that reads it;
         ``verify=False`` skips the hashes (sizes, schema and paths are still checked).
+        ``runner_state=False`` restores only ``state``: the precision's loss scale, the step count,
+        the accumulation position and the RNG streams stay as they are (loading the best weights).
         """
         with ckpt.CheckpointReader(path, verify=verify) as reader:
             saver = StateSaver(self.strategy, self._owner_of)
             values = saver.load(reader, state)
+            if not runner_state:
+                return values
             self.precision.load_state_dict(reader.read_json("precision"))
             self._load_runner_state(reader.read_json(_RUNNER_STATE))
             rng_name = ckpt.rank_entry("rng", self.rank)

@@ -95,6 +95,11 @@ def _normalise(args: Any) -> None:
             setattr(args, name, _json_object(name, value))
     if args.lr_scheduler_kwargs is None:
         args.lr_scheduler_kwargs = {}
+    from shardkit.nn.checkpointing import parse_checkpoint_kwargs
+
+    for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):  # checked under the name given
+        if getattr(args, name) is not None:
+            setattr(args, name, parse_checkpoint_kwargs(getattr(args, name), f"TrainingArguments.{name}"))
     for old, new in (("gradient_checkpointing", "activation_checkpointing"),
                      ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs")):
         if getattr(args, new) is None and getattr(args, old) is not None:
@@ -402,7 +407,6 @@ def dataclasses_asdict(value: Any) -> dict[str, Any]:
 
 
 def _check_extensions(args: Any) -> None:
-    from shardkit.nn.checkpointing import parse_checkpoint_kwargs
     from shardkit.optim.named import parse_optim_args
     from shardkit.trainer.model_prep import check_model_prep_args
 
@@ -413,7 +417,3 @@ def _check_extensions(args: Any) -> None:
         raise TrainingArgumentsError(f"TrainingArguments.optim_target_modules={targets!r} must be a list of module "
                                      "names, a regex string or 'all-linear'")
     check_model_prep_args(args)  # neftune, fused kernels and torch_compile fields
-    if args.activation_checkpointing_kwargs is not None:
-        args.activation_checkpointing_kwargs = parse_checkpoint_kwargs(
-            args.activation_checkpointing_kwargs, "TrainingArguments.activation_checkpointing_kwargs")
-        args.gradient_checkpointing_kwargs = args.activation_checkpointing_kwargs

@@ -143,9 +143,9 @@ class Checkpointer:
         if resume is True:
             last = get_last_checkpoint(self.args.output_dir)
             if last is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir}): "
-                                 "resume_from_checkpoint=True needs a complete checkpoint-N there; train from "
-                                 "scratch (resume_from_checkpoint=None) or pass a checkpoint path")
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir}): it holds "
+                                 "no complete checkpoint-N for resume_from_checkpoint=True; train from scratch "
+                                 "(resume_from_checkpoint=None) or pass a checkpoint path")
             return Path(last)
         path = Path(resume)
         if not _complete(path):
@@ -214,4 +214,4 @@ class Checkpointer:
 
             load_pretrained(self.runner, model, path)
             return
-        self.runner.load(path, {"model": checkpoint_module(self.runner, model)})
+        self.runner.load(path, {"model": checkpoint_module(self.runner, model)}, runner_state=False)

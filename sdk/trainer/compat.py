@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
-__all__ = ["ARGUMENT_NOTES", "HF_METHODS", "METHOD_NOTES", "SHARDKIT_ONLY", "compat_rows", "markdown_table"]
+__all__ = ["ARGUMENT_NOTES", "HF_INIT", "HF_METHODS", "INIT_NOTES", "METHOD_NOTES", "SHARDKIT_ONLY", "compat_rows",
+           "init_rows", "markdown_table"]
 
 # transformers 5.23's public Trainer methods.
 HF_METHODS = (
@@ -95,6 +96,20 @@ ARGUMENT_NOTES: dict[str, tuple[str, str]] = {
     "local_rank": ("different", "accepted; the launcher's LOCAL_RANK decides"),
 }
 
+# Trainer(...) keywords: transformers 5.23's, then the removed ones, then shardkit's.
+HF_INIT = ("model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class", "model_init",
+           "compute_loss_func", "compute_metrics", "callbacks", "optimizers", "optimizer_cls_and_kwargs",
+           "preprocess_logits_for_metrics")
+INIT_NOTES: dict[str, tuple[str, str]] = {
+    "data_collator": ("supported", "default: Hugging Face's default_data_collator (padding with a tokenizer)"),
+    "model_init": ("supported", "each train() builds a fresh model seeded with args.seed"),
+    "optimizer_cls_and_kwargs": ("different", "the kwargs' weight_decay applies to the decay group (Hugging Face's "
+                                              "groups override it with args.weight_decay, 0 by default)"),
+    "tokenizer": ("refused", "renamed processing_class (removed in transformers 5); the error says so"),
+    "strategy": ("shardkit only", "a shardkit strategy object (FSDP(), ZeRO3(), TensorParallel() ...)"),
+    "precision": ("shardkit only", "a shardkit precision object (BF16(), FP16() ...)"),
+}
+
 METHOD_NOTES: dict[str, tuple[str, str]] = {
     "create_accelerator_and_postprocess": ("different", "no-op: the Runner is built with the Trainer"),
     "create_model_card": ("refused", "part of the Hub upload, not available yet"),
@@ -134,10 +149,18 @@ def compat_rows() -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str]
     return args, methods
 
 
+def init_rows() -> list[tuple[str, str, str]]:
+    """(keyword, status, note) for ``Trainer(...)``."""
+    names = [*HF_INIT, "tokenizer", "strategy", "precision"]
+    return [(n, *INIT_NOTES.get(n, ("supported", ""))) for n in names]
+
+
 def markdown_table() -> str:
-    """The README's table (arguments, then methods)."""
+    """The README's table (Trainer keywords, TrainingArguments fields, then methods)."""
     args, methods = compat_rows()
-    lines = ["| TrainingArguments field | status | notes |", "|---|---|---|"]
+    lines = ["| Trainer(...) keyword | status | notes |", "|---|---|---|"]
+    lines += [f"| `{n}` | {s} | {note} |" for n, s, note in init_rows()]
+    lines += ["", "| TrainingArguments field | status | notes |", "|---|---|---|"]
     lines += [f"| `{n}` | {s} | {note} |" for n, s, note in args]
     lines += ["", "| Trainer method | status | notes |", "|---|---|---|"]
     lines += [f"| `{n}` | {s} | {note} |" for n, s, note in methods]

@@ -181,10 +181,13 @@ def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[s
 def create_optimizer(model: nn.Module, args: TrainingArguments, spec: EngineSpec,
                      cls_and_kwargs: tuple[Any, dict[str, Any]] | None = None) -> torch.optim.Optimizer:
     """The optimizer ``args.optim`` names (or ``optimizer_cls_and_kwargs``, or the DeepSpeed config's)."""
-    groups = optimizer_param_groups(model, args.weight_decay)
     if cls_and_kwargs is not None:
         cls, kwargs = cls_and_kwargs
-        return cls(groups, **dict(kwargs))
+        # NOTE: the kwargs' weight_decay is the decay group's (Hugging Face's groups would override it with
+        # args.weight_decay, 0 by default, silently turning the decay the user asked for off).
+        decay = kwargs.get("weight_decay", args.weight_decay)
+        return cls(optimizer_param_groups(model, decay), **dict(kwargs))
+    groups = optimizer_param_groups(model, args.weight_decay)
     if spec.optimizer is not None:
         from shardkit.config.optim import build_optimizer
 

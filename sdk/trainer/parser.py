@@ -166,7 +166,7 @@ def _unknown_flags(remaining: list[str], known: list[str]) -> ValueError:
         if name in OBSOLETE_ARGUMENTS:
             lines.append(f"--{name}: {OBSOLETE_ARGUMENTS[name]}")
         else:
-            lines.append(f"unknown flag --{name}{did_you_mean(name, known, prefix='--')}")
+            lines.append(f"unknown command-line flag --{name}{did_you_mean(name, known, prefix='--')}")
     return ValueError("\n".join(lines) + "\n(run with --help for the valid flags)")
 
 

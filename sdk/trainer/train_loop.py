@@ -91,6 +91,8 @@ class TrainLoopMixin:
         logger.warning(f"auto_find_batch_size: out of memory at per-device batch {self._train_batch_size} "
                        f"({str(err)[:80]}); retrying with {new}")
         self._train_batch_size = new
+        if self._setup_done:
+            self.runner.abandon_window()  # the failed window's gradients go; the retry starts a window afresh
         self._refresh_train_loader()
         import gc
 

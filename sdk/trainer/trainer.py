@@ -87,13 +87,7 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         self.args = args = args if args is not None else TrainingArguments()
         self._memory = MemoryTracker(args.skip_memory_metrics)
         self._memory.start("init")
-        hub.check_push_settings(args)
-        if args.train_sampling_strategy == "group_by_length":
-            raise ValueError("train_sampling_strategy='group_by_length' is not supported: shardkit's data loader "
-                             "shards and resumes by sample position; use 'random' (the default) or 'sequential'")
-        if optimizer_cls_and_kwargs is not None and any(o is not None for o in optimizers):
-            raise ValueError("Trainer got both optimizers=(optimizer, scheduler) and optimizer_cls_and_kwargs: pass "
-                             "one of them")
+        _check_init(args, optimizers, optimizer_cls_and_kwargs)
         self.model_init = model_init
         if model is None:
             if model_init is None:
@@ -108,8 +102,8 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         self.label_names = list(args.label_names or ["labels"])
         max_steps, warmup = self._estimate_steps() if args.deepspeed else (None, None)
         self.runner, self._engine_spec = build_runner(args, strategy, precision, max_steps, warmup)
-        self.is_deepspeed_enabled = self.runner.strategy.optimizer_parameters == "flat"
-        self.is_fsdp_enabled = type(self.runner.strategy).__name__ == "FSDP" or bool(args.fsdp)
+        self.is_deepspeed_enabled = self.runner.strategy.optimizer_parameters == "flat"  # the ZeRO engines
+        self.is_fsdp_enabled = _is_fsdp(self.runner.strategy)
         self._set_model(model)
         self._configure_logging()
         self._train_batch_size = args.train_batch_size
@@ -502,6 +496,22 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         return CheckpointParts(self.model_wrapped, self.optimizer, self.lr_scheduler, self._train_loader, self.state,
                                self.control, self.callback_handler.callbacks, self.losses, self.processing_class,
                                self.data_collator)
+
+
+def _is_fsdp(strategy: Any) -> bool:
+    from shardkit.strategies.registry import STRATEGIES
+
+    return isinstance(strategy, STRATEGIES.get_class("fsdp"))
+
+
+def _check_init(args: TrainingArguments, optimizers: tuple[Any, Any], cls_and_kwargs: Any) -> None:
+    hub.check_push_settings(args)
+    if args.train_sampling_strategy == "group_by_length":
+        raise ValueError("train_sampling_strategy='group_by_length' is not supported: shardkit's data loader "
+                         "shards and resumes by sample position; use 'random' (the default) or 'sequential'")
+    if cls_and_kwargs is not None and any(o is not None for o in optimizers):
+        raise ValueError("Trainer got both optimizers=(optimizer, scheduler) and optimizer_cls_and_kwargs: pass "
+                         "one of them")
 
 
 def _refuse_removed(removed: dict[str, Any]) -> None:

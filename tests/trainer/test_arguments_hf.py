@@ -22,11 +22,12 @@ def test_hf_defaults_and_normalisation(tmp_path):
     assert args.output_dir == "trainer_output" and args.report_to == []
     assert TrainingArguments(report_to=["none"]).report_to == [] and TrainingArguments(report_to="none").report_to == []
     assert TrainingArguments(output_dir="~/x").output_dir.startswith("/")
-    args = TrainingArguments(str(tmp_path), use_cpu=True, include_num_input_tokens_seen=True, debug="underflow_overflow",
-                             hub_strategy="end", torch_empty_cache_steps=3, ddp_find_unused_parameters=True,
-                             ddp_timeout=60, local_rank=0, warmup_steps=0.25, lr_scheduler_kwargs='{"power": 2.0}',
-                             restore_callback_states_from_checkpoint=True, eval_use_gather_object=True,
-                             skip_memory_metrics=False, auto_find_batch_size=True, enable_jit_checkpoint=True)
+    args = TrainingArguments(str(tmp_path), use_cpu=True, include_num_input_tokens_seen=True,
+                             debug="underflow_overflow", hub_strategy="end", torch_empty_cache_steps=3,
+                             ddp_find_unused_parameters=True, ddp_timeout=60, local_rank=0, warmup_steps=0.25,
+                             lr_scheduler_kwargs='{"power": 2.0}', restore_callback_states_from_checkpoint=True,
+                             eval_use_gather_object=True, skip_memory_metrics=False, auto_find_batch_size=True,
+                             enable_jit_checkpoint=True)
     assert args.dataloader_pin_memory is False and args.include_num_input_tokens_seen == "all"
     assert args.debug == [DebugOption.UNDERFLOW_OVERFLOW] and args.hub_strategy == HubStrategy.END == "end"
     assert args.train_batch_size == 8 and args.get_warmup_steps(10) == 3 and args.lr_scheduler_kwargs == {"power": 2.0}

@@ -159,6 +159,12 @@ class _OutOfMemoryAt(TrainerCallback):
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
+class _OutOfMemoryMidWindow(TrainerCallback):
+    def on_substep_end(self, args, state, control, **kwargs):  # after the first of two backwards of a window
+        if state.train_batch_size >= 8:
+            raise torch.OutOfMemoryError("out of memory")
+
+
 def test_auto_find_batch_size_retries_with_a_smaller_batch_and_resumes_with_it(tmp_path):
     args = _args(tmp_path, per_device_train_batch_size=16, auto_find_batch_size=True, max_steps=2,
                  save_strategy="steps", save_steps=1)
@@ -169,6 +175,11 @@ def test_auto_find_batch_size_retries_with_a_smaller_batch_and_resumes_with_it(t
                                     save_strategy="steps", save_steps=1), train_dataset=Regression(64))
     resumed.train(resume_from_checkpoint=True)
     assert resumed._train_batch_size == 14 and resumed.state.global_step == 3
+    mid = Trainer(Line(), _args(tmp_path / "mid", per_device_train_batch_size=8, auto_find_batch_size=True,
+                                max_steps=2, gradient_accumulation_steps=2), train_dataset=Regression(64),
+                  callbacks=[_OutOfMemoryMidWindow()])
+    mid.train()
+    assert mid._train_batch_size == 7 and mid.state.global_step == 2
     with pytest.raises(RuntimeError, match="out of memory"):  # without the flag the error reaches the user
         Trainer(Line(), _args(tmp_path, per_device_train_batch_size=16, max_steps=1), train_dataset=Regression(64),
                 callbacks=[_OutOfMemoryAt()]).train()

@@ -269,7 +269,7 @@ def test_jsonl_report_and_nan_filter(tmp_path, caplog):
     class NaNAt(TrainerCallback):
         def on_step_begin(self, args, state, control, model=None, **kwargs):
             if state.global_step == 1:
-                trainer._pending_local.append(torch.tensor(float("nan")))
+                trainer.losses.add(torch.tensor(float("nan")))  # a step whose loss was NaN
 
     args = _args(tmp_path, max_steps=3, logging_steps=3, report_to="jsonl")
     trainer = Trainer(_llama(), args, train_dataset=_data(), callbacks=[NaNAt()])

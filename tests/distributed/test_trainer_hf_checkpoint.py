@@ -1,0 +1,64 @@
+"""The Trainer's Hugging Face files under sharding strategies, 2 CPU ranks: checkpoint-N and save_model() are
+streamed from the shards into model.safetensors that from_pretrained loads, equal to the trained weights; under
+ZeRO-3 trainer.deepspeed is the engine (issue 23 item 1)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from harness import run_distributed
+
+from shardkit.trainer import Trainer, TrainingArguments
+from shardkit.trainer.export import full_state_dict
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _hf_files_worker(out: str, strategy_name: str):
+    from transformers import LlamaForCausalLM
+
+    from shardkit.strategies import strategy_from_name
+
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=2, save_steps=2,
+                             optim="adamw_torch", disable_tqdm=True, report_to="none")
+    trainer = Trainer(_llama(), args, train_dataset=_Tokens(), strategy=strategy_from_name(strategy_name))
+    trainer.train()
+    trainer.save_model(f"{out}/export")
+    engine = trainer.deepspeed
+    if engine is not None:
+        engine.save_checkpoint(f"{out}/ds")
+    state = full_state_dict(trainer.runner, trainer.model_wrapped)
+    if not trainer.runner.is_main_process:
+        return None
+    gaps = []
+    for folder in ("checkpoint-2", "export"):
+        loaded = LlamaForCausalLM.from_pretrained(f"{out}/{folder}").state_dict()
+        gaps.append(max(float((loaded[k] - v).abs().max()) for k, v in state.items()))
+    return gaps, engine is not None, sorted(p.name for p in Path(out, "checkpoint-2").iterdir())
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_checkpoint_and_save_model_stream_hf_files(tmp_path, strategy):
+    if strategy == "zero3":
+        pytest.importorskip("deepspeed")
+    gaps, has_engine, files = run_distributed(_hf_files_worker, world_size=2, args=(str(tmp_path), strategy))[0]
+    assert gaps == [0.0, 0.0]
+    assert has_engine == (strategy == "zero3") and (not has_engine or (tmp_path / "ds" / "latest").is_file())
+    assert {"config.json", "model.safetensors", "trainer_state.json", "shardkit.json"} <= set(files)
