@@ -13,9 +13,9 @@ before any test module is collected. It puts shardkit's ``Trainer``, ``TrainingA
 ``TrainerControl``, the callback classes and the callback handler in place of transformers' own, in the
 top-level ``transformers`` namespace and in the modules that define them, so ``from transformers import
 Trainer`` in a test gets shardkit's. The module loggers the tests patch (``transformers.trainer.logger``,
-``transformers.trainer_callback.logger``) become shardkit's Trainer logger, so a test that asserts a warning
-was logged sees shardkit's warnings. Nothing else of transformers is touched: models, tokenizers, collators,
-schedulers and ``trainer_utils`` stay HF's.
+``transformers.trainer_callback.logger``) become shardkit's Trainer logger, and the ``shardkit`` logger becomes a
+child of transformers' library logger, so a test that captures or patches a logger sees shardkit's records.
+Nothing else of transformers is touched: models, tokenizers, collators, schedulers and ``trainer_utils`` stay HF's.
 
 Each run writes a JUnit XML report; the comparison lists the tests that pass on HF's Trainer and fail on
 shardkit's, each with the first line of its failure, and the ones that pass only on shardkit's.
@@ -62,6 +62,9 @@ def swap_into_transformers() -> None:
     shardkit_logger = logging.getLogger("shardkit.trainer")
     for module_name in ("transformers.trainer", "transformers.trainer_callback"):
         importlib.import_module(module_name).logger = shardkit_logger
+    # The tests capture transformers' library logger; shardkit's Trainer logger becomes its child, so its records
+    # reach those captures (its own level, set from log_level, still decides what it emits).
+    logging.getLogger("shardkit").parent = logging.getLogger("transformers")
 
 
 if os.environ.get(_SWAP_ENV) == "1":  # imported by pytest as a plugin (-p hf_trainer_parity)

@@ -130,6 +130,11 @@ class BackwardStepper:
             self.optimizer.grad_reducer = _average_across_ranks(self.runner.world_size)
 
     @property
+    def uses_runner_backward(self) -> bool:
+        """Whether backward goes through the Runner (layer-wise) rather than the optimizer's fused_backward."""
+        return self.kind == "layerwise"
+
+    @property
     def clips(self) -> bool:
         """Whether the fused optimizer clips the total gradient norm (its ``clip_grad_norm``)."""
         clip = getattr(self.optimizer, "clip_grad_norm", None)

@@ -297,7 +297,9 @@ class TrainLoopMixin:
         to_train(self)  # schedule-free: gradients at y (a save or an evaluation swapped the average x in)
         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
         self._window_len = len(window)
-        runner.begin_window(len(window))
+        stepper = self._backward_stepper
+        if stepper is None or stepper.uses_runner_backward:  # LOMO's own backward keeps DDP's sync off for good
+            runner.begin_window(len(window))
         window_loss = None
         for index, inputs in enumerate(window):
             loss = self.training_step(self.model_wrapped, inputs, num_items)
