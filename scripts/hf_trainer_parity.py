@@ -65,6 +65,17 @@ def swap_into_transformers() -> None:
     # The tests capture transformers' library logger; shardkit's Trainer logger becomes its child, so its records
     # reach those captures (its own level, set from log_level, still decides what it emits).
     logging.getLogger("shardkit").parent = logging.getLogger("transformers")
+    # transformers' verbosity is its library's log level, and shardkit's Trainer sets shardkit's from log_level: a
+    # test that sets or restores transformers' verbosity (LoggingLevel) sets shardkit's with it.
+    hf_logging = importlib.import_module("transformers.utils.logging")
+    hf_set_verbosity = hf_logging.set_verbosity
+
+    def set_verbosity(verbosity: int) -> None:
+        hf_set_verbosity(verbosity)
+        for name in ("shardkit", "shardkit.trainer"):
+            logging.getLogger(name).setLevel(verbosity)
+
+    hf_logging.set_verbosity = set_verbosity
 
 
 if os.environ.get(_SWAP_ENV) == "1":  # imported by pytest as a plugin (-p hf_trainer_parity)
