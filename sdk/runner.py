@@ -443,7 +443,8 @@ class Runner:
         same process does not keep the first one's model and optimizer alive; the strategy and precision stay."""
         self._module = self._optimizer = self._scheduler = self._loader = None
         self._owners.clear()
-        self._micro_step, self._boundary, self._clipped, self._window = 0, False, False, self.gradient_accumulation_steps
+        self._micro_step, self._boundary, self._clipped = 0, False, False
+        self._window = self.gradient_accumulation_steps
 
     def teardown(self) -> None:
         """Release the process group and anything else the strategy holds."""

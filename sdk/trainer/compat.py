@@ -57,8 +57,9 @@ ARGUMENT_NOTES: dict[str, tuple[str, str]] = {
     "include_num_input_tokens_seen": ("different", "counted and logged; per-step logs carry no timing values"),
     "log_level": ("different", "sets the 'shardkit' loggers; get_process_log_level() answers as Hugging Face's"),
     "log_level_replica": ("different", "as log_level, on the other processes"),
-    "report_to": ("different", "reporters registered with shardkit.trainer.reporting.register_reporter: jsonl and "
-                               "tensorboard built in; other names refused until one is registered"),
+    "report_to": ("different", "every tracker of shardkit.tracking (jsonl, tensorboard; logs tagged train/..., "
+                               "eval/... as HF's) and callbacks added with shardkit.trainer.reporting."
+                               "register_reporter; other names refused"),
     "project": ("different", "accepted; read by reporters that use it (no trackio reporter)"),
     "trackio_space_id": ("refused", "no trackio reporter: accepted, unused"),
     "trackio_bucket_id": ("refused", "no trackio reporter: accepted, unused"),

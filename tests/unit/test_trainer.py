@@ -275,6 +275,8 @@ def test_jsonl_report_and_nan_filter(tmp_path, caplog):
     trainer = Trainer(_llama(), args, train_dataset=_data(), callbacks=[NaNAt()])
     trainer.train()
     lines = [json.loads(x) for p in Path(args.logging_dir).glob("*.jsonl") for x in p.read_text().splitlines()]
+    assert lines[0]["config"]["max_steps"] == 3  # the arguments first
+    lines = lines[1:]
     assert lines[0]["step"] == 3 and lines[0]["loss"] == lines[0]["loss"]  # finite
     assert "NaN/inf" in caplog.text
 

@@ -65,7 +65,7 @@ def test_tensorboard_without_the_package_names_it(monkeypatch):
 
     from shardkit.trainer import Trainer
 
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if the package were not installed
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if the package were not installed
     args = TrainingArguments(report_to="tensorboard")  # accepted, as Hugging Face's; the Trainer names the package
     with pytest.raises(ImportError, match="pip install tensorboard"):
         Trainer(torch.nn.Linear(2, 2), args)
