@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import stat
+from unittest import mock
 
 import pytest
 import torch
@@ -59,11 +60,15 @@ def _hf_checkpoint(tmp_path):
     """A checkpoint written by Hugging Face's own Trainer (transformers installed for the tests)."""
     import transformers
 
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4,
-                                          learning_rate=1e-2, optim="adamw_torch", max_steps=2, save_steps=2,
-                                          use_cpu=True, report_to="none", disable_tqdm=True, seed=0)
-    hf = transformers.Trainer(tiny_llama(), args, train_dataset=Tokens())
-    hf.train()
+    # A single-process ZeRO run earlier in this process leaves LOCAL_RANK=0 (DeepSpeed's zero.Init reads it);
+    # HF's arguments would take it for a launcher's and wait for a process group.
+    with mock.patch.dict(os.environ):
+        os.environ.pop("LOCAL_RANK", None)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4,
+                                              learning_rate=1e-2, optim="adamw_torch", max_steps=2, save_steps=2,
+                                              use_cpu=True, report_to="none", disable_tqdm=True, seed=0)
+        hf = transformers.Trainer(tiny_llama(), args, train_dataset=Tokens())
+        hf.train()
     return tmp_path / "hf" / "checkpoint-2", hf
 
 
