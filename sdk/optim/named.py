@@ -18,6 +18,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from shardkit.utils.operations import json_object
+
 __all__ = ["GaLoreTargetError", "MissingOptimizerPackage", "NAMED_FACTORIES", "OptimizerUnsupportedError",
            "galore_projected_parameters", "galore_target_parameters", "is_galore", "is_grokadamw", "is_schedule_free",
            "parse_optim_args"]
@@ -57,16 +59,7 @@ def parse_optim_args(value: Any) -> dict[str, Any]:
         return dict(value)
     text = str(value).strip()
     if text.startswith("{"):
-        import json
-
-        try:
-            parsed = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"optim_args={text!r} is not valid JSON ({err}): pass a dict, a JSON object or "
-                             "'key=value,key=value'") from err
-        if not isinstance(parsed, dict):
-            raise ValueError(f"optim_args={text!r} must be a JSON object")
-        return parsed
+        return json_object(text, f"optim_args={text!r}", "pass a dict, a JSON object or 'key=value,key=value'")
     out: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, raw = item.partition("=")

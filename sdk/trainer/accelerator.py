@@ -53,7 +53,7 @@ class _StateView:
 
     @property
     def fsdp_plugin(self) -> FSDPPluginView | None:
-        return self._owner._fsdp_plugin
+        return self._owner._plugin_view
 
     @property
     def deepspeed_plugin(self) -> Any:
@@ -85,7 +85,7 @@ class AcceleratorView:
 
     def __init__(self, trainer: Any):
         self._trainer = trainer
-        self._fsdp_plugin = FSDPPluginView(trainer.runner.strategy) if trainer.is_fsdp_enabled else None
+        self._plugin_view = FSDPPluginView(trainer.runner.strategy) if trainer.is_fsdp_enabled else None
         self.state = _StateView(self)
 
     @property

@@ -9,7 +9,6 @@ fields take the enum or its value in any case, ``include_num_input_tokens_seen=T
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import numbers
@@ -20,6 +19,7 @@ from typing import Any
 from shardkit.suggest import did_you_mean
 from shardkit.trainer.arguments import LOG_LEVELS, TrainingArgumentsError, UnknownArgumentError
 from shardkit.trainer.enums import DebugOption, HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType, coerce
+from shardkit.utils.operations import json_object
 
 __all__ = ["OBSOLETE_ARGUMENTS", "check_arguments", "translate_keywords"]
 
@@ -92,10 +92,10 @@ def _normalise(args: Any) -> None:
     for name in _DICT_FIELDS:
         value = getattr(args, name)
         if isinstance(value, str) and value.lstrip().startswith("{"):
-            setattr(args, name, _json_object(name, value))
+            setattr(args, name, json_object(value, f"TrainingArguments.{name}", error=TrainingArgumentsError))
     if args.lr_scheduler_kwargs is None:
         args.lr_scheduler_kwargs = {}
-    from shardkit.nn.checkpointing import parse_checkpoint_kwargs
+    from shardkit.strategies.activation_checkpointing import parse_checkpoint_kwargs
 
     for name in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):  # checked under the name given
         if getattr(args, name) is not None:
@@ -128,17 +128,6 @@ def _normalise(args: Any) -> None:
         args.fsdp = "full_shard"
     elif isinstance(args.fsdp, (list, tuple)):
         args.fsdp = " ".join(str(o) for o in args.fsdp)
-
-
-def _json_object(name: str, text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise TrainingArgumentsError(f"TrainingArguments.{name} is not valid JSON ({err}): pass a dict or a JSON "
-                                     "object") from None
-    if not isinstance(value, dict):
-        raise TrainingArgumentsError(f"TrainingArguments.{name} must be a JSON object, got {type(value).__name__}")
-    return value
 
 
 # ---- choices -----------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import stat
 from pathlib import Path
 from typing import Any
@@ -70,12 +71,11 @@ def public_permissions(directory: Path, names: list[str] | None = None) -> None:
 def write_hf_files(runner: Any, model: nn.Module, path: Path, processing_class: Any = None,
                    data_collator: Any = None) -> None:
     """Add ``from_pretrained``'s files to a saved checkpoint directory. Call on every rank (gathers)."""
-    from shardkit.checkpoint.hf import save_pretrained
     from shardkit.trainer.peft_support import is_peft_model
 
     module = runner.unwrap_model(model)
     if not is_peft_model(module) and not (path / _WEIGHTS[0]).is_file():
-        save_pretrained(runner, path, model, save_config=False)  # streamed from the shards
+        _stream_weights_into(runner, model, path)
     if runner.is_main_process:
         for attr in ("config", "generation_config"):
             config = getattr(module, attr, None)
@@ -84,6 +84,21 @@ def write_hf_files(runner: Any, model: nn.Module, path: Path, processing_class: 
         save_processing_class(path, processing_class, data_collator)
         public_permissions(path, [n for n in os.listdir(path) if not n.startswith(".")])
     runner.barrier("trainer-hf-files")
+
+
+def _stream_weights_into(runner: Any, model: nn.Module, path: Path) -> None:
+    """Stream the weights from the shards into a hidden sibling of the checkpoint (an export never writes into a
+    checkpoint directory), then move the files in: rename within one folder, no copy."""
+    from shardkit.checkpoint.hf import save_pretrained
+
+    stage = path.parent / f".{path.name}.hf-weights"
+    if runner.is_main_process and stage.exists():  # left by a run killed mid-save
+        shutil.rmtree(stage)
+    written = save_pretrained(runner, stage, model, save_config=False)
+    if runner.is_main_process:
+        for file in written:
+            os.replace(file, path / file.name)
+        shutil.rmtree(stage)
 
 
 def save_processing_class(path: Path, processing_class: Any, data_collator: Any = None) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from shardkit.nn.checkpointing import enable_gradient_checkpointing
+from shardkit.strategies.activation_checkpointing import enable_gradient_checkpointing
 from shardkit.trainer import hub
 from shardkit.trainer.arguments import TrainingArguments, UnknownArgumentError
 from shardkit.trainer.callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
@@ -373,7 +373,8 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
 
     def get_num_trainable_parameters(self) -> int:
         """Elements of the trainable parameters (whole sizes, under every strategy)."""
-        return sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters() if p.requires_grad)
+        numel = self.runner.strategy.parameter_numel
+        return sum(numel(p) for p in self.model.parameters() if p.requires_grad)
 
     def get_total_train_batch_size(self, args: TrainingArguments | None = None) -> int:
         """Samples per optimizer step over all ranks: micro-batch x accumulation x data-parallel ranks."""

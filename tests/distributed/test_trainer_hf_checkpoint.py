@@ -1,6 +1,6 @@
 """The Trainer's Hugging Face files under sharding strategies, 2 CPU ranks: checkpoint-N and save_model() are
 streamed from the shards into model.safetensors that from_pretrained loads, equal to the trained weights; under
-ZeRO-3 trainer.deepspeed is the engine (issue 23 item 1)."""
+ZeRO-3 trainer.deepspeed is the engine and get_num_trainable_parameters() counts whole parameters (issue 23 item 1)."""
 
 from pathlib import Path
 
@@ -51,14 +51,17 @@ def _hf_files_worker(out: str, strategy_name: str):
     for folder in ("checkpoint-2", "export"):
         loaded = LlamaForCausalLM.from_pretrained(f"{out}/{folder}").state_dict()
         gaps.append(max(float((loaded[k] - v).abs().max()) for k, v in state.items()))
-    return gaps, engine is not None, sorted(p.name for p in Path(out, "checkpoint-2").iterdir())
+    return (gaps, engine is not None, sorted(p.name for p in Path(out, "checkpoint-2").iterdir()),
+            trainer.get_num_trainable_parameters())
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_checkpoint_and_save_model_stream_hf_files(tmp_path, strategy):
     if strategy == "zero3":
         pytest.importorskip("deepspeed")
-    gaps, has_engine, files = run_distributed(_hf_files_worker, world_size=2, args=(str(tmp_path), strategy))[0]
+    run = run_distributed(_hf_files_worker, world_size=2, args=(str(tmp_path), strategy))
+    gaps, has_engine, files, trainable = run[0]
     assert gaps == [0.0, 0.0]
     assert has_engine == (strategy == "zero3") and (not has_engine or (tmp_path / "ds" / "latest").is_file())
     assert {"config.json", "model.safetensors", "trainer_state.json", "shardkit.json"} <= set(files)
+    assert trainable == sum(p.numel() for p in _llama().parameters())  # whole sizes, not this rank's shards
