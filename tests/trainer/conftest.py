@@ -1,8 +1,0 @@
-"""Make the Trainer tests' small models and datasets (``tiny``) importable whatever pytest's import mode."""
-
-import sys
-from pathlib import Path
-
-_HERE = str(Path(__file__).resolve().parent)
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
