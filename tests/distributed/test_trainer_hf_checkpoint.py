@@ -5,30 +5,11 @@ ZeRO-3 trainer.deepspeed is the engine and get_num_trainable_parameters() counts
 from pathlib import Path
 
 import pytest
-import torch
 from harness import run_distributed
+from trainer_tiny import Tokens, tiny_llama
 
 from shardkit.trainer import Trainer, TrainingArguments
 from shardkit.trainer.export import full_state_dict
-
-
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32))
-
-
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self):
-        self.ids = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def _hf_files_worker(out: str, strategy_name: str):
@@ -38,7 +19,7 @@ def _hf_files_worker(out: str, strategy_name: str):
 
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=2, save_steps=2,
                              optim="adamw_torch", disable_tqdm=True, report_to="none")
-    trainer = Trainer(_llama(), args, train_dataset=_Tokens(), strategy=strategy_from_name(strategy_name))
+    trainer = Trainer(tiny_llama(), args, train_dataset=Tokens(length=8), strategy=strategy_from_name(strategy_name))
     trainer.train()
     trainer.save_model(f"{out}/export")
     engine = trainer.deepspeed
@@ -64,4 +45,4 @@ def test_checkpoint_and_save_model_stream_hf_files(tmp_path, strategy):
     assert gaps == [0.0, 0.0]
     assert has_engine == (strategy == "zero3") and (not has_engine or (tmp_path / "ds" / "latest").is_file())
     assert {"config.json", "model.safetensors", "trainer_state.json", "shardkit.json"} <= set(files)
-    assert trainable == sum(p.numel() for p in _llama().parameters())  # whole sizes, not this rank's shards
+    assert trainable == sum(p.numel() for p in tiny_llama().parameters())  # whole sizes, not this rank's shards

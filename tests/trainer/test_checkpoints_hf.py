@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
-from tiny import Line, Regression, Tokens, tiny_llama
+from trainer_tiny import Line, Regression, Tokens, tiny_llama
 
 from shardkit.checkpoint.format import CheckpointError
 from shardkit.trainer import Trainer, TrainerCallback, TrainerState, TrainerStateError, TrainingArguments

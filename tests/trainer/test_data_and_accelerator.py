@@ -5,7 +5,7 @@ import logging
 
 import pytest
 import torch
-from tiny import Line, Regression, tiny_llama
+from trainer_tiny import Line, Regression, tiny_llama
 
 from shardkit.trainer import (
     CallbackHandler,

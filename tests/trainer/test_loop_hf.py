@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from tiny import Line, Regression
+from trainer_tiny import Line, Regression
 
 from shardkit.trainer import Trainer, TrainerCallback, TrainingArguments
 

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny import Line, Regression
+from trainer_tiny import Line, Regression
 
 from shardkit.tracking import TRACKERS, Tracker
 from shardkit.trainer import Trainer, TrainingArguments

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from tiny import Tokens, tiny_llama
+from trainer_tiny import Tokens, tiny_llama
 
 from shardkit.trainer import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 from shardkit.trainer.hub import HubUploadUnavailable
