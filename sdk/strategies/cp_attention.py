@@ -121,6 +121,8 @@ class _RingShift(torch.autograd.Function):
 def _shift(t: torch.Tensor, group: Any, step: int) -> torch.Tensor:
     """Rank r sends ``t`` to r + step and receives from r - step (within ``group``)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size == 1 or step % size == 0:  # to itself: gloo has no pair to its own rank
+        return t
     t = t.contiguous()
     out = torch.empty_like(t)
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, (rank + step) % size), group),
