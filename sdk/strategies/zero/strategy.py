@@ -398,20 +398,25 @@ def prepare_deepspeed(settings: ZeROSettings) -> None:
 def _build_op(builder_name: str) -> None:
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
-    from torch.utils.cpp_extension import _get_build_directory
+
+    from shardkit.ops.build_lock import build_lock, extensions_root, run_build_subprocess
 
     builder = get_accelerator().create_op_builder(builder_name)
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, True):
         return
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.dirname(_get_build_directory("x", verbose=False))
-    built = os.path.exists(os.path.join(root, builder.NAME, f"{builder.NAME}.so"))
-    if not built and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        log.warning("shardkit: building DeepSpeed op %s (first use only, %s on 2 cores) into %s", builder.NAME,
-                    _OP_NOTES.get(builder_name, "a few minutes"), root)
-    # NOTE: every rank loads; torch's file lock makes the others wait for the one build (no collective,
-    # which would time out during a 5-minute build).
-    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-        builder.load(verbose=False)
+    build_dir = extensions_root() / builder.NAME
+    label = f"DeepSpeed op {builder.NAME}"
+    # NOTE: every rank comes here; the shared build lock makes the others wait for the one build (no
+    # collective, which would time out during a 5-minute build) and clears a baton a killed build left.
+    with build_lock(build_dir, label):
+        if not (build_dir / f"{builder.NAME}.so").exists():
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                log.warning("shardkit: building DeepSpeed op %s (first use only, %s on 2 cores) into %s",
+                            builder.NAME, _OP_NOTES.get(builder_name, "a few minutes"), build_dir.parent)
+            run_build_subprocess("from deepspeed.accelerator import get_accelerator; get_accelerator()"
+                                 f".create_op_builder({builder_name!r}).load(verbose=False)", label, build_dir)
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+            builder.load(verbose=False)
 
 
 def _is_fused_adamw(optimizer: Any) -> bool:
