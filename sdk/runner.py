@@ -102,6 +102,7 @@ class Runner:
         self._boundary = False  # the last backward closed a window: step() will step
         self._clipped = False  # clip_gradients ran in this window
         self.optimizer_steps = 0
+        self._stepped = False  # the last step() applied an optimizer step, and no backward came since
         self._loader: RunnerDataLoader | None = None
         self._dp_leaders: list[int] | None = None  # gather_for_metrics under model parallelism
 
@@ -129,8 +130,28 @@ class Runner:
 
     @property
     def sync_gradients(self) -> bool:
-        """True when the last backward closed an accumulation window (the next step() will step)."""
+        """True when the last backward closed an accumulation window (the next step() will step).
+
+        NOTE: the Runner's meaning, not Accelerate's: it turns False again once ``step()`` has run, so test it
+        before ``step()``. After the step, use ``step()``'s result or :meth:`should` (``shardkit.Accelerator``
+        keeps Accelerate's meaning: still True after ``optimizer.step()``).
+        """
         return self._boundary
+
+    def should(self, every: int) -> bool:
+        """True right after the ``step()`` that made ``optimizer_steps`` a multiple of ``every``, else False.
+
+        The periodic-work test that stays right under gradient accumulation: False on every micro-batch
+        inside a window, False before the first step, False when an FP16 overflow skipped the step::
+
+            runner.step()
+            if runner.should(every=500):
+                runner.save(f"ckpt/step-{runner.optimizer_steps}", state)
+        """
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Runner.should(every={every!r}): every must be a whole number of optimizer steps "
+                             f">= 1, e.g. every=500")
+        return self._stepped and self.optimizer_steps % every == 0
 
     def print(self, *args: Any, all_ranks: bool = False, **kwargs: Any) -> None:
         """``print`` on the main process only (or on every rank, prefixed, with ``all_ranks=True``)."""
@@ -227,6 +248,7 @@ class Runner:
         """Backward of one micro-batch's loss, averaged over the accumulation window."""
         module = model if model is not None else self._require("_module", "backward")
         self.strategy.backward(loss, module, self.gradient_accumulation_steps)
+        self._stepped = False
         self._micro_step = (self._micro_step + 1) % self.gradient_accumulation_steps
         self._boundary = self._micro_step == 0
         # The next forward must know whether its backward syncs (DDP reads the flag in forward).
@@ -248,6 +270,7 @@ class Runner:
     def step(self) -> bool:
         """At the end of an accumulation window: unscale, check for inf/NaN, step the optimizer and
         scheduler, zero the gradients. Returns True when an optimizer step was applied."""
+        self._stepped = False
         if not self._boundary:
             return False
         module, optimizer = self._require("_module", "step"), self._require("_optimizer", "step")
@@ -261,6 +284,7 @@ class Runner:
                 self._scheduler.step()
         self.strategy.zero_grad(optimizer, module)
         self._boundary = False
+        self._stepped = stepped
         return stepped
 
     # ---- collectives --------------------------------------------------------------------------
