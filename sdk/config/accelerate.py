@@ -144,7 +144,8 @@ def load_accelerate_config(path: str | os.PathLike) -> AccelerateConfig:
 
 
 def _distributed_type(raw: Mapping[str, Any], where: str) -> str:
-    kind = str(raw.get("distributed_type", "NO")).upper()
+    value = raw.get("distributed_type", "NO")
+    kind = "NO" if value is False else str(value).upper()  # YAML 1.1 reads an unquoted NO as false
     if kind in _OTHER_TYPES:
         raise NotImplementedError(f"distributed_type: {kind} in {where}: {_OTHER_TYPES[kind]} are not supported by "
                                   f"shardkit; use one of {list(DISTRIBUTED_TYPES)}")
