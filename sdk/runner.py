@@ -33,6 +33,29 @@ def _default_strategy() -> Strategy:
     return DDP() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else SingleDevice()
 
 
+def _by_name(strategy: Any, precision: Any, mixed_precision: Any) -> tuple[Strategy | None, Precision | None]:
+    """``Runner("fsdp", "bf16")`` and Accelerate's ``mixed_precision="bf16"``: names built through the registries."""
+    from shardkit.precision.registry import PRECISIONS
+    from shardkit.strategies.registry import STRATEGIES
+
+    if mixed_precision is not None:
+        if precision is not None:
+            raise ValueError(f"Runner(precision={precision!r}, mixed_precision={mixed_precision!r}): pass one of "
+                             f"them (mixed_precision is Accelerate's name for precision)")
+        precision = mixed_precision
+    if isinstance(strategy, str):
+        strategy = STRATEGIES.build(strategy)
+    if isinstance(precision, str):
+        precision = PRECISIONS.build(precision)
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"Runner(strategy=...) takes a strategy object such as DDP() or FSDP(), or a name among "
+                        f"{', '.join(STRATEGIES.names())}; got a {type(strategy).__name__}")
+    if precision is not None and not isinstance(precision, Precision):
+        raise TypeError(f"Runner(precision=...) takes a precision object such as BF16(), or a name among "
+                        f"{', '.join(PRECISIONS.names())}; got a {type(precision).__name__}")
+    return strategy, precision
+
+
 class Runner:
     """Trains a model with a pluggable :class:`Strategy` and :class:`Precision`.
 
@@ -45,8 +68,11 @@ class Runner:
             runner.step()          # steps only at the end of each accumulation window
 
     Args:
-        strategy: where state lives and how ranks talk; default DDP under a launcher, else SingleDevice.
-        precision: dtypes for parameters, compute and communication; default FP32().
+        strategy: where state lives and how ranks talk: a Strategy or a registered name ("fsdp", "zero3",
+            ...); default DDP under a launcher, else SingleDevice.
+        precision: dtypes for parameters, compute and communication: a Precision or a name ("bf16", "fp16",
+            ...); default FP32().
+        mixed_precision: Accelerate's name for ``precision`` ("no", "fp16", "bf16"); give one of the two.
         gradient_accumulation_steps: micro-batches per optimizer step. The loss is averaged over
             them and gradients are synchronised only on the last one.
         seed: seeds every RNG on every rank and the data loaders' shuffling; None leaves RNGs alone.
@@ -62,10 +88,12 @@ class Runner:
     """
 
     def __init__(
-        self, strategy: Strategy | None = None, precision: Precision | None = None, *,
+        self, strategy: Strategy | str | None = None, precision: Precision | str | None = None, *,
         config: str | Path | dict | None = None, gradient_accumulation_steps: int | None = None,
         seed: int | None = None, checkpoint_keep_last: int | None = None, activation_checkpointing: Any = None,
+        mixed_precision: str | None = None,
     ):
+        strategy, precision = _by_name(strategy, precision, mixed_precision)
         self.config = None
         self.max_grad_norm: float | None = None
         config = config if config is not None else os.environ.get(CONFIG_FILE_ENV)

@@ -542,8 +542,13 @@ def _check_deepspeed(cfg: AccelerateConfig) -> None:
     from shardkit.config.deepspeed import strategy_spec_from_deepspeed
     from shardkit.config.deepspeed_schema import walk
     from shardkit.config.optim import resolve_optimizer
+    from shardkit.strategies.zero.config import require_deepspeed
 
     raw, where = cfg.deepspeed, cfg.deepspeed_source
+    try:
+        require_deepspeed(f"distributed_type: DEEPSPEED in {cfg.path}")
+    except ImportError as err:
+        raise ConfigError(str(err)) from None
     walk(raw, where)
     strategy_spec_from_deepspeed(raw, where, cfg.num_processes)
     # NOTE: the scheduler waits for the Runner: its "auto" total_num_steps is known only to the training script.

@@ -24,12 +24,10 @@ import tempfile
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
 from shardkit import checkpoint as ckpt
-from shardkit.distributed.process_group import backend_for_device
 from shardkit.optim.named import is_schedule_free
 from shardkit.strategies.base import param_list, replicated_gathered
 from shardkit.strategies.parallel import ProcessGroupStrategy
@@ -41,6 +39,7 @@ from shardkit.strategies.zero.config import (
     default_nvme_path,
     model_hidden_size,
     precision_section,
+    require_deepspeed,
 )
 from shardkit.strategies.zero.layout import FlatPartitionLayout, ZeROLayout
 
@@ -82,17 +81,10 @@ class ZeROStrategy(ProcessGroupStrategy):
 
     @override
     def setup_environment(self) -> None:
+        require_deepspeed(type(self).__name__)
         _check_fp16_supported(precision_section(self.precision), torch.device(self.device_type))
         super().setup_environment()
-        if not dist.is_initialized():
-            # DeepSpeed's engine needs a process group even for one process: a private 1-rank group.
-            from shardkit.distributed.launcher import find_free_port
-
-            dist.init_process_group(backend_for_device(self.device_type), rank=0, world_size=1,
-                                    init_method=f"tcp://127.0.0.1:{find_free_port()}")
-            # DeepSpeed's zero.Init reads os.environ["LOCAL_RANK"] and fails with KeyError in a plain
-            # `python train.py`, which no launcher has given it (the only rank variable DeepSpeed requires).
-            os.environ.setdefault("LOCAL_RANK", "0")
+        self._start_private_group()  # DeepSpeed's engine needs a process group even for one process
         if self.settings.uses_nvme and not self.settings.nvme_path:
             self._choose_nvme_path()
 
