@@ -238,6 +238,12 @@ class Runner:
         """The user's module inside the strategy's wrapper."""
         return self.strategy.unwrap(model)
 
+    def num_parameters(self, model: nn.Module) -> int:
+        """The model's whole parameter count under every strategy (ZeRO-3's partitioned ones and FSDP's shards
+        counted whole; ``sum(p.numel() ...)`` gives 0 under ZeRO-3), tied parameters once."""
+        params = {id(p): p for p in self.unwrap_model(model).parameters()}.values()
+        return sum(self.strategy.parameter_numel(p) for p in params)
+
     def gathered_parameters(self, params: Any, modifier_rank: int | None = None) -> contextlib.AbstractContextManager:
         """Context that yields ``params`` (a tensor, an iterable of them, or a module) as a list of plain,
         whole tensors under every strategy: ZeRO-3 partitions and FSDP/TP DTensors are gathered, one full

@@ -18,10 +18,12 @@ from shardkit.distributed.process_group import TIMEOUT_ENV_VAR, check_timeout, c
 from shardkit.distributed.signals import STOP_GRACE_S
 from shardkit.distributed.supervise import run_supervised
 
-__all__ = ["CONFIG_FIELDS", "LaunchUsageError", "build_command", "register"]
+__all__ = ["CONFIG_FIELDS", "DEFAULT_CONFIG_FILE", "LaunchUsageError", "build_command", "register"]
 
 DEFAULT_MAIN_PROCESS_PORT = 29500
 MAX_PROCESSES_ENV_VAR = "SHARDKIT_MAX_PROCESSES"
+# What `shardkit config` writes by default and `shardkit launch` reads when no --config-file is given.
+DEFAULT_CONFIG_FILE = "shardkit_config.yaml"
 # The keys `shardkit.config.accelerate.launch_args_from_yaml(path)` may return; values given on the
 # command line win over the file's. "env" is a dict of extra variables for every rank.
 CONFIG_FIELDS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
@@ -146,8 +148,6 @@ def _check_process_count(count: int) -> None:
 
 def _default_config_file() -> str | None:
     """``./shardkit_config.yaml`` (what ``shardkit config`` writes) when it exists, as Accelerate's default file."""
-    from shardkit.config.cli import DEFAULT_CONFIG_FILE
-
     if not Path(DEFAULT_CONFIG_FILE).is_file():
         return None
     print(f"shardkit launch: using ./{DEFAULT_CONFIG_FILE} (written by `shardkit config`); flags given here win "
