@@ -33,6 +33,19 @@ def _default_strategy() -> Strategy:
     return DDP() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else SingleDevice()
 
 
+def _prebuild_kernels(model: nn.Module) -> None:
+    """Build the C++ ops now, saying so, when the model uses shardkit's fused modules: not inside step 1, where
+    the build's 30-80 s showed as a progress bar with a four-hour ETA (issue 30). Built once per machine."""
+    if not any(type(m).__module__.startswith(("shardkit.nn", "shardkit.models")) for m in model.modules()):
+        return
+    from shardkit.ops import BUILDER
+    from shardkit.ops._dispatch import forced_backend
+
+    if forced_backend() not in (None, "cpp", "cuda"):
+        return
+    BUILDER.available()  # logs the build with its folder and time; a failure warns once and ops fall back
+
+
 def _by_name(strategy: Any, precision: Any, mixed_precision: Any) -> tuple[Strategy | None, Precision | None]:
     """``Runner("fsdp", "bf16")`` and Accelerate's ``mixed_precision="bf16"``: names built through the registries."""
     from shardkit.precision.registry import PRECISIONS
@@ -201,6 +214,7 @@ class Runner:
         Returns the model alone when only a model is given, else a tuple of what was given.
         """
         self.strategy.set_runner_values(gradient_accumulation_steps=self.gradient_accumulation_steps)
+        _prebuild_kernels(model)
         if self.activation_checkpointing is not None:  # before the strategy wraps it: one mechanism for all
             from shardkit.strategies.activation_checkpointing import apply_activation_checkpointing
 
