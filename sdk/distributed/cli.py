@@ -163,8 +163,8 @@ def _label(flag: str, raw: Any) -> str:
 
 
 def build_command(args: argparse.Namespace) -> list[str]:
-    """The torchrun command line for resolved `args` (static rendezvous, no restarts)."""
-    command = [sys.executable, "-m", "torch.distributed.run",
+    """The torchrun command line for resolved `args` (static rendezvous, no restarts; see `_torchrun`)."""
+    command = [sys.executable, "-m", "shardkit.distributed._torchrun",
                f"--nproc-per-node={args.num_processes}", f"--nnodes={args.num_machines}",
                f"--node-rank={args.machine_rank}", f"--master-addr={args.main_process_ip}",
                f"--master-port={args.main_process_port}"]
