@@ -28,7 +28,16 @@ from pathlib import Path
 
 import torch
 
-from .build_lock import build_lock, extensions_root, run_build_subprocess
+if __package__:
+    from .build_lock import build_lock, extensions_root, run_build_subprocess
+else:  # loaded by path (setup.py, scripts/check_cuda_link.py): its sibling by path too (it imports nothing of ours)
+    import importlib.util as _util
+
+    _spec = _util.spec_from_file_location("_shardkit_build_lock", Path(__file__).with_name("build_lock.py"))
+    _lock_module = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_lock_module)
+    build_lock, extensions_root = _lock_module.build_lock, _lock_module.extensions_root
+    run_build_subprocess = _lock_module.run_build_subprocess
 
 __all__ = ["BUILDER", "ExtensionBuilder", "ExtensionUnavailable"]
 
