@@ -74,8 +74,7 @@ def _torch_facts() -> dict[str, str]:
 def _ops_facts() -> dict[str, str]:
     """Whether the C++ ops are built (without building them), the CPU kernel backend that runs, libaio."""
     try:
-        from shardkit.ops import BUILDER
-        from shardkit.ops._dispatch import forced_backend
+        from shardkit.ops import BUILDER, forced_backend
         from shardkit.strategies.zero.config import libaio_available
     except Exception as err:  # noqa: BLE001 - a report never fails on one fact.
         return {"C++ ops": f"unknown ({type(err).__name__}: {err})"}

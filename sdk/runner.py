@@ -38,8 +38,7 @@ def _prebuild_kernels(model: nn.Module) -> None:
     the build's 30-80 s showed as a progress bar with a four-hour ETA (issue 30). Built once per machine."""
     if not any(type(m).__module__.startswith(("shardkit.nn", "shardkit.models")) for m in model.modules()):
         return
-    from shardkit.ops import BUILDER
-    from shardkit.ops._dispatch import forced_backend
+    from shardkit.ops import BUILDER, forced_backend
 
     if forced_backend() not in (None, "cpp", "cuda"):
         return
