@@ -37,11 +37,14 @@ from .registry import OpSpec, native, register
 
 __all__ = [
     "SPEC",
+    "check_label_range",
+    "check_loss_options",
     "chunk_rows_for",
     "flce_compute_dtype",
     "flce_rows_reference",
     "fused_linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "rows_triton",
 ]
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -141,8 +144,9 @@ def flce_rows_reference(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_ind
     return loss
 
 
-def _rows_triton(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_index: int, label_smoothing: float,
-                 softcap: float, write_grad: bool) -> Tensor:
+def rows_triton(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_index: int, label_smoothing: float,
+                softcap: float, write_grad: bool) -> Tensor:
+    """:func:`flce_rows_reference` on the Triton row kernel (``kernels/fused_linear_cross_entropy.py``)."""
     from shardkit.kernels import fused_linear_cross_entropy as tk
 
     return tk.flce_rows_(z, labels, row_scale, ignore_index, label_smoothing, softcap, write_grad)
@@ -201,12 +205,23 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
     return loss, gh, gw, gb
 
 
-def _check_labels(labels: Tensor, vocab: int, ignore_index: int) -> None:
+def check_loss_options(op: str, reduction: str, label_smoothing: float, softcap_name: str,
+                       softcap: float | None) -> None:
+    """Raises a ValueError naming ``op`` and the argument for a bad reduction, label_smoothing or softcap."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{op}: reduction={reduction!r}; use one of {_REDUCTIONS}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: label_smoothing={label_smoothing} must be in [0, 1]")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"{op}: {softcap_name}={softcap} must be positive or None")
+
+
+def check_label_range(labels: Tensor, vocab: int, ignore_index: int, op: str = "fused_linear_cross_entropy") -> None:
     """Raises naming the first label outside [0, V) that is not ``ignore_index`` (one host sync on GPU)."""
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
         row = int(bad.int().argmax())
-        raise RuntimeError(f"fused_linear_cross_entropy: label {int(labels[row])} at row {row} is outside "
+        raise RuntimeError(f"{op}: label {int(labels[row])} at row {row} is outside "
                            f"[0, {vocab}) and is not ignore_index ({ignore_index})")
 
 
@@ -226,7 +241,7 @@ def _run(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, ro
     # (torch 2.11+cu130) the CUDA binding's TORCH_CHECK segfaulted formatting its message (in libstdc++'s ostream,
     # seen under cuda-gdb), so a bad label must never reach it from Python. One host sync per call on GPU.
     if check_labels:
-        _check_labels(labels, weight.shape[0], ignore_index)
+        check_label_range(labels, weight.shape[0], ignore_index)
     if chunk_rows <= 0:
         chunk_rows = chunk_rows_for(hidden.shape[0], weight.shape[0], compute_dtype)
     # the dtypes above are final: autocast (on around the op when the caller runs under it) must not recast them
@@ -394,12 +409,7 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, b
             retained with ``retain_graph=True`` runs backward a second time with reduction "mean" or "sum" (the
             saved gradients were scaled in place by the first one).
     """
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"fused_linear_cross_entropy: reduction={reduction!r}; use one of {_REDUCTIONS}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"fused_linear_cross_entropy: label_smoothing={label_smoothing} must be in [0, 1]")
-    if logit_softcap is not None and logit_softcap <= 0:
-        raise ValueError(f"fused_linear_cross_entropy: logit_softcap={logit_softcap} must be positive or None")
+    check_loss_options("fused_linear_cross_entropy", reduction, label_smoothing, "logit_softcap", logit_softcap)
     if hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)} and weight "
                          f"{tuple(weight.shape)} must share the last dim (H)")
@@ -447,6 +457,6 @@ SPEC = register(OpSpec(
     csrc="fused_linear_cross_entropy",
     # cpp/cuda run the whole chunk loop in C++ (matmuls through MKL/cuBLAS); the others run it here around their
     # row pass
-    kernels={"flce_chunked": {"reference": _loop_with(flce_rows_reference), "triton": _loop_with(_rows_triton),
+    kernels={"flce_chunked": {"reference": _loop_with(flce_rows_reference), "triton": _loop_with(rows_triton),
                               **native("flce_chunked")}},
     triton_checks="shardkit.kernels.fused_linear_cross_entropy:compile_checks", example=_example))
