@@ -169,7 +169,8 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
     """The chunk loop of the reference and Triton backends (the cpp backend runs the same loop in C++).
 
     hidden, weight and bias share one dtype. Returns the fp32 (float64) per-row losses, grad_hidden in that
-    dtype and grad_weight/grad_bias as the fp32 (float64) accumulators: the caller picks what to keep them in.
+    dtype and grad_weight/grad_bias as the fp32 (float64) accumulators (grad_weight bf16 for bf16 weights): the
+    caller picks what to keep them in.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     acc = _acc(hidden.dtype)
@@ -177,8 +178,11 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
     write_grad = any(need)
     loss = hidden.new_empty(n, dtype=acc)
     gh = torch.empty_like(hidden) if need_h else hidden.new_empty(0)
-    # fp32 accumulators: exact enough across chunks for 16-bit weights
-    gw = weight.new_zeros(weight.shape, dtype=acc) if need_w else weight.new_empty(0, dtype=acc)
+    # fp32 accumulators, except grad_weight for bf16 weights: a bf16 one that each chunk's fp32 GEMM result is
+    # folded into (addmm, beta=1: one bf16 rounding per chunk; see csrc/fused_linear_cross_entropy/flce_chunk_loop.h)
+    fold_bf16 = weight.dtype == torch.bfloat16
+    gw_dtype = torch.bfloat16 if fold_bf16 else acc
+    gw = weight.new_zeros(weight.shape, dtype=gw_dtype) if need_w else weight.new_empty(0, dtype=acc)
     gb = weight.new_zeros(vocab, dtype=acc) if need_b else weight.new_empty(0, dtype=acc)
     wt = weight.t()
     block = max(1, _GRAD_WEIGHT_BLOCK_BYTES // (weight.element_size() * max(1, weight.shape[1])))  # vocab rows
@@ -195,8 +199,8 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
         g = z.to(weight.dtype) if need_h or need_w else z
         if need_h:
             torch.mm(g, weight, out=gh[s:e])
-        if need_w and g is z:
-            gw.addmm_(z.t(), hc)
+        if need_w and (g is z or fold_bf16):
+            gw.addmm_(g.t(), hc)
         elif need_w:  # 16-bit products, a block of vocab rows at a time, summed into the fp32 accumulator
             for v in range(0, vocab, block):
                 gw[v:v + block].add_(g[:, v:v + block].t() @ hc)
