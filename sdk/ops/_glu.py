@@ -52,11 +52,21 @@ def can_take_grads_in_place(gate: Tensor, up: Tensor) -> bool:
 
 @dataclass
 class GluOp:
-    """One gated op: its public function, reference and backend tables (the op module registers the spec)."""
+    """One gated op: its public function, custom op and backend tables (the op module registers the spec).
+
+    ``function`` calls ``self.op`` (looked up per call, so a test can wrap it) unless it may skip it.
+    """
 
     name: str
-    function: Callable[..., Tensor]
+    op: Callable[..., Tensor]
+    forward: Callable[[Tensor, Tensor], Tensor]
     kernels: dict[str, dict[str, Any]]
+
+    def function(self, gate: Tensor, up: Tensor, *, in_place_backward: bool = False) -> Tensor:
+        """``act(gate) * up``: the implementation directly (eager, no gradient wanted) or the custom op."""
+        if direct_call_ok(gate, up):
+            return self.forward(gate, up)
+        return self.op(gate, up, in_place_backward)
 
 
 def build_glu(name: str, gelu: bool, reference: Callable[[Tensor, Tensor], Tensor], reference_bwd: BwdFn,
@@ -111,11 +121,6 @@ def build_glu(name: str, gelu: bool, reference: Callable[[Tensor, Tensor], Tenso
 
     op.register_autograd(backward, setup_context=setup_context)
 
-    def function(gate: Tensor, up: Tensor, *, in_place_backward: bool = False) -> Tensor:
-        if direct_call_ok(gate, up):
-            return forward(gate, up)
-        return op(gate, up, in_place_backward)
-
     def reference_fwd(gate: Tensor, up: Tensor) -> Tensor:
         return reference(gate, up).contiguous()
 
@@ -155,7 +160,7 @@ def build_glu(name: str, gelu: bool, reference: Callable[[Tensor, Tensor], Tenso
         bwd_ip: {"reference": reference_bwd_inplace, "triton": triton_bwd_inplace, "cpp": native_bwd_inplace,
                  "cuda": native_bwd_inplace},
     }
-    return GluOp(name, function, kernels)
+    return GluOp(name, op, forward, kernels)
 
 
 def glu_example(device: str, dtype: torch.dtype, size: str) -> tuple:
