@@ -8,8 +8,8 @@
 - Mixtral (``MixtralExperts``: 3-D ``gate_up_proj`` / ``down_proj`` parameters, a loop over the experts the
   router hit): the same loop with swiglu per expert.
 
-A rule returns the name of the op it patched in, or None when the module is not of its form (its activation is
-named in the report instead).
+A rule returns the name of the op it patched in, None when the module is not of its form (its activation is
+named in the report instead), or "" when its switch is off.
 """
 
 from __future__ import annotations
@@ -61,19 +61,30 @@ def _experts_forward(self: nn.Module, hidden: Tensor, top_k_index: Tensor, top_k
     return out
 
 
+def _patch_geglu(module: nn.Module) -> str | None:
+    if not _has_linears(module, "gate_proj", "up_proj", "down_proj"):
+        return None
+    module.forward = types.MethodType(_geglu_mlp_forward, module)
+    return "geglu"
+
+
 def _has_linears(module: nn.Module, *names: str) -> bool:
     return all(isinstance(getattr(module, n, None), nn.Linear) for n in names)
 
 
-def patch_gated_mlp(module: nn.Module) -> str | None:
-    """Patch one MLP / experts module of a supported family in place; returns "swiglu", "geglu" or None."""
+def patch_gated_mlp(module: nn.Module, swiglu: bool = True, geglu: bool = True) -> str | None:
+    """Patch one MLP / experts module of a supported family in place; returns "swiglu", "geglu" or None.
+
+    ``swiglu`` / ``geglu`` switch the SiLU and the GELU-tanh rules (a switched-off rule leaves its modules alone).
+    """
     act = activation_name(module)
+    if act in _GELU_TANH_NAMES:
+        return _patch_geglu(module) if geglu else ""
+    if not swiglu:
+        return ""
     if act in _SILU_NAMES and _has_linears(module, "gate_proj", "up_proj", "down_proj"):
         module.forward = types.MethodType(_swiglu_mlp_forward, module)
         return "swiglu"
-    if act in _GELU_TANH_NAMES and _has_linears(module, "gate_proj", "up_proj", "down_proj"):
-        module.forward = types.MethodType(_geglu_mlp_forward, module)
-        return "geglu"
     if act in _SILU_NAMES and _has_linears(module, "gate_up_proj", "down_proj"):
         module.forward = types.MethodType(_phi3_mlp_forward, module)
         return "swiglu"

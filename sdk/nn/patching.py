@@ -185,7 +185,7 @@ def _defined_in(module: nn.Module, modeling: types.ModuleType, suffix: str) -> b
 
 
 def apply_fused_kernels(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True,
-                        cross_entropy: bool = True) -> nn.Module:
+                        cross_entropy: bool = True, geglu: bool = True) -> nn.Module:
     """Patch a Hugging Face Llama/Mistral/Mixtral/Phi-3/Qwen2/Gemma(1/2/3) model in place with shardkit's fused ops.
 
     Accepts the ``*ForCausalLM`` model or the bare ``*Model``/``Gemma3TextModel`` (then there is no loss to
@@ -197,10 +197,10 @@ def apply_fused_kernels(model: nn.Module, *, rms_norm: bool = True, rope: bool =
         model: the transformers model (patched in place).
         rms_norm: patch every ``*RMSNorm`` of the family (Gemma: ``offset=1.0``).
         rope: route the family's ``apply_rotary_pos_emb`` to the fused op inside this model's attention.
-        swiglu: patch the gated MLPs: SiLU ones with swiglu (Mixtral: each expert), Gemma's GELU-tanh ones with
-            geglu.
+        swiglu: patch the SiLU gated MLPs with swiglu (Phi-3's fused projection, Mixtral: each expert).
         cross_entropy: compute the causal-LM loss with the fused linear cross-entropy when labels are given
             (``logits`` is then None in the output).
+        geglu: patch Gemma's GELU-tanh gated MLPs with geglu.
 
     Returns:
         ``model`` itself.
@@ -221,11 +221,11 @@ def apply_fused_kernels(model: nn.Module, *, rms_norm: bool = True, rope: bool =
         elif rope and _defined_in(module, modeling, "Attention"):
             module.forward = types.MethodType(_attention_forward, module)
             report["rope"] += 1
-        elif swiglu and (_defined_in(module, modeling, "MLP") or _defined_in(module, modeling, "Experts")):
-            kind = patch_gated_mlp(module)
+        elif (swiglu or geglu) and (_defined_in(module, modeling, "MLP") or _defined_in(module, modeling, "Experts")):
+            kind = patch_gated_mlp(module, swiglu=swiglu, geglu=geglu)
             if kind is None:
                 non_silu.add(activation_name(module))
-            else:
+            elif kind:
                 report[kind] += 1
     if non_silu:
         report["skipped"]["swiglu"] = (f"MLP activation {', '.join(sorted(non_silu))} is neither SiLU nor "

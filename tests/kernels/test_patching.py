@@ -352,3 +352,14 @@ def test_zero3_two_processes():
         assert direct_err < 1e-5, f"rank {rank}: loss with the gathered head off by {direct_err}"
         torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-5, atol=1e-5)
         assert diff < 1e-5, f"rank {rank}: parameters after 3 steps differ by {diff}"
+
+
+def test_geglu_and_swiglu_switches_are_separate():
+    ref = _model("gemma")
+    off = apply_fused_kernels(copy.deepcopy(ref), geglu=False, rope=False, cross_entropy=False)
+    assert off.fused_kernels_report["geglu"] == 0 and "forward" not in off.model.layers[0].mlp.__dict__
+    on = apply_fused_kernels(copy.deepcopy(ref), swiglu=False, rope=False, cross_entropy=False)
+    assert on.fused_kernels_report["geglu"] == _TINY["num_hidden_layers"] and on.fused_kernels_report["swiglu"] == 0
+    ids, _ = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(on(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
