@@ -182,7 +182,7 @@ def test_low_precision_loss_is_hf_loss(model_type, backend, dtype):
     """
     with _backend(backend):
         ref = _model(model_type).to(dtype)
-        fused = apply_fused_kernels(copy.deepcopy(ref), rms_norm=False, rope=False, swiglu=False)
+        fused = apply_fused_kernels(copy.deepcopy(ref), rms_norm=False, rope=False, swiglu=False, geglu=False)
         every_op = apply_fused_kernels(copy.deepcopy(ref))
         ids, labels = _batch()
         n_valid = int((labels[:, 1:] != -100).sum())
