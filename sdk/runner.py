@@ -38,6 +38,41 @@ def _default_strategy() -> Strategy:
     return DDP() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else SingleDevice()
 
 
+def _prebuild_kernels(model: nn.Module) -> None:
+    """Build the C++ ops now, saying so, when the model uses shardkit's fused modules: not inside step 1, where
+    the build's 30-80 s showed as a progress bar with a four-hour ETA (issue 30). Built once per machine."""
+    if not any(type(m).__module__.startswith(("shardkit.nn", "shardkit.models")) for m in model.modules()):
+        return
+    from shardkit.ops import BUILDER, forced_backend
+
+    if forced_backend() not in (None, "cpp", "cuda"):
+        return
+    BUILDER.available()  # logs the build with its folder and time; a failure warns once and ops fall back
+
+
+def _by_name(strategy: Any, precision: Any, mixed_precision: Any) -> tuple[Strategy | None, Precision | None]:
+    """``Runner("fsdp", "bf16")`` and Accelerate's ``mixed_precision="bf16"``: names built through the registries."""
+    from shardkit.precision.registry import PRECISIONS
+    from shardkit.strategies.registry import STRATEGIES
+
+    if mixed_precision is not None:
+        if precision is not None:
+            raise ValueError(f"Runner(precision={precision!r}, mixed_precision={mixed_precision!r}): pass one of "
+                             f"them (mixed_precision is Accelerate's name for precision)")
+        precision = mixed_precision
+    if isinstance(strategy, str):
+        strategy = STRATEGIES.build(strategy)
+    if isinstance(precision, str):
+        precision = PRECISIONS.build(precision)
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"Runner(strategy=...) takes a strategy object such as DDP() or FSDP(), or a name among "
+                        f"{', '.join(STRATEGIES.names())}; got a {type(strategy).__name__}")
+    if precision is not None and not isinstance(precision, Precision):
+        raise TypeError(f"Runner(precision=...) takes a precision object such as BF16(), or a name among "
+                        f"{', '.join(PRECISIONS.names())}; got a {type(precision).__name__}")
+    return strategy, precision
+
+
 class Runner:
     """Trains a model with a pluggable :class:`Strategy` and :class:`Precision`.
 
@@ -50,8 +85,11 @@ class Runner:
             runner.step()          # steps only at the end of each accumulation window
 
     Args:
-        strategy: where state lives and how ranks talk; default DDP under a launcher, else SingleDevice.
-        precision: dtypes for parameters, compute and communication; default FP32().
+        strategy: where state lives and how ranks talk: a Strategy or a registered name ("fsdp", "zero3",
+            ...); default DDP under a launcher, else SingleDevice.
+        precision: dtypes for parameters, compute and communication: a Precision or a name ("bf16", "fp16",
+            ...); default FP32().
+        mixed_precision: Accelerate's name for ``precision`` ("no", "fp16", "bf16"); give one of the two.
         gradient_accumulation_steps: micro-batches per optimizer step. The loss is averaged over
             them and gradients are synchronised only on the last one.
         seed: seeds every RNG on every rank and the data loaders' shuffling; None leaves RNGs alone.
@@ -76,11 +114,13 @@ class Runner:
     """
 
     def __init__(
-        self, strategy: Strategy | None = None, precision: Precision | None = None, *,
+        self, strategy: Strategy | str | None = None, precision: Precision | str | None = None, *,
         config: str | Path | dict | None = None, gradient_accumulation_steps: int | None = None,
         seed: int | None = None, checkpoint_keep_last: int | None = None, activation_checkpointing: Any = None,
-        log_with: Any = None, logging_dir: str | Path = "runs", deterministic: bool = False, profile_steps: Any = None,
+        mixed_precision: str | None = None, log_with: Any = None, logging_dir: str | Path = "runs",
+        deterministic: bool = False, profile_steps: Any = None,
     ):
+        strategy, precision = _by_name(strategy, precision, mixed_precision)
         self.config = None
         self.max_grad_norm: float | None = None
         config = config if config is not None else os.environ.get(CONFIG_FILE_ENV)
@@ -118,9 +158,11 @@ class Runner:
         self._scheduler: Any | None = None
         self._owners: dict[torch.optim.Optimizer, nn.Module] = {}  # every optimizer set up -> its model
         self._micro_step = 0  # position inside the accumulation window
+        self._window = self.gradient_accumulation_steps  # micro-batches in the current window (begin_window)
         self._boundary = False  # the last backward closed a window: step() will step
         self._clipped = False  # clip_gradients ran in this window
         self.optimizer_steps = 0
+        self._stepped = False  # the last step() applied an optimizer step, and no backward came since
         self._loader: RunnerDataLoader | None = None
         self._dp_leaders: list[int] | None = None  # gather_for_metrics under model parallelism
         self._async_saves: AsyncCheckpointer | None = None  # save(..., blocking=False), made on first use
@@ -163,8 +205,28 @@ class Runner:
 
     @property
     def sync_gradients(self) -> bool:
-        """True when the last backward closed an accumulation window (the next step() will step)."""
+        """True when the last backward closed an accumulation window (the next step() will step).
+
+        NOTE: the Runner's meaning, not Accelerate's: it turns False again once ``step()`` has run, so test it
+        before ``step()``. After the step, use ``step()``'s result or :meth:`should` (``shardkit.Accelerator``
+        keeps Accelerate's meaning: still True after ``optimizer.step()``).
+        """
         return self._boundary
+
+    def should(self, every: int) -> bool:
+        """True right after the ``step()`` that made ``optimizer_steps`` a multiple of ``every``, else False.
+
+        The periodic-work test that stays right under gradient accumulation: False on every micro-batch
+        inside a window, False before the first step, False when an FP16 overflow skipped the step::
+
+            runner.step()
+            if runner.should(every=500):
+                runner.save(f"ckpt/step-{runner.optimizer_steps}", state)
+        """
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Runner.should(every={every!r}): every must be a whole number of optimizer steps "
+                             f">= 1, e.g. every=500")
+        return self._stepped and self.optimizer_steps % every == 0
 
     def print(self, *args: Any, all_ranks: bool = False, **kwargs: Any) -> None:
         """``print`` on the main process only (or on every rank, prefixed, with ``all_ranks=True``)."""
@@ -186,6 +248,7 @@ class Runner:
         Returns the model alone when only a model is given, else a tuple of what was given.
         """
         self.strategy.set_runner_values(gradient_accumulation_steps=self.gradient_accumulation_steps)
+        _prebuild_kernels(model)
         if self.activation_checkpointing is not None:  # before the strategy wraps it: one mechanism for all
             from shardkit.strategies.activation_checkpointing import apply_activation_checkpointing
 
@@ -198,7 +261,7 @@ class Runner:
         self._module, self._optimizer, self._scheduler = model, optimizer, scheduler
         if optimizer is not None:
             self._owners[optimizer] = model
-        self._micro_step, self._boundary = 0, False
+        self._micro_step, self._boundary, self._window = 0, False, self.gradient_accumulation_steps
         self._throughput = None  # timed from here, for this model
         if self.rank == 0:  # the run's size, for `shardkit launch`'s out-of-memory diagnosis
             leave_run_facts(self.unwrap_model(model), precision_kind(self.precision))
@@ -225,6 +288,12 @@ class Runner:
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         """The user's module inside the strategy's wrapper."""
         return self.strategy.unwrap(model)
+
+    def num_parameters(self, model: nn.Module) -> int:
+        """The model's whole parameter count under every strategy (ZeRO-3's partitioned ones and FSDP's shards
+        counted whole; ``sum(p.numel() ...)`` gives 0 under ZeRO-3), tied parameters once."""
+        params = {id(p): p for p in self.unwrap_model(model).parameters()}.values()
+        return sum(self.strategy.parameter_numel(p) for p in params)
 
     def gathered_parameters(self, params: Any, modifier_rank: int | None = None) -> contextlib.AbstractContextManager:
         """Context that yields ``params`` (a tensor, an iterable of them, or a module) as a list of plain,
@@ -260,17 +329,45 @@ class Runner:
 
     # ---- the step -----------------------------------------------------------------------------
 
+    def begin_window(self, size: int) -> None:
+        """Make the accumulation window that starts now ``size`` micro-batches long (1 to
+        ``gradient_accumulation_steps``): its last backward closes it and ``step()`` steps. For the short last
+        window of an epoch; the windows after it are full again. Call it before the window's first forward."""
+        ga = self.gradient_accumulation_steps
+        if self._micro_step != 0:
+            raise RuntimeError(f"begin_window() in the middle of a window ({self._micro_step} of {self._window} "
+                               "micro-batches done): call it before a window's first forward")
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= ga:
+            raise ValueError(f"begin_window(size={size!r}): a window holds 1 to gradient_accumulation_steps={ga} "
+                             "micro-batches")
+        self._window = size
+        module = self._require("_module", "begin_window")
+        self.strategy.set_gradient_sync(module, size == 1)
+
+    def abandon_window(self) -> None:
+        """Drop the gradients of an unfinished accumulation window and start the next window afresh (after
+        an out-of-memory error in the middle of one, before retrying with a smaller batch)."""
+        module, optimizer = self._require("_module", "abandon_window"), self._optimizer
+        if optimizer is not None:
+            self.strategy.zero_grad(optimizer, module)
+        self._micro_step, self._boundary, self._clipped = 0, False, False
+        self._window = self.gradient_accumulation_steps
+        self.strategy.set_gradient_sync(module, self.gradient_accumulation_steps == 1)
+
     def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
         """Backward of one micro-batch's loss, averaged over the accumulation window."""
         module = model if model is not None else self._require("_module", "backward")
         if self.profiler is not None and self._micro_step == 0:
             self.profiler.before_step(self.optimizer_steps)
         self.run_log.on_backward(loss)
-        self.strategy.backward(loss, module, self.gradient_accumulation_steps)
-        self._micro_step = (self._micro_step + 1) % self.gradient_accumulation_steps
+        self.strategy.backward(loss, module, self._window)
+        self._stepped = False
+        self._micro_step = (self._micro_step + 1) % self._window
         self._boundary = self._micro_step == 0
+        if self._boundary:
+            self._window = self.gradient_accumulation_steps
         # The next forward must know whether its backward syncs (DDP reads the flag in forward).
-        self.strategy.set_gradient_sync(module, self._micro_step == self.gradient_accumulation_steps - 1)
+        self.strategy.set_gradient_sync(module, self._micro_step == self._window - 1)
 
     def clip_gradients(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip the gradients' total norm to ``max_norm`` and return the norm before clipping.
@@ -288,6 +385,7 @@ class Runner:
     def step(self) -> bool:
         """At the end of an accumulation window: unscale, check for inf/NaN, step the optimizer and
         scheduler, zero the gradients. Returns True when an optimizer step was applied."""
+        self._stepped = False
         if not self._boundary:
             return False
         module, optimizer = self._require("_module", "step"), self._require("_optimizer", "step")
@@ -301,8 +399,17 @@ class Runner:
                 self._scheduler.step()
         self.strategy.zero_grad(optimizer, module)
         self._boundary = False
+        self._stepped = stepped
         self._after_step(optimizer)
         return stepped
+
+    def record_step(self, scheduler: Any | None = None) -> None:
+        """Count an optimizer step the optimizer took by itself inside backward (LOMO, AdaLomo: their
+        ``fused_backward`` updates the weights from gradient hooks) and step ``scheduler`` after it."""
+        self.optimizer_steps += 1
+        if scheduler is not None:
+            scheduler.step()
+
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         scale = self.precision.current_loss_scale if self.precision.loss_scaling is not None else None
@@ -406,13 +513,14 @@ class Runner:
 
     # ---- checkpoints --------------------------------------------------------------------------
 
-    def save(self, path: str | Path, state: dict[str, Any], *, blocking: bool = True,
+    def save(self, path: str | Path, state: dict[str, Any], *, blocking: bool = True, update_latest: bool = True,
              on_saved: Callable[[Path], None] | None = None) -> Path:
         """Save a checkpoint directory atomically.
 
         ``state`` maps names to models, optimizers, schedulers, data loaders and plain values; the
         precision's state, the accumulation position and every rank's RNG state are added. The
-        parent directory's ``latest`` pointer moves to the new save once it is complete.
+        parent directory's ``latest`` pointer moves to the new save once it is complete (unless
+        ``update_latest=False``: the Trainer finds its ``checkpoint-N`` folders by name).
 
         With ``blocking=False`` the state is copied to host memory (pinned, from GPUs) and the call returns while
         a background thread writes the same atomic, verified checkpoint; the strategy's gathers still run here.
@@ -424,7 +532,8 @@ class Runner:
         path = Path(path)
         make_writer = functools.partial(
             ckpt.CheckpointWriter, path, rank=self.rank, world_size=self.world_size, broadcast=self.broadcast,
-            keep_last=self.checkpoint_keep_last, info=self.strategy.checkpoint_info())
+            keep_last=self.checkpoint_keep_last, info=self.strategy.checkpoint_info(),
+            update_latest=update_latest)
         if not blocking:
             self._saves().save(path, make_writer, functools.partial(self._write_checkpoint, state=state), on_saved)
             return path
@@ -457,17 +566,22 @@ class Runner:
             self._async_saves = AsyncCheckpointer(self.rank, self.world_size, default_timeout())
         return self._async_saves
 
-    def load(self, path: str | Path, state: dict[str, Any], *, verify: bool = True) -> dict[str, Any]:
+    def load(self, path: str | Path, state: dict[str, Any], *, verify: bool = True,
+             runner_state: bool = True) -> dict[str, Any]:
         """Restore the objects in ``state`` in place from a checkpoint; return its plain values.
 
         ``path`` may be a checkpoint directory or its parent (the ``latest`` pointer is followed).
         Every file read is checked against the manifest's sha256 in the same pass that reads it;
         ``verify=False`` skips the hashes (sizes, schema and paths are still checked).
+        ``runner_state=False`` restores only ``state``: the precision's loss scale, the step count,
+        the accumulation position and the RNG streams stay as they are (loading the best weights).
         """
         self.wait_for_save()
         with ckpt.CheckpointReader(path, verify=verify) as reader:
             saver = StateSaver(self.strategy, self._owner_of)
             values = saver.load(reader, state)
+            if not runner_state:
+                return values
             self.precision.load_state_dict(reader.read_json("precision", check=ckpt.check_precision_state))
             self._load_runner_state(reader.read_json(_RUNNER_STATE, check=ckpt.check_runner_state))
             rng_name = ckpt.rank_entry("rng", self.rank)
@@ -484,6 +598,7 @@ class Runner:
 
     def _load_runner_state(self, state: dict[str, Any]) -> None:
         self._micro_step, self._boundary = state["micro_step"], state["boundary"]
+        self._window = self.gradient_accumulation_steps
         self.optimizer_steps = state["optimizer_steps"]
         if self._module is not None:
             last = self.gradient_accumulation_steps - 1
@@ -508,6 +623,7 @@ class Runner:
         self._module = self._optimizer = self._scheduler = self._loader = None
         self._owners.clear()
         self._micro_step, self._boundary, self._clipped = 0, False, False
+        self._window = self.gradient_accumulation_steps
 
     def teardown(self) -> None:
         """Finish a background save, then release the process group and anything else the strategy holds.

@@ -144,7 +144,8 @@ def load_accelerate_config(path: str | os.PathLike) -> AccelerateConfig:
 
 
 def _distributed_type(raw: Mapping[str, Any], where: str) -> str:
-    kind = str(raw.get("distributed_type", "NO")).upper()
+    value = raw.get("distributed_type", "NO")
+    kind = "NO" if value is False else str(value).upper()  # YAML 1.1 reads an unquoted NO as false
     if kind in _OTHER_TYPES:
         raise NotImplementedError(f"distributed_type: {kind} in {where}: {_OTHER_TYPES[kind]} are not supported by "
                                   f"shardkit; use one of {list(DISTRIBUTED_TYPES)}")
@@ -170,7 +171,7 @@ def _check_unsupported(raw: Mapping[str, Any], where: str) -> None:
     if backend != "NO":
         raise NotImplementedError(f"dynamo_backend: {backend} in {where}: shardkit does not compile the model for "
                                   f"you; call torch.compile(model) in the script and set dynamo_backend: 'NO'")
-    for key in ("megatron_lm_config", "mpirun_config", "fp8_config", "parallelism_config", "ipex_config"):
+    for key in ("megatron_lm_config", "mpirun_config", "fp8_config", "ipex_config"):
         section = raw.get(key)
         if section is not None and not isinstance(section, Mapping):
             raise ConfigError(f"{key} in {where} must be a section (a mapping), not {section!r}; remove it (shardkit "
@@ -230,6 +231,11 @@ def _env(raw: Mapping[str, Any], use_cpu: bool, path: Path) -> dict[str, str]:
 def _strategy(raw: Mapping[str, Any], kind: str, mixed: str, processes: int,
               path: Path) -> tuple[StrategySpec | None, dict[str, Any] | None, str]:
     where = str(path)
+    section = raw.get("parallelism_config")
+    if section:  # Accelerate's ND-parallel sizes (dp_replicate, dp_shard, cp, tp): one validated mesh
+        from shardkit.strategies.mesh import strategy_spec_from_accelerate
+
+        return strategy_spec_from_accelerate(section, world_size_from_env() or processes, kind, where), None, ""
     if kind == "NO":
         return ("SingleDevice", {}), None, ""
     if kind in DATA_PARALLEL:
@@ -541,8 +547,13 @@ def _check_deepspeed(cfg: AccelerateConfig) -> None:
     from shardkit.config.deepspeed import strategy_spec_from_deepspeed
     from shardkit.config.deepspeed_schema import walk
     from shardkit.config.optim import resolve_optimizer
+    from shardkit.strategies.zero.config import require_deepspeed
 
     raw, where = cfg.deepspeed, cfg.deepspeed_source
+    try:
+        require_deepspeed(f"distributed_type: DEEPSPEED in {cfg.path}")
+    except ImportError as err:
+        raise ConfigError(str(err)) from None
     walk(raw, where)
     strategy_spec_from_deepspeed(raw, where, cfg.num_processes)
     # NOTE: the scheduler waits for the Runner: its "auto" total_num_steps is known only to the training script.

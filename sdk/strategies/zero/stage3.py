@@ -53,6 +53,15 @@ class ZeRO3(ZeROStrategy):
         timeout, extra: see ZeRO1/ZeRO2.
     """
 
+    @property
+    @override
+    def partitions_parameters(self) -> bool:
+        return True
+
+    @override
+    def parameter_numel(self, param: torch.Tensor) -> int:
+        return int(getattr(param, "ds_numel", param.numel()))  # a partitioned parameter's numel() is 0
+
     def __init__(self, offload: str | None = None, offload_optimizer: str | None = None,
                  offload_params: str | None = None, nvme_path: str | None = None,
                  prefetch_bucket_size: int | str = "auto", param_persistence_threshold: int | str = "auto",
@@ -75,6 +84,11 @@ class ZeRO3(ZeROStrategy):
     @override
     def _make_layout(self, stage: int) -> ZeROLayout:
         return ParameterPartitionLayout(stage)
+
+    @override
+    def parameter_numel(self, param: torch.Tensor) -> int:
+        """A partitioned parameter is an empty placeholder (``numel() == 0``); DeepSpeed records its full size."""
+        return int(getattr(param, "ds_numel", param.numel()))
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
