@@ -8,6 +8,7 @@ import glob
 import json
 import logging
 import struct
+import time
 
 import pytest
 import torch
@@ -76,11 +77,20 @@ def test_runner_trackers_are_read_back_by_their_own_packages(tmp_path, monkeypat
     assert client.get_run(mlflow_run).data.params == {"lr": "0.1", "model": "tiny"}
     history = client.get_metric_history(mlflow_run, "loss")
     assert [(m.step, m.value) for m in history] == [(0, 1.0), (1, 0.5), (2, pytest.approx(1 / 3))]
+    run_file = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))[0]
+    for _ in range(300):  # wandb's service may still be writing the file after run.finish() returns
+        if any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(run_file)):
+            break
+        time.sleep(0.1)
     history, config = [], {}
-    for record in _wandb_records(glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))[0]):
+    for record in _wandb_records(run_file):
         kind = record.WhichOneof("record_type")
-        if kind == "history":
-            history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+        # A history row is a HistoryRecord, or a partial_history request when the service has not merged it yet.
+        items = record.history.item if kind == "history" else None
+        if kind == "request" and record.request.WhichOneof("request_type") == "partial_history":
+            items = record.request.partial_history.item
+        if items is not None:
+            history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items})
         elif kind == "config":
             config.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.config.update})
     steps = [(h.get("_step"), h["loss"]) for h in history if "loss" in h]
