@@ -17,7 +17,6 @@ from shardkit.trainer.schedulers import get_scheduler
 
 __all__ = ["EngineSpec", "build_runner", "create_optimizer", "create_scheduler", "decay_parameter_names"]
 
-_FSDP_SHARDING = {"full_shard": "full", "shard_grad_op": "grad_op", "hybrid_shard": "hybrid", "no_shard": "none"}
 
 
 @dataclass
@@ -49,14 +48,10 @@ def _precision_from_args(args: TrainingArguments, precision: Any) -> Any:
 def _fsdp_strategy(args: TrainingArguments, strategy: Any) -> Any:
     if strategy is not None:
         raise ValueError(f"Trainer(strategy={strategy!r}) and TrainingArguments.fsdp={args.fsdp!r}: give one of them")
+    from shardkit.config.fsdp import trainer_fsdp_spec
     from shardkit.strategies.fsdp import FSDP
 
-    options = args.fsdp.split()
-    sharding = next((_FSDP_SHARDING[o] for o in options if o in _FSDP_SHARDING), "full")
-    config = dict(args.fsdp_config or {})
-    kwargs: dict[str, Any] = {"sharding": sharding, "cpu_offload": "offload" in options}
-    if config.get("activation_checkpointing"):
-        kwargs["activation_checkpointing"] = True
+    _, kwargs = trainer_fsdp_spec(args.fsdp, args.fsdp_config)  # every key honoured or refused by name
     return FSDP(**kwargs)
 
 
