@@ -16,7 +16,9 @@ from shardkit.strategies import strategy_from_name
 
 # ZeROInfinity with its parameters offloaded to host memory: the NVMe path (async_io, a 5-minute build) is the
 # slow-marked test in test_generation.py; the registration is the same class's.
-HF_STRATEGIES = {"fsdp": {}, "zero3": {}, "zero_infinity": {"offload_params": "cpu", "offload_optimizer": None}}
+# "tp": no plan given, so the HF model's own (base_model_tp_plan); both TP ranks get rank 0's request.
+HF_STRATEGIES = {"fsdp": {}, "zero3": {}, "zero_infinity": {"offload_params": "cpu", "offload_optimizer": None},
+                 "tp": {"tp_size": 2}}
 
 
 def _zero3_enabled() -> bool:
@@ -33,17 +35,20 @@ def hf_generate_worker(names: list[str]) -> dict:
     rank = dist.get_rank()
     base = gw.hf_tiny()
     state = {k: v.clone() for k, v in base.state_dict().items()}
-    ids, new = gw.requests(rank)
-    want = gw.reference(base, ids, new, None, hf=True)
     out: dict = {}
     runner = None
     for name in names:
+        ids, new = gw.requests(0 if name == "tp" else rank)
+        want = gw.reference(base, ids, new, None, hf=True)
         model = gw.hf_tiny()
         model.load_state_dict(state)
         runner = Runner(strategy=strategy_from_name(name, **HF_STRATEGIES[name]), seed=0)
         model = runner.setup(model)
         got = model.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
         out[name] = {"got": got.cpu(), "want": want, "zero3_seen": _zero3_enabled()}
+        if name == "tp":
+            q = model.model.layers[0].self_attn.q_proj.weight
+            out[name]["q_local_shape"] = tuple(getattr(q, "_local_tensor", q).shape)
     runner.teardown()
     out["zero3_seen_after_teardown"] = _zero3_enabled()
     return out
