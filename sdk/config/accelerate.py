@@ -333,18 +333,25 @@ def resolve_accelerate(path: str | os.PathLike, *, strategy: Any = None, precisi
                        gradient_accumulation_steps: int | None = None, micro_batch_size: int | None = None,
                        max_grad_norm: float | None = None, world_size: int | None = None,
                        optimizer_params: Mapping[str, Any] | None = None,
-                       scheduler_params: Mapping[str, Any] | None = None) -> ResolvedConfig:
-    """The Runner settings an Accelerate YAML asks for, checked against the Runner's explicit values."""
+                       scheduler_params: Mapping[str, Any] | None = None,
+                       explicit_precision_wins: bool = False) -> ResolvedConfig:
+    """The Runner settings an Accelerate YAML asks for, checked against the Runner's explicit values.
+
+    ``explicit_precision_wins``: the file came from the launcher, so a precision given to the Runner (the
+    Trainer's ``--bf16``) overrides its ``mixed_precision`` with one warning, as transformers and Accelerate let
+    an explicit argument win over ``accelerate launch``'s config; otherwise disagreeing is an error.
+    """
     from shardkit.precision.registry import PRECISIONS
 
     cfg = load_accelerate_config(path)
     where = str(cfg.path)
     file_precision = PRECISIONS.build(cfg.mixed_precision)  # "no" is fp32's alias
+    wins = explicit_precision_wins
     if cfg.deepspeed is not None:
         names = None
         if cfg.mixed_precision != "no":
             # The YAML's mixed_precision fills the DeepSpeed file's fp16/bf16 "auto", as Accelerate does.
-            precision = _precision(file_precision, cfg, precision)
+            precision = _precision(file_precision, cfg, precision, wins)
             names = {"precision": f"mixed_precision: {cfg.mixed_precision} in {where}"}
         return resolve_deepspeed(
             cfg.deepspeed, strategy=strategy, precision=precision,
@@ -354,16 +361,21 @@ def resolve_accelerate(path: str | os.PathLike, *, strategy: Any = None, precisi
             source=cfg.deepspeed_source, runner_names=names,
         )
     return ResolvedConfig(
-        strategy=_runner_strategy(cfg, strategy), precision=_precision(file_precision, cfg, precision),
+        strategy=_runner_strategy(cfg, strategy), precision=_precision(file_precision, cfg, precision, wins),
         gradient_accumulation_steps=gradient_accumulation_steps or 1, micro_batch_size=micro_batch_size,
         max_grad_norm=max_grad_norm, optimizer=None, scheduler=None, source=where,
     )
 
 
-def _precision(file_precision: Any, cfg: AccelerateConfig, precision: Any) -> Any:
+def _precision(file_precision: Any, cfg: AccelerateConfig, precision: Any, explicit_wins: bool = False) -> Any:
     if precision is None:
         return file_precision
     file_kind, runner_kind = precision_kind(file_precision), precision_kind(precision)
+    if explicit_wins and file_kind != runner_kind:
+        warn_once(f"precision-override:{cfg.path}", f"mixed_precision: {cfg.mixed_precision} in {cfg.path} (the "
+                  f"launcher's config) is overridden by precision={precision!r} given to the Runner (the training "
+                  f"arguments win, as in transformers)")
+        return precision
     reconcile("mixed_precision", file_kind, str(cfg.path), runner_kind, f"Runner(precision={precision!r})")
     return precision
 
