@@ -71,3 +71,14 @@ def test_the_seeds_zero3_config_with_no_warmup_fills_warmup_num_steps_as_transfo
     raw["scheduler"]["params"]["warmup_num_steps"] = 0
     with pytest.raises(ConfigError, match=r"scheduler\.params\.warmup_num_steps=0 .* must be"):
         resolve_runner_config(raw, micro_batch_size=2)
+
+
+def test_the_trainer_reads_fsdp_config_through_the_translator(tmp_path):
+    from shardkit.models.llama import Llama, LlamaConfig
+    from shardkit.trainer import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard",
+                             fsdp_config={"fsdp_transformer_layer_cls_to_wrp": ["Block"]}, report_to="none")
+    tiny = Llama(LlamaConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, max_position=8))
+    with pytest.raises(ConfigKeyError, match=r"fsdp_config\.fsdp_transformer_layer_cls_to_wrp"):
+        Trainer(model=tiny, args=args)  # was dropped silently
