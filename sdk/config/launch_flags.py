@@ -17,11 +17,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from shardkit.config.cli import DEFAULT_CONFIG_FILE
 from shardkit.config.common import ConfigError, load_mapping
 
-__all__ = ["DEEPSPEED_FLAGS", "FSDP_FLAGS", "add_config_flags", "base_config_path", "config_from_flags",
-           "write_flags_config"]
+__all__ = ["DEEPSPEED_FLAGS", "FSDP_FLAGS", "add_config_flags", "config_from_flags", "write_flags_config"]
 
 FSDP_FLAGS = ("fsdp_version", "fsdp_offload_params", "fsdp_min_num_params", "fsdp_sharding_strategy",
               "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
@@ -45,14 +43,6 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                        choices=("no", "fp16", "bf16"), help="mixed_precision")
     for name in (*FSDP_FLAGS, *DEEPSPEED_FLAGS):
         group.add_argument(f"--{name}", dest=_DEST + name, metavar="VALUE", help=f"{name} (as in accelerate launch)")
-
-
-def base_config_path(config_file: str | None) -> Path | None:
-    """The YAML the flags are laid over: ``--config_file``, else ``./shardkit_config.yaml`` when it exists."""
-    if config_file:
-        return Path(config_file)
-    default = Path(DEFAULT_CONFIG_FILE)
-    return default if default.is_file() else None
 
 
 def config_from_flags(args: argparse.Namespace, base: Mapping[str, Any] | None) -> dict[str, Any] | None:
