@@ -80,12 +80,15 @@ def from_pretrained_worker(path: str) -> dict:
     init_distributed("cpu")
     runner = Runner(strategy=strategy_from_name("zero3"), seed=0)
     peak = [0]
+    live: list[nn.Parameter] = []
     gathered = deepspeed.zero.GatheredParameters
     enter = gathered.__enter__
 
     def sampling_enter(self):
         result = enter(self)
-        peak[0] = max(peak[0], _held_bytes(_live_parameters()))
+        if not live:  # every parameter exists (partitioned) before the first module loads: scan once
+            live.extend(_live_parameters())
+        peak[0] = max(peak[0], _held_bytes(live))
         return result
 
     gathered.__enter__ = sampling_enter
