@@ -129,16 +129,24 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=False)
         self.rotary = rotary
+        # Context parallelism replaces the causal attention of a training forward (no cache) with its own
+        # over the split sequence: core(q, k, v, dropout_p) -> out, (B, H, T_local, D) each, or None for SDPA here.
+        self.core = None
 
-    def forward(self, x: torch.Tensor, cache: _LayerCache | None = None) -> torch.Tensor:
-        """Causal self-attention over ``x``; with ``cache``, over the cached positions too (which it extends)."""
+    def forward(self, x: torch.Tensor, cache: _LayerCache | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal self-attention over ``x``; with ``cache``, over the cached positions too (which it extends).
+
+        ``position_ids`` (T,): the rotary positions of ``x``'s tokens, default 0..T-1 (context parallelism
+        gives each rank's chunks their places in the whole sequence).
+        """
         cfg = self.config
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, -1, cfg.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, -1, cfg.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, cfg.head_dim).transpose(1, 2)
         if cache is None:
-            q, k = self.rotary.rotate(q, k)
+            q, k = self.rotary.rotate(q, k, position_ids)
         else:
             start = cache.owner.length
             q, k = self.rotary.rotate(q, k, torch.arange(start, start + seq, device=x.device))
@@ -148,7 +156,9 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         dropout = cfg.dropout if self.training else 0.0
         past = k.shape[-2] - seq
-        if past == 0 or seq == 1:  # no cache, or one new token that sees every position: no mask to build
+        if cache is None and self.core is not None:
+            out = self.core(q, k, v, dropout)
+        elif past == 0 or seq == 1:  # no cache, or one new token that sees every position: no mask to build
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=past == 0)
         else:  # several new tokens after cached ones: token i sees positions up to past + i
             mask = torch.arange(past + seq, device=x.device) <= torch.arange(past, past + seq, device=x.device)[:, None]
@@ -200,9 +210,14 @@ class LlamaBlock(nn.Module):
         self.mlp = mlp(config.hidden_size, config.intermediate_size)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: _LayerCache | None = None) -> torch.Tensor:
-        attended = self.self_attn(self.input_layernorm(x)) if cache is None else \
-            self.self_attn(self.input_layernorm(x), cache=cache)
+    def forward(self, x: torch.Tensor, cache: _LayerCache | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if cache is not None:
+            attended = self.self_attn(self.input_layernorm(x), cache=cache)
+        elif position_ids is not None:
+            attended = self.self_attn(self.input_layernorm(x), position_ids=position_ids)
+        else:
+            attended = self.self_attn(self.input_layernorm(x))
         x = x + self.dropout(attended)
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
@@ -256,15 +271,20 @@ class Llama(nn.Module):
             elif hasattr(module, "weight") and module.weight is not None and module.weight.dim() == 1:
                 nn.init.ones_(module.weight)
 
-    def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Final normed hidden states, (batch, seq, hidden); ``cache``: see :class:`KVCache`."""
+    def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None,
+                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Final normed hidden states, (batch, seq, hidden); ``cache``: see :class:`KVCache`; ``position_ids``
+        (seq,): the tokens' rotary positions (default 0..seq-1; context parallelism passes its chunks')."""
         start = 0 if cache is None else cache.length
         if start + input_ids.shape[-1] > self.config.max_position:
             raise ValueError(f"sequence length {start + input_ids.shape[-1]} exceeds "
                              f"max_position={self.config.max_position}")
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x) if cache is None else layer(x, cache=cache.layer(i))
+            if cache is not None:
+                x = layer(x, cache=cache.layer(i))
+            else:
+                x = layer(x) if position_ids is None else layer(x, position_ids=position_ids)
         if cache is not None:
             cache.length += input_ids.shape[-1]
         return self.norm(x)
