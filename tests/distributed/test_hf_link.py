@@ -1,7 +1,7 @@
 """transformers knows what shardkit runs (issue 23): on 2 CPU ranks, Hugging Face's own ``model.generate`` under
 FSDP, ZeRO-3 and ZeROInfinity syncs the ranks by itself (different prompts and max_new_tokens per rank; it hung
-under ZeRO-3) and equals the unsharded model's tokens, TensorParallel takes an HF model's own plan when given none, and ``from_pretrained`` inside a ZeRO-3 run holds about
-1/world of the parameters on each rank at its peak."""
+under ZeRO-3) and equals the unsharded model's tokens, TensorParallel takes an HF model's own plan when given none,
+and ``from_pretrained`` inside a ZeRO-3 run holds about 1/world of the parameters on each rank at its peak."""
 
 from __future__ import annotations
 
