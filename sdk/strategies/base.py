@@ -218,6 +218,10 @@ class Strategy(ABC):
     def set_gradient_sync(self, module: nn.Module, enabled: bool) -> None:
         """Whether the next backward reduces gradients across ranks; no-op without a sync to skip."""
 
+    def set_window(self, size: int) -> None:
+        """The accumulation window that starts now holds ``size`` micro-batches (the Runner's ``begin_window``, or
+        ``gradient_accumulation_steps`` again); no-op for strategies that get it in ``backward``."""
+
     def clip_gradients(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:
@@ -229,10 +233,6 @@ class Strategy(ABC):
     def optimizer_step(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> bool:
         """Step the optimizer through the precision; False if the step was skipped."""
         return self.precision.optimizer_step(optimizer, found_inf=self._reduce_found_inf)
-
-    def parameter_numel(self, param: torch.Tensor) -> int:
-        """Elements of the whole parameter, however this strategy stores it (a DTensor's ``numel`` is global)."""
-        return param.numel()
 
     def zero_grad(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
         optimizer.zero_grad(set_to_none=True)

@@ -191,7 +191,7 @@ def test_a_new_entry_is_everywhere_at_once():
 
 
 def test_precision_names():
-    assert PRECISIONS.names() == ["fp32", "tf32", "fp16", "bf16", "bf16-true"]
+    assert PRECISIONS.names() == ["fp32", "tf32", "fp16", "bf16", "fp8", "bf16-true"]
 
 
 @pytest.mark.parametrize("name, cls, fields", [
