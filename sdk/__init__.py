@@ -29,4 +29,8 @@ def __getattr__(name: str):
         from shardkit import trainer
 
         return getattr(trainer, name)
+    if name in ("SFTTrainer", "SFTConfig"):
+        from shardkit import sft
+
+        return getattr(sft, name)
     raise AttributeError(f"module 'shardkit' has no attribute {name!r}")

@@ -16,6 +16,7 @@ import itertools
 import logging
 import math
 import signal
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -191,8 +192,13 @@ class Trainer(CheckpointMixin, EvaluationMixin):
         if self.train_dataset is not None:
             # The train loader first: DeepSpeed's engine needs the micro-batch size at setup.
             self._train_loader = runner.setup_dataloader(self.get_train_dataloader())
-            self._per_epoch = steps_per_epoch(len(self._train_loader), args.gradient_accumulation_steps)
+            try:
+                self._per_epoch = steps_per_epoch(len(self._train_loader), args.gradient_accumulation_steps)
+            except TypeError:  # a stream: max_steps bounds the run, and each pass over the stream is an epoch
+                self._per_epoch = None
             max_steps, self._num_epochs = total_steps(args, self._per_epoch)
+            if self._per_epoch is None:
+                self._per_epoch, self._num_epochs = max_steps, sys.maxsize
         self._max_steps = max_steps
         model = maybe_compile(self._user_model, args)  # in place, the last change before setup
         if self.train_dataset is not None or self.optimizer is not None:
