@@ -231,7 +231,7 @@ class LlamaBlock(nn.Module):
 
 
 class LMHead(nn.Linear):
-    """The output projection; given labels it returns the mean cross-entropy instead of logits.
+    """The output projection; given labels it returns the mean cross-entropy instead of logits (0 without any).
 
     With ``fused`` the loss is :func:`shardkit.ops.fused_linear_cross_entropy`, which never holds
     the (tokens x vocab) logits. It runs inside this module's forward on purpose: engines that gather
@@ -248,8 +248,13 @@ class LMHead(nn.Linear):
         if self.fused:
             from shardkit.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
-            return fused_linear_cross_entropy(hidden, self.weight, labels, ignore_index=-100)
-        return F.cross_entropy(super().forward(hidden).float(), labels, ignore_index=-100)
+            total = fused_linear_cross_entropy(hidden, self.weight, labels, ignore_index=-100, reduction="sum")
+        else:
+            total = F.cross_entropy(super().forward(hidden).float(), labels, ignore_index=-100, reduction="sum")
+        # Sum over the count, not a "mean" reduction: a micro-batch without a label token (a prompt-only packed row
+        # under completion-only loss) gives 0 and zero gradients instead of 0/0 = NaN, which the Trainer's
+        # rescaling by its share of the window (0) would not undo.
+        return total / (labels != -100).sum().clamp(min=1)
 
 
 class Llama(nn.Module):

@@ -118,18 +118,19 @@ def train_tokenizer(files: Iterable[str | Path] = (), vocab_size: int = 512, cha
     return tokenizer
 
 
-def text_conversations(text: str, max_turns: int = 3,
-                       system: str | None = "Continue the text.") -> list[dict[str, Any]]:
+def text_conversations(text: str, max_turns: int = 3, system: str | None = "Continue the text.",
+                       split: str = r"(?<=[.!?])\s+") -> list[dict[str, Any]]:
     """A small chat set made from plain text, for examples and tests (no downloads): conversation ``k`` starts at
     sentence ``k`` and asks, turn after turn, for the sentence after the one given (1 to ``max_turns`` turns), so
-    lengths vary from a few tokens to a few hundred.
+    lengths vary from a few tokens to a few hundred. ``split`` is the regex between sentences (a pattern that also
+    cuts at commas gives many short pieces).
 
     Returns:
         ``[{"messages": [{"role": ..., "content": ...}, ...]}, ...]``.
     """
     import re
 
-    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", " ".join(text.split())) if s.strip()]
+    sentences = [s.strip() for s in re.split(split, " ".join(text.split())) if s.strip()]
     conversations = []
     for start in range(len(sentences) - 1):
         turns = start % max_turns + 1

@@ -23,7 +23,7 @@ import torch
 
 from shardkit.sft.packing import IGNORE_INDEX
 
-__all__ = ["DataCollatorForLanguageModeling", "sequence_lengths"]
+__all__ = ["DataCollatorForLanguageModeling", "sequence_lengths", "split_sequences"]
 
 
 def sequence_lengths(position_ids: Sequence[int]) -> list[int]:
@@ -35,6 +35,18 @@ def sequence_lengths(position_ids: Sequence[int]) -> list[int]:
         lengths[-1] += 1
         previous = p
     return lengths
+
+
+def split_sequences(batch: dict[str, torch.Tensor]) -> list[tuple[int, ...]]:
+    """The token ids of every sequence in a collated packed batch, row by row, split where the positions restart
+    (a packed row's padding stays with its last sequence)."""
+    out = []
+    for ids, positions in zip(batch["input_ids"].tolist(), batch["position_ids"].tolist()):
+        start = 0
+        for n in sequence_lengths(positions):
+            out.append(tuple(ids[start:start + n]))
+            start += n
+    return out
 
 
 def _starts(position_ids: Sequence[int]) -> list[int]:

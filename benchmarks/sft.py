@@ -1,0 +1,180 @@
+"""SFT batches on a long-tailed length distribution: padded vs BFD packing vs padding-free, and TRL's SFTTrainer.
+
+    python benchmarks/sft.py [--steps 12] [--rounds 2] [--max-length 512] [--hidden 256] [--layers 4]
+
+Same tiny HF Llama (random weights), same pre-tokenized data for every contender: sequence lengths drawn from a
+log-normal (median ~90 tokens, a tail cut at --max-length), so a padded batch is mostly padding. Each contender
+runs in a child process of its own (peak memory per run), the contenders alternating in rounds so that machine
+noise hits all of them; medians are printed.
+
+- tokens/s: real (non-padding) tokens trained per second, timed over the steps after the first two;
+- padding: the fraction of the tokens in the batches that are padding (compute spent on nothing);
+- peak memory: the training's peak resident set over what was resident when it started (CPU: VmHWM after
+  /proc/self/clear_refs; CUDA: max_memory_allocated).
+
+Contenders: shardkit's SFTTrainer padded (no packing), BFD packing in padded rows, BFD packing padding-free (the
+default with packing=True), and TRL's SFTTrainer with packing (BFD, padding-free: its default) on the same model and
+data. TRL is not a shardkit requirement: ``pip install trl`` in the benchmark's environment (1.16.0 was measured;
+it leaves torch and transformers as they are).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _timing import ensure_malloc_returns_memory, fmt_bytes, machine_description, print_table  # noqa: E402
+
+CONTENDERS = {
+    "shardkit padded": dict(packing=False, padding_free=False),
+    "shardkit BFD packed rows": dict(packing=True, padding_free=False),
+    "shardkit BFD padding-free": dict(packing=True, padding_free=True),
+    "TRL BFD padding-free": dict(trl=True, packing=True, padding_free=True),
+}
+
+
+def _data(n: int, max_length: int, vocab: int, seed: int = 0):
+    import datasets
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.distributions.LogNormal(4.5, 0.9).sample((n,)).clamp(8, max_length).long().tolist()
+    rows = [{"input_ids": torch.randint(4, vocab, (length,), generator=generator).tolist()} for length in lengths]
+    return datasets.Dataset.from_list(rows)
+
+
+def _model(hidden: int, layers: int, vocab: int, max_length: int):
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=int(2.75 * hidden),
+                                      num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                                      num_key_value_heads=hidden // 64, max_position_embeddings=max_length,
+                                      use_cache=False, attn_implementation="sdpa", pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+class _Counter:
+    """Wraps a collator: real and total tokens of every batch."""
+
+    def __init__(self, collator):
+        self.collator, self.real, self.total = collator, [], []
+
+    def __call__(self, examples):
+        batch = self.collator(examples)
+        ids = batch["input_ids"]
+        mask = batch.get("attention_mask")
+        self.total.append(int(ids.numel()))
+        if mask is not None:
+            self.real.append(int(mask.sum()))
+        else:  # padding-free, or packed rows padded with pad_token_id at the end
+            self.real.append(int(sum(len(e["input_ids"]) for e in examples)))
+        return batch
+
+
+def _tokenizer(vocab: int):
+    from shardkit.sft import train_tokenizer
+
+    text = (Path(__file__).resolve().parents[1] / "examples" / "data" / "public_domain.txt")
+    return train_tokenizer([text], vocab_size=vocab, chat_template=None)
+
+
+def _child(name: str, args: argparse.Namespace) -> dict:
+    import torch
+
+    spec = CONTENDERS[name]
+    vocab = 1024
+    tokenizer = _tokenizer(vocab)
+    data = _data(args.samples, args.max_length, len(tokenizer))
+    model = _model(args.hidden, args.layers, len(tokenizer), args.max_length)
+    out = tempfile.mkdtemp(prefix="sft-bench-")
+    common = dict(output_dir=out, per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=1e-4,
+                  logging_steps=10**6, save_strategy="no", report_to="none", disable_tqdm=True,
+                  max_length=args.max_length, packing=spec["packing"], padding_free=spec["padding_free"], seed=0)
+    if spec.get("trl"):
+        import trl
+
+        config = trl.SFTConfig(**common, dataloader_drop_last=False, bf16=False, gradient_checkpointing=False)
+        trainer = trl.SFTTrainer(model, args=config, train_dataset=data, processing_class=tokenizer)
+        callback_base = __import__("transformers").TrainerCallback
+    else:
+        from shardkit.sft import SFTConfig, SFTTrainer
+        from shardkit.trainer import TrainerCallback as callback_base
+
+        trainer = SFTTrainer(model, SFTConfig(**common), train_dataset=data, processing_class=tokenizer)
+    counter = _Counter(trainer.data_collator)
+    trainer.data_collator = counter
+    marks = []
+
+    class Clock(callback_base):
+        def on_step_end(self, *a, **k):
+            marks.append(time.perf_counter())
+
+    trainer.add_callback(Clock)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _rss_kib("VmRSS")
+    trainer.train()
+    peak = (_rss_kib("VmHWM") - before) * 1024
+    timed = slice(2, args.steps)  # steps 3.. (the first ones fault pages in and warm the allocator)
+    seconds = marks[args.steps - 1] - marks[1]
+    real = sum(counter.real[timed])
+    return {"tokens_per_s": real / seconds, "padding": 1 - sum(counter.real) / sum(counter.total), "peak": peak,
+            "threads": torch.get_num_threads()}
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4, help="rows (padded) or bins (packed) per step")
+    parser.add_argument("--samples", type=int, default=600)
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--only", nargs="*", default=None, help="contender names to run")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child is not None:
+        print("RESULT " + json.dumps(_child(args.child, args)), flush=True)
+        return
+    ensure_malloc_returns_memory()
+    names = [n for n in CONTENDERS if args.only is None or n in args.only]
+    results: dict[str, list[dict]] = {n: [] for n in names}
+    for _ in range(args.rounds):
+        for name in names:
+            command = [sys.executable, __file__, "--child", name] + [
+                f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("child", "only", "rounds")]
+            run = subprocess.run(command, capture_output=True, text=True, env=os.environ)
+            line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if run.returncode or line is None:
+                raise RuntimeError(f"{name} failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
+            results[name].append(json.loads(line[7:]))
+    print(f"{machine_description()}; load average at the end {os.getloadavg()[0]:.1f}")
+    base = statistics.median(r["tokens_per_s"] for r in results[names[0]])
+    rows = []
+    for name in names:
+        speed = statistics.median(r["tokens_per_s"] for r in results[name])
+        rows.append([name, f"{speed:.0f}", f"{speed / base:.2f}", f"{results[name][0]['padding']:.1%}",
+                     fmt_bytes(statistics.median(r["peak"] for r in results[name]))])
+    print_table(["contender", "real tokens/s", f"vs {names[0]}", "padding", "peak memory"], rows)
+
+
+if __name__ == "__main__":
+    main()
