@@ -262,12 +262,7 @@ def _check_state(state: Mapping[str, Any], sampler: ResumableSampler) -> dict[st
 
 
 def rebuild_dataloader(loader: DataLoader, rank: int, world_size: int, seed: int, device: torch.device):
-    """Rebuild ``loader`` with a :class:`ResumableSampler` sharding its dataset over ranks; a streamed (iterable)
-    dataset gets a :class:`shardkit.streaming.StreamingLoader` instead."""
-    from shardkit.streaming import StreamingLoader, is_stream
-
-    if is_stream(loader.dataset):
-        return StreamingLoader(loader, rank, world_size, seed, device)
+    """Rebuild ``loader`` with a :class:`ResumableSampler` sharding its dataset over ranks."""
     if loader.batch_sampler is not None and loader.batch_size is None:
         raise ValueError(
             "setup_dataloader needs a DataLoader built with batch_size=..., not a custom batch_sampler: "

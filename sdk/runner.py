@@ -15,10 +15,11 @@ from torch.utils.data import DataLoader
 
 from shardkit import checkpoint as ckpt
 from shardkit.config.common import CONFIG_FILE_ENV
-from shardkit.data import RunnerDataLoader, rebuild_dataloader
+from shardkit.data import RunnerDataLoader
 from shardkit.precision import FP32, Precision
 from shardkit.seeding import rank_logger, seed_everything
 from shardkit.strategies.base import Strategy
+from shardkit.streaming import rebuild_loader
 from shardkit.user_state import StateSaver
 
 __all__ = ["Runner"]
@@ -171,13 +172,13 @@ class Runner:
         """Shard ``loader``'s dataset across ranks, move batches to the device, and make it resumable.
 
         Shuffling (kept from the loader: ``shuffle=True`` stays shuffled) depends only on the Runner's
-        seed and the epoch, so every rank and every resumed run sees the same order.
+        seed and the epoch, so every rank and every resumed run sees the same order. A streamed (iterable)
+        dataset is read in order and dealt to the ranks item by item (:mod:`shardkit.streaming`).
         """
         strategy = self.strategy
         strategy.set_runner_values(micro_batch_size=loader.batch_size)
-        self._loader = rebuild_dataloader(
-            loader, strategy.data_parallel_rank, strategy.data_parallel_size, self.seed or 0, self.device
-        )
+        self._loader = rebuild_loader(loader, strategy.data_parallel_rank, strategy.data_parallel_size, self.seed or 0,
+                                      self.device)
         return self._loader
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:

@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from shardkit.data import RunnerDataLoader, move_to_device
+from shardkit.data import RunnerDataLoader, move_to_device, rebuild_dataloader
 
-__all__ = ["ChunkedStream", "StreamPosition", "StreamingLoader", "is_stream"]
+__all__ = ["ChunkedStream", "StreamPosition", "StreamingLoader", "is_stream", "rebuild_loader"]
 
 logger = logging.getLogger("shardkit")
 
@@ -202,6 +202,9 @@ class StreamingLoader(RunnerDataLoader):
     """
 
     def __init__(self, loader: DataLoader, rank: int, world_size: int, seed: int, device: torch.device):
+        if loader.batch_size is None:
+            raise ValueError("setup_dataloader needs a DataLoader built with batch_size=... for a streamed dataset: "
+                             "ranks take their share item by item")
         dataset = loader.dataset
         stream = dataset if isinstance(dataset, ChunkedStream) else ChunkedStream(dataset)
         if loader.num_workers > 0:
@@ -276,6 +279,14 @@ class StreamingLoader(RunnerDataLoader):
         self.batches_seen = checked["batches_seen"] if checked["world_size"] == self.view.world else 0
         self._new_split(anchor, consumed)
         self._resume, self._started = True, True
+
+
+def rebuild_loader(loader: DataLoader, rank: int, world_size: int, seed: int, device: torch.device) -> RunnerDataLoader:
+    """``loader`` rebuilt for a Runner: a :class:`StreamingLoader` for a streamed dataset, else the sampler-based
+    :func:`shardkit.data.rebuild_dataloader` (sharded, shuffled per epoch, resumable)."""
+    if is_stream(loader.dataset):
+        return StreamingLoader(loader, rank, world_size, seed, device)
+    return rebuild_dataloader(loader, rank, world_size, seed, device)
 
 
 def _check_stream_state(state: Any, seed: int, stream: ChunkedStream) -> dict[str, Any]:

@@ -83,7 +83,8 @@ class SFTTrainer(Trainer):
         """A stream is read in order (the Runner deals it to ranks and resumes it); other data as the Trainer's."""
         if isinstance(self.train_dataset, ChunkedStream):
             return DataLoader(self.train_dataset, batch_size=self.args.per_device_train_batch_size,
-                              collate_fn=self.data_collator, drop_last=self.args.dataloader_drop_last)
+                              collate_fn=self.data_collator, drop_last=self.args.dataloader_drop_last,
+                              num_workers=self.args.dataloader_num_workers)  # the Runner says workers are not used
         return super().get_train_dataloader()
 
 

@@ -8,12 +8,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from shardkit.data import rebuild_dataloader
 from shardkit.sft import DataCollatorForLanguageModeling, SFTConfig, SFTTokenizer, prepare_dataset, train_tokenizer
 from shardkit.sft.chat import text_conversations
 from shardkit.sft.collator import split_sequences
 from shardkit.sft.packing import IGNORE_INDEX
-from shardkit.streaming import ChunkedStream
+from shardkit.streaming import ChunkedStream, rebuild_loader
 
 datasets = pytest.importorskip("datasets")
 
@@ -111,7 +110,7 @@ def test_map_tokenization_is_cached_on_disk(tokenizer, tmp_path):
 # ---- exact resume at another world size (ranks simulated: the loader's arithmetic is per rank) -----------------
 
 def _loaders(make_loader, world):
-    return [rebuild_dataloader(make_loader(), r, world, 7, torch.device("cpu")) for r in range(world)]
+    return [rebuild_loader(make_loader(), r, world, 7, torch.device("cpu")) for r in range(world)]
 
 
 def _resume_run(make_loader, total_items, batch=2, opened=None):
@@ -175,7 +174,7 @@ def test_streamed_dataset_resumes_each_sequence_once_without_rereading_consumed_
 def test_stream_loader_state_is_checked(tokenizer):
     stream = ChunkedStream(datasets.IterableDataset.from_generator(_shards, gen_kwargs={
         "shards": [0, 1], "conversations": tuple(text_conversations(TEXT.read_text()))}))
-    loader = rebuild_dataloader(DataLoader(stream, batch_size=2, collate_fn=list), 0, 1, 7, torch.device("cpu"))
+    loader = rebuild_loader(DataLoader(stream, batch_size=2, collate_fn=list), 0, 1, 7, torch.device("cpu"))
     with pytest.raises(TypeError, match="max_steps"):
         len(loader)
     good = loader.state_dict()

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from shardkit.data import rebuild_dataloader
 from shardkit.models import Llama, LlamaConfig
 from shardkit.sft import DataCollatorForLanguageModeling, SFTConfig, SFTTrainer, train_tokenizer
 from shardkit.sft.chat import text_conversations
 from shardkit.sft.collator import split_sequences
+from shardkit.streaming import rebuild_loader
 from shardkit.trainer import TrainingArguments
 
 datasets = pytest.importorskip("datasets")
@@ -102,7 +102,7 @@ def test_a_plain_iterable_dataset_resumes_exactly_at_another_world_size():
     collate = DataCollatorForLanguageModeling(0, padding_free=True)
 
     def loaders(world):
-        return [rebuild_dataloader(DataLoader(Rows(rows), batch_size=2, collate_fn=collate), r, world, 0,
+        return [rebuild_loader(DataLoader(Rows(rows), batch_size=2, collate_fn=collate), r, world, 0,
                                    torch.device("cpu")) for r in range(world)]
 
     first = loaders(2)
