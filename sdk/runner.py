@@ -356,8 +356,8 @@ class Runner:
         with ckpt.CheckpointReader(path, verify=verify) as reader:
             saver = StateSaver(self.strategy, self._owner_of)
             values = saver.load(reader, state)
-            self.precision.load_state_dict(reader.read_json("precision"))
-            self._load_runner_state(reader.read_json(_RUNNER_STATE))
+            self.precision.load_state_dict(reader.read_json("precision", check=ckpt.check_precision_state))
+            self._load_runner_state(reader.read_json(_RUNNER_STATE, check=ckpt.check_runner_state))
             rng_name = ckpt.rank_entry("rng", self.rank)
             if reader.has(rng_name):
                 ckpt.restore_rng_state(reader.read_state(rng_name))

@@ -64,7 +64,7 @@ class StateSaver:
             writer.write_state(_VALUES, values)
 
     def load(self, reader: ckpt.CheckpointReader, state: dict[str, Any]) -> dict[str, Any]:
-        saved = reader.read_json(_ENTRIES)
+        saved = reader.read_json(_ENTRIES, check=_check_entries)
         for key, obj in state.items():
             kind = _kind(obj)
             if key not in saved:
@@ -91,30 +91,26 @@ class StateSaver:
         return values
 
 
-# The only dtype changes a load makes: between fp32 and a 16-bit float, the casts mixed precision needs
-# (ZeRO stores fp32 masters of bf16 parameters; a bf16 save loads into an fp32 model). Anything else
-# (int64 data in a float parameter, fp64, fp16 <-> bf16) is refused rather than silently converted.
-_CASTS = {(torch.float32, torch.float16), (torch.float32, torch.bfloat16),
-          (torch.float16, torch.float32), (torch.bfloat16, torch.float32)}
-
-
 def check_module_dtypes(reader: ckpt.CheckpointReader, name: str, module: nn.Module) -> None:
     """Refuses to load entry ``name`` into ``module`` when a tensor's stored dtype would change on load,
-    other than by a documented cast (fp32 <-> fp16/bf16 of floating tensors).
+    other than by a documented cast (fp32 <-> fp16/bf16 of floating tensors; :func:`shardkit.checkpoint.check_cast`).
 
     Raises:
         CheckpointError: naming the checkpoint, the key and both dtypes.
     """
     saved = reader.sharded_keys(name)
     for key, live in module.state_dict(keep_vars=True).items():
-        if key not in saved or not isinstance(live, torch.Tensor):
-            continue  # missing keys are the strategy's error to report, with its own message
-        stored = saved[key][1]
-        if stored != live.dtype and (stored, live.dtype) not in _CASTS:
-            raise ckpt.CheckpointError(
-                f"{reader.path}: {name}: {key!r} is stored as {stored} but the model holds {live.dtype}; a load "
-                "only casts between float32 and float16/bfloat16. Build the model in the stored dtype, or convert "
-                "the checkpoint explicitly")
+        if key in saved and isinstance(live, torch.Tensor):  # missing keys: the strategy's error, its own message
+            ckpt.check_cast(saved[key][1], live.dtype, f"{reader.path}: {name}", key)
+
+
+def _check_entries(saved: Any, file: Any) -> dict[str, str]:
+    bad = (None if isinstance(saved, dict) else "(the whole file)") or next(
+        (k for k, v in saved.items() if not isinstance(v, str)), None)
+    if bad is not None:
+        raise ckpt.CheckpointError(f"{file}: field {bad[:200]!r} is not a kind name: the file must map each saved name "
+                                   "to its kind (an object of strings); the checkpoint is corrupt or was edited")
+    return saved
 
 
 def _rank_entry(reader: ckpt.CheckpointReader, key: str, rank: int) -> str:

@@ -19,6 +19,8 @@ from .format import FORMAT_NAME, FORMAT_VERSION, CheckpointError, rank_entry
 from .optimizer import load_optimizer_state_by_name, optimizer_state_by_name
 from .reader import CheckpointReader, resolve_checkpoint
 from .rng import capture_rng_state, restore_rng_state
+from .schema import check_precision_state, check_runner_state
+from .trust import check_cast
 from .writer import CheckpointBusyError, CheckpointWriter, ShardPiece, prune_checkpoints, recover_checkpoints
 
 __all__ = [
@@ -30,6 +32,9 @@ __all__ = [
     "CheckpointWriter",
     "ShardPiece",
     "capture_rng_state",
+    "check_cast",
+    "check_precision_state",
+    "check_runner_state",
     "consolidate",
     "consolidate_deepspeed",
     "get_fp32_state_dict",

@@ -14,15 +14,17 @@ from typing import Callable
 import torch
 
 from .deepspeed_reader import DeepSpeedCheckpoint, ZeroFp32StateDict, find_deepspeed_checkpoint
-from .format import CheckpointError, dtype_tag, fsync_dir, write_bytes_durable
+from .export import EXPORT_RE, copy_model_files, publish_export
+from .format import CheckpointError, dtype_tag, fsync_path, naming
+from .hf_reader import INDEX
 from .reader import CheckpointReader
+from .trust import check_cast, check_child_dir
 
 __all__ = ["consolidate", "consolidate_deepspeed", "get_fp32_state_dict", "load_state_dict_from_zero_checkpoint",
            "parse_size", "write_hf_shards"]
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_OUTPUT_RE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
 
 
 def parse_size(size: int | str) -> int:
@@ -67,7 +69,7 @@ def _write_file(path: Path, specs: list[tuple[str, torch.dtype, tuple]], meta: d
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
+    with naming(path), open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
         for key, dtype, shape in specs:
             t = fetch(key).to(dtype).contiguous()
@@ -81,64 +83,48 @@ def _write_file(path: Path, specs: list[tuple[str, torch.dtype, tuple]], meta: d
             os.fsync(f.fileno())
 
 
-def _sync_and_rename(tmp: Path, final: Path) -> None:
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, final)
-
-
 def write_hf_shards(out_dir: Path, keys: dict[str, tuple[tuple, torch.dtype]], fetch: Callable[[str], torch.Tensor],
-                    *, dtype: torch.dtype | None, max_shard_size: int | str, tied: dict[str, str]) -> list[Path]:
-    """Writes ``keys`` (name -> (shape, source dtype)) as ``model.safetensors`` or shards + index.
+                    *, dtype: torch.dtype | None, max_shard_size: int | str, tied: dict[str, str]) -> list[str]:
+    """Writes ``keys`` (name -> (shape, source dtype)) into the fresh directory ``out_dir`` as
+    ``model.safetensors`` or shards + index; returns the file names (the index last), not yet fsynced.
 
     ``fetch(name)`` returns one tensor; only one is held at a time. Floating tensors are cast to
-    ``dtype`` (None keeps them). ``tied`` (alias -> kept name) goes into the metadata and index. Old
-    ``model*.safetensors`` outputs in ``out_dir`` are replaced; each file appears whole (temporary name,
-    fsync, rename) or not at all.
+    ``dtype`` (None keeps them). ``tied`` (alias -> kept name) goes into the metadata and index. The
+    caller publishes the directory (:func:`shardkit.checkpoint.export.publish_export`).
     """
     limit = parse_size(max_shard_size)
     if limit <= 0:
         raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size!r}")
     shards = _plan(keys, dtype, limit)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.iterdir():
-        if _OUTPUT_RE.match(old.name):
-            old.unlink()
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     meta = {"format": "pt"}
     if tied:
         meta["tied_weights"] = json.dumps(tied)
-    written = []
-    # Each file's fsync (then its rename) runs on a thread while the next file is written: fsync waits on the
-    # disk with the GIL released, and it was 13% of a 1 GB conversion done in line.
+    # Each file's fsync runs on a thread while the next file is written: fsync waits on the disk with the GIL
+    # released, and it was 13% of a 1 GB conversion done in line. The export's own fsyncs then find them clean.
     with ThreadPoolExecutor(max_workers=1) as syncer:
         pending = []
         try:
             for file, specs in zip(names, shards):
-                tmp = out_dir / f".{file}.tmp"
-                _write_file(tmp, specs, meta, fetch, sync=False)
-                pending.append(syncer.submit(_sync_and_rename, tmp, out_dir / file))
-                written.append(out_dir / file)
-            for job in pending:
-                job.result()
-        except BaseException:
+                _write_file(out_dir / file, specs, meta, fetch, sync=False)
+                pending.append(syncer.submit(fsync_path, out_dir / file))
+        finally:
             wait(pending)
-            for old in out_dir.glob(".model*.safetensors.tmp"):
-                old.unlink(missing_ok=True)
-            raise
+        for job in pending:
+            job.result()
     if n > 1:
         total = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for sh in shards for _, d, s in sh)
         index = {"metadata": {"total_size": total, **({"tied_weights": tied} if tied else {})},
                  "weight_map": {k: f for f, sh in zip(names, shards) for k, _, _ in sh}}
-        idx = out_dir / "model.safetensors.index.json"
-        write_bytes_durable(idx, json.dumps(index, indent=2).encode())
-        written.append(idx)
-    fsync_dir(out_dir)
-    return written
+        with naming(out_dir / INDEX):
+            (out_dir / INDEX).write_bytes(json.dumps(index, indent=2).encode())
+        names.append(INDEX)
+    return names
+
+
+def _weights(paths: list[Path]) -> list[Path]:
+    return [p for p in paths if EXPORT_RE.match(p.name)]
 
 
 def consolidate(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike, *, name: str = "model",
@@ -146,17 +132,20 @@ def consolidate(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLik
     """Writes entry ``name`` of a checkpoint (full or sharded, any world size) as HF-style safetensors.
 
     Produces ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` plus
-    ``model.safetensors.index.json`` when the total exceeds ``max_shard_size``. Streams one tensor
+    ``model.safetensors.index.json`` when the total exceeds ``max_shard_size``, and copies the model's
+    ``config.json``, ``generation_config.json`` and tokenizer files when the checkpoint directory (or the
+    directory holding it) has them, so ``from_pretrained`` builds the right model. Streams one tensor
     at a time, so peak memory stays near the largest tensor. Needs no process group and no DeepSpeed.
 
     Floating tensors are cast to ``dtype`` (``None`` keeps each tensor's dtype); integer and bool
     tensors keep theirs. Tied weights (keys the checkpoint stores as aliases) are written once, under
     the first key, as Hugging Face's ``save_pretrained`` does; the dropped keys are listed in the
-    files' metadata and the index under ``"tied_weights"`` (alias -> kept key). Existing
-    ``model*.safetensors`` outputs in ``output_dir`` are replaced.
+    files' metadata and the index under ``"tied_weights"`` (alias -> kept key). The output is published
+    atomically (:mod:`.export`): a previous export there stays whole until the new one is; the output
+    may not be a checkpoint or lie inside the one read.
 
     Returns:
-        The paths written: the shard files, then the index if there is one.
+        The weight files written: the shards, then the index if there is one.
     """
     parse_size(max_shard_size)
     with CheckpointReader(checkpoint_path) as reader:
@@ -165,8 +154,13 @@ def consolidate(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLik
                                   "pass --name")
         tied = reader.aliases(name)
         keys = {k: v for k, v in reader.sharded_keys(name).items() if k not in tied}
-        return write_hf_shards(Path(output_dir), keys, lambda k: reader.read_full(name, k), dtype=dtype,
-                               max_shard_size=max_shard_size, tied=tied)
+
+        def write(stage: Path) -> list[str]:
+            names = write_hf_shards(stage, keys, lambda k: reader.read_full(name, k), dtype=dtype,
+                                    max_shard_size=max_shard_size, tied=tied)
+            return names + copy_model_files([reader.path, reader.path.parent], stage)
+
+        return _weights(publish_export(output_dir, write, sources=[checkpoint_path, reader.path]))
 
 
 def consolidate_deepspeed(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike, *,
@@ -177,7 +171,9 @@ def consolidate_deepspeed(checkpoint_path: str | os.PathLike, output_dir: str | 
     Never imports DeepSpeed and never runs code from the files (see :mod:`.safe_unpickle`). Every
     rank file is opened and checked before anything is written; then one parameter at a time is read
     from the memory-mapped files and written, so peak memory stays near the largest parameter.
-    Shared parameters are written once; the others are listed under ``"tied_weights"``.
+    Shared parameters are written once; the others are listed under ``"tied_weights"``. The model's
+    ``config.json`` and tokenizer files are copied from the tag directory or the one holding it (a
+    Hugging Face Trainer's ``checkpoint-N``).
 
     Args:
         checkpoint_path: the directory holding ``latest`` (or the tag directory itself).
@@ -188,13 +184,18 @@ def consolidate_deepspeed(checkpoint_path: str | os.PathLike, output_dir: str | 
         exclude_frozen_parameters: leave out parameters that were not trained.
 
     Returns:
-        The paths written: the shard files, then the index if there is one.
+        The weight files written: the shards, then the index if there is one.
     """
     parse_size(max_shard_size)
     with DeepSpeedCheckpoint(checkpoint_path, tag, exclude_frozen_parameters) as ckpt:
         keys = {k: (tuple(s), d) for k in ckpt.sources for s, d in [ckpt.spec(k)]}
-        return write_hf_shards(Path(output_dir), keys, ckpt.read, dtype=dtype, max_shard_size=max_shard_size,
-                               tied=dict(ckpt.aliases))
+
+        def write(stage: Path) -> list[str]:
+            names = write_hf_shards(stage, keys, ckpt.read, dtype=dtype, max_shard_size=max_shard_size,
+                                    tied=dict(ckpt.aliases))
+            return names + copy_model_files([ckpt.path, ckpt.path.parent], stage)
+
+        return _weights(publish_export(output_dir, write, sources=[checkpoint_path, ckpt.path]))
 
 
 class _ShardkitFp32StateDict(Mapping):
@@ -238,7 +239,7 @@ def get_fp32_state_dict(checkpoint_dir: str | os.PathLike, tag: str | None = Non
     ds = find_deepspeed_checkpoint(checkpoint_dir, tag)
     if ds is not None:
         return ZeroFp32StateDict(DeepSpeedCheckpoint(ds, exclude_frozen_parameters=exclude_frozen_parameters))
-    return _ShardkitFp32StateDict(Path(checkpoint_dir) / tag if tag else Path(checkpoint_dir))
+    return _ShardkitFp32StateDict(check_child_dir(Path(checkpoint_dir), tag, "tag") if tag else Path(checkpoint_dir))
 
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir: str | os.PathLike,
@@ -246,7 +247,8 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
     """Copies a checkpoint's fp32 weights into ``model`` one tensor at a time; returns ``model``.
 
     Unlike DeepSpeed's function of the same name the model stays on its device and the full state
-    dict is never built. Keys the model lacks, or that the checkpoint lacks, are an error only with
+    dict is never built, and values are cast only between fp32 and 16-bit floats (int64 data into a
+    float parameter is refused). Keys the model lacks, or that the checkpoint lacks, are an error only with
     ``strict=True`` (DeepSpeed loads with ``strict=False``).
     """
     sd = get_fp32_state_dict(checkpoint_dir, tag)
@@ -264,5 +266,6 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
             if value.shape != target.shape:
                 raise CheckpointError(f"{checkpoint_dir}: {k} has shape {list(value.shape)} in the checkpoint, "
                                       f"{list(target.shape)} in the model")
+            check_cast(value.dtype, target.dtype, str(checkpoint_dir), k)
             target.copy_(value)
     return model

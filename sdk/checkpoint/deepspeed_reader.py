@@ -23,13 +23,18 @@ from typing import Any
 
 import torch
 
+from .deepspeed_schema import check_model_states, check_optimizer_states
 from .format import CheckpointError
 from .safe_unpickle import TorchZipFile
+from .schema import read_latest
+from .trust import check_child_dir
 
 __all__ = ["DeepSpeedCheckpoint", "ZeroFp32StateDict", "find_deepspeed_checkpoint", "is_deepspeed_dir"]
 
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+# Output bytes per input byte a real checkpoint can reach: fp8 stored, fp32 written.
+_AMPLIFICATION = 4
 # (flat tensor, first element, element count): one contiguous run of a parameter's flat data
 Piece = tuple[torch.Tensor, int, int]
 
@@ -42,28 +47,30 @@ def is_deepspeed_dir(path: Path) -> bool:
 def find_deepspeed_checkpoint(path: str | os.PathLike, tag: str | None = None) -> Path | None:
     """The DeepSpeed tag directory for ``path`` (itself, ``path/tag`` or ``path/<latest>``), or None if not one.
 
+    ``tag`` and the content of ``latest`` must name a directory next to them (no ``/``, ``..`` or absolute
+    path; a symlink only to a sibling), as for shardkit checkpoints.
+
     Raises:
-        CheckpointError: ``tag`` or the tag named by ``latest`` does not exist.
+        CheckpointError: ``tag`` or the tag named by ``latest`` does not exist or leaves ``path``.
     """
     path = Path(path)
     if tag is not None:
-        cand = path / tag
+        cand = check_child_dir(path, tag, f"{path}: --tag")
         if not cand.is_dir():
             raise CheckpointError(f"{cand}: no such checkpoint tag directory (--tag {tag!r}); "
                                   f"{path} holds {sorted(p.name for p in path.iterdir())[:8] if path.is_dir() else []}")
         return cand if is_deepspeed_dir(cand) else None
     if is_deepspeed_dir(path):
         return path
-    latest = path / "latest"
-    if latest.is_file():
-        cand = path / latest.read_text().strip()
+    if (path / "latest").is_file() or (path / "latest").is_symlink():
+        cand = path / read_latest(path)
         if is_deepspeed_dir(cand):
             return cand
     return None
 
 
 def _numel(shape: Any) -> int:
-    return math.prod(int(s) for s in shape)
+    return math.prod(shape)
 
 
 def _slice(parts: list[torch.Tensor], bounds: list[int], start: int, n: int, where: str) -> list[Piece]:
@@ -116,7 +123,7 @@ class DeepSpeedCheckpoint:
             raise
 
     def _open(self, name: str) -> Any:
-        f = TorchZipFile(self.path / name)
+        f = TorchZipFile(self.path / name)  # a regular file, not a symlink or FIFO (checked on its descriptor)
         self._files.append(f)
         return f.load()
 
@@ -142,24 +149,24 @@ class DeepSpeedCheckpoint:
 
     def _optim_states(self) -> list[dict]:
         names = self._rank_files()
-        first = self._open(names[0])
-        osd = first.get("optimizer_state_dict") if isinstance(first, dict) else None
-        if not isinstance(osd, dict) or "zero_stage" not in osd:
-            raise CheckpointError(f"{self.path / names[0]}: not a ZeRO optimizer file (no optimizer_state_dict."
-                                  "zero_stage)")
-        count = osd.get("partition_count")
-        world = max(count) if isinstance(count, list) else int(count)
-        want = [n for n in (f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world))]
+        first = check_optimizer_states(self._open(names[0]), self.path / names[0])
+        world = first["partition_count"]
         have = {n.removeprefix("bf16_") for n in names}
-        missing = [n for n in want if n not in have]
-        if missing or len(names) != world:
-            raise CheckpointError(f"{self.path}: saved by {world} ranks, but {len(names)} optimizer files are here; "
-                                  f"missing: {missing or 'none'} (extra files from an older save?)")
-        states = [osd] + [self._open(n)["optimizer_state_dict"] for n in names[1:]]
+        # NOTE: ranks past the files present are not listed one by one: the count is the file's claim (10**9?)
+        shown = range(min(world, len(names) + 8))
+        missing = [n for n in (f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in shown) if n not in have]
+        if missing or world != len(names):
+            raise CheckpointError(f"{self.path}: saved by {world} ranks (partition_count in {names[0]}), but "
+                                  f"{len(names)} optimizer files are here; missing: {missing[:8] or 'none'}"
+                                  f"{' and more' if world > len(shown) else ''} (extra files from an older save?)")
+        states = [first] + [check_optimizer_states(self._open(n), self.path / n) for n in names[1:]]
+        for n, st in zip(names[1:], states[1:]):
+            if (st["zero_stage"], st["partition_count"]) != (first["zero_stage"], world):
+                raise CheckpointError(f"{self.path / n}: ZeRO stage {st['zero_stage']} on {st['partition_count']} "
+                                      f"ranks, but {names[0]} says stage {first['zero_stage']} on {world}; the files "
+                                      "do not belong together")
         self.world_size = world
-        self.zero_stage = int(osd["zero_stage"])
-        if self.zero_stage not in (1, 2, 3):
-            raise CheckpointError(f"{self.path}: unknown ZeRO stage {self.zero_stage}")
+        self.zero_stage = first["zero_stage"]
         return states
 
     def _model_states(self) -> list[dict]:
@@ -167,39 +174,55 @@ class DeepSpeedCheckpoint:
             names = ["mp_rank_00_model_states.pt"]
         else:
             names = [f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(self.world_size)]
-        for n in names:
-            if not (self.path / n).is_file():
-                raise CheckpointError(f"{self.path / n}: missing (ZeRO-{self.zero_stage}, {self.world_size} ranks)")
-        states = [self._open(n) for n in names]
-        for n, s in zip(names, states):
-            if not isinstance(s, dict) or "buffer_names" not in s or "param_shapes" not in s:
-                raise CheckpointError(f"{self.path / n}: not a DeepSpeed model-states file (no buffer_names/"
-                                      "param_shapes)")
-        return states
+        return [check_model_states(self._open(n), self.path / n) for n in names]
 
     def _plan(self, exclude_frozen: bool) -> None:
         optim = self._optim_states()
         models = self._model_states()
         m0 = models[0]
-        self.ds_version = m0.get("ds_version")
+        self.ds_version = m0["ds_version"]
         self.sources: dict[str, tuple[torch.Size, torch.dtype, list[Piece]]] = {}
         buffer_names = set(m0["buffer_names"])
         for k, v in m0["module"].items():
             if k in buffer_names:
                 self.sources[k] = (v.shape, v.dtype, [(v, 0, v.numel())])
-        frozen = m0.get("frozen_param_shapes") or {}
         if not exclude_frozen:
-            for name, shape in frozen.items():
-                frags = [m["frozen_param_fragments"][name] for m in models]
-                self.sources[name] = (torch.Size(shape), frags[0].dtype, [(f, 0, f.numel()) for f in frags])
+            for name, shape in (m0["frozen_param_shapes"] or {}).items():
+                self._plan_frozen(models, name, shape)
+        if len({len(o["groups"]) for o in optim}) != 1:
+            raise CheckpointError(f"{self.path}: the ranks' optimizer files hold different numbers of parameter "
+                                  "groups; the files do not belong together")
         if self.zero_stage <= 2:
             self._plan_zero12(optim, m0["param_shapes"])
         else:
             self._plan_zero3(optim, m0["param_shapes"])
-        shared = m0.get("shared_params") or {}
-        if self.zero_stage == 1 and m0.get("frozen_param_shapes") is None and not exclude_frozen:
+        shared = m0["shared_params"]
+        if self.zero_stage == 1 and m0["frozen_param_shapes"] is None and not exclude_frozen:
             self._frozen_from_module(m0, shared)
         self.aliases = {a: t for a, t in shared.items() if t in self.sources}
+        self._check_amplification()
+
+    def _check_amplification(self) -> None:
+        """Refuses a plan whose output dwarfs the files: views may share bytes (each within its storage), so a
+        few KB of pickle could otherwise name the same 1 GB storage a million times and fill the disk."""
+        out = sum(_numel(shape) * (4 if dtype.is_floating_point else dtype.itemsize)
+                  for shape, dtype, _ in self.sources.values())
+        have = sum(f.size for f in self._files)
+        if out > _AMPLIFICATION * have + (1 << 20):
+            raise CheckpointError(f"{self.path}: the checkpoint's tensors add up to {out} bytes of fp32 output from "
+                                  f"{have} bytes of files; tensors reuse the same bytes, refusing it (a real "
+                                  "checkpoint is at most as large as its output, times 4 for fp8)")
+
+    def _plan_frozen(self, models: list[dict], name: str, shape: torch.Size) -> None:
+        """A frozen parameter: each rank's model file holds its fragment (ZeRO-3) or the whole (ZeRO-1/2)."""
+        frags = [m["frozen_param_fragments"].get(name) for m in models]
+        if any(f is None for f in frags):
+            raise CheckpointError(f"{self.path}: frozen parameter {name!r:.200} has no fragment in every model-states "
+                                  "file; the checkpoint is incomplete")
+        if sum(f.numel() for f in frags) < _numel(shape):  # checked before read() allocates the claimed size
+            raise CheckpointError(f"{self.path}: frozen parameter {name!r:.200} claims shape {list(shape)}, but its "
+                                  f"fragments hold {sum(f.numel() for f in frags)} elements")
+        self.sources[name] = (shape, frags[0].dtype, [(f.reshape(-1), 0, f.numel()) for f in frags])
 
     def _frozen_from_module(self, m0: dict, shared: Mapping) -> None:
         """ZeRO-1 saves no frozen-parameter list (DeepSpeed's converter then drops them); the module
@@ -211,38 +234,43 @@ class DeepSpeedCheckpoint:
                 self.sources[k] = (v.shape, v.dtype, [(v, 0, v.numel())])
 
     def _plan_zero12(self, optim: list[dict], param_shapes: list[Mapping]) -> None:
-        groups = [o["single_partition_of_fp32_groups"] for o in optim]
-        paddings = optim[0].get("param_alignment_paddings")
+        groups = [o["groups"] for o in optim]
+        paddings = optim[0]["paddings"]
         if len(param_shapes) != len(groups[0]):
             raise CheckpointError(f"{self.path}: {len(param_shapes)} parameter groups in the model file, "
                                   f"{len(groups[0])} in the optimizer files")
+        if paddings is not None and [len(row) for row in paddings] != [len(d) for d in param_shapes]:
+            raise CheckpointError(f"{self.path}: param_alignment_paddings does not list one padding per parameter "
+                                  "of each group; the files do not belong together")
         for g, shapes in enumerate(param_shapes):
-            parts = [groups[r][g] for r in range(self.world_size)]
+            parts = [groups[r][g].reshape(-1) for r in range(self.world_size)]
             bounds = _bounds(parts)
             offset = 0
             for i, (name, shape) in enumerate(shapes.items()):
                 n = _numel(shape)
-                self.sources[name] = (torch.Size(shape), parts[0].dtype,
+                self.sources[name] = (shape, parts[0].dtype,
                                       _slice(parts, bounds, offset, n, f"{self.path}: group {g} {name}"))
-                offset += n + (int(paddings[g][i]) if paddings is not None else 0)
+                offset += n + (paddings[g][i] if paddings is not None else 0)
             align = 2 * self.world_size  # DeepSpeed pads each flat group to a multiple of 2 x world size
-            if math.ceil(offset / align) != math.ceil(bounds[-1] / align):
+            if -(-offset // align) != -(-bounds[-1] // align):
                 raise CheckpointError(f"{self.path}: group {g}'s parameters take {offset} elements, but its "
                                       f"partitions hold {bounds[-1]}; the files do not belong together")
 
     def _plan_zero3(self, optim: list[dict], param_shapes: list[Mapping]) -> None:
-        ranks = [o["fp32_flat_groups"] for o in optim]
+        ranks = [[t.reshape(-1) for t in o["groups"]] for o in optim]
         sizes = [[t.numel() for t in r] for r in ranks]
-        if any(s != sizes[0] for s in sizes):
-            raise CheckpointError(f"{self.path}: ranks hold different partition sizes {sizes}")
+        odd = next((r for r, s in enumerate(sizes) if s != sizes[0]), None)
+        if odd is not None or not ranks[0]:
+            raise CheckpointError(f"{self.path}: rank {odd or 0}'s fp32 partitions differ in size from rank 0's (or "
+                                  "hold none); the files do not belong together")
         bounds = _bounds(ranks[0])
         offset = 0
         for name, shape in ((k, v) for d in param_shapes for k, v in d.items()):
             n = _numel(shape)
-            part = math.ceil(n / self.world_size)
+            part = -(-n // self.world_size)  # integer ceil: a float one overflows on a crafted 10**400
             pieces = [p for r in range(self.world_size)
                       for p in _slice(ranks[r], bounds, offset, part, f"{self.path}: rank {r} {name}")]
-            self.sources[name] = (torch.Size(shape), ranks[0][0].dtype, pieces)
+            self.sources[name] = (shape, ranks[0][0].dtype, pieces)
             offset += part
         if offset != bounds[-1]:
             raise CheckpointError(f"{self.path}: the parameters take {offset} elements per rank, but each rank's "

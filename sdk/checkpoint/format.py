@@ -6,12 +6,14 @@ A shardkit checkpoint is a directory holding safetensors files, JSON files and o
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +30,13 @@ __all__ = [
     "dtype_from_tag",
     "dtype_tag",
     "flat_to_boxes",
+    "naming",
     "rank_entry",
     "fsync_dir",
+    "fsync_path",
     "sha256_file",
     "write_bytes_durable",
+    "write_failure",
 ]
 
 FORMAT_NAME = "shardkit-checkpoint"
@@ -95,8 +100,8 @@ def rank_entry(key: str, rank: int) -> str:
     return f"{key}.rank{rank:05d}"
 
 
-def fsync_dir(path: Path) -> None:
-    """fsyncs a directory so that entries created or renamed in it survive a power loss."""
+def fsync_path(path: Path) -> None:
+    """fsyncs a file or directory by its path (a file written by another open, or through a library)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -104,9 +109,35 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_dir(path: Path) -> None:
+    """fsyncs a directory so that entries created or renamed in it survive a power loss."""
+    fsync_path(path)
+
+
+# errnos that mean "no room": a full disk, a quota, a file-size limit (RLIMIT_FSIZE, `ulimit -f`)
+_NO_ROOM = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """Re-raises an ``OSError`` that names no file (a write's ENOSPC or EFBIG) with ``path`` as its filename."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from None
+        raise
+
+
+def write_failure(e: OSError, consequence: str) -> CheckpointError:
+    """The error for a failed write: the file, the reason, and ``consequence`` (what was kept)."""
+    hint = "; the disk is full or a file-size limit (ulimit -f) was hit" if e.errno in _NO_ROOM else ""
+    return CheckpointError(f"{e.filename}: cannot be written ({e.strerror or e}){hint}; {consequence}")
+
+
 def write_bytes_durable(path: Path, data: bytes) -> tuple[int, str]:
     """Writes ``data`` to ``path``, fsyncs it, and returns (size, sha256 hex)."""
-    with open(path, "wb") as f:
+    with naming(path), open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -171,11 +202,13 @@ class SafetensorsStreamWriter:
         self._hash = hashlib.sha256()
         self._size = 0
         self._next = 0
-        self._f = open(self.path, "wb")
+        with naming(self.path):
+            self._f = open(self.path, "wb")
         self._put(len(raw).to_bytes(8, "little") + raw)
 
     def _put(self, data: bytes | memoryview) -> None:
-        self._f.write(data)
+        with naming(self.path):
+            self._f.write(data)
         self._hash.update(data)
         self._size += len(data)
 
@@ -197,15 +230,19 @@ class SafetensorsStreamWriter:
             missing = self._expected[self._next][0]
             self.abort()
             raise CheckpointError(f"{self.path.name}: closed before tensor {missing!r} was written")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
+        with naming(self.path):
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
         return self._size, self._hash.hexdigest()
 
     def abort(self) -> None:
         """Closes the file without fsync (the caller discards it)."""
         if not self._f.closed:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError:  # the buffered tail hits the same full disk; the file is discarded anyway
+                pass
 
 
 def write_safetensors(path: Path, items: Iterable[tuple[str, torch.Tensor]],

@@ -28,8 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .consolidate import _OUTPUT_RE, _write_file, parse_size
-from .format import CheckpointError, flat_to_boxes, fsync_dir, write_bytes_durable
+from .consolidate import _write_file, parse_size
+from .export import EXPORT_RE, Export, export_error
+from .format import CheckpointError, naming
+from .hf_reader import INDEX, SINGLE, HFWeights
+from .trust import check_cast
 
 __all__ = ["load_pretrained", "save_pretrained"]
 
@@ -65,45 +68,40 @@ class _ShardBuffer:
     def flush(self) -> None:
         if not self.pending:
             return
-        tmp = self.out_dir / f".export-{len(self.files):05d}.tmp"
+        tmp = self.out_dir / f"model-{len(self.files) + 1:05d}.safetensors.partial"  # renamed once N is known
         specs = [(k, t.dtype, tuple(t.shape)) for k, t in self.pending.items()]
         _write_file(tmp, specs, self.meta, self.pending.pop)
         self.files.append((tmp, [k for k, _, _ in specs], self.size))
         self.pending, self.size = {}, 0
 
-    def finish(self) -> list[Path]:
-        """Renames the temporary files to model.safetensors or model-0000K-of-0000N + the index."""
+    def finish(self) -> list[str]:
+        """Renames the temporary files to model.safetensors or model-0000K-of-0000N + the index; returns the
+        names (the index last)."""
         self.flush()
         n = len(self.files)
-        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        written = []
+        names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         for (tmp, _, _), name in zip(self.files, names):
             os.replace(tmp, self.out_dir / name)
-            written.append(self.out_dir / name)
         if n > 1:
             tied = json.loads(self.meta.get("tied_weights", "{}"))
             index = {"metadata": {"total_size": sum(s for _, _, s in self.files), **({"tied_weights": tied} if tied
                                                                                       else {})},
                      "weight_map": {k: name for (_, keys, _), name in zip(self.files, names) for k in keys}}
-            idx = self.out_dir / "model.safetensors.index.json"
-            write_bytes_durable(idx, json.dumps(index, indent=2).encode())
-            written.append(idx)
-        fsync_dir(self.out_dir)
-        return written
+            with naming(self.out_dir / INDEX):
+                (self.out_dir / INDEX).write_bytes(json.dumps(index, indent=2).encode())
+            names.append(INDEX)
+        return names
 
 
-def _prepare_dir(out_dir: Path) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in out_dir.iterdir():
-        if _OUTPUT_RE.match(old.name) or old.name.startswith(".export-"):
-            old.unlink()
-
-
-def _save_config(module: nn.Module, out_dir: Path) -> None:
-    for attr in ("config", "generation_config"):
+def _save_config(module: nn.Module, out_dir: Path) -> list[str]:
+    names = []
+    for attr, file in (("config", "config.json"), ("generation_config", "generation_config.json")):
         cfg = getattr(module, attr, None)
         if cfg is not None and hasattr(cfg, "save_pretrained"):
             cfg.save_pretrained(out_dir)
+            if (out_dir / file).is_file():
+                names.append(file)
+    return names
 
 
 def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *,
@@ -116,7 +114,8 @@ def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *
 
     Args:
         runner: the :class:`shardkit.Runner` the model was set up with.
-        out_dir: the directory to write (created; old ``model*.safetensors`` there are replaced).
+        out_dir: the directory to write (created). It is published atomically: a previous export there stays
+            whole until the new one is (other files in it are kept); a checkpoint directory is refused.
         model: the model ``runner.setup`` returned.
         dtype: dtype of floating tensors (e.g. ``torch.bfloat16`` for 16-bit, ``torch.float32``); None
             keeps the dtype the model holds.
@@ -126,83 +125,57 @@ def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *
             built on it, e.g. LoRA adapters merged in by ``shardkit.trainer.peft_support.merged_tensors``).
 
     Returns:
-        On the main process the files written (shards, then the index); ``[]`` on the other ranks.
+        On the main process the weight files written (shards, then the index); ``[]`` on the other ranks.
+
+    Raises:
+        CheckpointError: on every rank, when the main process could not write the export (naming the file).
     """
     limit = parse_size(max_shard_size)
     if limit <= 0:
         raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size!r}")
-    out = Path(out_dir)
     main = runner.is_main_process
     module = runner.unwrap_model(model)
     tied = _tied_aliases(module)
-    buffer = None
+    export = buffer = failure = None
     if main:
-        _prepare_dir(out)
-        buffer = _ShardBuffer(out, limit, {"format": "pt", **({"tied_weights": json.dumps(tied)} if tied else {})})
+        try:
+            export = Export(out_dir)
+            buffer = _ShardBuffer(export.stage, limit, {"format": "pt",
+                                                        **({"tied_weights": json.dumps(tied)} if tied else {})})
+        except CheckpointError as e:
+            failure = e
     stream = runner.iter_full_state_dict(model) if tensors is None else tensors
-    for name, tensor in stream:  # every rank drives it; only the main one gets items
-        if name in tied:
+    for name, tensor in stream:  # every rank drives it (the gathers), even after the main one failed to write
+        if failure is not None or name in tied:
             continue
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
-        buffer.add(name, tensor)
+        try:
+            buffer.add(name, tensor)
+        except (OSError, CheckpointError) as e:
+            failure = e
     written: list[Path] = []
-    if main:
-        written = buffer.finish()
-        if save_config:
-            _save_config(module, out)
-    runner.barrier("save_pretrained")
+    if main and failure is None:
+        try:
+            names = buffer.finish() + (_save_config(module, export.stage) if save_config else [])
+            written = [f for f in export.commit(names) if EXPORT_RE.match(f.name)]
+        except (OSError, CheckpointError) as e:
+            failure = e
+    return _settle(runner, export, failure, written)
+
+
+def _settle(runner: Any, export: Export | None, failure: BaseException | None, written: list[Path]) -> list[Path]:
+    """Every rank learns whether the main one published the export; all raise if it did not."""
+    if isinstance(failure, OSError):
+        failure = export_error(export.out, failure)
+    if export is not None and failure is not None:
+        export.abort()
+    message = runner.broadcast(None if failure is None else str(failure))
+    if failure is not None:
+        raise failure
+    if message is not None:
+        raise CheckpointError(f"save_pretrained failed on the main process: {message}")
     return written
-
-
-class _HFWeights:
-    """The tensors of an HF checkpoint directory, opened lazily (``model.safetensors`` or an index)."""
-
-    def __init__(self, path: Path) -> None:
-        from safetensors import safe_open
-
-        self.path = path
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
-        elif (path / "model.safetensors").is_file():
-            with safe_open(str(path / "model.safetensors"), "pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}
-        else:
-            raise CheckpointError(f"{path}: has neither model.safetensors nor model.safetensors.index.json "
-                                  "(pytorch_model.bin pickles are not read: convert them to safetensors)")
-        self.weight_map = weight_map
-        self._open: dict[str, Any] = {}
-        self._safe_open = safe_open
-
-    def _file(self, key: str) -> Any:
-        file = self.weight_map[key]
-        if file not in self._open:
-            if not (self.path / file).is_file():
-                raise CheckpointError(f"{self.path}: the index names {file} for {key}, but it is missing")
-            self._open[file] = self._safe_open(str(self.path / file), "pt")
-        return self._open[file]
-
-    def get(self, key: str) -> torch.Tensor:
-        """The whole tensor."""
-        return self._file(key).get_tensor(key)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        """The tensor's shape, read from the header only."""
-        return tuple(self._file(key).get_slice(key).get_shape())
-
-    def read_flat(self, key: str, start: int, count: int) -> torch.Tensor:
-        """Elements ``[start, start + count)`` of the flattened tensor, reading only those bytes."""
-        sl = self._file(key).get_slice(key)
-        shape = tuple(sl.get_shape())
-        if not shape:
-            return self.get(key).reshape(-1)[start: start + count]
-        parts = [sl[tuple(slice(o, o + n) for o, n in zip(offsets, box))].reshape(-1)
-                 for offsets, box, _ in flat_to_boxes(start, start + count, shape)]
-        return torch.cat(parts) if parts else torch.empty(0)
 
 
 def _modules(module: nn.Module, prefix: str = ""):
@@ -236,7 +209,7 @@ def _zero3_partition(p: torch.Tensor) -> tuple[int, int] | None:
     return start, max(0, min(p.ds_numel, start + ds.numel()) - start)
 
 
-def _load_partition(key: str, p: torch.Tensor, weights: _HFWeights) -> None:
+def _load_partition(key: str, p: torch.Tensor, weights: HFWeights) -> None:
     if weights.shape(key) != tuple(p.ds_shape):
         raise CheckpointError(f"{weights.path}: {key} has shape {list(weights.shape(key))} in the checkpoint, "
                               f"{list(p.ds_shape)} in the model")
@@ -246,11 +219,29 @@ def _load_partition(key: str, p: torch.Tensor, weights: _HFWeights) -> None:
             p.ds_tensor.view(-1)[:count].copy_(weights.read_flat(key, start, count))
 
 
+def _check_all(weights: HFWeights, module: nn.Module, tied: dict[str, str]) -> None:
+    """Every shape and dtype checked against the model from the headers alone, on every rank, before any
+    tensor is loaded: a bad file fails the same way everywhere and leaves the model untouched."""
+    for prefix, sub in _modules(module):
+        for k, t in [*sub._parameters.items(), *sub._buffers.items()]:
+            key = prefix + k
+            if t is None or key in tied or key not in weights.weight_map:
+                continue
+            shape = tuple(t.ds_shape) if hasattr(t, "ds_shape") else tuple(t.shape)  # DTensors: the global shape
+            if weights.shape(key) != shape:
+                raise CheckpointError(f"{weights.file_path(key)}: {key} has shape {list(weights.shape(key))} in the "
+                                      f"checkpoint, {list(shape)} in the model")
+            check_cast(weights.dtype(key), t.dtype, str(weights.file_path(key)), key)
+
+
 def load_pretrained(runner: Any, model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> list[str]:
     """Loads an HF safetensors checkpoint directory into ``model`` set up (sharded or not) under ``runner``.
 
     Call on every rank (the gathers are collectives). Tied parameters missing from the files (HF drops
-    ``lm_head.weight`` when tied) are filled through the tie. Values are cast to each parameter's dtype.
+    ``lm_head.weight`` when tied) are filled through the tie. The directory is read under the rules of
+    every shardkit reader (:mod:`.hf_reader`); every shape and dtype is checked before anything loads, and
+    values are cast only between float32 and float16/bfloat16 (int64 or bool data in a float parameter, or
+    fp16 <-> bf16, is refused).
 
     Args:
         runner: the :class:`shardkit.Runner` the model was set up with.
@@ -262,7 +253,7 @@ def load_pretrained(runner: Any, model: nn.Module, path: str | os.PathLike, *, s
         The model's keys the files lacked (empty under ``strict``).
     """
     path = Path(path)
-    weights = _HFWeights(path)
+    weights = HFWeights(path)
     module = runner.unwrap_model(model)
     tied = _tied_aliases(module)
     own = [k for k in module.state_dict() if k not in tied]
@@ -271,6 +262,7 @@ def load_pretrained(runner: Any, model: nn.Module, path: str | os.PathLike, *, s
     if strict and (missing or unexpected):
         raise CheckpointError(f"{path}: does not match the model: missing {missing[:8]}, unexpected {unexpected[:8]}"
                               "; pass strict=False to load what matches")
+    _check_all(weights, module, tied)
     main = runner.is_main_process
     for prefix, sub in _modules(module):
         named = [(prefix + n, p) for n, p in sub._parameters.items() if p is not None and prefix + n not in tied]

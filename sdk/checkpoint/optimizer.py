@@ -71,8 +71,29 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: torch
         # NOTE: torch maps saved ids to live params by position, so the live ids in live order make it exact.
         groups.append({**sav, "params": list(cur["params"])})
     state = {}
+    params = dict(module.named_parameters())
     for name, st in nested["state"].items():
         if name not in name2id:
             raise CheckpointError(f"saved optimizer state for {name!r}, which is not a parameter of this optimizer")
+        _check_state_shapes(name, st, params[name])
         state[name2id[name]] = st
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+# State that torch's and shardkit's optimizers keep element for element beside the parameter (Adam/AdamW,
+# SGD, RMSprop, Adagrad, Adadelta, Adamax, FusedAdamW's fp32 master). Others (factored second moments, 8-bit
+# blocks, scalars) have shapes of their own and are not compared.
+_PER_ELEMENT = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
+                          "grad_avg", "sum", "exp_inf", "master_param"})
+
+
+def _check_state_shapes(name: str, st: Any, param: torch.Tensor) -> None:
+    """Refuses a saved state tensor whose shape is not its parameter's, at load rather than at the first step
+    (where torch's message names neither the parameter nor the checkpoint)."""
+    if not isinstance(st, dict):
+        raise CheckpointError(f"saved optimizer state for {name!r} is a {type(st).__name__}, not a dict of values")
+    for key, value in st.items():
+        if key in _PER_ELEMENT and isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(param.shape):
+            raise CheckpointError(f"saved optimizer state {key!r} of parameter {name!r} has shape "
+                                  f"{list(value.shape)}, but the parameter has shape {list(param.shape)}; the model "
+                                  "changed since the save, or the checkpoint belongs to another model")

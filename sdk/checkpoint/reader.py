@@ -6,7 +6,7 @@ import glob
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,8 +210,8 @@ class CheckpointReader:
             raise CheckpointError(f"{f}: cannot be read ({e})") from None
         try:
             return json.loads(data.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{f}: not valid JSON ({e})") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting 1000 deep
+            raise CheckpointError(f"{f}: not valid JSON ({str(e)[:200]})") from None
 
     # ---------------------------------------------------------------- public reads
     def has(self, name: str) -> bool:
@@ -239,9 +239,12 @@ class CheckpointReader:
         """The ``metadata`` given to ``write_tensors``."""
         return self._open(self._entry(name, "tensors")["file"]).metadata() or {}
 
-    def read_json(self, name: str) -> Any:
-        """Reads a ``write_json`` entry."""
-        return self._read_json_file(self._entry(name, "json")["file"])
+    def read_json(self, name: str, check: Callable[[Any, Path], Any] | None = None) -> Any:
+        """Reads a ``write_json`` entry; ``check(value, file)`` validates it (e.g. :func:`check_runner_state`)
+        and its result is returned."""
+        file = self._entry(name, "json")["file"]
+        value = self._read_json_file(file)
+        return value if check is None else check(value, self.path / file)
 
     def read_state(self, name: str) -> Any:
         """Reads a ``write_state`` entry back into the structure that was written."""

@@ -18,9 +18,11 @@ import collections
 import ctypes
 import enum
 import io
+import math
 import mmap
 import os
 import pickle
+import re
 import struct
 import zipfile
 from pathlib import Path
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from .format import CheckpointError
+from .trust import describe, open_regular
 
 __all__ = ["DeepSpeedStandIn", "TorchZipFile", "UnsafePickleError", "ZeroStage", "load_torch_zip"]
 
@@ -52,8 +55,7 @@ class DeepSpeedStandIn:
             self.state = state
 
     def __repr__(self) -> str:
-        fields = {k: v for k, v in self.__dict__.items() if k != "args" or v}
-        return f"<{self.ds_class} {fields}>"
+        return f"<{self.ds_class} with fields {sorted(k for k in self.__dict__ if k != 'args')}>"
 
 
 def _stand_in(qualified: str) -> type[DeepSpeedStandIn]:
@@ -94,45 +96,138 @@ _DEEPSPEED_CLASSES = [
 ]
 
 
-def _rebuild_tensor_v2(storage: torch.Tensor, offset: int, size: Any, stride: Any, *_: Any) -> torch.Tensor:
+_MAX_DIMS = 64
+# A ZeRO pickle holds names, shapes and numbers, never tensor bytes (those are records of their own): a few MB
+# for a 70B model. Pure-Python unpickling runs ~1M opcodes a second, so this also bounds the time a crafted one takes.
+_MAX_PICKLE = 128 << 20
+_MAX_INDEX = 1 << 62  # a size, stride or offset past this is not a tensor of any file
+_STORAGE_KEY = re.compile(r"^[A-Za-z0-9_]{1,64}$")
+
+
+def _dims(v: Any, what: str) -> tuple[int, ...]:
+    """A size or stride from the pickle: a short list/tuple of non-negative ints, checked before any use."""
+    if not isinstance(v, (tuple, list)) or len(v) > _MAX_DIMS or not all(
+            type(x) is int and 0 <= x < _MAX_INDEX for x in v):
+        raise UnsafePickleError(f"a tensor's {what} is {describe(v)}, not up to {_MAX_DIMS} non-negative integers")
+    return tuple(v)
+
+
+def _rebuild_tensor_v2(storage: Any, offset: Any, size: Any, stride: Any, *_: Any) -> torch.Tensor:
+    """A view of ``storage``; refused when it reaches past the storage or has more elements than it (a stride-0
+    ``expand`` of 4 bytes can claim 10**12 elements, which every later copy would then materialise)."""
     if not isinstance(storage, torch.Tensor):
         raise UnsafePickleError(f"a tensor was rebuilt from {type(storage).__name__}, not from a storage")
-    try:
-        return storage.as_strided(tuple(int(s) for s in size), tuple(int(s) for s in stride), int(offset))
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise CheckpointError(f"a tensor's shape {size} / stride {stride} / offset {offset} does not fit its "
-                              f"storage of {storage.numel()} elements: {e}") from None
+    size, stride = _dims(size, "size"), _dims(stride, "stride")
+    if type(offset) is not int or not 0 <= offset < _MAX_INDEX or len(size) != len(stride):
+        raise UnsafePickleError(f"a tensor's offset {describe(offset)} / size {describe(size)} / stride "
+                                f"{describe(stride)} are not a view")
+    have, numel = storage.numel(), math.prod(size)
+    reach = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1 if numel else offset
+    if reach > have or numel > have:
+        raise CheckpointError(f"a tensor of shape {list(size)} (stride {list(stride)}, offset {offset}) needs "
+                              f"{max(reach, numel)} elements, but its storage holds {have}: views larger than their "
+                              "storage are refused")
+    return storage.as_strided(size, stride, offset)
 
 
-def _rebuild_parameter(data: torch.Tensor, *_: Any) -> torch.Tensor:
+def _rebuild_parameter(data: Any, *_: Any) -> torch.Tensor:
+    if not isinstance(data, torch.Tensor):
+        raise UnsafePickleError(f"a parameter was rebuilt from {type(data).__name__}, not from a tensor")
     return data
 
 
 def _rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any) -> Any:
     # The tensor subclass and its __dict__ (DeepSpeed's ds_* attributes) are dropped: a plain tensor is the data.
-    if func not in (_rebuild_tensor_v2, _rebuild_parameter):
-        raise UnsafePickleError(f"_rebuild_from_type_v2 with {func!r}")
+    if (func is not _rebuild_tensor_v2 and func is not _rebuild_parameter) or type(args) is not tuple:
+        raise UnsafePickleError(f"_rebuild_from_type_v2 with {describe(func)} and {describe(args)}")
     return func(*args)
 
 
-def _latin1(text: str, encoding: str = "latin1") -> bytes:
-    if encoding != "latin1":
-        raise UnsafePickleError(f"_codecs.encode with encoding {encoding!r}")
+def _latin1(text: Any, encoding: Any = "latin1") -> bytes:
+    if type(text) is not str or encoding != "latin1":
+        raise UnsafePickleError(f"_codecs.encode of {describe(text)} with encoding {describe(encoding)}")
     return text.encode("latin1")
+
+
+def _size(dims: Any = ()) -> torch.Size:
+    return torch.Size(_dims(dims, "torch.Size"))
+
+
+def _device(kind: Any, index: Any = None) -> torch.device:
+    if type(kind) is not str or len(kind) > 32 or not (index is None or type(index) is int and 0 <= index < 1 << 16):
+        raise UnsafePickleError(f"torch.device({describe(kind)}, {describe(index)})")
+    return torch.device(kind) if index is None else torch.device(kind, index)
+
+
+def _zero_stage(value: Any) -> ZeroStage:
+    if type(value) is not int or not 0 <= value <= 3:
+        raise UnsafePickleError(f"ZeroStageEnum({describe(value)}): not a ZeRO stage")
+    return ZeroStage(value)
+
+
+def check_key(key: Any) -> None:
+    """A dict key or set element from a pickle: a string, bytes, a float, None or an int of at most 60 bits.
+
+    Hashing is where crafted keys cost: a tuple nesting itself by reference n levels deep hashes in 2**n steps,
+    and ints that are multiples of 2**61 - 1 all hash alike (a dict of them fills in quadratic time). Strings
+    and bytes hash with a per-process random key.
+    """
+    t = type(key)
+    if t in (str, bytes, float, bool) or key is None or (t is int and -(1 << 60) < key < 1 << 60):
+        return
+    raise UnsafePickleError(f"a dict key or set element is {describe(key)}; only strings, numbers and None are "
+                            "accepted (hashing a crafted key can take hours)")
+
+
+def _checked(items: Any, what: str) -> list:
+    if not isinstance(items, (list, tuple)):
+        raise UnsafePickleError(f"{what} of {describe(items)}")
+    return list(items)
+
+
+def _ordered_dict(items: Any = ()) -> collections.OrderedDict:
+    pairs = _checked(items, "OrderedDict")
+    for pair in pairs:
+        if type(pair) not in (tuple, list) or len(pair) != 2:
+            raise UnsafePickleError(f"OrderedDict item {describe(pair)} is not a (key, value) pair")
+        check_key(pair[0])
+    return collections.OrderedDict(pairs)
+
+
+def _set(items: Any = ()) -> set:
+    elements = _checked(items, "set")
+    for e in elements:
+        check_key(e)
+    return set(elements)
+
+
+def _frozenset(items: Any = ()) -> frozenset:
+    return frozenset(_set(items))
+
+
+class _TypeMarker:
+    """What ``torch.Tensor`` and ``Parameter`` unpickle to: a name, never called (``torch.Tensor(2**33)`` would
+    allocate 32 GiB). They only appear as the ``new_type`` argument of ``_rebuild_from_type_v2``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
 
 
 def _allowlist() -> dict[str, Any]:
     allowed: dict[str, Any] = {
-        "collections.OrderedDict": collections.OrderedDict,
-        "builtins.set": set, "builtins.frozenset": frozenset, "builtins.slice": slice,
+        "collections.OrderedDict": _ordered_dict,
+        "builtins.set": _set, "builtins.frozenset": _frozenset, "builtins.slice": slice,
         "_codecs.encode": _latin1,
-        "torch.Size": torch.Size, "torch.device": torch.device,
+        "torch.Size": _size, "torch.device": _device,
         "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
         "torch._utils._rebuild_parameter": _rebuild_parameter,
         "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
         "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
-        "torch.Tensor": torch.Tensor, "torch.nn.parameter.Parameter": torch.Tensor,
-        "deepspeed.runtime.zero.config.ZeroStageEnum": ZeroStage,
+        "torch.Tensor": _TypeMarker("torch.Tensor"), "torch.nn.parameter.Parameter": _TypeMarker("Parameter"),
+        "deepspeed.runtime.zero.config.ZeroStageEnum": _zero_stage,
     }
     allowed.update({f"torch.{n}": _StorageType(d) for n, d in _STORAGE_DTYPES.items()})
     allowed.update({f"torch.{n}": getattr(torch, n) for n in _DTYPE_NAMES})
@@ -145,28 +240,35 @@ _PY2_MODULES = {"__builtin__": "builtins"}  # torch.save writes protocol 2, whic
 _SETSTATE_OK = (DeepSpeedStandIn,)
 
 
-class _RestrictedUnpickler(pickle._Unpickler):  # the pure-Python one, so BUILD can be restricted too
+class _RestrictedUnpickler(pickle._Unpickler):  # the pure-Python one, so BUILD and the dict ops can be checked
     def __init__(self, data: bytes, where: str, storage: Any) -> None:
         super().__init__(io.BytesIO(data))
         self._where = where
         self._storage = storage
         self.dispatch = dict(pickle._Unpickler.dispatch)
-        self.dispatch[pickle.BUILD[0]] = _RestrictedUnpickler._load_build
+        ops = {pickle.BUILD: _RestrictedUnpickler._load_build, pickle.SETITEM: _RestrictedUnpickler._load_setitem,
+               pickle.SETITEMS: _RestrictedUnpickler._load_setitems, pickle.DICT: _RestrictedUnpickler._load_dict,
+               pickle.ADDITEMS: _RestrictedUnpickler._load_additems,
+               pickle.FROZENSET: _RestrictedUnpickler._load_frozenset}
+        self.dispatch.update({op[0]: fn for op, fn in ops.items()})
 
     def find_class(self, module: str, name: str) -> Any:
         key = f"{_PY2_MODULES.get(module, module)}.{name}"
         if key in _ALLOWED:
             return _ALLOWED[key]
         raise UnsafePickleError(
-            f"{self._where}: refuses to load global {key!r}: only tensors, containers and DeepSpeed's plain "
-            "checkpoint classes are accepted, so nothing in the file is executed. If you trust the file, load it "
-            "with torch.load(weights_only=False) yourself")
+            f"{self._where}: refuses to load global {describe(key, 120)}: only tensors, containers and DeepSpeed's "
+            "plain checkpoint classes are accepted, so nothing in the file is executed. If you trust the file, load "
+            "it with torch.load(weights_only=False) yourself")
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and isinstance(pid[1], _StorageType)):
-            raise UnsafePickleError(f"{self._where}: unexpected persistent id {str(pid)[:80]}")
-        return self._storage(str(pid[2]), pid[1].dtype, int(pid[4]))
+        ok = (type(pid) is tuple and len(pid) == 5 and type(pid[0]) is str and pid[0] == "storage"
+              and isinstance(pid[1], _StorageType) and type(pid[2]) is str and _STORAGE_KEY.match(pid[2])
+              and type(pid[4]) is int and 0 <= pid[4] < _MAX_INDEX)
+        if not ok:
+            raise UnsafePickleError(f"{self._where}: unexpected persistent id ({describe(pid)}); torch.save writes "
+                                    "('storage', type, key, location, numel)")
+        return self._storage(pid[2], pid[1].dtype, pid[4])
 
     def _load_build(self) -> None:
         state = self.stack.pop()
@@ -175,8 +277,43 @@ class _RestrictedUnpickler(pickle._Unpickler):  # the pure-Python one, so BUILD 
             inst.__setstate__(state)
         elif isinstance(inst, collections.OrderedDict) and isinstance(state, dict):
             pass  # a state_dict's `_metadata` (module versions): not needed, not kept
-        elif state not in (None, {}):
+        elif not (state is None or type(state) is dict and not state):
             raise UnsafePickleError(f"{self._where}: refuses to set state on a {type(inst).__name__}")
+
+    def _load_setitem(self) -> None:
+        value = self.stack.pop()
+        key = self.stack.pop()
+        check_key(key)
+        self.stack[-1][key] = value
+
+    def _load_setitems(self) -> None:
+        items = self.pop_mark()
+        for i in range(0, len(items), 2):
+            check_key(items[i])
+        target = self.stack[-1]
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
+
+    def _load_dict(self) -> None:
+        items = self.pop_mark()
+        for i in range(0, len(items), 2):
+            check_key(items[i])
+        self.append({items[i]: items[i + 1] for i in range(0, len(items), 2)})
+
+    def _load_additems(self) -> None:
+        items = self.pop_mark()
+        for item in items:
+            check_key(item)
+        target = self.stack[-1]
+        if not isinstance(target, set):
+            raise UnsafePickleError(f"{self._where}: ADDITEMS on a {type(target).__name__}")
+        target.update(items)
+
+    def _load_frozenset(self) -> None:
+        items = self.pop_mark()
+        for item in items:
+            check_key(item)
+        self.append(frozenset(items))
 
 
 class TorchZipFile:
@@ -191,32 +328,62 @@ class TorchZipFile:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self._fd = open_regular(self.path, "the torch.save file")
         try:
-            with zipfile.ZipFile(self.path) as z:
-                infos = z.infolist()
-                pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
-                if len(pkl) != 1:
-                    raise CheckpointError(f"{self.path}: a zip file but not a torch.save file (no data.pkl)")
-                self._prefix = pkl[0].filename[: -len("data.pkl")]
-                self._pickle = z.read(pkl[0])
-                bo = self._prefix + "byteorder"
-                if bo in z.namelist() and z.read(bo).strip() not in (b"little", b""):
-                    raise CheckpointError(f"{self.path}: saved on a big-endian host; re-save it on a little-endian one")
-        except FileNotFoundError:
-            raise CheckpointError(f"{self.path}: no such file") from None
-        except (zipfile.BadZipFile, OSError, EOFError) as e:
-            raise CheckpointError(f"{self.path}: not a complete torch.save zip file ({e}); the file is truncated or "
-                                  "was written by torch < 1.6 (legacy format); re-save it or copy it again") from None
-        self._size = self.path.stat().st_size
-        self._records = {i.filename: i for i in infos}
-        self._fd = os.open(self.path, os.O_RDONLY)
-        # ACCESS_COPY: a private mapping, so frombuffer gets a writable buffer without a copy; the file never changes
-        self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY) if self._size else None
+            self._size = os.fstat(self._fd).st_size
+            self._read_directory()
+            # ACCESS_COPY: a private mapping, so frombuffer gets a writable buffer without a copy; the file never
+            # changes
+            self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_COPY) if self._size else None
+        except BaseException:
+            os.close(self._fd)
+            raise
         self._base = 0
         if self._mm is not None:
             view = ctypes.c_char.from_buffer(self._mm)
             self._base = ctypes.addressof(view)
             del view  # the export would keep the mapping from closing
+
+    def _read_directory(self) -> None:
+        """Locates the records and reads the pickle (at most :data:`_MAX_PICKLE` bytes, inflated or not)
+        through the descriptor already checked to be a regular file."""
+        try:
+            with os.fdopen(os.dup(self._fd), "rb") as f, zipfile.ZipFile(f) as z:
+                infos = z.infolist()
+                pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+                if len(pkl) != 1:
+                    raise CheckpointError(f"{self.path}: a zip file but not a torch.save file (no data.pkl)")
+                self._prefix = pkl[0].filename[: -len("data.pkl")]
+                self._pickle = self._read_capped(z, pkl[0], _MAX_PICKLE)
+                bo = z.NameToInfo.get(self._prefix + "byteorder")
+                if bo is not None and self._read_capped(z, bo, 16).strip() not in (b"little", b""):
+                    raise CheckpointError(f"{self.path}: saved on a big-endian host; re-save it on a little-endian one")
+        except CheckpointError:
+            raise
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
+                RuntimeError) as e:  # RuntimeError: zipfile's "File is encrypted"
+            raise CheckpointError(f"{self.path}: not a complete torch.save zip file ({str(e)[:200]}); the file is "
+                                  "truncated or was written by torch < 1.6 (legacy format); re-save it or copy it "
+                                  "again") from None
+        self._records = {i.filename: i for i in infos}
+
+    def _read_capped(self, z: zipfile.ZipFile, info: zipfile.ZipInfo, cap: int) -> bytes:
+        """One record, refused when it declares or inflates to more than ``cap`` bytes (a 1 MB DEFLATE record
+        can inflate to 1 GiB): the stream is read with a cap, never inflated whole first."""
+        if info.file_size > cap or info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            raise CheckpointError(f"{self.path}: record {describe(info.filename, 80)} is {info.file_size} bytes "
+                                  f"(compression {info.compress_type}); a torch.save pickle is stored, at most "
+                                  f"{cap} bytes")
+        with z.open(info) as f:
+            data = f.read(cap + 1)
+        if len(data) > cap:
+            raise CheckpointError(f"{self.path}: record {describe(info.filename, 80)} inflates past {cap} bytes")
+        return data
+
+    @property
+    def size(self) -> int:
+        """The file's size in bytes."""
+        return self._size
 
     def file_offset(self, t: torch.Tensor) -> int | None:
         """Where ``t``'s first element lies in the file, when ``t`` is a view of this file's mapping."""
@@ -252,7 +419,7 @@ class TorchZipFile:
         """A flat tensor over record ``data/<key>``, mapped, not read."""
         info = self._records.get(f"{self._prefix}data/{key}")
         if info is None:
-            raise CheckpointError(f"{self.path}: the pickle names storage {key!r}, which the file lacks (truncated?)")
+            raise CheckpointError(f"{self.path}: the pickle names storage {key}, which the file lacks (truncated?)")
         item = torch.empty((), dtype=dtype).element_size()
         if numel * item > info.file_size:
             raise CheckpointError(f"{self.path}: storage {key} holds {info.file_size} bytes, not {numel} x {item}")
@@ -264,10 +431,15 @@ class TorchZipFile:
         """Unpickles the file's object with the allowlist; tensors are views of the mapping."""
         try:
             return _RestrictedUnpickler(self._pickle, str(self.path), self.storage).load()
-        except CheckpointError:
-            raise
+        except CheckpointError as e:
+            if str(e).startswith(str(self.path)):
+                raise
+            raise type(e)(f"{self.path}: {e}") from None
         except Exception as e:  # a malformed pickle: name the file, not pickle's internals
-            raise CheckpointError(f"{self.path}: cannot read the pickle ({type(e).__name__}: {e})") from None
+            # NOTE: str(e) only when its arguments are plain: a KeyError's text is the repr of a crafted key.
+            text = str(e)[:200] if all(type(a) in (str, int) for a in e.args) else ""
+            raise CheckpointError(f"{self.path}: cannot read the pickle ({type(e).__name__}{': ' if text else ''}"
+                                  f"{text})") from None
 
     def release(self) -> None:
         """Drops the pages read so far from this process (they are re-read from the file if touched again)."""

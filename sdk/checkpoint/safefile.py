@@ -14,7 +14,6 @@ import json
 import math
 import mmap
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from .format import CheckpointError, dtype_from_tag, dtype_tag
+from .trust import describe, open_regular
 
 __all__ = ["SafetensorsFile", "read_checked_bytes"]
 
@@ -29,25 +29,9 @@ _HASH_CHUNK = 8 << 20  # 8 MiB: large enough that Python's per-call overhead van
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
-def _open_checked(path: Path, size: int) -> int:
-    """Opens a regular file (never through a symlink, never blocking on a FIFO) of the manifest's size."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot be opened ({e.strerror}); it must be a regular file") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-        os.close(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{path}: is not a regular file")
-        raise CheckpointError(f"{path}: is {st.st_size} bytes but the manifest says {size}: the file is "
-                              f"{'truncated' if st.st_size < size else 'overwritten'}")
-    return fd
-
-
 def read_checked_bytes(path: Path, size: int, sha256: str | None) -> bytes:
     """The whole file, after its size (and with ``sha256``, its hash) matched the manifest."""
-    fd = _open_checked(path, size)
+    fd = open_regular(path, "a file the manifest lists", size)
     with os.fdopen(fd, "rb") as f:
         data = f.read()
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
@@ -60,14 +44,17 @@ class SafetensorsFile:
 
     Args:
         path: the file.
-        size: the size the manifest records.
+        size: the size the manifest records; ``None`` takes the file's own (a Hugging Face shard).
         sha256: the hash the manifest records; ``None`` skips the hash (sizes are still checked).
+        what: how errors call the file.
     """
 
-    def __init__(self, path: Path, size: int, sha256: str | None) -> None:
+    def __init__(self, path: Path, size: int | None, sha256: str | None,
+                 what: str = "a file the manifest lists") -> None:
         self.path = path
-        fd = _open_checked(path, size)
+        fd = open_regular(path, what, size)
         try:
+            size = os.fstat(fd).st_size
             # NOTE: read-only, not ACCESS_COPY: a private writable map of a 100 GB shard counts in full
             # against the commit limit under vm.overcommit_memory=2.
             self._mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if size else None
@@ -116,10 +103,10 @@ class SafetensorsFile:
 
     def _spec(self, key: str, e: Any, data_len: int) -> tuple[torch.dtype, tuple[int, ...], int, int]:
         if not isinstance(e, dict):
-            raise self._bad(f"tensor {key!r:.60} has no header object")
+            raise self._bad(f"tensor {describe(key)} has no header object")
         tag, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
         if not isinstance(tag, str):
-            raise self._bad(f"tensor {key!r:.60} has no dtype")
+            raise self._bad(f"tensor {describe(key)} has no dtype")
         dtype = dtype_from_tag(tag, f"{self.path}: {key}")
         ok = (isinstance(shape, list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                               for s in shape)
@@ -127,11 +114,11 @@ class SafetensorsFile:
               and all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
               and 0 <= offs[0] <= offs[1] <= data_len)
         if not ok:
-            raise self._bad(f"tensor {key!r:.60}: shape {shape!r:.60} / data_offsets {offs!r:.60} are not valid "
-                            f"for {data_len} data bytes")
+            raise self._bad(f"tensor {describe(key)}: shape {describe(shape)} / data_offsets {describe(offs)} are not "
+                            f"valid for {data_len} data bytes")
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if offs[1] - offs[0] != nbytes:
-            raise self._bad(f"tensor {key!r:.60}: {tag} {shape} needs {nbytes} bytes, data_offsets span "
+            raise self._bad(f"tensor {describe(key)}: {tag} {shape} needs {nbytes} bytes, data_offsets span "
                             f"{offs[1] - offs[0]}")
         return dtype, tuple(shape), offs[0], offs[1]
 

@@ -9,31 +9,35 @@ and no symlink that resolves outside the directory.
 from __future__ import annotations
 
 import math
-import os
 import re
-import stat
 from pathlib import Path
 from typing import Any
 
 from .format import FORMAT_NAME, FORMAT_VERSION, CheckpointError, dtype_from_tag
+from .trust import NAME_RE, check_child_dir, describe, member_path, read_small_file
 
-__all__ = ["NAME_RE", "check_index", "check_manifest", "member_path", "read_latest", "read_small_file"]
+__all__ = ["NAME_RE", "Fields", "check_index", "check_manifest", "member_path", "read_latest", "read_small_file"]
 
-# The names the writer produces (directories, entries and files): no separators, no leading dot.
-NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _KIND_FIELDS = {"tensors": ("file",), "json": ("file",), "state": ("file", "skeleton"), "sharded": ("index",)}
 _CORRUPT = "the checkpoint is corrupt or was edited; restore it from a copy or save it again"
 
 
-class _Field:
-    """Builds errors that name the file and the dotted field path."""
+class Fields:
+    """Checks values of one file and builds errors that name the file and the dotted field path.
 
-    def __init__(self, file: Path) -> None:
+    Args:
+        file: the file the values come from.
+        advice: what the error tells the user to do.
+    """
+
+    def __init__(self, file: Path, advice: str = _CORRUPT) -> None:
         self.file = file
+        self.advice = advice
 
     def fail(self, field: str, problem: str) -> CheckpointError:
-        return CheckpointError(f"{self.file}: field {field!r} {problem}; {_CORRUPT}")
+        """The error for ``field`` (``entries.model.keys[3]``) having ``problem``."""
+        return CheckpointError(f"{self.file}: field {describe(field, 200)} {problem}; {self.advice}")
 
     def obj(self, v: Any, field: str) -> dict:
         if not isinstance(v, dict):
@@ -45,9 +49,21 @@ class _Field:
             raise self.fail(f"{field}.{key}" if field else key, "is missing")
         return d[key]
 
-    def int_(self, v: Any, field: str, lo: int = 0) -> int:
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise self.fail(field, f"must be an integer >= {lo}, got {v!r:.60}")
+    def int_(self, v: Any, field: str, lo: int = 0, hi: int | None = None) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+            bound = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+            raise self.fail(field, f"must be an integer {bound}, got {describe(v)}")
+        return v
+
+    def number(self, v: Any, field: str, lo: float, hi: float) -> float:
+        """A finite int or float in ``[lo, hi]``."""
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not (math.isfinite(v) and lo <= v <= hi):
+            raise self.fail(field, f"must be a finite number in [{lo:g}, {hi:g}], got {describe(v)}")
+        return v
+
+    def bool_(self, v: Any, field: str) -> bool:
+        if not isinstance(v, bool):
+            raise self.fail(field, f"must be true or false, got {describe(v)}")
         return v
 
     def str_(self, v: Any, field: str) -> str:
@@ -63,48 +79,21 @@ class _Field:
     def name(self, v: Any, field: str) -> str:
         s = self.str_(v, field)
         if not NAME_RE.match(s):
-            raise self.fail(field, f"is {s!r:.80}, not a plain file name inside the checkpoint (no '/', no "
+            raise self.fail(field, f"is {describe(s, 80)}, not a plain file name in this directory (no '/', no "
                                    "'..', no absolute path, no leading dot)")
         return s
 
 
-def member_path(directory: Path, name: str, where: str) -> Path:
-    """``directory / name`` after checking that it is a plain name and not a symlink (the writer makes none;
-    one that resolves outside the checkpoint would load foreign data under the manifest's hashes)."""
-    if not NAME_RE.match(name):
-        raise CheckpointError(f"{where}: {name!r:.80} is not a plain file name inside {directory}; {_CORRUPT}")
-    p = directory / name
-    if p.is_symlink():
-        target = p.resolve()
-        inside = "inside the checkpoint" if target.parent == directory.resolve() else "outside the checkpoint"
-        raise CheckpointError(f"{where}: {p} is a symlink to {target}, {inside}; a checkpoint's files must be "
-                              "regular files in its directory, refusing it")
-    return p
-
-
-def read_small_file(path: Path, limit: int, what: str) -> bytes:
-    """Reads a regular, non-symlink file of at most ``limit`` bytes (a FIFO or /dev/zero would hang or fill
-    memory)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot be read ({e.strerror}); {what} must be a regular file") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
-            raise CheckpointError(f"{path}: {what} must be a regular file of at most {limit} bytes")
-        return f.read(limit + 1)
-
-
 def check_manifest(m: Any, file: Path) -> dict[str, Any]:
     """Validates a parsed ``shardkit.json``; returns it."""
-    f = _Field(file)
+    f = Fields(file)
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         got = m.get("format") if isinstance(m, dict) else type(m).__name__
-        raise CheckpointError(f"{file}: format is {got!r:.80}, expected {FORMAT_NAME!r}; not a shardkit checkpoint")
+        raise CheckpointError(f"{file}: format is {describe(got, 80)}, expected {FORMAT_NAME!r}; not a shardkit "
+                              "checkpoint")
     if m.get("version") != FORMAT_VERSION:
-        raise CheckpointError(f"{file}: format version {m.get('version')!r:.40} is not supported by this shardkit "
-                              f"(it reads version {FORMAT_VERSION}); upgrade shardkit to read it")
+        raise CheckpointError(f"{file}: format version {describe(m.get('version'), 40)} is not supported by this "
+                              f"shardkit (it reads version {FORMAT_VERSION}); upgrade shardkit to read it")
     f.int_(f.get(m, "world_size", ""), "world_size", lo=1)
     f.obj(m.get("info", {}), "info")
     if "created" in m and (not isinstance(m["created"], (int, float)) or isinstance(m["created"], bool)):
@@ -122,13 +111,13 @@ def check_manifest(m: Any, file: Path) -> dict[str, Any]:
     return m
 
 
-def _check_entry(f: _Field, ename: Any, e: Any, files: dict) -> None:
+def _check_entry(f: Fields, ename: Any, e: Any, files: dict) -> None:
     where = f"entries.{ename}"
     f.name(ename, where)
     e = f.obj(e, where)
     kind = f.get(e, "kind", where)
     if kind not in _KIND_FIELDS:
-        raise f.fail(f"{where}.kind", f"is {kind!r:.40}, expected one of {sorted(_KIND_FIELDS)}")
+        raise f.fail(f"{where}.kind", f"is {describe(kind, 40)}, expected one of {sorted(_KIND_FIELDS)}")
     for key in _KIND_FIELDS[kind]:
         if f.name(f.get(e, key, where), f"{where}.{key}") not in files:
             raise f.fail(f"{where}.{key}", f"names {e[key]!r}, which is not listed under 'files' (so it has no "
@@ -146,13 +135,13 @@ def _check_entry(f: _Field, ename: Any, e: Any, files: dict) -> None:
     known = set(keys)
     for k, v in aliases.items():
         if k not in known or not isinstance(v, str) or v not in known or v in aliases:
-            raise f.fail(f"{where}.aliases.{k}", f"maps {k!r:.60} to {v!r:.60}; both must be keys of the entry "
+            raise f.fail(f"{where}.aliases.{k}", f"maps {describe(k)} to {describe(v)}; both must be keys of the entry "
                                                  "and the target must be stored (not itself an alias)")
 
 
 def check_index(idx: Any, file: Path, files: dict) -> dict[str, Any]:
     """Validates a sharded entry's ``<name>.index.json``; returns its ``tensors`` object."""
-    f = _Field(file)
+    f = Fields(file)
     tensors = f.obj(f.get(f.obj(idx, "<top>"), "tensors", ""), "tensors")
     for key, e in tensors.items():
         where = f"tensors.{key}"
@@ -167,7 +156,7 @@ def check_index(idx: Any, file: Path, files: dict) -> dict[str, Any]:
     return tensors
 
 
-def _check_piece(f: _Field, where: str, p: dict, shape: list[int], files: dict) -> None:
+def _check_piece(f: Fields, where: str, p: dict, shape: list[int], files: dict) -> None:
     if f.name(f.get(p, "file", where), f"{where}.file") not in files:
         raise f.fail(f"{where}.file", f"names {p['file']!r}, which is not listed in the manifest's 'files'")
     f.str_(f.get(p, "tensor", where), f"{where}.tensor")
@@ -192,11 +181,57 @@ def read_latest(parent: Path) -> str:
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{latest}: not UTF-8 text ({e.reason} at byte {e.start}); it must hold the name "
                               "of a checkpoint directory next to it; fix or delete the file") from None
-    if not NAME_RE.match(target):
-        raise CheckpointError(f"{latest}: holds {target!r:.80}, but `latest` may only name a checkpoint directory "
-                              f"next to it (no '/', '..', absolute path or leading dot); fix or delete the file")
-    cand = parent / target
-    if cand.is_symlink() and cand.resolve().parent != parent.resolve():
-        raise CheckpointError(f"{latest}: names {target!r}, a symlink to {cand.resolve()} outside {parent}; "
-                              "refusing to follow it")
+    check_child_dir(parent, target, str(latest))
     return target
+
+
+_MAX_STEPS = 1 << 53  # past this a float step counter stops counting; no run gets near it
+
+
+def check_runner_state(state: Any, file: Path) -> dict[str, Any]:
+    """Validates ``runner.json`` (the accumulation position ``Runner.save`` writes); returns it."""
+    f = Fields(file)
+    f.obj(state, "(the whole file)")
+    gas = state.get("gradient_accumulation_steps")
+    if gas is not None:
+        f.int_(gas, "gradient_accumulation_steps", lo=1, hi=1 << 31)
+    f.int_(f.get(state, "micro_step", ""), "micro_step", hi=(gas or 1 << 31) - 1)
+    f.bool_(f.get(state, "boundary", ""), "boundary")
+    f.int_(f.get(state, "optimizer_steps", ""), "optimizer_steps", hi=_MAX_STEPS)
+    return state
+
+
+_SCALER_FIELDS = ("scale", "hysteresis_left", "good_steps", "skipped_steps")
+
+
+def check_precision_state(state: Any, file: Path) -> dict[str, Any]:
+    """Validates ``precision.json`` (the loss scaler's state under fp16, else empty); returns it.
+
+    The scaler sets each field as an attribute, so only its own four fields are accepted.
+    """
+    f = Fields(file)
+    f.obj(state, "(the whole file)")
+    if "loss_scaler" not in state:
+        return state
+    scaler = f.obj(state["loss_scaler"], "loss_scaler")
+    unknown = [k for k in scaler if k not in _SCALER_FIELDS]
+    if unknown:
+        raise f.fail(f"loss_scaler.{unknown[0]}", f"is not a loss-scaler field (expected {list(_SCALER_FIELDS)})")
+    f.number(f.get(scaler, "scale", "loss_scaler"), "loss_scaler.scale", 2.0 ** -126, 2.0 ** 127)
+    for key in _SCALER_FIELDS[1:]:
+        f.int_(f.get(scaler, key, "loss_scaler"), f"loss_scaler.{key}", hi=_MAX_STEPS)
+    return state
+
+
+def check_hf_index(idx: Any, file: Path) -> dict[str, str]:
+    """Validates a Hugging Face ``model.safetensors.index.json``; returns its ``weight_map``.
+
+    Every shard it names must be a plain file name of the index's directory.
+    """
+    f = Fields(file, advice="fix the index or export the model again")
+    top = f.obj(idx, "(the whole file)")
+    f.obj(top.get("metadata", {}), "metadata")
+    weight_map = f.obj(f.get(top, "weight_map", ""), "weight_map")
+    for key, shard in weight_map.items():
+        f.name(shard, f"weight_map.{key}")
+    return weight_map

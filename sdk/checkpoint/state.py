@@ -93,8 +93,8 @@ def decode_state(node: Any, tensors: dict[str, torch.Tensor], name: str = "state
     except CheckpointError:
         raise
     except (KeyError, ValueError, TypeError, IndexError, AttributeError, OverflowError) as e:
-        raise CheckpointError(f"{name}: malformed skeleton ({type(e).__name__}: {e}); the state file is corrupt") \
-            from None
+        raise CheckpointError(f"{name}: malformed skeleton ({type(e).__name__}: {str(e)[:200]}); the state file is "
+                              "corrupt") from None
 
 
 def _decode(node: Any, tensors: dict[str, torch.Tensor], name: str) -> Any:

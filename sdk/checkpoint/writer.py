@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from .format import (
     fsync_dir,
     rank_entry,
     write_bytes_durable,
+    write_failure,
     write_safetensors,
 )
 from .merge import merge_parts
@@ -56,6 +58,21 @@ __all__ = [
 
 _PART = ".part-rank{:05d}.json"
 _SAVE_ID = ".save-id"
+
+
+def _kept(path: Path) -> str:
+    return f"nothing was published ({path} was not saved): the previous checkpoint and `latest` are unchanged"
+
+
+def _named_write_errors(method: Callable) -> Callable:
+    """A write's ``OSError`` (a full disk) becomes a :class:`CheckpointError` naming the file and what was kept."""
+    @functools.wraps(method)
+    def wrapper(self: CheckpointWriter, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except OSError as e:
+            raise write_failure(e, _kept(self.path)) from None
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -232,19 +249,26 @@ class CheckpointWriter:
     def commit(self) -> None:
         """Publishes the checkpoint (every rank must call it)."""
         self._check_open()
-        self._write_part(error=None)
+        failure: BaseException | None = None
+        try:
+            self._write_part(error=None)
+        except OSError as e:  # rank 0 then finds no part from this rank and publishes nothing
+            failure = write_failure(e, _kept(self.path))
         self._open = False
         self._barrier()
-        failure = None
         if self.rank == 0:
             try:
-                self._publish()
+                if failure is None:
+                    self._publish()
+            except OSError as e:
+                failure = write_failure(e, _kept(self.path))
             except BaseException as e:  # other ranks must still reach the barrier below
                 failure = e
-                if self.tmp is not None and (self.tmp / _SAVE_ID).is_file():  # never remove a published dir
-                    shutil.rmtree(self.tmp, ignore_errors=True)
-                self._pointer().unlink(missing_ok=True)
             finally:
+                if failure is not None:
+                    if self.tmp is not None and (self.tmp / _SAVE_ID).is_file():  # never remove a published dir
+                        shutil.rmtree(self.tmp, ignore_errors=True)
+                    self._pointer().unlink(missing_ok=True)
                 self._release()
         self._barrier()
         if failure is not None:
@@ -258,7 +282,10 @@ class CheckpointWriter:
             return
         self._open = False
         try:
-            self._write_part(error=repr(exc) if exc is not None else "aborted")
+            try:
+                self._write_part(error=repr(exc)[:1000] if exc is not None else "aborted")
+            except OSError:  # the disk that failed the save may fail this too: rank 0 then finds no part
+                pass
             self._barrier()
             if self.rank == 0:
                 shutil.rmtree(self.tmp, ignore_errors=True)
@@ -270,6 +297,7 @@ class CheckpointWriter:
             self._release()
 
     # ---------------------------------------------------------------- writing
+    @_named_write_errors
     def write_tensors(self, name: str, tensors: Mapping[str, torch.Tensor],
                       metadata: Mapping[str, str] | None = None) -> None:
         """Writes a flat dict of full tensors to ``<name>.safetensors``.
@@ -297,6 +325,7 @@ class CheckpointWriter:
         self._record(file, write_safetensors(self.tmp / file, items, dict(metadata) if metadata else None))
         self._entries[name] = {"kind": "tensors", "file": file, "keys": list(tensors), "aliases": aliases}
 
+    @_named_write_errors
     def write_json(self, name: str, obj: Any) -> None:
         """Writes ``obj`` as ``<name>.json``.
 
@@ -313,6 +342,7 @@ class CheckpointWriter:
         self._record(file, write_bytes_durable(self.tmp / file, data))
         self._entries[name] = {"kind": "json", "file": file}
 
+    @_named_write_errors
     def write_state(self, name: str, nested: Any) -> None:
         """Writes nested dict/list/tuple state: tensors to ``<name>.safetensors``, the rest to ``<name>.json``.
 
@@ -326,6 +356,7 @@ class CheckpointWriter:
         self._record(jfile, write_bytes_durable(self.tmp / jfile, json.dumps(skeleton).encode()))
         self._entries[name] = {"kind": "state", "file": tfile, "skeleton": jfile}
 
+    @_named_write_errors
     def write_shard(self, name: str, pieces: Mapping[str, ShardPiece | Sequence[ShardPiece]]) -> None:
         """Writes this rank's pieces of sharded tensors to ``<name>.rank<NNNNN>.safetensors``.
 

@@ -17,7 +17,9 @@ import torch
 
 from .consolidate import consolidate, consolidate_deepspeed, get_fp32_state_dict, load_state_dict_from_zero_checkpoint
 from .deepspeed_reader import find_deepspeed_checkpoint
+from .export import MODEL_FILES, check_output_dir
 from .format import CheckpointError
+from .trust import check_child_dir
 
 __all__ = ["get_fp32_state_dict", "load_state_dict_from_zero_checkpoint", "main", "register"]
 
@@ -26,7 +28,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a checkpoint directory, or its parent holding `latest` (shardkit or DeepSpeed)")
-    p.add_argument("output_dir", help="where model*.safetensors (and the index) are written")
+    p.add_argument("output_dir", help="where model*.safetensors (and the index, config.json and tokenizer files "
+                   "found beside the checkpoint) are written; a previous export there is replaced atomically")
     p.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32",
                    help="dtype of floating tensors (default fp32; keep = as saved)")
@@ -40,19 +43,27 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     try:
         ds = find_deepspeed_checkpoint(args.checkpoint, args.tag)
+        if ds is not None or args.tag:
+            check_output_dir(args.output_dir, [args.checkpoint])  # not inside what was named: a parent of tags too
         if ds is not None:
             paths = consolidate_deepspeed(ds, args.output_dir, dtype=_DTYPES[args.dtype],
                                           max_shard_size=args.max_shard_size,
                                           exclude_frozen_parameters=args.exclude_frozen_parameters)
         else:
-            path = Path(args.checkpoint) / args.tag if args.tag else args.checkpoint
+            path = check_child_dir(Path(args.checkpoint), args.tag, "--tag") if args.tag else args.checkpoint
             paths = consolidate(path, args.output_dir, name=args.name, dtype=_DTYPES[args.dtype],
                                 max_shard_size=args.max_shard_size)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path the checks above did not foresee (permissions, a vanished directory)
+        print(f"error: {e.filename or args.output_dir}: {e.strerror or e}", file=sys.stderr)
+        return 2
     for p in paths:
         print(p)
+    copied = [n for n in MODEL_FILES if paths and (paths[0].parent / n).is_file()]
+    if copied:
+        print(f"with {', '.join(copied)} from beside the checkpoint", file=sys.stderr)
     return 0
 
 

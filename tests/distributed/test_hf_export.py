@@ -85,7 +85,7 @@ def _load(strategy, src, ids):
 
     runner.gathered_parameters = counting
     read = [0]
-    hf_get, hf_flat = hf._HFWeights.get, hf._HFWeights.read_flat
+    hf_get, hf_flat = hf.HFWeights.get, hf.HFWeights.read_flat
 
     def get(self, key):
         t = hf_get(self, key)
@@ -97,7 +97,7 @@ def _load(strategy, src, ids):
         read[0] += t.numel() * t.element_size()
         return t
 
-    hf._HFWeights.get, hf._HFWeights.read_flat = get, read_flat
+    hf.HFWeights.get, hf.HFWeights.read_flat = get, read_flat
     assert load_pretrained(runner, model, src) == []
     runner.gathered_parameters = gather
     runner.backward(model(ids, labels=ids).loss)

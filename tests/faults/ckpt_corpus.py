@@ -272,6 +272,7 @@ CASES: dict[str, tuple[Callable[[Path], None], str]] = {
     "e_tensor_ref_missing": (_edit_json_file("optim.json", lambda o: {"tensor": "t99"}), "t99"),
     "e_dict_node_malformed": (_edit_json_file("optim.json", lambda o: {"dict": [1, 2]}), "optim.json"),
     "e_unknown_node": (_edit_json_file("optim.json", lambda o: {"pickle": "cos\nsystem"}), "unknown skeleton"),
+    "e_nesting_json_deep": (_raw("optim.json", b"[" * 5000 + b"]" * 5000, rehash=True), "optim.json"),
     # the safetensors files themselves
     "f_truncated": (_truncate, "truncated"),
     "f_fifo": (_fifo, "not a regular file"),

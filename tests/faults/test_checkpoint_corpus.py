@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ckpt_corpus import CASES, build_corpus, write_good
+from corpus_tools import outcome, report, verdict
 
 from shardkit.checkpoint import CheckpointError, CheckpointReader
 
@@ -40,20 +41,9 @@ def test_the_good_checkpoint_reads(tmp_path):
 
 def test_every_bad_checkpoint_gives_a_named_error(corpus, capsys):
     root, expected = corpus
-    unnamed = {}
-    for name, text in expected.items():
-        try:
-            read_everything(root / name)
-        except CheckpointError as e:
-            if text not in str(e):
-                unnamed[name] = f"message lacks {text!r}: {e}"
-        except Exception as e:  # noqa: BLE001 - a bare error is exactly what this test hunts
-            unnamed[name] = f"{type(e).__name__}: {e}"
-        else:
-            unnamed[name] = "loaded without an error"
-    with capsys.disabled():
-        print(f"\ncheckpoint corpus: {len(expected) - len(unnamed)} of {len(expected)} bad checkpoints give a "
-              "named CheckpointError")
+    unnamed = {name: bad for name, text in expected.items()
+               if (bad := verdict(outcome(lambda: read_everything(root / name)), text)) is not None}
+    report(capsys, "checkpoint corpus", "bad checkpoints", len(expected), unnamed)
     assert not unnamed, unnamed
 
 
