@@ -1,16 +1,19 @@
 """SFT batches on a long-tailed length distribution: padded vs BFD packing vs padding-free, and TRL's SFTTrainer.
 
-    python benchmarks/sft.py [--steps 12] [--rounds 2] [--max-length 512] [--hidden 256] [--layers 4]
+    python benchmarks/sft.py [--steps 14] [--warmup 6] [--rounds 2] [--max-length 512] [--hidden 256] [--layers 4]
 
 Same tiny HF Llama (random weights), same pre-tokenized data for every contender: sequence lengths drawn from a
 log-normal (median ~90 tokens, a tail cut at --max-length), so a padded batch is mostly padding. Each contender
 runs in a child process of its own (peak memory per run), the contenders alternating in rounds so that machine
 noise hits all of them; medians are printed.
 
-- tokens/s: real (non-padding) tokens trained per second, timed over the steps after the first two;
+- tokens/s: real (non-padding) tokens trained per second of wall clock, timed over the steps after --warmup;
+  and per second of the process's CPU time (all its threads), which other jobs on a shared machine disturb less;
 - padding: the fraction of the tokens in the batches that are padding (compute spent on nothing);
-- peak memory: the training's peak resident set over what was resident when it started (CPU: VmHWM after
-  /proc/self/clear_refs; CUDA: max_memory_allocated).
+- peak memory: the training's peak resident set over what was resident when it started (VmHWM after
+  /proc/self/clear_refs), measured in a run of its own with glibc's mmap threshold at 1 MiB so that freed
+  blocks leave the resident set (see benchmarks/_timing.py). That setting makes every large allocation fault
+  fresh pages in, several times slower, so the speed runs go without it.
 
 Contenders: shardkit's SFTTrainer padded (no packing), BFD packing in padded rows, BFD packing padding-free (the
 default with packing=True), and TRL's SFTTrainer with packing (BFD, padding-free: its default) on the same model and
@@ -32,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import ensure_malloc_returns_memory, fmt_bytes, machine_description, print_table  # noqa: E402
+from _timing import fmt_bytes, machine_description, print_table  # noqa: E402
 
 CONTENDERS = {
     "shardkit padded": dict(packing=False, padding_free=False),
@@ -118,18 +121,19 @@ def _child(name: str, args: argparse.Namespace) -> dict:
 
     class Clock(callback_base):
         def on_step_end(self, *a, **k):
-            marks.append(time.perf_counter())
+            marks.append((time.perf_counter(), time.process_time()))
 
     trainer.add_callback(Clock)
     Path("/proc/self/clear_refs").write_text("5")
     before = _rss_kib("VmRSS")
     trainer.train()
     peak = (_rss_kib("VmHWM") - before) * 1024
-    timed = slice(2, args.steps)  # steps 3.. (the first ones fault pages in and warm the allocator)
-    seconds = marks[args.steps - 1] - marks[1]
+    # Steps after --warmup: a fresh process's first steps fault pages in and warm the allocator, several times slower.
+    timed = slice(args.warmup, args.steps)
+    wall, cpu = (marks[args.steps - 1][i] - marks[args.warmup - 1][i] for i in (0, 1))
     real = sum(counter.real[timed])
-    return {"tokens_per_s": real / seconds, "padding": 1 - sum(counter.real) / sum(counter.total), "peak": peak,
-            "threads": torch.get_num_threads()}
+    return {"tokens_per_s": real / wall, "tokens_per_cpu_s": real / cpu,
+            "padding": 1 - sum(counter.real) / sum(counter.total), "peak": peak, "threads": torch.get_num_threads()}
 
 
 def _rss_kib(field: str) -> int:
@@ -139,9 +143,23 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(field)
 
 
+def _run_child(name: str, args: argparse.Namespace, mmap_threshold: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    if mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    command = [sys.executable, __file__, "--child", name] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("child", "only", "rounds")]
+    run = subprocess.run(command, capture_output=True, text=True, env=env)
+    line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if run.returncode or line is None:
+        raise RuntimeError(f"{name} failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
+    return json.loads(line[7:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=14)
+    parser.add_argument("--warmup", type=int, default=6, help="steps before the timing starts")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4, help="rows (padded) or bins (packed) per step")
     parser.add_argument("--samples", type=int, default=600)
@@ -154,26 +172,27 @@ def main() -> None:
     if args.child is not None:
         print("RESULT " + json.dumps(_child(args.child, args)), flush=True)
         return
-    ensure_malloc_returns_memory()
     names = [n for n in CONTENDERS if args.only is None or n in args.only]
     results: dict[str, list[dict]] = {n: [] for n in names}
+    memory: dict[str, list[dict]] = {n: [] for n in names}
     for _ in range(args.rounds):
         for name in names:
-            command = [sys.executable, __file__, "--child", name] + [
-                f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("child", "only", "rounds")]
-            run = subprocess.run(command, capture_output=True, text=True, env=os.environ)
-            line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if run.returncode or line is None:
-                raise RuntimeError(f"{name} failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
-            results[name].append(json.loads(line[7:]))
+            results[name].append(_run_child(name, args, mmap_threshold=False))
+            memory[name].append(_run_child(name, args, mmap_threshold=True))
+    for name in names:
+        for result, measured in zip(results[name], memory[name]):
+            result["peak"] = measured["peak"]
     print(f"{machine_description()}; load average at the end {os.getloadavg()[0]:.1f}")
-    base = statistics.median(r["tokens_per_s"] for r in results[names[0]])
+    def median(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[name])
+
     rows = []
     for name in names:
-        speed = statistics.median(r["tokens_per_s"] for r in results[name])
-        rows.append([name, f"{speed:.0f}", f"{speed / base:.2f}", f"{results[name][0]['padding']:.1%}",
-                     fmt_bytes(statistics.median(r["peak"] for r in results[name]))])
-    print_table(["contender", "real tokens/s", f"vs {names[0]}", "padding", "peak memory"], rows)
+        wall, cpu = median(name, "tokens_per_s"), median(name, "tokens_per_cpu_s")
+        rows.append([name, f"{wall:.0f}", f"{cpu:.0f}", f"{cpu / median(names[0], 'tokens_per_cpu_s'):.2f}",
+                     f"{results[name][0]['padding']:.1%}", fmt_bytes(median(name, "peak"))])
+    print_table(["contender", "real tokens/s", "real tokens/CPU-s", f"CPU-s rate vs {names[0]}", "padding",
+                 "peak memory"], rows)
 
 
 if __name__ == "__main__":
