@@ -1,11 +1,11 @@
 """SFT batches on a long-tailed length distribution: padded vs BFD packing vs padding-free, and TRL's SFTTrainer.
 
-    python benchmarks/sft.py [--steps 14] [--warmup 6] [--rounds 2] [--max-length 512] [--hidden 256] [--layers 4]
+    python benchmarks/sft.py [--steps 14] [--warmup 6] [--rounds 4] [--max-length 512] [--hidden 256] [--layers 4]
 
 Same tiny HF Llama (random weights), same pre-tokenized data for every contender: sequence lengths drawn from a
 log-normal (median ~90 tokens, a tail cut at --max-length), so a padded batch is mostly padding. Each contender
-runs in a child process of its own (peak memory per run), the contenders alternating in rounds so that machine
-noise hits all of them; medians are printed.
+is timed in rounds, one child process a round running every contender, the order rotating so that each takes
+every place; medians over the rounds are printed. Peak memory comes from one child process per contender.
 
 - tokens/s: real (non-padding) tokens trained per second of wall clock, timed over the steps after --warmup;
   and per second of the process's CPU time (all its threads), which other jobs on a shared machine disturb less;
@@ -143,24 +143,24 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(field)
 
 
-def _run_child(name: str, args: argparse.Namespace, mmap_threshold: bool) -> dict:
+def _run_child(names: list[str], args: argparse.Namespace, mmap_threshold: bool) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     if mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
-    command = [sys.executable, __file__, "--child", name] + [
+    command = [sys.executable, __file__, "--child", ",".join(names)] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("child", "only", "rounds")]
     run = subprocess.run(command, capture_output=True, text=True, env=env)
-    line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if run.returncode or line is None:
-        raise RuntimeError(f"{name} failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
-    return json.loads(line[7:])
+    lines = [json.loads(x[7:]) for x in run.stdout.splitlines() if x.startswith("RESULT ")]
+    if run.returncode or len(lines) != len(names):
+        raise RuntimeError(f"{names} failed:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--warmup", type=int, default=6, help="steps before the timing starts")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4, help="rows (padded) or bins (packed) per step")
     parser.add_argument("--samples", type=int, default=600)
     parser.add_argument("--max-length", type=int, default=512)
@@ -170,18 +170,16 @@ def main() -> None:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print("RESULT " + json.dumps(_child(args.child, args)), flush=True)
+        for name in args.child.split(","):
+            print("RESULT " + json.dumps({"name": name, **_child(name, args)}), flush=True)
         return
     names = [n for n in CONTENDERS if args.only is None or n in args.only]
     results: dict[str, list[dict]] = {n: [] for n in names}
-    memory: dict[str, list[dict]] = {n: [] for n in names}
-    for _ in range(args.rounds):
-        for name in names:
-            results[name].append(_run_child(name, args, mmap_threshold=False))
-            memory[name].append(_run_child(name, args, mmap_threshold=True))
-    for name in names:
-        for result, measured in zip(results[name], memory[name]):
-            result["peak"] = measured["peak"]
+    for round_ in range(args.rounds):  # one process a round, every contender in it, the order rotating
+        order = names[round_ % len(names):] + names[:round_ % len(names)]
+        for result in _run_child(order, args, mmap_threshold=False):
+            results[result["name"]].append(result)
+    peaks = {name: _run_child([name], args, mmap_threshold=True)[0]["peak"] for name in names}
     print(f"{machine_description()}; load average at the end {os.getloadavg()[0]:.1f}")
     def median(name: str, key: str) -> float:
         return statistics.median(r[key] for r in results[name])
@@ -190,7 +188,7 @@ def main() -> None:
     for name in names:
         wall, cpu = median(name, "tokens_per_s"), median(name, "tokens_per_cpu_s")
         rows.append([name, f"{wall:.0f}", f"{cpu:.0f}", f"{cpu / median(names[0], 'tokens_per_cpu_s'):.2f}",
-                     f"{results[name][0]['padding']:.1%}", fmt_bytes(median(name, "peak"))])
+                     f"{results[name][0]['padding']:.1%}", fmt_bytes(peaks[name])])
     print_table(["contender", "real tokens/s", "real tokens/CPU-s", f"CPU-s rate vs {names[0]}", "padding",
                  "peak memory"], rows)
 

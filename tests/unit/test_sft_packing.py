@@ -71,7 +71,7 @@ def test_segments_from_position_ids():
     assert seg.lengths == (3, 2, 1, 2, 4) and seg.cu_seqlens.tolist() == [0, 3, 5, 6, 8, 12] and seg.max_length == 4
 
 
-@pytest.mark.parametrize("lengths", [(5, 123, 1, 40, 17, 64), (9,), (3, 3, 3)], ids=["ragged", "one", "even"])
+@pytest.mark.parametrize("lengths", [(5, 123, 1, 140, 17, 64, 130), (9,), (3, 3, 3)], ids=["ragged", "one", "even"])
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_varlen_attention_equals_attention_per_sequence(lengths, kv_heads):
     torch.manual_seed(0)
