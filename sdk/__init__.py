@@ -15,7 +15,7 @@ from shardkit.strategies.tensor_parallel import TensorParallel
 __version__ = "0.1.0"
 
 __all__ = ["Runner", "Strategy", "SingleDevice", "DDP", "FSDP", "TensorParallel", "Precision", "FP32", "FP16", "BF16",
-           "launch", "seed_everything", "__version__"]
+           "launch", "seed_everything", "Accelerator", "notebook_launcher", "__version__"]
 
 
 def __getattr__(name: str):
@@ -25,6 +25,10 @@ def __getattr__(name: str):
 
     if name in STRATEGIES.class_names():
         return STRATEGIES.get_class(name)
+    if name in ("Accelerator", "notebook_launcher"):  # Accelerate's API, a front on the Runner
+        from shardkit import accelerate_compat
+
+        return getattr(accelerate_compat, name)
     if name in ("Trainer", "TrainingArguments"):  # lazily too: the Trainer pulls in more than a Runner needs
         from shardkit import trainer
 

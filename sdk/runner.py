@@ -98,6 +98,7 @@ class Runner:
         self._module: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: Any | None = None
+        self._owners: dict[torch.optim.Optimizer, nn.Module] = {}  # every optimizer set up -> its model
         self._micro_step = 0  # position inside the accumulation window
         self._boundary = False  # the last backward closed a window: step() will step
         self._clipped = False  # clip_gradients ran in this window
@@ -162,22 +163,26 @@ class Runner:
         if self.precision.uses_autocast:
             _autocast_forward(model, functools.partial(self.precision.autocast, self.device))
         self._module, self._optimizer, self._scheduler = model, optimizer, scheduler
+        if optimizer is not None:
+            self._owners[optimizer] = model
         self._micro_step, self._boundary = 0, False
         self.strategy.set_gradient_sync(model, self.gradient_accumulation_steps == 1)
         if optimizer is None:
             return model
         return (model, optimizer) if scheduler is None else (model, optimizer, scheduler)
 
-    def setup_dataloader(self, loader: DataLoader) -> RunnerDataLoader:
+    def setup_dataloader(self, loader: DataLoader, seed: int | None = None) -> RunnerDataLoader:
         """Shard ``loader``'s dataset across ranks, move batches to the device, and make it resumable.
 
-        Shuffling (kept from the loader: ``shuffle=True`` stays shuffled) depends only on the Runner's
-        seed and the epoch, so every rank and every resumed run sees the same order. A streamed (iterable)
-        dataset is read in order and dealt to the ranks item by item (:mod:`shardkit.streaming`).
+        Shuffling (kept from the loader: ``shuffle=True`` stays shuffled) depends only on the seed and
+        the epoch, so every rank and every resumed run sees the same order. ``seed`` is this loader's
+        shuffling seed (default: the Runner's seed, else 0). A streamed (iterable) dataset is read in order
+        and dealt to the ranks item by item (:mod:`shardkit.streaming`).
         """
         strategy = self.strategy
         strategy.set_runner_values(micro_batch_size=loader.batch_size)
-        self._loader = rebuild_loader(loader, strategy.data_parallel_rank, strategy.data_parallel_size, self.seed or 0,
+        seed = seed if seed is not None else self.seed or 0
+        self._loader = rebuild_loader(loader, strategy.data_parallel_rank, strategy.data_parallel_size, seed,
                                       self.device)
         return self._loader
 
@@ -273,16 +278,18 @@ class Runner:
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.strategy.all_gather(tensor)
 
-    def gather_for_metrics(self, tensor: torch.Tensor) -> torch.Tensor:
+    def gather_for_metrics(self, tensor: torch.Tensor, loader: RunnerDataLoader | None = None) -> torch.Tensor:
         """Concatenate a per-sample tensor from every data-parallel rank, dropping the padding duplicates that the
         last batch of an uneven split carries (so metrics count each sample once); tensor-parallel peers, which
-        hold the same batch, count once."""
+        hold the same batch, count once. ``loader`` is the loader whose latest batch ``tensor`` belongs to
+        (default: the last one set up)."""
         gathered = self.all_gather(tensor)
         if self.strategy.data_parallel_size != self.world_size:
             # Model-parallel peers (tensor parallelism) hold the same batch: one block per data-parallel rank.
             gathered = gathered[self._data_parallel_leaders()]
         gathered = gathered.reshape(-1, *tensor.shape[1:])
-        mask = self._loader.duplicate_mask() if self._loader is not None else None
+        loader = loader if loader is not None else self._loader
+        mask = loader.duplicate_mask() if loader is not None else None
         return gathered if mask is None else gathered[mask.to(gathered.device)]
 
     def _data_parallel_leaders(self) -> list[int]:
@@ -378,9 +385,10 @@ class Runner:
             self.strategy.set_gradient_sync(self._module, self._micro_step == last)
 
     def _owner_of(self, optimizer: torch.optim.Optimizer) -> nn.Module:
-        if optimizer is not self._optimizer or self._module is None:
+        owner = self._owners.get(optimizer)
+        if owner is None:
             raise ValueError("save/load an optimizer only together with the model it was set up with in runner.setup()")
-        return self._module
+        return owner
 
     def _require(self, attr: str, action: str) -> Any:
         value = getattr(self, attr)
@@ -388,6 +396,13 @@ class Runner:
             what = attr.strip("_")
             raise RuntimeError(f"runner.{action}() needs a {what}: pass it to runner.setup() first")
         return value
+
+    def release(self) -> None:
+        """Drop the references to what setup() and setup_dataloader() were given, so that a second training in the
+        same process does not keep the first one's model and optimizer alive; the strategy and precision stay."""
+        self._module = self._optimizer = self._scheduler = self._loader = None
+        self._owners.clear()
+        self._micro_step, self._boundary, self._clipped = 0, False, False
 
     def teardown(self) -> None:
         """Release the process group and anything else the strategy holds."""

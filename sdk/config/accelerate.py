@@ -32,8 +32,8 @@ from shardkit.config.common import (
 from shardkit.config.deepspeed import StrategySpec, build_strategy, resolve_deepspeed
 from shardkit.suggest import did_you_mean
 
-__all__ = ["AccelerateConfig", "CONFIG_FILE_ENV", "check_resources", "launch_args_from_yaml",
-           "load_accelerate_config", "resolve_accelerate"]
+__all__ = ["AccelerateConfig", "CONFIG_FILE_ENV", "check_resources", "deepspeed_config_from_section",
+           "fsdp_strategy_from_section", "launch_args_from_yaml", "load_accelerate_config", "resolve_accelerate"]
 
 log = logging.getLogger("shardkit.config")
 
@@ -428,6 +428,20 @@ def _inline_deepspeed(section: Mapping[str, Any], mixed: str, where: str) -> dic
     if mixed != "no":
         config[mixed] = {"enabled": True}
     return config
+
+
+def fsdp_strategy_from_section(section: Mapping[str, Any], where: str) -> Any:
+    """The FSDP strategy an ``fsdp_config`` section (Accelerate's YAML keys) asks for; ``where`` names it in errors."""
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{where} must be a mapping of fsdp_config keys, not {type(section).__name__}")
+    return build_strategy(_fsdp_spec(section, where))
+
+
+def deepspeed_config_from_section(section: Mapping[str, Any], mixed_precision: str, where: str) -> dict[str, Any]:
+    """The DeepSpeed config dict a ``deepspeed_config`` section's inline keys (``zero_stage``,
+    ``offload_optimizer_device`` ...) stand for, with ``mixed_precision``'s section enabled."""
+    check_known_keys(section, DEEPSPEED_KEYS, "", where)
+    return _inline_deepspeed(section, mixed_precision, where)
 
 
 # ---- resolution for the Runner ---------------------------------------------------------------------

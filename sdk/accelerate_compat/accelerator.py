@@ -1,0 +1,494 @@
+"""``shardkit.Accelerator``: Accelerate's ``Accelerator`` as a thin front on a :class:`shardkit.Runner`.
+
+    from shardkit import Accelerator          # in place of: from accelerate import Accelerator
+    accelerator = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=4)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+Every method translates to the Runner, its Strategy and its Precision: ``prepare`` is ``runner.setup`` and
+``runner.setup_dataloader``, ``backward`` the strategy's backward, the prepared optimizer's ``step()`` the
+strategy's step through the precision. Accelerate's meanings are kept where they differ from the Runner's:
+``sync_gradients`` is True on the micro-batch that ends a window and stays True after ``optimizer.step()``
+until the next ``accumulate()``; the prepared optimizer and scheduler do nothing mid-window.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from shardkit.accelerate_compat.checkpointing import CheckpointMixin
+from shardkit.accelerate_compat.plugins import (
+    DataLoaderConfiguration,
+    ProjectConfiguration,
+    apply_init_kwargs,
+    ddp_options,
+    deepspeed_config,
+    default_strategy,
+    fsdp_strategy,
+    precision_for,
+    read_handlers,
+)
+from shardkit.accelerate_compat.state import (
+    AcceleratorState,
+    DistributedType,
+    GradientState,
+    ProcessFacts,
+    mixed_precision_name,
+    remember_plugins,
+    use_strategy,
+)
+from shardkit.accelerate_compat.trackers import TrackingMixin
+from shardkit.accelerate_compat.training import TrainingMixin
+from shardkit.accelerate_compat.wrappers import AcceleratedOptimizer, AcceleratedScheduler, PreparedDataLoader
+from shardkit.runner import Runner
+from shardkit.strategies.base import Strategy
+
+__all__ = ["Accelerator"]
+
+# Constructor arguments of Accelerate that shardkit does not take, and what to do instead.
+_REFUSED = {"torch_tp_plugin": "use shardkit.TensorParallel through a shardkit.Runner",
+            "downcast_bf16": "a TPU (XLA) option; on CPUs and GPUs mixed_precision='bf16' needs nothing more",
+            "megatron_lm_plugin": "Megatron-LM is not supported",
+            "dynamo_plugin": "call torch.compile(model) in the script",
+            "deepspeed_plugins": "pass one deepspeed_plugin",
+            "parallelism_config": "use shardkit.TensorParallel(dp='fsdp') through a shardkit.Runner"}
+_SEEDS: dict[str, int] = {}  # the seed given to shardkit.accelerate_compat.set_seed (the loaders' default)
+
+
+class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
+    """Accelerate's ``Accelerator`` on shardkit: the same constructor, methods and meanings.
+
+    Args:
+        mixed_precision: "no", "fp16" or "bf16" (default: ``ACCELERATE_MIXED_PRECISION``, else the config file
+            ``shardkit launch --config_file`` names, else "no"). fp16 scales the loss as torch's GradScaler does.
+        gradient_accumulation_steps: micro-batches per optimizer step inside :meth:`accumulate`.
+        cpu: run on the CPU even where a GPU is visible.
+        dataloader_config: a :class:`DataLoaderConfiguration` (``split_batches``, ``data_seed`` ...).
+        deepspeed_plugin: a DeepSpeed config dict, a dict of ``DeepSpeedPlugin``'s fields (``zero_stage``,
+            ``offload_optimizer_device`` ...) or ``accelerate.utils.DeepSpeedPlugin``: the ZeRO strategies.
+        fsdp_plugin: a dict of Accelerate's ``fsdp_config`` keys or ``FullyShardedDataParallelPlugin``'s fields,
+            or that plugin: :class:`shardkit.FSDP`.
+        log_with: tracker names of :data:`shardkit.tracking.TRACKERS` ("jsonl", "tensorboard", "all") or tracker
+            objects.
+        project_dir: where automatically named checkpoints and the trackers' files go.
+        project_config: a :class:`ProjectConfiguration` (automatic checkpoint naming, total_limit ...).
+        gradient_accumulation_plugin: a :class:`GradientAccumulationPlugin` (instead of
+            ``gradient_accumulation_steps``).
+        step_scheduler_with_optimizer: the prepared scheduler steps only after optimizer steps that were taken.
+        kwargs_handlers: ``DistributedDataParallelKwargs``, ``InitProcessGroupKwargs``, ``GradScalerKwargs``,
+            ``AutocastKwargs`` (Accelerate's classes or the ones of :mod:`shardkit.accelerate_compat`).
+        split_batches, device_placement, rng_types, dynamo_backend: Accelerate's; ``device_placement`` must stay
+            True and ``dynamo_backend`` "no"; ``rng_types`` is accepted (the data order depends on the seed and the
+            epoch only, so no RNG needs synchronising).
+
+    Attributes:
+        runner: the :class:`shardkit.Runner` underneath.
+        gradient_state: the accumulation window and the data loader being iterated.
+        step: micro-batches counted by :meth:`accumulate` (saved by :meth:`save_state`).
+    """
+
+    def __init__(self, device_placement: bool = True, split_batches: bool | None = None,
+                 mixed_precision: str | None = None, gradient_accumulation_steps: int = 1, cpu: bool = False,
+                 dataloader_config: DataLoaderConfiguration | None = None, deepspeed_plugin: Any = None,
+                 fsdp_plugin: Any = None, rng_types: Any = None, log_with: Any = None, project_dir: str | None = None,
+                 project_config: ProjectConfiguration | None = None, gradient_accumulation_plugin: Any = None,
+                 step_scheduler_with_optimizer: bool = True, kwargs_handlers: Any = None,
+                 dynamo_backend: str | None = None, **unsupported: Any) -> None:
+        _refuse(unsupported, device_placement, dynamo_backend)
+        handlers = read_handlers(kwargs_handlers)
+        if "init" in handlers:
+            apply_init_kwargs(handlers["init"])
+        self.gradient_state = _gradient_state(gradient_accumulation_steps, gradient_accumulation_plugin
+                                              or handlers.get("accumulation"))
+        self.dataloader_config = _dataloader_config(dataloader_config, split_batches)
+        self.project_configuration = project_config if project_config is not None else ProjectConfiguration()
+        if project_dir is not None and self.project_configuration.project_dir is None:
+            self.project_configuration.set_directories(str(project_dir))
+        self._autocast_handler = handlers.get("autocast")
+        self.runner = self._build_runner(mixed_precision, cpu, deepspeed_plugin, fsdp_plugin, handlers)
+        use_strategy(self.runner.strategy)
+        remember_plugins(deepspeed_plugin, fsdp_plugin)
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.rng_types = rng_types
+        self._models: list[nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[PreparedDataLoader] = []
+        self._owner: dict[int, nn.Module] = {}  # id(prepared optimizer) -> its prepared model
+        self.step = 0
+        self._clipped = False  # clip_grad_norm_ ran in this window (a config's clipping then stays off)
+        self._init_tracking(log_with)
+        self._init_checkpointing()
+
+    def _build_runner(self, mixed_precision: str | None, cpu: bool, deepspeed_plugin: Any, fsdp_plugin: Any,
+                      handlers: dict[str, Any]) -> Runner:
+        from shardkit.config.common import CONFIG_FILE_ENV
+
+        if deepspeed_plugin is not None and fsdp_plugin is not None:
+            raise ValueError("Accelerator got both deepspeed_plugin and fsdp_plugin; pass one")
+        precision = precision_for(mixed_precision, handlers.get("scaler"))
+        ddp = ddp_options(handlers["ddp"]) if "ddp" in handlers else None
+        strategy: Strategy | None = None
+        config = None
+        steps: int | None = self.gradient_state.num_steps
+        if deepspeed_plugin is not None:
+            name = mixed_precision_name(precision.compute_dtype) if precision is not None else "no"
+            config = deepspeed_config(deepspeed_plugin, name)
+            if steps == 1 and config.get("gradient_accumulation_steps", "auto") != "auto":
+                steps = None  # the DeepSpeed config's count, as Accelerate takes it from the plugin
+        elif fsdp_plugin is not None:
+            strategy = fsdp_strategy(fsdp_plugin)
+        elif os.environ.get(CONFIG_FILE_ENV) is None or (ddp is not None and _world_size() > 1):
+            strategy = default_strategy(cpu, ddp)
+        keep = self.project_configuration.total_limit if self.project_configuration.automatic_checkpoint_naming \
+            else None
+        runner = Runner(strategy, precision, config=config, gradient_accumulation_steps=steps,
+                        checkpoint_keep_last=keep)
+        self.gradient_state.num_steps = runner.gradient_accumulation_steps
+        resolved = runner.config
+        if resolved is not None and (resolved.optimizer is not None or resolved.scheduler is not None):
+            raise NotImplementedError(f"the DeepSpeed config ({resolved.source}) has an optimizer or scheduler "
+                                      f"section: build the optimizer and scheduler in the script and pass them to "
+                                      f"prepare() (Accelerate's DummyOptim/DummyScheduler are not supported); remove "
+                                      f"the section")
+        return runner
+
+    # ---- facts ------------------------------------------------------------------------------------------
+
+    @property
+    @override
+    def _strategy(self) -> Strategy:
+        return self.runner.strategy
+
+    @property
+    def state(self) -> AcceleratorState:
+        """Accelerate's ``AcceleratorState`` of this process (shared by every state object)."""
+        return AcceleratorState()
+
+    @property
+    def mixed_precision(self) -> str:
+        """"no", "fp16" or "bf16": the compute dtype of the Runner's precision."""
+        return mixed_precision_name(self.runner.precision.compute_dtype)
+
+    @property
+    def native_amp(self) -> bool:
+        return self.runner.precision.uses_autocast
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.distributed_type == DistributedType.FSDP
+
+    @property
+    def deepspeed_plugin(self) -> Any:
+        return self.state.deepspeed_plugin
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradient_accumulation_steps={steps!r} must be a whole number >= 1")
+        self.gradient_state.num_steps = steps
+        self.runner.gradient_accumulation_steps = steps
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Accelerate's meaning: the current micro-batch ends the accumulation window (its backward reduces the
+        gradients and ``optimizer.step()`` steps). True outside :meth:`accumulate`; stays True after the step until
+        the next ``accumulate()`` entry. NOTE: ``Runner.sync_gradients`` means something else (the last backward
+        closed a window and ``runner.step()`` has not run yet)."""
+        return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state.sync_gradients = bool(value)
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def dispatch_batches(self) -> bool | None:
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        return self.dataloader_config.use_stateful_dataloader
+
+    # ---- prepare ----------------------------------------------------------------------------------------
+
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        """Set up models, optimizers, data loaders and schedulers, in any mix and order; returned in that order.
+
+        A model and its optimizer (the one over its parameters) must come in the same call; a scheduler built
+        over an optimizer is prepared with it. Anything else is returned unchanged.
+        """
+        if device_placement is not None and not all(device_placement):
+            raise NotImplementedError("prepare(device_placement=False): shardkit always places what it prepares")
+        out = list(args)
+        kinds = [_kind(a) for a in args]
+        for i, kind in enumerate(kinds):
+            if kind == "dataloader":  # first: DeepSpeed's engine config takes the micro-batch size from it
+                out[i] = self._prepare_loader(args[i])
+        optimizers = {i: a for i, a in enumerate(args) if kinds[i] == "optimizer"}
+        owners = _pair_optimizers([(i, a) for i, a in enumerate(args) if kinds[i] == "model"], optimizers)
+        schedulers = {i: a for i, a in enumerate(args) if kinds[i] == "scheduler"}
+        prepared_opts: dict[int, AcceleratedOptimizer] = {}
+        for i, kind in enumerate(kinds):
+            if kind != "model":
+                continue
+            opt_index = next((o for o, m in owners.items() if m == i), None)
+            optimizer = optimizers.get(opt_index)
+            scheduler = next((s for s in schedulers.values() if getattr(s, "optimizer", None) is optimizer
+                              and optimizer is not None), None)
+            out[i], acc = self._prepare_model(args[i], optimizer, scheduler)
+            if acc is not None:
+                out[opt_index] = prepared_opts[opt_index] = acc
+        for i, scheduler in schedulers.items():
+            out[i] = self._prepare_scheduler(scheduler, list(prepared_opts.values()))
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def prepare_model(self, model: nn.Module, device_placement: Any = None, evaluation_mode: bool = False) -> nn.Module:
+        """Set up a model on its own (for inference, or an optimizer-free model)."""
+        return self.prepare(model)
+
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: Any = None,
+                            slice_fn_for_dispatch: Any = None) -> PreparedDataLoader:
+        """Set up one data loader (see :meth:`prepare`)."""
+        return self.prepare(data_loader)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Any = None) -> Any:
+        """Refused on its own: shardkit sets an optimizer up with its model (``prepare(model, optimizer)``)."""
+        raise NotImplementedError("prepare_optimizer(optimizer) alone: pass the model and its optimizer to one "
+                                  "prepare(model, optimizer) call (ZeRO and FSDP set them up together)")
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Wrap a scheduler over an optimizer prepared earlier."""
+        return self.prepare(scheduler)
+
+    def _prepare_loader(self, loader: Any) -> PreparedDataLoader:
+        if isinstance(loader, PreparedDataLoader):
+            return loader
+        if loader.batch_size is None:
+            given = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+            name = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+            raise NotImplementedError(f"prepare(DataLoader({name}={type(given).__name__}(...), batch_size=None)): "
+                                      f"shardkit's loaders shard and resume per sample; build the DataLoader with "
+                                      f"batch_size=... (and shuffle=True or a per-sample sampler)")
+        if self.split_batches:
+            loader = _split_batches(loader, self.runner.strategy.data_parallel_size)
+        seed = self.dataloader_config.data_seed
+        seed = seed if seed is not None else _SEEDS.get("seed", 0)
+        prepared = PreparedDataLoader(self.runner.setup_dataloader(loader, seed=seed), self.gradient_state,
+                                      self.split_batches)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def _prepare_model(self, model: nn.Module, optimizer: Any, scheduler: Any) -> tuple[nn.Module, Any]:
+        if any(model is m for m in self._models):
+            if optimizer is not None:
+                raise ValueError("the model was prepared before without this optimizer: pass the model and its "
+                                 "optimizer to one prepare() call")
+            return model, None
+        if self._models and self.distributed_type == DistributedType.DEEPSPEED:
+            raise NotImplementedError("one Accelerator prepares one model under DeepSpeed (ZeRO); prepared already: "
+                                      f"{type(self.unwrap_model(self._models[0])).__name__}")
+        setup = self.runner.setup(model, optimizer, scheduler)
+        prepared, inner = (setup[0], setup[1]) if isinstance(setup, tuple) else (setup, None)
+        # Accelerate reduces on every backward unless no_sync/accumulate say otherwise (the Runner's setup syncs
+        # only at the end of its own window).
+        self.runner.strategy.set_gradient_sync(prepared, True)
+        self._models.append(prepared)
+        if inner is None:
+            return prepared, None
+        acc = AcceleratedOptimizer(inner, self)
+        self._owner[id(acc)] = prepared
+        self._optimizers.append(acc)
+        return prepared, acc
+
+    def _prepare_scheduler(self, scheduler: Any, prepared: list[AcceleratedOptimizer]) -> AcceleratedScheduler:
+        if isinstance(scheduler, AcceleratedScheduler):
+            return scheduler
+        target = getattr(scheduler, "optimizer", None)
+        optimizers = [o for o in self._optimizers if o is target or o.optimizer is target] or list(prepared)
+        wrapped = AcceleratedScheduler(scheduler, optimizers, self, self.step_scheduler_with_optimizer,
+                                       self.split_batches)
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    # ---- models -----------------------------------------------------------------------------------------
+
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> nn.Module:
+        """The user's module inside the strategy's wrapper (DDP, DeepSpeed's engine).
+
+        Args:
+            keep_fp32_wrapper: False removes the mixed-precision autocast that ``prepare`` put on ``forward``.
+            keep_torch_compile: False returns the module inside ``torch.compile``'s wrapper.
+        """
+        module = self.runner.unwrap_model(model)
+        if not keep_torch_compile:
+            module = getattr(module, "_orig_mod", module)
+        for candidate in (model, module):
+            forward = candidate.__dict__.get("forward")
+            if not keep_fp32_wrapper and forward is not None and hasattr(forward, "__wrapped__"):
+                del candidate.forward  # the class's forward again, without the autocast
+        return module
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Drop every reference to what was prepared (here and in the Runner) and collect garbage, between two
+        trainings in one process; returns as many ``None`` as objects were given, for ``a, b = free_memory(a, b)``."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self._owner.clear()
+        self.runner.release()
+        self.step = 0
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return [None] * len(objects)
+
+    def clear(self, *objects: Any) -> list[None]:
+        """Alias of :meth:`free_memory`."""
+        return self.free_memory(*objects)
+
+    def __repr__(self) -> str:
+        return f"Accelerator(runner={self.runner!r}, gradient_accumulation_steps={self.gradient_accumulation_steps})"
+
+
+def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
+    """Seed ``random``, numpy and torch (every device), as ``accelerate.utils.set_seed``; loaders prepared afterwards
+    shuffle with this seed too (unless ``DataLoaderConfiguration(data_seed=...)`` says otherwise).
+
+    Args:
+        device_specific: add the process index, so that each process draws differently.
+        deterministic: use torch's deterministic algorithms.
+    """
+    from shardkit.seeding import seed_everything
+
+    _SEEDS["seed"] = seed
+    if device_specific:
+        import torch.distributed as dist
+
+        seed += dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    seed_everything(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+
+
+# ---- helpers --------------------------------------------------------------------------------------------
+
+def _refuse(unsupported: dict[str, Any], device_placement: bool, dynamo_backend: str | None) -> None:
+    for key, value in unsupported.items():
+        if key not in _REFUSED:
+            from shardkit.suggest import did_you_mean
+
+            raise TypeError(f"Accelerator() got an unexpected keyword argument {key!r}"
+                            f"{did_you_mean(key, [*_REFUSED, 'mixed_precision', 'gradient_accumulation_steps'])}")
+        if value not in (None, False):
+            raise NotImplementedError(f"Accelerator({key}=...) is not supported by shardkit; {_REFUSED[key]}")
+    if device_placement is not True:
+        raise NotImplementedError("Accelerator(device_placement=False): shardkit always places what it prepares")
+    if dynamo_backend is not None and str(getattr(dynamo_backend, "value", dynamo_backend)).lower() != "no":
+        raise NotImplementedError(f"Accelerator(dynamo_backend={dynamo_backend!r}): shardkit does not compile the "
+                                  f"model for you; call torch.compile(model) in the script")
+
+
+def _gradient_state(steps: int, plugin: Any) -> GradientState:
+    if plugin is not None:
+        if steps != 1:
+            raise ValueError("give gradient_accumulation_steps or gradient_accumulation_plugin, not both")
+        fields = {k: getattr(plugin, k) for k in ("num_steps", "adjust_scheduler", "sync_with_dataloader",
+                                                  "sync_each_batch") if hasattr(plugin, k)}
+    else:
+        fields = {"num_steps": steps}
+    if fields.get("num_steps") is None or (plugin is None and steps == 1):
+        fields["num_steps"] = int(os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", fields.get("num_steps")
+                                                 or 1))
+    steps = fields["num_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"gradient_accumulation_steps={steps!r} must be a whole number >= 1")
+    return GradientState(**fields)
+
+
+def _dataloader_config(config: Any, split_batches: bool | None) -> Any:
+    config = config if config is not None else DataLoaderConfiguration()
+    if split_batches is not None:
+        config.split_batches = bool(split_batches)
+    if getattr(config, "even_batches", True) is False:
+        raise NotImplementedError("DataLoaderConfiguration(even_batches=False) is not supported: shardkit's loaders "
+                                  "give every process as many batches (the last one completed with the epoch's first "
+                                  "samples) and gather_for_metrics drops those repeats; remove even_batches=False")
+    return config
+
+
+def _kind(obj: Any) -> str:
+    if isinstance(obj, (PreparedDataLoader, DataLoader)):
+        return "dataloader"
+    if isinstance(obj, nn.Module):
+        return "model"
+    if isinstance(obj, AcceleratedOptimizer):
+        return "other"  # prepared already: returned as it is
+    if isinstance(obj, torch.optim.Optimizer):
+        return "optimizer"
+    if isinstance(obj, (AcceleratedScheduler, torch.optim.lr_scheduler.LRScheduler)):
+        return "scheduler"
+    return "other"
+
+
+def _pair_optimizers(models: list[tuple[int, nn.Module]], optimizers: dict[int, Any]) -> dict[int, int]:
+    """Optimizer index -> index of the model whose parameters it updates (all of its parameters belong to one)."""
+    pairs: dict[int, int] = {}
+    for o, optimizer in optimizers.items():
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        owner = next((m for m, model in models if params and params <= {id(p) for p in model.parameters()}), None)
+        if owner is None:
+            raise ValueError(f"prepare() got an optimizer ({type(optimizer).__name__}) whose parameters belong to no "
+                             f"model of the same call: pass the model and its optimizer to one prepare() call (ZeRO "
+                             f"and FSDP set them up together; an optimizer built before prepare() follows the "
+                             f"model's sharding, so there is no need to prepare the model first)")
+        if owner in pairs.values():
+            raise NotImplementedError("two optimizers over one model: shardkit sets up one optimizer per model; "
+                                      "use one optimizer with two parameter groups")
+        pairs[o] = owner
+    return pairs
+
+
+def _split_batches(loader: DataLoader, processes: int) -> DataLoader:
+    """``loader`` with each process's share of its batch size (``split_batches=True``)."""
+    size = loader.batch_size
+    if size is None or size % processes:
+        raise ValueError(f"split_batches=True splits each batch of {size} samples over {processes} processes: use a "
+                         f"batch_size that divides by {processes}")
+    kwargs = dict(batch_size=size // processes, sampler=loader.sampler, num_workers=loader.num_workers,
+                  collate_fn=loader.collate_fn, drop_last=loader.drop_last, pin_memory=loader.pin_memory,
+                  timeout=loader.timeout, worker_init_fn=loader.worker_init_fn)
+    if loader.num_workers > 0:
+        kwargs.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
+    return DataLoader(loader.dataset, **kwargs)
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
