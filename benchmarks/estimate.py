@@ -19,27 +19,14 @@ import torch
 
 import shardkit
 from shardkit import Runner
-from shardkit.memory import estimate_model_states, spec_from_llama_config
+from shardkit.memory import LAYOUTS, estimate_model_states, find_layout, spec_from_llama_config
 from shardkit.models import Llama, LlamaConfig
 from shardkit.precision import precision_from_name
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-# estimator strategy name -> (shardkit strategy factory name, kwargs)
-CASES = {
-    "ddp": ("ddp", {}),
-    "zero1": ("zero1", {}),
-    "zero2": ("zero2", {}),
-    "zero3": ("zero3", {}),
-    "zero2_offload": ("zero2", {"offload_optimizer": "cpu"}),
-    "zero3_offload": ("zero3", {"offload_optimizer": "cpu"}),
-    "fsdp": ("fsdp", {"sharding": "full"}),
-    "fsdp_offload": ("fsdp", {"sharding": "full", "cpu_offload": True}),
-    "fsdp_grad_op": ("fsdp", {"sharding": "grad_op"}),
-    "fsdp_hybrid": ("fsdp", {"sharding": "hybrid"}),
-    "tensor_parallel": ("tensor_parallel", {"dp": "replicate"}),
-    "zero_infinity": ("zero_infinity", {"nvme_path": None}),
-}
+# Every row the estimator knows, built as the estimator describes it (shardkit.memory.LAYOUTS).
+CASES = [layout.name for layout in LAYOUTS]
 
 
 def _config(args: argparse.Namespace) -> LlamaConfig:
@@ -49,12 +36,9 @@ def _config(args: argparse.Namespace) -> LlamaConfig:
 
 def measure(name: str, args: argparse.Namespace) -> dict:
     """Rank worker: the strategy's model_state_bytes after a step and a second backward."""
-    from shardkit.strategies import strategy_from_name
-
-    factory, kwargs = CASES[name]
-    if "nvme_path" in kwargs:
-        kwargs = {**kwargs, "nvme_path": tempfile.mkdtemp(prefix="sk_nvme_")}
-    runner = Runner(strategy_from_name(factory, **kwargs), precision=precision_from_name(args.precision), seed=0)
+    layout = find_layout(name)
+    kwargs = {"nvme_path": tempfile.mkdtemp(prefix="sk_nvme_")} if layout.strategy == "zero_infinity" else {}
+    runner = Runner(layout.build(**kwargs), precision=precision_from_name(args.precision), seed=0)
     model = Llama(_config(args))
     model, optimizer = runner.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     g = torch.Generator().manual_seed(runner.rank)

@@ -149,10 +149,10 @@ def _deepspeed_engine(cfg: dict, config, world: int):
 
     from shardkit.precision import BF16
     from shardkit.strategies.zero.config import precision_section
-    from shardkit.strategies.zero.strategy import _prepare_deepspeed
+    from shardkit.strategies.zero.strategy import prepare_deepspeed
 
     strategy = _strategy(cfg)
-    _prepare_deepspeed(strategy.settings)  # builds/loads the C++ ops, as a DeepSpeed user's first run would
+    prepare_deepspeed(strategy.settings)  # builds/loads the C++ ops, as a DeepSpeed user's first run would
     ds_config = strategy.settings.engine_config(config.hidden_size, precision_section(BF16()), micro_batch_size=1,
                                                 gradient_accumulation_steps=1, world_size=world,
                                                 gradient_clipping=0.0, on_gpu=False)

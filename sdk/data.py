@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, get_worker_info
+
+from shardkit.utils.operations import batch_size, move_to_device
 
 __all__ = ["ResumableSampler", "RunnerDataLoader", "SeededDataset", "move_to_device", "sample_seed"]
 
@@ -184,11 +186,11 @@ class RunnerDataLoader:
         self.sampler.set_epoch(self.epoch)
         start = self.batches_seen * (self.loader.batch_size or 1)
         for batch in self.loader:
-            size = _batch_len(batch)
+            size = batch_size(batch)
             self._last_batch_start, self._last_batch_size = start, size
             start += size
             self.batches_seen += 1
-            yield move_to_device(batch, self.device)
+            yield move_to_device(batch, self.device, non_blocking=True)
 
     def duplicate_mask(self) -> torch.Tensor | None:
         """For the rank-major gather of the last batch, a mask of the samples that are real (not padding).
@@ -291,26 +293,3 @@ def rebuild_dataloader(loader: DataLoader, rank: int, world_size: int, seed: int
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
     return RunnerDataLoader(DataLoader(dataset, **kwargs), sampler, device)
-
-
-def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) batch to ``device``; other values pass through."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(move_to_device(v, device) for v in batch))
-    if isinstance(batch, Sequence) and not isinstance(batch, str):
-        return type(batch)(move_to_device(v, device) for v in batch)
-    return batch
-
-
-def _batch_len(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, Mapping):
-        return _batch_len(next(iter(batch.values())))
-    if isinstance(batch, Sequence) and not isinstance(batch, str):
-        return _batch_len(batch[0])
-    return 1

@@ -73,7 +73,7 @@ def _torch_facts() -> dict[str, str]:
 
 def collect_environment() -> dict[str, str]:
     """Every fact of the report as name -> value; absent packages and tools say so."""
-    from shardkit.distributed.process_group import _cpu_budget
+    from shardkit.distributed.process_group import cpu_budget
 
     facts = {"shardkit": _version("shardkit"),
              "Python": f"{platform.python_version()} ({sys.executable})",
@@ -85,7 +85,7 @@ def collect_environment() -> dict[str, str]:
     nvcc = str(Path(cuda_home, "bin", "nvcc")) if cuda_home and Path(cuda_home, "bin", "nvcc").exists() else "nvcc"
     facts["nvcc"] = _first_line([nvcc, "--version"], pick="release")
     facts["ninja"] = _first_line(["ninja", "--version"])
-    facts["CPUs"] = f"{os.cpu_count()} (usable by this process: {_cpu_budget()})"
+    facts["CPUs"] = f"{os.cpu_count()} (usable by this process: {cpu_budget()})"
     names = sorted({*_ENV_VARS, *(k for k in os.environ if k.startswith("SHARDKIT_"))})
     for name in names:
         facts[f"${name}"] = os.environ.get(name, "unset")

@@ -16,13 +16,13 @@ import argparse
 import dataclasses
 import importlib
 import inspect
-import json
 import types
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from shardkit.suggest import did_you_mean
+from shardkit.utils.operations import json_object
 
 __all__ = ["Entry", "Option", "Registry"]
 
@@ -73,10 +73,7 @@ class Option:
             if kind is float and _number(text) is not None:
                 return float(_number(text))
             if kind is dict and text.strip().startswith("{"):
-                try:
-                    return json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{self.name}={text!r} is not valid JSON ({e})") from None
+                return json_object(text, f"{self.name}={text!r}", f"give a JSON object ({self.describe()})")
             if kind is str:
                 return text
         wanted = " or ".join(_KIND_NAMES[k] for k in self.kinds)
@@ -180,10 +177,6 @@ class Registry:
         """The aliases of ``name`` (all entries' when None), as registered (class names not included)."""
         entries = self._entries.values() if name is None else [self.entry(name)]
         return [alias for entry in entries for alias in entry.aliases]
-
-    def targets(self) -> Mapping[str, str]:
-        """Every name and alias -> ``"module:Class"``: a read-only view that follows later registrations."""
-        return _Targets(self)
 
     def canonical(self, name: str) -> str:
         """The canonical name for a name, alias or class name.
@@ -305,29 +298,6 @@ class Registry:
             also = f" (also {', '.join(entry.aliases)})" if entry.aliases else ""
             lines.append(f"{entry.name}{also}: {entry.description}")
         return "\n".join(lines)
-
-
-class _Targets(Mapping):
-    """Name or alias -> target, read live from a registry (the shape of the old STRATEGY_NAMES dict)."""
-
-    def __init__(self, registry: Registry):
-        self._registry = registry
-
-    def _table(self) -> dict[str, str]:
-        entries = self._registry._entries.values()
-        return {spelling: e.target for e in entries for spelling in (e.name, *e.aliases)}
-
-    def __getitem__(self, name: str) -> str:
-        return self._table()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._table())
-
-    def __len__(self) -> int:
-        return len(self._table())
-
-    def __repr__(self) -> str:
-        return repr(self._table())
 
 
 # ---- constructor options ---------------------------------------------------------------------------

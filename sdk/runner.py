@@ -57,7 +57,7 @@ class Runner:
             the file named by SHARDKIT_CONFIG_FILE, which `shardkit launch --config_file` sets.
         activation_checkpointing: recompute blocks' forward in backward, under every strategy: True (the
             repeated blocks), a block class or class name (or a tuple), or
-            :class:`shardkit.nn.checkpointing.ActivationCheckpointing` (``use_reentrant``, CPU offload, ...).
+            :class:`shardkit.strategies.ActivationCheckpointing` (``use_reentrant``, CPU offload, ...).
             None takes a DeepSpeed config's ``activation_checkpointing`` section; False turns block checkpointing
             off (the section still configures ``deepspeed.checkpointing`` for a model that calls it).
     """
@@ -154,12 +154,12 @@ class Runner:
         """
         self.strategy.set_runner_values(gradient_accumulation_steps=self.gradient_accumulation_steps)
         if self.activation_checkpointing is not None:  # before the strategy wraps it: one mechanism for all
-            from shardkit.nn.checkpointing import apply_activation_checkpointing, configure_deepspeed_checkpointing
+            from shardkit.strategies.activation_checkpointing import apply_activation_checkpointing
 
             apply_activation_checkpointing(model, self.activation_checkpointing, strategy=self.strategy)
         model, optimizer, scheduler = self.strategy.setup(model, optimizer, scheduler)
         if self.activation_checkpointing is not None:
-            configure_deepspeed_checkpointing(self.activation_checkpointing)
+            self.strategy.configure_activation_checkpointing(self.activation_checkpointing)
         if self.precision.uses_autocast:
             _autocast_forward(model, functools.partial(self.precision.autocast, self.device))
         self._module, self._optimizer, self._scheduler = model, optimizer, scheduler
@@ -314,7 +314,7 @@ class Runner:
         s = self.strategy
         with self.autocast():
             return generate(self.unwrap_model(model), input_ids, data_parallel_rank=s.data_parallel_rank,
-                            data_parallel_size=s.data_parallel_size, **kwargs)
+                            data_parallel_size=s.data_parallel_size, strategy=s, **kwargs)
 
     def split_between_processes(self, items: Any, apply_padding: bool = False) -> contextlib.AbstractContextManager:
         """Context yielding this data-parallel rank's contiguous share of ``items`` (list, tuple, tensor or
@@ -415,7 +415,7 @@ class Runner:
 def _activation_checkpointing(value: Any, config: Any) -> Any:
     """The Runner's checkpointing settings: the explicit argument, else the config's section (False keeps
     the section's deepspeed.checkpointing options with no block patched)."""
-    from shardkit.nn.checkpointing import resolve_activation_checkpointing, with_options
+    from shardkit.strategies.activation_checkpointing import resolve_activation_checkpointing, with_options
 
     from_file = getattr(config, "activation_checkpointing", None)
     if value is None or from_file is None:

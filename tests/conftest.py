@@ -10,8 +10,15 @@ scope of a kernel". So on a machine without CUDA the interpreter is chosen here,
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# tests/trainer_fixtures.py (shared by tests/unit and tests/distributed) imports by name from any test folder.
+_TESTS = str(Path(__file__).resolve().parent)
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)

@@ -141,11 +141,11 @@ def pad_across_processes(tensor: Any, dim: int = 0, pad_index: int = 0, pad_firs
 def send_to_device(tensor: Any, device: torch.device | str, non_blocking: bool = False,
                    skip_keys: Any = None) -> Any:
     """Move every tensor of a (nested) batch to ``device``; other values pass through."""
-    from shardkit.data import move_to_device
+    from shardkit.utils.operations import move_to_device
 
     if skip_keys:
         raise NotImplementedError("send_to_device(skip_keys=...) is not supported; move those entries yourself")
-    return move_to_device(tensor, torch.device(device))
+    return move_to_device(tensor, torch.device(device), non_blocking=non_blocking)
 
 
 _RNG_TYPES = ("torch", "cuda", "generator")

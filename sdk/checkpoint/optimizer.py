@@ -72,10 +72,13 @@ def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: torch
         groups.append({**sav, "params": list(cur["params"])})
     state = {}
     params = dict(module.named_parameters())
+    # An optimizer that keeps some parameters' moments in a projected, smaller shape (GaLore) names them.
+    low_rank = {id(p) for p in getattr(optimizer, "low_rank_state_parameters", list)()}
     for name, st in nested["state"].items():
         if name not in name2id:
             raise CheckpointError(f"saved optimizer state for {name!r}, which is not a parameter of this optimizer")
-        _check_state_shapes(name, st, params[name])
+        if id(params[name]) not in low_rank:
+            _check_state_shapes(name, st, params[name])
         state[name2id[name]] = st
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 

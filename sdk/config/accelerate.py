@@ -25,6 +25,7 @@ from shardkit.config.common import (
     check_known_keys,
     check_number,
     load_mapping,
+    precision_kind,
     reconcile,
     warn_once,
     world_size_from_env,
@@ -481,9 +482,7 @@ def resolve_accelerate(path: str | os.PathLike, *, strategy: Any = None, precisi
 def _precision(file_precision: Any, cfg: AccelerateConfig, precision: Any) -> Any:
     if precision is None:
         return file_precision
-    from shardkit.config.deepspeed import _precision_kind
-
-    file_kind, runner_kind = _precision_kind(file_precision), _precision_kind(precision)
+    file_kind, runner_kind = precision_kind(file_precision), precision_kind(precision)
     reconcile("mixed_precision", file_kind, str(cfg.path), runner_kind, f"Runner(precision={precision!r})")
     return precision
 

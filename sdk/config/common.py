@@ -24,6 +24,7 @@ __all__ = [
     "check_known_keys",
     "check_number",
     "load_mapping",
+    "precision_kind",
     "reconcile",
     "warn_once",
     "world_size_from_env",
@@ -79,7 +80,14 @@ class ResolvedConfig:
     scheduler: dict[str, Any] | None
     source: str
     ignored_keys: tuple[str, ...] = ()
-    activation_checkpointing: Any = None  # shardkit.nn.checkpointing.ActivationCheckpointing from a DeepSpeed section
+    activation_checkpointing: Any = None  # shardkit.strategies.ActivationCheckpointing from a DeepSpeed section
+
+
+def precision_kind(precision: Any) -> str:
+    """"fp16", "bf16" or "fp32": a Precision's compute dtype as both config formats name it."""
+    import torch
+
+    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(precision.compute_dtype, "fp32")
 
 
 def check_known_keys(section: Mapping[str, Any], known: Iterable[str], path: str, source: str) -> None:

@@ -14,7 +14,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardkit.config.common import (
     AUTO,
@@ -22,7 +22,9 @@ from shardkit.config.common import (
     ConfigMismatchError,
     ResolvedConfig,
     load_mapping,
+    precision_kind,
     reconcile,
+    warn_once,
     world_size_from_env,
 )
 from shardkit.config.deepspeed_schema import walk
@@ -30,8 +32,11 @@ from shardkit.config.optim import resolve_optimizer, resolve_scheduler
 from shardkit.dtypes import dtype_name
 from shardkit.suggest import did_you_mean
 
-__all__ = ["StrategySpec", "build_strategy", "check_nvme_path", "known_top_level_keys", "precision_from_deepspeed",
-           "resolve_deepspeed", "strategy_spec_from_deepspeed"]
+if TYPE_CHECKING:
+    from shardkit.strategies.activation_checkpointing import ActivationCheckpointing
+
+__all__ = ["StrategySpec", "activation_checkpointing_from_section", "build_strategy", "check_nvme_path",
+           "known_top_level_keys", "precision_from_deepspeed", "resolve_deepspeed", "strategy_spec_from_deepspeed"]
 
 log = logging.getLogger("shardkit.config")
 
@@ -39,6 +44,17 @@ StrategySpec = tuple[str, dict[str, Any]]  # ("ZeRO3", {"offload_optimizer": "cp
 
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 _RUNNER = "Runner({}=...)"
+# DeepSpeed keys with nothing to act on here -> why (warned once each, by name, when set).
+_AC_NO_EFFECT = {
+    "partition_activations": "it splits checkpoints across DeepSpeed model-parallel ranks (an mpu), which "
+                             "shardkit's engines do not have; under TensorParallel use sequence_parallel=True, "
+                             "which shards the activations between blocks",
+    "contiguous_memory_optimization": "it copies partitioned checkpoints into one DeepSpeed buffer "
+                                      "(partition_activations only)",
+    "number_checkpoints": "it sizes contiguous_memory_optimization's buffer; the blocks checkpointed are the "
+                          "model's repeated blocks",
+    "profile": "it times deepspeed.checkpointing.checkpoint calls only; use torch.profiler for the blocks",
+}
 
 
 def build_strategy(spec: StrategySpec) -> Any:
@@ -101,13 +117,39 @@ def resolve_deepspeed(
     )
 
 
-def _activation_checkpointing(raw: Mapping[str, Any], where: str) -> Any:
+def _activation_checkpointing(raw: Mapping[str, Any], where: str) -> ActivationCheckpointing | None:
     section = raw.get("activation_checkpointing")
-    if section is None:
-        return None
-    from shardkit.nn.checkpointing import from_deepspeed_section
+    return None if section is None else activation_checkpointing_from_section(section, where)
 
-    return from_deepspeed_section(section, where)
+
+def activation_checkpointing_from_section(section: Mapping[str, Any], where: str) -> ActivationCheckpointing:
+    """:class:`~shardkit.strategies.ActivationCheckpointing` for a DeepSpeed config's ``activation_checkpointing``
+    section (its keys already checked by the schema).
+
+    The section turns checkpointing of the repeated blocks on. ``cpu_checkpointing`` offloads the saved block
+    inputs to host memory and ``synchronize_checkpoint_boundary`` synchronises around each block, as in
+    DeepSpeed; ``partition_activations``, ``contiguous_memory_optimization``, ``number_checkpoints`` and
+    ``profile`` have nothing to act on here: each warns once, by name, when set.
+    """
+    from shardkit.strategies.activation_checkpointing import ActivationCheckpointing
+
+    for key in ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
+                "synchronize_checkpoint_boundary", "profile"):
+        if not isinstance(section.get(key, False), bool):
+            raise ConfigError(f"activation_checkpointing.{key}={section[key]!r} in {where} must be true or false")
+    for key, why in _AC_NO_EFFECT.items():
+        if section.get(key) not in (None, False):
+            warn_once(f"deepspeed:activation_checkpointing.{key}",
+                      f"{where}: activation_checkpointing.{key}={section[key]!r} has no effect on shardkit's "
+                      f"checkpointing: {why}. It is still handed to deepspeed.checkpointing for a model that "
+                      "calls deepspeed.checkpointing.checkpoint itself")
+    if section.get("contiguous_memory_optimization") and not (
+            section.get("partition_activations") and section.get("number_checkpoints")):
+        raise ConfigError(f"activation_checkpointing.contiguous_memory_optimization=true in {where} needs "
+                          "partition_activations=true and number_checkpoints (DeepSpeed's own rule); turn it off")
+    return ActivationCheckpointing(blocks=True, offload_to_cpu=bool(section.get("cpu_checkpointing", False)),
+                                   synchronize=bool(section.get("synchronize_checkpoint_boundary", False)),
+                                   deepspeed=dict(section))
 
 
 # ---- precision -------------------------------------------------------------------------------------
@@ -123,12 +165,6 @@ def _flag(raw: Mapping[str, Any], name: str, where: str) -> bool | None:
     if not isinstance(value, bool):
         raise ConfigError(f"{name}.enabled={value!r} in {where} must be true, false or 'auto'")
     return value
-
-
-def _precision_kind(precision: Any) -> str:
-    import torch
-
-    return {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(precision.compute_dtype, "fp32")
 
 
 def precision_from_deepspeed(raw: Mapping[str, Any], where: str, precision: Any = None,
@@ -147,7 +183,7 @@ def precision_from_deepspeed(raw: Mapping[str, Any], where: str, precision: Any 
                                                                        "loss_scale_window", "hysteresis",
                                                                        "min_loss_scale")}
     if precision is not None:
-        kind = _precision_kind(precision)
+        kind = precision_kind(precision)
         # fp16 false with bf16 open says only "not fp16"; one stated switch is enough to disagree.
         if (stated is not None and stated != kind and not (stated == "fp32" and _not_excluded(kind, fp16, bf16))):
             raise ConfigMismatchError(f"precision: {stated} in {where} (fp16.enabled={fp16}, bf16.enabled={bf16}) "

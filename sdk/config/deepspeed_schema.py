@@ -149,7 +149,7 @@ SCHEMA: dict[str, Key] = {
     "zero_optimization": Key("use", section=ZERO), "aio": Key("use", section=AIO),
     "zero_allow_untested_optimizer": PASS, "zero_force_ds_cpu_optimizer": PASS,
     # Checkpointing of the repeated blocks under every strategy, and deepspeed.checkpointing's options
-    # (shardkit.nn.checkpointing.from_deepspeed_section warns by name for the keys with nothing to act on).
+    # (config.deepspeed.activation_checkpointing_from_section warns by name for the keys with nothing to act on).
     "activation_checkpointing": Key("use", section={
         **{k: USE for k in ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
                             "synchronize_checkpoint_boundary", "profile")},

@@ -146,8 +146,9 @@ def build_optimizer(spec: Mapping[str, Any], params: Iterable[Any]):
 def build_scheduler(spec: Mapping[str, Any], optimizer: Any):
     """DeepSpeed's own scheduler class (deepspeed.runtime.lr_schedules) for a resolved scheduler section.
 
-    The returned object is stepped once per optimizer step, as the Runner does.
+    The returned object is stepped once per optimizer step, as the Runner does. DeepSpeed is imported by the
+    ZeRO package, not here (:func:`shardkit.strategies.zero.schedulers.deepspeed_scheduler`).
     """
-    from deepspeed.runtime import lr_schedules
+    from shardkit.strategies.zero.schedulers import deepspeed_scheduler
 
-    return getattr(lr_schedules, spec["type"])(optimizer, **spec["params"])
+    return deepspeed_scheduler(spec, optimizer)

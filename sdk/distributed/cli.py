@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from shardkit.distributed.launcher import GRACE_PERIOD_S, find_free_port
-from shardkit.distributed.process_group import TIMEOUT_ENV_VAR, _cpu_budget, check_timeout, default_timeout
+from shardkit.distributed.process_group import TIMEOUT_ENV_VAR, check_timeout, cpu_budget, default_timeout
 from shardkit.distributed.signals import STOP_GRACE_S
 from shardkit.distributed.supervise import run_supervised
 
@@ -147,7 +147,7 @@ def _child_env(args: argparse.Namespace, extra: Mapping[str, str]) -> dict[str, 
         env[TIMEOUT_ENV_VAR] = f"{args.timeout:g}"
     if "OMP_NUM_THREADS" not in env and args.num_processes > 1:
         # torchrun would set 1 (and warn); share the cores instead: 16 cores, 4 ranks -> 4 threads each.
-        env["OMP_NUM_THREADS"] = str(max(1, _cpu_budget() // args.num_processes))
+        env["OMP_NUM_THREADS"] = str(max(1, cpu_budget() // args.num_processes))
     return env
 
 

@@ -40,8 +40,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from shardkit.distributed import watchdog
 from shardkit.distributed.process_group import (
-    _cpu_budget,
     check_timeout,
+    cpu_budget,
     default_timeout,
     destroy_distributed,
 )
@@ -266,7 +266,7 @@ def _start(fn: Callable[..., Any], args: tuple, n: int, ctx: Any, extra: dict[st
     port = int(extra.get("MASTER_PORT") or find_free_port())
     threads = None
     if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in extra:
-        threads = max(1, _cpu_budget() // n)  # N ranks share the cores instead of each taking all.
+        threads = max(1, cpu_budget() // n)  # N ranks share the cores instead of each taking all.
         extra = {**extra, "OMP_NUM_THREADS": str(threads)}
     ranks: list[_Rank] = []
     try:

@@ -20,6 +20,7 @@ __all__ = [
     "MAX_COLLECTIVE_TIMEOUT_S",
     "backend_for_device",
     "check_timeout",
+    "cpu_budget",
     "default_timeout",
     "destroy_distributed",
     "init_distributed",
@@ -71,7 +72,8 @@ def backend_for_device(device_type: str) -> str:
     return "nccl" if torch.device(device_type).type == "cuda" else "gloo"
 
 
-def _cpu_budget() -> int:
+def cpu_budget() -> int:
+    """The cores this process may run on (its affinity mask), which N local ranks share."""
     # NOTE: the affinity mask, not os.cpu_count(): in a container or under `taskset` the machine
     # may report 128 cores while this process may use 8.
     if hasattr(os, "sched_getaffinity"):
@@ -110,7 +112,7 @@ def init_distributed(device_type: str = "cpu", timeout: float | None = None) -> 
     if not dist.is_available():
         raise RuntimeError(f"world_size({env.world_size}) > 1 but this torch build has no torch.distributed")
     if kind != "cuda" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, _cpu_budget() // env.local_world_size))
+        torch.set_num_threads(max(1, cpu_budget() // env.local_world_size))
     # NOTE: env:// rather than tcp://: under torchrun the workers must join the agent's store
     # (TORCHELASTIC_USE_AGENT_STORE), which only the env:// rendezvous knows about.
     os.environ.setdefault("MASTER_ADDR", env.master_addr)

@@ -14,6 +14,7 @@ fails within $SHARDKIT_GENERATE_ENTRY_TIMEOUT seconds (60) with :class:`NotCalle
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from typing import Any
@@ -22,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.inference.sync import check_group, distributed, fsdp_unsharded, needs_sync, synced_call
+from shardkit.inference.sync import check_group, distributed, needs_sync, synced_call
+from shardkit.utils.operations import move_to_device
 
 __all__ = ["generate", "is_hf_model"]
 
@@ -50,16 +52,6 @@ def _device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to(v, device) for v in obj)
-    return obj
-
-
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
@@ -70,14 +62,21 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def _describe_mode(module: nn.Module, sync: bool, fsdp_mode: str | None) -> str:
+def _describe_mode(sync: bool, how: str | None) -> str:
     if not sync:
         return "generate: every rank decodes on its own (whole weights on each rank)"
-    if fsdp_mode is not None:
-        return f"generate: ranks decode in lock step; FSDP parameters {fsdp_mode.replace('-', ' ')}"
-    if any(hasattr(p, "ds_tensor") for p in module.parameters()):
-        return "generate: ranks decode in lock step; ZeRO-3 gathers each module's parameters in every forward"
+    if how is not None:
+        return f"generate: ranks decode in lock step; {how}"
     return "generate: ranks decode in lock step (sharded weights: every forward is a collective)"
+
+
+def _strategy_context(strategy: Any, model: nn.Module, keep_unsharded: bool | None) -> Any:
+    if strategy is not None:
+        return strategy.generation_context(model, keep_unsharded)
+    if keep_unsharded is not None:
+        raise ValueError("generate: keep_unsharded is the strategy's to honour; call runner.generate(...) or pass "
+                         "strategy=runner.strategy")
+    return contextlib.nullcontext(None)
 
 
 def _call(module: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any], sync: bool) -> Any:
@@ -103,7 +102,8 @@ def _group_requests(input_ids: torch.Tensor, kwargs: dict, dp_rank: int, group: 
     """Exchange requests with every rank; return this data-parallel group's distinct requests, the index of
     this rank's among them, and the most calls any group needs (so every group runs as many)."""
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (dp_rank, _to(input_ids, torch.device("cpu")), _to(kwargs, torch.device("cpu"))),
+    cpu = torch.device("cpu")
+    dist.all_gather_object(everyone, (dp_rank, move_to_device(input_ids, cpu), move_to_device(kwargs, cpu)),
                            group=group)
     by_group: dict[int, list[tuple]] = {}
     for r, ids, kw in everyone:
@@ -111,13 +111,14 @@ def _group_requests(input_ids: torch.Tensor, kwargs: dict, dp_rank: int, group: 
         if not any(_same(ids, i) and _same(kw, k) for i, k in distinct):
             distinct.append((ids, kw))
     mine = by_group[dp_rank]
-    own = (input_ids.cpu(), _to(kwargs, torch.device("cpu")))
+    own = (input_ids.cpu(), move_to_device(kwargs, cpu))
     index = next(i for i, (ids, kw) in enumerate(mine) if _same(ids, own[0]) and _same(kw, own[1]))
     return mine, index, max(len(v) for v in by_group.values())
 
 
 def generate(model: nn.Module, input_ids: torch.Tensor, *, data_parallel_rank: int | None = None,
-             data_parallel_size: int | None = None, keep_unsharded: bool | None = None, **kwargs: Any) -> Any:
+             data_parallel_size: int | None = None, strategy: Any = None, keep_unsharded: bool | None = None,
+             **kwargs: Any) -> Any:
     """Generate on every rank, whatever the strategy (see the module docstring).
 
     Args:
@@ -126,8 +127,11 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, data_parallel_rank: i
         data_parallel_rank, data_parallel_size: this rank's data-parallel index and the number of them;
             ranks sharing an index (a tensor-parallel group) run each other's requests together. Default:
             every rank is its own.
+        strategy: the strategy that set ``model`` up (``runner.strategy``; the Runner passes it): its
+            ``generation_context`` holds the parameters for the call (FSDP2: gathered once, not per token, when
+            memory allows). None: nothing is held (every forward gathers what it needs).
         keep_unsharded: FSDP2 only: keep parameters gathered across decoding steps (True), gather them in
-            every forward (False), or decide from free memory (None).
+            every forward (False), or decide from free memory (None). Needs ``strategy``.
         **kwargs: passed to the model's ``generate`` (``max_new_tokens``, ``eos_token_id``, ...).
 
     Returns:
@@ -146,9 +150,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, data_parallel_rank: i
         world = dist.get_world_size()
         if data_parallel_size is not None and data_parallel_size < world:
             requests, index, calls = _group_requests(input_ids, kwargs, data_parallel_rank, check_group())
-        with fsdp_unsharded(model, device, keep_unsharded) as fsdp_mode:
-            _log_once(_describe_mode(model, sync, fsdp_mode))
-            outputs = [_call(model, _to(ids, device), _to(kw, device), sync) for ids, kw in requests]
+        with _strategy_context(strategy, model, keep_unsharded) as how:
+            _log_once(_describe_mode(sync, how))
+            outputs = [_call(model, move_to_device(ids, device), move_to_device(kw, device), sync)
+                       for ids, kw in requests]
             for _ in range(calls - len(requests)):  # another group has more requests: join its forwards
-                _call(model, _to(input_ids[:0], device), _to(kwargs, device), sync)
+                _call(model, move_to_device(input_ids[:0], device), move_to_device(kwargs, device), sync)
     return outputs[index]

@@ -8,15 +8,17 @@ collective timeout. The pieces here make every rank run the same number of forwa
 * :func:`entry_check`: a handshake at the start of a synced call, on a private gloo group with a short
   timeout, so a call made on only some ranks fails in seconds naming the ranks that did not come.
 * :func:`any_rank`: the all-reduced "still running" flag, one per decoding step.
-* :func:`fsdp_unsharded`: under FSDP2, keep the parameters gathered across the decoding steps (one
-  all-gather per unit for the whole call, not one per token) when memory allows.
+
+How a strategy holds its parameters during the call (FSDP2 keeps them gathered across the decoding steps
+when memory allows) is the strategy's business: ``Strategy.generation_context``, which
+:func:`shardkit.inference.generate` enters. Whether a module's parameters are partitioned at all is asked of
+:func:`shardkit.strategies.partitioned.params_partitioned`, which names no engine.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import logging
 import os
 from collections.abc import Iterator
 from datetime import timedelta
@@ -25,18 +27,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.strategies.partitioned import params_partitioned
+
 __all__ = [
     "ENTRY_TIMEOUT_ENV_VAR",
     "NotCalledOnAllRanksError",
     "any_rank",
     "check_group",
     "entry_check",
-    "fsdp_unsharded",
     "needs_sync",
     "params_partitioned",
 ]
-
-log = logging.getLogger("shardkit.inference")
 
 ENTRY_TIMEOUT_ENV_VAR = "SHARDKIT_GENERATE_ENTRY_TIMEOUT"
 # Seconds the first rank to enter a synced call waits for the others. Ranks reach generation a few
@@ -69,14 +70,6 @@ def entry_timeout() -> float:
 def distributed() -> bool:
     """A process group with more than one rank exists."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def params_partitioned(module: nn.Module) -> bool:
-    """Whether some parameter of ``module`` is split across ranks (a DTensor of FSDP2/TP, a ZeRO-3 partition),
-    so that its forward is a collective every rank must join."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) or hasattr(p, "ds_tensor") for p in module.parameters())
 
 
 def needs_sync(module: nn.Module) -> bool:
@@ -139,89 +132,3 @@ def any_rank(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
-
-
-def _fsdp_modules(module: nn.Module) -> list[nn.Module]:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in module.modules() if isinstance(m, FSDPModule)]
-
-
-def _unshard_bytes(module: nn.Module) -> int:
-    """Extra bytes this rank holds with every parameter gathered (full minus local shard)."""
-    from torch.distributed.tensor import DTensor
-
-    return sum((p.numel() - p.to_local().numel()) * p.element_size() for p in module.parameters()
-               if isinstance(p, DTensor))
-
-
-def _free_bytes(device: torch.device) -> int:
-    """Memory this rank may still use: the device's free memory, or the host's available memory split over
-    the ranks of this node."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            info = dict(line.split(":", 1) for line in f)
-        available = int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return 0
-    return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-
-
-@contextlib.contextmanager
-def fsdp_unsharded(module: nn.Module, device: torch.device, keep: bool | None = None,
-                   fraction: float = 0.5) -> Iterator[str | None]:
-    """Under FSDP2, keep every unit's parameters gathered for the duration (one all-gather per unit, then none
-    per token); yields the mode used, or None when ``module`` has no FSDP2 unit.
-
-    Args:
-        keep: True/False forces the mode; None keeps them gathered when the extra bytes fit in ``fraction``
-            of the free memory on every rank (the decision is all-reduced, so every rank takes the same).
-    """
-    units = _fsdp_modules(module)
-    if not units:
-        yield None
-        return
-    extra = _unshard_bytes(module)
-    if keep is None:
-        keep = extra <= fraction * _free_bytes(device)
-    if distributed():
-        keep = not any_rank(not keep, device)
-    if not keep:
-        log.info("generate: FSDP parameters are gathered per unit in every forward (keeping them whole needs "
-                 "%.1f MiB more per rank than fits)", extra / 2**20)
-        yield "per-forward"
-        return
-    log.info("generate: FSDP parameters kept unsharded across decoding steps (%.1f MiB more per rank)",
-             extra / 2**20)
-    saved = _save_reshard_state(units)
-    try:
-        for m in units:
-            m.set_reshard_after_forward(False, recurse=False)
-        for m in units:
-            m.unshard()
-        yield "unsharded"
-    finally:
-        _restore_reshard_state(saved)
-        for m in units:
-            m.reshard()
-
-
-def _save_reshard_state(units: list[nn.Module]) -> list[tuple]:
-    # NOTE: FSDP2 has a setter for reshard_after_forward but no getter, and the root's value is set at its lazy
-    # init; the private fields are read so that each unit gets back exactly what it had.
-    saved = []
-    for m in units:
-        state = m._get_fsdp_state()
-        groups = [(g, g.post_forward_mesh_info) for g in state._fsdp_param_groups]
-        saved.append((state, getattr(state, "_auto_reshard_after_forward", None), groups))
-    return saved
-
-
-def _restore_reshard_state(saved: list[tuple]) -> None:
-    for state, auto, groups in saved:
-        if auto is not None:
-            state._auto_reshard_after_forward = auto
-        for group, info in groups:
-            group.post_forward_mesh_info = info

@@ -9,12 +9,13 @@
 """
 
 from .estimate import (
-    PRECISIONS,
-    STRATEGIES,
+    LAYOUTS,
+    Layout,
     ModelStates,
     activation_bytes,
     deepspeed_table,
     estimate_model_states,
+    find_layout,
     recommend,
     zero2_mem_needs,
     zero3_mem_needs,
@@ -22,13 +23,14 @@ from .estimate import (
 from .model_spec import ModelSpec, parse_count, spec_from_hf_config, spec_from_llama_config, spec_from_model
 
 __all__ = [
-    "PRECISIONS",
-    "STRATEGIES",
+    "LAYOUTS",
+    "Layout",
     "ModelSpec",
     "ModelStates",
     "activation_bytes",
     "deepspeed_table",
     "estimate_model_states",
+    "find_layout",
     "parse_count",
     "recommend",
     "spec_from_hf_config",

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .estimate import PRECISIONS, STRATEGIES, activation_bytes, deepspeed_table, estimate_model_states, recommend
+from shardkit.precision.registry import add_precision_argument
+
+from .estimate import LAYOUTS, activation_bytes, deepspeed_table, estimate_model_states, find_layout, recommend
 from .model_spec import ModelSpec, parse_count, spec_from_hf_config
 
 __all__ = ["register"]
@@ -20,14 +22,25 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--largest-layer-params", help="parameters of the largest layer (ZeRO-3), e.g. 131M")
     p.add_argument("--num-gpus", type=int, default=1, help="GPUs per node (default 1)")
     p.add_argument("--num-nodes", type=int, default=1, help="nodes (default 1)")
-    p.add_argument("--strategy", default="all", choices=["all", *STRATEGIES],
-                   help="one strategy, or all (default; includes DeepSpeed's ZeRO-2 and ZeRO-3 tables)")
-    p.add_argument("--precision", default="bf16", choices=PRECISIONS, help="default bf16 (mixed)")
+    p.add_argument("--strategy", default="all", type=_layout_name, choices=["all", *(x.name for x in LAYOUTS)],
+                   help="one strategy (a registered name or alias, or a variant such as zero3_offload), or all "
+                        "(default; includes DeepSpeed's ZeRO-2 and ZeRO-3 tables)")
+    add_precision_argument(p, default="bf16")
     p.add_argument("--batch-size", type=int, help="micro-batch per device, for the activation estimate")
     p.add_argument("--seq-len", type=int, help="sequence length, for the activation estimate")
     p.add_argument("--activation-checkpointing", action="store_true", help="activations with checkpointing")
     p.add_argument("--device-memory", help="memory per device, e.g. 80GB or 24GiB: recommend what fits")
     p.add_argument("--additional-buffer-factor", type=float, default=1.5, help="DeepSpeed's tables' CPU factor")
+
+
+def _layout_name(text: str) -> str:
+    """``--strategy``: "all", a row of the estimate, or a registered strategy's name or alias (its plain row)."""
+    if text == "all":
+        return text
+    try:
+        return find_layout(text).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _spec(args: argparse.Namespace) -> ModelSpec:
@@ -40,7 +53,7 @@ def _spec(args: argparse.Namespace) -> ModelSpec:
 
 
 def _strategy_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
-    names = STRATEGIES if args.strategy == "all" else (args.strategy,)
+    names = [x.name for x in LAYOUTS] if args.strategy == "all" else [args.strategy]
     cols = "".join(f"{c:>9}" for c in ("params", "grads", "optim", "states", "+working", "host", "nvme"))
     rows = [f"{'strategy':<16}{cols}  (GiB per device, {args.precision})"]
     for name in names:

@@ -1,9 +1,11 @@
 """Memory estimates per device: model states by strategy and precision, activations, DeepSpeed's tables.
 
-Model states per rank, with Ψ parameters on N ranks (G per node) and Adam (two fp32 states):
+Model states per rank, with Ψ parameters on N ranks (G per node) and Adam (two fp32 states). Each row is a
+:class:`Layout`: a strategy from the registry (``shardkit.strategies.registry.STRATEGIES``) and the constructor
+arguments that give it; a registry name or alias (``tensor_parallel``, ``zero-3``) means its plain row.
 
 ==================  ==============================  ==========================================
-strategy            on each device                  notes
+layout              on each device                  notes
 ==================  ==============================  ==========================================
 ddp                 p + g + s                       everything replicated
 zero1               p + (g + m + s)/N               + a bucket; g whole until reduced (working)
@@ -13,34 +15,73 @@ zero2_offload       p + a reduce bucket             m + s + an fp32 gradient par
 fsdp_offload        the largest layer only          (p + g + s)/N on the host (CPUOffloadPolicy)
 fsdp_grad_op        (p + g + s)/N                   + all of p gathered between forward and backward
 fsdp_hybrid         (p + g + s)/G                   sharded within a node, replicated across
-tensor_parallel     split/T + replicated            T = tp_size (default G); dp replicates
+tp                  split/T + replicated            T = tp_size (default G); dp replicates
 zero3_offload       (p + g)/N on device             m + s + an fp32 gradient partition on the host
 zero_infinity       the largest layer only          g/N (+ p up to max_in_cpu) on the host; the rest,
                                                     m + s and an fp32 gradient partition on NVMe
 ==================  ==============================  ==========================================
 
-Bytes per parameter (p params, g grads, m fp32 master, s optimizer states) depend on the engine and
-the precision: torch engines (DDP, FSDP2, DTensor) keep fp32 params under mixed bf16/fp16 (autocast)
-so p=4, g=4, s=8, m=0; ``bf16-true`` halves all three. DeepSpeed keeps 16-bit params and grads and a
-separate fp32 master under mixed precision (p=2, g=2, m=4, s=8) and, in fp32, still a separate master
-(p=4, g=4, m=4, s=8; see ``shardkit.strategies.zero.memory``).
+Bytes per parameter (p params, g grads, m fp32 master, s optimizer states) follow from the precision's
+dtypes (any name in ``shardkit.precision.registry.PRECISIONS``) and from whether the strategy keeps a
+separate fp32 master copy (``Strategy.keeps_master_copy``). Torch engines (DDP, FSDP2, DTensor) hold the
+parameters in the precision's parameter dtype and step on them: fp32 under mixed bf16/fp16 (autocast), so
+p=4, g=4, s=8, m=0; ``bf16-true`` halves all three. DeepSpeed holds parameters and gradients in the compute
+dtype beside a separate fp32 master: p=2, g=2, m=4, s=8 under mixed precision and, in fp32, still a separate
+master (p=4, g=4, m=4, s=8; see ``shardkit.strategies.zero.memory``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardkit.precision.registry import PRECISIONS
+from shardkit.strategies.registry import STRATEGIES
+from shardkit.suggest import did_you_mean
 
 from .model_spec import ModelSpec
 
-__all__ = ["STRATEGIES", "ModelStates", "activation_bytes", "deepspeed_table", "estimate_model_states",
-           "recommend", "zero2_mem_needs", "zero3_mem_needs"]
+__all__ = ["LAYOUTS", "Layout", "ModelStates", "activation_bytes", "deepspeed_table", "estimate_model_states",
+           "find_layout", "recommend", "zero2_mem_needs", "zero3_mem_needs"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a registered strategy whose memory the estimate knows.
+
+    Attributes:
+        name: the row's name: the registry's name, or ``<name>_<variant>`` for a variant.
+        strategy: the registry's name of the strategy.
+        options: the constructor arguments that give this layout (``STRATEGIES.build(strategy, **options)``).
+    """
+
+    name: str
+    strategy: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def build(self, **kwargs: Any) -> Any:
+        """The strategy this row estimates (its options, then ``kwargs``)."""
+        return STRATEGIES.build(self.strategy, **{**self.options, **kwargs})
+
 
 # From least to most sharded / slowest: recommend() walks this order.
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp_grad_op", "fsdp_hybrid", "tensor_parallel", "fsdp", "zero3",
-              "zero2_offload", "fsdp_offload", "zero3_offload", "zero_infinity")
-_DEEPSPEED = {"zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero_infinity"}
-PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true")
+LAYOUTS = (
+    Layout("ddp", "ddp"),
+    Layout("zero1", "zero1"),
+    Layout("zero2", "zero2"),
+    Layout("fsdp_grad_op", "fsdp", {"sharding": "grad_op"}),
+    Layout("fsdp_hybrid", "fsdp", {"sharding": "hybrid"}),
+    Layout("tp", "tp", {"dp": "replicate"}),
+    Layout("fsdp", "fsdp"),
+    Layout("zero3", "zero3"),
+    Layout("zero2_offload", "zero2", {"offload_optimizer": "cpu"}),
+    Layout("fsdp_offload", "fsdp", {"cpu_offload": True}),
+    Layout("zero3_offload", "zero3", {"offload_optimizer": "cpu"}),
+    Layout("zero_infinity", "zero_infinity"),
+)
+_BY_NAME = {layout.name: layout for layout in LAYOUTS}
 # DeepSpeed's offload_param.max_in_cpu: parameter elements ZeRO-Infinity keeps in host memory.
 DEEPSPEED_MAX_PARAMS_IN_CPU = 1_000_000_000
 
@@ -75,35 +116,55 @@ class ModelStates:
         return self.device_total + self.working
 
 
-def _bytes_per_param(strategy: str, precision: str) -> tuple[int, int, int, int]:
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} is not one of {PRECISIONS}")
-    if strategy in _DEEPSPEED:
-        return (4, 4, 4, 8) if precision == "fp32" else (2, 2, 4, 8)
-    return (2, 2, 0, 4) if precision == "bf16-true" else (4, 4, 0, 8)
+def find_layout(name: str) -> Layout:
+    """The row called ``name``, or the plain row of the registry's strategy ``name`` names (any alias).
+
+    Raises:
+        ValueError: neither (with the closest row or strategy name and the list of rows).
+    """
+    if name in _BY_NAME:
+        return _BY_NAME[name]
+    if name not in STRATEGIES:
+        hint = did_you_mean(str(name), [*_BY_NAME, *STRATEGIES.aliases()])
+        raise ValueError(f"strategy {name!r} has no memory estimate{hint or '.'} Rows: {', '.join(_BY_NAME)}")
+    canonical = STRATEGIES.canonical(name)
+    if canonical not in _BY_NAME:
+        raise ValueError(f"strategy {name!r} ({canonical}) has no memory estimate; rows: {', '.join(_BY_NAME)}")
+    return _BY_NAME[canonical]
+
+
+def _bytes_per_param(layout: Layout, precision: Any) -> tuple[int, int, int, int]:
+    """(p, g, m, s) bytes per parameter for ``layout`` under ``precision`` (a Precision, or its name)."""
+    if not hasattr(precision, "param_dtype"):
+        precision = PRECISIONS.build(precision)
+    if STRATEGIES.get_class(layout.strategy).keeps_master_copy:
+        p = precision.compute_dtype.itemsize
+        return p, p, 4, 8
+    p = precision.param_dtype.itemsize
+    return p, p, 0, 2 * p
 
 
 def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: int = 1, num_nodes: int = 1,
-                          precision: str = "bf16", tp_size: int | None = None,
+                          precision: Any = "bf16", tp_size: int | None = None,
                           reduce_bucket_size: int | None = None,
                           params_in_cpu: int = DEEPSPEED_MAX_PARAMS_IN_CPU) -> ModelStates:
     """Bytes of parameters, gradients and optimizer state per rank under ``strategy`` (see the module table).
 
     Args:
         spec: the model's sizes.
-        strategy: one of :data:`STRATEGIES`.
+        strategy: a row of :data:`LAYOUTS`, or a registered strategy name or alias (its plain row).
         num_gpus_per_node, num_nodes: the job's shape (N = their product).
-        precision: "fp32", "bf16" / "fp16" (mixed), or "bf16-true".
+        precision: a Precision, or any name or alias in ``PRECISIONS`` ("bf16" and "fp16" are mixed).
         tp_size: ranks per tensor-parallel group (default: a node).
         reduce_bucket_size: ZeRO-1/2 gradient bucket elements (shardkit's "auto" is hidden^2; default
             from ``spec.hidden_size``, else none counted).
         params_in_cpu: zero_infinity: parameter elements per rank DeepSpeed keeps in host memory rather
             than on NVMe (``offload_param.max_in_cpu``, 1e9 by default).
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy {strategy!r} is not one of {STRATEGIES}")
+    layout = find_layout(strategy)
+    strategy = layout.name
     n, psi = num_gpus_per_node * num_nodes, spec.total_params
-    p, g, m, s = _bytes_per_param(strategy, precision)
+    p, g, m, s = _bytes_per_param(layout, precision)
     if reduce_bucket_size is None and spec.hidden_size:
         reduce_bucket_size = spec.hidden_size**2
     bucket = min(reduce_bucket_size or 0, psi) * g
@@ -125,7 +186,7 @@ def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: 
     if strategy == "fsdp_hybrid":
         k = num_gpus_per_node
         return ModelStates(strategy, _div(psi * p, k), _div(psi * g, k), _div(psi * s, k), working=layer)
-    if strategy == "tensor_parallel":
+    if strategy == "tp":
         t = tp_size or num_gpus_per_node
         split = spec.tp_params if spec.tp_params is not None else psi
         held = _div(split, t) + (psi - split)
@@ -249,9 +310,9 @@ def activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, *, checkpoi
 
 
 def recommend(spec: ModelSpec, device_memory: int, *, num_gpus_per_node: int = 1, num_nodes: int = 1,
-              precision: str = "bf16", batch_size: int | None = None, seq_len: int | None = None,
+              precision: Any = "bf16", batch_size: int | None = None, seq_len: int | None = None,
               checkpointing: bool = False, reserve: float = 0.1) -> tuple[str | None, dict[str, int]]:
-    """The first strategy in :data:`STRATEGIES` whose peak per-device bytes fit ``device_memory``.
+    """The first row of :data:`LAYOUTS` whose peak per-device bytes fit ``device_memory``.
 
     Peak = model states + working set + activations (when batch and sequence are given and the shape
     is known). ``reserve`` keeps that fraction back for the allocator, the CUDA context and buffers.
@@ -264,12 +325,12 @@ def recommend(spec: ModelSpec, device_memory: int, *, num_gpus_per_node: int = 1
     if batch_size and seq_len and spec.has_shape:
         act = activation_bytes(spec, batch_size, seq_len, checkpointing=checkpointing)
     peaks = {}
-    for name in STRATEGIES:
+    for name in (layout.name for layout in LAYOUTS):
         if name == "fsdp_hybrid" and num_nodes == 1:
             continue  # the same as fsdp on one node
         est = estimate_model_states(spec, name, num_gpus_per_node=num_gpus_per_node, num_nodes=num_nodes,
                                     precision=precision)
-        tp = num_gpus_per_node if name == "tensor_parallel" else 1
+        tp = num_gpus_per_node if name == "tp" else 1
         a = act if tp == 1 or not act else activation_bytes(spec, batch_size, seq_len, checkpointing=checkpointing,
                                                              tp_size=tp)
         peaks[name] = est.device_peak + a

@@ -1,6 +1,7 @@
 """Modules over the fused ops (shardkit.ops): drop-in replacements for Hugging Face Llama-family layers."""
 
-from .checkpointing import ActivationCheckpointing
+from shardkit.strategies.activation_checkpointing import ActivationCheckpointing
+
 from .loss import FusedLinearCrossEntropyLoss
 from .patching import apply_fused_kernels
 from .rms_norm import RMSNorm

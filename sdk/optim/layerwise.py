@@ -29,7 +29,12 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .named import MissingOptimizerPackage, OptimizerUnsupportedError, galore_target_parameters
+from .named import (
+    MissingOptimizerPackage,
+    OptimizerUnsupportedError,
+    galore_projected_parameters,
+    galore_target_parameters,
+)
 from .registry import register_optimizer
 
 __all__ = ["LayerwiseOptimizer"]
@@ -84,6 +89,11 @@ class LayerwiseOptimizer(Optimizer):
     @state.setter
     def state(self, value: Any) -> None:
         pass  # torch's Optimizer.__init__ assigns an empty state; the inner optimizers hold the real one
+
+    def low_rank_state_parameters(self) -> list[torch.Tensor]:
+        """The parameters whose moments live in GaLore's projected shape (the checkpoint reader's shape check
+        leaves them out)."""
+        return galore_projected_parameters(self.param_groups)
 
     def step(self, closure: Any = None) -> Any:
         """Nothing to do: every parameter stepped in its gradient hook. Returns the closure's loss, if any."""

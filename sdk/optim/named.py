@@ -17,8 +17,11 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from shardkit.utils.operations import json_object
+
 __all__ = ["GaLoreTargetError", "MissingOptimizerPackage", "NAMED_FACTORIES", "OptimizerUnsupportedError",
-           "galore_target_parameters", "is_galore", "is_grokadamw", "is_schedule_free", "parse_optim_args"]
+           "galore_projected_parameters", "galore_target_parameters", "is_galore", "is_grokadamw", "is_schedule_free",
+           "parse_optim_args"]
 
 EXTRA_HINT = "pip install shardkit[optimizers]"
 
@@ -54,16 +57,7 @@ def parse_optim_args(value: Any) -> dict[str, Any]:
         return dict(value)
     text = str(value).strip()
     if text.startswith("{"):
-        import json
-
-        try:
-            parsed = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"optim_args={text!r} is not valid JSON ({err}): pass a dict, a JSON object or "
-                             "'key=value,key=value'") from err
-        if not isinstance(parsed, dict):
-            raise ValueError(f"optim_args={text!r} must be a JSON object")
-        return parsed
+        return json_object(text, f"optim_args={text!r}", "pass a dict, a JSON object or 'key=value,key=value'")
     out: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, raw = item.partition("=")
@@ -151,6 +145,11 @@ def _galore_groups(params: Iterable[Any], targets: list[nn.Parameter], galore: d
     return out
 
 
+def galore_projected_parameters(param_groups: Iterable[dict[str, Any]]) -> list[torch.Tensor]:
+    """The parameters of GaLore's projected groups (those with a ``rank``)."""
+    return [p for group in param_groups if "rank" in group for p in group["params"]]
+
+
 class _ProjectorState:
     """Mixin: a GaLore optimizer whose state_dict holds tensors only (the projector's orthogonal matrix),
     so it saves in shardkit's checkpoint format and resumes exactly."""
@@ -169,6 +168,11 @@ class _ProjectorState:
                 for i, piece in enumerate(pieces):
                     entry[f"galore_ortho_{i}"] = piece
         return saved
+
+    def low_rank_state_parameters(self) -> list[torch.Tensor]:
+        """The parameters whose moments live in GaLore's projected shape (rank x n), not the parameter's: the
+        checkpoint reader's shape check leaves them out."""
+        return galore_projected_parameters(self.param_groups)
 
     @torch.no_grad()
     def step(self, closure=None):

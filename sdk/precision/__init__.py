@@ -9,11 +9,6 @@ from shardkit.precision.registry import PRECISIONS
 __all__ = ["Precision", "FP32", "FP16", "BF16", "PRECISIONS", "precision_from_name"]
 
 
-def precision_from_name(name: str, **kwargs) -> Precision:
-    """A Precision from a name or alias in :data:`PRECISIONS` ("fp32", "tf32", "fp16", "bf16", "bf16-true",
-    "no", "16-mixed", "bf16-mixed", ...), with its defaults and then ``kwargs``.
-
-    Raises:
-        ValueError: an unknown name (with the closest known one and the list of names).
-    """
-    return PRECISIONS.build(name, **kwargs)
+# A Precision from a name or alias ("fp32", "tf32", "fp16", "bf16", "bf16-true", "no", "16-mixed", ...) with the
+# registry's defaults, then the keyword arguments. It IS the registry's builder, not a copy.
+precision_from_name = PRECISIONS.build

@@ -6,35 +6,29 @@ registered class by name (``from shardkit.strategies import ZeRO3``), importing 
 
 from __future__ import annotations
 
+from shardkit.strategies.activation_checkpointing import ActivationCheckpointing
 from shardkit.strategies.base import Strategy
 from shardkit.strategies.ddp import DDP
 from shardkit.strategies.fsdp import FSDP
 from shardkit.strategies.registry import STRATEGIES
 from shardkit.strategies.single import SingleDevice
 
-__all__ = ["Strategy", "SingleDevice", "DDP", "FSDP", "STRATEGIES", "STRATEGY_NAMES",
-           "strategy_from_name"]
+__all__ = ["ActivationCheckpointing", "Strategy", "SingleDevice", "DDP", "FSDP", "STRATEGIES", "strategy_from_name"]
 
-# Every accepted name and alias -> "module:Class" (kept for callers of the old table; the registry is the source).
-STRATEGY_NAMES = STRATEGIES.targets()
+# A strategy from its name or alias ("single", "ddp", "tp", "zero3", ...) with the registry's defaults, then the
+# keyword arguments: strategy_from_name("zero3", offload="cpu"). It IS the registry's builder, not a copy.
+strategy_from_name = STRATEGIES.build
 
-
-def strategy_from_name(name: str, **kwargs) -> Strategy:
-    """Build a strategy from its name or alias ("single", "ddp", "tp", "zero3", ...), e.g. for command-line flags.
-
-    Same as ``STRATEGIES.build(name, **kwargs)``: unset arguments take the class's defaults (``tp`` spans
-    every rank, ``zero_infinity`` swaps to the default NVMe directory).
-
-    Raises:
-        ValueError: an unknown name (with the closest known one and the list of names).
-    """
-    return STRATEGIES.build(name, **kwargs)
+_REMOVED = {"STRATEGY_NAMES": "use STRATEGIES.names() / STRATEGIES.aliases() for the names and "
+                              "STRATEGIES.entry(name).target for the class behind one (shardkit.strategies.registry)"}
 
 
 def __getattr__(name: str):
     # Registered classes not imported above load on first use, so `import shardkit` does not import DeepSpeed.
     if name in STRATEGIES.class_names():
         return STRATEGIES.get_class(name)
+    if name in _REMOVED:
+        raise AttributeError(f"shardkit.strategies.{name} was removed (issue 24): {_REMOVED[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

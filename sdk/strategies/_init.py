@@ -6,9 +6,10 @@ parameters are partitioned by then (their ``data`` is an empty tensor), and on t
 hold no data at all: the init writes nowhere and, worse, draws no random numbers, so every later
 init draws from another point of the RNG stream. Two tools here keep the stream and the weights:
 
-* :class:`ZeroInitInterceptor` (ZeRO-3): a write to a partitioned parameter (an ``nn.init`` function,
-  an in-place method, through ``.data`` or a view) runs on the whole parameter inside
-  ``GatheredParameters(modifier_rank=0)``, one parameter at a time, on every rank.
+* ``ZeroInitInterceptor`` (ZeRO-3, in ``zero/init.py``, on the :class:`TrackingMode` defined here): a
+  write to a partitioned parameter (an ``nn.init`` function, an in-place method, through ``.data`` or a
+  view) runs on the whole parameter inside ``GatheredParameters(modifier_rank=0)``, one parameter at a
+  time, on every rank.
 * :class:`MetaInitRecorder` (FSDP): parameters are built on the meta device; each write is recorded
   with the RNG state it started from and run once on a scratch tensor of the parameter's size (so
   the stream advances exactly as in an unsharded build, then the scratch is freed). After sharding,
@@ -35,7 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["MetaInitRecorder", "ZeroInitInterceptor", "ShardedInitError", "rank0_rng", "replay_into"]
+__all__ = ["MetaInitRecorder", "ShardedInitError", "TrackingMode", "apply_chain", "rank0_rng", "replay_into"]
 
 log = logging.getLogger("shardkit.strategies")
 
@@ -145,8 +146,11 @@ def rank0_rng(device: torch.device) -> Iterator[None]:
 # ---- the common mode -----------------------------------------------------------------------------------
 
 
-class _TrackingMode(TorchFunctionMode):
-    """Follows writes to tracked parameters, through ``.data`` and views, and hands each to ``_write``."""
+class TrackingMode(TorchFunctionMode):
+    """Follows writes to tracked parameters, through ``.data`` and views, and hands each to ``_write``.
+
+    A subclass says which tensors it tracks (``is_tracked``) and what a write to one does (``_write``).
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -249,40 +253,11 @@ class _TrackingMode(TorchFunctionMode):
         raise NotImplementedError
 
 
-def _apply_chain(t: torch.Tensor, chain: list) -> torch.Tensor:
+def apply_chain(t: torch.Tensor, chain: list) -> torch.Tensor:
+    """Replay the view calls recorded for an alias (``p.data[0]``) on ``t``."""
     for func, rest, kwargs in chain:
         t = func(t, *rest, **kwargs)
     return t
-
-
-# ---- ZeRO-3 --------------------------------------------------------------------------------------------
-
-
-class ZeroInitInterceptor(_TrackingMode):
-    """Under ``zero.Init``: writes to partitioned parameters run on the gathered parameter (rank 0's kept)."""
-
-    def is_tracked(self, t: torch.Tensor) -> bool:
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-        return hasattr(t, "ds_id") and getattr(t, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE
-
-    def full_shape(self, param: torch.Tensor) -> torch.Size:
-        return getattr(param, "ds_shape", param.shape)
-
-    def _stand_in_view(self, param, chain, func, args, kwargs) -> torch.Tensor | None:
-        whole = torch.empty(self.full_shape(param), dtype=param.dtype, device="meta")
-        try:
-            return func(_apply_chain(whole, chain), *args[1:], **kwargs)
-        except (IndexError, RuntimeError):
-            return None
-
-    def _write(self, param, chain, func, rest, kwargs) -> None:
-        import deepspeed
-
-        # NOTE: every rank runs the write (so every rank's RNG advances as in an unsharded build);
-        # rank 0's result is what is kept, as zero.Init keeps rank 0's constructor init.
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
-            func(_apply_chain(param, chain), *rest, **kwargs)
 
 
 # ---- meta device (FSDP) --------------------------------------------------------------------------------
@@ -316,11 +291,11 @@ class ParamRecord:
         for e in self.entries:
             _restore_rng(e.rng, device, e.kwargs)
             with torch.no_grad():
-                e.func(_apply_chain(full, e.chain), *e.rest, **e.kwargs)
+                e.func(apply_chain(full, e.chain), *e.rest, **e.kwargs)
         return full
 
 
-class MetaInitRecorder(_TrackingMode):
+class MetaInitRecorder(TrackingMode):
     """Builds parameters on the meta device and records, per parameter, how to rebuild it.
 
     Use as a context manager around the model's construction; ``records`` maps each meta parameter
@@ -372,7 +347,7 @@ class MetaInitRecorder(_TrackingMode):
             torch.empty(record.shape, dtype=record.dtype, device=record.device)
         self.peak_scratch_bytes = max(self.peak_scratch_bytes, scratch.numel() * scratch.element_size())
         with torch.no_grad():
-            func(_apply_chain(scratch, chain), *rest, **kwargs)
+            func(apply_chain(scratch, chain), *rest, **kwargs)
         del scratch
         if _overwrites(func, chain):
             record.initial, record.entries = None, [entry]

@@ -3,7 +3,7 @@
 A subclass overrides a handful of methods; everything else has a working default for a module
 whose full state every rank holds (SingleDevice, DDP). Sharded strategies override the state
 and checkpoint hooks. The base knows nothing of process groups: rank 0 of a world of one, until a
-subclass says otherwise (:class:`shardkit.strategies.distributed.ProcessGroupStrategy` holds the
+subclass says otherwise (:class:`shardkit.strategies.parallel.ProcessGroupStrategy` holds the
 collectives and the process-group plumbing). The contract each method keeps is in ``strategies/README.md``.
 """
 
@@ -25,7 +25,15 @@ __all__ = ["Strategy", "param_list", "replicated_gathered"]
 
 
 class Strategy(ABC):
-    """Base class of every strategy. The Runner holds one and delegates to it."""
+    """Base class of every strategy. The Runner holds one and delegates to it.
+
+    Attributes:
+        keeps_master_copy: the engine holds parameters and gradients in the compute dtype beside a separate
+            fp32 master copy it steps on (DeepSpeed, even in fp32); False: the parameters, in the precision's
+            parameter dtype, are what the optimizer steps (torch engines). The memory estimate reads it.
+    """
+
+    keeps_master_copy: bool = False
 
     def __init__(self) -> None:
         self._precision: Precision = FP32()
@@ -112,6 +120,23 @@ class Strategy(ABC):
             _move_optimizer_state(optimizer, self.root_device)
             optimizer = self.setup_optimizer(optimizer)
         return module, optimizer, scheduler
+
+    def generation_context(self, module: nn.Module,
+                           keep_unsharded: bool | None = None) -> contextlib.AbstractContextManager[str | None]:
+        """Context around one generate call on ``module`` (the user's model, set up by this strategy), entered
+        on every rank; yields how the parameters are handled during the call, for the log, or None.
+
+        Strategies that partition parameters override it: FSDP keeps them gathered across decoding steps
+        when memory allows (``keep_unsharded`` forces either way). The default does nothing.
+        """
+        return contextlib.nullcontext(None)
+
+    def configure_activation_checkpointing(self, settings: Any) -> None:
+        """Hand engine-specific activation-checkpointing options to the engine, after :meth:`setup`.
+
+        ``settings`` is the Runner's :class:`~shardkit.strategies.ActivationCheckpointing` (the blocks are
+        already patched, the same way under every strategy). Nothing to do in a world of one.
+        """
 
     def unwrap(self, module: nn.Module) -> nn.Module:
         """The user's module inside whatever wrapper the strategy added."""

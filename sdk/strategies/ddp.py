@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from shardkit.strategies.distributed import ProcessGroupStrategy
+from shardkit.strategies.parallel import ProcessGroupStrategy
 
 __all__ = ["DDP", "DDPSettings"]
 

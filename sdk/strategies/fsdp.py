@@ -15,10 +15,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from shardkit.nn import checkpointing
 from shardkit.strategies import _init, _mesh, _sharded_state
-from shardkit.strategies._quant_storage import check_quant_storage
-from shardkit.strategies.distributed import MeshStrategy
+from shardkit.strategies import activation_checkpointing as checkpointing
+from shardkit.strategies.parallel import MeshStrategy
+from shardkit.strategies.quant_storage import check_quant_storage
 from shardkit.suggest import did_you_mean
 
 __all__ = ["FSDP", "FSDPSettings"]
@@ -54,7 +54,7 @@ class FSDPSettings:
             held in any nn.ModuleList); False shards only the root.
         cpu_offload: keep sharded parameters, gradients and the optimizer step on the CPU.
         activation_checkpointing: recompute the forward of these block classes in backward
-            (True: the auto-wrap block classes), or :class:`shardkit.nn.checkpointing.ActivationCheckpointing`
+            (True: the auto-wrap block classes), or :class:`shardkit.strategies.ActivationCheckpointing`
             for ``use_reentrant`` and the rest; the same mechanism as ``Runner(activation_checkpointing=...)``.
         reshard_after_forward: override the sharding mode's choice of freeing params after forward.
         sync_module_states: start every rank from rank 0's weights.

@@ -6,8 +6,9 @@ loss reads ``lm_head.weight`` without calling ``lm_head``) wraps the read in :fu
 strategy that partitions supplies, as a :class:`PartitionedParameters` handler, how to tell such a
 parameter and how to gather it, so that the reading code never imports or names the engine.
 
-A strategy whose engine partitions parameters adds its handler to ``_HANDLERS`` below ("module:attribute",
-imported on the first read, without importing the engine itself).
+:func:`params_partitioned` tells code outside the strategies (synced generation) whether a module's forward
+is a collective, again without naming an engine. A strategy whose engine partitions parameters adds its handler
+to ``_HANDLERS`` below ("module:attribute", imported on the first read, without importing the engine itself).
 """
 
 from __future__ import annotations
@@ -17,13 +18,17 @@ import importlib
 from collections.abc import Iterator
 from typing import Protocol
 
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["PartitionedParameters", "gathered_for_read", "handlers"]
+__all__ = ["PartitionedParameters", "gathered_for_read", "handlers", "params_partitioned"]
 
 
 class PartitionedParameters(Protocol):
     """How one engine's partitioned parameters are recognised and gathered for a read."""
+
+    def owns(self, param: Tensor) -> bool:
+        """Whether ``param`` is one this engine partitions, gathered right now or not."""
+        ...
 
     def is_partitioned(self, param: Tensor) -> bool:
         """Whether ``param`` is this engine's and not whole right now (nothing gathered it)."""
@@ -59,3 +64,14 @@ def gathered_for_read(*params: Tensor | None) -> Iterator[None]:
             if parts:
                 stack.enter_context(handler.gathered_for_read(parts))
         yield
+
+
+def params_partitioned(module: nn.Module) -> bool:
+    """Whether some parameter of ``module`` is split across ranks (a DTensor of FSDP2/TP, or a parameter an
+    engine partitions in place, such as ZeRO-3's), so that its forward is a collective every rank must join."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(module.parameters())
+    if any(isinstance(p, DTensor) for p in params):
+        return True
+    return any(handler.owns(p) for handler in handlers() for p in params)

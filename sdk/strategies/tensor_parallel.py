@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from typing_extensions import override
 
 from shardkit.strategies import _mesh
-from shardkit.strategies.distributed import MeshStrategy
+from shardkit.strategies.parallel import MeshStrategy
 from shardkit.suggest import did_you_mean
 
 __all__ = ["TensorParallel", "TensorParallelSettings", "resolve_plan"]

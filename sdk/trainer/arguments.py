@@ -307,7 +307,7 @@ def _has_tensorboard() -> bool:
 
 
 def _check_gradient_checkpointing(args: TrainingArguments) -> None:
-    from shardkit.nn.checkpointing import parse_checkpoint_kwargs
+    from shardkit.strategies.activation_checkpointing import parse_checkpoint_kwargs
 
     if args.gradient_checkpointing_kwargs is not None:  # a JSON string (CLI, config file) becomes its dict
         args.gradient_checkpointing_kwargs = parse_checkpoint_kwargs(

@@ -121,7 +121,7 @@ def _lora_layers(module: nn.Module) -> dict[str, tuple[list[str], dict[str, floa
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
 
-    from shardkit.strategies._quant_storage import quantized_parameters
+    from shardkit.strategies.quant_storage import quantized_parameters
 
     quantized = quantized_parameters(module)
     if quantized:

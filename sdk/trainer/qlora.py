@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from shardkit.strategies._quant_storage import check_quant_storage, quantized_parameters
+from shardkit.strategies.quant_storage import check_quant_storage, quantized_parameters
 
 __all__ = ["QUANT_STORAGE_DTYPES", "check_quant_storage", "qlora_config", "quantized_parameters"]
 

@@ -26,7 +26,7 @@ import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
-from shardkit.nn.checkpointing import enable_gradient_checkpointing
+from shardkit.strategies.activation_checkpointing import enable_gradient_checkpointing
 from shardkit.trainer.arguments import TrainingArguments
 from shardkit.trainer.backward_step import backward_stepper
 from shardkit.trainer.callbacks import (

@@ -19,7 +19,7 @@ from workloads import full_state
 
 from shardkit import Runner
 from shardkit.models import Llama, LlamaConfig
-from shardkit.nn.checkpointing import ActivationCheckpointing
+from shardkit.strategies.activation_checkpointing import ActivationCheckpointing
 
 __all__ = ["CONFIG", "HF_SKIP", "SEQ", "STRATEGIES", "ac_worker"]
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from harness import run_distributed
 
 from shardkit.distributed import LaunchError, LaunchTimeout, init_distributed, launch
-from shardkit.distributed.process_group import _cpu_budget
+from shardkit.distributed.process_group import cpu_budget
 
 SCRIPTS = Path(__file__).parent / "scripts"
 SHORT = {"SHARDKIT_COLLECTIVE_TIMEOUT": "20"}
@@ -64,7 +64,7 @@ def test_launch_returns_each_rank_result_in_order_and_the_group_works():
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["sum"] == 1.5 and r["world_size"] == 2 and r["source"] == "torchrun" for r in results)
     assert len({r["pid"] for r in results} | {os.getpid()}) == 3
-    expected_threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, _cpu_budget() // 2))
+    expected_threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, cpu_budget() // 2))
     assert [r["threads"] for r in results] == [expected_threads] * 2
 
 

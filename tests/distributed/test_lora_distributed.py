@@ -9,10 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_distributed
-from torch.utils.data import Subset
-from workloads import TEXT
+from trainer_fixtures import StopAt, logged_losses, text_data
 
-from shardkit.models import ByteTextDataset
 from shardkit.strategies import strategy_from_name
 from shardkit.trainer import Trainer, TrainerCallback, TrainingArguments
 from shardkit.trainer.export import full_state_dict
@@ -46,11 +44,7 @@ def _args(out, **kw):
 
 
 def _data():
-    return Subset(ByteTextDataset(TEXT, seq_len=16, stride=16), range(48))
-
-
-def _losses(trainer):
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return text_data(48)
 
 
 class GradNames(TrainerCallback):
@@ -58,12 +52,6 @@ class GradNames(TrainerCallback):
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         self.names = {n.removeprefix("module.") for n, p in model.named_parameters() if p.grad is not None}
-
-
-class StopAt(TrainerCallback):
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 3:
-            control.should_training_stop = True
 
 
 def _optimizer_held(trainer) -> set[str]:
@@ -104,12 +92,12 @@ def _resume_equal(strategy: str, out: Path) -> bool:
 
     full = trainer(out / "full")
     full.train()
-    trainer(out / "resumed", [StopAt()]).train()
+    trainer(out / "resumed", [StopAt(3)]).train()
     torch.manual_seed(99)  # another RNG state than at the save: the checkpoint must restore it
     second = trainer(out / "resumed")
     second.train(resume_from_checkpoint=True)
     a, b = full_state_dict(full.runner, full.model), full_state_dict(second.runner, second.model)
-    return _losses(second) == _losses(full) and all(torch.equal(a[k], b[k]) for k in a)
+    return logged_losses(second) == logged_losses(full) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _train_and_check(strategy: str, out: Path, resume: bool) -> dict:
@@ -122,7 +110,7 @@ def _train_and_check(strategy: str, out: Path, resume: bool) -> dict:
     trainer.train()
     full = full_state_dict(trainer.runner, trainer.model)
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
-    result = {"losses": _losses(trainer), "adapters": adapters, "held": _optimizer_held(trainer),
+    result = {"losses": logged_losses(trainer), "adapters": adapters, "held": _optimizer_held(trainer),
               "grad_names": grads.names, "frozen_equal": all(torch.equal(full[k], v) for k, v in frozen.items()),
               "adapter_values": {k: v for k, v in full.items() if k in adapters},
               "zero": getattr(trainer.runner.strategy, "layout", None) is not None}
@@ -148,7 +136,7 @@ def _qlora_fsdp(out: Path) -> dict:
     trainer.train()
     with trainer.runner.gathered_parameters([p for _, p in quantized_parameters(model)]) as whole:
         same = all(torch.equal(w.view(torch.uint8), packed[n]) for (n, _), w in zip(quantized_parameters(model), whole))
-    return {"losses": _losses(trainer), "packed": len(packed), "packed_equal": same,
+    return {"losses": logged_losses(trainer), "packed": len(packed), "packed_equal": same,
             "held": _optimizer_held(trainer), "adapters": {n for n, p in model.named_parameters() if p.requires_grad}}
 
 

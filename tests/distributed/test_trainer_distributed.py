@@ -7,85 +7,21 @@ import pytest
 import torch
 from harness import run_distributed
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset
-from workloads import TEXT
+from torch.utils.data import DataLoader
+from trainer_fixtures import GradCatcher, LogitsOnly, StopAt, SumLossLM, VarLen, logged_losses, pad_collate, text_data
 
 from shardkit import Runner
-from shardkit.models import ByteTextDataset, Llama, LlamaConfig
+from shardkit.models import Llama, LlamaConfig
 from shardkit.strategies import strategy_from_name
-from shardkit.trainer import Trainer, TrainerCallback, TrainingArguments
+from shardkit.trainer import Trainer, TrainingArguments
 from shardkit.trainer.export import full_state_dict
 
 TINY = LlamaConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, max_position=16)
 
 
-class SumLossLM(nn.Module):
-    """Takes num_items_in_batch by name and returns sum / num_items_in_batch."""
-
-    loss_type = "ForCausalLM"
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(3)
-        self.emb = nn.Embedding(32, 16)
-        self.out = nn.Linear(16, 32)
-
-    def forward(self, input_ids, labels=None, num_items_in_batch=None):
-        logits = self.out(torch.tanh(self.emb(input_ids)))
-        if labels is None:
-            return logits
-        total = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 32), labels[:, 1:].reshape(-1),
-                                            ignore_index=-100, reduction="sum")
-        return total / (num_items_in_batch if num_items_in_batch is not None else (labels[:, 1:] != -100).sum())
-
-
-class LogitsOnly(SumLossLM):
-    def forward(self, input_ids):
-        return super().forward(input_ids)
-
-
 def _llama():
     torch.manual_seed(3)
     return Llama(TINY)
-
-
-class VarLen(Dataset):
-    def __init__(self, n):
-        g = torch.Generator().manual_seed(5)
-        self.rows = [torch.randint(0, 32, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g)
-                     for _ in range(n)]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.rows[i]}
-
-
-def pad_collate(samples):
-    width = max(len(s["input_ids"]) for s in samples)
-    ids = torch.zeros(len(samples), width, dtype=torch.long)
-    labels = torch.full((len(samples), width), -100)
-    for i, s in enumerate(samples):
-        ids[i, : len(s["input_ids"])] = s["input_ids"]
-        labels[i, : len(s["input_ids"])] = s["input_ids"]
-    return {"input_ids": ids, "labels": labels}
-
-
-class GradCatcher(TrainerCallback):
-    grads = None
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads = {n.removeprefix("module."): p.grad.clone() for n, p in model.named_parameters()}
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
 
 
 def _args(out, **kw):
@@ -119,7 +55,7 @@ def _accumulation_gap(out: Path, factory) -> float:
 
 def _trace_pair(out: Path) -> tuple[list[float], list[float], bool]:
     """The Trainer's logged losses and a hand-written DDP Runner loop's, on the same data and settings."""
-    data = Subset(ByteTextDataset(TEXT, seq_len=16, stride=16), range(64))
+    data = text_data(64)
     args = _args(out, gradient_accumulation_steps=2, max_steps=4, lr_scheduler_type="constant", warmup_steps=0,
                  max_grad_norm=1.0, weight_decay=0.01)
     trainer = Trainer(_llama(), args, train_dataset=data, strategy=strategy_from_name("ddp"))
@@ -144,7 +80,7 @@ def _trace_pair(out: Path) -> tuple[list[float], list[float], bool]:
                 break
     ours = full_state_dict(trainer.runner, trainer.model)
     same = all(torch.equal(ours[k], v) for k, v in full_state_dict(runner, model).items())
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h], losses, same
+    return logged_losses(trainer), losses, same
 
 
 def _uneven_eval(out: Path) -> tuple[int, float, float]:
@@ -184,7 +120,7 @@ def test_exact_loss_trace_and_uneven_eval(tmp_path):
 
 def _resume_worker(strategy: str, out: str) -> dict:
     out = Path(out)
-    data = Subset(ByteTextDataset(TEXT, seq_len=16, stride=16), range(96))
+    data = text_data(96)
     dropout = LlamaConfig(**{**TINY.to_dict(), "dropout": 0.1})
 
     def trainer(path, callbacks=()):

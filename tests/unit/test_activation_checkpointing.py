@@ -17,7 +17,7 @@ from torch.utils.data import Subset
 from shardkit import Runner, SingleDevice
 from shardkit.config import ConfigError, common, resolve_runner_config
 from shardkit.models import ByteTextDataset, Llama, LlamaBlock, LlamaConfig
-from shardkit.nn.checkpointing import (
+from shardkit.strategies.activation_checkpointing import (
     ActivationCheckpointing,
     ActivationCheckpointingError,
     apply_activation_checkpointing,
@@ -227,7 +227,7 @@ def test_trainer_keeps_a_deepspeed_sections_options_and_takes_its_kwargs(tmp_pat
 def test_reentrant_under_ddp_with_find_unused_parameters_is_refused_by_name(tmp_path):
     from types import SimpleNamespace
 
-    from shardkit.nn.checkpointing import enable_gradient_checkpointing
+    from shardkit.strategies.activation_checkpointing import enable_gradient_checkpointing
     from shardkit.strategies.ddp import DDP
 
     # Measured on 2 ranks: the backward fails with "Expected to mark a variable ready only once".

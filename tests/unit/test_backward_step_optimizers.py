@@ -8,20 +8,18 @@ with are refused by name.
 
 import importlib
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import Subset
+from trainer_fixtures import StopAt, logged_losses, text_data
 
-from shardkit.models import ByteTextDataset, Llama, LlamaConfig
+from shardkit.models import Llama, LlamaConfig
 from shardkit.optim import AdaLomo, LayerwiseOptimizer, MissingOptimizerPackage, OptimizerUnsupportedError
 from shardkit.optim import create_optimizer as by_name
-from shardkit.trainer import Trainer, TrainerCallback, TrainingArguments
+from shardkit.trainer import Trainer, TrainingArguments
 from shardkit.trainer.backward_step import BackwardStepError
 
-TEXT = Path(__file__).resolve().parents[2] / "examples" / "data" / "public_domain.txt"
 TINY = LlamaConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, max_position=16)
 GALORE = dict(optim_target_modules=["q_proj", "v_proj", "up_proj"],
               optim_args={"rank": 4, "update_proj_gap": 4, "scale": 0.5})
@@ -34,7 +32,7 @@ ROWS = {
 
 
 def _data(n=48):
-    return Subset(ByteTextDataset(TEXT, seq_len=16, stride=16), range(n))
+    return text_data(n)
 
 
 def _args(tmp_path, **kw):
@@ -49,29 +47,16 @@ def _llama(fused=True):
     return Llama(LlamaConfig(**{**TINY.__dict__, "fused": fused}))
 
 
-def _losses(trainer):
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-
 def _train(tmp_path, fused=True, **kw):
     trainer = Trainer(_llama(fused), _args(tmp_path, **kw), train_dataset=_data())
     trainer.train()
     return trainer
 
 
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
-
-
 @pytest.mark.parametrize("row", sorted(ROWS))
 def test_row_trains_and_resumes_exactly(tmp_path, row):
     full = _train(tmp_path / "full", max_steps=6, **ROWS[row])
-    losses = _losses(full)
+    losses = logged_losses(full)
     assert sum(losses[-2:]) < sum(losses[:2]) - 0.1, losses  # the loss falls
     first = Trainer(_llama(), _args(tmp_path / "cut", max_steps=6, save_strategy="steps", save_steps=3, **ROWS[row]),
                     train_dataset=_data(), callbacks=[StopAt(3)])
@@ -80,7 +65,7 @@ def test_row_trains_and_resumes_exactly(tmp_path, row):
     second = Trainer(_llama(), _args(tmp_path / "cut", max_steps=6, save_strategy="steps", save_steps=3,
                                      **ROWS[row]), train_dataset=_data())
     second.train(resume_from_checkpoint=True)
-    assert _losses(second) == losses
+    assert logged_losses(second) == losses
     for (name, a), b in zip(second.model.named_parameters(), full.model.parameters()):
         assert torch.equal(a, b), name
     if row == "adalomo":
@@ -93,7 +78,7 @@ def test_lomo_is_sgd_with_the_schedules_lr_and_clipping(tmp_path):
     # shardkit's fused cross-entropy refuses (test_clipping_with_a_loss_that_cannot_backward_twice...).
     lomo = _train(tmp_path / "lomo", fused=False, optim="lomo", **kw)
     sgd = _train(tmp_path / "sgd", fused=False, optim="sgd", **kw)
-    assert _losses(lomo) == pytest.approx(_losses(sgd), rel=1e-6)
+    assert logged_losses(lomo) == pytest.approx(logged_losses(sgd), rel=1e-6)
     for (name, a), b in zip(lomo.model.named_parameters(), sgd.model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
     norms = [h["grad_norm"] for h in lomo.state.log_history if "grad_norm" in h]

@@ -7,10 +7,12 @@ from torch import nn
 
 from shardkit.cli import main as cli_main
 from shardkit.memory import (
+    LAYOUTS,
     ModelSpec,
     activation_bytes,
     deepspeed_table,
     estimate_model_states,
+    find_layout,
     parse_count,
     recommend,
     spec_from_hf_config,
@@ -20,6 +22,8 @@ from shardkit.memory import (
     zero3_mem_needs,
 )
 from shardkit.models import Llama, LlamaConfig
+from shardkit.precision.registry import PRECISIONS
+from shardkit.strategies.registry import STRATEGIES
 
 SHAPES = [(2_783_000_000, 131_000_000, 8, 1), (125_000_000, 38_000_000, 1, 1), (7_000_000_000, 262_000_000, 4, 3),
           (1_000_003, 1_001, 3, 2)]
@@ -171,5 +175,32 @@ def test_recommend_picks_the_smallest_strategy_that_fits():
     best, peaks = recommend(spec, 80 * gib, num_gpus_per_node=8, batch_size=1, seq_len=2048)
     assert best == "zero1" and peaks["ddp"] > 0.9 * 80 * gib
     best, _ = recommend(spec, 16 * gib, num_gpus_per_node=8, batch_size=1, seq_len=2048, checkpointing=True)
-    assert best in ("fsdp_grad_op", "tensor_parallel", "fsdp", "zero3")
+    assert best in ("fsdp_grad_op", "tp", "fsdp", "zero3")
     assert recommend(spec, 1 * gib, num_gpus_per_node=1, batch_size=8, seq_len=4096)[0] is None
+
+
+def test_rows_are_registered_strategies_with_their_constructor_options_and_names_come_from_the_registries(capsys):
+    for layout in LAYOUTS:  # a row cannot name a strategy or an option the registry does not have
+        assert layout.strategy == STRATEGIES.canonical(layout.strategy)
+        assert layout.name == layout.strategy or layout.name.startswith(layout.strategy + "_")
+        assert set(layout.options) <= set(STRATEGIES.options(layout.strategy)), layout
+    assert type(find_layout("fsdp_offload").build()).__name__ == "FSDP" and \
+        find_layout("fsdp_offload").build().settings.cpu_offload
+    spec = ModelSpec(total_params=1_000_000, largest_layer_params=10_000)
+    # any alias of a registered name, and every precision the registry knows, by any of its names
+    assert find_layout("tensor_parallel") is find_layout("TensorParallel") is find_layout("tp")
+    assert estimate_model_states(spec, "zero-3").strategy == "zero3"
+    for name in PRECISIONS.names():
+        assert estimate_model_states(spec, "fsdp", precision=name).device_total > 0
+    assert estimate_model_states(spec, "ddp", precision="tf32") == estimate_model_states(spec, "ddp", precision="fp32")
+    assert estimate_model_states(spec, "zero2", precision="bf16-mixed") == estimate_model_states(spec, "zero2",
+                                                                                                   precision="bf16")
+    with pytest.raises(ValueError, match="'zero4' has no memory estimate; did you mean 'zero3'"):
+        estimate_model_states(spec, "zero4")
+    with pytest.raises(ValueError, match="'single' \\(single\\) has no memory estimate"):
+        estimate_model_states(spec, "single")
+    with pytest.raises(ValueError, match="unknown precision 'bf61'"):
+        estimate_model_states(spec, "ddp", precision="bf61")
+    assert cli_main(["estimate-memory", "--params", "1M", "--strategy", "tensor_parallel", "--precision",
+                     "bf16-mixed"]) == 0
+    assert "\ntp " in capsys.readouterr().out

@@ -223,7 +223,7 @@ def test_qlora_config_checks_its_arguments():
 
 def test_quant_storage_check_names_the_weight_fsdp_would_scramble():
     bnb = pytest.importorskip("bitsandbytes")
-    from shardkit.strategies._quant_storage import check_quant_storage
+    from shardkit.strategies.quant_storage import check_quant_storage
 
     layers = {}
     for storage in (torch.uint8, torch.bfloat16, torch.float32):

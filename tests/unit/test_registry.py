@@ -17,7 +17,7 @@ import shardkit  # noqa: E402
 from shardkit.precision import BF16, FP16, FP32, precision_from_name  # noqa: E402
 from shardkit.precision.registry import PRECISIONS  # noqa: E402
 from shardkit.registry import Registry  # noqa: E402
-from shardkit.strategies import STRATEGY_NAMES, strategy_from_name  # noqa: E402
+from shardkit.strategies import strategy_from_name  # noqa: E402
 from shardkit.strategies.base import Strategy  # noqa: E402
 from shardkit.strategies.registry import STRATEGIES  # noqa: E402
 
@@ -62,11 +62,11 @@ def test_aliases_resolve_to_their_entry():
     assert STRATEGIES.canonical("SingleDevice") == "single"
 
 
-def test_old_entry_points_are_thin_wrappers_over_the_registry():
-    assert type(strategy_from_name("zero-3")).__name__ == "ZeRO3"
-    assert STRATEGY_NAMES["tensor_parallel"] == STRATEGY_NAMES["tp"] == "shardkit.strategies.tensor_parallel:" \
-                                                                       "TensorParallel"
-    assert set(STRATEGY_NAMES) == {*STRATEGIES.names(), *STRATEGIES.aliases()}
+def test_by_name_functions_are_the_registries_builders_and_the_old_table_is_gone_loudly():
+    assert strategy_from_name == STRATEGIES.build and precision_from_name == PRECISIONS.build  # one implementation
+    assert type(strategy_from_name("zero-3", offload="cpu")).__name__ == "ZeRO3"  # as the README writes it
+    with pytest.raises(AttributeError, match=r"STRATEGY_NAMES was removed .*STRATEGIES.names\(\)"):
+        shardkit.strategies.STRATEGY_NAMES
 
 
 @pytest.mark.parametrize("class_name", sorted(STRATEGIES.class_names()))
@@ -180,10 +180,9 @@ def test_registration_rejects_taken_names_and_bad_targets():
 
 def test_a_new_entry_is_everywhere_at_once():
     registry = Registry("widget")
-    targets = registry.targets()
     registry.register("counter", "collections:Counter", defaults={"x": 1}, description="counts")
 
-    assert targets["counter"] == "collections:Counter" and "counter" in registry and "Counter" in registry
+    assert registry.entry("counter").target == "collections:Counter" and "counter" in registry and "Counter" in registry
     assert registry.build("counter", y=2) == {"x": 1, "y": 2}
     assert "counter: counts" in registry.describe()
 

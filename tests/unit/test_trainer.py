@@ -9,19 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader
+from trainer_fixtures import GradCatcher, LogitsOnly, StopAt, SumLossLM, VarLen, logged_losses, pad_collate, text_data
 
 from shardkit import FP32, Runner, SingleDevice
-from shardkit.models import ByteTextDataset, Llama, LlamaConfig
+from shardkit.models import Llama, LlamaConfig
 from shardkit.trainer import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
 from shardkit.trainer.callbacks import EVENTS
 
-TEXT = Path(__file__).resolve().parents[2] / "examples" / "data" / "public_domain.txt"
 TINY = LlamaConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, max_position=16, dropout=0.1)
-
-
-def _data(n=64):
-    return Subset(ByteTextDataset(TEXT, seq_len=16, stride=16), range(n))
 
 
 def _args(tmp_path, **kw):
@@ -36,12 +32,8 @@ def _llama():
     return Llama(TINY)
 
 
-def _losses(trainer):
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
-
-
 def test_loss_trace_equals_a_hand_written_runner_loop(tmp_path):
-    trainer = Trainer(_llama(), _args(tmp_path, gradient_accumulation_steps=2), train_dataset=_data())
+    trainer = Trainer(_llama(), _args(tmp_path, gradient_accumulation_steps=2), train_dataset=text_data())
     trainer.train()
     # The same run by hand: same seeds, param groups (no decay on 1-d weights), schedule and clipping.
     runner = Runner(SingleDevice("cpu"), FP32(), gradient_accumulation_steps=2, seed=0)
@@ -53,7 +45,7 @@ def test_loss_trace_equals_a_hand_written_runner_loop(tmp_path):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: s / 2 if s < 2 else max(0.0, (8 - s) / 6))
     model, opt, sched = runner.setup(model, opt, sched)
-    loader = runner.setup_dataloader(DataLoader(_data(), batch_size=4, shuffle=True))
+    loader = runner.setup_dataloader(DataLoader(text_data(), batch_size=4, shuffle=True))
     losses, window = [], 0.0
     for batch in loader:
         loss = model(batch["input_ids"], batch["labels"])
@@ -66,68 +58,9 @@ def test_loss_trace_equals_a_hand_written_runner_loop(tmp_path):
             window = 0.0
             if len(losses) == 8:
                 break
-    assert _losses(trainer) == pytest.approx(losses, rel=1e-6)
+    assert logged_losses(trainer) == pytest.approx(losses, rel=1e-6)
     for (name, a), b in zip(trainer.model.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
-
-
-class SumLossLM(nn.Module):
-    """A causal LM whose forward takes num_items_in_batch by name and returns sum / num_items_in_batch."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(3)
-        self.emb = nn.Embedding(32, 16)
-        self.out = nn.Linear(16, 32)
-
-    def forward(self, input_ids, labels=None, num_items_in_batch=None):
-        logits = self.out(torch.tanh(self.emb(input_ids)))
-        if labels is None:
-            return logits
-        flat = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 32), labels[:, 1:].reshape(-1),
-                                           ignore_index=-100, reduction="sum")
-        count = num_items_in_batch if num_items_in_batch is not None else (labels[:, 1:] != -100).sum()
-        return flat / count
-
-    loss_type = "ForCausalLM"
-
-
-class LogitsOnly(SumLossLM):
-    """No labels argument: the Trainer owns the loss and takes it from the logits."""
-
-    def forward(self, input_ids):
-        return super().forward(input_ids)
-
-
-class VarLen(Dataset):
-    def __init__(self, n=16):
-        g = torch.Generator().manual_seed(5)
-        self.rows = [torch.randint(0, 32, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g)
-                     for _ in range(n)]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.rows[i]}
-
-
-def pad_collate(samples):
-    width = max(len(s["input_ids"]) for s in samples)
-    ids = torch.zeros(len(samples), width, dtype=torch.long)
-    labels = torch.full((len(samples), width), -100)
-    for i, s in enumerate(samples):
-        ids[i, : len(s["input_ids"])] = s["input_ids"]
-        labels[i, : len(s["input_ids"])] = s["input_ids"]
-    return {"input_ids": ids, "labels": labels}
-
-
-class GradCatcher(TrainerCallback):
-    def __init__(self):
-        self.grads = None
-
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("cls", [SumLossLM, LogitsOnly])
@@ -150,27 +83,18 @@ def test_accumulation_gives_the_big_batch_gradients(tmp_path, cls):
         torch.testing.assert_close(catcher.grads[name], p.grad, rtol=1e-5, atol=1e-7)
 
 
-class StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
-
-
 def test_resume_true_continues_exactly(tmp_path):
     full = Trainer(_llama(), _args(tmp_path / "a", gradient_accumulation_steps=2, logging_steps=3),
-                   train_dataset=_data())
+                   train_dataset=text_data())
     full.train()
     args = _args(tmp_path / "b", gradient_accumulation_steps=2, logging_steps=3, save_strategy="steps", save_steps=5)
-    first = Trainer(_llama(), args, train_dataset=_data(), callbacks=[StopAt(5)])  # as a preempted job would
+    first = Trainer(_llama(), args, train_dataset=text_data(), callbacks=[StopAt(5)])  # as a preempted job would
     first.train()
     torch.manual_seed(123)  # the resumed process starts with other RNG states: the checkpoint must restore them
     second = Trainer(_llama(), _args(tmp_path / "b", gradient_accumulation_steps=2, logging_steps=3,
-                                     save_strategy="steps", save_steps=5), train_dataset=_data())
+                                     save_strategy="steps", save_steps=5), train_dataset=text_data())
     second.train(resume_from_checkpoint=True)
-    assert _losses(second) == _losses(full)  # the log at step 6 averages steps 4-6 across the resume
+    assert logged_losses(second) == logged_losses(full)  # the log at step 6 averages steps 4-6 across the resume
     assert second.state.global_step == 8
     for (name, a), b in zip(second.model.named_parameters(), full.model.parameters()):
         assert torch.equal(a, b), name
@@ -189,7 +113,7 @@ def test_best_model_is_kept_and_loaded(tmp_path):
                  save_total_limit=1,
                  load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
                  learning_rate=3e-2)
-    trainer = Trainer(_llama(), args, train_dataset=_data(), eval_dataset=_data(8), compute_metrics=Accuracy())
+    trainer = Trainer(_llama(), args, train_dataset=text_data(), eval_dataset=text_data(8), compute_metrics=Accuracy())
     trainer.train()
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]
     best = max(evals, key=lambda h: h["eval_loss"])  # "greater is better" on a falling loss: the first wins
@@ -203,7 +127,7 @@ def test_best_model_is_kept_and_loaded(tmp_path):
 def test_early_stopping_stops_and_its_counter_is_saved(tmp_path):
     args = _args(tmp_path, max_steps=40, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
                  metric_for_best_model="loss", greater_is_better=True, learning_rate=3e-2)
-    trainer = Trainer(_llama(), args, train_dataset=_data(), eval_dataset=_data(8),
+    trainer = Trainer(_llama(), args, train_dataset=text_data(), eval_dataset=text_data(8),
                       callbacks=[EarlyStoppingCallback(early_stopping_patience=2)])
     trainer.train()
     assert trainer.state.global_step == 3  # the loss falls: steps 2 and 3 are not "better"
@@ -224,7 +148,7 @@ def test_callback_event_order(tmp_path):
     recorder = Recorder()
     args = _args(tmp_path, max_steps=2, gradient_accumulation_steps=2, logging_steps=2, eval_strategy="steps",
                  eval_steps=2, save_strategy="steps", save_steps=2)
-    trainer = Trainer(_llama(), args, train_dataset=_data(16), eval_dataset=_data(4), callbacks=[recorder])
+    trainer = Trainer(_llama(), args, train_dataset=text_data(16), eval_dataset=text_data(4), callbacks=[recorder])
     trainer.train()
     step = ["on_step_begin", "on_substep_end", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end"]
     expected = (["on_init_end", "on_train_begin", "on_epoch_begin"] + step + step
@@ -243,24 +167,24 @@ class SigtermAt(TrainerCallback):
 
 
 def test_sigterm_saves_and_resumes_exactly(tmp_path):
-    full = Trainer(_llama(), _args(tmp_path / "a"), train_dataset=_data())
+    full = Trainer(_llama(), _args(tmp_path / "a"), train_dataset=text_data())
     full.train()
     args = _args(tmp_path / "b")
-    first = Trainer(_llama(), args, train_dataset=_data(), callbacks=[SigtermAt(3)])
+    first = Trainer(_llama(), args, train_dataset=text_data(), callbacks=[SigtermAt(3)])
     first.train()
     assert first.state.global_step == 3
     assert (Path(args.output_dir) / "checkpoint-3" / "trainer_state.json").is_file()
     torch.manual_seed(7)
-    second = Trainer(_llama(), _args(tmp_path / "b"), train_dataset=_data())
+    second = Trainer(_llama(), _args(tmp_path / "b"), train_dataset=text_data())
     second.train(resume_from_checkpoint=True)
-    assert _losses(first) == _losses(full)[:3]
-    assert _losses(second) == _losses(full)  # log_history continues from the checkpoint
+    assert logged_losses(first) == logged_losses(full)[:3]
+    assert logged_losses(second) == logged_losses(full)  # log_history continues from the checkpoint
     for a, b in zip(second.model.parameters(), full.model.parameters()):
         assert torch.equal(a, b)
 
 
 def test_resume_true_without_a_checkpoint_says_so(tmp_path):
-    trainer = Trainer(_llama(), _args(tmp_path), train_dataset=_data())
+    trainer = Trainer(_llama(), _args(tmp_path), train_dataset=text_data())
     with pytest.raises(ValueError, match="no complete checkpoint"):
         trainer.train(resume_from_checkpoint=True)
 
@@ -272,7 +196,7 @@ def test_jsonl_report_and_nan_filter(tmp_path, caplog):
                 trainer._pending_local.append(torch.tensor(float("nan")))
 
     args = _args(tmp_path, max_steps=3, logging_steps=3, report_to="jsonl")
-    trainer = Trainer(_llama(), args, train_dataset=_data(), callbacks=[NaNAt()])
+    trainer = Trainer(_llama(), args, train_dataset=text_data(), callbacks=[NaNAt()])
     trainer.train()
     lines = [json.loads(x) for p in Path(args.logging_dir).glob("*.jsonl") for x in p.read_text().splitlines()]
     assert lines[0]["step"] == 3 and lines[0]["loss"] == lines[0]["loss"]  # finite
@@ -281,7 +205,7 @@ def test_jsonl_report_and_nan_filter(tmp_path, caplog):
 
 def test_max_time_saves_and_stops(tmp_path):
     args = _args(tmp_path, max_time=1e-6)
-    trainer = Trainer(_llama(), args, train_dataset=_data())
+    trainer = Trainer(_llama(), args, train_dataset=text_data())
     trainer.train()
     assert trainer.state.global_step == 1
     assert (Path(args.output_dir) / "checkpoint-1" / "trainer_state.json").is_file()
@@ -289,10 +213,10 @@ def test_max_time_saves_and_stops(tmp_path):
 
 def test_predict_keeps_or_streams_every_sample_once(tmp_path):
     trainer = Trainer(_llama(), _args(tmp_path, per_device_eval_batch_size=3))
-    kept = trainer.predict(_data(7))
+    kept = trainer.predict(text_data(7))
     assert kept.predictions.shape == (7, 16, 256) and kept.label_ids.shape == (7, 16)
     assert "test_loss" in kept.metrics
-    streamed = trainer.predict(_data(7), output_dir=tmp_path / "preds")
+    streamed = trainer.predict(text_data(7), output_dir=tmp_path / "preds")
     import numpy as np
 
     parts = [np.load(p) for p in streamed.predictions]

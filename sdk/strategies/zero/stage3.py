@@ -22,11 +22,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from typing_extensions import override
 
-from shardkit.strategies import _init
 from shardkit.strategies.base import param_list
 from shardkit.strategies.zero.config import ZeROSettings
+from shardkit.strategies.zero.init import ZeroInitInterceptor
 from shardkit.strategies.zero.layout import ParameterPartitionLayout, ZeROLayout
-from shardkit.strategies.zero.strategy import ZeROStrategy, _prepare_deepspeed
+from shardkit.strategies.zero.strategy import ZeROStrategy, prepare_deepspeed
 
 __all__ = ["ZeRO3", "ZeROInfinity", "ZERO3_PARAMETERS", "is_zero3_partitioned"]
 
@@ -83,7 +83,7 @@ class ZeRO3(ZeROStrategy):
         The model's own init that runs after its submodules are built is run on the whole parameter, so
         the weights equal an unsharded build's from the same seed.
         """
-        _prepare_deepspeed(self.settings)
+        prepare_deepspeed(self.settings)
         import deepspeed
 
         # NOTE: zero.Init sizes its partitions from DeepSpeed's own comm layer, which wraps our
@@ -100,7 +100,7 @@ class ZeRO3(ZeROStrategy):
         # zero.Init partitions each submodule as soon as it is built; the model's own init that runs later
         # (Llama.reset_parameters, Hugging Face's post_init) is run on the gathered parameter instead of
         # the empty partition, so the weights equal an unsharded build's from the same seed.
-        stack.enter_context(_init.ZeroInitInterceptor())
+        stack.enter_context(ZeroInitInterceptor())
         return stack
 
     @override
@@ -108,6 +108,12 @@ class ZeRO3(ZeROStrategy):
         # Stage 3 runs DeepSpeed's parameter offload/partitioning alone (DeepSpeedZeRoOffload, reached as
         # engine.optimizer): the parameters stay partitioned, with no gradients or optimizer state.
         return config
+
+    @override
+    def generation_context(self, module: nn.Module,
+                           keep_unsharded: bool | None = None) -> contextlib.AbstractContextManager[str | None]:
+        """The engine's hooks gather each module's partitions in every forward and free them after."""
+        return contextlib.nullcontext("ZeRO-3 gathers each module's parameters in every forward")
 
     @override
     def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
@@ -174,6 +180,9 @@ class _ZeRO3Parameters:
     exit free a parameter that module still holds ("Cannot free a ZeRO-3 parameter while it is still
     active"). So parameters already AVAILABLE are left to the engine.
     """
+
+    def owns(self, param: Tensor) -> bool:
+        return hasattr(param, "ds_tensor")
 
     def is_partitioned(self, param: Tensor) -> bool:
         return is_zero3_partitioned(param)

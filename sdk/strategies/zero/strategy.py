@@ -32,7 +32,7 @@ from shardkit import checkpoint as ckpt
 from shardkit.distributed.process_group import backend_for_device
 from shardkit.optim.named import is_schedule_free
 from shardkit.strategies.base import param_list, replicated_gathered
-from shardkit.strategies.distributed import ProcessGroupStrategy
+from shardkit.strategies.parallel import ProcessGroupStrategy
 from shardkit.strategies.zero import checkpoint as zero_checkpoint
 from shardkit.strategies.zero.config import (
     NVME_PATH_ENV_VAR,
@@ -44,7 +44,7 @@ from shardkit.strategies.zero.config import (
 )
 from shardkit.strategies.zero.layout import FlatPartitionLayout, ZeROLayout
 
-__all__ = ["ZeROStrategy", "ZeRO1", "ZeRO2", "ZeROSettingsError"]
+__all__ = ["ZeROStrategy", "ZeRO1", "ZeRO2", "ZeROSettingsError", "prepare_deepspeed"]
 
 log = logging.getLogger("shardkit.strategies.zero")
 
@@ -61,6 +61,8 @@ class ZeROStrategy(ProcessGroupStrategy):
     Args:
         settings: the validated settings (the stage among them).
     """
+
+    keeps_master_copy = True  # 16-bit (or fp32) parameters and gradients beside DeepSpeed's fp32 master
 
     def __init__(self, settings: ZeROSettings):
         super().__init__(settings.timeout)
@@ -149,7 +151,7 @@ class ZeROStrategy(ProcessGroupStrategy):
 
     @override
     def setup(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None):
-        _prepare_deepspeed(self.settings)
+        prepare_deepspeed(self.settings)
         import deepspeed
 
         if optimizer is not None and self.settings.offload_optimizer:
@@ -375,7 +377,7 @@ def _set_clip(engine: Any, max_norm: float) -> None:
         engine.optimizer.clip_grad = max_norm
 
 
-def _prepare_deepspeed(settings: ZeROSettings) -> None:
+def prepare_deepspeed(settings: ZeROSettings) -> None:
     """Quiet DeepSpeed's INFO logs and build the C++ ops this run needs, with one line per build."""
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"

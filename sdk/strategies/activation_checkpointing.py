@@ -20,9 +20,7 @@ whose HF checkpointing is on is not patched a second time.
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -32,6 +30,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from shardkit.suggest import did_you_mean
+from shardkit.utils.operations import json_object
 
 __all__ = [
     "ActivationCheckpointing",
@@ -39,32 +38,20 @@ __all__ = [
     "apply_activation_checkpointing",
     "check_reentrant_supported",
     "checkpointed_modules",
-    "configure_deepspeed_checkpointing",
     "enable_gradient_checkpointing",
-    "from_deepspeed_section",
     "is_module_classes",
     "parse_checkpoint_kwargs",
     "resolve_activation_checkpointing",
     "resolve_module_classes",
 ]
 
-logger = logging.getLogger("shardkit.nn.checkpointing")
+logger = logging.getLogger("shardkit.strategies.activation_checkpointing")
 
 ModuleClasses = type | str | tuple  # a module class, a class name as configs spell it, or a tuple of them
 _MARK = "_shardkit_checkpointing"  # set on each patched block: the settings it was patched with
 # torch.utils.checkpoint.checkpoint's keywords a user may pass (HF's gradient_checkpointing_kwargs pass through).
 _TORCH_KWARGS = ("use_reentrant", "preserve_rng_state", "determinism_check", "debug", "context_fn", "early_stop")
-# DeepSpeed keys with nothing to act on here -> why (warned once each, by name, when set).
-_DS_NO_EFFECT = {
-    "partition_activations": "it splits checkpoints across DeepSpeed model-parallel ranks (an mpu), which "
-                             "shardkit's engines do not have; under TensorParallel use sequence_parallel=True, "
-                             "which shards the activations between blocks",
-    "contiguous_memory_optimization": "it copies partitioned checkpoints into one DeepSpeed buffer "
-                                      "(partition_activations only)",
-    "number_checkpoints": "it sizes contiguous_memory_optimization's buffer; the blocks checkpointed are the "
-                          "model's repeated blocks",
-    "profile": "it times deepspeed.checkpointing.checkpoint calls only; use torch.profiler for the blocks",
-}
+
 
 
 class ActivationCheckpointingError(ValueError):
@@ -110,8 +97,9 @@ class ActivationCheckpointing:
             (DeepSpeed's ``synchronize_checkpoint_boundary``; a no-op on a CPU).
         checkpoint_kwargs: further keywords for ``torch.utils.checkpoint.checkpoint``
             (``preserve_rng_state``, ``determinism_check``, ``debug``, ``context_fn``, ``early_stop``).
-        deepspeed: the DeepSpeed config's ``activation_checkpointing`` section this came from, if any; it also
-            configures ``deepspeed.checkpointing`` for models that call it themselves.
+        deepspeed: the DeepSpeed config's ``activation_checkpointing`` section this came from, if any; the
+            strategy also hands it to ``deepspeed.checkpointing`` for models that call it themselves
+            (``Strategy.configure_activation_checkpointing``).
     """
 
     blocks: bool | ModuleClasses = True
@@ -152,15 +140,8 @@ def parse_checkpoint_kwargs(value: Any, where: str = "gradient_checkpointing_kwa
     """Keywords for ``torch.utils.checkpoint.checkpoint`` from a dict or a JSON object string (as HF takes them)."""
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise ActivationCheckpointingError(f"{where} is not valid JSON ({err}): pass a dict or a JSON object "
-                                               "such as '{\"use_reentrant\": false}'") from None
-    if not isinstance(value, Mapping):
-        raise ActivationCheckpointingError(f"{where} must be a dict (or JSON object) of "
-                                           f"torch.utils.checkpoint.checkpoint keywords, not {type(value).__name__}")
+    value = json_object(value, where, "pass a dict (or JSON object) of torch.utils.checkpoint.checkpoint keywords "
+                        "such as '{\"use_reentrant\": false}'", error=ActivationCheckpointingError)
     unknown = [k for k in value if k not in _TORCH_KWARGS]
     if unknown:
         raise ActivationCheckpointingError(f"{where}: {unknown[0]!r} is not a torch.utils.checkpoint.checkpoint "
@@ -186,35 +167,6 @@ def resolve_activation_checkpointing(value: Any) -> ActivationCheckpointing | No
                                                "blocks, use_reentrant, offload_to_cpu, synchronize, "
                                                "checkpoint_kwargs") from None
     return ActivationCheckpointing(blocks=value)
-
-
-def from_deepspeed_section(section: Mapping[str, Any], where: str) -> ActivationCheckpointing:
-    """Settings for a DeepSpeed config's ``activation_checkpointing`` section (its keys already checked).
-
-    The section turns checkpointing of the repeated blocks on. ``cpu_checkpointing`` offloads the saved block
-    inputs to host memory and ``synchronize_checkpoint_boundary`` synchronises around each block, as in
-    DeepSpeed; ``partition_activations``, ``contiguous_memory_optimization``, ``number_checkpoints`` and
-    ``profile`` have nothing to act on here: each warns once, by name, when set.
-    """
-    from shardkit.config.common import ConfigError, warn_once
-
-    for key in ("partition_activations", "contiguous_memory_optimization", "cpu_checkpointing",
-                "synchronize_checkpoint_boundary", "profile"):
-        if not isinstance(section.get(key, False), bool):
-            raise ConfigError(f"activation_checkpointing.{key}={section[key]!r} in {where} must be true or false")
-    for key, why in _DS_NO_EFFECT.items():
-        if section.get(key) not in (None, False):
-            warn_once(f"deepspeed:activation_checkpointing.{key}",
-                      f"{where}: activation_checkpointing.{key}={section[key]!r} has no effect on shardkit's "
-                      f"checkpointing: {why}. It is still handed to deepspeed.checkpointing for a model that "
-                      "calls deepspeed.checkpointing.checkpoint itself")
-    if section.get("contiguous_memory_optimization") and not (
-            section.get("partition_activations") and section.get("number_checkpoints")):
-        raise ConfigError(f"activation_checkpointing.contiguous_memory_optimization=true in {where} needs "
-                          "partition_activations=true and number_checkpoints (DeepSpeed's own rule); turn it off")
-    return ActivationCheckpointing(blocks=True, offload_to_cpu=bool(section.get("cpu_checkpointing", False)),
-                                   synchronize=bool(section.get("synchronize_checkpoint_boundary", False)),
-                                   deepspeed=dict(section))
 
 
 def checkpointed_modules(module: nn.Module) -> list[nn.Module]:
@@ -354,37 +306,6 @@ def _check_reentrant_inputs(block: nn.Module, args: tuple, kwargs: Mapping[str, 
             f"use_reentrant=True: no positional input of {name} requires grad, so reentrant checkpointing would "
             "give its parameters no gradient (frozen embeddings, e.g. under LoRA); use use_reentrant=False, or "
             "make the inputs require grad (Hugging Face: model.enable_input_require_grads())")
-
-
-def configure_deepspeed_checkpointing(settings: ActivationCheckpointing | None) -> bool:
-    """Hand a DeepSpeed config's ``activation_checkpointing`` section to ``deepspeed.checkpointing``, for models
-    that call ``deepspeed.checkpointing.checkpoint`` themselves; True when it was configured.
-
-    Only where DeepSpeed is already imported (the model or the ZeRO engine imported it: a model that calls
-    deepspeed.checkpointing has) and a process group exists (DeepSpeed's comm layer wraps it).
-    """
-    if settings is None or settings.deepspeed is None or "deepspeed" not in sys.modules:
-        return False
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        logger.debug("shardkit: no process group; deepspeed.checkpointing left unconfigured")
-        return False
-    import deepspeed
-    import deepspeed.comm
-
-    if not deepspeed.comm.is_initialized():
-        deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
-                                        dist_init_required=False, verbose=False)
-    section = settings.deepspeed
-    deepspeed.checkpointing.configure(
-        None, partition_activations=bool(section.get("partition_activations", False)),
-        contiguous_checkpointing=bool(section.get("contiguous_memory_optimization", False)),
-        num_checkpoints=section.get("number_checkpoints"), checkpoint_in_cpu=bool(section.get("cpu_checkpointing",
-                                                                                               False)),
-        synchronize=bool(section.get("synchronize_checkpoint_boundary", False)),
-        profile=bool(section.get("profile", False)))
-    return True
 
 
 def with_options(settings: ActivationCheckpointing | None, **changes: Any) -> ActivationCheckpointing:

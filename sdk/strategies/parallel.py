@@ -82,6 +82,14 @@ class ProcessGroupStrategy(Strategy):
         self._held.clear()  # freed here, by this thread, with the GIL: see __init__
 
     @override
+    def configure_activation_checkpointing(self, settings: Any) -> None:
+        """A DeepSpeed config's section also configures ``deepspeed.checkpointing``, under every strategy with a
+        process group (DeepSpeed's comm layer wraps it), for a model that calls it in its own forward."""
+        from shardkit.strategies.zero.activation import configure_deepspeed_checkpointing
+
+        configure_deepspeed_checkpointing(settings)
+
+    @override
     def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
                             module: nn.Module | None = None) -> contextlib.AbstractContextManager[list[torch.Tensor]]:
         """Every rank holds whole parameters: yields them; with ``modifier_rank=r``, rank r's values are
@@ -169,6 +177,19 @@ class MeshStrategy(ProcessGroupStrategy):
         See :meth:`Strategy.gathered_parameters`; with ``modifier_rank=r`` rank r's writes are kept.
         """
         return _mesh.gathered_parameters(param_list(params), modifier_rank, module)
+
+    @override
+    def generation_context(self, module: nn.Module,
+                           keep_unsharded: bool | None = None) -> contextlib.AbstractContextManager[str | None]:
+        """FSDP2 units (FSDP, and TP's data-parallel dimension) stay gathered across decoding steps when the
+        extra bytes fit in half the free memory on every rank, or as ``keep_unsharded`` says."""
+        from shardkit.strategies._unshard import fsdp_unsharded
+
+        return fsdp_unsharded(module, self.root_device, keep_unsharded, self._any_rank)
+
+    def _any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0], device=self.root_device)
+        return bool(self.all_reduce(t, "max").item())
 
     @override
     def set_gradient_sync(self, module: nn.Module, enabled: bool) -> None:
