@@ -100,8 +100,8 @@ def _child(name: str, args: argparse.Namespace) -> dict:
     tokenizer = _tokenizer(vocab)
     data = _data(args.samples, args.max_length, len(tokenizer))
     model = _model(args.hidden, args.layers, len(tokenizer), args.max_length)
-    out = tempfile.mkdtemp(prefix="sft-bench-")
-    common = dict(output_dir=out, per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=1e-4,
+    out = tempfile.TemporaryDirectory(prefix="sft-bench-")  # save_strategy="no": nothing is written in it
+    common = dict(output_dir=out.name, per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=1e-4,
                   logging_steps=10**6, save_strategy="no", report_to="none", disable_tqdm=True,
                   max_length=args.max_length, packing=spec["packing"], padding_free=spec["padding_free"], seed=0)
     if spec.get("trl"):
@@ -128,6 +128,7 @@ def _child(name: str, args: argparse.Namespace) -> dict:
     before = _rss_kib("VmRSS")
     trainer.train()
     peak = (_rss_kib("VmHWM") - before) * 1024
+    out.cleanup()
     # Steps after --warmup: a fresh process's first steps fault pages in and warm the allocator, several times slower.
     timed = slice(args.warmup, args.steps)
     wall, cpu = (marks[args.steps - 1][i] - marks[args.warmup - 1][i] for i in (0, 1))
@@ -181,6 +182,7 @@ def main() -> None:
             results[result["name"]].append(result)
     peaks = {name: _run_child([name], args, mmap_threshold=True)[0]["peak"] for name in names}
     print(f"{machine_description()}; load average at the end {os.getloadavg()[0]:.1f}")
+
     def median(name: str, key: str) -> float:
         return statistics.median(r[key] for r in results[name])
 

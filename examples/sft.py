@@ -192,10 +192,17 @@ def main(model_args: ModelArguments, data_args: DataTrainingArguments, training_
         dataset_text_field=data_args.dataset_text_field,
         max_seq_length=data_args.max_seq_length,
     )
-    trainer.accelerator.print(f"{trainer.model}")
+    # The seed's lines below read the Trainer's Accelerate view (trainer.accelerator, issue 23's). A Trainer
+    # without it prints the same; the FSDP plugin settings change nothing in shardkit either way (its FSDP wraps
+    # the repeated blocks itself, and save_model writes the full state dict).
+    accelerator_view = hasattr(trainer, "accelerator")
+    if accelerator_view:
+        trainer.accelerator.print(f"{trainer.model}")
+    else:
+        trainer.runner.print(f"{trainer.model}")
     if model_args.use_peft_lora:
         trainer.model.print_trainable_parameters()
-        if getattr(trainer.accelerator.state, "fsdp_plugin", None):
+        if accelerator_view and getattr(trainer.accelerator.state, "fsdp_plugin", None):
             from peft.utils.other import fsdp_auto_wrap_policy
 
             fsdp_plugin = trainer.accelerator.state.fsdp_plugin
@@ -204,7 +211,7 @@ def main(model_args: ModelArguments, data_args: DataTrainingArguments, training_
     if training_args.resume_from_checkpoint is not None:
         checkpoint = training_args.resume_from_checkpoint
     result = trainer.train(resume_from_checkpoint=checkpoint)
-    if trainer.is_fsdp_enabled:
+    if accelerator_view and trainer.is_fsdp_enabled:
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
     trainer.save_model()
     return trainer, result

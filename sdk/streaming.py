@@ -28,7 +28,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from shardkit.data import RunnerDataLoader, move_to_device, rebuild_dataloader
+from shardkit.data import RunnerDataLoader, rebuild_dataloader
+from shardkit.utils.operations import move_to_device
 
 __all__ = ["ChunkedStream", "StreamPosition", "StreamingLoader", "is_stream", "rebuild_loader"]
 
