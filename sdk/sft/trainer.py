@@ -74,9 +74,12 @@ class SFTTrainer(Trainer):
         eval_dataset = _prepare(eval_dataset, tokenize, args, eval_packing, "eval")
         if data_collator is None:
             data_collator = _default_collator(model, tokenizer, args)
-        super().__init__(model, args, data_collator, train_dataset, eval_dataset, tokenizer, None, compute_loss_func,
-                         compute_metrics, callbacks, optimizers, preprocess_logits_for_metrics,
-                         strategy=strategy, precision=precision)
+        # Keywords: the Trainer's positional order follows Hugging Face's, which grows new arguments mid-list.
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=tokenizer, compute_loss_func=compute_loss_func,
+                         compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+                         preprocess_logits_for_metrics=preprocess_logits_for_metrics, strategy=strategy,
+                         precision=precision)
 
     @override
     def get_train_dataloader(self) -> DataLoader:
