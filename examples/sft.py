@@ -8,16 +8,17 @@
         --add_special_tokens False --append_concat_token False --splits "train,test" --max_seq_len 256 \\
         --num_train_epochs 1 --logging_steps 5 --log_level info --logging_strategy steps --eval_strategy epoch \\
         --save_strategy epoch --bf16 True --packing True --learning_rate 1e-4 --lr_scheduler_type cosine \\
-        --weight_decay 1e-4 --warmup_ratio 0.0 --max_grad_norm 1.0 --output_dir runs/sft-lora-fsdp \\
+        --weight_decay 1e-4 --warmup_steps 0 --max_grad_norm 1.0 --output_dir runs/sft-lora-fsdp \\
         --per_device_train_batch_size 8 --per_device_eval_batch_size 8 --gradient_accumulation_steps 4 \\
         --gradient_checkpointing True --use_reentrant False --dataset_text_field content --use_flash_attn True \\
         --use_peft_lora True --lora_r 8 --lora_alpha 16 --lora_dropout 0.1 --lora_target_modules all-linear \\
         --use_4bit_quantization False
 
 What differs from the seed: ``shardkit launch`` for ``accelerate launch``; ``--eval_strategy`` for
-``--evaluation_strategy`` (transformers 5 removed the old name); no ``--push_to_hub``/``--hub_*`` here (a tiny demo
-model has nowhere to go); ``--use_flash_attn True`` without the flash-attn package (or a GPU) runs shardkit's
-varlen attention instead, which keeps packed sequences apart as FlashAttention's varlen kernel does.
+``--evaluation_strategy`` and ``--warmup_steps 0`` for ``--warmup_ratio 0.0`` (transformers 5 removed both old
+names); no ``--push_to_hub``/``--hub_*`` here (a tiny demo model has nowhere to go); ``--use_flash_attn True``
+without the flash-attn package (or a GPU) runs shardkit's varlen attention instead, which keeps packed sequences
+apart as FlashAttention's varlen kernel does.
 """
 
 from __future__ import annotations

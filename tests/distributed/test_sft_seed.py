@@ -1,9 +1,10 @@
 """The FSDP seed's SFT command line (PEFT's examples/sft flow, /work/shared/seeds/002_*) through `shardkit launch
 --config_file fsdp_config.yaml` on 2 CPU processes, with LoRA and with 4-bit QLoRA, on a tiny local model.
 
-Changed from the seed, and why: the launcher's name; `--eval_strategy` for `--evaluation_strategy` (transformers 5
-removed it); no `--push_to_hub --hub_private_repo --hub_strategy` (nothing reaches the Hub from a test); sizes
-(`--max_seq_len 128`, batch 2, accumulation 2) scaled to a 40-conversation set so that a 2-rank epoch has steps.
+Changed from the seed, and why: the launcher's name; `--eval_strategy` for `--evaluation_strategy` and
+`--warmup_steps 0` for `--warmup_ratio 0.0` (transformers 5 removed both old names); no `--push_to_hub
+--hub_private_repo --hub_strategy` (nothing reaches the Hub from a test); sizes (`--max_seq_len 128`, batch 2,
+accumulation 2) scaled to a 40-conversation set so that a 2-rank epoch has steps.
 """
 
 import json
@@ -54,7 +55,7 @@ use_cpu: false
 SEED_FLAGS = """--seed 100 --model_name_or_path {model} --dataset_name {model}/chat --chat_template_format chatml
 --add_special_tokens False --append_concat_token False --splits train,test --max_seq_len 128 --num_train_epochs 1
 --logging_steps 1 --log_level info --logging_strategy steps --eval_strategy epoch --save_strategy epoch --bf16 True
---packing True --learning_rate 1e-4 --lr_scheduler_type cosine --weight_decay 1e-4 --warmup_ratio 0.0
+--packing True --learning_rate 1e-4 --lr_scheduler_type cosine --weight_decay 1e-4 --warmup_steps 0
 --max_grad_norm 1.0 --output_dir {out} --per_device_train_batch_size 2 --per_device_eval_batch_size 2
 --gradient_accumulation_steps 2 --gradient_checkpointing True --use_reentrant {reentrant} --dataset_text_field content
 --use_flash_attn True --use_peft_lora True --lora_r 8 --lora_alpha 16 --lora_dropout 0.1
