@@ -100,6 +100,7 @@ class Runner:
         self._scheduler: Any | None = None
         self._owners: dict[torch.optim.Optimizer, nn.Module] = {}  # every optimizer set up -> its model
         self._micro_step = 0  # position inside the accumulation window
+        self._window = self.gradient_accumulation_steps  # micro-batches in the current window (begin_window)
         self._boundary = False  # the last backward closed a window: step() will step
         self._clipped = False  # clip_gradients ran in this window
         self.optimizer_steps = 0
@@ -165,7 +166,7 @@ class Runner:
         self._module, self._optimizer, self._scheduler = model, optimizer, scheduler
         if optimizer is not None:
             self._owners[optimizer] = model
-        self._micro_step, self._boundary = 0, False
+        self._micro_step, self._boundary, self._window = 0, False, self.gradient_accumulation_steps
         self.strategy.set_gradient_sync(model, self.gradient_accumulation_steps == 1)
         if optimizer is None:
             return model
@@ -224,14 +225,41 @@ class Runner:
 
     # ---- the step -----------------------------------------------------------------------------
 
+    def begin_window(self, size: int) -> None:
+        """Make the accumulation window that starts now ``size`` micro-batches long (1 to
+        ``gradient_accumulation_steps``): its last backward closes it and ``step()`` steps. For the short last
+        window of an epoch; the windows after it are full again. Call it before the window's first forward."""
+        ga = self.gradient_accumulation_steps
+        if self._micro_step != 0:
+            raise RuntimeError(f"begin_window() in the middle of a window ({self._micro_step} of {self._window} "
+                               "micro-batches done): call it before a window's first forward")
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= ga:
+            raise ValueError(f"begin_window(size={size!r}): a window holds 1 to gradient_accumulation_steps={ga} "
+                             "micro-batches")
+        self._window = size
+        module = self._require("_module", "begin_window")
+        self.strategy.set_gradient_sync(module, size == 1)
+
+    def abandon_window(self) -> None:
+        """Drop the gradients of an unfinished accumulation window and start the next window afresh (after
+        an out-of-memory error in the middle of one, before retrying with a smaller batch)."""
+        module, optimizer = self._require("_module", "abandon_window"), self._optimizer
+        if optimizer is not None:
+            self.strategy.zero_grad(optimizer, module)
+        self._micro_step, self._boundary, self._clipped = 0, False, False
+        self._window = self.gradient_accumulation_steps
+        self.strategy.set_gradient_sync(module, self.gradient_accumulation_steps == 1)
+
     def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
         """Backward of one micro-batch's loss, averaged over the accumulation window."""
         module = model if model is not None else self._require("_module", "backward")
-        self.strategy.backward(loss, module, self.gradient_accumulation_steps)
-        self._micro_step = (self._micro_step + 1) % self.gradient_accumulation_steps
+        self.strategy.backward(loss, module, self._window)
+        self._micro_step = (self._micro_step + 1) % self._window
         self._boundary = self._micro_step == 0
+        if self._boundary:
+            self._window = self.gradient_accumulation_steps
         # The next forward must know whether its backward syncs (DDP reads the flag in forward).
-        self.strategy.set_gradient_sync(module, self._micro_step == self.gradient_accumulation_steps - 1)
+        self.strategy.set_gradient_sync(module, self._micro_step == self._window - 1)
 
     def clip_gradients(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip the gradients' total norm to ``max_norm`` and return the norm before clipping.
@@ -263,6 +291,13 @@ class Runner:
         self.strategy.zero_grad(optimizer, module)
         self._boundary = False
         return stepped
+
+    def record_step(self, scheduler: Any | None = None) -> None:
+        """Count an optimizer step the optimizer took by itself inside backward (LOMO, AdaLomo: their
+        ``fused_backward`` updates the weights from gradient hooks) and step ``scheduler`` after it."""
+        self.optimizer_steps += 1
+        if scheduler is not None:
+            scheduler.step()
 
     # ---- collectives --------------------------------------------------------------------------
 
@@ -334,17 +369,18 @@ class Runner:
 
     # ---- checkpoints --------------------------------------------------------------------------
 
-    def save(self, path: str | Path, state: dict[str, Any]) -> Path:
+    def save(self, path: str | Path, state: dict[str, Any], *, update_latest: bool = True) -> Path:
         """Save a checkpoint directory atomically.
 
         ``state`` maps names to models, optimizers, schedulers, data loaders and plain values; the
         precision's state, the accumulation position and every rank's RNG state are added. The
-        parent directory's ``latest`` pointer moves to the new save once it is complete.
+        parent directory's ``latest`` pointer moves to the new save once it is complete (unless
+        ``update_latest=False``: the Trainer finds its ``checkpoint-N`` folders by name).
         """
         saver = StateSaver(self.strategy, self._owner_of)
         with ckpt.CheckpointWriter(
             path, rank=self.rank, world_size=self.world_size, barrier=self.barrier, broadcast=self.broadcast,
-            keep_last=self.checkpoint_keep_last, info=self.strategy.checkpoint_info(),
+            keep_last=self.checkpoint_keep_last, info=self.strategy.checkpoint_info(), update_latest=update_latest,
         ) as writer:
             saver.save(writer, state)
             if self.is_main_process:
@@ -353,16 +389,21 @@ class Runner:
             writer.write_state(ckpt.rank_entry("rng", self.rank), ckpt.capture_rng_state())
         return Path(path)
 
-    def load(self, path: str | Path, state: dict[str, Any], *, verify: bool = True) -> dict[str, Any]:
+    def load(self, path: str | Path, state: dict[str, Any], *, verify: bool = True,
+             runner_state: bool = True) -> dict[str, Any]:
         """Restore the objects in ``state`` in place from a checkpoint; return its plain values.
 
         ``path`` may be a checkpoint directory or its parent (the ``latest`` pointer is followed).
         Every file read is checked against the manifest's sha256 in the same pass that reads it;
         ``verify=False`` skips the hashes (sizes, schema and paths are still checked).
+        ``runner_state=False`` restores only ``state``: the precision's loss scale, the step count,
+        the accumulation position and the RNG streams stay as they are (loading the best weights).
         """
         with ckpt.CheckpointReader(path, verify=verify) as reader:
             saver = StateSaver(self.strategy, self._owner_of)
             values = saver.load(reader, state)
+            if not runner_state:
+                return values
             self.precision.load_state_dict(reader.read_json("precision", check=ckpt.check_precision_state))
             self._load_runner_state(reader.read_json(_RUNNER_STATE, check=ckpt.check_runner_state))
             rng_name = ckpt.rank_entry("rng", self.rank)
@@ -379,6 +420,7 @@ class Runner:
 
     def _load_runner_state(self, state: dict[str, Any]) -> None:
         self._micro_step, self._boundary = state["micro_step"], state["boundary"]
+        self._window = self.gradient_accumulation_steps
         self.optimizer_steps = state["optimizer_steps"]
         if self._module is not None:
             last = self.gradient_accumulation_steps - 1
@@ -403,6 +445,7 @@ class Runner:
         self._module = self._optimizer = self._scheduler = self._loader = None
         self._owners.clear()
         self._micro_step, self._boundary, self._clipped = 0, False, False
+        self._window = self.gradient_accumulation_steps
 
     def teardown(self) -> None:
         """Release the process group and anything else the strategy holds."""

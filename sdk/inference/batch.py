@@ -61,10 +61,15 @@ def _dp_facts(dp_rank: int | None, dp_size: int | None) -> tuple[int, int]:
     return dp_rank, dp_size
 
 
+def _is_table(items: Any) -> bool:
+    """A ``datasets.Dataset`` (rows picked with ``select``), which Accelerate's split takes too."""
+    return callable(getattr(items, "select", None)) and hasattr(items, "__len__") and hasattr(items, "column_names")
+
+
 def _take(items: Any, start: int, stop: int) -> Any:
     if isinstance(items, dict):  # Accelerate's convention: split every value the same way
         return {k: _take(v, start, stop) for k, v in items.items()}
-    return items[start:stop]
+    return items.select(range(start, stop)) if _is_table(items) else items[start:stop]
 
 
 def _pad(part: Any, to: int) -> Any:
@@ -75,6 +80,8 @@ def _pad(part: Any, to: int) -> Any:
         return part
     if isinstance(part, torch.Tensor):
         return torch.cat([part, part[-1:].expand(missing, *part.shape[1:])])
+    if _is_table(part):
+        return part.select([*range(len(part)), *[len(part) - 1] * missing])
     return part + type(part)([part[-1]] * missing) if isinstance(part, (list, tuple)) else part
 
 
@@ -85,8 +92,8 @@ def _length(items: Any) -> int:
             raise ValueError(f"split_between_processes: the dict's values have different lengths {sorted(lengths)}; "
                              "every value must hold one entry per item")
         return lengths.pop() if lengths else 0
-    if not isinstance(items, (Sequence, torch.Tensor)) or isinstance(items, (str, bytes)):
-        raise TypeError(f"split_between_processes takes a list, tuple, tensor or dict of them, not "
+    if (not isinstance(items, (Sequence, torch.Tensor)) or isinstance(items, (str, bytes))) and not _is_table(items):
+        raise TypeError(f"split_between_processes takes a list, tuple, tensor, datasets.Dataset or dict of them, not "
                         f"{type(items).__name__}")
     return len(items)
 
@@ -94,7 +101,8 @@ def _length(items: Any) -> int:
 @contextlib.contextmanager
 def split_between_processes(items: Any, apply_padding: bool = False, *, dp_rank: int | None = None,
                             dp_size: int | None = None) -> Iterator[Any]:
-    """Yield this data-parallel rank's contiguous share of ``items`` (a list, tuple, tensor, or dict of them).
+    """Yield this data-parallel rank's contiguous share of ``items`` (a list, tuple, tensor, ``datasets.Dataset``,
+    or dict of them).
 
     Args:
         apply_padding: give every rank the same number of items by repeating its last one (a rank with none

@@ -9,6 +9,7 @@ the registry passes it (see :func:`shardkit.optim.registry.create_optimizer`).
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ __all__ = ["GaLoreTargetError", "MissingOptimizerPackage", "NAMED_FACTORIES", "O
            "parse_optim_args"]
 
 EXTRA_HINT = "pip install shardkit[optimizers]"
+logger = logging.getLogger("shardkit.optim")
 
 
 class MissingOptimizerPackage(ImportError):
@@ -82,47 +84,65 @@ def _literal(raw: str) -> Any:
 # ---- GaLore ---------------------------------------------------------------------------------------
 
 
-def _matches(name: str, entry: str) -> bool:
-    return name == entry or name.endswith("." + entry)
+def _target_match(targets: str | list[str], name: str) -> tuple[bool, bool]:
+    """(matched, by a regex) with Hugging Face's rules: a string is a full-match regex; a list entry matches
+    the name exactly, as a substring, or as a full-match regex."""
+    if isinstance(targets, str):
+        return bool(re.fullmatch(targets, name)), targets != name
+    if name in targets or any(t in name for t in targets):
+        return True, False
+    if any(re.fullmatch(t, name) for t in targets):
+        return True, True
+    return False, False
+
+
+def _choose_linear(model: nn.Module, targets: str | list[str], optim: str) -> tuple[list[nn.Module], list[str]]:
+    """The matched nn.Linear modules, and the non-Linear modules named without a regex (warned and skipped)."""
+    all_linear = isinstance(targets, str) and targets.replace("_", "-").lower() == "all-linear"
+    chosen, skipped = [], []
+    for name, module in model.named_modules():
+        found, by_regex = (False, False) if all_linear else _target_match(targets, name)
+        if not isinstance(module, nn.Linear):
+            if found and not by_regex and name:
+                skipped.append(f"{name} ({type(module).__name__})")
+            continue
+        if found or all_linear:
+            chosen.append(module)
+    if skipped:
+        logger.warning(f"optim={optim!r}: optim_target_modules matched {', '.join(skipped[:6])}"
+                       f"{' ...' if len(skipped) > 6 else ''}, which are not nn.Linear: skipped (GaLore projects "
+                       "nn.Linear weights only)")
+    return chosen, skipped
 
 
 def galore_target_parameters(model: nn.Module, targets: str | Sequence[str] | None,
                              optim: str = "galore_adamw") -> list[nn.Parameter]:
-    """The weights of the ``nn.Linear`` modules ``targets`` names: a list of module names (or dotted
-    suffixes; a string of comma-separated plain names reads as that list), a regex (``re.fullmatch`` on
-    module names; non-Linear matches are passed over), or ``"all-linear"`` (every Linear except an
-    output head named ``lm_head``).
+    """The weights of the ``nn.Linear`` modules ``targets`` names, by Hugging Face's rules: a string is a
+    full-match regex on module names (``"all-linear"``: every Linear); a list entry matches a name exactly, as a
+    substring, or as a full-match regex. Non-Linear matches are skipped (named in a warning when matched without
+    a regex). A string of comma-separated plain names that matches nothing as a regex is read as that list (what
+    ``--optim_target_modules q_proj,v_proj`` gives).
 
     Raises:
-        GaLoreTargetError: no targets, nothing matched, or a listed name is a module other than nn.Linear.
+        GaLoreTargetError: no targets, or no nn.Linear matched (the skipped modules and some Linear names listed).
     """
     if not targets:
         raise GaLoreTargetError(f"optim={optim!r} needs TrainingArguments.optim_target_modules: a list of module "
                                 "names, a regex, or 'all-linear'")
-    modules = [(n, m) for n, m in model.named_modules() if n]
-    if isinstance(targets, str) and re.fullmatch(r"[\w.]+(\s*,\s*[\w.]+)*", targets) and \
-            targets.replace("_", "-").lower() != "all-linear":
-        targets = [t.strip() for t in targets.split(",")]  # plain names, as a command line gives them: a list
-    if isinstance(targets, str) and targets.replace("_", "-").lower() == "all-linear":
-        chosen = [m for n, m in modules if isinstance(m, nn.Linear) and n.split(".")[-1] != "lm_head"]
-    elif isinstance(targets, str):
+    targets = targets if isinstance(targets, str) else list(targets)
+    for pattern in [targets] if isinstance(targets, str) else targets:
         try:
-            pattern = re.compile(targets)
+            re.compile(pattern)
         except re.error as err:
-            raise GaLoreTargetError(f"optim_target_modules={targets!r} is not a valid regex ({err})") from err
-        chosen = [m for n, m in modules if isinstance(m, nn.Linear) and pattern.fullmatch(n)]
-    else:
-        chosen = []
-        for n, m in modules:
-            if any(_matches(n, t) for t in targets):
-                if not isinstance(m, nn.Linear):
-                    raise GaLoreTargetError(f"optim_target_modules names {n!r}, a {type(m).__name__}: GaLore "
-                                            "projects nn.Linear weights only; name the Linear layers inside it")
-                chosen.append(m)
+            raise GaLoreTargetError(f"optim_target_modules entry {pattern!r} is not a valid regex ({err})") from err
+    chosen, skipped = _choose_linear(model, targets, optim)
+    if not chosen and isinstance(targets, str) and re.fullmatch(r"[\w.]+(\s*,\s*[\w.]+)*", targets):
+        chosen, skipped = _choose_linear(model, [t.strip() for t in targets.split(",")], optim)
     if not chosen:
-        linear = [n for n, m in modules if isinstance(m, nn.Linear)][:8]
+        linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:8]
+        also = f" (it matched only non-Linear modules: {', '.join(skipped[:6])})" if skipped else ""
         raise GaLoreTargetError(f"optim_target_modules={targets!r} matched no nn.Linear module of "
-                                f"{type(model).__name__}; its Linear modules include {linear}")
+                                f"{type(model).__name__}{also}; its Linear modules include {linear}")
     return [m.weight for m in chosen if m.weight.requires_grad]
 
 

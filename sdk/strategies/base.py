@@ -81,6 +81,25 @@ class Strategy(ABC):
         """How many different batches are processed per micro-step across the job."""
         return self.world_size
 
+    @property
+    def partitions_parameters(self) -> bool:
+        """Whether a rank holds only part of each parameter between steps (ZeRO-3, FSDP, TensorParallel), so
+        whole weights exist only inside ``gathered_parameters``. False: every rank holds every weight whole."""
+        return False
+
+    @property
+    def optimizer_parameters(self) -> str:
+        """What an optimizer over the set-up model steps: ``"whole"`` tensors on every rank (the default),
+        ``"shards"`` (each rank's DTensor shards: FSDP, TensorParallel) or ``"flat"`` (one flat 1-d partition
+        per param group: the ZeRO engines). An optimizer that needs whole matrices (GaLore) or per-parameter
+        state (GrokAdamW, LOMO) asks this instead of checking the strategy's class."""
+        return "whole"
+
+    def parameter_numel(self, param: torch.Tensor) -> int:
+        """Elements of ``param`` as the model defines it, however this strategy holds it between steps (a
+        ZeRO-3 partition counts whole). A DTensor's ``numel()`` is already its global size."""
+        return param.numel()
+
     def setup_environment(self) -> None:
         """Bring up the process group and device; called once by the Runner before any setup."""
         self.precision.setup_environment(self.root_device)

@@ -153,6 +153,16 @@ class MeshStrategy(ProcessGroupStrategy):
 
     mesh: DeviceMesh | None = None
 
+    @property
+    @override
+    def partitions_parameters(self) -> bool:
+        return True
+
+    @property
+    @override
+    def optimizer_parameters(self) -> str:
+        return "shards"
+
     @override
     def setup(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None):
         names = _mesh.parameter_names(module)

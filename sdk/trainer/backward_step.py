@@ -72,10 +72,6 @@ def backward_stepper(optimizer: Optimizer, runner: Any, args: Any) -> BackwardSt
 
 
 def _check(name: str, kind: str, runner: Any, args: Any) -> None:
-    from shardkit.precision import FP16
-    from shardkit.strategies.ddp import DDP
-    from shardkit.strategies.single import SingleDevice
-
     what = f"{name} updates each weight inside backward"
     if args.gradient_accumulation_steps > 1:
         raise BackwardStepError(f"{what}, so gradients cannot accumulate: gradient_accumulation_steps="
@@ -83,7 +79,8 @@ def _check(name: str, kind: str, runner: Any, args: Any) -> None:
                                 "per_device_train_batch_size for a bigger batch)")
     strategy = runner.strategy
     # Fused under DDP: each gradient is averaged across ranks in the hook, before the update (see setup()).
-    if not (isinstance(strategy, SingleDevice) or (kind == "fused" and type(strategy) is DDP)):
+    whole = strategy.optimizer_parameters == "whole" and not strategy.partitions_parameters
+    if not whole or (kind == "layerwise" and runner.world_size > 1):
         where = "one process or DDP" if kind == "fused" else "one process only"
         raise BackwardStepError(
             f"{what}, so it runs on {where} (strategy SingleDevice{', DDP' if kind == 'fused' else ''}), not "
@@ -92,7 +89,7 @@ def _check(name: str, kind: str, runner: Any, args: Any) -> None:
                "the ranks would drift apart (HF refuses it under DDP too); " if kind == "layerwise" else "")
             + "FSDP, ZeRO and tensor parallel replace or partition the parameters its hooks are on. Train on "
             "one process, or pick another optim (e.g. adamw_torch, galore_adamw)")
-    if isinstance(runner.precision, FP16):
+    if runner.precision.loss_scaling is not None:
         raise BackwardStepError(f"{what}, bypassing the Runner's step where FP16 unscales and checks for "
                                 "overflow: use bf16=True or fp32")
 
@@ -128,12 +125,14 @@ class BackwardStepper:
         """After ``runner.setup``: under DDP (fused kind) turn DDP's own gradient sync off for good and let the
         optimizer's hooks average each gradient across ranks (one all-reduce per parameter) before using it.
         lomo-optim 0.1.1 does this only on its DeepSpeed ZeRO-3 path; its ordinary path uses local gradients."""
-        from shardkit.strategies.ddp import DDP
-
-        if self.kind == "fused" and type(self.runner.strategy) is DDP:
+        if self.kind == "fused" and self.runner.world_size > 1:  # replicated weights (checked): DDP
             self.runner.strategy.set_gradient_sync(model, False)  # read by DDP at each forward
-            if self.runner.world_size > 1:
-                self.optimizer.grad_reducer = _average_across_ranks(self.runner.world_size)
+            self.optimizer.grad_reducer = _average_across_ranks(self.runner.world_size)
+
+    @property
+    def uses_runner_backward(self) -> bool:
+        """Whether backward goes through the Runner (layer-wise) rather than the optimizer's fused_backward."""
+        return self.kind == "layerwise"
 
     @property
     def clips(self) -> bool:
@@ -171,7 +170,5 @@ class BackwardStepper:
             self.runner.step()
             return None
         self.optimizer.step()  # a no-op; tells torch's scheduler the optimizer stepped before it
-        if scheduler is not None:
-            scheduler.step()
-        self.runner.optimizer_steps += 1
+        self.runner.record_step(scheduler)  # the Runner counts the step and steps the schedule
         return self._norm

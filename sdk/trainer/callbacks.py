@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
-from shardkit.trainer.state import TrainerControl, TrainerState
+from shardkit.suggest import did_you_mean
+from shardkit.trainer.state import ExportableState, TrainerControl, TrainerState
 
 __all__ = ["TrainerCallback", "CallbackHandler", "DefaultFlowCallback", "ProgressCallback", "PrinterCallback",
            "EarlyStoppingCallback", "ExportableState", "EVENTS"]
@@ -14,7 +17,7 @@ logger = logging.getLogger("shardkit.trainer")
 
 EVENTS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
           "on_pre_optimizer_step", "on_optimizer_step", "on_substep_end", "on_step_end", "on_evaluate", "on_predict",
-          "on_save", "on_log", "on_prediction_step")
+          "on_save", "on_log", "on_prediction_step", "on_push_begin")
 
 
 class TrainerCallback:
@@ -37,18 +40,7 @@ class TrainerCallback:
     def on_save(self, args, state, control, **kwargs): pass
     def on_log(self, args, state, control, logs=None, **kwargs): pass
     def on_prediction_step(self, args, state, control, **kwargs): pass
-
-
-class ExportableState:
-    """Mixin for callbacks whose state goes into checkpoints: ``state()`` returns
-    ``{"args": constructor kwargs, "attributes": values to restore}``; both must be JSON."""
-
-    def state(self) -> dict[str, Any]:
-        raise NotImplementedError("a stateful callback must implement state()")
-
-    def load_state(self, saved: dict[str, Any]) -> None:
-        for key, value in saved.get("attributes", {}).items():
-            setattr(self, key, value)
+    def on_push_begin(self, args, state, control, **kwargs): pass
 
 
 class CallbackHandler(TrainerCallback):
@@ -62,13 +54,23 @@ class CallbackHandler(TrainerCallback):
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.train_dataloader = None
         self.eval_dataloader = None
+        if not any(isinstance(cb, DefaultFlowCallback) for cb in self.callbacks):
+            logger.warning(f"the Trainer has no DefaultFlowCallback, so nothing decides when to log, evaluate or "
+                           f"save: add one with trainer.add_callback(DefaultFlowCallback). Its callbacks are:\n"
+                           f"{self.callback_list}")
+
+    @property
+    def callback_list(self) -> str:
+        """The callbacks' class names, one per line."""
+        return "\n".join(type(cb).__name__ for cb in self.callbacks)
 
     def add_callback(self, callback) -> None:
         cb = callback() if isinstance(callback, type) else callback
         cls = type(cb)
         if any(type(c) is cls for c in self.callbacks):
-            logger.warning("adding callback %s that is already present; the list is now %s", cls.__name__,
-                           [type(c).__name__ for c in self.callbacks] + [cls.__name__])
+            # Formatted here (not by the logger): the message must name the class wherever it is read.
+            logger.warning(f"adding callback {cls.__name__} that is already present; the callbacks are now "
+                           f"{[type(c).__name__ for c in self.callbacks] + [cls.__name__]}")
         self.callbacks.append(cb)
 
     def pop_callback(self, callback):
@@ -88,10 +90,21 @@ class CallbackHandler(TrainerCallback):
                 optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, train_dataloader=self.train_dataloader,
                 eval_dataloader=self.eval_dataloader, **kwargs,
             )
-            if result is not None:
+            if isinstance(result, Mapping):  # {"should_training_stop": True}: flags to set (the Trainer docs' form)
+                _apply_flags(control, result, type(cb).__name__, event)
+            elif result is not None:
                 control = result
         return control
 
+
+
+def _apply_flags(control: TrainerControl, flags: Mapping[str, Any], owner: str, event: str) -> None:
+    valid = [f.name for f in dataclasses.fields(TrainerControl)]
+    for key, value in flags.items():
+        if key not in valid:
+            raise ValueError(f"{owner}.{event} returned {{{key!r}: ...}}: not a TrainerControl flag"
+                             f"{did_you_mean(str(key), valid)} Flags: {valid}")
+        setattr(control, key, bool(value))
 
 
 def _router(name: str):
@@ -122,8 +135,11 @@ class DefaultFlowCallback(TrainerCallback):
             control.should_save = True
         if step >= state.max_steps:
             control.should_training_stop = True
+            # The last step is evaluated (unless it just was) and saved, whatever eval_steps/save_steps say.
+            if args.eval_strategy == "steps" and step % state.eval_steps and args.eval_delay <= step:
+                control.should_evaluate = True
             if args.save_strategy == "steps":
-                control.should_save = True  # HF saves the last step whatever save_steps says
+                control.should_save = True
         return control
 
     def on_epoch_end(self, args, state, control, **kwargs):
@@ -201,34 +217,41 @@ class EarlyStoppingCallback(TrainerCallback, ExportableState):
         early_stopping_threshold: how much better than the best a value must be to count as improving.
     """
 
-    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float = 0.0):
+    def __init__(self, early_stopping_patience: int = 1, early_stopping_threshold: float | None = 0.0):
         if early_stopping_patience < 1:
             raise ValueError(f"early_stopping_patience={early_stopping_patience} must be >= 1")
         self.early_stopping_patience = early_stopping_patience
-        self.early_stopping_threshold = early_stopping_threshold
+        self.early_stopping_threshold = early_stopping_threshold or 0.0
         self.early_stopping_patience_counter = 0
+
+    def check_metric_value(self, args, state, control, metric_value: float) -> None:
+        """Count ``metric_value`` against ``state.best_metric`` (the best before this evaluation)."""
+        best = state.best_metric
+        better = best is None or (metric_value > best if args.greater_is_better else metric_value < best)
+        if better and (best is None or abs(metric_value - best) > self.early_stopping_threshold):
+            self.early_stopping_patience_counter = 0
+        else:
+            self.early_stopping_patience_counter += 1
 
     def on_train_begin(self, args, state, control, **kwargs):
         if args.metric_for_best_model is None:
             raise ValueError("EarlyStoppingCallback needs TrainingArguments.metric_for_best_model (e.g. 'loss')")
         if args.eval_strategy == "no":
             raise ValueError("EarlyStoppingCallback needs evaluations: set eval_strategy to 'steps' or 'epoch'")
+        if not args.load_best_model_at_end:
+            logger.warning("EarlyStoppingCallback without load_best_model_at_end=True: when training stops, the "
+                           "last weights are kept, not the best ones")
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         name = args.metric_for_best_model
         key = name if name.startswith("eval_") else f"eval_{name}"
         value = (metrics or {}).get(key)
         if value is None:
-            logger.warning("early stopping: metric %r not in the evaluation's metrics %s; not counted", key,
-                           sorted(metrics or {}))
+            logger.warning(f"early stopping: metric {key!r} is not in the evaluation's metrics "
+                           f"{sorted(metrics or {})}; this evaluation is not counted")
             return
         # The Trainer updates state.best_metric after on_evaluate, so it still holds the previous best here.
-        best = state.best_metric
-        better = best is None or (value > best if args.greater_is_better else value < best)
-        if better and (best is None or abs(value - best) > self.early_stopping_threshold):
-            self.early_stopping_patience_counter = 0
-        else:
-            self.early_stopping_patience_counter += 1
+        self.check_metric_value(args, state, control, value)
         if self.early_stopping_patience_counter >= self.early_stopping_patience:
             control.should_training_stop = True
 

@@ -1,31 +1,52 @@
-"""Checkpoints of a Trainer run: the Runner's format (no pickle) plus trainer_state.json, rotation, best model."""
+"""Checkpoints of a Trainer run: the Runner's format (no pickle, exact resume) plus the files Hugging Face's tools
+read, rotation, the best checkpoint, and resuming from a checkpoint Hugging Face's Trainer wrote.
+
+:class:`Checkpointer` owns the files; the parts of the run save their own state into it: the model, optimizer,
+scheduler and data position through the Runner, the TrainerState and the callbacks as JSON, the
+:class:`~shardkit.trainer.loss_tracker.LossTracker` through its ``state_dict()``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardkit.checkpoint.format import MANIFEST
+from shardkit.trainer.hf_checkpoint import is_hf_checkpoint, load_hf_checkpoint, write_hf_files
 from shardkit.trainer.peft_support import checkpoint_module, is_peft_model, save_adapters
-from shardkit.trainer.state import TRAINER_STATE_NAME, TrainerState
+from shardkit.trainer.state import (
+    TRAINER_STATE_NAME,
+    ExportableState,
+    TrainerControl,
+    TrainerState,
+    export_callback_states,
+)
 
-__all__ = ["CheckpointMixin", "PREFIX_CHECKPOINT_DIR", "get_last_checkpoint", "sorted_checkpoints"]
+__all__ = ["CheckpointParts", "Checkpointer", "PREFIX_CHECKPOINT_DIR", "get_last_checkpoint", "sorted_checkpoints"]
+
+logger = logging.getLogger("shardkit.trainer")
 
 PREFIX_CHECKPOINT_DIR = "checkpoint"
-_MANIFEST = "shardkit.json"  # written last by the Runner's atomic save: its presence means complete
 _STATE_VALUE = "trainer_state"
 _NUMBERED = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 
+def _complete(path: Path) -> bool:
+    return (path / MANIFEST).is_file() or is_hf_checkpoint(path)
+
+
 def sorted_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete ``checkpoint-N`` directories in ``output_dir``, oldest (smallest N) first."""
+    """Complete ``checkpoint-N`` directories in ``output_dir`` (shardkit's or Hugging Face's), oldest first."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _NUMBERED.match(p.name)) and (p / _MANIFEST).is_file()]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NUMBERED.match(p.name)) and _complete(p)]
     return [p for _, p in sorted(found)]
 
 
@@ -35,143 +56,162 @@ def get_last_checkpoint(output_dir: str | Path) -> str | None:
     return str(found[-1]) if found else None
 
 
-class CheckpointMixin:
-    """Save, rotate, resume and select the best checkpoint; mixed into Trainer."""
+@dataclass
+class CheckpointParts:
+    """What a checkpoint holds, handed over by the Trainer at each save and load."""
 
-    def _checkpoint_state(self, full: bool) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": self._checkpoint_model()}
-        if full:
-            state.update(optimizer=self.optimizer, loader=self._train_loader)
-            if self.lr_scheduler is not None:
-                state["scheduler"] = self.lr_scheduler
-            state["tr_loss"] = self._pending_losses_state()
-        state[_STATE_VALUE] = json.dumps(self._state_for_save())
-        return state
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    loader: Any
+    state: TrainerState
+    control: TrainerControl
+    callbacks: list[Any]
+    losses: Any
+    processing_class: Any = None
+    data_collator: Any = None
 
-    def _checkpoint_model(self) -> Any:
-        """The "model" entry: a peft model's trainable parameters only (its base is frozen), else the model."""
-        return checkpoint_module(self.runner, self.model)
 
-    def _state_for_save(self) -> dict[str, Any]:
-        from dataclasses import asdict
+class Checkpointer:
+    """Saves, rotates and resumes ``checkpoint-N`` directories in ``args.output_dir``.
 
-        from shardkit.trainer.callbacks import ExportableState
+    Args:
+        runner: the Trainer's Runner (saves and loads the model, optimizer, scheduler and data position).
+        args: the TrainingArguments (output_dir, save_only_model, save_total_limit, restore_callback_states...).
+    """
 
-        self.state.stateful_callbacks = {type(cb).__name__: cb.state() for cb in self.callback_handler.callbacks
-                                         if isinstance(cb, ExportableState)}
-        self.state.stateful_callbacks["TrainerControl"] = self.control.state()
-        return asdict(self.state)
+    def __init__(self, runner: Any, args: Any):
+        self.runner, self.args = runner, args
 
-    def _save_checkpoint(self) -> Path:
-        """Save ``checkpoint-<global_step>`` and its trainer_state.json, then rotate old ones."""
-        from shardkit.trainer.optim_modes import to_eval
+    # ---- saving ----------------------------------------------------------------------------------
 
-        to_eval(self)  # schedule-free: the checkpoint holds the averaged weights (training swaps back)
-        path = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        self._note_best_checkpoint(path)
-        self.runner.save(path, self._checkpoint_state(full=not self.args.save_only_model))
-        if is_peft_model(self.runner.unwrap_model(self.model)):  # peft's files too, as HF's checkpoints hold
-            save_adapters(self.runner, self.model, path)
+    def save(self, parts: CheckpointParts) -> Path:
+        """Save ``checkpoint-<global_step>``: exact-resume state, Hugging Face's files, trainer_state.json."""
+        state = parts.state
+        path = Path(self.args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        self._note_best_checkpoint(state, path)
+        state.stateful_callbacks = export_callback_states([cb for cb in parts.callbacks
+                                                           if isinstance(cb, ExportableState)])
+        state.stateful_callbacks["TrainerControl"] = parts.control.state()
+        entries: dict[str, Any] = {"model": checkpoint_module(self.runner, parts.model)}
+        if not self.args.save_only_model:
+            entries.update(optimizer=parts.optimizer, loader=parts.loader)
+            if parts.scheduler is not None:
+                entries["scheduler"] = parts.scheduler
+            entries["tr_loss"] = parts.losses.state_dict()
+        entries[_STATE_VALUE] = json.dumps(dataclasses.asdict(state))
+        self.runner.save(path, entries, update_latest=False)
+        if is_peft_model(self.runner.unwrap_model(parts.model)):  # peft's files, as Hugging Face's checkpoints hold
+            save_adapters(self.runner, parts.model, path)
+        write_hf_files(self.runner, parts.model, path, parts.processing_class, parts.data_collator)
         if self.runner.is_main_process:
-            # A copy for people and tools; resume reads the copy saved atomically inside the checkpoint.
-            self.state.save_to_json(path / TRAINER_STATE_NAME)
-            self._rotate_checkpoints()
+            state.save_to_json(path / TRAINER_STATE_NAME)
+            (path / "training_args.json").write_text(self.args.to_json_string() + "\n")
+            self.rotate(state.best_model_checkpoint)
         self.runner.barrier("trainer-save")
-        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         return path
 
-    def _note_best_checkpoint(self, path: Path) -> None:
-        if self.state.best_global_step == self.state.global_step:
-            self.state.best_model_checkpoint = str(path)
+    def _note_best_checkpoint(self, state: TrainerState, path: Path) -> None:
+        # As Hugging Face: the best checkpoint is the one saved at the best evaluation's step, if one was.
+        if state.best_global_step is None:
+            return
+        best = path.parent / f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}"
+        if state.best_global_step == state.global_step or _complete(best):
+            state.best_model_checkpoint = str(best)
 
-    def _rotate_checkpoints(self) -> None:
+    def rotate(self, best_model_checkpoint: str | None) -> None:
+        """Keep ``save_total_limit`` newest checkpoints, and the best one whatever its age (with a limit of 1
+        and a best that is not the newest, 2 are kept, so the run can still resume)."""
         limit = self.args.save_total_limit
         if limit is None:
             return
         found = sorted_checkpoints(self.args.output_dir)
-        best = Path(self.state.best_model_checkpoint) if self.state.best_model_checkpoint else None
-        # The best is kept whatever its age; with limit 1 and a best that is not the newest, keep 2 (as HF).
+        best = Path(best_model_checkpoint) if best_model_checkpoint else None
         keep = limit + 1 if (limit == 1 and best is not None and best in found and best != found[-1]) else limit
         candidates = [p for p in found if p != best]
-        excess = len(found) - keep
-        for old in candidates[: max(excess, 0)]:
+        for old in candidates[: max(len(found) - keep, 0)]:
+            logger.info(f"deleting {old} (save_total_limit={limit})")
             shutil.rmtree(old, ignore_errors=True)
 
-    def _resolve_resume(self, resume: bool | str | None) -> Path | None:
+    # ---- resuming --------------------------------------------------------------------------------
+
+    def resolve(self, resume: bool | str | None) -> Path | None:
+        """The checkpoint ``resume_from_checkpoint`` names: True is the newest in output_dir, a path is that
+        checkpoint (or the newest inside it), None/False is none."""
         if resume is None or resume is False:
             return None
         if resume is True:
             last = get_last_checkpoint(self.args.output_dir)
             if last is None:
-                raise ValueError(f"resume_from_checkpoint=True but {self.args.output_dir} has no complete "
-                                 "checkpoint-N directory: train from scratch (resume_from_checkpoint=None) or pass "
-                                 "a checkpoint path")
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir}): it holds "
+                                 "no complete checkpoint-N for resume_from_checkpoint=True; train from scratch "
+                                 "(resume_from_checkpoint=None) or pass a checkpoint path")
             return Path(last)
         path = Path(resume)
-        if not (path / _MANIFEST).is_file():
+        if not _complete(path):
             last = get_last_checkpoint(path)
             if last is None:
-                raise ValueError(f"resume_from_checkpoint={str(resume)!r} is not a complete checkpoint "
-                                 f"(no {_MANIFEST}) and holds no checkpoint-N: pass a checkpoint directory or True")
+                raise ValueError(f"Can't find a valid checkpoint at {resume}: it is neither a complete checkpoint "
+                                 f"({MANIFEST}, or Hugging Face's trainer_state.json + model.safetensors) nor a "
+                                 "folder holding checkpoint-N ones; pass a checkpoint directory or True")
             path = Path(last)
         return path
 
-    def _load_checkpoint(self, path: Path) -> None:
-        """Restore model, optimizer, scheduler, data position, RNG and trainer state: O(1), no batch replay."""
-        state: dict[str, Any] = {"model": self._checkpoint_model(), "optimizer": self.optimizer,
-                                 "loader": self._train_loader}
-        if self.lr_scheduler is not None:
-            state["scheduler"] = self.lr_scheduler
-        state.update(tr_loss={}, **{_STATE_VALUE: ""})
+    def load(self, path: Path, parts: CheckpointParts) -> tuple[TrainerState, bool]:
+        """Restore everything from ``path``; returns (the saved TrainerState, whether the data position was
+        restored exactly). O(1): the data position is restored, no batch is replayed."""
+        if is_hf_checkpoint(path):
+            load_hf_checkpoint(self.runner, parts.model, parts.optimizer, parts.scheduler, path)
+            parts.losses.reset()
+            return TrainerState.load_from_json(path / TRAINER_STATE_NAME), False
+        entries: dict[str, Any] = {"model": checkpoint_module(self.runner, parts.model), "optimizer": parts.optimizer}
+        if parts.scheduler is not None:
+            entries["scheduler"] = parts.scheduler
+        entries.update(tr_loss={}, **{_STATE_VALUE: ""})
         try:
-            values = self.runner.load(path, state)
+            values = self.runner.load(path, entries)
         except Exception as err:
             if "optimizer" in str(err) and "no entry" in str(err):
                 raise ValueError(f"{path} was saved with save_only_model=True: it holds no optimizer, scheduler or "
                                  "data position to resume from; load its weights with load_model(), train anew"
                                  ) from err
             raise
-        saved = json.loads(values[_STATE_VALUE])
-        names = set(TrainerState.__dataclass_fields__)
-        self.state = TrainerState(**{k: v for k, v in saved.items() if k in names})
-        self._restore_pending_losses(values.get("tr_loss"))
-        self._restore_callback_states(self.state.stateful_callbacks)
+        where = f"{path} ({_STATE_VALUE})"
+        try:
+            saved = json.loads(values[_STATE_VALUE])
+        except (TypeError, json.JSONDecodeError) as err:
+            raise ValueError(f"{where} is not valid JSON ({err}): resume from another checkpoint") from None
+        state = TrainerState.from_dict(saved, where)
+        parts.losses.load_state_dict(values.get("tr_loss"), f"{path} (tr_loss)")
+        return state, self._load_loader(path, parts.loader)
 
-    def _restore_callback_states(self, saved: dict[str, Any]) -> None:
-        from shardkit.trainer.callbacks import ExportableState
+    def _load_loader(self, path: Path, loader: Any) -> bool:
+        """The data position; a dataset of another size (or seed) is logged and the position rebuilt."""
+        from shardkit import checkpoint as ckpt
 
-        for cb in self.callback_handler.callbacks:
-            name = type(cb).__name__
-            if isinstance(cb, ExportableState) and name in saved:
-                cb.load_state(saved[name])
-        control = saved.get("TrainerControl", {}).get("args")
-        if control:
-            for key, value in control.items():
-                setattr(self.control, key, value)
+        if loader is None:
+            return False
+        with ckpt.CheckpointReader(path) as reader:
+            entry = ckpt.rank_entry("loader", self.runner.rank)
+            if not reader.has(entry):
+                logger.warning(f"{path} has no data position for rank {self.runner.rank}: the position is derived "
+                               "from the step count")
+                return False
+            saved = reader.read_json(entry)
+        try:
+            loader.load_state_dict(saved)
+        except ValueError as err:
+            logger.warning(f"{path}: the data position cannot be restored exactly ({err}); training continues "
+                           "from the position the step count gives, over the current dataset")
+            return False
+        return True
 
-    def load_model(self, path: str | Path) -> None:
-        """Load only the model weights of a checkpoint (any strategy, any world size) into the Trainer's model."""
-        self._ensure_setup()
-        self.runner.load(path, {"model": self._checkpoint_model()})
+    def load_model(self, path: str | Path, model: Any) -> None:
+        """Only the model weights of a checkpoint (any strategy, any world size)."""
+        path = Path(path)
+        if is_hf_checkpoint(path):
+            from shardkit.checkpoint.hf import load_pretrained
 
-    def _load_best_model(self) -> None:
-        best = self.state.best_model_checkpoint
-        if best is None or not (Path(best) / _MANIFEST).is_file():
-            self.runner.logger.warning("load_best_model_at_end: no best checkpoint was saved; keeping the last weights")
+            load_pretrained(self.runner, model, path)
             return
-        if self.runner.is_main_process:
-            self.runner.logger.info("loading the best model from %s (%s=%s)", best, self.args.metric_for_best_model,
-                                    self.state.best_metric)
-        steps = self.runner.optimizer_steps
-        self.runner.load(best, {"model": self._checkpoint_model()})
-        self.runner.optimizer_steps = steps  # the weights go back; the count of steps taken does not
-
-    def _pending_losses_state(self) -> dict[str, Any]:
-        # Losses of the steps since the last log: the resumed run's next log averages the same steps.
-        return {"pending": [float(v) for v in self._gather_pending_losses()], "total": list(self._loss_total)}
-
-    def _restore_pending_losses(self, saved: Any) -> None:
-        saved = saved or {}
-        self._pending_global = [float(v) for v in saved.get("pending", [])]
-        self._loss_total = list(saved.get("total", [0.0, 0]))
-        self._pending_local = []
+        self.runner.load(path, {"model": checkpoint_module(self.runner, model)}, runner_state=False)

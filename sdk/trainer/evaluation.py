@@ -15,7 +15,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
 from shardkit.trainer.loss import LossMode, count_label_items, loss_from_logits
 from shardkit.trainer.optim_modes import to_eval
@@ -41,6 +40,7 @@ class EvalLoopOutput(NamedTuple):
     label_ids: Any
     metrics: dict[str, float]
     num_samples: int
+    num_steps: int = 0
 
 
 class PredictionOutput(NamedTuple):
@@ -87,12 +87,16 @@ class EvaluationMixin:
             for name, part in dataset.items():
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
+        self._memory.start("eval")
         self._ensure_setup()
+        self._prepare_full_eval()
         to_eval(self)  # schedule-free: evaluate the averaged weights
         start = time.perf_counter()
-        output = self.evaluation_loop(self._eval_loader(dataset), "Evaluation", self.compute_metrics is None
+        output = self.evaluation_loop(self.get_eval_dataloader(dataset), "Evaluation", self.compute_metrics is None
                                       or self.args.prediction_loss_only, ignore_keys, metric_key_prefix)
         metrics = self._finish_metrics(output, metric_key_prefix, start)
+        self._memory.stop("eval")
+        self._memory.update_metrics("eval", metrics)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
         return metrics
@@ -105,37 +109,49 @@ class EvaluationMixin:
         ``<output_dir>/predictions-<batch>.npy`` as they come, nothing is kept in memory, and
         ``predictions`` in the result is the list of those files.
         """
+        self._memory.start("test")
         self._ensure_setup()
+        self._prepare_full_eval()
         to_eval(self)  # schedule-free: evaluate the averaged weights
         start = time.perf_counter()
-        output = self.evaluation_loop(self._eval_loader(test_dataset), "Prediction", False, ignore_keys,
+        output = self.evaluation_loop(self.get_test_dataloader(test_dataset), "Prediction", False, ignore_keys,
                                       metric_key_prefix, stream_to=output_dir)
         metrics = self._finish_metrics(output, metric_key_prefix, start)
+        self._memory.stop("test")
+        self._memory.update_metrics("test", metrics)
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics=metrics)
         return PredictionOutput(output.predictions, output.label_ids, metrics)
+
+    def _prepare_full_eval(self) -> None:
+        """``fp16_full_eval``/``bf16_full_eval`` outside training: the model itself is cast (half the memory),
+        as Hugging Face does; during training evaluation keeps the training dtypes."""
+        args = self.args
+        dtype = torch.float16 if args.fp16_full_eval else torch.bfloat16 if args.bf16_full_eval else None
+        if dtype is None or self.is_in_train:
+            return
+        strategy = self.runner.strategy
+        if strategy.partitions_parameters or strategy.optimizer_parameters != "whole":
+            raise ValueError(f"{'fp16' if args.fp16_full_eval else 'bf16'}_full_eval casts the whole model, which "
+                             f"{type(strategy).__name__} keeps partitioned: use bf16=True / fp16=True (mixed "
+                             "precision) for evaluation under this strategy")
+        self.runner.unwrap_model(self.model_wrapped).to(dtype)
 
     def _finish_metrics(self, output: EvalLoopOutput, prefix: str, start: float) -> dict[str, float]:
         runtime = time.perf_counter() - start
         metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in output.metrics.items()}
         metrics[f"{prefix}_runtime"] = round(runtime, 4)
         metrics[f"{prefix}_samples_per_second"] = round(output.num_samples / max(runtime, 1e-9), 3)
+        metrics[f"{prefix}_steps_per_second"] = round(output.num_steps / max(runtime, 1e-9), 3)
         return metrics
-
-    def _eval_loader(self, dataset: Any):
-        # Set up anew for each run: gather_for_metrics drops the duplicates of the loader set up last.
-        loader = DataLoader(dataset, batch_size=self.args.per_device_eval_batch_size, shuffle=False,
-                            collate_fn=self._collator_for(dataset), num_workers=self.args.dataloader_num_workers,
-                            pin_memory=self.args.dataloader_pin_memory)
-        return self.runner.setup_dataloader(loader)
 
     def evaluation_loop(self, loader, description: str, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval",
                         stream_to: str | Path | None = None) -> EvalLoopOutput:
         """Loss over every sample once; predictions gathered per batch and moved to the CPU (or streamed)."""
-        model, runner, args = self.model, self.runner, self.args
+        model, args = self.model_wrapped, self.args
         model.eval()
         self.callback_handler.eval_dataloader = loader
-        losses, preds, labels, files, result = [], [], [], [], None
+        kept = _Kept(args.include_for_metrics, getattr(self.model, "main_input_name", "input_ids"))
         limit = args.fast_dev_run or None
         batch_metrics = args.batch_eval_metrics and self.compute_metrics is not None and not prediction_loss_only
         steps = len(loader) if limit is None else min(limit, len(loader))
@@ -143,40 +159,52 @@ class EvaluationMixin:
             if limit is not None and step >= limit:
                 break
             loss, logits, label = self.prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-            size = _batch_size(inputs)
             if loss is not None:
-                losses.append(runner.gather_for_metrics(loss.detach().float().reshape(1).repeat(size)).cpu())
+                size = _batch_size(inputs)
+                kept.losses.append(self.runner.gather_for_metrics(loss.detach().float().reshape(1).repeat(size)).cpu())
             logits = self._gather(logits) if logits is not None else None
             label = self._gather(label) if label is not None else None
             if logits is not None and self.preprocess_logits_for_metrics is not None:
                 logits = self.preprocess_logits_for_metrics(logits, label)
-            if batch_metrics:
-                result = self.compute_metrics(EvalPrediction(_to_numpy(logits), _to_numpy(label)),
-                                              compute_result=step == steps - 1)
-            elif stream_to is not None and logits is not None:
-                files.append(self._stream(logits, stream_to, step))
-            else:
-                preds.append(logits) if logits is not None else None
-                labels.append(label) if label is not None else None
+            if kept.want_inputs and isinstance(inputs.get(kept.input_name), torch.Tensor):
+                kept.inputs.append(self._gather(inputs[kept.input_name]))
+            if batch_metrics:  # tensors, as Hugging Face hands them (on the CPU, gathered from every rank)
+                kept.result = self.compute_metrics(self._prediction(logits, label, kept, last_only=True),
+                                                   compute_result=step == steps - 1)
+            if stream_to is not None and logits is not None:
+                kept.files.append(self._stream(logits, stream_to, step))
+            elif not batch_metrics or description == "Prediction":  # evaluate() with batch metrics keeps nothing
+                kept.add(logits, label)
             self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
         model.train()
-        return self._loop_output(losses, preds, labels, files, result if batch_metrics else None, steps, loader)
+        return self._loop_output(kept, batch_metrics, steps, loader)
 
-    def _loop_output(self, losses, preds, labels, files, batch_result, steps, loader) -> EvalLoopOutput:
-        predictions = files if files else (_to_numpy(_concat(preds)) if preds else None)
-        label_ids = _to_numpy(_concat(labels)) if labels else None
+    def _prediction(self, predictions: Any, label_ids: Any, kept: _Kept, last_only: bool = False) -> EvalPrediction:
+        """EvalPrediction with the inputs and per-sample losses ``include_for_metrics`` asks for."""
+        inputs = losses = None
+        if kept.want_inputs and kept.inputs:
+            inputs = kept.inputs[-1] if last_only else _to_numpy(_concat(kept.inputs))
+        if kept.want_loss and kept.losses:
+            losses = kept.losses[-1] if last_only else _to_numpy(torch.cat(kept.losses))
+        return EvalPrediction(predictions, label_ids, inputs=inputs, losses=losses)
+
+    def _loop_output(self, kept: _Kept, batch_metrics: bool, steps: int, loader) -> EvalLoopOutput:
+        concat = self.args.eval_do_concat_batches
+        predictions = kept.files or kept.joined(kept.preds, concat)
+        label_ids = kept.joined(kept.labels, concat)
         metrics: dict[str, float] = {}
-        if batch_result is not None:  # compute_result=True on the last batch returned the run's metrics
-            metrics = dict(batch_result)
-        elif self.compute_metrics is not None and predictions is not None and label_ids is not None and not files:
-            metrics = dict(self.compute_metrics(EvalPrediction(predictions, label_ids)))
-        all_losses = torch.cat(losses) if losses else None
+        if batch_metrics and kept.result is not None:  # compute_result=True on the last batch gave the metrics
+            metrics = dict(kept.result)
+        elif self.compute_metrics is not None and predictions is not None and label_ids is not None \
+                and not kept.files:
+            metrics = dict(self.compute_metrics(self._prediction(predictions, label_ids, kept)))
+        all_losses = torch.cat(kept.losses) if kept.losses else None
         if all_losses is not None:
             metrics["loss"] = float(all_losses.mean())
         num = len(all_losses) if all_losses is not None else steps * (loader.batch_size or 1)
         metrics = {k: (float(v) if isinstance(v, (np.floating, np.integer, torch.Tensor)) else v)
                    for k, v in metrics.items()}
-        return EvalLoopOutput(predictions, label_ids, metrics, num)
+        return EvalLoopOutput(predictions, label_ids, metrics, num, steps)
 
     def _gather(self, value: Any) -> Any:
         """gather_for_metrics for a tensor (or tuple of them) whose dims after the first may differ by rank."""
@@ -236,6 +264,33 @@ class EvaluationMixin:
         if not values:
             return None
         return values[0] if len(values) == 1 else values
+
+
+class _Kept:
+    """What an evaluation keeps across batches (gathered, on the CPU)."""
+
+    def __init__(self, include_for_metrics: list[str], input_name: str):
+        self.want_inputs, self.want_loss = "inputs" in include_for_metrics, "loss" in include_for_metrics
+        self.input_name = input_name
+        self.losses: list[torch.Tensor] = []
+        self.preds: list[Any] = []
+        self.labels: list[Any] = []
+        self.inputs: list[torch.Tensor] = []
+        self.files: list[str] = []
+        self.result: Any = None
+
+    def add(self, logits: Any, label: Any) -> None:
+        if logits is not None:
+            self.preds.append(logits)
+        if label is not None:
+            self.labels.append(label)
+
+    @staticmethod
+    def joined(parts: list[Any], concat: bool) -> Any:
+        """One array over the batches (``eval_do_concat_batches``), else the list of per-batch arrays."""
+        if not parts:
+            return None
+        return _to_numpy(_concat(parts)) if concat else [_to_numpy(p) for p in parts]
 
 
 def _loss_of(outputs: Any) -> torch.Tensor:

@@ -1,4 +1,10 @@
-"""save_model: the full weights, gathered from whatever strategy shards them, in a format loaders read."""
+"""save_model: the full weights in Hugging Face's format, streamed from whatever strategy shards them.
+
+The main process receives one module at a time (``Runner.iter_full_state_dict``) and writes safetensors
+shards as they arrive (``shardkit.checkpoint.hf.save_pretrained``): no rank ever holds the whole model, under
+ZeRO-3 and FSDP as on one process. An HF model's ``config.json``, the processing class and
+``training_args.json`` are written beside the weights, every file with a plain file's permissions.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 __all__ = ["full_state_dict", "save_full_model"]
 
 
 def full_state_dict(runner, model) -> dict[str, torch.Tensor]:
-    """Full (unsharded) CPU tensors of ``model``'s state dict; a collective: call it on every rank."""
+    """Full (unsharded) CPU tensors of ``model``'s state dict on every rank; a collective. It holds the whole model
+    on each rank at once (for tests and small models): save_model streams instead."""
     module = runner.unwrap_model(model)
     out = {}
     # ZeRO-3 partitions parameters outside this context; FSDP2 holds DTensors (full_tensor gathers).
@@ -24,29 +30,19 @@ def full_state_dict(runner, model) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_full_model(runner, model, output_dir: str | Path, processing_class: Any = None, args: Any = None) -> None:
-    """Write ``output_dir`` with the model's full weights (HF ``save_pretrained`` for PreTrainedModels,
-    ``model.safetensors`` otherwise), the processing_class, and training_args.json."""
-    state = full_state_dict(runner, model)
+def save_full_model(runner, model, output_dir: str | Path, processing_class: Any = None, args: Any = None,
+                    data_collator: Any = None) -> None:
+    """Write ``output_dir`` with the model's full weights (``model.safetensors``, or shards + index), its config,
+    the processing_class and training_args.json. Call on every rank."""
+    from shardkit.checkpoint.hf import save_pretrained
+    from shardkit.trainer.hf_checkpoint import public_permissions, save_processing_class
+
     out = Path(output_dir)
+    written = save_pretrained(runner, out, model)
     if runner.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        module = runner.unwrap_model(model)
-        if hasattr(module, "save_pretrained"):
-            module.save_pretrained(out, state_dict=state, safe_serialization=True)
-        else:
-            # safetensors refuses tensors that share storage (tied embeddings): save one copy of each.
-            seen: dict[int, str] = {}
-            unique = {}
-            for key, value in state.items():
-                ptr = value.untyped_storage().data_ptr()
-                if ptr in seen:
-                    continue
-                seen[ptr] = key
-                unique[key] = value.contiguous()
-            save_file(unique, str(out / "model.safetensors"), metadata={"format": "pt"})
-        if processing_class is not None and hasattr(processing_class, "save_pretrained"):
-            processing_class.save_pretrained(out)
+        save_processing_class(out, processing_class, data_collator)
         if args is not None:
             (out / "training_args.json").write_text(args.to_json_string() + "\n")
+        public_permissions(out, [p.name for p in written] + [p.name for p in out.iterdir()
+                                                              if p.suffix in (".json", ".txt", ".model")])
     runner.barrier("trainer-save-model")

@@ -27,8 +27,8 @@ from torch import nn
 
 from shardkit.suggest import did_you_mean
 
-__all__ = ["LIGER_KEYS", "apply_fused_kernels_for", "apply_model_prep", "check_model_prep_args", "compile_model",
-           "fused_kernel_options", "is_compiled", "maybe_compile"]
+__all__ = ["LIGER_KEYS", "NonFiniteOutputError", "apply_fused_kernels_for", "apply_model_prep", "check_model_prep_args",
+           "compile_model", "fused_kernel_options", "install_overflow_check", "is_compiled", "maybe_compile"]
 
 logger = logging.getLogger("shardkit.trainer")
 
@@ -170,6 +170,28 @@ def maybe_compile(model: nn.Module, args: Any) -> nn.Module:
 def is_compiled(model: nn.Module) -> bool:
     """Whether ``model`` or one of its submodules was compiled in place."""
     return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+
+
+class NonFiniteOutputError(FloatingPointError):
+    """``debug="underflow_overflow"``: a module's output held inf or NaN; the message names the module."""
+
+
+def install_overflow_check(model: nn.Module) -> list[Any]:
+    """``debug="underflow_overflow"``: a forward hook on every module raises at the first output holding inf or
+    NaN, naming the module (the first place it appears, not where the loss shows it steps later). Returns the
+    hook handles."""
+    import torch
+
+    def check(name: str):
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            tensors = output if isinstance(output, (tuple, list)) else [output]
+            for t in tensors:
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
+                    raise NonFiniteOutputError(f"debug='underflow_overflow': the output of {name or 'the model'} "
+                                         f"({type(module).__name__}) holds inf or NaN")
+        return hook
+
+    return [m.register_forward_hook(check(n)) for n, m in model.named_modules()]
 
 
 def apply_model_prep(model: nn.Module, args: Any) -> nn.Module:

@@ -93,17 +93,15 @@ def check_optimizer_strategy(optimizer: Any, strategy: Any) -> None:
     if optimizer is None:
         return
     name = type(strategy).__name__
-    flat = hasattr(strategy, "settings") and hasattr(strategy, "layout")  # the ZeRO family
+    layout = strategy.optimizer_parameters  # what the strategy hands the optimizer
+    flat = layout == "flat"  # the ZeRO engines: one 1-d partition per param group
     if flat and is_grokadamw(optimizer):
         raise OptimizerUnsupportedError(f"GrokAdamW cannot run under {name}: its step decays beta1 by each "
                                         "parameter's position and clips each parameter's gradient by itself, and "
                                         "ZeRO hands it one flat partition per param group instead of the parameters "
                                         "(it would run a different optimizer). Use GrokAdamW with SingleDevice, DDP "
                                         "or FSDP")
-    from shardkit.strategies.fsdp import FSDP
-    from shardkit.strategies.tensor_parallel import TensorParallel
-
-    sharded = isinstance(strategy, (FSDP, TensorParallel))  # parameters become DTensors
+    sharded = layout == "shards"  # FSDP, TensorParallel: DTensor shards
     _check_dtensor_steps(optimizer, name, sharded)
     if flat and isinstance(optimizer, torch.optim.Adafactor):
         logger.warning("adafactor under %s: ZeRO hands the optimizer 1-d flat partitions, so Adafactor keeps an "

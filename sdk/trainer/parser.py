@@ -109,7 +109,7 @@ class HfArgumentParser(argparse.ArgumentParser):
             return self.parse_file(args[0])
         namespace, remaining = self.parse_known_args(args)
         if remaining and not return_remaining_strings:
-            raise ValueError(f"unknown command-line arguments {remaining}; run with --help for the valid flags")
+            raise _unknown_flags(remaining, self._flag_names())
         outputs = self._build(vars(namespace))
         return (*outputs, remaining) if return_remaining_strings else tuple(outputs)
 
@@ -118,8 +118,11 @@ class HfArgumentParser(argparse.ArgumentParser):
         known = {f.name for dtype in self.dataclass_types for f in dataclasses.fields(dtype)}
         unknown = sorted(set(values) - known)
         if unknown and not allow_extra_keys:
+            from shardkit.trainer.argument_checks import OBSOLETE_ARGUMENTS
+
             # One line per key, as the config readers do, so each hint sits beside its own key.
-            lines = [f"unknown argument {k!r}{did_you_mean(k, known)}" for k in unknown]
+            lines = [f"argument {k!r}: {OBSOLETE_ARGUMENTS[k]}" if k in OBSOLETE_ARGUMENTS else
+                     f"unknown argument {k!r}{did_you_mean(k, known)}" for k in unknown]
             raise ValueError("\n".join(lines) + "\nremove or rename them")
         return tuple(self._build(values, defaults=False))
 
@@ -138,6 +141,9 @@ class HfArgumentParser(argparse.ArgumentParser):
             return self.parse_yaml_file(path, allow_extra_keys)
         raise ValueError(f"{path}: arguments files must end in .json, .yaml or .yml")
 
+    def _flag_names(self) -> list[str]:
+        return [f.name for dtype in self.dataclass_types for f in dataclasses.fields(dtype) if f.init]
+
     def _build(self, values: Mapping[str, Any], defaults: bool = True) -> list[Any]:
         outputs = []
         for dtype in self.dataclass_types:
@@ -145,6 +151,23 @@ class HfArgumentParser(argparse.ArgumentParser):
             kwargs = {k: v for k, v in values.items() if k in names}
             outputs.append(dtype(**kwargs))
         return outputs
+
+
+def _unknown_flags(remaining: list[str], known: list[str]) -> ValueError:
+    """The first unknown flag, with what replaced it (a name transformers removed) or the closest flag."""
+    from shardkit.trainer.argument_checks import OBSOLETE_ARGUMENTS
+
+    flags = [r for r in remaining if r.startswith("--")]
+    if not flags:
+        return ValueError(f"unexpected command-line values {remaining}; run with --help for the valid flags")
+    lines = []
+    for flag in flags:
+        name = flag[2:].split("=", 1)[0].replace("-", "_")
+        if name in OBSOLETE_ARGUMENTS:
+            lines.append(f"--{name}: {OBSOLETE_ARGUMENTS[name]}")
+        else:
+            lines.append(f"unknown command-line flag --{name}{did_you_mean(name, known, prefix='--')}")
+    return ValueError("\n".join(lines) + "\n(run with --help for the valid flags)")
 
 
 def _read_mapping(path: Path, kind: str) -> dict[str, Any]:

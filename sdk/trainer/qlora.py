@@ -9,7 +9,7 @@
 The Trainer's LoRA support (adapter-only checkpoints, ``save_model``) applies as to any PeftModel; a 4-bit base
 cannot be merged into an HF export here (its weights are not plain tensors): ``merge_adapters=True`` on it is
 refused by name. Before sharding, FSDP checks every 4-bit weight's storage dtype against the dtype it gathers in
-(:func:`shardkit.strategies._quant_storage.check_quant_storage`): a mismatch would scramble the packed data.
+(:func:`shardkit.strategies.quant_storage.check_quant_storage`): a mismatch would scramble the packed data.
 
 bitsandbytes 0.50.2 quantizes and runs 4-bit layers on the CPU too, so the whole path runs in CI; on a GPU the
 same calls use its CUDA kernels.

@@ -8,7 +8,7 @@ KNOWN, each with its reason (a check that starts passing fails here too, so that
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -45,7 +45,9 @@ KNOWN = {"test_script": {
 EXPECTED["test_script"] = [
     "init_state_check", "process_execution_check", "test_split_between_processes_list",
     "test_split_between_processes_nested_dict", "test_split_between_processes_tensor",
-    "test_split_between_processes_evenly", "rng_sync_check", "dl_preparation_check", "central_dl_preparation_check",
+    "test_split_between_processes_evenly",
+    *(["test_split_between_processes_dataset"] if importlib.util.find_spec("datasets") else []),  # run if installed
+    "rng_sync_check", "dl_preparation_check", "central_dl_preparation_check",
     "custom_sampler_check", "check_seedable_sampler", "check_seedable_sampler_with_data_seed",
     "check_seedable_sampler_in_batch_sampler_shard", "training_check(use_seedable_sampler=False)",
     "training_check(use_seedable_sampler=True)", "test_trigger", "test_reinstantiated_state"]

@@ -46,7 +46,7 @@ def _worker(out: str) -> dict:
     adalomo.train()
     losses = [h["loss"] for h in adalomo.state.log_history if "loss" in h]
     result["adalomo_losses"] = losses
-    result["weights"] = {name: p.detach().clone() for name, p in adalomo.model.module.named_parameters()}
+    result["weights"] = {name: p.detach().clone() for name, p in adalomo.model.named_parameters()}
     for strategy, optim, extra in [("ddp", "galore_adamw_layerwise", dict(optim_target_modules="all-linear")),
                                    ("fsdp", "adalomo", {})]:
         try:

@@ -193,12 +193,14 @@ def test_jsonl_report_and_nan_filter(tmp_path, caplog):
     class NaNAt(TrainerCallback):
         def on_step_begin(self, args, state, control, model=None, **kwargs):
             if state.global_step == 1:
-                trainer._pending_local.append(torch.tensor(float("nan")))
+                trainer.losses.add(torch.tensor(float("nan")))  # a step whose loss was NaN
 
     args = _args(tmp_path, max_steps=3, logging_steps=3, report_to="jsonl")
     trainer = Trainer(_llama(), args, train_dataset=text_data(), callbacks=[NaNAt()])
     trainer.train()
     lines = [json.loads(x) for p in Path(args.logging_dir).glob("*.jsonl") for x in p.read_text().splitlines()]
+    assert lines[0]["config"]["max_steps"] == 3  # the arguments first
+    lines = lines[1:]
     assert lines[0]["step"] == 3 and lines[0]["loss"] == lines[0]["loss"]  # finite
     assert "NaN/inf" in caplog.text
 

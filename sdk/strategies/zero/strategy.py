@@ -64,6 +64,11 @@ class ZeROStrategy(ProcessGroupStrategy):
 
     keeps_master_copy = True  # 16-bit (or fp32) parameters and gradients beside DeepSpeed's fp32 master
 
+    @property
+    @override
+    def optimizer_parameters(self) -> str:
+        return "flat"
+
     def __init__(self, settings: ZeROSettings):
         super().__init__(settings.timeout)
         self.settings = settings

@@ -1,0 +1,153 @@
+"""Checkpoints Hugging Face's tools read and write: from_pretrained on checkpoint-N, resuming a checkpoint HF's
+Trainer wrote (weights from safetensors, optimizer and scheduler only through weights_only loading), and the
+trainer state as hostile input (issue 23 item 1, issue 30)."""
+
+import json
+import logging
+import os
+import shutil
+import stat
+from unittest import mock
+
+import pytest
+import torch
+from trainer_tiny import Line, Regression, Tokens, tiny_llama
+
+from shardkit.checkpoint.format import CheckpointError
+from shardkit.trainer import Trainer, TrainerCallback, TrainerState, TrainerStateError, TrainingArguments
+from shardkit.trainer.loss_tracker import LossTracker
+
+
+def _args(out, **kw):
+    base = dict(output_dir=str(out), per_device_train_batch_size=4, learning_rate=1e-2, optim="adamw_torch",
+                disable_tqdm=True, seed=0, max_steps=2, save_strategy="steps", save_steps=2, logging_steps=1)
+    return TrainingArguments(**{**base, **kw})
+
+
+def _plain_mode(path) -> bool:
+    umask = os.umask(0)
+    os.umask(umask)
+    return stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~umask
+
+
+def test_checkpoint_and_save_model_load_with_from_pretrained(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    trainer = Trainer(tiny_llama(), _args(tmp_path / "out"), train_dataset=Tokens())
+    trainer.train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    for name in ("config.json", "model.safetensors", "trainer_state.json", "shardkit.json"):
+        assert (checkpoint / name).is_file(), name
+    loaded = LlamaForCausalLM.from_pretrained(checkpoint)
+    mine = trainer.model.state_dict()
+    assert all(torch.equal(v, mine[k]) for k, v in loaded.state_dict().items())
+    trainer.save_model(str(tmp_path / "export"))
+    again = LlamaForCausalLM.from_pretrained(tmp_path / "export")
+    assert all(torch.equal(v, mine[k]) for k, v in again.state_dict().items())
+    assert _plain_mode(tmp_path / "export" / "model.safetensors") and _plain_mode(checkpoint / "config.json")
+
+
+class _AtStart(TrainerCallback):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        self.step = state.global_step
+        self.weights = {k: v.clone() for k, v in model.state_dict().items()}
+        self.exp_avg = {id(p): optimizer.state[p]["exp_avg"].clone() for g in optimizer.param_groups
+                        for p in g["params"] if p in optimizer.state}
+        self.last_epoch = lr_scheduler.last_epoch
+
+
+def _hf_checkpoint(tmp_path):
+    """A checkpoint written by Hugging Face's own Trainer (transformers installed for the tests)."""
+    import transformers
+
+    # A single-process ZeRO run earlier in this process leaves LOCAL_RANK=0 (DeepSpeed's zero.Init reads it);
+    # HF's arguments would take it for a launcher's and wait for a process group.
+    with mock.patch.dict(os.environ):
+        os.environ.pop("LOCAL_RANK", None)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4,
+                                              learning_rate=1e-2, optim="adamw_torch", max_steps=2, save_steps=2,
+                                              use_cpu=True, report_to="none", disable_tqdm=True, seed=0)
+        hf = transformers.Trainer(tiny_llama(), args, train_dataset=Tokens())
+        hf.train()
+    return tmp_path / "hf" / "checkpoint-2", hf
+
+
+def test_resume_from_a_checkpoint_hugging_faces_trainer_wrote(tmp_path, caplog):
+    checkpoint, hf = _hf_checkpoint(tmp_path)
+    start = _AtStart()
+    trainer = Trainer(tiny_llama(seed=1), _args(tmp_path / "out", max_steps=4), train_dataset=Tokens(),
+                      callbacks=[start])
+    with caplog.at_level(logging.INFO, logger="shardkit.trainer"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert start.step == 2 and start.last_epoch == 2 and trainer.state.global_step == 4
+    hf_weights = hf.model.state_dict()
+    assert all(torch.equal(v, hf_weights[k]) for k, v in start.weights.items())
+    saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"]
+    names = [n for n, _ in trainer.model.named_parameters()]
+    by_name = dict(zip(names, trainer.model.parameters()))
+    # HF's group order: decayed weights first, then biases and norms; the same parameters, matched by name.
+    order = trainer.get_decay_parameter_names(trainer.model)
+    order += [n for n in names if n not in order]
+    assert all(torch.equal(start.exp_avg[id(by_name[n])], saved[i]["exp_avg"]) for i, n in enumerate(order))
+    assert f"resumed from {checkpoint} at step 2" in caplog.text
+
+
+def test_a_pickle_that_runs_code_is_never_loaded(tmp_path):
+    checkpoint, _ = _hf_checkpoint(tmp_path)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"state": Payload(), "param_groups": []}, checkpoint / "optimizer.pt")
+    trainer = Trainer(tiny_llama(seed=1), _args(tmp_path / "out", max_steps=3), train_dataset=Tokens())
+    with pytest.raises(CheckpointError, match="weights_only"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("content,field", [
+    ("{not json", "not valid JSON"), ("[1, 2]", "JSON object"), ('{"global_step": "abc"}', "'global_step'"),
+    ('{"log_history": "text"}', "'log_history'"), ('{"global_step": -5}', "'global_step'"),
+    ('{"global_step": 1000000000000, "max_steps": 10}', "past max_steps"),
+])
+def test_trainer_state_is_checked(tmp_path, content, field):
+    path = tmp_path / "trainer_state.json"
+    path.write_text(content)
+    with pytest.raises(TrainerStateError, match=field) as err:
+        TrainerState.load_from_json(path)
+    assert str(path) in str(err.value)
+
+
+def test_a_tampered_state_in_a_checkpoint_is_refused_naming_it(tmp_path):
+    checkpoint, _ = _hf_checkpoint(tmp_path)
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    state["global_step"] = "abc"
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    trainer = Trainer(tiny_llama(seed=1), _args(tmp_path / "out", max_steps=3), train_dataset=Tokens())
+    with pytest.raises(TrainerStateError, match="trainer_state.json: field 'global_step'"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    tracker = LossTracker(trainer.runner, True, True)
+    for bad in ([1.0], {"pending": "x"}, {"total": [float("nan"), 1]}, {"total": [1.0, -2]}, {"last": "a"}):
+        with pytest.raises(ValueError, match="tr_loss"):
+            tracker.load_state_dict(bad, "ckpt")
+
+
+def test_resuming_on_another_dataset_size_logs_and_continues(tmp_path, caplog):
+    args = dict(per_device_train_batch_size=2, optim="sgd", max_steps=6, save_steps=3, learning_rate=0.1)
+    Trainer(Line(), _args(tmp_path / "out", **args), train_dataset=Regression(16)).train()
+    trainer = Trainer(Line(), _args(tmp_path / "out", **args), train_dataset=Regression(20))
+    with caplog.at_level(logging.WARNING, logger="shardkit.trainer"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+    assert "cannot be restored exactly" in caplog.text and "20" in caplog.text
+    assert trainer.state.global_step == 6
+
+
+def test_a_missing_checkpoint_is_named(tmp_path):
+    trainer = Trainer(Line(), _args(tmp_path / "out", per_device_train_batch_size=2), train_dataset=Regression(8))
+    with pytest.raises(ValueError, match="Can't find a valid checkpoint at"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="No valid checkpoint found in output directory"):
+        trainer.train(resume_from_checkpoint=True)
+    shutil.rmtree(tmp_path / "out", ignore_errors=True)

@@ -1,0 +1,126 @@
+"""Batches as Hugging Face makes them, trainer.accelerator, the Hub seam, callbacks and the debug switches
+(issue 23 item 1)."""
+
+import logging
+
+import pytest
+import torch
+from trainer_tiny import Line, Regression, tiny_llama
+
+from shardkit.trainer import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    EarlyStoppingCallback,
+    ExportableState,
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+    default_data_collator,
+)
+from shardkit.trainer.callbacks import EVENTS
+from shardkit.trainer.hub import HubUploadUnavailable
+
+
+def _args(tmp_path, **kw):
+    return TrainingArguments(**{**dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, max_steps=1,
+                                       save_strategy="no", disable_tqdm=True), **kw})
+
+
+def test_a_tokenized_datasets_split_gives_tensors_and_raw_text_is_named(tmp_path):
+    import datasets
+
+    ids = [[i % 64 for i in range(j, j + 6)] for j in range(8)]
+    split = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids, "text": ["x"] * 8})
+    trainer = Trainer(tiny_llama(), _args(tmp_path), train_dataset=split)
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert isinstance(batch["input_ids"], torch.Tensor) and batch["input_ids"].shape == (2, 6)
+    trainer.train()
+    raw = datasets.Dataset.from_dict({"text": ["some words"] * 8})
+    with pytest.raises(ValueError, match="No columns in the dataset match the model's forward method signature"):
+        Trainer(tiny_llama(), _args(tmp_path), train_dataset=raw).train()
+    rows = [{"label": 1, "x": [1.0, 2.0], "note": "s"}, {"label": 0, "x": [3.0, 4.0], "note": "t"}]
+    batch = default_data_collator(rows)
+    assert batch["labels"].dtype == torch.long and batch["x"].shape == (2, 2) and "note" not in batch
+
+
+def test_accelerator_answers_or_names_the_runner(tmp_path):
+    model = Line()
+    trainer = Trainer(model, _args(tmp_path))
+    accelerator = trainer.accelerator
+    assert accelerator.is_main_process and accelerator.num_processes == 1 and accelerator.process_index == 0
+    assert accelerator.device == trainer.runner.device and accelerator.distributed_type == "NO"
+    assert accelerator.unwrap_model(torch.nn.DataParallel(model)) is model
+    assert getattr(accelerator.state, "fsdp_plugin", None) is None and accelerator.mixed_precision == "no"
+    assert not trainer.is_deepspeed_enabled and not trainer.is_fsdp_enabled and trainer.deepspeed is None
+    with pytest.raises(AttributeError, match="trainer.runner"):
+        accelerator.prepare(model)
+
+
+def test_push_to_hub_is_refused_clearly_until_the_upload_exists(tmp_path):
+    with pytest.raises(HubUploadUnavailable, match="upload_folder"):
+        Trainer(Line(), _args(tmp_path, push_to_hub=True, hub_model_id="me/model"))
+
+    class Pushes(TrainerCallback):
+        began = 0
+
+        def on_push_begin(self, args, state, control, **kwargs):
+            Pushes.began += 1
+
+    trainer = Trainer(Line(), _args(tmp_path, hub_strategy="checkpoint"), callbacks=[Pushes])
+    with pytest.raises(HubUploadUnavailable):
+        trainer.push_to_hub()
+    assert Pushes.began == 1 and "on_push_begin" in EVENTS
+
+
+def test_callbacks_as_hugging_face_defines_them(caplog):
+    class Counter(TrainerCallback, ExportableState):
+        def __init__(self, name="a"):
+            self.name, self.count = name, 0
+
+        def state(self):
+            return {"args": {"name": self.name}, "attributes": {"count": self.count}}
+
+    restored = Counter.from_state({"args": {"name": "b"}, "attributes": {"count": 5}})
+    assert (restored.name, restored.count) == ("b", 5)
+    stopper = EarlyStoppingCallback(early_stopping_patience=2, early_stopping_threshold=0.1)
+    control = TrainerControl()
+
+    class Args:
+        greater_is_better = True
+
+    stopper.check_metric_value(Args(), TrainerState(best_metric=0.8), control, 0.85)  # within the threshold
+    assert stopper.early_stopping_patience_counter == 1
+    with caplog.at_level(logging.WARNING, logger="shardkit.trainer"):
+        handler = CallbackHandler([Counter, Counter], None, None, None, None)
+    assert "Counter" in caplog.text and "DefaultFlowCallback" in caplog.text
+    assert handler.callback_list == "Counter\nCounter"
+    assert CallbackHandler([DefaultFlowCallback], None, None, None, None).pop_callback(Counter) is None
+
+
+def test_debug_underflow_overflow_names_the_module(tmp_path):
+    class Blows(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Linear(1, 1)
+
+        def forward(self, input_x, labels=None):
+            y = self.inner(input_x[:, None]) * float("inf")
+            return (torch.nn.functional.mse_loss(y[:, 0], labels), y)
+
+    trainer = Trainer(Blows(), _args(tmp_path, debug="underflow_overflow"), train_dataset=Regression(8))
+    with pytest.raises(FloatingPointError, match="the model .Blows. holds inf or NaN"):
+        trainer.train()
+
+
+def test_memory_metrics_and_full_determinism(tmp_path):
+    try:
+        trainer = Trainer(Line(), _args(tmp_path, skip_memory_metrics=False, full_determinism=True),
+                          train_dataset=Regression(8), eval_dataset=Regression(4))
+        assert torch.are_deterministic_algorithms_enabled()
+        metrics = trainer.train().metrics
+        assert {"init_mem_cpu_alloc_delta", "train_mem_cpu_alloc_delta", "train_mem_cpu_peaked_delta"} <= set(metrics)
+        assert "eval_mem_cpu_alloc_delta" in trainer.evaluate()
+    finally:
+        torch.use_deterministic_algorithms(False)
