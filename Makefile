@@ -6,7 +6,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
-export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
+# `make demo` builds the C++ ops where a plain `python train.py` looks for them (TORCH_EXTENSIONS_DIR, else
+# torch's per-user cache, ~/.cache/torch_extensions/py*_cpu), so they are built once; the tests keep theirs apart.
+test lint: export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
 .PHONY: demo test lint clean

@@ -74,11 +74,19 @@ def swiglu_eager(gate, up):
     return F.silu(gate) * up
 
 
+def geglu_eager(gate, up):
+    return F.gelu(gate, approximate="tanh") * up  # Gemma's MLP
+
+
+def layer_norm_eager(x, w, b):
+    return F.layer_norm(x, x.shape[-1:], w, b)
+
+
 # ---- per-op forward+backward ----------------------------------------------------------------------------
 
 def _leaf(*shape, dtype, device, seed, grad=True):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(device, dtype).requires_grad_(grad)
+    return torch.randn(shape, generator=g).to(device, dtype).requires_grad_(grad)
 
 
 def _clear_grads(tensors: list[torch.Tensor]) -> Fn:
@@ -132,11 +140,16 @@ def _liger_functional():
 # Per op (by registered name): the torch eager version Hugging Face's modeling code runs (default: the op's own
 # reference) and Liger-Kernel's functional version (default: none). Ops with a section of their own below
 # (fused linear cross-entropy, AdamW) are left out of the per-op table.
-_EAGER: dict[str, Callable] = {"rms_norm": rms_norm_eager, "rope": rope_eager, "swiglu": swiglu_eager}
+_EAGER: dict[str, Callable] = {"rms_norm": rms_norm_eager, "rope": rope_eager, "swiglu": swiglu_eager,
+                               "geglu": geglu_eager, "layer_norm": layer_norm_eager}
 _LIGER: dict[str, Callable] = {"rms_norm": lambda lg: lambda x, w: lg.liger_rms_norm(x, w, 1e-6),
-                               "rope": lambda lg: lg.liger_rope, "swiglu": lambda lg: lg.liger_swiglu}
+                               "rope": lambda lg: lg.liger_rope, "swiglu": lambda lg: lg.liger_swiglu,
+                               "geglu": lambda lg: lg.liger_geglu,
+                               "layer_norm": lambda lg: lambda x, w, b: lg.liger_layer_norm(x, w, b, 1e-5),
+                               "cross_entropy": lambda lg: lambda z, t: lg.liger_cross_entropy(z, t)}
 _OWN_SECTION = ("fused_linear_cross_entropy",)
-_CPU_FP32_ONLY = ("rope", "swiglu")  # bf16 on CPU only for rms_norm: keeps the CPU run near 5 minutes
+# bf16 on CPU only for rms_norm: keeps the CPU run near 5 minutes
+_CPU_FP32_ONLY = ("rope", "swiglu", "geglu", "layer_norm", "cross_entropy")
 
 
 def _case(spec: OpSpec, device: str, dtype: torch.dtype, quick: bool, lg) -> OpCase:
@@ -166,10 +179,12 @@ def op_cases(device: str, quick: bool) -> list[OpCase]:
 
 
 def _our_backends(device: str, op: str = "rms_norm") -> list[str]:
-    """The op's native backends that run here, best first: cpp on CPU; cuda and triton on a GPU."""
-    kernel = get_op(op).native_kernels[0]
-    return [b for b in available_backends(device, kernel) if b != "reference" and
-            (device != "cpu" or b != "triton")]
+    """The op's fused backends that run here, best first: cpp on CPU; cuda and triton on a GPU. An op with no
+    native kernel (layer_norm, cross_entropy: Triton only) runs its reference on CPU."""
+    spec = get_op(op)
+    kernel = (spec.native_kernels or tuple(spec.kernels))[0]
+    found = [b for b in available_backends(device, kernel) if b != "reference" and (device != "cpu" or b != "triton")]
+    return found or ["reference"]
 
 
 def bench_ops(device: str, quick: bool) -> str:

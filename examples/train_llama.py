@@ -83,7 +83,7 @@ def train(args: argparse.Namespace) -> float:
     if args.resume and (args.out / "latest").exists():
         runner.load(args.out, state)
         runner.print(f"resumed from {args.out} at step {runner.optimizer_steps}")
-    n_params = sum(p.numel() for p in runner.unwrap_model(model).parameters())
+    n_params = runner.num_parameters(model)  # whole counts under ZeRO-3 and FSDP too
     runner.print(f"{runner}\nmodel: {n_params / 1e6:.2f}M parameters, {len(dataset)} examples of {args.seq_len} bytes")
 
     bar = tqdm(total=args.steps, initial=runner.optimizer_steps, disable=not runner.is_main_process, unit="step")

@@ -2,7 +2,7 @@
 
     python examples/trainer_causal_lm.py --output_dir out/clm --max_steps 50
     python examples/trainer_causal_lm.py --model hf --output_dir out/clm-hf --max_steps 50   # tiny HF Llama
-    shardkit launch --config_file shared/fixtures/accelerate/fsdp.yaml examples/trainer_causal_lm.py --output_dir o
+    shardkit launch --config_file examples/configs/fsdp.yaml examples/trainer_causal_lm.py --output_dir o
     python examples/trainer_causal_lm.py --output_dir out/clm --max_steps 100 --resume_from_checkpoint out/clm
 
 Every TrainingArguments field is a flag (``--learning_rate 3e-3 --gradient_accumulation_steps 4 ...``);

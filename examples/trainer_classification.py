@@ -1,7 +1,7 @@
 """Fine-tune a small Hugging Face sequence classifier, built from a config, on locally generated data.
 
     python examples/trainer_classification.py --output_dir out/cls --num_train_epochs 3
-    shardkit launch --config_file shared/fixtures/accelerate/fsdp.yaml examples/trainer_classification.py --output_dir o
+    shardkit launch --config_file examples/configs/fsdp.yaml examples/trainer_classification.py --output_dir o
 
 The task: does a sequence of random tokens contain token 7 more often than token 9? Accuracy comes
 from compute_metrics; the model is a 2-layer Llama classifier with random weights (nothing downloaded).

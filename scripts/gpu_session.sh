@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # What a session with a lent GPU runs first (device tool, one call): the CUDA and Triton kernel tests on the GPU,
-# then the kernel benchmark. Logs go to $OUT (the device tool's return folder) or ./gpu_logs.
-# Usage: bash scripts/gpu_session.sh [tests|bench|all]
+# then the kernel benchmark, then the end-to-end training benchmark (benchmarks/gpu_e2e.py: a 1B Llama, plain HF vs
+# HF+Liger (when installed) vs HF+shardkit kernels, eager and compiled, FP8 beside bf16). Logs go to $OUT (the
+# device tool's return folder) or ./gpu_logs.
+# Usage: bash scripts/gpu_session.sh [tests|bench|e2e|all]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
@@ -17,4 +19,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
     timeout 500 python3 benchmarks/kernels.py 2>&1 | tee "$out/kernel_bench.log" | tail -80
+fi
+if [ "$what" = e2e ] || [ "$what" = all ]; then
+    # ~1 min per variant (8 variants; the compiled ones compile in their warmup steps)
+    timeout 580 python3 benchmarks/gpu_e2e.py ${E2E_ARGS:-} 2>&1 | tee "$out/e2e_bench.log" | tail -20
 fi

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from typing import Sequence
 
@@ -39,13 +40,30 @@ def _unavailable(name: str, module: str, help_text: str, error: ImportError,
     parser.set_defaults(func=run, accepts_any_arguments=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every subcommand of `COMMANDS` registered."""
+def _chosen(argv: Sequence[str] | None) -> str | None:
+    """The subcommand named on the command line (the first argument that is one), if any."""
+    names = {name for name, _, _ in COMMANDS}
+    return next((arg for arg in argv or () if arg in names), None)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand of `COMMANDS` registered.
+
+    With ``argv``, only the subcommand it names is imported (the others are listed by their help line), so
+    that ``shardkit --help`` and ``shardkit env`` do not import what other subcommands need.
+    """
     parser = argparse.ArgumentParser(prog="shardkit", description="shardkit: train PyTorch models on one "
                                                                   "device or many.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chosen = _chosen(argv) if argv is not None else None
     for name, module, help_text in COMMANDS:
+        if argv is not None and name != chosen:
+            # NOTE: only the top package is looked up: find_spec of a submodule imports its parents (torch).
+            missing = importlib.util.find_spec(module.split(".")[0]) is None
+            subparsers.add_parser(name, help=f"{help_text} [unavailable: {module} missing]" if missing else help_text,
+                                  add_help=False)
+            continue
         try:
             register = importlib.import_module(module).register
         except ImportError as err:
@@ -57,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `shardkit` console script; returns the exit code."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "accepts_any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

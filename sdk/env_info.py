@@ -14,7 +14,7 @@ from pathlib import Path
 __all__ = ["collect_environment", "format_environment", "register"]
 
 NOT_INSTALLED = "not installed"
-_PACKAGES = ("deepspeed", "triton", "transformers", "safetensors", "numpy")
+_PACKAGES = ("deepspeed", "triton", "transformers", "accelerate", "peft", "bitsandbytes", "safetensors", "numpy")
 _ENV_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "TORCH_EXTENSIONS_DIR", "OMP_NUM_THREADS", "CUDA_HOME")
 
 
@@ -71,6 +71,36 @@ def _torch_facts() -> dict[str, str]:
     return facts
 
 
+def _ops_facts() -> dict[str, str]:
+    """Whether the C++ ops are built (without building them), the CPU kernel backend that runs, libaio."""
+    try:
+        from shardkit.ops import BUILDER, forced_backend
+        from shardkit.strategies.zero.config import libaio_available
+    except Exception as err:  # noqa: BLE001 - a report never fails on one fact.
+        return {"C++ ops": f"unknown ({type(err).__name__}: {err})"}
+    root = BUILDER.build_root()
+    if BUILDER._aot_library() is not None:
+        built = f"built ahead of time ({BUILDER._aot_library()})"
+    else:
+        try:
+            marker = root / f".built-{BUILDER.fingerprint()}"
+            state = marker.read_text().strip() if marker.is_file() else ""
+        except OSError:
+            state = ""
+        built = (f"built ({root})" if state == "ok" else f"build failed ({state[5:].strip()})"
+                 if state.startswith("fail:") else f"not built yet: built on first use into {root}")
+    facts = {"C++ ops": built}
+    try:
+        forced = forced_backend()
+    except ValueError as err:
+        forced, facts["kernel backend (CPU)"] = None, str(err)
+    if "kernel backend (CPU)" not in facts:
+        facts["kernel backend (CPU)"] = (f"{forced} (forced by SHARDKIT_KERNEL_BACKEND)" if forced else
+                                         "cpp" if built.startswith("built") else "reference until the C++ ops build")
+    facts["libaio (NVMe offload)"] = "found" if libaio_available() else "not found (apt-get install libaio-dev)"
+    return facts
+
+
 def collect_environment() -> dict[str, str]:
     """Every fact of the report as name -> value; absent packages and tools say so."""
     from shardkit.distributed.process_group import cpu_budget
@@ -80,6 +110,7 @@ def collect_environment() -> dict[str, str]:
              "platform": platform.platform()}
     facts.update(_torch_facts())
     facts.update({name: _version(name) for name in _PACKAGES})
+    facts.update(_ops_facts())
     facts["C++ compiler"] = _first_line([os.environ.get("CXX", "g++"), "--version"])
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     nvcc = str(Path(cuda_home, "bin", "nvcc")) if cuda_home and Path(cuda_home, "bin", "nvcc").exists() else "nvcc"
@@ -116,6 +147,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `shardkit env`."""
     parser = subparsers.add_parser("env", help="print versions and devices for a bug report",
                                    description="Print versions of shardkit, Python, torch, CUDA, deepspeed, "
-                                               "triton, the compilers and the visible devices.")
+                                               "triton, accelerate, peft, bitsandbytes, the compilers, whether the "
+                                               "C++ ops are built and which kernel backend runs, libaio and the "
+                                               "visible devices.")
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of the Markdown block")
     parser.set_defaults(func=_run)

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import importlib
 import inspect
+import re
 import types
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -224,7 +225,18 @@ class Registry:
     def build(self, name: str, **kwargs: Any) -> Any:
         """An instance of the class behind ``name``: its registered defaults, then ``kwargs``."""
         entry = self.entry(name)
-        return entry.load()(**{**entry.defaults, **kwargs})
+        try:
+            return entry.load()(**{**entry.defaults, **kwargs})
+        except TypeError as err:
+            # NOTE: the constructor's TypeError names an internal class (ZeROSettings.__init__() for
+            # strategy_from_name("zero3", ofload=...)); a caller's misspelt keyword gets the CLI's message.
+            found = re.search(r"unexpected keyword argument '(\w+)'", str(err))
+            if found is None or found.group(1) not in kwargs:
+                raise
+            key, valid = found.group(1), self.options(entry.name)
+            listing = "; ".join(o.describe() for o in valid.values())
+            raise ValueError(f"unknown option {key!r} for {self.kind} {entry.name!r}"
+                             f"{did_you_mean(key, valid) or '.'} Valid: {listing or '(none)'}") from None
 
     def options(self, name: str) -> dict[str, Option]:
         """The options a command line may set for ``name`` (imports the class to read its constructor)."""

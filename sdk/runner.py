@@ -34,6 +34,41 @@ def _default_strategy() -> Strategy:
     return DDP() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else SingleDevice()
 
 
+def _prebuild_kernels(model: nn.Module) -> None:
+    """Build the C++ ops now, saying so, when the model uses shardkit's fused modules: not inside step 1, where
+    the build's 30-80 s showed as a progress bar with a four-hour ETA (issue 30). Built once per machine."""
+    if not any(type(m).__module__.startswith(("shardkit.nn", "shardkit.models")) for m in model.modules()):
+        return
+    from shardkit.ops import BUILDER, forced_backend
+
+    if forced_backend() not in (None, "cpp", "cuda"):
+        return
+    BUILDER.available()  # logs the build with its folder and time; a failure warns once and ops fall back
+
+
+def _by_name(strategy: Any, precision: Any, mixed_precision: Any) -> tuple[Strategy | None, Precision | None]:
+    """``Runner("fsdp", "bf16")`` and Accelerate's ``mixed_precision="bf16"``: names built through the registries."""
+    from shardkit.precision.registry import PRECISIONS
+    from shardkit.strategies.registry import STRATEGIES
+
+    if mixed_precision is not None:
+        if precision is not None:
+            raise ValueError(f"Runner(precision={precision!r}, mixed_precision={mixed_precision!r}): pass one of "
+                             f"them (mixed_precision is Accelerate's name for precision)")
+        precision = mixed_precision
+    if isinstance(strategy, str):
+        strategy = STRATEGIES.build(strategy)
+    if isinstance(precision, str):
+        precision = PRECISIONS.build(precision)
+    if strategy is not None and not isinstance(strategy, Strategy):
+        raise TypeError(f"Runner(strategy=...) takes a strategy object such as DDP() or FSDP(), or a name among "
+                        f"{', '.join(STRATEGIES.names())}; got a {type(strategy).__name__}")
+    if precision is not None and not isinstance(precision, Precision):
+        raise TypeError(f"Runner(precision=...) takes a precision object such as BF16(), or a name among "
+                        f"{', '.join(PRECISIONS.names())}; got a {type(precision).__name__}")
+    return strategy, precision
+
+
 class Runner:
     """Trains a model with a pluggable :class:`Strategy` and :class:`Precision`.
 
@@ -46,8 +81,11 @@ class Runner:
             runner.step()          # steps only at the end of each accumulation window
 
     Args:
-        strategy: where state lives and how ranks talk; default DDP under a launcher, else SingleDevice.
-        precision: dtypes for parameters, compute and communication; default FP32().
+        strategy: where state lives and how ranks talk: a Strategy or a registered name ("fsdp", "zero3",
+            ...); default DDP under a launcher, else SingleDevice.
+        precision: dtypes for parameters, compute and communication: a Precision or a name ("bf16", "fp16",
+            ...); default FP32().
+        mixed_precision: Accelerate's name for ``precision`` ("no", "fp16", "bf16"); give one of the two.
         gradient_accumulation_steps: micro-batches per optimizer step. The loss is averaged over
             them and gradients are synchronised only on the last one.
         seed: seeds every RNG on every rank and the data loaders' shuffling; None leaves RNGs alone.
@@ -63,10 +101,12 @@ class Runner:
     """
 
     def __init__(
-        self, strategy: Strategy | None = None, precision: Precision | None = None, *,
+        self, strategy: Strategy | str | None = None, precision: Precision | str | None = None, *,
         config: str | Path | dict | None = None, gradient_accumulation_steps: int | None = None,
         seed: int | None = None, checkpoint_keep_last: int | None = None, activation_checkpointing: Any = None,
+        mixed_precision: str | None = None,
     ):
+        strategy, precision = _by_name(strategy, precision, mixed_precision)
         self.config = None
         self.max_grad_norm: float | None = None
         config = config if config is not None else os.environ.get(CONFIG_FILE_ENV)
@@ -104,6 +144,7 @@ class Runner:
         self._boundary = False  # the last backward closed a window: step() will step
         self._clipped = False  # clip_gradients ran in this window
         self.optimizer_steps = 0
+        self._stepped = False  # the last step() applied an optimizer step, and no backward came since
         self._loader: RunnerDataLoader | None = None
         self._dp_leaders: list[int] | None = None  # gather_for_metrics under model parallelism
 
@@ -131,8 +172,28 @@ class Runner:
 
     @property
     def sync_gradients(self) -> bool:
-        """True when the last backward closed an accumulation window (the next step() will step)."""
+        """True when the last backward closed an accumulation window (the next step() will step).
+
+        NOTE: the Runner's meaning, not Accelerate's: it turns False again once ``step()`` has run, so test it
+        before ``step()``. After the step, use ``step()``'s result or :meth:`should` (``shardkit.Accelerator``
+        keeps Accelerate's meaning: still True after ``optimizer.step()``).
+        """
         return self._boundary
+
+    def should(self, every: int) -> bool:
+        """True right after the ``step()`` that made ``optimizer_steps`` a multiple of ``every``, else False.
+
+        The periodic-work test that stays right under gradient accumulation: False on every micro-batch
+        inside a window, False before the first step, False when an FP16 overflow skipped the step::
+
+            runner.step()
+            if runner.should(every=500):
+                runner.save(f"ckpt/step-{runner.optimizer_steps}", state)
+        """
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Runner.should(every={every!r}): every must be a whole number of optimizer steps "
+                             f">= 1, e.g. every=500")
+        return self._stepped and self.optimizer_steps % every == 0
 
     def print(self, *args: Any, all_ranks: bool = False, **kwargs: Any) -> None:
         """``print`` on the main process only (or on every rank, prefixed, with ``all_ranks=True``)."""
@@ -154,6 +215,7 @@ class Runner:
         Returns the model alone when only a model is given, else a tuple of what was given.
         """
         self.strategy.set_runner_values(gradient_accumulation_steps=self.gradient_accumulation_steps)
+        _prebuild_kernels(model)
         if self.activation_checkpointing is not None:  # before the strategy wraps it: one mechanism for all
             from shardkit.strategies.activation_checkpointing import apply_activation_checkpointing
 
@@ -190,6 +252,12 @@ class Runner:
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         """The user's module inside the strategy's wrapper."""
         return self.strategy.unwrap(model)
+
+    def num_parameters(self, model: nn.Module) -> int:
+        """The model's whole parameter count under every strategy (ZeRO-3's partitioned ones and FSDP's shards
+        counted whole; ``sum(p.numel() ...)`` gives 0 under ZeRO-3), tied parameters once."""
+        params = {id(p): p for p in self.unwrap_model(model).parameters()}.values()
+        return sum(self.strategy.parameter_numel(p) for p in params)
 
     def gathered_parameters(self, params: Any, modifier_rank: int | None = None) -> contextlib.AbstractContextManager:
         """Context that yields ``params`` (a tensor, an iterable of them, or a module) as a list of plain,
@@ -254,6 +322,7 @@ class Runner:
         """Backward of one micro-batch's loss, averaged over the accumulation window."""
         module = model if model is not None else self._require("_module", "backward")
         self.strategy.backward(loss, module, self._window)
+        self._stepped = False
         self._micro_step = (self._micro_step + 1) % self._window
         self._boundary = self._micro_step == 0
         if self._boundary:
@@ -277,6 +346,7 @@ class Runner:
     def step(self) -> bool:
         """At the end of an accumulation window: unscale, check for inf/NaN, step the optimizer and
         scheduler, zero the gradients. Returns True when an optimizer step was applied."""
+        self._stepped = False
         if not self._boundary:
             return False
         module, optimizer = self._require("_module", "step"), self._require("_optimizer", "step")
@@ -290,6 +360,7 @@ class Runner:
                 self._scheduler.step()
         self.strategy.zero_grad(optimizer, module)
         self._boundary = False
+        self._stepped = stepped
         return stepped
 
     def record_step(self, scheduler: Any | None = None) -> None:

@@ -3,10 +3,14 @@
 //
 // Per chunk of rows: logits = hidden[chunk] @ weight^T (+ bias) through at::mm (MKL / cuBLAS), upcast to fp32,
 // the row pass (loss per row, and the scaled dloss/dlogits written over the logits), then
-// grad_hidden[chunk] = g @ weight and grad_weight += g^T @ hidden[chunk] into an fp32 accumulator (with 16-bit
-// inputs both matmuls take g rounded to 16 bits, as the naive path's backward does). Only a
-// (chunk_rows, V) block of logits ever exists. Returns (loss fp32, grad_hidden in hidden's dtype, grad_weight fp32,
-// grad_bias fp32).
+// grad_hidden[chunk] = g @ weight and grad_weight += g^T @ hidden[chunk] (with 16-bit inputs both matmuls take g
+// rounded to 16 bits, as the naive path's backward does). Only a (chunk_rows, V) block of logits ever exists.
+// grad_weight: bf16 weights accumulate in a bf16 (V, H) tensor through addmm with beta = 1 (each chunk's product
+// summed in fp32 inside the GEMM together with the running total, rounded once to bf16 per chunk: Liger-Kernel's
+// scheme), so no fp32 (V, H) accumulator exists (4 B a weight: 1 GiB at V=128256, H=2048); the error is at most
+// one bf16 rounding of the running sum per chunk (tests/kernels/test_fused_linear_cross_entropy.py states the
+// bound). fp16 keeps the fp32 accumulator (fp16's range; see _saved_weight_dtype). Returns (loss fp32,
+// grad_hidden in hidden's dtype, grad_weight bf16 or fp32, grad_bias fp32).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -58,9 +62,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flce_chunk_loop(
   const int64_t vocab = weight.size(0);
   const bool write_grad = need_hidden || need_weight || need_bias;
   const bool low = weight.scalar_type() != at::kFloat;
+  const bool fold_bf16 = weight.scalar_type() == at::kBFloat16;
   const auto f32 = hidden.options().dtype(at::kFloat);
+  const auto gw_options = fold_bf16 ? weight.options() : f32;
   at::Tensor gh = need_hidden ? empty_output_like(hidden) : at::empty({0}, hidden.options());
-  at::Tensor gw = need_weight ? empty_output({vocab, weight.size(1)}, f32).zero_() : at::empty({0}, f32);
+  at::Tensor gw = need_weight ? empty_output({vocab, weight.size(1)}, gw_options).zero_() : at::empty({0}, f32);
   at::Tensor gb = need_bias ? at::zeros({vocab}, f32) : at::empty({0}, f32);
   // One logits buffer for every chunk (and a 16-bit one for 16-bit weights): a fresh (chunk, V) block per
   // chunk would be a fresh mmap per chunk on CPU, whose page faults cost as much as the row pass.
@@ -70,7 +76,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flce_chunk_loop(
   // 16-bit weight-gradient products go through a temporary of at most kGradWeightBlockBytes (see below)
   const int64_t row_bytes = weight.element_size() * std::max<int64_t>(1, weight.size(1));
   const int64_t block_rows = std::max<int64_t>(1, kGradWeightBlockBytes / row_bytes);
-  at::Tensor gw_tmp = low && need_weight ? at::empty({std::min(vocab, block_rows), weight.size(1)}, weight.options())
+  at::Tensor gw_tmp = low && !fold_bf16 && need_weight ? at::empty({std::min(vocab, block_rows), weight.size(1)}, weight.options())
                                          : at::Tensor();
   const at::Tensor wt = weight.t();
   const std::optional<at::Tensor> b =
@@ -97,7 +103,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flce_chunk_loop(
       at::mm_out(gh_rows, z_mm, weight);
     }
     if (need_weight) {
-      if (low) {
+      if (fold_bf16) {
+        gw.addmm_(z_mm.t(), hc);
+      } else if (low) {
         accumulate_weight_grad(gw, z_mm, hc, gw_tmp, add_into);
       } else {
         gw.addmm_(z.t(), hc);
@@ -105,8 +113,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> flce_chunk_loop(
     }
     if (need_bias) gb.add_(z.sum(0));
   }
-  // grad_weight and grad_bias stay the fp32 accumulators: the caller decides what to keep them in until the
-  // upstream gradient is applied (an fp16 grad_weight at the 1/n scale of a mean is mostly subnormal).
+  // grad_weight (unless bf16) and grad_bias stay the fp32 accumulators: the caller decides what to keep them in
+  // until the upstream gradient is applied (an fp16 grad_weight at the 1/n scale of a mean is mostly subnormal).
   return {loss, gh, gw, gb};
 }
 

@@ -1,4 +1,4 @@
-// SwiGLU CUDA launchers: raw pointers, element count, storage dtype and stream; no torch headers.
+// SwiGLU / GeGLU CUDA launchers: raw pointers, element count, storage dtype and stream; no torch headers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,9 +9,13 @@
 
 namespace shardkit {
 
-cudaError_t swiglu_fwd_cuda(const void* gate, const void* up, void* y, int64_t numel, DType dtype,
-                            cudaStream_t stream);
-cudaError_t swiglu_bwd_cuda(const void* dy, const void* gate, const void* up, void* dgate, void* dup, int64_t numel,
-                            DType dtype, cudaStream_t stream);
+// The activation of y = act(gate) * up: silu (SwiGLU) or gelu with the tanh approximation (GeGLU).
+enum class GluKind : int { kSilu = 0, kGeluTanh = 1 };
+
+cudaError_t glu_fwd_cuda(GluKind kind, const void* gate, const void* up, void* y, int64_t numel, DType dtype,
+                         cudaStream_t stream);
+// dgate may equal gate and dup may equal up (the in-place backward).
+cudaError_t glu_bwd_cuda(GluKind kind, const void* dy, const void* gate, const void* up, void* dgate, void* dup,
+                         int64_t numel, DType dtype, cudaStream_t stream);
 
 }  // namespace shardkit

@@ -27,6 +27,7 @@ __all__ = [
     "FAULT_STEPS",
     "CheckpointBusyError",
     "acquire_lock",
+    "release_lock",
     "fault_point",
     "prune_checkpoints",
     "recover_checkpoints",
@@ -67,19 +68,49 @@ def fault_point(step: str) -> None:
 
 
 def acquire_lock(parent: Path, path: Path) -> int:
-    """An exclusive, non-blocking flock on ``parent/.shardkit.lock``; the kernel drops it when we die."""
-    fd = os.open(parent / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    """An exclusive, non-blocking flock on ``parent/.shardkit.lock``; the kernel drops it when we die.
+
+    The file is removed again by :func:`release_lock` after a clean save, so no run folder keeps it. A
+    process that opened the file just before its holder removed it locks an orphan: it sees that the path
+    no longer leads to its file and opens the new one instead.
+    """
+    for _ in range(8):
+        fd = os.open(parent / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise CheckpointBusyError(
+                f"{path}: another save into {parent} is in progress (process {holder} holds {parent / _LOCK}); "
+                "this save did nothing. Save from one process at a time, or to another directory") from None
+        if _same_file(fd, parent / _LOCK):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}@{os.uname().nodename}".encode(), 0)
+            return fd
+        os.close(fd)  # the previous holder removed the file between our open and our lock: take the new one
+    raise CheckpointBusyError(f"{path}: the lock {parent / _LOCK} kept changing under this save; another process "
+                              "is saving into the same directory")
+
+
+def _same_file(fd: int, path: Path) -> bool:
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def release_lock(parent: Path, fd: int) -> None:
+    """Removes ``parent/.shardkit.lock`` (while still holding it, when it is still ours) and drops the lock."""
+    try:
+        if _same_file(fd, parent / _LOCK):
+            os.unlink(parent / _LOCK)
     except OSError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise CheckpointBusyError(
-            f"{path}: another save into {parent} is in progress (process {holder} holds {parent / _LOCK}); "
-            "this save did nothing. Save from one process at a time, or to another directory") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}@{os.uname().nodename}".encode(), 0)
-    return fd
+        pass  # a lock file left behind is harmless: the next save reuses it
+    finally:
+        os.close(fd)  # closing the descriptor drops the flock
 
 
 def recover_checkpoints(parent: str | os.PathLike) -> list[Path]:

@@ -38,6 +38,7 @@ from .publish import (
     fault_point,
     prune_checkpoints,
     recover_checkpoints,
+    release_lock,
     rename_into_place,
     update_latest,
 )
@@ -243,7 +244,7 @@ class CheckpointWriter:
 
     def _release(self) -> None:
         if self._lock is not None:
-            os.close(self._lock)  # closing the descriptor drops the flock
+            release_lock(self.path.parent, self._lock)
             self._lock = None
 
     def commit(self) -> None:

@@ -144,7 +144,8 @@ def load_accelerate_config(path: str | os.PathLike) -> AccelerateConfig:
 
 
 def _distributed_type(raw: Mapping[str, Any], where: str) -> str:
-    kind = str(raw.get("distributed_type", "NO")).upper()
+    value = raw.get("distributed_type", "NO")
+    kind = "NO" if value is False else str(value).upper()  # YAML 1.1 reads an unquoted NO as false
     if kind in _OTHER_TYPES:
         raise NotImplementedError(f"distributed_type: {kind} in {where}: {_OTHER_TYPES[kind]} are not supported by "
                                   f"shardkit; use one of {list(DISTRIBUTED_TYPES)}")
@@ -541,8 +542,13 @@ def _check_deepspeed(cfg: AccelerateConfig) -> None:
     from shardkit.config.deepspeed import strategy_spec_from_deepspeed
     from shardkit.config.deepspeed_schema import walk
     from shardkit.config.optim import resolve_optimizer
+    from shardkit.strategies.zero.config import require_deepspeed
 
     raw, where = cfg.deepspeed, cfg.deepspeed_source
+    try:
+        require_deepspeed(f"distributed_type: DEEPSPEED in {cfg.path}")
+    except ImportError as err:
+        raise ConfigError(str(err)) from None
     walk(raw, where)
     strategy_spec_from_deepspeed(raw, where, cfg.num_processes)
     # NOTE: the scheduler waits for the Runner: its "auto" total_num_steps is known only to the training script.

@@ -15,7 +15,7 @@ from shardkit.config.questions import QUESTIONS, answers_to_yaml_dict, ask
 
 __all__ = ["DEFAULT_CONFIG_FILE", "register", "run"]
 
-DEFAULT_CONFIG_FILE = "shardkit_config.yaml"
+DEFAULT_CONFIG_FILE = "shardkit_config.yaml"  # = shardkit.distributed.cli.DEFAULT_CONFIG_FILE, what launch reads
 
 
 def _bool(text: str) -> bool:

@@ -18,9 +18,12 @@ from shardkit.distributed.process_group import TIMEOUT_ENV_VAR, check_timeout, c
 from shardkit.distributed.signals import STOP_GRACE_S
 from shardkit.distributed.supervise import run_supervised
 
-__all__ = ["CONFIG_FIELDS", "LaunchUsageError", "build_command", "register"]
+__all__ = ["CONFIG_FIELDS", "DEFAULT_CONFIG_FILE", "LaunchUsageError", "build_command", "register"]
 
 DEFAULT_MAIN_PROCESS_PORT = 29500
+MAX_PROCESSES_ENV_VAR = "SHARDKIT_MAX_PROCESSES"
+# What `shardkit config` writes by default and `shardkit launch` reads when no --config-file is given.
+DEFAULT_CONFIG_FILE = "shardkit_config.yaml"
 # The keys `shardkit.config.accelerate.launch_args_from_yaml(path)` may return; values given on the
 # command line win over the file's. "env" is a dict of extra variables for every rank.
 CONFIG_FIELDS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
@@ -39,7 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "machines through torchrun. The script calls shardkit.distributed.init_distributed() or builds "
                     "a Runner. The exit code is the job's.")
     parser.add_argument("--num-processes", "--num_processes", type=int, dest="num_processes",
-                        help="processes per machine (default: one per visible CUDA device, else 1)")
+                        help="processes per machine (default: one per visible CUDA device, else 1; at most 4 per "
+                             "CPU core unless SHARDKIT_MAX_PROCESSES is set)")
     parser.add_argument("--num-machines", "--num_machines", type=int, dest="num_machines", help="default 1")
     parser.add_argument("--machine-rank", "--machine_rank", type=int, dest="machine_rank",
                         help="index of this machine, 0 on the one with the main process (default 0)")
@@ -55,7 +59,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"seconds ranks get to save after SIGTERM/SIGINT reaches the launcher (forwarded to "
                              f"them as SIGTERM) before everything is killed (default {STOP_GRACE_S:g})")
     parser.add_argument("--config-file", "--config_file", dest="config_file",
-                        help="an Accelerate-style YAML file supplying the options above")
+                        help="an Accelerate-style YAML file supplying the options above (default: "
+                             "./shardkit_config.yaml, what `shardkit config` writes, when it exists)")
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     parser.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
     parser.add_argument("script", help="the training script (or module name with -m)")
@@ -98,6 +103,7 @@ def _resolve(args: argparse.Namespace) -> None:
     args.machine_rank = 0 if args.machine_rank is None else args.machine_rank
     if args.num_processes < 1:
         raise LaunchUsageError(f"--num-processes({args.num_processes}) must be >= 1")
+    _check_process_count(args.num_processes)
     if args.num_machines < 1:
         raise LaunchUsageError(f"--num-machines({args.num_machines}) must be >= 1")
     if not 0 <= args.machine_rank < args.num_machines:
@@ -123,6 +129,32 @@ def _resolve(args: argparse.Namespace) -> None:
         raise LaunchUsageError(f"script {args.script!r} not found (use -m for a module name)")
 
 
+def _check_process_count(count: int) -> None:
+    """Refuse more local ranks than this machine can run: 4 per core it may use, or SHARDKIT_MAX_PROCESSES."""
+    raw = os.environ.get(MAX_PROCESSES_ENV_VAR, "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise LaunchUsageError(f"{MAX_PROCESSES_ENV_VAR}={raw!r} must be a whole number >= 1")
+        limit, why = int(raw), f"{MAX_PROCESSES_ENV_VAR}={raw}"
+    else:
+        # NOTE: every rank is a Python process holding torch (~300 MB) and its model; at 4 per core a 2-core
+        # machine already spends most of its time switching between 8 of them.
+        cores = cpu_budget()
+        limit, why = 4 * cores, f"4 per core this process may use ({cores})"
+    if count > limit:
+        raise LaunchUsageError(f"--num-processes({count}) is more processes than this machine runs: the limit is "
+                               f"{limit}, {why}. To start them anyway set {MAX_PROCESSES_ENV_VAR}={count}")
+
+
+def _default_config_file() -> str | None:
+    """``./shardkit_config.yaml`` (what ``shardkit config`` writes) when it exists, as Accelerate's default file."""
+    if not Path(DEFAULT_CONFIG_FILE).is_file():
+        return None
+    print(f"shardkit launch: using ./{DEFAULT_CONFIG_FILE} (written by `shardkit config`); flags given here win "
+          f"over it, --config-file picks another file", file=sys.stderr)
+    return DEFAULT_CONFIG_FILE
+
+
 def _label(flag: str, raw: Any) -> str:
     try:
         return f"{flag}({float(raw)})"
@@ -131,8 +163,8 @@ def _label(flag: str, raw: Any) -> str:
 
 
 def build_command(args: argparse.Namespace) -> list[str]:
-    """The torchrun command line for resolved `args` (static rendezvous, no restarts)."""
-    command = [sys.executable, "-m", "torch.distributed.run",
+    """The torchrun command line for resolved `args` (static rendezvous, no restarts; see `_torchrun`)."""
+    command = [sys.executable, "-m", "shardkit.distributed._torchrun",
                f"--nproc-per-node={args.num_processes}", f"--nnodes={args.num_machines}",
                f"--node-rank={args.machine_rank}", f"--master-addr={args.main_process_ip}",
                f"--master-port={args.main_process_port}"]
@@ -153,6 +185,8 @@ def _child_env(args: argparse.Namespace, extra: Mapping[str, str]) -> dict[str, 
 
 def _run(args: argparse.Namespace) -> int:
     try:
+        if not args.config_file:
+            args.config_file = _default_config_file()
         extra = _apply_config_file(args) if args.config_file else {}
         _resolve(args)
         env = _child_env(args, extra)

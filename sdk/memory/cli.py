@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shardkit.cli_args import float_range, int_range
 from shardkit.precision.registry import add_precision_argument
 
 from .estimate import LAYOUTS, activation_bytes, deepspeed_table, estimate_model_states, find_layout, recommend
@@ -13,6 +14,8 @@ from .model_spec import ModelSpec, parse_count, spec_from_hf_config
 __all__ = ["register"]
 
 GIB = 2**30
+# NOTE: the largest jobs reported run ~100k accelerators; 10**6 per node or nodes refuses typos (and 10**400).
+_MAX_DEVICES = 10**6
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,17 +23,19 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--params", help="total parameters, e.g. 2783M or 2.78B")
     src.add_argument("--config", help="a Hugging Face config.json (or its directory) of a decoder model")
     p.add_argument("--largest-layer-params", help="parameters of the largest layer (ZeRO-3), e.g. 131M")
-    p.add_argument("--num-gpus", type=int, default=1, help="GPUs per node (default 1)")
-    p.add_argument("--num-nodes", type=int, default=1, help="nodes (default 1)")
+    p.add_argument("--num-gpus", type=int_range(1, _MAX_DEVICES), default=1, help="GPUs per node (default 1)")
+    p.add_argument("--num-nodes", type=int_range(1, _MAX_DEVICES), default=1, help="nodes (default 1)")
     p.add_argument("--strategy", default="all", type=_layout_name, choices=["all", *(x.name for x in LAYOUTS)],
                    help="one strategy (a registered name or alias, or a variant such as zero3_offload), or all "
                         "(default; includes DeepSpeed's ZeRO-2 and ZeRO-3 tables)")
     add_precision_argument(p, default="bf16")
-    p.add_argument("--batch-size", type=int, help="micro-batch per device, for the activation estimate")
-    p.add_argument("--seq-len", type=int, help="sequence length, for the activation estimate")
+    p.add_argument("--batch-size", type=int_range(1, 2**31), help="micro-batch per device, for the activation "
+                                                                   "estimate")
+    p.add_argument("--seq-len", type=int_range(1, 2**31), help="sequence length, for the activation estimate")
     p.add_argument("--activation-checkpointing", action="store_true", help="activations with checkpointing")
     p.add_argument("--device-memory", help="memory per device, e.g. 80GB or 24GiB: recommend what fits")
-    p.add_argument("--additional-buffer-factor", type=float, default=1.5, help="DeepSpeed's tables' CPU factor")
+    p.add_argument("--additional-buffer-factor", type=float_range(minimum=1.0, maximum=100.0), default=1.5,
+                   help="DeepSpeed's tables' CPU factor (>= 1: extra room over the states, default 1.5)")
 
 
 def _layout_name(text: str) -> str:
@@ -64,21 +69,33 @@ def _strategy_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
     return rows
 
 
+def _header(spec: ModelSpec, args: argparse.Namespace) -> str:
+    n = args.num_gpus * args.num_nodes
+    if spec.largest_layer_params:
+        largest = f"largest layer {spec.largest_layer_params / 1e6:.0f}M"
+    else:
+        largest = "largest layer unknown"
+        print("warning: --largest-layer-params not given, so ZeRO-3 rows count the layer each device gathers whole "
+              "as 0 and show too little (the per-GPU 0.00 of offload_param=cpu). It is usually the embedding, "
+              "vocab x hidden (131M for a 7B Llama with a 32000 vocabulary): pass --largest-layer-params or "
+              "--config config.json", file=sys.stderr)
+    return (f"Model: {spec.total_params / 1e6:.0f}M params, {largest}; {args.num_nodes} node(s) x {args.num_gpus} "
+            f"device(s) = {n}. Sizes in GiB (2^30 bytes).")
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         spec = _spec(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    n = args.num_gpus * args.num_nodes
-    print(f"Model: {spec.total_params / 1e6:.0f}M params, largest layer {spec.largest_layer_params / 1e6:.0f}M; "
-          f"{args.num_nodes} node(s) x {args.num_gpus} device(s) = {n}")
-    if args.strategy in ("all", "zero2", "zero2_offload"):
-        print("\nDeepSpeed ZeRO-2:\n" + deepspeed_table(2, spec.total_params, spec.largest_layer_params, args.num_gpus,
-                                                        args.num_nodes, args.additional_buffer_factor))
-    if args.strategy in ("all", "zero3", "zero3_offload", "zero_infinity"):
-        print("\nDeepSpeed ZeRO-3:\n" + deepspeed_table(3, spec.total_params, spec.largest_layer_params, args.num_gpus,
-                                                        args.num_nodes, args.additional_buffer_factor))
+    print(_header(spec, args))
+    for stage, rows in ((2, ("all", "zero2", "zero2_offload")), (3, ("all", "zero3", "zero3_offload",
+                                                                     "zero_infinity"))):
+        if args.strategy in rows:
+            table = deepspeed_table(stage, spec.total_params, spec.largest_layer_params, args.num_gpus,
+                                    args.num_nodes, args.additional_buffer_factor, unit="GiB")
+            print(f"\nDeepSpeed ZeRO-{stage} (DeepSpeed's own table; it labels these GiB as GB):\n{table}")
     print("\nModel states (Adam):")
     print("\n".join(_strategy_rows(spec, args)))
     if args.batch_size and args.seq_len:

@@ -252,9 +252,15 @@ def zero3_mem_needs(total_params: int, largest_layer_params: int, num_gpus_per_n
     return int(cpu), int(gpu), layer
 
 
+_TABLE_HEAD = ("  per CPU  |  per GPU |   Options", "  per CPU   |  per GPU   |   Options")
+
+
 def deepspeed_table(stage: int, total_params: int, largest_layer_params: int = 0, num_gpus_per_node: int = 1,
-                    num_nodes: int = 1, additional_buffer_factor: float = 1.5) -> str:
-    """The table DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs_all_live`` prints, line for line."""
+                    num_nodes: int = 1, additional_buffer_factor: float = 1.5, unit: str = "GB") -> str:
+    """The table DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs_all_live`` prints, line for line.
+
+    DeepSpeed divides by 2**30 and labels the result "GB"; ``unit="GiB"`` labels the same numbers truly.
+    """
     nodes = "nodes" if num_nodes > 1 else "node"
     gpus = "GPUs" if num_gpus_per_node > 1 else "GPU"
     head = ("Estimated memory needed for params, optim states and gradients for a:\n"
@@ -263,16 +269,16 @@ def deepspeed_table(stage: int, total_params: int, largest_layer_params: int = 0
     lines = []
     if stage == 2:
         lines.append(head + ".")
-        lines.append("  per CPU  |  per GPU |   Options")
+        lines.append(_TABLE_HEAD[unit == "GiB"])
         for off in (True, False):
             cpu, gpu = zero2_mem_needs(total_params, num_gpus_per_node, num_nodes, off, additional_buffer_factor)
             opts = f"offload_optimizer={'cpu ' if off else 'none'}"
-            lines.append(f" {cpu / 2**30:7.2f}GB | {gpu / 2**30:6.2f}GB | {opts}")
+            lines.append(f" {cpu / 2**30:7.2f}{unit} | {gpu / 2**30:6.2f}{unit} | {opts}")
         return "\n".join(lines)
     if stage != 3:
         raise ValueError(f"DeepSpeed prints tables for stages 2 and 3, not {stage}")
     lines.append(head + f", {int(largest_layer_params / 1e6)}M largest layer params.")
-    lines.append("  per CPU  |  per GPU |   Options")
+    lines.append(_TABLE_HEAD[unit == "GiB"])
     for off in (True, False):
         for off_params in (True, False):
             if not off and off_params:
@@ -282,7 +288,7 @@ def deepspeed_table(stage: int, total_params: int, largest_layer_params: int = 0
                                               off_params, init, additional_buffer_factor)
                 opts = (f"offload_param={'cpu ' if off_params else 'none'}, "
                         f"offload_optimizer={'cpu ' if off else 'none'}, zero_init={int(init)}")
-                lines.append(f" {cpu / 2**30:7.2f}GB | {gpu / 2**30:6.2f}GB | {opts}")
+                lines.append(f" {cpu / 2**30:7.2f}{unit} | {gpu / 2**30:6.2f}{unit} | {opts}")
     return "\n".join(lines)
 
 

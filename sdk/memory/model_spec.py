@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -19,11 +19,14 @@ _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 def parse_count(text: str | int | float) -> int:
     """``"2783M"``, ``"2.78B"``, ``"350k"``, ``"1e9"`` or a number -> an integer count."""
     if isinstance(text, (int, float)):
-        return int(text)
+        text = repr(text)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
     if not m:
         raise ValueError(f"{text!r} is not a count; use e.g. 2783M, 2.78B, 350K or 1000000")
-    return int(round(float(m.group(1)) * _SUFFIX[m.group(2).upper()]))
+    value = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    if not math.isfinite(value) or value >= 2**63:
+        raise ValueError(f"{str(text)[:40]!r} is too large a count; use e.g. 2783M, 2.78B or 70B")
+    return int(round(value))
 
 
 @dataclass(frozen=True)
@@ -88,10 +91,9 @@ def spec_from_hf_config(config: str | os.PathLike | dict) -> ModelSpec:
         path = Path(config)
         path = path / "config.json" if path.is_dir() else path
         where = str(path)
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{where}: cannot read a JSON config: {e}") from None
+        from shardkit.config.common import load_mapping
+
+        config = load_mapping(path)  # a regular, small, UTF-8 file with no duplicate keys (ConfigError)
     need = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]
     missing = [k for k in need if k not in config]
     if missing:

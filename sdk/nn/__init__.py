@@ -6,12 +6,13 @@ from .loss import FusedLinearCrossEntropyLoss
 from .patching import apply_fused_kernels
 from .rms_norm import RMSNorm
 from .rotary import RotaryEmbedding
-from .swiglu import SwiGLUMLP
+from .swiglu import GeGLUMLP, SwiGLUMLP
 
 # One line per module: a new module appends its import above and its name here.
 __all__ = [
     "ActivationCheckpointing",
     "FusedLinearCrossEntropyLoss",
+    "GeGLUMLP",
     "RMSNorm",
     "RotaryEmbedding",
     "SwiGLUMLP",

@@ -9,8 +9,9 @@
   path inside the forward of an attention module of a patched model (a context variable set by the patched
   attention forward) and calls the original everywhere else: an unpatched model in the same process, e.g. the
   oracle of a test, keeps HF's exact code;
-- the MLP's ``down(act(gate(x)) * up(x))`` for :func:`shardkit.ops.swiglu` where ``act`` is SiLU. Gemma uses
-  ``gelu_pytorch_tanh``: its MLP is left unpatched (swapping it to SiLU would change the model);
+- the gated MLP for :func:`shardkit.ops.swiglu` (SiLU: Llama, Mistral, Qwen2, Phi-3's fused ``gate_up_proj``,
+  Mixtral's experts) or :func:`shardkit.ops.geglu` (Gemma's ``gelu_pytorch_tanh``): the per-family rules are in
+  ``_mlp_patch.py``;
 - the ``*ForCausalLM`` forward, so that with labels the loss goes through the fused linear cross-entropy and
   the (tokens, vocab) logits are never materialised (see ``_hf_loss.py``; ZeRO-3 gathers the head weight).
 
@@ -32,8 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..ops import rms_norm, rope, swiglu
+from ..ops import rms_norm, rope
 from ._hf_loss import causal_lm_forward
+from ._mlp_patch import activation_name, patch_gated_mlp
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "apply_fused_kernels", "supported_model_types"]
 
@@ -55,6 +57,8 @@ _M = "transformers.models"
 _FAMILIES: dict[str, _Family] = {
     "llama": _Family(f"{_M}.llama.modeling_llama"),
     "mistral": _Family(f"{_M}.mistral.modeling_mistral"),
+    "mixtral": _Family(f"{_M}.mixtral.modeling_mixtral"),
+    "phi3": _Family(f"{_M}.phi3.modeling_phi3"),
     "qwen2": _Family(f"{_M}.qwen2.modeling_qwen2"),
     "gemma": _Family(f"{_M}.gemma.modeling_gemma", 1.0, False),
     "gemma2": _Family(f"{_M}.gemma2.modeling_gemma2", 1.0, False),
@@ -62,7 +66,6 @@ _FAMILIES: dict[str, _Family] = {
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_FAMILIES)
 
-_SILU_NAMES = ("SiLU", "SiLUActivation")
 # Set to True for the duration of a patched attention module's forward; read by the rope wrapper.
 _FUSED_ROPE: contextvars.ContextVar[bool] = contextvars.ContextVar("shardkit_fused_rope", default=False)
 
@@ -153,16 +156,7 @@ def _attention_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         _FUSED_ROPE.reset(token)
 
 
-# ---- MLP and loss ------------------------------------------------------------------------------------------
-
-def _swiglu_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
-    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
-
-
-def _is_swiglu_mlp(module: nn.Module) -> bool:
-    has_proj = all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
-    return has_proj and type(getattr(module, "act_fn", None)).__name__ in _SILU_NAMES
-
+# ---- loss ------------------------------------------------------------------------------------------
 
 def _has_causal_lm_head(model: nn.Module) -> bool:
     return isinstance(getattr(model, "lm_head", None), nn.Linear) and isinstance(getattr(model, "model", None),
@@ -191,21 +185,22 @@ def _defined_in(module: nn.Module, modeling: types.ModuleType, suffix: str) -> b
 
 
 def apply_fused_kernels(model: nn.Module, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True,
-                        cross_entropy: bool = True) -> nn.Module:
-    """Patch a Hugging Face Llama/Mistral/Qwen2/Gemma(1/2/3) model in place to use shardkit's fused ops.
+                        cross_entropy: bool = True, geglu: bool = True) -> nn.Module:
+    """Patch a Hugging Face Llama/Mistral/Mixtral/Phi-3/Qwen2/Gemma(1/2/3) model in place with shardkit's fused ops.
 
     Accepts the ``*ForCausalLM`` model or the bare ``*Model``/``Gemma3TextModel`` (then there is no loss to
     patch). Calling it twice is harmless. What was patched is logged at INFO and stored as a dict on
     ``model.fused_kernels_report``, e.g. ``{"model_type": "llama", "rms_norm": 5, "rope": 2, "swiglu": 2,
-    "cross_entropy": True, "skipped": {}}`` (counts of modules patched; reasons for what was left alone).
+    "geglu": 0, "cross_entropy": True, "skipped": {}}`` (counts of modules patched; reasons for what was left alone).
 
     Args:
         model: the transformers model (patched in place).
         rms_norm: patch every ``*RMSNorm`` of the family (Gemma: ``offset=1.0``).
         rope: route the family's ``apply_rotary_pos_emb`` to the fused op inside this model's attention.
-        swiglu: patch MLPs whose activation is SiLU (not Gemma's GELU-tanh ones, which are skipped).
+        swiglu: patch the SiLU gated MLPs with swiglu (Phi-3's fused projection, Mixtral: each expert).
         cross_entropy: compute the causal-LM loss with the fused linear cross-entropy when labels are given
             (``logits`` is then None in the output).
+        geglu: patch Gemma's GELU-tanh gated MLPs with geglu.
 
     Returns:
         ``model`` itself.
@@ -214,7 +209,7 @@ def apply_fused_kernels(model: nn.Module, *, rms_norm: bool = True, rope: bool =
         ValueError: ``model.config.model_type`` is not one of the supported families.
     """
     model_type, fam, modeling = _family_of(model)
-    report: dict[str, Any] = {"model_type": model_type, "rms_norm": 0, "rope": 0, "swiglu": 0,
+    report: dict[str, Any] = {"model_type": model_type, "rms_norm": 0, "rope": 0, "swiglu": 0, "geglu": 0,
                               "cross_entropy": False, "skipped": {}}
     if rope and not _install_rope_wrapper(modeling):
         report["skipped"]["rope"] = f"{modeling.__name__} has no apply_rotary_pos_emb"
@@ -226,15 +221,15 @@ def apply_fused_kernels(model: nn.Module, *, rms_norm: bool = True, rope: bool =
         elif rope and _defined_in(module, modeling, "Attention"):
             module.forward = types.MethodType(_attention_forward, module)
             report["rope"] += 1
-        elif swiglu and _defined_in(module, modeling, "MLP"):
-            if _is_swiglu_mlp(module):
-                module.forward = types.MethodType(_swiglu_mlp_forward, module)
-                report["swiglu"] += 1
-            else:
-                non_silu.add(type(getattr(module, "act_fn", None)).__name__)
+        elif (swiglu or geglu) and (_defined_in(module, modeling, "MLP") or _defined_in(module, modeling, "Experts")):
+            kind = patch_gated_mlp(module, swiglu=swiglu, geglu=geglu)
+            if kind is None:
+                non_silu.add(activation_name(module))
+            elif kind:
+                report[kind] += 1
     if non_silu:
-        report["skipped"]["swiglu"] = (f"MLP activation {', '.join(sorted(non_silu))} is not SiLU (Gemma's "
-                                       "gelu_pytorch_tanh): MLP left unpatched")
+        report["skipped"]["swiglu"] = (f"MLP activation {', '.join(sorted(non_silu))} is neither SiLU nor "
+                                       "gelu_pytorch_tanh: MLP left unpatched")
     if cross_entropy:
         if _has_causal_lm_head(model):
             model.forward = types.MethodType(causal_lm_forward, model)

@@ -8,7 +8,10 @@ an :class:`OpSpec` (``shardkit.ops.registry``) when its module below is imported
 from ._builder import BUILDER, ExtensionUnavailable
 from ._dispatch import BACKENDS, available_backends, force_backend, forced_backend, select_backend
 from .adamw import adamw_step, adamw_step_reference
+from .cross_entropy import cross_entropy, cross_entropy_reference
 from .fused_linear_cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
+from .geglu import geglu, geglu_reference
+from .layer_norm import layer_norm, layer_norm_reference
 from .registry import OpSpec, get_op, registered_ops
 from .rms_norm import rms_norm, rms_norm_reference
 from .rope import rope, rope_reference
@@ -22,10 +25,16 @@ __all__ = [
     "adamw_step",
     "adamw_step_reference",
     "available_backends",
+    "cross_entropy",
+    "cross_entropy_reference",
     "force_backend",
     "forced_backend",
     "fused_linear_cross_entropy",
+    "geglu",
+    "geglu_reference",
     "get_op",
+    "layer_norm",
+    "layer_norm_reference",
     "linear_cross_entropy_reference",
     "registered_ops",
     "rms_norm",

@@ -5,16 +5,17 @@ every ``csrc/<op>/<op>.cpp`` is one source of ONE shared library that registers 
 torch op namespace ``shardkit_C`` (``TORCH_LIBRARY_FRAGMENT``). The library has no Python module init:
 it is loaded with ``torch.ops.load_library`` and used through ``torch.ops.shardkit_C.<kernel>``.
 
-JIT: ``torch.utils.cpp_extension.load`` with ninja, cached under ``TORCH_EXTENSIONS_DIR``. Under a
-launcher the process with LOCAL_RANK (else RANK) 0 builds while the others wait on a marker file and an
-fcntl lock in the same directory, so N ranks never compile N times. A failed or impossible build warns
+JIT: ``torch.utils.cpp_extension.load`` with ninja, cached under ``TORCH_EXTENSIONS_DIR`` (else torch's
+per-user default, the folder DeepSpeed's ops use too: :func:`shardkit.ops.build_lock.extensions_root`). Under a
+launcher the process with LOCAL_RANK (else RANK) 0 builds while the others wait on a marker file and the
+shared build lock (:mod:`shardkit.ops.build_lock`: a killed build's stale baton is cleared, the compile runs
+in a child process under a time limit), so N ranks never compile N times. A failed or impossible build warns
 once with the reason and the fix, is cached for the process, and dispatch falls back to the next
 backend.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import logging
 import os
@@ -26,6 +27,17 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+
+if __package__:
+    from .build_lock import build_lock, extensions_root, run_build_subprocess
+else:  # loaded by path (setup.py, scripts/check_cuda_link.py): its sibling by path too (it imports nothing of ours)
+    import importlib.util as _util
+
+    _spec = _util.spec_from_file_location("_shardkit_build_lock", Path(__file__).with_name("build_lock.py"))
+    _lock_module = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_lock_module)
+    build_lock, extensions_root = _lock_module.build_lock, _lock_module.extensions_root
+    run_build_subprocess = _lock_module.run_build_subprocess
 
 __all__ = ["BUILDER", "ExtensionBuilder", "ExtensionUnavailable"]
 
@@ -131,10 +143,7 @@ class ExtensionBuilder:
         return ["-fopenmp"]
 
     def build_root(self) -> Path:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-        return root / self.name
+        return extensions_root() / self.name
 
     def fingerprint(self) -> str:
         """Hash of the sources, headers, flags and torch version: the build marker's key."""
@@ -224,32 +233,31 @@ class ExtensionBuilder:
             deadline = time.monotonic() + float(os.environ.get("SHARDKIT_BUILD_WAIT_S", "900"))
             while not marker.exists() and time.monotonic() < deadline:
                 time.sleep(0.5)
-        with open(build_dir / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                if marker.exists() and marker.read_text().startswith("fail:"):
-                    raise ExtensionUnavailable(marker.read_text()[5:].strip())
-                return self._compile_locked(build_dir, marker, verbose_rank=rank == 0)
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        with build_lock(build_dir, f"shardkit's C++ ops ({self.name})"):
+            if marker.exists() and marker.read_text().startswith("fail:"):
+                raise ExtensionUnavailable(marker.read_text()[5:].strip())
+            return self._compile_locked(build_dir, marker, verbose_rank=rank == 0)
 
     def _compile_locked(self, build_dir: Path, marker: Path, verbose_rank: bool) -> str:
         from torch.utils.cpp_extension import load
 
         sources = self.sources()
-        # NOTE: torch's own build baton (build_dir/lock) stays behind when a build is killed mid-compile (a test's
-        # timeout did it on 2026-11-23), and every later build then polls for it to go, forever. Every shardkit
-        # build takes .lock first, so a baton seen here belongs to a dead process.
-        (build_dir / "lock").unlink(missing_ok=True)
-        if verbose_rank and not marker.exists():
-            _log.warning("shardkit: building C++ ops (first use, ~%d s)...", _SECONDS_PER_SOURCE * len(sources))
         verbose = verbose_rank and os.environ.get("SHARDKIT_BUILD_VERBOSE") == "1"
         cuda = self.with_cuda()
+        kwargs = dict(name=self.name, sources=sources, extra_cflags=self.cflags(), extra_ldflags=self.ldflags(),
+                      extra_cuda_cflags=self.cuda_cflags() if cuda else None,
+                      extra_include_paths=self.include_dirs(), build_directory=str(build_dir), verbose=verbose,
+                      with_cuda=cuda, is_python_module=False)
         try:
-            load(name=self.name, sources=sources, extra_cflags=self.cflags(), extra_ldflags=self.ldflags(),
-                 extra_cuda_cflags=self.cuda_cflags() if cuda else None,
-                 extra_include_paths=self.include_dirs(), build_directory=str(build_dir), verbose=verbose,
-                 with_cuda=cuda, is_python_module=False)
+            if not marker.exists():
+                if verbose_rank:
+                    _log.warning("shardkit: building C++ ops into %s (first use, ~%d s)...", build_dir,
+                                 _SECONDS_PER_SOURCE * len(sources))
+                # NOTE: the compile runs in a child so that it has a time limit (a hung compiler is killed);
+                # the load below then finds it built (ninja: no work) and only loads the library.
+                run_build_subprocess(f"from torch.utils.cpp_extension import load; load(**{kwargs!r})",
+                                     f"shardkit's C++ ops ({self.name})", build_dir)
+            load(**kwargs)
         except Exception as exc:
             if verbose_rank:
                 marker.write_text(f"fail: compile error ({type(exc).__name__}); see {build_dir}")

@@ -37,11 +37,14 @@ from .registry import OpSpec, native, register
 
 __all__ = [
     "SPEC",
+    "check_label_range",
+    "check_loss_options",
     "chunk_rows_for",
     "flce_compute_dtype",
     "flce_rows_reference",
     "fused_linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "rows_triton",
 ]
 
 _REDUCTIONS = ("mean", "sum", "none")
@@ -141,8 +144,9 @@ def flce_rows_reference(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_ind
     return loss
 
 
-def _rows_triton(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_index: int, label_smoothing: float,
-                 softcap: float, write_grad: bool) -> Tensor:
+def rows_triton(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_index: int, label_smoothing: float,
+                softcap: float, write_grad: bool) -> Tensor:
+    """:func:`flce_rows_reference` on the Triton row kernel (``kernels/fused_linear_cross_entropy.py``)."""
     from shardkit.kernels import fused_linear_cross_entropy as tk
 
     return tk.flce_rows_(z, labels, row_scale, ignore_index, label_smoothing, softcap, write_grad)
@@ -165,7 +169,8 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
     """The chunk loop of the reference and Triton backends (the cpp backend runs the same loop in C++).
 
     hidden, weight and bias share one dtype. Returns the fp32 (float64) per-row losses, grad_hidden in that
-    dtype and grad_weight/grad_bias as the fp32 (float64) accumulators: the caller picks what to keep them in.
+    dtype and grad_weight/grad_bias as the fp32 (float64) accumulators (grad_weight bf16 for bf16 weights): the
+    caller picks what to keep them in.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
     acc = _acc(hidden.dtype)
@@ -173,8 +178,11 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
     write_grad = any(need)
     loss = hidden.new_empty(n, dtype=acc)
     gh = torch.empty_like(hidden) if need_h else hidden.new_empty(0)
-    # fp32 accumulators: exact enough across chunks for 16-bit weights
-    gw = weight.new_zeros(weight.shape, dtype=acc) if need_w else weight.new_empty(0, dtype=acc)
+    # fp32 accumulators, except grad_weight for bf16 weights: a bf16 one that each chunk's fp32 GEMM result is
+    # folded into (addmm, beta=1: one bf16 rounding per chunk; see csrc/fused_linear_cross_entropy/flce_chunk_loop.h)
+    fold_bf16 = weight.dtype == torch.bfloat16
+    gw_dtype = torch.bfloat16 if fold_bf16 else acc
+    gw = weight.new_zeros(weight.shape, dtype=gw_dtype) if need_w else weight.new_empty(0, dtype=acc)
     gb = weight.new_zeros(vocab, dtype=acc) if need_b else weight.new_empty(0, dtype=acc)
     wt = weight.t()
     block = max(1, _GRAD_WEIGHT_BLOCK_BYTES // (weight.element_size() * max(1, weight.shape[1])))  # vocab rows
@@ -191,8 +199,8 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
         g = z.to(weight.dtype) if need_h or need_w else z
         if need_h:
             torch.mm(g, weight, out=gh[s:e])
-        if need_w and g is z:
-            gw.addmm_(z.t(), hc)
+        if need_w and (g is z or fold_bf16):
+            gw.addmm_(g.t(), hc)
         elif need_w:  # 16-bit products, a block of vocab rows at a time, summed into the fp32 accumulator
             for v in range(0, vocab, block):
                 gw[v:v + block].add_(g[:, v:v + block].t() @ hc)
@@ -201,12 +209,23 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
     return loss, gh, gw, gb
 
 
-def _check_labels(labels: Tensor, vocab: int, ignore_index: int) -> None:
+def check_loss_options(op: str, reduction: str, label_smoothing: float, softcap_name: str,
+                       softcap: float | None) -> None:
+    """Raises a ValueError naming ``op`` and the argument for a bad reduction, label_smoothing or softcap."""
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{op}: reduction={reduction!r}; use one of {_REDUCTIONS}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: label_smoothing={label_smoothing} must be in [0, 1]")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"{op}: {softcap_name}={softcap} must be positive or None")
+
+
+def check_label_range(labels: Tensor, vocab: int, ignore_index: int, op: str = "fused_linear_cross_entropy") -> None:
     """Raises naming the first label outside [0, V) that is not ``ignore_index`` (one host sync on GPU)."""
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
     if bool(bad.any()):
         row = int(bad.int().argmax())
-        raise RuntimeError(f"fused_linear_cross_entropy: label {int(labels[row])} at row {row} is outside "
+        raise RuntimeError(f"{op}: label {int(labels[row])} at row {row} is outside "
                            f"[0, {vocab}) and is not ignore_index ({ignore_index})")
 
 
@@ -226,7 +245,7 @@ def _run(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None, ro
     # (torch 2.11+cu130) the CUDA binding's TORCH_CHECK segfaulted formatting its message (in libstdc++'s ostream,
     # seen under cuda-gdb), so a bad label must never reach it from Python. One host sync per call on GPU.
     if check_labels:
-        _check_labels(labels, weight.shape[0], ignore_index)
+        check_label_range(labels, weight.shape[0], ignore_index)
     if chunk_rows <= 0:
         chunk_rows = chunk_rows_for(hidden.shape[0], weight.shape[0], compute_dtype)
     # the dtypes above are final: autocast (on around the op when the caller runs under it) must not recast them
@@ -394,12 +413,7 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, b
             retained with ``retain_graph=True`` runs backward a second time with reduction "mean" or "sum" (the
             saved gradients were scaled in place by the first one).
     """
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"fused_linear_cross_entropy: reduction={reduction!r}; use one of {_REDUCTIONS}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"fused_linear_cross_entropy: label_smoothing={label_smoothing} must be in [0, 1]")
-    if logit_softcap is not None and logit_softcap <= 0:
-        raise ValueError(f"fused_linear_cross_entropy: logit_softcap={logit_softcap} must be positive or None")
+    check_loss_options("fused_linear_cross_entropy", reduction, label_smoothing, "logit_softcap", logit_softcap)
     if hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(f"fused_linear_cross_entropy: hidden {tuple(hidden.shape)} and weight "
                          f"{tuple(weight.shape)} must share the last dim (H)")
@@ -447,6 +461,6 @@ SPEC = register(OpSpec(
     csrc="fused_linear_cross_entropy",
     # cpp/cuda run the whole chunk loop in C++ (matmuls through MKL/cuBLAS); the others run it here around their
     # row pass
-    kernels={"flce_chunked": {"reference": _loop_with(flce_rows_reference), "triton": _loop_with(_rows_triton),
+    kernels={"flce_chunked": {"reference": _loop_with(flce_rows_reference), "triton": _loop_with(rows_triton),
                               **native("flce_chunked")}},
     triton_checks="shardkit.kernels.fused_linear_cross_entropy:compile_checks", example=_example))

@@ -27,6 +27,8 @@ PRECISIONS.register("fp16", f"{_P}.fp16:FP16", aliases=("16", "16-mixed", "fp16-
                     description="fp32 master weights, fp16 compute with dynamic loss scaling")
 PRECISIONS.register("bf16", f"{_P}.bf16:BF16", aliases=("bf16-mixed", "bfloat16"),
                     description="fp32 master weights, bf16 compute (mixed)")
+PRECISIONS.register("fp8", f"{_P}.fp8:FP8", aliases=("fp8-mixed", "float8"),
+                    description="bf16 mixed, float8 linear matmuls (torchao, dynamic scaling; sm_89 and newer)")
 PRECISIONS.register("bf16-true", f"{_P}.bf16:BF16", defaults={"mode": "true"},
                     description="bf16 parameters and compute (gradients reduced in fp32)")
 

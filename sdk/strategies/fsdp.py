@@ -144,6 +144,7 @@ class FSDP(MeshStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        self._start_private_group()  # the device mesh needs a group, also for a plain `python train.py`
         shape, names = self.settings.mesh_shape(self.world_size, self._local_world_size)
         self.mesh = _mesh.build_mesh(self.device_type, shape, names)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -75,6 +76,23 @@ class ProcessGroupStrategy(Strategy):
         self._local_rank, self._local_world_size = env.local_rank, env.local_world_size
         self._device = torch.device("cuda", env.local_rank) if self.device_type == "cuda" else torch.device("cpu")
         super().setup_environment()
+
+    def _start_private_group(self) -> None:
+        """A 1-rank process group on a free local port, for a plain ``python train.py`` (no launcher).
+
+        FSDP's device mesh and DeepSpeed's engine need a group even for one process; without one torch
+        fails with "environment variable RANK expected" after 30 lines. Under a launcher the group exists.
+        """
+        if dist.is_initialized():
+            return
+        from shardkit.distributed.launcher import find_free_port
+        from shardkit.distributed.process_group import backend_for_device
+
+        dist.init_process_group(backend_for_device(self.device_type), rank=0, world_size=1,
+                                init_method=f"tcp://127.0.0.1:{find_free_port()}")
+        # DeepSpeed's zero.Init reads os.environ["LOCAL_RANK"] and fails with KeyError in a plain
+        # `python train.py`, which no launcher has given it (the only rank variable DeepSpeed requires).
+        os.environ.setdefault("LOCAL_RANK", "0")
 
     @override
     def teardown(self) -> None:

@@ -35,9 +35,9 @@ logger = logging.getLogger("shardkit.trainer")
 # Liger's switch -> apply_fused_kernels's keyword (None: shardkit has no such kernel, so True is refused).
 LIGER_KEYS: dict[str, str | None] = {"rope": "rope", "swiglu": "swiglu", "rms_norm": "rms_norm",
                                      "fused_linear_cross_entropy": "cross_entropy", "cross_entropy": None,
-                                     "geglu": None, "layer_norm": None}
+                                     "geglu": "geglu", "layer_norm": None}
 _NO_KERNEL = {"cross_entropy": "the fused linear cross-entropy replaces it (fused_linear_cross_entropy=True)",
-              "geglu": "Gemma's GELU-tanh MLP stays unpatched", "layer_norm": "only RMSNorm is fused"}
+              "layer_norm": "only RMSNorm is fused"}
 
 
 def check_model_prep_args(args: Any) -> None:

@@ -53,6 +53,10 @@ EXPECTED = {
     "ds_total_steps_zero.json": "total_num_steps", "ds_truncated.json": "cannot parse",
     "ds_unknown_key.json": "gradient_cliping", "ds_utf16.json": "not UTF-8",
     "ds_warmup_steps_negative.json": "warmup_num_steps", "ds_weight_decay_nan.json": "weight_decay",
+    # issue 30: a key written twice is refused by name (JSON and YAML readers keep the last one silently)
+    "ds_duplicate_stage.json": "'stage' is written twice", "ds_duplicate_top_key.json": "train_micro_batch",
+    "acc_duplicate_key.yaml": "second time on line 4",
+    "acc_duplicate_nested_key.yaml": "'zero_stage' is written twice",
 }
 
 

@@ -51,10 +51,12 @@ def test_inference_skips_the_custom_ops_with_the_same_results_and_still_compiles
     import importlib
 
     calls = []
-    for module, attr in (("rms_norm", "_rms_norm_op"), ("rope", "_rope_op"), ("swiglu", "_swiglu_op")):
+    for module, owner, attr in (("rms_norm", None, "_rms_norm_op"), ("rope", None, "_rope_op"),
+                                ("swiglu", "_GLU", "op")):
         mod = importlib.import_module(f"shardkit.ops.{module}")
-        op = getattr(mod, attr)
-        monkeypatch.setattr(mod, attr, lambda *a, _op=op, _name=module: calls.append(_name) or _op(*a))
+        target = getattr(mod, owner) if owner else mod
+        op = getattr(target, attr)
+        monkeypatch.setattr(target, attr, lambda *a, _op=op, _name=module: calls.append(_name) or _op(*a))
     torch.manual_seed(0)
     model = _Block().eval()
     for p in model.parameters():

@@ -322,3 +322,36 @@ def test_torch_compile_fullgraph(make_rand, compile_backend, case):
     for g, r in zip(grads, ref_grads):
         assert g.dtype == r.dtype
         torch.testing.assert_close(g, r)
+
+
+def test_bf16_weight_gradient_is_folded_into_bf16_per_chunk(backend, make_rand):
+    """bf16 weights: grad_weight accumulates in bf16, no fp32 (V, H) accumulator (the kernel hands back bf16).
+
+    Bound: each chunk's fp32 GEMM result is folded into the running bf16 sum with one rounding (addmm, beta=1),
+    at most half a bf16 ulp (2^-9 relative) of that running sum; a second rounding of the product itself where a
+    backend rounds it first makes it 2^-8. So with K chunks and M the largest |running sum| over the chunks,
+    |grad_weight - fp64| <= 2 x the naive bf16 path's error + K * 2^-8 * M (+ bf16's 4e-3 atol of the 2x rule).
+    """
+    flce = importlib.import_module("shardkit.ops.fused_linear_cross_entropy")
+    n, h, v, chunk = (24, 8, 33, 4) if backend.interpreted else (64, 32, 300, 8)
+    hidden, weight, _, labels = _problem(make_rand, n, h, v, torch.bfloat16)
+    valid = labels != -100
+    need = (True, True, False)
+    ones = torch.ones(n, device=hidden.device)
+    _, _, gw, _ = flce.SPEC.call("flce_chunked", backend.name, hidden, weight, labels, None, ones, -100, 0.0, 0.0,
+                                 chunk, *need)
+    assert gw.dtype == torch.bfloat16 and gw.shape == weight.shape
+    h64, w64 = hidden.double().cpu(), weight.double().cpu()
+    z64 = h64 @ w64.T
+    g64 = torch.softmax(z64, dim=1)
+    g64[torch.arange(n), labels.cpu().clamp(min=0)] -= 1
+    g64[~valid.cpu()] = 0
+    partial = torch.stack([g64[:e].T @ h64[:e] for e in range(chunk, n + 1, chunk)])  # running sums, fp64
+    exact = partial[-1]
+    w_leaf = weight.detach().clone().requires_grad_()
+    linear_cross_entropy_reference(hidden.detach(), w_leaf, labels, reduction="sum").backward()
+    naive_err = (w_leaf.grad.double().cpu() - exact).abs().max().item()
+    k = n // chunk
+    bound = 2 * naive_err + k * 2.0**-8 * partial.abs().max().item() + 4e-3
+    err = (gw.double().cpu() - exact).abs().max().item()
+    assert err <= bound, f"grad_weight off by {err:.3g} > bound {bound:.3g} ({k} chunks)"

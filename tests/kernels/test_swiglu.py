@@ -1,13 +1,18 @@
-"""SwiGLU: every backend present vs the float64 reference, forward and backward."""
+"""SwiGLU and GeGLU: every backend present vs the float64 reference, forward and backward, out of place and in
+place; the bytes the autograd graph saves, against Liger-Kernel's and eager PyTorch's."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from shardkit.ops import swiglu, swiglu_reference
+from shardkit.nn import GeGLUMLP, SwiGLUMLP
+from shardkit.ops import geglu, geglu_reference, swiglu, swiglu_reference
 
 SHAPES = [(7,), (3, 5, 37), (5, 123, 123), (2, 4100)]
+OPS = {"swiglu": (swiglu, swiglu_reference), "geglu": (geglu, geglu_reference)}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _grads(fn, g, u, dy):
@@ -18,24 +23,129 @@ def _grads(fn, g, u, dy):
     return y.detach(), g.grad, u.grad
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def _grads_in_place(fn, g, u, dy):
+    """Gate and up as non-leaf activations (as in an MLP): the backward may write over them."""
+    g0 = g.detach().clone().requires_grad_()
+    u0 = u.detach().clone().requires_grad_()
+    g1, u1 = g0 * 1, u0 * 1  # fresh non-leaf buffers
+    ptrs = (g1.data_ptr(), u1.data_ptr())
+    y = fn(g1, u1, in_place_backward=True)
+    y.backward(dy)
+    return (y.detach(), g0.grad, u0.grad), ptrs, (g1.detach(), u1.detach())
+
+
+def _inputs(shape, dtype, device, make_rand):
+    g = make_rand(*shape, dtype=dtype, device=device, seed=1, scale=3.0)  # both tails of the sigmoid
+    u = make_rand(*shape, dtype=dtype, device=device, seed=2)
+    dy = make_rand(*shape, dtype=dtype, device=device, seed=3)
+    return g, u, dy
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_swiglu_matches_fp64_reference(backend, shape, dtype, make_rand, check_close):
-    g = make_rand(*shape, dtype=dtype, device=backend.device, seed=1, scale=3.0)  # both tails of the sigmoid
-    u = make_rand(*shape, dtype=dtype, device=backend.device, seed=2)
-    dy = make_rand(*shape, dtype=dtype, device=backend.device, seed=3)
-    out = _grads(swiglu, g, u, dy)
-    lowp = _grads(swiglu_reference, g, u, dy)
-    ref = _grads(swiglu_reference, g.double(), u.double(), dy.double())
-    for name, got, low, exact in zip(("y", "dgate", "dup"), out, lowp, ref):
+def test_matches_fp64_reference(backend, op, shape, dtype, make_rand, check_close):
+    if backend.interpreted and shape == (5, 123, 123) and dtype == torch.float16:
+        pytest.skip("interpreter: fp32 and bf16 cover this shape")
+    fn, ref_fn = OPS[op]
+    g, u, dy = _inputs(shape, dtype, backend.device, make_rand)
+    lowp = _grads(ref_fn, g, u, dy)
+    ref = _grads(ref_fn, g.double(), u.double(), dy.double())
+    out = _grads(fn, g, u, dy)
+    in_place, ptrs, overwritten = _grads_in_place(fn, g, u, dy)
+    for name, got, got_ip, low, exact in zip(("y", "dgate", "dup"), out, in_place, lowp, ref):
         check_close(got, low, exact, name=name)
+        check_close(got_ip, low, exact, name=f"{name} (in place)")
+    # the gradients were written over the two activations: gate now holds d gate, up holds d up
+    torch.testing.assert_close(overwritten[0], in_place[1], rtol=0, atol=0)
+    torch.testing.assert_close(overwritten[1], in_place[2], rtol=0, atol=0)
 
 
-def test_swiglu_backward_saves_inputs_not_product(backend):
-    """Only gate and up are saved (the linear layers keep them anyway); the product is recomputed."""
-    g = torch.randn(4, 64, device=backend.device, requires_grad=True)
-    u = torch.randn(4, 64, device=backend.device, requires_grad=True)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        swiglu(g, u)
-    assert len(saved) == 2 and all(t.data_ptr() in (g.data_ptr(), u.data_ptr()) for t in saved)
+class _SavedBytes:
+    """Counts the bytes the autograd graph saves (distinct storages) while active."""
+
+    def __init__(self) -> None:
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_saved_bytes_equal_liger_and_backward_allocates_nothing(backend, op, dtype):
+    """Saved: gate and up only, 2 x element size per element, what Liger's LigerSiLUMulFunction saves (its
+    ctx.save_for_backward(a, b)); eager PyTorch's ``act(g) * u`` saves 3 (g, act(g), u). In place, the gradients
+    the backward hands to the projections are the activations' own buffers: no (tokens, intermediate) tensor."""
+    fn, _ = OPS[op]
+    m, f = 4, 96
+    x = torch.randn(m, 8, device=backend.device, dtype=dtype, requires_grad=True)
+    w = torch.randn(2 * f, 8, device=backend.device, dtype=dtype)
+    gate, up = (x @ w.T).split(f, dim=1)
+    gate, up = gate.contiguous(), up.contiguous()
+    with _SavedBytes() as ours:
+        y = fn(gate, up, in_place_backward=True)
+    with _SavedBytes() as eager:
+        act = F.silu(gate) if op == "swiglu" else F.gelu(gate, approximate="tanh")
+        act * up
+    per_elem = dtype.itemsize
+    assert ours.nbytes == 2 * per_elem * m * f  # Liger: a and b
+    assert eager.nbytes == 3 * per_elem * m * f
+    seen = {}
+    gate.register_hook(lambda g: seen.__setitem__("gate", g.data_ptr()))
+    up.register_hook(lambda g: seen.__setitem__("up", g.data_ptr()))
+    ptrs = {"gate": gate.data_ptr(), "up": up.data_ptr()}
+    y.backward(torch.ones_like(y))
+    assert seen == ptrs
+
+
+def test_in_place_is_refused_where_it_would_destroy_a_tensor_someone_holds():
+    """Leaves (a user's tensors, parameters) and overlapping/strided views get the out-of-place backward."""
+    leaf_g, leaf_u = torch.randn(3, 16, requires_grad=True), torch.randn(3, 16, requires_grad=True)
+    before = leaf_g.detach().clone()
+    swiglu(leaf_g, leaf_u, in_place_backward=True).sum().backward()
+    torch.testing.assert_close(leaf_g.detach(), before)
+    fused = torch.randn(3, 32, requires_grad=True) * 1
+    gate, up = fused.chunk(2, dim=-1)  # strided views of one buffer (Phi-3's layout)
+    kept = fused.detach().clone()
+    swiglu(gate, up, in_place_backward=True).sum().backward()
+    torch.testing.assert_close(fused.detach(), kept)
+
+
+def test_in_place_second_backward_raises():
+    g = torch.randn(4, 16, requires_grad=True) * 1
+    u = torch.randn(4, 16, requires_grad=True) * 1
+    y = swiglu(g, u, in_place_backward=True).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+@pytest.mark.parametrize("cls,act", [(SwiGLUMLP, F.silu), (GeGLUMLP, lambda t: F.gelu(t, approximate="tanh"))])
+def test_mlp_modules_match_eager(cls, act):
+    torch.manual_seed(0)
+    mlp = cls(16, 40)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    y = mlp(x)
+    y.square().sum().backward()
+    grads = [p.grad.clone() for p in mlp.parameters()] + [x.grad.clone()]
+    mlp.zero_grad()
+    x.grad = None
+    y_ref = mlp.down_proj(act(mlp.gate_proj(x)) * mlp.up_proj(x))
+    y_ref.square().sum().backward()
+    torch.testing.assert_close(y, y_ref)
+    for got, want in zip(grads, [p.grad for p in mlp.parameters()] + [x.grad]):
+        torch.testing.assert_close(got, want)

@@ -183,7 +183,7 @@ def test_latest_and_keep_last(tmp_path):
     for step in range(1, 5):
         with CheckpointWriter(tmp_path / f"step-{step}", keep_last=2, info={"step": step}) as w:
             w.write_json("s", {"step": step})
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".shardkit.lock", "foreign", "latest", "notes",
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["foreign", "latest", "notes",
                                                           "step-3", "step-4"]
     assert (tmp_path / "latest").read_text().strip() == "step-4"
     assert resolve_checkpoint(tmp_path) == tmp_path / "step-4"
@@ -195,7 +195,7 @@ def test_resave_same_name_replaces(tmp_path):
         with CheckpointWriter(tmp_path / "final") as w:
             w.write_tensors("model", {"w": torch.full((2,), float(v))})
     assert torch.equal(CheckpointReader(tmp_path).read_full("model", "w"), torch.full((2,), 2.0))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".shardkit.lock", "final", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "latest"]
 
 
 def test_exception_inside_save_publishes_nothing(tmp_path):
@@ -204,7 +204,7 @@ def test_exception_inside_save_publishes_nothing(tmp_path):
         with CheckpointWriter(tmp_path / "step-2") as w:
             w.write_tensors("model", {"w": torch.zeros(2)})
             raise ValueError("boom")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".shardkit.lock", "latest", "step-1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"]
     assert resolve_checkpoint(tmp_path).name == "step-1"
 
 

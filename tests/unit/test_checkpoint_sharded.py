@@ -150,7 +150,7 @@ def test_rank_failure_aborts_everywhere(tmp_path):
 
     with pytest.raises((RuntimeError, CheckpointError)):
         _run_ranks(2, rank_fn)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".shardkit.lock"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the lock file goes when the save ends (issue 30)
 
 
 def test_bad_pieces_rejected(tmp_path):

@@ -70,7 +70,7 @@ def _dry_run(capsys, *args: str) -> list[str]:
 def test_launch_single_machine_uses_torchrun_with_a_free_port(capsys):
     command = _dry_run(capsys, "--num-processes", "2", SCRIPT, "--lr", "3")
 
-    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert command[:3] == [sys.executable, "-m", "shardkit.distributed._torchrun"]
     assert {"--nproc-per-node=2", "--nnodes=1", "--node-rank=0", "--master-addr=127.0.0.1"} <= set(command)
     port = int(next(arg for arg in command if arg.startswith("--master-port=")).split("=")[1])
     assert 0 < port < 65536

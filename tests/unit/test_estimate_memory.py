@@ -91,7 +91,10 @@ def test_cli_prints_deepspeeds_table_for_counts(capsys):
     assert cli_main(["estimate-memory", "--params", "2783M", "--largest-layer-params", "131M", "--num-gpus", "8",
                      "--device-memory", "24GB"]) == 0
     out = capsys.readouterr().out
+    # the same numbers, labelled as what they are (DeepSpeed divides by 2**30 and prints "GB")
+    want = want.replace("GB |", "GiB |").replace("  per CPU  |  per GPU |", "  per CPU   |  per GPU   |")
     assert want.strip() in out
+    assert "GB |" not in out and "Sizes in GiB" in out
     assert "Recommended for 24GB per device:" in out
     assert "offload_param=none, offload_optimizer=none, zero_init=1" in out
 

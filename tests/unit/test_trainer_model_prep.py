@@ -57,7 +57,7 @@ def test_fused_kernels_patch_before_setup_and_keep_the_losses(tmp_path):
         trainer, fused = _train(_hf_llama(), _args(tmp_path, **{flag: True}))
         model = trainer.runner.unwrap_model(trainer.model)
         assert model.fused_kernels_report == {"model_type": "llama", "rms_norm": 5, "rope": 2, "swiglu": 2,
-                                              "cross_entropy": True, "skipped": {}}
+                                              "geglu": 0, "cross_entropy": True, "skipped": {}}
         assert "forward" in model.model.norm.__dict__ and "forward" in model.model.layers[0].mlp.__dict__
         assert fused == pytest.approx(plain, rel=1e-5)
         assert fused[-1] < fused[0]
@@ -70,7 +70,7 @@ def test_fused_kernels_patch_before_setup_and_keep_the_losses(tmp_path):
 
 
 @pytest.mark.parametrize("config, match", [
-    ({"geglu": True}, "no geglu kernel"),
+    ({"layer_norm": True}, "no layer_norm kernel"),
     ({"cross_entropy": True}, "fused_linear_cross_entropy=True"),
     ({"rms_nrom": True}, "rms_norm"),
     ({"rope": "yes"}, "true or false"),

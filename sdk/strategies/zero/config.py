@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import copy
 import ctypes.util
+import importlib.util
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +26,7 @@ from shardkit.dtypes import dtype_name
 from shardkit.precision.base import Precision
 
 __all__ = ["ZeROSettingsError", "ZeROSettings", "model_hidden_size", "deep_merge", "libaio_available",
-           "default_nvme_path", "precision_section", "NVME_PATH_ENV_VAR"]
+           "default_nvme_path", "precision_section", "require_deepspeed", "NVME_PATH_ENV_VAR"]
 
 _OFFLOAD_DEVICES = (None, "cpu", "nvme")
 NVME_PATH_ENV_VAR = "SHARDKIT_NVME_PATH"
@@ -276,3 +278,10 @@ class ZeROSettings:
         if self.uses_nvme:
             config["aio"] = {**_DEFAULT_AIO, **self.aio}
         return deep_merge(config, self.extra)
+
+
+def require_deepspeed(what: str) -> None:
+    """ImportError naming the extra to install when DeepSpeed is missing (``what``: the strategy or the config)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        raise ImportError(f"{what} runs on DeepSpeed, which is not installed in this environment "
+                          f"({sys.executable}): pip install 'shardkit[deepspeed]'")

@@ -86,6 +86,11 @@ class ZeRO3(ZeROStrategy):
         return ParameterPartitionLayout(stage)
 
     @override
+    def parameter_numel(self, param: torch.Tensor) -> int:
+        """A partitioned parameter is an empty placeholder (``numel() == 0``); DeepSpeed records its full size."""
+        return int(getattr(param, "ds_numel", param.numel()))
+
+    @override
     def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
         """Build modules inside ``deepspeed.zero.Init``: each parameter is partitioned as soon as it exists.
 

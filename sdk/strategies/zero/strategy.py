@@ -21,15 +21,14 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
 from shardkit import checkpoint as ckpt
-from shardkit.distributed.process_group import backend_for_device
 from shardkit.optim.named import is_schedule_free
 from shardkit.strategies.base import param_list, replicated_gathered
 from shardkit.strategies.parallel import ProcessGroupStrategy
@@ -41,6 +40,7 @@ from shardkit.strategies.zero.config import (
     default_nvme_path,
     model_hidden_size,
     precision_section,
+    require_deepspeed,
 )
 from shardkit.strategies.zero.layout import FlatPartitionLayout, ZeROLayout
 
@@ -87,17 +87,10 @@ class ZeROStrategy(ProcessGroupStrategy):
 
     @override
     def setup_environment(self) -> None:
+        require_deepspeed(type(self).__name__)
         _check_fp16_supported(precision_section(self.precision), torch.device(self.device_type))
         super().setup_environment()
-        if not dist.is_initialized():
-            # DeepSpeed's engine needs a process group even for one process: a private 1-rank group.
-            from shardkit.distributed.launcher import find_free_port
-
-            dist.init_process_group(backend_for_device(self.device_type), rank=0, world_size=1,
-                                    init_method=f"tcp://127.0.0.1:{find_free_port()}")
-            # DeepSpeed's zero.Init reads os.environ["LOCAL_RANK"] and fails with KeyError in a plain
-            # `python train.py`, which no launcher has given it (the only rank variable DeepSpeed requires).
-            os.environ.setdefault("LOCAL_RANK", "0")
+        self._start_private_group()  # DeepSpeed's engine needs a process group even for one process
         if self.settings.uses_nvme and not self.settings.nvme_path:
             self._choose_nvme_path()
 
@@ -391,6 +384,11 @@ def prepare_deepspeed(settings: ZeROSettings) -> None:
 
     if ds_logger.level < logging.WARNING:
         ds_logger.setLevel(logging.WARNING)
+    # NOTE: DeepSpeed's engine calls torch's deprecated collective names on every step; torch warns from
+    # c10d_logger each time: 856 FutureWarning lines in a 10-step ZeRO-3 run (issue 30). Only those, by module,
+    # category and message: the user's own warnings, and torch's others, still show.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning,
+                            module=r"torch\.distributed\.c10d_logger")
     needed = ["ShareMemCommBuilder"] if get_accelerator().device_name() == "cpu" else []
     if settings.offload_optimizer:
         needed.append("CPUAdamBuilder")
@@ -403,20 +401,25 @@ def prepare_deepspeed(settings: ZeROSettings) -> None:
 def _build_op(builder_name: str) -> None:
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
-    from torch.utils.cpp_extension import _get_build_directory
+
+    from shardkit.ops.build_lock import build_lock, extensions_root, run_build_subprocess
 
     builder = get_accelerator().create_op_builder(builder_name)
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, True):
         return
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.dirname(_get_build_directory("x", verbose=False))
-    built = os.path.exists(os.path.join(root, builder.NAME, f"{builder.NAME}.so"))
-    if not built and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        log.warning("shardkit: building DeepSpeed op %s (first use only, %s on 2 cores) into %s", builder.NAME,
-                    _OP_NOTES.get(builder_name, "a few minutes"), root)
-    # NOTE: every rank loads; torch's file lock makes the others wait for the one build (no collective,
-    # which would time out during a 5-minute build).
-    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-        builder.load(verbose=False)
+    build_dir = extensions_root() / builder.NAME
+    label = f"DeepSpeed op {builder.NAME}"
+    # NOTE: every rank comes here; the shared build lock makes the others wait for the one build (no
+    # collective, which would time out during a 5-minute build) and clears a baton a killed build left.
+    with build_lock(build_dir, label):
+        if not (build_dir / f"{builder.NAME}.so").exists():
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                log.warning("shardkit: building DeepSpeed op %s (first use only, %s on 2 cores) into %s",
+                            builder.NAME, _OP_NOTES.get(builder_name, "a few minutes"), build_dir.parent)
+            run_build_subprocess("from deepspeed.accelerator import get_accelerator; get_accelerator()"
+                                 f".create_op_builder({builder_name!r}).load(verbose=False)", label, build_dir)
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+            builder.load(verbose=False)
 
 
 def _is_fused_adamw(optimizer: Any) -> bool:

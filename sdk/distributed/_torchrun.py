@@ -1,0 +1,45 @@
+"""torchrun as ``shardkit launch`` runs it: ``torch.distributed.run``, with a failed rank reported in a few lines.
+
+torchrun ends a job whose rank failed with its own ChildFailedError traceback and a failure table (~40 lines,
+after the rank's traceback, so the user scrolls past torch internals to find the cause). Here the same failure
+is one short summary: which ranks failed, how (exit code or signal), and that each one's traceback is above.
+
+    python -m shardkit.distributed._torchrun --nproc-per-node=2 ... train.py   # what `shardkit launch` runs
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+__all__ = ["failure_summary", "main"]
+
+
+def failure_summary(script: str, failures: dict) -> str:
+    """The lines printed for torchrun's ``ChildFailedError.failures`` (global rank -> ProcessFailure)."""
+    lines = [f"shardkit launch: {len(failures)} rank(s) of {script} failed; the others were stopped"]
+    for rank, failure in sorted(failures.items()):
+        if failure.exitcode is not None and failure.exitcode < 0:
+            how = f"was killed by {failure.signal_name()} (by the system's out-of-memory killer if SIGKILL)"
+        else:
+            how = f"exited with code {failure.exitcode}; its traceback, if any, is printed above"
+        lines.append(f"  rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run torchrun with ``argv``; returns 0, or 1 when a rank failed (torchrun's own exit code)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        run(args)
+    except ChildFailedError as err:
+        print(failure_summary(err.name, err.failures), file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""A new user's first hour, end to end: a fresh virtual environment, the README's first command, every example.
+
+The environment is new (``python -m venv``, shardkit installed into it with ``pip install -e .`` as ``make demo``
+does) and so is the user's cache (``XDG_CACHE_HOME``: no C++ ops built yet). Third-party packages are not
+downloaded again: a ``.pth`` line lends the test environment's site-packages (the CI budget cannot pay for
+installing torch, ~1 GB). Then ``make demo``'s command (``examples/train_llama.py`` on the shipped text, with
+fewer steps), a resumed run, and each example run as a user pastes them. Every run must exit 0 with no
+traceback on the user's screen, and the C++ ops must be built exactly once, in one place, for all of them.
+
+Not run here: ``examples/generate.py``'s default ZeRO-3 (its DeepSpeed op build alone takes ~3 min on 2 cores;
+the DeepSpeed build path has its own tests in test_build_lock.py); it runs with ``--strategy single``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+_REPO = Path(__file__).resolve().parents[2]
+_BUILD_LINE = "building C++ ops"
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _fresh_venv(root: Path) -> Path:
+    """A new venv with shardkit installed editable from this checkout; returns its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
+    python = root / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    Path(site, "lent_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                    "--no-build-isolation", "--no-index", "-e", str(_REPO)], check=True, timeout=300,
+                   capture_output=True)
+    return python
+
+
+def _user_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TORCH_EXTENSIONS_DIR", "SHARDKIT_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                "MASTER_", "TRITON_INTERPRET", "PYTEST"))}
+    env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), HF_HOME=str(home / "hf"), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="default")
+    return env
+
+
+def test_fresh_venv_readme_first_command_then_every_example(tmp_path):
+    python = _fresh_venv(tmp_path / "venv")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = _user_env(home)
+    runs = {
+        "make demo": ["examples/train_llama.py", "--out", str(tmp_path / "runs/demo"), "--steps", "12",
+                      "--save-every", "6", "--log-every", "6"],
+        "resume": ["examples/train_llama.py", "--out", str(tmp_path / "runs/demo"), "--steps", "16", "--resume",
+                   "--save-every", "0", "--log-every", "4"],
+        "generate": ["examples/generate.py", "--strategy", "single", "--checkpoint", str(tmp_path / "runs/demo"),
+                     "--prompt", "To be", "--max-new-tokens", "8"],
+        "trainer_causal_lm": ["examples/trainer_causal_lm.py", "--output_dir", str(tmp_path / "out/clm"),
+                              "--max_steps", "4", "--logging_steps", "2", "--save_strategy", "no"],
+        "trainer_classification": ["examples/trainer_classification.py", "--output_dir", str(tmp_path / "out/cls"),
+                                   "--max_steps", "4", "--logging_steps", "2", "--save_strategy", "no"],
+    }
+    shipped = {p.name for p in (_REPO / "examples").glob("*.py")}
+    assert shipped == {Path(argv[0]).name for argv in runs.values()}, "an example is not run here: add it"
+    builds = 0
+    for name, argv in runs.items():
+        done = subprocess.run([str(python), *argv], cwd=_REPO, env=env, capture_output=True, text=True, timeout=600)
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, f"{name} failed:\n{output[-4000:]}"
+        assert "Traceback" not in output, f"{name} showed a traceback:\n{output[-4000:]}"
+        builds += output.count(_BUILD_LINE)
+        print(f"{name}: ok ({output.count(_BUILD_LINE)} C++ builds)")
+    assert builds == 1, f"the C++ ops were built {builds} times; once is enough"
+    built = list((home / ".cache" / "torch_extensions").glob("*/shardkit_C/shardkit_C.so"))
+    assert len(built) == 1, built  # one location: torch's per-user cache, where DeepSpeed's ops go too
