@@ -171,7 +171,7 @@ def _check_unsupported(raw: Mapping[str, Any], where: str) -> None:
     if backend != "NO":
         raise NotImplementedError(f"dynamo_backend: {backend} in {where}: shardkit does not compile the model for "
                                   f"you; call torch.compile(model) in the script and set dynamo_backend: 'NO'")
-    for key in ("megatron_lm_config", "mpirun_config", "fp8_config", "parallelism_config", "ipex_config"):
+    for key in ("megatron_lm_config", "mpirun_config", "fp8_config", "ipex_config"):
         section = raw.get(key)
         if section is not None and not isinstance(section, Mapping):
             raise ConfigError(f"{key} in {where} must be a section (a mapping), not {section!r}; remove it (shardkit "
@@ -231,6 +231,11 @@ def _env(raw: Mapping[str, Any], use_cpu: bool, path: Path) -> dict[str, str]:
 def _strategy(raw: Mapping[str, Any], kind: str, mixed: str, processes: int,
               path: Path) -> tuple[StrategySpec | None, dict[str, Any] | None, str]:
     where = str(path)
+    section = raw.get("parallelism_config")
+    if section:  # Accelerate's ND-parallel sizes (dp_replicate, dp_shard, cp, tp): one validated mesh
+        from shardkit.strategies.mesh import strategy_spec_from_accelerate
+
+        return strategy_spec_from_accelerate(section, world_size_from_env() or processes, kind, where), None, ""
     if kind == "NO":
         return ("SingleDevice", {}), None, ""
     if kind in DATA_PARALLEL:

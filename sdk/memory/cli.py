@@ -33,6 +33,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                                                                    "estimate")
     p.add_argument("--seq-len", type=int_range(1, 2**31), help="sequence length, for the activation estimate")
     p.add_argument("--activation-checkpointing", action="store_true", help="activations with checkpointing")
+    p.add_argument("--cp-size", type=int_range(1, _MAX_DEVICES), default=1,
+                   help="context-parallel ranks splitting each sequence (cp row)")
+    p.add_argument("--pp-size", type=int_range(1, _MAX_DEVICES), default=None,
+                   help="pipeline stages (pp row; default: --num-gpus)")
+    p.add_argument("--microbatches", type=int_range(1, 2**20), default=None,
+                   help="pipeline micro-batches per step (default pp)")
+    p.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b"],
+                   help="pipeline schedule for the activation estimate (in-flight micro-batches)")
     p.add_argument("--device-memory", help="memory per device, e.g. 80GB or 24GiB: recommend what fits")
     p.add_argument("--additional-buffer-factor", type=float_range(minimum=1.0, maximum=100.0), default=1.5,
                    help="DeepSpeed's tables' CPU factor (>= 1: extra room over the states, default 1.5)")
@@ -63,9 +71,27 @@ def _strategy_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
     rows = [f"{'strategy':<16}{cols}  (GiB per device, {args.precision})"]
     for name in names:
         e = estimate_model_states(spec, name, num_gpus_per_node=args.num_gpus, num_nodes=args.num_nodes,
-                                  precision=args.precision)
+                                  precision=args.precision, pp_size=args.pp_size)
         rows.append(f"{name:<16}{e.params / GIB:9.2f}{e.grads / GIB:9.2f}{e.optimizer / GIB:9.2f}"
                     f"{e.device_total / GIB:9.2f}{e.device_peak / GIB:9.2f}{e.host / GIB:9.2f}{e.nvme / GIB:9.2f}")
+    return rows
+
+
+def _parallel_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
+    """Activations per rank under context parallelism and per pipeline stage, and the pipeline's bubble."""
+    from shardkit.strategies.pipeline import bubble_fraction
+
+    rows = []
+    if args.cp_size > 1:
+        cp = activation_bytes(spec, args.batch_size, args.seq_len, cp_size=args.cp_size)
+        rows.append(f"Activations per rank under cp {args.cp_size} (sequence split, load-balanced): {cp / GIB:.2f} GiB")
+    pp = args.pp_size or args.num_gpus
+    if pp > 1:
+        m = args.microbatches or pp
+        stage = activation_bytes(spec, args.batch_size, args.seq_len, pp_size=pp, microbatches=m,
+                                 schedule=args.pp_schedule)
+        rows.append(f"Activations per pipeline stage (pp {pp}, {m} micro-batches, {args.pp_schedule}): "
+                    f"{stage / GIB:.2f} GiB; bubble (pp-1)/(m+pp-1) = {bubble_fraction(pp, m):.0%} of a step")
     return rows
 
 
@@ -106,6 +132,7 @@ def _run(args: argparse.Namespace) -> int:
             ckpt = activation_bytes(spec, args.batch_size, args.seq_len, checkpointing=True)
             print(f"\nActivations per device (batch {args.batch_size} x seq {args.seq_len}, 16-bit): "
                   f"{plain / GIB:.2f} GiB; with activation checkpointing {ckpt / GIB:.2f} GiB")
+            print("\n".join(_parallel_rows(spec, args)))
     if args.device_memory:
         from shardkit.checkpoint.consolidate import parse_size
 

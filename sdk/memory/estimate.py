@@ -74,7 +74,9 @@ LAYOUTS = (
     Layout("fsdp_grad_op", "fsdp", {"sharding": "grad_op"}),
     Layout("fsdp_hybrid", "fsdp", {"sharding": "hybrid"}),
     Layout("tp", "tp", {"dp": "replicate"}),
+    Layout("pp", "pp"),
     Layout("fsdp", "fsdp"),
+    Layout("cp", "cp"),
     Layout("zero3", "zero3"),
     Layout("zero2_offload", "zero2", {"offload_optimizer": "cpu"}),
     Layout("fsdp_offload", "fsdp", {"cpu_offload": True}),
@@ -145,7 +147,7 @@ def _bytes_per_param(layout: Layout, precision: Any) -> tuple[int, int, int, int
 
 
 def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: int = 1, num_nodes: int = 1,
-                          precision: Any = "bf16", tp_size: int | None = None,
+                          precision: Any = "bf16", tp_size: int | None = None, pp_size: int | None = None,
                           reduce_bucket_size: int | None = None,
                           params_in_cpu: int = DEEPSPEED_MAX_PARAMS_IN_CPU) -> ModelStates:
     """Bytes of parameters, gradients and optimizer state per rank under ``strategy`` (see the module table).
@@ -156,6 +158,7 @@ def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: 
         num_gpus_per_node, num_nodes: the job's shape (N = their product).
         precision: a Precision, or any name or alias in ``PRECISIONS`` ("bf16" and "fp16" are mixed).
         tp_size: ranks per tensor-parallel group (default: a node).
+        pp_size: pipeline stages (default: a node); the rest of the ranks replicate each stage.
         reduce_bucket_size: ZeRO-1/2 gradient bucket elements (shardkit's "auto" is hidden^2; default
             from ``spec.hidden_size``, else none counted).
         params_in_cpu: zero_infinity: parameter elements per rank DeepSpeed keeps in host memory rather
@@ -178,7 +181,11 @@ def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: 
                            working=psi * g - _div(psi * g, n))
     if strategy == "zero2":
         return ModelStates(strategy, psi * p, _div(psi * g, n) + bucket, _div(psi * (m + s), n))
-    if strategy in ("zero3", "fsdp"):
+    if strategy == "pp":
+        # Each pipeline rank holds its stages' layers whole (replicated over the rest, as DDP): 1/pp of them.
+        held = _div(psi, pp_size or num_gpus_per_node)
+        return ModelStates(strategy, held * p, held * g, held * s)
+    if strategy in ("zero3", "fsdp", "cp"):  # cp: FSDP2 over dp_shard x cp, i.e. every rank
         return ModelStates(strategy, _div(psi * p, n), _div(psi * g, n), _div(psi * (m + s), n), working=layer)
     if strategy == "fsdp_grad_op":
         return ModelStates(strategy, _div(psi * p, n), _div(psi * g, n), _div(psi * s, n),
@@ -293,7 +300,8 @@ def deepspeed_table(stage: int, total_params: int, largest_layer_params: int = 0
 
 
 def activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, *, checkpointing: bool = False,
-                     dtype_bytes: int = 2, tp_size: int = 1) -> int:
+                     dtype_bytes: int = 2, tp_size: int = 1, cp_size: int = 1, pp_size: int = 1,
+                     microbatches: int | None = None, schedule: str = "1f1b") -> int:
     """Activations a decoder keeps for backward, per rank (fused SDPA attention: no s^2 scores kept).
 
     Per token and layer a Llama block saves about ``5h + 3kv + 4i`` values (two norm inputs, the normed
@@ -301,18 +309,25 @@ def activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, *, checkpoi
     up, silu(gate) and their product for down), plus the logits (fp32, with their gradient) once.
     With checkpointing each layer keeps only its input ``h``, and one layer is recomputed at a time.
     ``tp_size`` divides the split parts (without sequence parallelism the norms' inputs are not split).
+    ``cp_size`` divides the tokens (each rank keeps its chunks' activations; ring attention's recomputed blocks
+    keep none of the ``s^2`` scores). Under ``pp_size`` stages a rank keeps ``num_layers / pp_size`` layers for the
+    micro-batches in flight: all ``microbatches`` under GPipe, at most ``pp_size`` under 1F1B (stage 0, the most).
     """
     if not spec.has_shape:
         raise ValueError("an activation estimate needs the decoder's shape (hidden, layers, intermediate, vocab): "
                          "give a config or a model instead of a bare parameter count")
     h, i, v = spec.hidden_size, spec.intermediate_size, spec.vocab_size
     kv = h * (spec.num_kv_heads or spec.num_heads or 1) // (spec.num_heads or 1)
-    tokens = batch_size * seq_len
+    tokens = batch_size * seq_len / cp_size
+    layers = spec.num_layers / pp_size
+    if pp_size > 1:
+        m = microbatches or pp_size
+        tokens = tokens / m * (m if schedule == "gpipe" else min(m, pp_size))
     per_layer = tokens * dtype_bytes * (2 * h + (3 * h + 3 * kv + 4 * i) / tp_size)
     logits = tokens * v * 4 * 2 / tp_size
     if checkpointing:
-        return int(spec.num_layers * tokens * h * dtype_bytes + per_layer + logits)
-    return int(spec.num_layers * per_layer + logits)
+        return int(layers * tokens * h * dtype_bytes + per_layer + logits)
+    return int(layers * per_layer + logits)
 
 
 def recommend(spec: ModelSpec, device_memory: int, *, num_gpus_per_node: int = 1, num_nodes: int = 1,
@@ -334,6 +349,8 @@ def recommend(spec: ModelSpec, device_memory: int, *, num_gpus_per_node: int = 1
     for name in (layout.name for layout in LAYOUTS):
         if name == "fsdp_hybrid" and num_nodes == 1:
             continue  # the same as fsdp on one node
+        if name == "pp":
+            continue  # its forward runs backward too (the user's loop changes): listed, never recommended
         est = estimate_model_states(spec, name, num_gpus_per_node=num_gpus_per_node, num_nodes=num_nodes,
                                     precision=precision)
         tp = num_gpus_per_node if name == "tp" else 1

@@ -138,13 +138,18 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(config.num_heads * hd, config.hidden_size, bias=False)
         self.rotary = rotary
+        # Context parallelism replaces the causal attention of a training forward (no cache) with its own
+        # over the split sequence: core(q, k, v, dropout_p) -> out, (B, H, T_local, D) each, or None for SDPA here.
+        self.core = None
 
     def forward(self, x: torch.Tensor, cache: _LayerCache | None = None, position_ids: torch.Tensor | None = None,
                 segments: Segments | None = None) -> torch.Tensor:
         """Causal self-attention over ``x``; with ``cache``, over the cached positions too (which it extends).
 
-        ``position_ids`` (B, T) rotate each token at its own position; ``segments`` (packed sequences, from
-        :meth:`Segments.from_position_ids`) keep each sequence's attention inside it.
+        ``position_ids``: the rotary positions of ``x``'s tokens, default 0..T-1: (T,) for one sequence's tokens
+        (context parallelism gives each rank's chunks their places in the whole sequence), (B, T) per row.
+        ``segments`` (packed sequences, from :meth:`Segments.from_position_ids`) keep each sequence's attention
+        inside it.
         """
         cfg = self.config
         batch, seq, _ = x.shape
@@ -152,12 +157,15 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(batch, seq, -1, cfg.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, cfg.head_dim).transpose(1, 2)
         if cache is None:
-            q, k = self.rotary.rotate(q, k) if position_ids is None else self.rotary.rotate(q, k, position_ids)
+            q, k = self.rotary.rotate(q, k, position_ids)
         else:
             start = cache.owner.length
             q, k = self.rotary.rotate(q, k, torch.arange(start, start + seq, device=x.device))
             k, v = cache.extend(k, v)
         dropout = cfg.dropout if self.training else 0.0
+        if segments is not None and self.core is not None:
+            raise ValueError("Llama: packed sequences (position_ids restarting per sequence) under context "
+                             "parallelism are not supported: train packed batches without context parallelism")
         if segments is not None:  # packed sequences: (B*T, H, D) tokens, attention within each sequence only
             flat = [t.transpose(1, 2).reshape(batch * seq, -1, cfg.head_dim) for t in (q, k, v)]
             out = varlen_attention(*flat, segments, dropout_p=dropout)
@@ -166,7 +174,9 @@ class Attention(nn.Module):
             repeat = cfg.num_heads // cfg.kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         past = k.shape[-2] - seq
-        if past == 0 or seq == 1:  # no cache, or one new token that sees every position: no mask to build
+        if cache is None and self.core is not None:
+            out = self.core(q, k, v, dropout)
+        elif past == 0 or seq == 1:  # no cache, or one new token that sees every position: no mask to build
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=past == 0)
         else:  # several new tokens after cached ones: token i sees positions up to past + i
             mask = torch.arange(past + seq, device=x.device) <= torch.arange(past, past + seq, device=x.device)[:, None]
@@ -286,12 +296,13 @@ class Llama(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None,
                       position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Final normed hidden states, (batch, seq, hidden); ``cache``: see :class:`KVCache`;
-        ``position_ids``: see :meth:`forward`."""
+        """Final normed hidden states, (batch, seq, hidden); ``cache``: see :class:`KVCache`; ``position_ids``:
+        see :meth:`forward` ((seq,): the tokens' rotary positions, as context parallelism passes its chunks')."""
         start = 0 if cache is None else cache.length
         if position_ids is not None and cache is not None:
             raise ValueError("Llama: position_ids (packed training batches) and a KV cache (decoding) do not mix; "
                              "pass one of them")
+        packed = position_ids is not None and position_ids.dim() == 2  # (B, T): rows of packed sequences
         if position_ids is not None:
             position_ids = _check_position_ids(position_ids, input_ids, self.config.max_position)
         elif start + input_ids.shape[-1] > self.config.max_position:
@@ -299,7 +310,7 @@ class Llama(nn.Module):
                              f"max_position={self.config.max_position}")
         x = self.embed_tokens(input_ids)
         if position_ids is not None:
-            segments = Segments.from_position_ids(position_ids, input_ids.shape[0])
+            segments = Segments.from_position_ids(position_ids, input_ids.shape[0]) if packed else None
             for layer in self.layers:
                 x = layer(x, position_ids=position_ids, segments=segments)
         else:

@@ -230,10 +230,6 @@ class Strategy(ABC):
         """Step the optimizer through the precision; False if the step was skipped."""
         return self.precision.optimizer_step(optimizer, found_inf=self._reduce_found_inf)
 
-    def parameter_numel(self, param: torch.Tensor) -> int:
-        """Elements of the whole parameter, however this strategy stores it (a DTensor's ``numel`` is global)."""
-        return param.numel()
-
     def zero_grad(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
         optimizer.zero_grad(set_to_none=True)
 

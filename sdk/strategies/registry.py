@@ -1,7 +1,7 @@
 """Every strategy by name: the one list the CLI, the examples, the config readers and the lazy imports use.
 
     from shardkit.strategies.registry import STRATEGIES
-    STRATEGIES.names()                     # ["single", "ddp", "fsdp", "tp", "zero1", "zero2", "zero3", "zero_infinity"]
+    STRATEGIES.names()                     # ["single", "ddp", "fsdp", "tp", "cp", "pp", "zero1", ...]
     STRATEGIES.build("tp")                 # TensorParallel over every rank
     STRATEGIES.build_from_cli("zero3", ["offload=cpu", "overlap_comm=false"])
 
@@ -30,6 +30,12 @@ STRATEGIES.register("fsdp", f"{_S}.fsdp:FSDP", aliases=("fsdp2", "fully_shard"),
                     description="torch FSDP2 (fully_shard): parameters, gradients and optimizer state sharded")
 STRATEGIES.register("tp", f"{_S}.tensor_parallel:TensorParallel", aliases=("tensor_parallel",),
                     description="DTensor tensor parallelism over tp_size ranks (default: all), 2-D with FSDP")
+STRATEGIES.register("cp", f"{_S}.context_parallel:ContextParallel", aliases=("context_parallel",),
+                    description="context parallelism: sequences split over cp_size ranks (ring or Ulysses "
+                                "attention), FSDP2 over dp_shard x cp")
+STRATEGIES.register("pp", f"{_S}.pipeline:Pipeline", aliases=("pipeline", "pipeline_parallel"),
+                    description="pipeline parallelism (torch.distributed.pipelining): layers split into stages "
+                                "over pp_size ranks, GPipe/1F1B/interleaved/zero-bubble, DDP over the rest")
 STRATEGIES.register("zero1", f"{_S}.zero:ZeRO1", aliases=("zero_1", "deepspeed_stage_1"),
                     description="DeepSpeed ZeRO stage 1: optimizer state partitioned")
 STRATEGIES.register("zero2", f"{_S}.zero:ZeRO2", aliases=("zero_2", "deepspeed_stage_2"),

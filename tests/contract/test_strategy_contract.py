@@ -51,6 +51,28 @@ TOLERANCE = {
     "zero_infinity": {"losses": (1e-4, 1e-5), "norms": (1e-4, 1e-5), "weights": (1e-4, 1e-5)},
     # TP sums its matmuls in another order (test_tensor_parallel.py's tolerances).
     "tp": {"losses": (1e-5, 1e-5), "norms": (1e-5, 1e-5), "weights": (1e-4, 5e-5)},
+    # CP sums attention over key blocks in another order (ring: an online softmax; Ulysses: all-to-all), as TP
+    # sums its matmuls: gradients agree to ~1e-7 (test_context_parallel.py), AdamW's 5 steps amplify it.
+    "cp": {"losses": (1e-5, 1e-5), "norms": (1e-5, 1e-5), "weights": (1e-4, 5e-5)},
+}
+# (strategy, test) -> why that contract point does not apply to the strategy: skipped with the reason.
+_PP_SPLIT = ("each pipeline rank holds only its stages' parameters, so no parameter list means the same on every "
+             "rank: Pipeline.gathered_parameters refuses by name (runner.iter_full_state_dict and checkpoints give "
+             "the whole model)")
+NOT_APPLICABLE: dict[tuple[str, str], str] = {
+    ("pp", "init"): f"the check reads init and gathered_parameters in one run; {_PP_SPLIT}",
+    ("pp", "gathered"): _PP_SPLIT,
+    # The checks below read each rank's whole weights through gathered_parameters and compare them across
+    # ranks; a pipeline rank has only its stages'. test_pipeline.py checks the same points rank by rank: each
+    # schedule's losses and held weights equal DDP's (with accumulation, pp x dp); test_parallel_layouts.py
+    # resumes pp 2 -> 1 and 1 -> 2 with the uninterrupted losses.
+    ("pp", "fp32_losses"): _PP_SPLIT,
+    ("pp", "accumulation_clipping"): _PP_SPLIT,
+    ("pp", "fp16_overflow"): _PP_SPLIT,
+    ("pp", "resume"): _PP_SPLIT,
+    ("pp", "reload"): _PP_SPLIT,
+    ("pp", "generation"): ("a pipeline-split model refuses a forward without labels by name (NotImplementedError); "
+                           "generate under a single-device or FSDP strategy from a checkpoint"),
 }
 # (strategy, test: a check of contract_workers.CHECKS or "reload") -> reason: a real bug (or engine limitation)
 # reported to the lead, marked as a strict xfail of that one case so that its fix shows up as an XPASS failure.
@@ -90,6 +112,8 @@ def _check(contract, request, check: str, test: str | None = None) -> list:
     """Each rank's result of ``check``; a check that raised fails here with its traceback. ``test`` (default:
     ``check``) names this test in KNOWN_FAILURES, for a test that reads another check's results."""
     name = contract["name"]
+    if (name, test or check) in NOT_APPLICABLE:
+        pytest.skip(f"{name}: {NOT_APPLICABLE[(name, test or check)]}")
     if (name, test or check) in KNOWN_FAILURES:
         request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[(name, test or check)]))
     results = [r[check] for r in contract["ranks"]]

@@ -58,10 +58,6 @@ class ZeRO3(ZeROStrategy):
     def partitions_parameters(self) -> bool:
         return True
 
-    @override
-    def parameter_numel(self, param: torch.Tensor) -> int:
-        return int(getattr(param, "ds_numel", param.numel()))  # a partitioned parameter's numel() is 0
-
     def __init__(self, offload: str | None = None, offload_optimizer: str | None = None,
                  offload_params: str | None = None, nvme_path: str | None = None,
                  prefetch_bucket_size: int | str = "auto", param_persistence_threshold: int | str = "auto",

@@ -1,0 +1,134 @@
+"""Context parallelism: activation bytes per rank against sequence length (cp = 1, 2, 4), the longest sequence
+under a per-rank activation budget, step time of ring and Ulysses, and torch's experimental CP API where it runs.
+
+    .venv/bin/python benchmarks/context_parallel.py --seqs 256 512 1024 --budget-mib 64
+
+Activation bytes are the tensors autograd saves for backward during one forward (counted through
+``torch.autograd.graph.saved_tensors_hooks``, storage by storage), on each rank: what context parallelism
+divides. Counted, not RSS: on a CPU RSS hides the split behind the allocator. cp = 1 ("none") is the same model
+under FSDP2 on one rank (no split, SDPA attention); cp = 2 and 4 run as 2 and 4 gloo processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
+
+from harness import run_distributed  # noqa: E402
+
+from shardkit import Runner  # noqa: E402
+from shardkit.models import Llama, LlamaConfig  # noqa: E402
+
+CONFIG = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_layers=4, num_heads=4,
+                     max_position=65536, tie_embeddings=False, fused=False)
+
+
+def _saved_bytes(fn) -> tuple[int, torch.Tensor]:
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def _measure(mode: str, seqs: list[int], steps: int) -> dict:
+    from shardkit.strategies import FSDP
+    from shardkit.strategies.context_parallel import ContextParallel
+
+    runner = Runner(ContextParallel(cp_mode=mode) if mode != "none" else FSDP(), seed=0)
+    with runner.init_module():
+        model = Llama(CONFIG)
+    model, opt = runner.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    out = {}
+    for seq in seqs:
+        x = torch.randint(0, CONFIG.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
+        saved, loss = _saved_bytes(lambda: model(x, labels=x))
+        runner.backward(loss)
+        runner.step()
+        times = []
+        for _ in range(steps):
+            runner.barrier()
+            start = time.perf_counter()
+            loss = model(x, labels=x)
+            runner.backward(loss)
+            runner.step()
+            times.append(time.perf_counter() - start)
+        out[seq] = {"saved": saved, "step_s": sorted(times)[len(times) // 2], "loss": loss.item()}
+    return out
+
+
+def _torch_cp_probe() -> str:
+    """Whether torch's experimental context_parallel runs here (it needs a CUDA SDPA backend)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("cp",))
+    q = torch.randn(1, 4, 64, 32, requires_grad=True)
+    try:
+        with context_parallel(mesh, buffers=[q], buffer_seq_dims=[2]):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+        return "ran"
+    except Exception as err:  # noqa: BLE001 - reported as the finding
+        return f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+
+
+def worker(modes: list[str], seqs: list[int], steps: int) -> dict:
+    out = {mode: _measure(mode, seqs, steps) for mode in modes}
+    if torch.distributed.get_world_size() > 1:
+        out["torch_cp"] = _torch_cp_probe()
+    return out
+
+
+def _longest(saved_per_token: float, budget: int, step: int) -> int:
+    return int(budget / saved_per_token) // step * step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--budget-mib", type=float, default=64.0, help="per-rank activation budget for 'longest'")
+    args = parser.parse_args()
+    results = {cp: run_distributed(worker, world_size=cp, args=(["ring", "ulysses"] if cp > 1 else ["none"],
+                                                               args.seqs, args.steps), timeout=3000)[0]
+               for cp in args.cps}
+    print(f"model hidden {CONFIG.hidden_size}, {CONFIG.num_layers} layers, batch 1, fp32; saved = activation bytes "
+          "per rank (rank 0)")
+    print("| seq | " + " | ".join(f"cp={cp} {m} saved MiB (x of cp=1) / step s" for cp in args.cps
+                                 for m in results[cp] if m != "torch_cp") + " |")
+    for seq in args.seqs:
+        base = results[1]["none"][seq]["saved"]
+        cells = []
+        for cp in args.cps:
+            for mode, per in results[cp].items():
+                if mode == "torch_cp":
+                    continue
+                r = per[seq]
+                cells.append(f"{r['saved'] / 2**20:.1f} ({r['saved'] / base:.2f}) / {r['step_s']:.3f}")
+        print(f"| {seq} | " + " | ".join(cells) + " |")
+    budget = args.budget_mib * 2**20
+    last = args.seqs[-1]
+    for cp in args.cps:
+        for mode, per in results[cp].items():
+            if mode != "torch_cp":
+                print(f"longest sequence under {args.budget_mib:.0f} MiB of activations per rank, cp={cp} {mode}: "
+                      f"~{_longest(per[last]['saved'] / last, budget, 2 * cp)} tokens (linear from seq {last})")
+        if "torch_cp" in results[cp]:
+            print(f"torch.distributed.tensor.experimental.context_parallel on {cp} CPU ranks: "
+                  f"{results[cp]['torch_cp']}")
+
+
+if __name__ == "__main__":
+    main()

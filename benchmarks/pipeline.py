@@ -1,0 +1,156 @@
+"""Pipeline parallelism: step time of shardkit's Pipeline strategy against torch.distributed.pipelining driven by
+hand (same split, same schedule), round by round in the same processes; and the bubble each schedule leaves,
+measured against (pp - 1) / (microbatches + pp - 1).
+
+    .venv/bin/python benchmarks/pipeline.py --pp 2 --microbatches 4 --rounds 5
+
+Bubble measured = 1 - microbatches * (one micro-batch's forward + backward through this rank's stage, timed
+alone, no communication) / (the schedule's step time). Interleaved schedules run 2 stages per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
+
+from harness import run_distributed  # noqa: E402
+
+from shardkit import Runner  # noqa: E402
+from shardkit.models import Llama, LlamaConfig  # noqa: E402
+
+CONFIG = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_layers=8, num_heads=4,
+                     max_position=512, tie_embeddings=False, fused=False)
+BATCH, SEQ = 8, 128
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+def _ours(schedule: str, microbatches: int):
+    from shardkit.strategies.pipeline import Pipeline
+
+    runner = Runner(Pipeline(schedule=schedule, microbatches=microbatches), seed=0)
+    with runner.init_module():
+        model = Llama(CONFIG)
+    model, opt = runner.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    def step(x: torch.Tensor) -> None:
+        loss = model(x, labels=x)
+        runner.backward(loss)
+        runner.step()
+
+    return step, runner.strategy._runner
+
+
+def _direct(schedule: str, microbatches: int):
+    """torch.distributed.pipelining as its docs drive it: stages by hand, the schedule, the optimizer."""
+    import torch.distributed as dist
+    import torch.distributed.pipelining as pipelining
+
+    from shardkit.strategies._pipeline_stages import StageModule
+    from shardkit.strategies.pipeline import SCHEDULES as NAMES
+    from shardkit.strategies.pipeline import stage_layers
+
+    torch.manual_seed(0)
+    model = Llama(CONFIG)
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    chunks = 2 if schedule in ("interleaved_1f1b", "zero_bubble") else 1
+    total = pp * chunks
+    ranges = stage_layers(CONFIG.num_layers, total)
+    stages, params = [], []
+    for s in (rank + c * pp for c in range(chunks)):
+        part = StageModule(model.embed_tokens if s == 0 else None, [model.layers[i] for i in ranges[s]],
+                           model.norm if s == total - 1 else None, model.lm_head if s == total - 1 else None)
+        params += list(part.parameters())
+        stages.append(pipelining.PipelineStage(part, s, total, torch.device("cpu")))
+    head, last = model.lm_head, total - 1 in [rank + c * pp for c in range(chunks)]
+
+    def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return head(hidden[:, :-1].reshape(-1, hidden.shape[-1]), target[:, 1:].reshape(-1)) / microbatches
+
+    sched = getattr(pipelining, NAMES[schedule])(stages if chunks > 1 else stages[0], microbatches, loss_fn=loss_fn,
+                                                 scale_grads=False)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+
+    def step(x: torch.Tensor) -> None:
+        if rank == 0:
+            sched.step(x, target=x) if last else sched.step(x)
+        else:
+            sched.step(target=x, losses=[]) if last else sched.step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _stage_alone(runner, microbatches: int) -> float:
+    """Forward + backward of one micro-batch through this rank's stages, no communication (median of 3)."""
+    mb = BATCH // microbatches
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for stage in runner.stages:
+            part = stage.submod
+            ids = torch.randint(0, CONFIG.vocab_size, (mb, SEQ))
+            out = part(ids if part.embed is not None else torch.randn(mb, SEQ, CONFIG.hidden_size, requires_grad=True))
+            (out.float().pow(2).mean() if part.head is None else part.head(out[:, :-1].reshape(-1, out.shape[-1]),
+                                                                          ids[:, 1:].reshape(-1))).backward()
+        times.append(time.perf_counter() - start)
+        for p in runner.module.parameters():
+            p.grad = None
+    return sorted(times)[1]
+
+
+def worker(microbatches: int, rounds: int) -> dict:
+    import torch.distributed as dist
+
+    from shardkit.strategies.pipeline import bubble_fraction
+
+    x = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for schedule in SCHEDULES:
+        ours, runner = _ours(schedule, microbatches)
+        direct = _direct(schedule, microbatches)
+        times = {"ours": [], "direct": []}
+        for r in range(rounds + 1):  # round 0 warms up (shape inference, allocations)
+            for name, fn in (("ours", ours), ("direct", direct)) if r % 2 else (("direct", direct), ("ours", ours)):
+                dist.barrier()
+                start = time.perf_counter()
+                fn(x)
+                elapsed = torch.tensor(time.perf_counter() - start)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if r:
+                    times[name].append(elapsed.item())
+        alone = torch.tensor(_stage_alone(runner, microbatches))
+        dist.all_reduce(alone, op=dist.ReduceOp.MAX)
+        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        chunks = len(runner.stages)
+        out[schedule] = {**med, "ratio": med["ours"] / med["direct"],
+                         "bubble": 1 - microbatches * alone.item() / med["ours"],
+                         "theory": bubble_fraction(dist.get_world_size(), microbatches * chunks) if chunks > 1 else
+                         bubble_fraction(dist.get_world_size(), microbatches)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    res = run_distributed(worker, world_size=args.pp, args=(args.microbatches, args.rounds), timeout=3000)[0]
+    print(f"Llama hidden {CONFIG.hidden_size}, {CONFIG.num_layers} layers, batch {BATCH} x seq {SEQ}, fp32 AdamW, "
+          f"pp {args.pp}, {args.microbatches} micro-batches, median of {args.rounds} rounds")
+    print("| schedule | Pipeline strategy step s | torch pipelining direct s | ratio | bubble measured | "
+          "(pp-1)/(m+pp-1) |")
+    for schedule, r in res.items():
+        print(f"| {schedule} | {r['ours']:.3f} | {r['direct']:.3f} | {r['ratio']:.3f} | {r['bubble']:.2f} | "
+              f"{r['theory']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""The stages of a pipeline-parallel model and the forward that runs a schedule over them (see pipeline.py).
+
+Each rank keeps only its stages' parts of the user's model, under their own names: ``layers`` becomes an
+``nn.ModuleDict`` keyed by the original indices (so ``layers.5.mlp...`` stays ``layers.5.mlp...``) and the
+embedding, final norm and output head are ``None`` on the ranks that do not run them.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardkit.strategies.pipeline import SCHEDULES, PipelineSettings, stage_layers
+
+__all__ = ["PipelineRunner", "StageModule", "gather_optimizer_state", "iter_full_state", "own_optimizer_state"]
+
+
+class StageModule(nn.Module):
+    """One stage: the embedding on the first, a block of layers, the final norm on the last."""
+
+    def __init__(self, embed: nn.Module | None, layers: list[nn.Module], norm: nn.Module | None,
+                 head: nn.Module | None):
+        super().__init__()
+        self.embed, self.layers, self.norm, self.head = embed, nn.ModuleList(layers), norm, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x) if self.norm is not None else x
+
+
+def _check_model(module: nn.Module, stages: int, split: tuple[int, ...] | None) -> None:
+    missing = [n for n in ("embed_tokens", "layers", "norm", "lm_head") if not hasattr(module, n)]
+    if missing:
+        raise ValueError(f"Pipeline splits shardkit Llama-style models (embed_tokens, layers, norm, lm_head); "
+                         f"{type(module).__name__} has no {missing}")
+    from shardkit.strategies.mesh import ParallelDims
+
+    ParallelDims(pp=stages, dp_shard=1).validate(num_layers=len(module.layers), layer_split=split)
+
+
+class PipelineRunner:
+    """This rank's stages, the schedule over them, and the forward installed on the user's model."""
+
+    def __init__(self, module: nn.Module, settings: PipelineSettings, mesh: Any, device: torch.device,
+                 loss_scale: Callable[[], tuple[int, bool]], scale_loss: Callable[[torch.Tensor], torch.Tensor]):
+        import torch.distributed.pipelining as pipelining
+
+        pp = settings.pp_size
+        total = pp * settings.chunks
+        _check_model(module, total, settings.layer_split)
+        self.settings, self.loss_scale, self.scale_loss = settings, loss_scale, scale_loss
+        # The whole model's names in state_dict order, and the tied embedding/head weight (summed across
+        # the first and last stages' ranks after backward, so both copies step alike).
+        self.keys = list(module.state_dict().keys())
+        tied = module.lm_head.weight is module.embed_tokens.weight
+        self.tied_shape = tuple(module.embed_tokens.weight.shape) if tied else None
+        self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp_shard"].get_group()
+        self.pp_rank, self.pp = dist.get_rank(self.pp_group), pp
+        ranges = stage_layers(len(module.layers), total, settings.layer_split)
+        # Looped placement: rank r holds stages r, r + pp, ... (what torch's interleaved schedules expect).
+        self.indices = [self.pp_rank + c * pp for c in range(settings.chunks)]
+        first, last = 0 in self.indices, total - 1 in self.indices
+        owned = {i for s in self.indices for i in ranges[s]}
+        self.stages = []
+        for s in self.indices:
+            part = StageModule(module.embed_tokens if s == 0 else None, [module.layers[i] for i in ranges[s]],
+                               module.norm if s == total - 1 else None, module.lm_head if s == total - 1 else None)
+            self.stages.append(pipelining.PipelineStage(part, s, total, device, group=self.pp_group))
+        module.layers = nn.ModuleDict({str(i): module.layers[i] for i in sorted(owned)})
+        for name, keep in (("embed_tokens", first), ("norm", last), ("lm_head", last)):
+            if not keep:
+                setattr(module, name, None)
+        self.first, self.last, self.module = first, last, module
+        self.schedule_class = getattr(pipelining, SCHEDULES[settings.schedule])
+        self._schedules: dict[int, Any] = {}
+        self._batch: tuple[torch.Tensor, int] = (torch.ones(()), 1)
+        module.forward = types.MethodType(_pipeline_forward, module)
+
+    def schedule(self, microbatches: int) -> Any:
+        """The schedule for ``microbatches``, built once: a new one per step would redo the stages' setup
+        (shape inference and buffers: measured 2x the step time of a reused one, benchmarks/pipeline.py)."""
+        if microbatches not in self._schedules:
+            stage = self.stages if self.settings.chunks > 1 else self.stages[0]
+            self._schedules[microbatches] = self.schedule_class(stage, microbatches, loss_fn=self._loss,
+                                                                scale_grads=False)
+        return self._schedules[microbatches]
+
+    def _loss(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's share of the batch's token-weighted mean (and of the accumulation window)."""
+        tokens, accumulation = self._batch
+        shift = target[:, 1:].reshape(-1)
+        count = (shift != -100).sum()
+        if not int(count):
+            return hidden.sum() * 0.0
+        mean = self.module.lm_head(hidden[:, :-1].reshape(-1, hidden.shape[-1]), shift)
+        return self.scale_loss(mean * count / tokens / accumulation)
+
+    def run(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch; the batch's token-weighted mean loss on every rank."""
+        n = self.settings.microbatches or self.pp
+        if input_ids.shape[0] % n:
+            raise ValueError(f"Pipeline: batch size({input_ids.shape[0]}) % microbatches({n}) != 0; use a batch "
+                             f"size that is a multiple of {n}, or Pipeline(microbatches=...) that divides it")
+        accumulation, sync = self.loss_scale()
+        self._batch = ((labels[:, 1:] != -100).sum().clamp(min=1).float(), accumulation)
+        schedule = self.schedule(n)
+        losses: list[torch.Tensor] = []
+        args = (input_ids,) if self.first else ()
+        kwargs = {"target": labels, "losses": losses} if self.last else {}
+        schedule.step(*args, **kwargs)
+        total = torch.zeros((), device=input_ids.device)
+        if self.last:
+            unscaled = [self.scale_loss(torch.ones((), device=input_ids.device))] * len(losses)
+            total = sum(x.detach().float() / u for x, u in zip(losses, unscaled)) * accumulation
+        last_rank = dist.get_global_rank(self.pp_group, self.pp - 1)
+        dist.broadcast(total, src=last_rank, group=self.pp_group)
+        self._sum_tied_gradient()
+        if sync and dist.get_world_size(self.dp_group) > 1:
+            self._all_reduce_gradients()
+        total._shardkit_pipeline_backward_done = True
+        return total
+
+    def _sum_tied_gradient(self) -> None:
+        """A tied embedding/head: the first stage's gradient and the last's, summed on both (zeros elsewhere)."""
+        if self.tied_shape is None or self.pp == 1:
+            return
+        holder = self.module.embed_tokens if self.first else self.module.lm_head if self.last else None
+        weight = holder.weight if holder is not None else None
+        if weight is not None and weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        grad = weight.grad if weight is not None else torch.zeros(self.tied_shape, device=self.stages[0].device)
+        dist.all_reduce(grad, group=self.pp_group)
+
+    def _all_reduce_gradients(self) -> None:
+        size = dist.get_world_size(self.dp_group)
+        for p in self.module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.dp_group)
+                p.grad.div_(size)
+
+
+def _pipeline_forward(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                      **kwargs: Any) -> torch.Tensor:
+    """The forward Pipeline installs: with labels, the schedule (forward and backward); else a refusal."""
+    if labels is None or kwargs:
+        raise NotImplementedError("Pipeline: a forward without labels (logits, generation) is not supported on a "
+                                  "pipeline-split model; save a checkpoint and load it under a single-device or "
+                                  "FSDP strategy for evaluation and generation")
+    return self._shardkit_pipeline.run(input_ids, labels)
+
+
+def iter_full_state(runner: PipelineRunner, is_main: bool) -> Any:
+    """The whole model's state dict on the main rank, one tensor at a time in the model's own order.
+
+    Each pipeline rank says which names it holds (one small object broadcast per stage), then each tensor is
+    broadcast from its holder over the pipeline group; every rank must drive it to the end.
+    """
+    group, own = runner.pp_group, runner.module.state_dict()
+    meta: list[Any] = [None] * runner.pp
+    dist.all_gather_object(meta, {k: (tuple(v.shape), v.dtype) for k, v in own.items()}, group=group)
+    for key in runner.keys:
+        holder = next(j for j, held in enumerate(meta) if key in held)
+        shape, dtype = meta[holder][key]
+        t = own[key].detach().contiguous() if holder == runner.pp_rank else \
+            torch.empty(shape, dtype=dtype, device=runner.stages[0].device)
+        dist.broadcast(t, src=dist.get_global_rank(group, holder), group=group)
+        if is_main:
+            yield key, t.cpu().clone()
+
+
+def gather_optimizer_state(runner: PipelineRunner, state: dict[str, Any]) -> dict[str, Any] | None:
+    """Every stage's optimizer state by name merged on pipeline rank 0 (None elsewhere)."""
+    parts: list[Any] = [None] * runner.pp
+    dist.all_gather_object(parts, state, group=runner.pp_group)
+    if runner.pp_rank:
+        return None
+    merged = {"state": {}, "param_groups": [dict(g, params=[]) for g in parts[0]["param_groups"]]}
+    for part in parts:
+        merged["state"].update(part["state"])
+        for group, theirs in zip(merged["param_groups"], part["param_groups"]):
+            group["params"] += [n for n in theirs["params"] if n not in group["params"]]
+    return merged
+
+
+def own_optimizer_state(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """The part of a whole model's optimizer state (by name) that this stage's parameters hold."""
+    groups = [dict(g, params=[n for n in g["params"] if n in names]) for g in state["param_groups"]]
+    return {"state": {n: s for n, s in state["state"].items() if n in names}, "param_groups": groups}

@@ -1,0 +1,186 @@
+"""Context parallelism: each sequence split across the ``cp`` ranks of the mesh, composed with FSDP2.
+
+The mesh is :class:`~shardkit.strategies.mesh.ParallelDims` ``(dp_replicate, dp_shard, cp)``. Parameters are
+sharded by FSDP2 over ``dp_shard x cp`` flattened (cp peers hold the same weights, so they may as well
+share the shards, as torchtitan does) and replicated over ``dp_replicate``. Every cp peer gets the same
+batch from the loader (:attr:`data_parallel_rank`); the model's forward takes its two load-balanced
+chunks (:mod:`~shardkit.strategies.cp_attention`), runs the layers on them with their true rotary
+positions and attention over the whole sequence (Ulysses or ring), and returns the loss of the whole
+sequence, token-weighted across the cp group, on every cp rank.
+
+Why the gradients come out right: the loss is ``all_reduce_sum(local_sum) / tokens`` with autograd, so
+each rank's backward is ``cp`` times its local tokens' share; FSDP2 averages over ``dp_shard * cp`` ranks,
+which leaves the mean over the data-parallel batches: what DDP gives on the same sequences.
+
+Forwards without labels (evaluation logits, generation) run the whole sequence on every rank, unsplit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from typing_extensions import override
+
+from shardkit.strategies import fsdp as _fsdp
+from shardkit.strategies.cp_attention import RingAttention, UlyssesAttention, load_balanced_positions, shard_sequence
+from shardkit.strategies.mesh import CP_MODES, ParallelDims
+from shardkit.strategies.parallel import ProcessGroupStrategy
+from shardkit.suggest import did_you_mean
+
+__all__ = ["ContextParallel", "context_parallel_forward"]
+
+
+class ContextParallel(_fsdp.FSDP):
+    """Context parallelism (ring or Ulysses attention) over ``cp`` ranks, FSDP2 over the rest of the world.
+
+    Args:
+        cp_size: ranks that split each sequence; must divide the world size. None: every rank.
+        cp_mode: "ring" (key/value blocks around the ring, any head count) or "ulysses" (all-to-all
+            between sequence and heads; heads divisible by cp).
+        dp_replicate: replicas across which FSDP2 shards are replicated (HSDP); the rest is dp_shard.
+        sharding, state_dict_type, timeout: as :class:`~shardkit.strategies.FSDP` ("full" or "grad_op").
+    """
+
+    def __init__(self, cp_size: int | None = None, cp_mode: str = "ring", dp_replicate: int = 1,
+                 sharding: str = "full", state_dict_type: str = "sharded", timeout: float | None = None):
+        if cp_mode not in CP_MODES:
+            raise ValueError(f"ContextParallel cp_mode={cp_mode!r} is not one of {CP_MODES}"
+                             f"{did_you_mean(str(cp_mode), CP_MODES)}")
+        if sharding not in ("full", "grad_op"):
+            raise ValueError(f"ContextParallel sharding={sharding!r}: use 'full' or 'grad_op' (replicas across "
+                             "nodes are dp_replicate=N)")
+        super().__init__(sharding=sharding, state_dict_type=state_dict_type, timeout=timeout)
+        self.cp_mode = cp_mode
+        self._cp_size = cp_size
+        self.dims = ParallelDims(dp_replicate=dp_replicate, cp=cp_size or 1)
+        self.world_mesh: Any = None
+
+    @property
+    def cp_size(self) -> int:
+        return self.dims.cp
+
+    @property
+    @override
+    def data_parallel_size(self) -> int:
+        """Ranks that see different batches: dp_replicate * dp_shard (cp peers share one)."""
+        return self.world_size // self.dims.cp
+
+    @property
+    @override
+    def data_parallel_rank(self) -> int:
+        return self.rank // self.dims.cp
+
+    @property
+    def cp_group(self) -> Any:
+        return self.world_mesh["cp"].get_group()
+
+    @override
+    def setup_environment(self) -> None:
+        ProcessGroupStrategy.setup_environment(self)
+        cp = self._cp_size or self.world_size
+        self.dims = dataclasses.replace(self.dims, cp=cp, dp_shard=-1).resolve(self.world_size)
+        self.world_mesh = self.dims.build(self.device_type)
+        shard = ParallelDims.submesh(self.world_mesh, ("dp_shard", "cp"))
+        self.mesh = shard if self.dims.dp_replicate == 1 else \
+            self.world_mesh["dp_replicate", "dp_shard_cp"]
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        attention = (UlyssesAttention if self.cp_mode == "ulysses" else RingAttention)(self.cp_group)
+        _install(module, attention, self.dims, self.cp_mode)
+        return super().setup_module(module)
+
+    @override
+    def checkpoint_info(self) -> dict[str, Any]:
+        info = super().checkpoint_info()
+        info.update(cp_size=self.dims.cp, cp_mode=self.cp_mode, dp_replicate=self.dims.dp_replicate)
+        return info
+
+    def __repr__(self) -> str:
+        return f"ContextParallel(cp_size={self.dims.cp}, cp_mode={self.cp_mode!r}, device={self._device})"
+
+
+def _attention_modules(module: nn.Module) -> list[nn.Module]:
+    return [m for m in module.modules() if hasattr(m, "core") and hasattr(m, "rotary")]
+
+
+def _install(module: nn.Module, attention: Any, dims: ParallelDims, cp_mode: str) -> None:
+    """Route ``module``'s training forward through the split sequence (shardkit's Llama, Hugging Face decoders)."""
+    from shardkit.strategies import cp_hf
+
+    cfg = getattr(module, "config", None)
+    if cp_hf.is_hf_decoder(module) and cp_hf.hf_attention_modules(module):
+        dims.validate(num_heads=getattr(cfg, "num_attention_heads", None), cp_mode=cp_mode)
+        cp_hf.install_hf(module, attention)
+    else:
+        attns = _attention_modules(module)
+        if not attns or not callable(getattr(module, "hidden_states", None)) or not hasattr(module, "lm_head"):
+            raise ValueError(f"ContextParallel needs attention it can replace: shardkit's Llama (attention modules "
+                             f"with a `core`, `hidden_states` and `lm_head`) or a Hugging Face decoder that "
+                             f"dispatches through ALL_ATTENTION_FUNCTIONS (Llama, Qwen2, ...); {type(module).__name__} "
+                             "is neither")
+        dims.validate(num_heads=getattr(cfg, "num_heads", None), cp_mode=cp_mode)
+        for attn in attns:
+            attn.core = attention
+    module._shardkit_cp = attention
+    module.forward = types.MethodType(context_parallel_forward, module)
+
+
+def context_parallel_forward(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                             **kwargs: Any) -> Any:
+    """The forward ContextParallel installs: with labels, the whole sequences' mean next-token loss computed
+    from this rank's chunks (shardkit's Llama: the loss; a Hugging Face model: its output with ``.loss`` set and
+    this rank's logits); without, the model's own forward over the whole sequence (every rank)."""
+    from shardkit.strategies import cp_hf
+
+    attention = self._shardkit_cp
+    if cp_hf.is_hf_decoder(self):
+        if labels is None:
+            return type(self).forward(self, input_ids=input_ids, **kwargs)
+        attention.seq_len = input_ids.shape[1]
+        positions = load_balanced_positions(input_ids.shape[1], attention.size, attention.rank, input_ids.device)
+        local_sum, count, out = cp_hf.hf_split_forward(self, input_ids, _shift(labels), positions,
+                                                       kwargs.pop("attention_mask", None), **kwargs)
+        out.loss = _group_loss(local_sum, count, attention)
+        return out
+    if labels is None or kwargs:
+        cores = _attention_modules(self)
+        for attn in cores:
+            attn.core = None
+        try:
+            return type(self).forward(self, input_ids, labels, **kwargs)
+        finally:
+            for attn in cores:
+                attn.core = attention
+    seq = input_ids.shape[1]
+    attention.seq_len = seq
+    positions = load_balanced_positions(seq, attention.size, attention.rank, input_ids.device)
+    hidden = self.hidden_states(shard_sequence(input_ids, positions), position_ids=positions)
+    local_labels = shard_sequence(_shift(labels), positions).reshape(-1)
+    count = (local_labels != -100).sum()
+    if int(count):
+        local_sum = self.lm_head(hidden.reshape(-1, hidden.shape[-1]), local_labels) * count
+    else:  # every local label ignored: no loss here, but the graph (and FSDP's hooks) still run
+        local_sum = hidden.sum() * 0.0
+    return _group_loss(local_sum, count, attention)
+
+
+def _shift(labels: torch.Tensor) -> torch.Tensor:
+    """Shift before splitting: the label of position t is token t+1, which may live on another rank."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+
+
+def _group_loss(local_sum: torch.Tensor, count: torch.Tensor, attention: Any) -> torch.Tensor:
+    """The cp group's token-weighted mean loss from this rank's sum and count, with this rank's gradient."""
+    totals = torch.stack([local_sum.detach(), count.to(local_sum.dtype)])
+    dist.all_reduce(totals, group=attention.group)
+    tokens = totals[1].clamp(min=1)
+    # The value is the group's loss; the gradient reaching local_sum is cp / tokens, as an autograd
+    # all-reduce would give (FSDP2's mean over dp_shard * cp takes the cp back out).
+    scaled = local_sum * (attention.size / tokens)
+    return scaled + (totals[0] / tokens - scaled).detach()

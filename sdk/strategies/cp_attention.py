@@ -1,0 +1,226 @@
+"""Causal attention over a sequence split across the ranks of a context-parallel group.
+
+The sequence is cut into ``2 * cp`` equal chunks and rank r holds chunks ``r`` and ``2*cp-1-r``
+(:func:`load_balanced_positions`): under a causal mask the early chunks attend to few keys and the late
+ones to many, so pairing them gives every rank the same work (a plain split gives the last rank
+``2*cp-1`` times the first's score blocks).
+
+Two ways to attend over the whole sequence from the local chunks, both differentiable end to end
+(autograd runs through the communication, so gradients of q, k and v reach every rank):
+
+- :class:`UlyssesAttention`: all-to-all from (local sequence, all heads) to (whole sequence, heads/cp),
+  ordinary causal SDPA, and back. Two all-to-alls of q/k/v/out per layer; needs heads divisible by cp.
+- :class:`RingAttention`: key/value blocks travel around the ring (cp - 1 shifts); each step adds a
+  block to an online softmax (running max, sum and unnormalised output). Any head count. Its backward is
+  written out (flash-attention style from the saved log-sum-exp): the blocks go around the ring again with
+  their gradients, so a rank keeps only its own q/k/v, output and log-sum-exp. With attention dropout it runs
+  autograd through the shifts instead (each block recomputed in backward under its RNG state).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["RingAttention", "UlyssesAttention", "load_balanced_positions", "shard_sequence"]
+
+
+def load_balanced_positions(seq_len: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """Positions (in the whole sequence) of the tokens rank ``rank`` of ``cp`` holds: chunks r and 2cp-1-r.
+
+    Raises:
+        ValueError: ``seq_len`` is not a multiple of ``2 * cp`` (the message says what to pad to).
+    """
+    if seq_len % (2 * cp):
+        raise ValueError(f"context parallelism: seq_len({seq_len}) % (2 * cp({cp})) != 0; causal load balancing "
+                         f"splits each sequence into {2 * cp} equal chunks: pad sequences to a multiple of {2 * cp}")
+    c = seq_len // (2 * cp)
+    first = torch.arange(rank * c, (rank + 1) * c, device=device)
+    second = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c, device=device)
+    return torch.cat([first, second])
+
+
+def shard_sequence(t: torch.Tensor, positions: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """The part of ``t`` at ``positions`` along ``dim`` (the sequence dim)."""
+    return t.index_select(dim, positions.to(t.device))
+
+
+class _CPAttention:
+    """What both ways share: the group, this rank's place in it, and the switch generation turns off."""
+
+    def __init__(self, group: Any):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.seq_len: int | None = None  # the whole sequence's length, set by the forward that splits it
+
+    def positions(self, rank: int, device: torch.device) -> torch.Tensor:
+        if self.seq_len is None:
+            raise RuntimeError("context-parallel attention ran outside a context-parallel forward (no seq_len set)")
+        return load_balanced_positions(self.seq_len, self.size, rank, device)
+
+
+class UlyssesAttention(_CPAttention):
+    """Causal attention by all-to-all between sequence and heads (DeepSpeed-Ulysses).
+
+    Args:
+        group: the context-parallel process group.
+    """
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+        heads = q.shape[1]
+        if heads % self.size:
+            raise ValueError(f"Ulysses context parallelism: heads({heads}) % cp({self.size}) != 0; use "
+                             "cp_mode='ring' or a cp that divides the head count")
+        order = torch.cat([self.positions(r, q.device) for r in range(self.size)])
+        inverse = torch.argsort(order)
+        q, k, v = (self._to_heads(t).index_select(2, inverse) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        return self._to_sequence(out.index_select(2, order))
+
+    def _to_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, H, T/cp, D) local sequence -> (B, H/cp, T, D) whole sequence in rank order."""
+        b, h, s, d = t.shape
+        send = t.reshape(b, self.size, h // self.size, s, d).transpose(0, 1).contiguous()
+        recv = _all_to_all(send, self.group)  # [j]: rank j's tokens
+        return recv.permute(1, 2, 0, 3, 4).reshape(b, h // self.size, self.size * s, d)
+
+    def _to_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, H/cp, T, D) in rank order -> (B, H, T/cp, D): this rank's tokens, every head."""
+        b, hl, total, d = t.shape
+        s = total // self.size
+        send = t.reshape(b, hl, self.size, s, d).permute(2, 0, 1, 3, 4).contiguous()
+        recv = _all_to_all(send, self.group)  # [j]: head group j
+        return recv.transpose(0, 1).reshape(b, self.size * hl, s, d)
+
+
+def _all_to_all(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """Block j of ``t``'s first dim to rank j, block j of the result from rank j; autograd runs the reverse."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    return wait_tensor(all_to_all_single_autograd(t, None, None, group))
+
+
+class _RingShift(torch.autograd.Function):
+    """Send a tensor to the next rank of the ring and receive the previous one's; backward the reverse."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, group: Any, step: int) -> torch.Tensor:
+        ctx.group, ctx.step = group, step
+        return _shift(t, group, step)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _shift(grad, ctx.group, -ctx.step), None, None
+
+
+def _shift(t: torch.Tensor, group: Any, step: int) -> torch.Tensor:
+    """Rank r sends ``t`` to r + step and receives from r - step (within ``group``)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size == 1 or step % size == 0:  # to itself: gloo has no pair to its own rank
+        return t
+    t = t.contiguous()
+    out = torch.empty_like(t)
+    ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, (rank + step) % size), group),
+           dist.P2POp(dist.irecv, out, dist.get_global_rank(group, (rank - step) % size), group)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return out
+
+
+def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, m: torch.Tensor,
+           denom: torch.Tensor, acc: torch.Tensor, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One key/value block into the online softmax: new running max ``m``, sum ``denom`` and output ``acc``."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~visible, float("-inf"))
+    # The result does not depend on the max chosen (it cancels), so it carries no gradient.
+    m_new = torch.maximum(m, scores.amax(-1, keepdim=True)).detach()
+    p = torch.exp(scores - m_new)
+    alpha = torch.exp(m - m_new)
+    # Dropout of the unnormalised probabilities: the sum is of the kept ones' originals, so the result is
+    # dropout of the normalised ones (SDPA's). Backward recomputes this block under the same RNG state.
+    dropped = F.dropout(p, dropout_p) if dropout_p else p
+    return m_new, denom * alpha + p.sum(-1, keepdim=True), acc * alpha + dropped @ v.float()
+
+
+class RingAttention(_CPAttention):
+    """Causal attention by passing key/value blocks around the ring with an online softmax.
+
+    Args:
+        group: the context-parallel process group.
+    """
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+        if not dropout_p:
+            return _Ring.apply(q, k, v, self)
+        return self._through_autograd(q, k, v, dropout_p)
+
+    def visible(self, q_pos: torch.Tensor, step: int) -> torch.Tensor:
+        """Which keys of the block held at ``step`` (from rank - step) each local query sees."""
+        return self.positions((self.rank - step) % self.size, q_pos.device)[None, :] <= q_pos[:, None]
+
+    def _through_autograd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        """With dropout: autograd through the ring shifts, each block recomputed in backward under its RNG state
+        (keeps every received key/value block until backward)."""
+        q_pos = self.positions(self.rank, q.device)
+        b, h, s, _ = q.shape
+        # Own block first: every query sees at least itself there, so the running max is finite after it.
+        m = torch.full((b, h, s, 1), float("-inf"), device=q.device)
+        denom = torch.zeros((b, h, s, 1), device=q.device)
+        acc = torch.zeros((b, h, s, v.shape[-1]), device=q.device)
+        for step in range(self.size):
+            if step:
+                k, v = _RingShift.apply(k, self.group, 1), _RingShift.apply(v, self.group, 1)
+            m, denom, acc = checkpoint(_block, q, k, v, self.visible(q_pos, step), m, denom, acc, dropout_p,
+                                       use_reentrant=False)
+        return (acc / denom).to(q.dtype)
+
+
+class _Ring(torch.autograd.Function):
+    """Ring attention with its own backward: saves only q, the local k/v, the output and the log-sum-exp; backward
+    sends the key/value blocks around the ring again, their gradients travelling with them back to their owner."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingAttention) -> torch.Tensor:
+        q_pos = ring.positions(ring.rank, q.device)
+        b, h, s, _ = q.shape
+        m = torch.full((b, h, s, 1), float("-inf"), device=q.device)
+        denom = torch.zeros((b, h, s, 1), device=q.device)
+        acc = torch.zeros((b, h, s, v.shape[-1]), device=q.device)
+        kc, vc = k, v
+        for step in range(ring.size):
+            if step:
+                kc, vc = _shift(kc, ring.group, 1), _shift(vc, ring.group, 1)
+            m, denom, acc = _block(q, kc, vc, ring.visible(q_pos, step), m, denom, acc, 0.0)
+        out = acc / denom
+        ctx.save_for_backward(q, k, v, out, m + torch.log(denom))
+        ctx.ring = ring
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = ctx.ring
+        q_pos = ring.positions(ring.rank, q.device)
+        scale = q.shape[-1] ** -0.5
+        qf, grad = q.float(), grad.float()
+        delta = (grad * out).sum(-1, keepdim=True)
+        dq = torch.zeros_like(qf)
+        kc, vc = k.float(), v.float()
+        dk, dv = torch.zeros_like(kc), torch.zeros_like(vc)
+        for step in range(ring.size):
+            if step:
+                kc, vc, dk, dv = (_shift(t, ring.group, 1) for t in (kc, vc, dk, dv))
+            scores = (qf @ kc.transpose(-1, -2)) * scale
+            p = torch.exp(scores.masked_fill(~ring.visible(q_pos, step), float("-inf")) - lse)
+            dv += p.transpose(-1, -2) @ grad
+            ds = p * (grad @ vc.transpose(-1, -2) - delta)
+            dq += (ds @ kc) * scale
+            dk += (ds.transpose(-1, -2) @ qf) * scale
+        # The block held last came from rank + 1: one more shift takes its gradients home.
+        dk, dv = _shift(dk, ring.group, 1), _shift(dv, ring.group, 1)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

@@ -1,0 +1,204 @@
+"""One device mesh for every parallel dimension: sizes, validation with named errors, the DeviceMesh.
+
+    from shardkit.strategies.mesh import ParallelDims
+    dims = ParallelDims(dp_shard=2, cp=2).resolve(world_size=4)
+    dims.validate(num_heads=8, num_layers=4, seq_len=512, cp_mode="ulysses")
+    mesh = dims.build("cpu")                # dims named ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    mesh["cp"], dims.submesh(mesh, ("dp_shard", "cp"))  # one dimension, or several flattened into one
+
+The order is pp outermost, tp innermost (torchtitan's): tensor-parallel peers are neighbouring ranks, so
+on a node their all-reduces stay on the fastest links, and each pipeline stage is a contiguous block.
+Accelerate's ``parallelism_config`` section reads into it (:meth:`ParallelDims.from_accelerate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shardkit.suggest import did_you_mean
+
+__all__ = ["ACCELERATE_KEYS", "DIM_NAMES", "ParallelDims", "strategy_spec_from_accelerate"]
+
+DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+ACCELERATE_KEYS = {f"parallelism_config_{n}_size": n for n in ("dp_replicate", "dp_shard", "tp", "cp")}
+CP_MODES = ("ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the parallel dimensions; their product is the world size.
+
+    Args:
+        dp_replicate: replicas of the model whose gradients are all-reduced (DDP-like).
+        dp_shard: ranks that shard parameters, gradients and optimizer state (FSDP); -1: whatever the
+            other sizes leave of the world (set by :meth:`resolve`).
+        cp: ranks that split each sequence (context parallelism).
+        tp: ranks that split each layer's matrices (tensor parallelism).
+        pp: pipeline stages (each a block of layers).
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in DIM_NAMES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and
+                                                                         not (name == "dp_shard" and value == -1)):
+                allowed = ">= 1 or -1 (the rest of the world)" if name == "dp_shard" else ">= 1"
+                raise ValueError(f"ParallelDims {name}={value!r} must be an int {allowed}")
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Dimension name -> size, in mesh order (pp outermost, tp innermost)."""
+        return {n: getattr(self, n) for n in DIM_NAMES}
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes.values())
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different batches: dp_replicate * dp_shard (cp, tp and pp peers share one)."""
+        return self.dp_replicate * self.dp_shard
+
+    def _product(self) -> str:
+        return " * ".join(f"{n}({s})" for n, s in self.sizes.items() if n != "pp" or s > 1)
+
+    def resolve(self, world_size: int) -> ParallelDims:
+        """These sizes with ``dp_shard=-1`` filled from ``world_size``; checks the product equals it.
+
+        Raises:
+            ValueError: the product is not ``world_size`` (the message shows every factor), or the other
+                sizes do not divide it.
+        """
+        dims = self
+        if self.dp_shard == -1:
+            rest = self.dp_replicate * self.cp * self.tp * self.pp
+            if world_size % rest:
+                raise ValueError(f"ParallelDims: world_size({world_size}) is not divisible by dp_replicate"
+                                 f"({self.dp_replicate}) * cp({self.cp}) * tp({self.tp}) * pp({self.pp}) = {rest}; "
+                                 "choose sizes whose product divides the world size")
+            dims = dataclasses.replace(self, dp_shard=world_size // rest)
+        if dims.world_size != world_size:
+            raise ValueError(f"ParallelDims: {dims._product()} = {dims.world_size} != world_size({world_size}); "
+                             "the sizes must multiply to the number of processes (set dp_shard=-1 to fill the rest)")
+        return dims
+
+    def validate(self, *, num_heads: int | None = None, num_kv_heads: int | None = None,
+                 num_layers: int | None = None, seq_len: int | None = None, cp_mode: str = "ring",
+                 layer_split: tuple[int, ...] | None = None) -> None:
+        """Check that a model and its sequences fit these sizes; each failure names the numbers and a fix.
+
+        Args:
+            num_heads, num_kv_heads: attention heads (tp must divide both; Ulysses cp must divide num_heads
+                per tp rank).
+            num_layers: decoder layers (pp must divide them unless ``layer_split`` gives the stages' sizes).
+            seq_len: tokens per sequence (context parallelism's causal load balancing splits it into
+                2 * cp equal chunks).
+            cp_mode: "ring" or "ulysses".
+            layer_split: layers per pipeline stage, summing to ``num_layers``.
+        """
+        if cp_mode not in CP_MODES:
+            raise ValueError(f"cp_mode={cp_mode!r} is not one of {CP_MODES}{did_you_mean(str(cp_mode), CP_MODES)}")
+        for what, heads in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+            if heads is not None and heads % self.tp:
+                raise ValueError(f"{what}({heads}) % tp({self.tp}) != 0: each tensor-parallel rank needs whole "
+                                 "attention heads; pick a tp that divides the head counts")
+        if num_heads is not None and self.cp > 1 and cp_mode == "ulysses" and (num_heads // self.tp) % self.cp:
+            raise ValueError(f"num_heads({num_heads}) / tp({self.tp}) % cp({self.cp}) != 0: Ulysses gives each "
+                             "context-parallel rank whole heads; use cp_mode='ring' or a cp that divides the heads")
+        if seq_len is not None and self.cp > 1 and seq_len % (2 * self.cp):
+            raise ValueError(f"seq_len({seq_len}) % (2 * cp({self.cp})) != 0: causal load balancing splits each "
+                             f"sequence into {2 * self.cp} equal chunks; pad sequences to a multiple of {2 * self.cp}")
+        self._validate_layers(num_layers, layer_split)
+
+    def _validate_layers(self, num_layers: int | None, layer_split: tuple[int, ...] | None) -> None:
+        if layer_split is not None:
+            if len(layer_split) % self.pp or any(n < 1 for n in layer_split):
+                raise ValueError(f"layer_split={tuple(layer_split)} has {len(layer_split)} stages; it needs a "
+                                 f"multiple of pp({self.pp}) stages of at least one layer each")
+            if num_layers is not None and sum(layer_split) != num_layers:
+                raise ValueError(f"layer_split={tuple(layer_split)} sums to {sum(layer_split)} != "
+                                 f"num_layers({num_layers})")
+        elif num_layers is not None and num_layers % self.pp:
+            raise ValueError(f"num_layers({num_layers}) % pp({self.pp}) != 0: give each stage's layer count with "
+                             f"layer_split=(...) summing to {num_layers}, or a pp that divides it")
+
+    def build(self, device_type: str) -> Any:
+        """The DeviceMesh over every rank of the default group, dimensions named as :data:`DIM_NAMES`."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.resolve(world)
+        return init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=DIM_NAMES)
+
+    @staticmethod
+    def submesh(mesh: Any, names: tuple[str, ...]) -> Any:
+        """One dimension of ``mesh``, or several (adjacent, in mesh order) flattened into one named ``a_b``."""
+        if len(names) == 1:
+            return mesh[names[0]]
+        return mesh[names]._flatten("_".join(names))
+
+    @classmethod
+    def from_accelerate(cls, section: Mapping[str, Any], where: str) -> ParallelDims:
+        """Sizes from Accelerate's YAML ``parallelism_config`` section (``parallelism_config_<dim>_size`` keys).
+
+        Raises:
+            ValueError: an unknown key (with the closest known one) or a size that is not a whole number >= 1.
+        """
+        sizes: dict[str, int] = {}
+        for key, value in section.items():
+            if key not in ACCELERATE_KEYS:
+                raise ValueError(f"parallelism_config.{key} in {where} is not a known key"
+                                 f"{did_you_mean(str(key), list(ACCELERATE_KEYS))}; known: {sorted(ACCELERATE_KEYS)}")
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallelism_config.{key}: {value!r} in {where} must be a whole number >= 1")
+            sizes[ACCELERATE_KEYS[key]] = value
+        return cls(**sizes)
+
+
+def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_type: str,
+                                  where: str) -> tuple[str, dict[str, Any]]:
+    """The strategy (registry name, keyword arguments) an Accelerate ``parallelism_config`` section describes.
+
+    cp > 1: ContextParallel (FSDP2 over dp_shard x cp, HSDP over dp_replicate); tp > 1: TensorParallel (FSDP2
+    over the data-parallel ranks); data parallelism only: FSDP (hybrid when dp_replicate > 1).
+
+    Raises:
+        ValueError: a bad key or size, sizes whose product is not the world size, or cp and tp together.
+    """
+    if not isinstance(section, Mapping):
+        raise ValueError(f"parallelism_config in {where} must be a section (a mapping), not {type(section).__name__}")
+    if distributed_type not in ("FSDP", "MULTI_GPU", "MULTI_CPU", "NO"):
+        raise ValueError(f"parallelism_config in {where} goes with distributed_type: FSDP (as Accelerate's ND "
+                         f"parallelism does), not {distributed_type}")
+    dims = ParallelDims.from_accelerate(section, where)
+    try:
+        dims = dims.resolve(world_size)
+    except ValueError as err:
+        raise ValueError(f"parallelism_config in {where}: {err}") from None
+    if dims.cp > 1 and dims.tp > 1:
+        raise ValueError(f"parallelism_config in {where}: cp({dims.cp}) together with tp({dims.tp}) is not supported "
+                         "by shardkit yet; use one of them (ContextParallel or TensorParallel) with dp_shard")
+    if dims.cp > 1:
+        return "cp", {"cp_size": dims.cp, "dp_replicate": dims.dp_replicate}
+    if dims.tp > 1:
+        if dims.dp_replicate > 1:
+            raise ValueError(f"parallelism_config in {where}: tp({dims.tp}) with dp_replicate({dims.dp_replicate}) "
+                             "is not supported; shard the data-parallel ranks instead (dp_shard)")
+        return "tp", {"tp_size": dims.tp, **({"dp": "fsdp"} if dims.dp_shard > 1 else {})}
+    if dims.dp_replicate > 1:
+        return "fsdp", {"sharding": "hybrid" if dims.dp_shard > 1 else "none",
+                        **({"hybrid_shard_size": dims.dp_shard} if dims.dp_shard > 1 else {})}
+    return "fsdp", {}

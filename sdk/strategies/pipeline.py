@@ -1,0 +1,260 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``: the model split by layer into stages over ``pp``
+ranks, replicated (gradients all-reduced, as DDP) over the remaining data-parallel ranks.
+
+The user's loop stays theirs::
+
+    runner = Runner(Pipeline(pp_size=2, schedule="1f1b", microbatches=4))
+    model, opt = runner.setup(Llama(cfg), opt)
+    loss = model(x, labels=x)      # the whole pipeline schedule: forward AND backward of every micro-batch
+    runner.backward(loss)          # nothing left to do (the schedule ran it); accumulation still counts
+    runner.step()
+
+``model(x, labels)`` splits the batch into ``microbatches`` and runs the schedule; gradients are in place when
+it returns, and the loss (the batch's token-weighted mean, on every rank) comes back detached. The stages keep
+the model's own parameter names: rank k's ``model.state_dict()`` holds exactly its layers'.
+
+Models: shardkit's Llama (``embed_tokens``, ``layers``, ``norm``, ``lm_head``), untied output head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from typing_extensions import override
+
+from shardkit import checkpoint as ckpt
+from shardkit.strategies import _mesh
+from shardkit.strategies.mesh import ParallelDims
+from shardkit.strategies.parallel import ProcessGroupStrategy
+from shardkit.suggest import did_you_mean
+
+__all__ = ["SCHEDULES", "Pipeline", "PipelineSettings", "bubble_fraction", "stage_layers"]
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+             "zero_bubble": "ScheduleInterleavedZeroBubble"}
+_MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
+
+
+def bubble_fraction(pp: int, microbatches: int) -> float:
+    """Idle share of a GPipe/1F1B step: (pp - 1) / (microbatches + pp - 1)."""
+    return (pp - 1) / (microbatches + pp - 1)
+
+
+def stage_layers(num_layers: int, stages: int, split: tuple[int, ...] | None = None) -> list[range]:
+    """The layer indices of each stage: ``split`` (layers per stage) or equal blocks."""
+    sizes = list(split) if split is not None else [num_layers // stages] * stages
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [range(s, s + n) for s, n in zip(starts, sizes)]
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """Settings of pipeline parallelism.
+
+    Args:
+        pp_size: pipeline ranks; the world size must be a multiple (the rest replicates, as DDP). None: all.
+        schedule: "gpipe", "1f1b", "interleaved_1f1b" or "zero_bubble" (interleaved zero-bubble).
+        microbatches: pieces each batch is cut into; the batch size must be a multiple. None: pp_size.
+        stages_per_rank: model chunks per rank (interleaved schedules: 2 unless given; others: 1).
+        layer_split: layers per stage (pp_size * stages_per_rank of them), default equal blocks.
+    """
+
+    pp_size: int | None = None
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    stages_per_rank: int | None = None
+    layer_split: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Pipeline schedule={self.schedule!r} is not one of {sorted(SCHEDULES)}"
+                             f"{did_you_mean(str(self.schedule), list(SCHEDULES))}")
+        for name in ("pp_size", "microbatches", "stages_per_rank"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"Pipeline {name}={value!r} must be an int >= 1")
+        if self.stages_per_rank not in (None, 1) and self.schedule not in _MULTI_STAGE:
+            raise ValueError(f"Pipeline stages_per_rank={self.stages_per_rank} needs an interleaved schedule "
+                             f"({', '.join(_MULTI_STAGE)}); {self.schedule!r} runs one stage per rank")
+
+    @property
+    def chunks(self) -> int:
+        """Stages each rank holds."""
+        return self.stages_per_rank or (2 if self.schedule in _MULTI_STAGE else 1)
+
+
+class Pipeline(ProcessGroupStrategy):
+    """Pipeline parallelism over ``pp_size`` ranks, DDP-style replication over the rest.
+
+    Args:
+        pp_size, schedule, microbatches, stages_per_rank, layer_split: see :class:`PipelineSettings`.
+        timeout: seconds a collective may wait before the job fails.
+    """
+
+    def __init__(self, pp_size: int | None = None, schedule: str = "1f1b", microbatches: int | None = None,
+                 stages_per_rank: int | None = None, layer_split: tuple[int, ...] | None = None,
+                 timeout: float | None = None):
+        super().__init__(timeout)
+        split = tuple(layer_split) if layer_split is not None else None
+        self.settings = PipelineSettings(pp_size, schedule, microbatches, stages_per_rank, split)
+        self.dims = ParallelDims(pp=pp_size or 1, dp_replicate=1)
+        self.mesh: Any = None
+        self._accumulation = 1
+        self._sync = True
+
+    @property
+    @override
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.dims.pp
+
+    @property
+    @override
+    def data_parallel_rank(self) -> int:
+        return self.rank % self.data_parallel_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.data_parallel_size
+
+    @override
+    def set_runner_values(self, gradient_accumulation_steps: int | None = None,
+                          micro_batch_size: int | None = None) -> None:
+        if gradient_accumulation_steps is not None:
+            self._accumulation = gradient_accumulation_steps
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        pp = self.settings.pp_size or self.world_size
+        self.dims = dataclasses.replace(self.dims, pp=pp, dp_shard=-1).resolve(self.world_size)
+        self.settings = dataclasses.replace(self.settings, pp_size=pp)
+        self.mesh = self.dims.build(self.device_type)
+
+    @override
+    def setup(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None):
+        module = self.precision.convert_module(module).to(self.root_device)
+        module = self.setup_module(module)
+        if optimizer is not None:
+            kept = {id(p) for p in module.parameters()}
+            for group in optimizer.param_groups:  # the other stages' parameters live on other ranks
+                group["params"] = [p for p in group["params"] if id(p) in kept]
+        return module, optimizer, scheduler
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        from shardkit.strategies._pipeline_stages import PipelineRunner
+
+        _mesh.broadcast_from_rank0(module)
+        self._runner = PipelineRunner(module, self.settings, self.mesh, self.root_device, self._loss_scale,
+                                      self.precision.scale_loss)
+        module._shardkit_pipeline = self._runner
+        return module
+
+    def _loss_scale(self) -> tuple[int, bool]:
+        return self._accumulation, self._sync
+
+    @override
+    def backward(self, loss: torch.Tensor, module: nn.Module, accumulation_steps: int) -> None:
+        """The schedule ran backward inside ``model(x, labels)``: nothing is left but to check it did."""
+        if not getattr(loss, "_shardkit_pipeline_backward_done", False):
+            raise RuntimeError("Pipeline: runner.backward(loss) takes the loss model(input_ids, labels=...) "
+                               "returned (the pipeline schedule runs forward and backward together); a loss computed "
+                               "outside the model cannot be back-propagated through the stages")
+
+    @override
+    def set_gradient_sync(self, module: nn.Module, enabled: bool) -> None:
+        self._sync = enabled
+
+    @override
+    def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
+                       norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm over every stage's gradients (each rank holds its stage's)."""
+        self.precision.unscale_gradients(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norm = _stage_norm(params, norm_type, self.mesh["pp"].get_group())
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.mul_(scale)
+        return norm
+
+    @override
+    def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
+                            module: nn.Module | None = None) -> Any:
+        """Not available: each rank holds other parameters (its stages'), so no list means the same on every rank;
+        read the whole model with ``runner.iter_full_state_dict(model)`` or a checkpoint instead."""
+        raise NotImplementedError("Pipeline: gathered_parameters needs the same parameters on every rank, but each "
+                                  "pipeline rank holds only its stages'; use runner.iter_full_state_dict(model) (whole "
+                                  "tensors on rank 0) or save a checkpoint")
+
+    @override
+    def iter_full_state_dict(self, module: nn.Module) -> Any:
+        """The whole model's state dict on rank 0 in the unsplit model's key order, one tensor at a time."""
+        from shardkit.strategies._pipeline_stages import iter_full_state
+
+        return iter_full_state(self._runner, self.is_global_zero)
+
+    # Checkpoints hold the whole model (rank 0 writes it, gathered tensor by tensor), so they load under any
+    # pipeline size, pp 1 and the other strategies included; each stage loads the names it holds.
+
+    @override
+    def save_module(self, writer: ckpt.CheckpointWriter, name: str, module: nn.Module) -> None:
+        state = dict(self.iter_full_state_dict(module))
+        if self.is_global_zero:
+            writer.write_tensors(name, state)
+
+    @override
+    def load_module(self, reader: ckpt.CheckpointReader, name: str, module: nn.Module) -> None:
+        own = module.state_dict()
+        if reader.entries().get(name) == "sharded":
+            tensors = {k: t for k, t in reader.iter_full_tensors(name) if k in own}
+        else:
+            tensors = {k: t for k, t in reader.read_tensors(name).items() if k in own}
+        if self._runner.tied_shape is not None:  # a tied weight may be stored under either name
+            for key, alias in (("lm_head.weight", "embed_tokens.weight"), ("embed_tokens.weight", "lm_head.weight")):
+                if key in own and key not in tensors and alias in own:
+                    tensors[key] = tensors.get(alias)
+        module.load_state_dict(tensors, strict=True)
+
+    @override
+    def save_optimizer(self, writer: ckpt.CheckpointWriter, name: str, optimizer: torch.optim.Optimizer,
+                       module: nn.Module) -> None:
+        from shardkit.strategies._pipeline_stages import gather_optimizer_state
+
+        merged = gather_optimizer_state(self._runner, ckpt.optimizer_state_by_name(optimizer, module))
+        if self.is_global_zero:
+            writer.write_state(name, merged)
+
+    @override
+    def load_optimizer(self, reader: ckpt.CheckpointReader, name: str, optimizer: torch.optim.Optimizer,
+                       module: nn.Module) -> None:
+        from shardkit.strategies._pipeline_stages import own_optimizer_state
+        from shardkit.strategies._sharded_state import read_full_optimizer_state
+
+        names = {n for n, _ in module.named_parameters()}
+        state = own_optimizer_state(read_full_optimizer_state(reader, name), names)
+        ckpt.load_optimizer_state_by_name(optimizer, module, state)
+
+    @override
+    def checkpoint_info(self) -> dict[str, Any]:
+        info = super().checkpoint_info()
+        info.update(pp_size=self.settings.pp_size, schedule=self.settings.schedule)
+        return info
+
+    def __repr__(self) -> str:
+        return f"Pipeline(pp_size={self.settings.pp_size}, schedule={self.settings.schedule!r}, device={self._device})"
+
+
+def _stage_norm(params: list[torch.Tensor], norm_type: float, group: Any) -> torch.Tensor:
+    """The gradient norm over the whole model: each stage's partial sums combined over the pipeline group."""
+    if norm_type == float("inf"):
+        local = max((p.grad.abs().max() for p in params), default=torch.tensor(0.0)).float()
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        return local
+    local = sum((p.grad.float().norm(norm_type) ** norm_type for p in params), torch.tensor(0.0))
+    dist.all_reduce(local, group=group)
+    return local ** (1.0 / norm_type)
