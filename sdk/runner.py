@@ -109,12 +109,14 @@ class Runner:
         strategy, precision = _by_name(strategy, precision, mixed_precision)
         self.config = None
         self.max_grad_norm: float | None = None
+        from_launcher = config is None and os.environ.get(CONFIG_FILE_ENV) is not None
         config = config if config is not None else os.environ.get(CONFIG_FILE_ENV)
         if config is not None:
             from shardkit.config import resolve_runner_config
 
             self.config = resolve_runner_config(
-                config, strategy=strategy, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps
+                config, strategy=strategy, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
+                explicit_precision_wins=from_launcher,
             )
             strategy, precision = self.config.strategy, self.config.precision
             gradient_accumulation_steps = self.config.gradient_accumulation_steps

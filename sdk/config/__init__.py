@@ -35,6 +35,7 @@ def resolve_runner_config(
     gradient_accumulation_steps: int | None = None, micro_batch_size: int | None = None,
     max_grad_norm: float | None = None, world_size: int | None = None,
     optimizer_params: Mapping[str, Any] | None = None, scheduler_params: Mapping[str, Any] | None = None,
+    explicit_precision_wins: bool = False,
 ) -> ResolvedConfig:
     """What a config asks of a Runner, with "auto" filled from the Runner's explicit values.
 
@@ -45,6 +46,8 @@ def resolve_runner_config(
         world_size: data-parallel processes for the batch-size check (default: WORLD_SIZE, else the file's
             num_processes, else 1).
         optimizer_params, scheduler_params: values for "auto" optimizer/scheduler params (lr, warmup_num_steps ...).
+        explicit_precision_wins: the config came from the launcher (``shardkit launch --config_file``): an explicit
+            ``precision`` overrides an Accelerate YAML's ``mixed_precision`` with one warning instead of disagreeing.
 
     Raises:
         ConfigKeyError: an unknown key (dotted path and the closest valid key).
@@ -68,7 +71,7 @@ def resolve_runner_config(
     if suffix in (".yaml", ".yml"):
         from shardkit.config.accelerate import resolve_accelerate
 
-        return _logged(resolve_accelerate(config, **kwargs))
+        return _logged(resolve_accelerate(config, explicit_precision_wins=explicit_precision_wins, **kwargs))
     raise ConfigError(f"config {str(config)!r}: use a DeepSpeed .json file (or dict) or an Accelerate .yaml/.yml file")
 
 

@@ -31,6 +31,7 @@ from shardkit.config.common import (
     world_size_from_env,
 )
 from shardkit.config.deepspeed import StrategySpec, build_strategy, resolve_deepspeed
+from shardkit.config.fsdp import fsdp_spec
 from shardkit.suggest import did_you_mean
 
 __all__ = ["AccelerateConfig", "CONFIG_FILE_ENV", "check_resources", "deepspeed_config_from_section",
@@ -44,11 +45,6 @@ TOP_KEYS = ("compute_environment", "distributed_type", "mixed_precision", "use_c
             "num_machines", "machine_rank", "main_process_ip", "main_process_port", "rdzv_backend", "gpu_ids",
             "fsdp_config", "deepspeed_config", "tp_config", "dynamo_config", "dynamo_backend", "megatron_lm_config",
             "ipex_config", "mpirun_config", "fp8_config", "parallelism_config", *_IGNORED)
-FSDP_KEYS = ("fsdp_sharding_strategy", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap",
-             "fsdp_min_num_params", "fsdp_offload_params", "fsdp_state_dict_type", "fsdp_sync_module_states",
-             "fsdp_cpu_ram_efficient_loading", "fsdp_activation_checkpointing", "fsdp_version",
-             "fsdp_reshard_after_forward", "fsdp_backward_prefetch", "fsdp_backward_prefetch_policy",
-             "fsdp_forward_prefetch", "fsdp_use_orig_params")
 DEEPSPEED_KEYS = ("deepspeed_config_file", "zero_stage", "offload_optimizer_device", "offload_param_device",
                   "offload_optimizer_nvme_path", "offload_param_nvme_path", "gradient_accumulation_steps",
                   "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher",
@@ -63,14 +59,7 @@ DISTRIBUTED_TYPES = ("NO", *DATA_PARALLEL, "FSDP", "DEEPSPEED", "TP")
 _OTHER_TYPES = {"MULTI_NPU": "Ascend NPUs", "MULTI_MLU": "Cambricon MLUs", "MULTI_MUSA": "Moore Threads GPUs",
                 "MULTI_XPU": "Intel XPUs", "MULTI_HPU": "Gaudi HPUs", "MULTI_SDAA": "SDAA devices",
                 "XLA": "TPUs (XLA)", "TPU": "TPUs (XLA)", "MEGATRON_LM": "Megatron-LM"}
-_SHARDING = {"FULL_SHARD": "full", "SHARD_GRAD_OP": "grad_op", "NO_SHARD": "none", "HYBRID_SHARD": "hybrid",
-             "HYBRID_SHARD_ZERO2": "hybrid_zero2", 1: "full", 2: "grad_op", 3: "none", 4: "hybrid",
-             5: "hybrid_zero2"}
-_WRAP_POLICIES = ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP")
-_STATE_DICT = {"FULL_STATE_DICT": "full", "SHARDED_STATE_DICT": "sharded"}
-_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
 _MIXED = ("no", "fp16", "bf16")
-_DEFAULT_MIN_NUM_PARAMS = 100_000_000  # Accelerate's fsdp_min_num_params default (1e8)
 
 
 @dataclass(frozen=True)
@@ -241,119 +230,11 @@ def _strategy(raw: Mapping[str, Any], kind: str, mixed: str, processes: int,
     if kind in DATA_PARALLEL:
         return ("DDP", {}), None, ""
     if kind == "FSDP":
-        return _fsdp_spec(raw.get("fsdp_config") or {}, where), None, ""
+        return fsdp_spec(raw.get("fsdp_config") or {}, where), None, ""
     if kind == "TP":
         return _tp_spec(raw.get("tp_config") or {}, processes, where), None, ""
     ds, ds_where = _deepspeed_dict(raw.get("deepspeed_config") or {}, mixed, raw, path)
     return None, ds, ds_where
-
-
-def _fsdp_spec(section: Mapping[str, Any], where: str) -> StrategySpec:
-    check_known_keys(section, FSDP_KEYS, "fsdp_config", where)
-    sharding = _fsdp_sharding(section, where)
-    kwargs: dict[str, Any] = {}
-    if sharding == "hybrid_zero2":
-        sharding, kwargs["reshard_after_forward"] = "hybrid", False
-    kwargs["sharding"] = sharding
-    reshard = section.get("fsdp_reshard_after_forward")
-    if isinstance(reshard, bool):
-        kwargs["reshard_after_forward"] = reshard
-    kwargs["auto_wrap"] = _fsdp_auto_wrap(section, where)
-    state = section.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")
-    if not isinstance(state, str) or state not in _STATE_DICT:
-        raise (NotImplementedError if state == "LOCAL_STATE_DICT" else ConfigError)(
-            f"fsdp_config.fsdp_state_dict_type: {state!r} in {where}; use one of {list(_STATE_DICT)}")
-    kwargs["state_dict_type"] = _STATE_DICT[state]
-    kwargs["cpu_offload"] = _bool(section, "fsdp_offload_params", False, where)
-    kwargs["activation_checkpointing"] = _bool(section, "fsdp_activation_checkpointing", False, where)
-    sync = _bool(section, "fsdp_sync_module_states", True, where)
-    if _bool(section, "fsdp_cpu_ram_efficient_loading", False, where) and not sync:
-        raise ConfigError(f"fsdp_config.fsdp_cpu_ram_efficient_loading: true needs fsdp_sync_module_states: true "
-                          f"(only rank 0 loads the weights; the others receive them) in {where}")
-    kwargs["sync_module_states"] = sync
-    version = section.get("fsdp_version", 1)
-    if isinstance(version, bool) or not isinstance(version, int) or version not in (1, 2):
-        raise ConfigError(f"fsdp_config.fsdp_version: {version!r} in {where} must be 1 or 2")
-    _fsdp_no_effect(section, where)
-    return "FSDP", kwargs
-
-
-def _fsdp_no_effect(section: Mapping[str, Any], where: str) -> None:
-    """Warn once for each FSDP1 knob that asks for something FSDP2 (fully_shard) does not do."""
-    for key in ("fsdp_backward_prefetch", "fsdp_backward_prefetch_policy"):
-        if key in section and (not isinstance(section[key], str) or section[key] not in _PREFETCH):
-            raise ConfigError(f"fsdp_config.{key}: {section[key]!r} in {where}; use one of {list(_PREFETCH)}")
-        if section.get(key, "BACKWARD_PRE") != "BACKWARD_PRE":
-            warn_once(f"fsdp:{key}", f"{where}: fsdp_config.{key}: {section[key]} has no effect: FSDP2 always "
-                      f"prefetches the next block's all-gather in backward (BACKWARD_PRE); for another order call "
-                      f"module.set_modules_to_backward_prefetch([...]) on the sharded blocks after runner.setup()")
-    forward = _bool(section, "fsdp_forward_prefetch", False, where)
-    if forward:
-        warn_once("fsdp:forward_prefetch", f"{where}: fsdp_config.fsdp_forward_prefetch: true has no effect: FSDP2 "
-                  f"overlaps the next all-gather implicitly; for explicit forward prefetching call "
-                  f"module.set_modules_to_forward_prefetch([...]) on the sharded blocks after runner.setup()")
-    if not _bool(section, "fsdp_use_orig_params", True, where):
-        warn_once("fsdp:use_orig_params", f"{where}: fsdp_config.fsdp_use_orig_params: false has no effect: FSDP2 "
-                  f"always keeps the original parameters (as DTensor shards); remove the key")
-    if _bool(section, "fsdp_cpu_ram_efficient_loading", False, where):
-        warn_once("fsdp:cpu_ram_efficient_loading", f"{where}: fsdp_config.fsdp_cpu_ram_efficient_loading: true "
-                  f"does not set Accelerate's FSDP_CPU_RAM_EFFICIENT_LOADING variable (transformers would load "
-                  f"on rank 0 alone): build the model inside runner.init_module(empty_init=True) instead; with "
-                  f"fsdp_sync_module_states rank 0 holds the weights and the other ranks receive them")
-
-
-def _fsdp_sharding(section: Mapping[str, Any], where: str) -> str:
-    value = section.get("fsdp_sharding_strategy", "FULL_SHARD")
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
-        # NOTE: 1.7 used to become FULL_SHARD through int(); [1] raised a bare TypeError.
-        raise ConfigError(f"fsdp_config.fsdp_sharding_strategy: {value!r} in {where} must be a name like "
-                          f"'FULL_SHARD' or a whole number 1-5")
-    reshard = section.get("fsdp_reshard_after_forward")
-    if isinstance(reshard, str):  # Accelerate's FSDP1 spelling: the sharding strategy's name
-        if "fsdp_sharding_strategy" in section and reshard != value:
-            raise ConfigError(f"fsdp_config: fsdp_reshard_after_forward {reshard!r} and fsdp_sharding_strategy "
-                              f"{value!r} disagree in {where}; keep one")
-        value = reshard
-    key = value.upper() if isinstance(value, str) and not value.isdigit() else int(value)
-    if key not in _SHARDING:
-        names = [k for k in _SHARDING if isinstance(k, str)]
-        raise ConfigError(f"fsdp_config.fsdp_sharding_strategy: {value!r} in {where}"
-                          f"{did_you_mean(str(value), names)}; use one of {names} or 1-5")
-    return _SHARDING[key]
-
-
-def _fsdp_auto_wrap(section: Mapping[str, Any], where: str) -> Any:
-    policy = section.get("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")
-    if policy not in _WRAP_POLICIES:
-        raise ConfigError(f"fsdp_config.fsdp_auto_wrap_policy: {policy!r} in {where}"
-                          f"{did_you_mean(str(policy), _WRAP_POLICIES)}; use one of {list(_WRAP_POLICIES)}")
-    if policy == "SIZE_BASED_WRAP":
-        return _fsdp_int(section, "fsdp_min_num_params", _DEFAULT_MIN_NUM_PARAMS, where)
-    if policy == "NO_WRAP":
-        return False  # FSDP(auto_wrap=False): only the root is sharded
-    names = section.get("fsdp_transformer_layer_cls_to_wrap")
-    if not names:
-        return None  # FSDP finds the repeated blocks itself (the role of Accelerate's _no_split_modules)
-    items = names if isinstance(names, (list, tuple)) else str(names).split(",")
-    return tuple(n.strip() for n in items if n.strip())
-
-
-def _fsdp_int(section: Mapping[str, Any], key: str, default: int, where: str) -> int:
-    value = section.get(key, default)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"fsdp_config.{key}: {value!r} in {where} must be a whole number >= 1")
-    return value
-
-
-def _bool(section: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
-    value = section.get(key, default)
-    if isinstance(value, str) and value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    if not isinstance(value, bool):
-        raise ConfigError(f"{key}: {value!r} in {where} must be true or false")
-    return value
 
 
 def _tp_spec(section: Mapping[str, Any], processes: int, where: str) -> StrategySpec:
@@ -441,7 +322,7 @@ def fsdp_strategy_from_section(section: Mapping[str, Any], where: str) -> Any:
     """The FSDP strategy an ``fsdp_config`` section (Accelerate's YAML keys) asks for; ``where`` names it in errors."""
     if not isinstance(section, Mapping):
         raise ConfigError(f"{where} must be a mapping of fsdp_config keys, not {type(section).__name__}")
-    return build_strategy(_fsdp_spec(section, where))
+    return build_strategy(fsdp_spec(section, where))
 
 
 def deepspeed_config_from_section(section: Mapping[str, Any], mixed_precision: str, where: str) -> dict[str, Any]:
@@ -458,18 +339,25 @@ def resolve_accelerate(path: str | os.PathLike, *, strategy: Any = None, precisi
                        gradient_accumulation_steps: int | None = None, micro_batch_size: int | None = None,
                        max_grad_norm: float | None = None, world_size: int | None = None,
                        optimizer_params: Mapping[str, Any] | None = None,
-                       scheduler_params: Mapping[str, Any] | None = None) -> ResolvedConfig:
-    """The Runner settings an Accelerate YAML asks for, checked against the Runner's explicit values."""
+                       scheduler_params: Mapping[str, Any] | None = None,
+                       explicit_precision_wins: bool = False) -> ResolvedConfig:
+    """The Runner settings an Accelerate YAML asks for, checked against the Runner's explicit values.
+
+    ``explicit_precision_wins``: the file came from the launcher, so a precision given to the Runner (the
+    Trainer's ``--bf16``) overrides its ``mixed_precision`` with one warning, as transformers and Accelerate let
+    an explicit argument win over ``accelerate launch``'s config; otherwise disagreeing is an error.
+    """
     from shardkit.precision.registry import PRECISIONS
 
     cfg = load_accelerate_config(path)
     where = str(cfg.path)
     file_precision = PRECISIONS.build(cfg.mixed_precision)  # "no" is fp32's alias
+    wins = explicit_precision_wins
     if cfg.deepspeed is not None:
         names = None
         if cfg.mixed_precision != "no":
             # The YAML's mixed_precision fills the DeepSpeed file's fp16/bf16 "auto", as Accelerate does.
-            precision = _precision(file_precision, cfg, precision)
+            precision = _precision(file_precision, cfg, precision, wins)
             names = {"precision": f"mixed_precision: {cfg.mixed_precision} in {where}"}
         return resolve_deepspeed(
             cfg.deepspeed, strategy=strategy, precision=precision,
@@ -479,16 +367,21 @@ def resolve_accelerate(path: str | os.PathLike, *, strategy: Any = None, precisi
             source=cfg.deepspeed_source, runner_names=names,
         )
     return ResolvedConfig(
-        strategy=_runner_strategy(cfg, strategy), precision=_precision(file_precision, cfg, precision),
+        strategy=_runner_strategy(cfg, strategy), precision=_precision(file_precision, cfg, precision, wins),
         gradient_accumulation_steps=gradient_accumulation_steps or 1, micro_batch_size=micro_batch_size,
         max_grad_norm=max_grad_norm, optimizer=None, scheduler=None, source=where,
     )
 
 
-def _precision(file_precision: Any, cfg: AccelerateConfig, precision: Any) -> Any:
+def _precision(file_precision: Any, cfg: AccelerateConfig, precision: Any, explicit_wins: bool = False) -> Any:
     if precision is None:
         return file_precision
     file_kind, runner_kind = precision_kind(file_precision), precision_kind(precision)
+    if explicit_wins and file_kind != runner_kind:
+        warn_once(f"precision-override:{cfg.path}", f"mixed_precision: {cfg.mixed_precision} in {cfg.path} (the "
+                  f"launcher's config) is overridden by precision={precision!r} given to the Runner (the training "
+                  f"arguments win, as in transformers)")
+        return precision
     reconcile("mixed_precision", file_kind, str(cfg.path), runner_kind, f"Runner(precision={precision!r})")
     return precision
 

@@ -25,6 +25,7 @@ __all__ = [
     "ResolvedConfig",
     "check_known_keys",
     "check_number",
+    "config_bool",
     "load_mapping",
     "precision_kind",
     "read_config_bytes",
@@ -127,6 +128,15 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def config_bool(value: Any, key: str, where: str) -> bool:
+    """A config's boolean: true/false, or the strings "true"/"false" (any case) that YAML, JSON and flags give."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: {value!r} in {where} must be true or false")
+    return value
 
 
 def warn_once(key: str, message: str) -> None:

@@ -26,7 +26,7 @@ _STEPS, _POSITIVE_STEPS = dict(integer=True, minimum=0), dict(integer=True, mini
 _PARAM_RANGES: dict[str, dict[str, Any]] = {
     "lr": _NONNEG, "eps": _POSITIVE, "weight_decay": _NONNEG, "momentum": _NONNEG, "dampening": _NONNEG,
     "lr_decay": _NONNEG, "initial_accumulator_value": _NONNEG,
-    "warmup_min_lr": _NONNEG, "warmup_max_lr": _NONNEG, "warmup_num_steps": _STEPS,
+    "warmup_min_lr": _NONNEG, "warmup_max_lr": _NONNEG, "warmup_num_steps": _POSITIVE_STEPS,
     "total_num_steps": _POSITIVE_STEPS, "warmup_min_ratio": _FRACTION, "cos_min_ratio": _FRACTION,
     "last_batch_iteration": dict(integer=True, minimum=-1), "cycle_min_lr": _NONNEG, "cycle_max_lr": _NONNEG,
     "decay_lr_rate": _NONNEG, "cycle_first_step_size": _POSITIVE_STEPS, "cycle_second_step_size": _POSITIVE_STEPS,
@@ -106,6 +106,10 @@ def resolve_scheduler(section: Mapping[str, Any] | None, where: str, values: Map
     params = dict(section.get("params") or {})
     check_known_keys(params, SCHEDULER_PARAMS[name], "scheduler.params", where)
     check_known_keys(values, SCHEDULER_PARAMS[name], "scheduler_params", "the Runner's scheduler values")
+    if values.get("warmup_num_steps") is not None:
+        # NOTE: as transformers fills it: DeepSpeed 0.19.6+ refuses 0 ("warmup_num_steps must be a positive
+        # integer"), so a run without warmup (the Trainer's default warmup_steps=0) gets one step.
+        values["warmup_num_steps"] = max(1, int(values["warmup_num_steps"]))
     for param in sorted(set(params) | set(values)):
         value = reconcile(f"scheduler.params.{param}", params.get(param), where, values.get(param),
                           "Runner(scheduler_params=...)")

@@ -61,11 +61,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config-file", "--config_file", dest="config_file",
                         help="an Accelerate-style YAML file supplying the options above (default: "
                              "./shardkit_config.yaml, what `shardkit config` writes, when it exists)")
+    _config_flags().add_config_flags(parser)
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     parser.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
     parser.add_argument("script", help="the training script (or module name with -m)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     parser.set_defaults(func=_run)
+
+
+def _config_flags() -> Any:
+    # NOTE: imported by name: config sits above distributed in the package graph (it builds strategies).
+    return importlib.import_module("shardkit.config.launch_flags")
+
+
+def _flags_to_config_file(args: argparse.Namespace) -> Path | None:
+    """Lay Accelerate's config-as-flags over --config-file (the default file already chosen) and point
+    --config-file at the result; returns the temporary file to remove after the launch, None without flags."""
+    total = args.num_processes * (args.num_machines or 1) if args.num_processes else None
+    base = Path(args.config_file) if args.config_file else None
+    written = _config_flags().write_flags_config(args, base, total)
+    if written is not None:
+        args.config_file = str(written)
+    return written
 
 
 def _apply_config_file(args: argparse.Namespace) -> dict[str, str]:
@@ -184,19 +201,25 @@ def _child_env(args: argparse.Namespace, extra: Mapping[str, str]) -> dict[str, 
 
 
 def _run(args: argparse.Namespace) -> int:
+    written = None
     try:
-        if not args.config_file:
-            args.config_file = _default_config_file()
-        extra = _apply_config_file(args) if args.config_file else {}
-        _resolve(args)
-        env = _child_env(args, extra)
-        collective = default_timeout(env)
-    except (LaunchUsageError, ValueError) as err:
-        # One line, whatever the error holds (several unknown keys, a YAML parser's multi-line message).
-        print(f"shardkit launch: error: {'; '.join(str(err).splitlines())}", file=sys.stderr)
-        return 2
-    command = build_command(args)
-    if args.dry_run:
-        print(" ".join(command))
-        return 0
-    return run_supervised(command, env, straggle_s=collective + GRACE_PERIOD_S, stop_grace=args.stop_grace)
+        try:
+            if not args.config_file:
+                args.config_file = _default_config_file()
+            written = _flags_to_config_file(args)
+            extra = _apply_config_file(args) if args.config_file else {}
+            _resolve(args)
+            env = _child_env(args, extra)
+            collective = default_timeout(env)
+        except (LaunchUsageError, ValueError, NotImplementedError) as err:
+            # One line, whatever the error holds (several unknown keys, a YAML parser's multi-line message).
+            print(f"shardkit launch: error: {'; '.join(str(err).splitlines())}", file=sys.stderr)
+            return 2
+        command = build_command(args)
+        if args.dry_run:
+            print(" ".join(command))
+            return 0
+        return run_supervised(command, env, straggle_s=collective + GRACE_PERIOD_S, stop_grace=args.stop_grace)
+    finally:
+        if written is not None:
+            written.unlink(missing_ok=True)

@@ -180,7 +180,11 @@ class FSDP(MeshStrategy):
         if self.is_global_zero:  # issue 13: the effective settings, once per setup, on the main process
             logging.getLogger("shardkit.strategies.fsdp").info("shardkit: FSDP2 settings: %s, precision %r",
                                                                self.settings, self.precision)
-        return super().setup(module, optimizer, scheduler)
+        module, optimizer, scheduler = super().setup(module, optimizer, scheduler)
+        # NOTE: transformers' generate syncs the ranks (synced_gpus) only for a module it knows FSDP manages: the
+        # flag its own FSDP2 wrapper sets. Without it, ranks asking for different numbers of tokens hang.
+        module._is_fsdp_managed_module = True
+        return module, optimizer, scheduler
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:

@@ -26,7 +26,7 @@ from shardkit.strategies import _mesh
 from shardkit.strategies.parallel import MeshStrategy
 from shardkit.suggest import did_you_mean
 
-__all__ = ["TensorParallel", "TensorParallelSettings", "resolve_plan"]
+__all__ = ["TensorParallel", "TensorParallelSettings", "hugging_face_plan", "resolve_plan"]
 
 DP_MODES = (None, "fsdp", "replicate")
 
@@ -82,8 +82,8 @@ def resolve_plan(module: nn.Module, plan: dict[str, ParallelStyle] | None, tp_si
     """The plan TensorParallel applies to ``module``: module name -> ParallelStyle.
 
     ``plan`` (FQN patterns) when given, else the model's own ``parallel_plan(tp_size, sequence_parallel)``
-    (shardkit's Llama has one, :func:`shardkit.models.llama.llama_plan`). Patterns are expanded to the
-    module names they match.
+    (shardkit's Llama has one, :func:`shardkit.models.llama.llama_plan`), else a Hugging Face model's own plan
+    (:func:`hugging_face_plan`). Patterns are expanded to the module names they match.
 
     Raises:
         ValueError: no plan was given and the model has no ``parallel_plan`` (the message names both fixes),
@@ -91,15 +91,60 @@ def resolve_plan(module: nn.Module, plan: dict[str, ParallelStyle] | None, tp_si
     """
     if plan is None:
         own = getattr(module, "parallel_plan", None)
-        if not callable(own):
+        hf_plan = hugging_face_plan(module) if not callable(own) else None
+        if not callable(own) and hf_plan is None:
             name = type(module).__name__
             raise ValueError(
                 f"TensorParallel has no plan for {name}: pass TensorParallel(plan={{FQN pattern: ParallelStyle}}), "
                 "e.g. {'layers.*.mlp.up_proj': ColwiseParallel(), 'layers.*.mlp.down_proj': RowwiseParallel()}, "
                 f"or define {name}.parallel_plan(self, tp_size, sequence_parallel) returning one (as "
                 "shardkit.models.llama.Llama does); see shardkit/strategies/README.md")
-        plan = own(tp_size, sequence_parallel)
+        if hf_plan is not None and sequence_parallel:
+            raise ValueError(f"TensorParallel sequence_parallel=True: {type(module).__name__}'s own Hugging Face plan "
+                             "(base_model_tp_plan) has no sequence-parallel form here; pass plan=... with "
+                             "SequenceParallel() styles")
+        plan = hf_plan if hf_plan is not None else own(tp_size, sequence_parallel)
     return _expand(plan, module)
+
+
+def _hf_styles() -> dict[str, Any]:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    return {
+        "colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence_parallel": SequenceParallel,
+        # the output gathered on every rank (a language model head's logits)
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        # an embedding split on the vocabulary: token ids come in whole, the looked-up rows are summed
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }
+
+
+def hugging_face_plan(module: nn.Module) -> dict[str, ParallelStyle] | None:
+    """A Hugging Face model's own plan (transformers' ``model.tp_plan``: the class's ``_tp_plan`` with the config's
+    ``base_model_tp_plan`` under the base model's prefix) as ParallelStyles; None for a model without one.
+
+    Raises:
+        ValueError: the plan names a style shardkit does not map (the key, the style and the fix are named).
+    """
+    plan = getattr(module, "tp_plan", None)  # transformers 5: every plan merged, keys from the root
+    if not isinstance(plan, dict) or not plan:
+        config_plan = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+        if not isinstance(config_plan, dict) or not config_plan:
+            return None
+        prefix = getattr(module, "base_model_prefix", "")
+        inner = bool(prefix) and isinstance(getattr(module, prefix, None), nn.Module)
+        plan = {**(getattr(type(module), "_tp_plan", None) or {}),
+                **{(f"{prefix}.{k}" if inner else k): v for k, v in config_plan.items()}}
+    styles = _hf_styles()
+    out: dict[str, ParallelStyle] = {}
+    for key, style in plan.items():
+        if style not in styles:
+            raise ValueError(f"TensorParallel: {type(module).__name__}'s Hugging Face plan says {key!r}: {style!r}, a "
+                             f"style shardkit does not map{did_you_mean(str(style), styles)} (it maps "
+                             f"{sorted(styles)}); pass TensorParallel(plan={{...}}) with ParallelStyles instead")
+        out[key] = styles[style]()
+    return out
 
 
 def _expand(plan: dict[str, ParallelStyle], module: nn.Module) -> dict[str, ParallelStyle]:

@@ -29,7 +29,8 @@ HF_METHODS = (
 
 SHARDKIT_ONLY = ("logging_dir", "max_time", "save_on_sigterm", "fast_dev_run", "use_fused_kernels")
 
-_HUB = "accepted and kept; the upload is not available yet: push_to_hub=True is refused when the Trainer is built"
+_HUB = ("trainer.push_to_hub() uploads output_dir through huggingface_hub (shardkit.hub); push_to_hub=True is "
+        "refused unless hub_strategy='end': uploads at each save are not wired yet")
 ARGUMENT_NOTES: dict[str, tuple[str, str]] = {
     "output_dir": ("supported", "None is 'trainer_output'; ~ is expanded"),
     "warmup_steps": ("supported", "below 1 it is a fraction of the training steps (warmup_ratio folded in)"),
@@ -115,7 +116,8 @@ METHOD_NOTES: dict[str, tuple[str, str]] = {
     "create_accelerator_and_postprocess": ("different", "no-op: the Runner is built with the Trainer"),
     "create_model_card": ("refused", "part of the Hub upload, not available yet"),
     "init_hf_repo": ("refused", "part of the Hub upload, not available yet"),
-    "push_to_hub": ("refused", "the Hub upload is not available yet (shardkit.trainer.hub is the seam)"),
+    "push_to_hub": ("supported", "saves the model, then uploads output_dir (not its checkpoints) through "
+                    "huggingface_hub after the uploads still running"),
     "hyperparameter_search": ("refused", "run the search loop yourself around Trainer(model_init=...)"),
     "get_cp_size": ("different", "always 1 (no context parallelism)"),
     "get_sp_size": ("different", "always 1 (no sequence parallelism over the batch)"),

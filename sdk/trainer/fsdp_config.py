@@ -1,8 +1,8 @@
 """The Trainer's ``fsdp=`` / ``fsdp_config=`` as FSDP strategy settings: the one place they are read.
 
 :func:`fsdp_strategy_kwargs` is the seam: the Trainer builds ``FSDP(**fsdp_strategy_kwargs(args))`` and
-nothing else reads ``fsdp_config``. The translator shared with the Accelerate YAML reader (every key honoured
-or refused by name) replaces its body; the file reading below stays.
+nothing else reads ``fsdp_config``. Its body is the translator shared with the Accelerate YAML reader
+(:mod:`shardkit.config.fsdp`: every key honoured or refused by name); the file reading below stays.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import stat
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FSDP_SHARDING", "fsdp_strategy_kwargs", "read_fsdp_config_file"]
+__all__ = ["fsdp_strategy_kwargs", "read_fsdp_config_file"]
 
-FSDP_SHARDING = {"full_shard": "full", "shard_grad_op": "grad_op", "hybrid_shard": "hybrid",
-                 "hybrid_shard_zero2": "hybrid", "no_shard": "none"}
 _MAX_BYTES = 1 << 20  # an fsdp_config JSON is a few hundred bytes; a larger file is not one
 
 
@@ -50,10 +48,7 @@ def read_fsdp_config_file(path: str | os.PathLike) -> dict[str, Any]:
 
 def fsdp_strategy_kwargs(args: Any) -> dict[str, Any]:
     """``FSDP(...)`` keywords for ``args.fsdp`` (``"full_shard offload"`` ...) and ``args.fsdp_config``."""
-    options = str(args.fsdp).split()
-    sharding = next((FSDP_SHARDING[o] for o in options if o in FSDP_SHARDING), "full")
-    config = dict(args.fsdp_config or {})
-    kwargs: dict[str, Any] = {"sharding": sharding, "cpu_offload": "offload" in options}
-    if config.get("activation_checkpointing"):
-        kwargs["activation_checkpointing"] = True
+    from shardkit.config.fsdp import trainer_fsdp_spec
+
+    _, kwargs = trainer_fsdp_spec(args.fsdp, args.fsdp_config)  # every key honoured or refused by name
     return kwargs

@@ -58,9 +58,28 @@ def test_accelerator_answers_or_names_the_runner(tmp_path):
         accelerator.prepare(model)
 
 
-def test_push_to_hub_is_refused_clearly_until_the_upload_exists(tmp_path):
+def test_push_to_hub_uploads_output_dir_and_per_save_pushes_are_refused_clearly(tmp_path, monkeypatch):
+    from concurrent.futures import Future
+
+    from shardkit.hub import HubPusher
+
+    calls = []
+
+    class RecordingApi:  # nothing reaches the Hub
+        def create_repo(self, repo_id, **kwargs):
+            calls.append(("create_repo", repo_id))
+            return None
+
+        def upload_folder(self, **kwargs):
+            calls.append(("upload_folder", kwargs))
+            done: Future = Future()
+            done.set_result("commit")
+            return done
+
+    monkeypatch.setattr(HubPusher, "api", property(lambda self: RecordingApi()))
     with pytest.raises(HubUploadUnavailable, match="upload_folder"):
         Trainer(Line(), _args(tmp_path, push_to_hub=True, hub_model_id="me/model"))
+    Trainer(Line(), _args(tmp_path, push_to_hub=True, hub_model_id="me/model", hub_strategy="end"))  # accepted
 
     class Pushes(TrainerCallback):
         began = 0
@@ -68,10 +87,12 @@ def test_push_to_hub_is_refused_clearly_until_the_upload_exists(tmp_path):
         def on_push_begin(self, args, state, control, **kwargs):
             Pushes.began += 1
 
-    trainer = Trainer(Line(), _args(tmp_path, hub_strategy="checkpoint"), callbacks=[Pushes])
-    with pytest.raises(HubUploadUnavailable):
-        trainer.push_to_hub()
+    trainer = Trainer(Line(), _args(tmp_path, hub_strategy="checkpoint", hub_model_id="me/model"), callbacks=[Pushes])
+    assert trainer.push_to_hub() == "commit"
     assert Pushes.began == 1 and "on_push_begin" in EVENTS
+    (_, upload), = [c for c in calls if c[0] == "upload_folder"]
+    assert calls[0] == ("create_repo", "me/model") and upload["folder_path"] == trainer.args.output_dir
+    assert upload["ignore_patterns"] == ["_*", "checkpoint-*"] and upload["commit_message"] == "End of training"
 
 
 def test_callbacks_as_hugging_face_defines_them(caplog):

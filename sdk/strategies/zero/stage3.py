@@ -27,6 +27,7 @@ from shardkit.strategies.zero.config import ZeROSettings
 from shardkit.strategies.zero.init import ZeroInitInterceptor
 from shardkit.strategies.zero.layout import ParameterPartitionLayout, ZeROLayout
 from shardkit.strategies.zero.strategy import ZeROStrategy, prepare_deepspeed
+from shardkit.strategies.zero.transformers_link import TransformersLink
 
 __all__ = ["ZeRO3", "ZeROInfinity", "ZERO3_PARAMETERS", "is_zero3_partitioned"]
 
@@ -76,6 +77,41 @@ class ZeRO3(ZeROStrategy):
             gather_16bit_weights_on_model_save=gather_16bit_weights_on_model_save, timeout=timeout,
             extra=dict(extra or {}), **infinity,
         ))
+        self._transformers = TransformersLink()
+
+    @override
+    def setup_environment(self) -> None:
+        """Bring up the process group and tell transformers that ZeRO-3 runs (as Accelerate does).
+
+        From here on Hugging Face's ``generate`` syncs the ranks by itself and ``from_pretrained`` builds and
+        loads the model partitioned (see :mod:`shardkit.strategies.zero.transformers_link`).
+        """
+        super().setup_environment()
+        self._connect_deepspeed_comm()
+        self._transformers.register(self.deepspeed_config())
+
+    @override
+    def setup(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None):
+        result = super().setup(module, optimizer, scheduler)
+        self._transformers.register(self.deepspeed_config(module))  # the config the engine runs, buckets sized
+        return result
+
+    @override
+    def teardown(self) -> None:
+        self._transformers.release()
+        super().teardown()
+
+    def _connect_deepspeed_comm(self) -> None:
+        prepare_deepspeed(self.settings)
+        import deepspeed
+
+        # NOTE: zero.Init (ours, or transformers' inside from_pretrained) sizes its partitions from DeepSpeed's own
+        # comm layer, which wraps our process group only once told to; without it every rank would see world_size 1.
+        deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
+                                        dist_init_required=False, verbose=False)
+        # NOTE: torch._dynamo imported for the first time inside zero.Init fails (DeepSpeed patches the tensor
+        # constructors dynamo's polyfills check), and building a Hugging Face model imports it: import it first.
+        import torch._dynamo  # noqa: F401
 
     @override
     def _make_layout(self, stage: int) -> ZeROLayout:
@@ -93,16 +129,8 @@ class ZeRO3(ZeROStrategy):
         The model's own init that runs after its submodules are built is run on the whole parameter, so
         the weights equal an unsharded build's from the same seed.
         """
-        prepare_deepspeed(self.settings)
+        self._connect_deepspeed_comm()
         import deepspeed
-
-        # NOTE: zero.Init sizes its partitions from DeepSpeed's own comm layer, which wraps our
-        # process group only once told to; without it every rank would see world_size 1.
-        deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
-                                        dist_init_required=False, verbose=False)
-        # NOTE: torch._dynamo imported for the first time inside zero.Init fails (DeepSpeed patches the tensor
-        # constructors dynamo's polyfills check), and building a Hugging Face model imports it: import it first.
-        import torch._dynamo  # noqa: F401
 
         stack = contextlib.ExitStack()
         stack.enter_context(self.precision.module_init_context())

@@ -1,0 +1,138 @@
+"""Uploading a training run to the Hugging Face Hub through ``huggingface_hub``'s API, as transformers' Trainer does.
+
+    pusher = HubPusher.from_args(args)            # TrainingArguments: hub_model_id, hub_strategy, hub_token, ...
+    pusher.push_save(output_dir, "checkpoint-500")  # after each save: in the background, per hub_strategy
+    pusher.push_final(output_dir)                 # trainer.push_to_hub(): waits for the uploads still running
+
+The Trainer calls these and nothing else (its ``push_to_hub`` and its saves under ``push_to_hub=True``); only the
+main process uploads. ``hub_strategy`` decides what a save uploads, as in transformers:
+
+- ``"every_save"``: the model files in ``output_dir`` (weights, config, tokenizer), never the ``checkpoint-*``
+  folders; a save while the previous upload still runs is skipped unless ``hub_always_push``;
+- ``"checkpoint"``: that, plus the latest checkpoint folder as ``last-checkpoint/`` (resumable from the Hub);
+- ``"all_checkpoints"``: that, plus every checkpoint folder under its own name;
+- ``"end"``: nothing until ``push_final``.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from shardkit.suggest import did_you_mean
+
+__all__ = ["HUB_STRATEGIES", "HubPusher"]
+
+log = logging.getLogger("shardkit.hub")
+
+HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
+# What a push of output_dir leaves out: the checkpoints (pushed on their own per strategy) and private files.
+_OUTPUT_IGNORE = ["_*", "checkpoint-*"]
+
+
+class HubPusher:
+    """One run's uploads to one Hub repository (created, or reused, on first use).
+
+    Args:
+        repo_id: ``"user/name"`` or ``"name"`` (the Hub puts it under the token's user).
+        strategy: one of :data:`HUB_STRATEGIES`.
+        token, private, revision: passed to ``huggingface_hub`` (``hub_token``, ``hub_private_repo``,
+            ``hub_revision``).
+        always_push: upload at every save even while the previous upload still runs (``hub_always_push``).
+        api: an ``HfApi``-like object (tests pass a recorder); default ``huggingface_hub.HfApi()``.
+    """
+
+    def __init__(self, repo_id: str, strategy: str = "every_save", token: str | None = None,
+                 private: bool | None = None, revision: str | None = None, always_push: bool = False,
+                 api: Any = None):
+        strategy = str(getattr(strategy, "value", strategy))
+        if strategy not in HUB_STRATEGIES:
+            raise ValueError(f"hub_strategy={strategy!r} is not one of {HUB_STRATEGIES}"
+                             f"{did_you_mean(strategy, HUB_STRATEGIES)}")
+        if not repo_id or not isinstance(repo_id, str):
+            raise ValueError(f"hub_model_id={repo_id!r}: name the Hub repository, e.g. 'user/my-model'")
+        self.repo_id, self.strategy, self.token = repo_id, strategy, token
+        self.private, self.revision, self.always_push = private, revision, always_push
+        self._api = api
+        self._created = False
+        self._pending: list[Future] = []
+
+    @classmethod
+    def from_args(cls, args: Any, api: Any = None) -> HubPusher:
+        """A pusher for TrainingArguments-like ``args`` (``hub_model_id`` defaults to ``output_dir``'s name)."""
+        repo_id = getattr(args, "hub_model_id", None) or Path(str(args.output_dir)).absolute().name
+        return cls(repo_id, getattr(args, "hub_strategy", "every_save"), getattr(args, "hub_token", None),
+                   getattr(args, "hub_private_repo", None), getattr(args, "hub_revision", None),
+                   bool(getattr(args, "hub_always_push", False)), api)
+
+    @property
+    def api(self) -> Any:
+        if self._api is None:
+            try:
+                from huggingface_hub import HfApi
+            except ImportError:
+                raise ImportError("push_to_hub=True uploads through the huggingface_hub package: "
+                                  "pip install huggingface_hub") from None
+            self._api = HfApi(token=self.token)
+        return self._api
+
+    def create_repo(self) -> str:
+        """Create the repository if it does not exist (once per run); returns its id as the Hub names it."""
+        if not self._created:
+            url = self.api.create_repo(self.repo_id, token=self.token, private=self.private, exist_ok=True)
+            self.repo_id = getattr(url, "repo_id", None) or self.repo_id
+            self._created = True
+        return self.repo_id
+
+    def busy(self) -> bool:
+        """Whether an upload started earlier is still running."""
+        self._pending = [f for f in self._pending if not f.done()]
+        return bool(self._pending)
+
+    def push_save(self, output_dir: str | Path, checkpoint_dir: str | Path | None = None) -> list[Future]:
+        """After a save: start the uploads ``strategy`` asks for, in the background; returns their futures.
+
+        Args:
+            output_dir: the run's folder (the model files the Trainer wrote there are uploaded).
+            checkpoint_dir: the checkpoint folder just written (``output_dir/checkpoint-N``), if any.
+        """
+        if self.strategy == "end":
+            return []
+        if self.busy() and not self.always_push:
+            log.info("shardkit: the previous upload to %s still runs; this save is not pushed (hub_always_push=True "
+                     "pushes every save)", self.repo_id)
+            return []
+        self.create_repo()
+        step = Path(checkpoint_dir).name if checkpoint_dir is not None else "the model"
+        started = [self._upload(output_dir, f"Training in progress, {step}", ignore=_OUTPUT_IGNORE)]
+        if checkpoint_dir is not None and self.strategy in ("checkpoint", "all_checkpoints"):
+            path_in_repo = "last-checkpoint" if self.strategy == "checkpoint" else Path(checkpoint_dir).name
+            started.append(self._upload(checkpoint_dir, f"Training in progress, {step}", path_in_repo=path_in_repo))
+        self._pending.extend(started)
+        return started
+
+    def push_final(self, output_dir: str | Path, commit_message: str = "End of training",
+                   blocking: bool = True) -> Any:
+        """Upload ``output_dir`` (not its checkpoints) after the uploads still running; ``blocking=False`` returns
+        the upload's future instead of its result."""
+        self.wait()
+        self.create_repo()
+        future = self._upload(output_dir, commit_message, ignore=_OUTPUT_IGNORE)
+        if blocking:
+            return future.result()
+        self._pending.append(future)
+        return future
+
+    def wait(self) -> None:
+        """Wait for every upload started so far; an upload that failed raises here."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def _upload(self, folder: str | Path, message: str, path_in_repo: str | None = None,
+                ignore: list[str] | None = None) -> Future:
+        return self.api.upload_folder(repo_id=self.repo_id, folder_path=str(folder), path_in_repo=path_in_repo,
+                                      commit_message=message, token=self.token, revision=self.revision,
+                                      ignore_patterns=ignore, run_as_future=True)
