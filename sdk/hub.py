@@ -7,29 +7,42 @@
 The Trainer calls these and nothing else (its ``push_to_hub`` and its saves under ``push_to_hub=True``); only the
 main process uploads. ``hub_strategy`` decides what a save uploads, as in transformers:
 
-- ``"every_save"``: the model files in ``output_dir`` (weights, config, tokenizer), never the ``checkpoint-*``
-  folders; a save while the previous upload still runs is skipped unless ``hub_always_push``;
-- ``"checkpoint"``: that, plus the latest checkpoint folder as ``last-checkpoint/`` (resumable from the Hub);
-- ``"all_checkpoints"``: that, plus every checkpoint folder under its own name;
+- ``"every_save"``: the model files in ``output_dir`` (weights, config, tokenizer; a checkpoint's are first copied
+  there, as transformers does), never the ``checkpoint-*`` folders; a save while the previous upload still runs is
+  skipped unless ``hub_always_push``;
+- ``"checkpoint"``: that, plus the latest checkpoint's Hugging Face files (:data:`CHECKPOINT_FILES`: weights,
+  config, tokenizer, trainer_state.json) as ``last-checkpoint/``; shardkit's own sharded resume state (optimizer,
+  RNG, data position shards) stays local;
+- ``"all_checkpoints"``: that, plus every checkpoint's Hugging Face files under its own name;
 - ``"end"``: nothing until ``push_final``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from shardkit.suggest import did_you_mean
 
-__all__ = ["HUB_STRATEGIES", "HubPusher"]
+__all__ = ["CHECKPOINT_FILES", "HUB_STRATEGIES", "MODEL_FILES", "HubPusher"]
 
 log = logging.getLogger("shardkit.hub")
 
 HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
 # What a push of output_dir leaves out: the checkpoints (pushed on their own per strategy) and private files.
 _OUTPUT_IGNORE = ["_*", "checkpoint-*"]
+# The files from_pretrained / AutoTokenizer read (transformers' and peft's names). An allow-list, so shardkit's own
+# entries (model.rank*.safetensors, optimizer.*, rng.*, loader.*, values.*, shardkit.json...) never leave the machine.
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
+               "model.safetensors.index.json", "adapter_config.json", "adapter_model.safetensors")
+_TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
+                    "chat_template.*", "preprocessor_config.json", "processor_config.json")
+# A checkpoint on the Hub: the model, its tokenizer and the files transformers' Trainer reads back from it.
+CHECKPOINT_FILES = (*MODEL_FILES, *_TOKENIZER_FILES, "trainer_state.json", "training_args.json")
 
 
 class HubPusher:
@@ -91,25 +104,32 @@ class HubPusher:
         self._pending = [f for f in self._pending if not f.done()]
         return bool(self._pending)
 
+    def would_push(self) -> bool:
+        """Whether a save now starts an upload (not under ``"end"``, nor while one runs without ``always_push``)."""
+        return self.strategy != "end" and (self.always_push or not self.busy())
+
     def push_save(self, output_dir: str | Path, checkpoint_dir: str | Path | None = None) -> list[Future]:
         """After a save: start the uploads ``strategy`` asks for, in the background; returns their futures.
 
         Args:
-            output_dir: the run's folder (the model files the Trainer wrote there are uploaded).
-            checkpoint_dir: the checkpoint folder just written (``output_dir/checkpoint-N``), if any.
+            output_dir: the run's folder (its model files are uploaded; a checkpoint's are copied there first).
+            checkpoint_dir: the complete checkpoint folder just written (``output_dir/checkpoint-N``), if any.
         """
         if self.strategy == "end":
             return []
-        if self.busy() and not self.always_push:
+        if not self.would_push():
             log.info("shardkit: the previous upload to %s still runs; this save is not pushed (hub_always_push=True "
                      "pushes every save)", self.repo_id)
             return []
         self.create_repo()
         step = Path(checkpoint_dir).name if checkpoint_dir is not None else "the model"
+        if checkpoint_dir is not None:
+            _copy_model_files(Path(checkpoint_dir), Path(output_dir))
         started = [self._upload(output_dir, f"Training in progress, {step}", ignore=_OUTPUT_IGNORE)]
         if checkpoint_dir is not None and self.strategy in ("checkpoint", "all_checkpoints"):
             path_in_repo = "last-checkpoint" if self.strategy == "checkpoint" else Path(checkpoint_dir).name
-            started.append(self._upload(checkpoint_dir, f"Training in progress, {step}", path_in_repo=path_in_repo))
+            started.append(self._upload(checkpoint_dir, f"Training in progress, {step}, checkpoint",
+                                        path_in_repo=path_in_repo, allow=list(CHECKPOINT_FILES)))
         self._pending.extend(started)
         return started
 
@@ -132,7 +152,22 @@ class HubPusher:
             future.result()
 
     def _upload(self, folder: str | Path, message: str, path_in_repo: str | None = None,
-                ignore: list[str] | None = None) -> Future:
+                ignore: list[str] | None = None, allow: list[str] | None = None) -> Future:
         return self.api.upload_folder(repo_id=self.repo_id, folder_path=str(folder), path_in_repo=path_in_repo,
                                       commit_message=message, token=self.token, revision=self.revision,
-                                      ignore_patterns=ignore, run_as_future=True)
+                                      ignore_patterns=ignore, allow_patterns=allow, run_as_future=True)
+
+
+def _copy_model_files(checkpoint_dir: Path, output_dir: Path) -> None:
+    """Put the checkpoint's model and tokenizer files in ``output_dir`` (as transformers does, no second gather of
+    the weights). A copy, not a hard link: a later save_model writing config.json in place would change the
+    checkpoint too. Each lands under a temporary name and is renamed over the old one, so an upload still reading
+    the previous file keeps reading it whole."""
+    names = {p.name for pattern in (*MODEL_FILES, *_TOKENIZER_FILES) for p in checkpoint_dir.glob(pattern)}
+    for name in sorted(names):
+        source = checkpoint_dir / name
+        if source.is_symlink() or not source.is_file():
+            continue
+        staged = output_dir / f"_{name}.staging"
+        shutil.copyfile(source, staged)
+        os.replace(staged, output_dir / name)

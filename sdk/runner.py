@@ -230,7 +230,8 @@ class Runner:
         self._module, self._optimizer, self._scheduler = model, optimizer, scheduler
         if optimizer is not None:
             self._owners[optimizer] = model
-        self._micro_step, self._boundary, self._window = 0, False, self.gradient_accumulation_steps
+        self._micro_step, self._boundary = 0, False
+        self._set_window(self.gradient_accumulation_steps)
         self.strategy.set_gradient_sync(model, self.gradient_accumulation_steps == 1)
         if optimizer is None:
             return model
@@ -306,9 +307,14 @@ class Runner:
         if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= ga:
             raise ValueError(f"begin_window(size={size!r}): a window holds 1 to gradient_accumulation_steps={ga} "
                              "micro-batches")
-        self._window = size
         module = self._require("_module", "begin_window")
+        self._set_window(size)
         self.strategy.set_gradient_sync(module, size == 1)
+
+    def _set_window(self, size: int) -> None:
+        # Pipeline runs backward inside forward, so it must know the window's size before the window's forwards.
+        self._window = size
+        self.strategy.set_window(size)
 
     def abandon_window(self) -> None:
         """Drop the gradients of an unfinished accumulation window and start the next window afresh (after
@@ -317,7 +323,7 @@ class Runner:
         if optimizer is not None:
             self.strategy.zero_grad(optimizer, module)
         self._micro_step, self._boundary, self._clipped = 0, False, False
-        self._window = self.gradient_accumulation_steps
+        self._set_window(self.gradient_accumulation_steps)
         self.strategy.set_gradient_sync(module, self.gradient_accumulation_steps == 1)
 
     def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
@@ -328,7 +334,7 @@ class Runner:
         self._micro_step = (self._micro_step + 1) % self._window
         self._boundary = self._micro_step == 0
         if self._boundary:
-            self._window = self.gradient_accumulation_steps
+            self._set_window(self.gradient_accumulation_steps)
         # The next forward must know whether its backward syncs (DDP reads the flag in forward).
         self.strategy.set_gradient_sync(module, self._micro_step == self._window - 1)
 
@@ -493,7 +499,7 @@ class Runner:
 
     def _load_runner_state(self, state: dict[str, Any]) -> None:
         self._micro_step, self._boundary = state["micro_step"], state["boundary"]
-        self._window = self.gradient_accumulation_steps
+        self._set_window(self.gradient_accumulation_steps)
         self.optimizer_steps = state["optimizer_steps"]
         if self._module is not None:
             last = self.gradient_accumulation_steps - 1

@@ -218,6 +218,10 @@ class Strategy(ABC):
     def set_gradient_sync(self, module: nn.Module, enabled: bool) -> None:
         """Whether the next backward reduces gradients across ranks; no-op without a sync to skip."""
 
+    def set_window(self, size: int) -> None:
+        """The accumulation window that starts now holds ``size`` micro-batches (the Runner's ``begin_window``, or
+        ``gradient_accumulation_steps`` again); no-op for strategies that get it in ``backward``."""
+
     def clip_gradients(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0
     ) -> torch.Tensor:

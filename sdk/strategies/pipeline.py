@@ -104,7 +104,7 @@ class Pipeline(ProcessGroupStrategy):
         self.settings = PipelineSettings(pp_size, schedule, microbatches, stages_per_rank, split)
         self.dims = ParallelDims(pp=pp_size or 1, dp_replicate=1)
         self.mesh: Any = None
-        self._accumulation = 1
+        self._window = 1  # micro-batches in the Runner's current accumulation window (set_window)
         self._sync = True
 
     @property
@@ -125,7 +125,13 @@ class Pipeline(ProcessGroupStrategy):
     def set_runner_values(self, gradient_accumulation_steps: int | None = None,
                           micro_batch_size: int | None = None) -> None:
         if gradient_accumulation_steps is not None:
-            self._accumulation = gradient_accumulation_steps
+            self._window = gradient_accumulation_steps
+
+    @override
+    def set_window(self, size: int) -> None:
+        """The schedule runs backward inside forward, so the loss's share of the window is fixed there: a short
+        window (``runner.begin_window``) must be known before its forwards."""
+        self._window = size
 
     @override
     def setup_environment(self) -> None:
@@ -156,7 +162,7 @@ class Pipeline(ProcessGroupStrategy):
         return module
 
     def _loss_scale(self) -> tuple[int, bool]:
-        return self._accumulation, self._sync
+        return self._window, self._sync
 
     @override
     def backward(self, loss: torch.Tensor, module: nn.Module, accumulation_steps: int) -> None:

@@ -29,8 +29,9 @@ HF_METHODS = (
 
 SHARDKIT_ONLY = ("logging_dir", "max_time", "save_on_sigterm", "fast_dev_run", "use_fused_kernels")
 
-_HUB = ("trainer.push_to_hub() uploads output_dir through huggingface_hub (shardkit.hub); push_to_hub=True is "
-        "refused unless hub_strategy='end': uploads at each save are not wired yet")
+_HUB = ("uploads through huggingface_hub (shardkit.hub) from the main process; push_to_hub=True pushes each "
+        "checkpoint save in the background as hub_strategy says, but a checkpoint goes up with its Hugging Face files "
+        "only (weights, config, tokenizer, trainer_state.json), not shardkit's sharded resume state")
 ARGUMENT_NOTES: dict[str, tuple[str, str]] = {
     "output_dir": ("supported", "None is 'trainer_output'; ~ is expanded"),
     "warmup_steps": ("supported", "below 1 it is a fraction of the training steps (warmup_ratio folded in)"),

@@ -3,39 +3,30 @@
 ``Trainer.push_to_hub()`` and the saves under ``push_to_hub=True`` (``hub_strategy``) call
 :func:`push_to_hub` and :func:`push_checkpoint` and nothing else; the uploads go through
 :class:`shardkit.hub.HubPusher` (``huggingface_hub``'s API, in the background as Hugging Face's Trainer does),
-from the main process only. ``trainer.push_to_hub()`` uploads ``output_dir``. Uploads at each save are not wired
-into the Trainer's saves yet: a Trainer built with ``push_to_hub=True`` and a ``hub_strategy`` other than
-``"end"`` is refused at construction by :func:`check_push_settings` rather than training for hours without
-pushing; ``hub_strategy="end"`` with a final ``trainer.push_to_hub()`` works.
+from the main process only. ``trainer.push_to_hub()`` uploads ``output_dir``; under ``push_to_hub=True`` each
+checkpoint save, once the checkpoint is complete on every rank, calls :func:`push_checkpoint` (its Hugging Face
+files only, as ``hub_strategy`` says), and the end of ``train()`` waits for those uploads (:func:`finish_pushes`).
 """
 
 from __future__ import annotations
 
 import weakref
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from shardkit.hub import HubPusher
 
-__all__ = ["HubUploadUnavailable", "check_push_settings", "push_checkpoint", "push_to_hub"]
+__all__ = ["check_push_settings", "finish_pushes", "push_checkpoint", "push_to_hub"]
 
-_HOW = ("uploads at each save are not wired into shardkit's Trainer yet: use hub_strategy='end' and call "
-        "trainer.push_to_hub() after training (it uploads output_dir through huggingface_hub), or upload a "
-        "checkpoint yourself (huggingface_hub.upload_folder(repo_id=..., folder_path=...))")
 _PUSHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> its run's HubPusher
 
 
-class HubUploadUnavailable(NotImplementedError):
-    """An upload that this version does not make; the message says what to do instead."""
-
-
 def check_push_settings(args: Any) -> None:
-    """Called when the Trainer is built: the hub settings are checked (a misspelt ``hub_strategy`` is named) and
-    ``push_to_hub=True`` with per-save uploads is refused while those are not wired."""
-    if not args.push_to_hub:
-        return
-    pusher = HubPusher.from_args(args)
-    if pusher.strategy != "end":
-        raise HubUploadUnavailable(f"TrainingArguments.push_to_hub=True (hub_strategy={pusher.strategy!r}): " + _HOW)
+    """Called when the Trainer is built: the hub settings are checked (a misspelt ``hub_strategy``, an empty
+    ``hub_model_id`` is named) before training, not at the first save."""
+    if args.push_to_hub:
+        HubPusher.from_args(args)
 
 
 def pusher_for(trainer: Any) -> HubPusher:
@@ -67,6 +58,19 @@ def push_to_hub(trainer: Any, commit_message: str | None = "End of training", bl
     return pusher.push_final(trainer.args.output_dir, commit_message, blocking)
 
 
-def push_checkpoint(trainer: Any, checkpoint_dir: str) -> None:
-    """Upload a checkpoint as ``hub_strategy`` says (``every_save``, ``checkpoint``, ``all_checkpoints``)."""
-    raise HubUploadUnavailable(f"saving {checkpoint_dir} with push_to_hub=True: {_HOW}")
+def push_checkpoint(trainer: Any, checkpoint_dir: str | Path) -> list[Future]:
+    """After a complete checkpoint save under ``push_to_hub=True``: upload as ``hub_strategy`` says, in the
+    background, from the main process (``on_push_begin`` first, as transformers). Returns the uploads started."""
+    if not trainer.args.push_to_hub or not trainer.is_world_process_zero():
+        return []
+    pusher = pusher_for(trainer)
+    if pusher.would_push():
+        trainer.control = trainer.callback_handler.on_push_begin(trainer.args, trainer.state, trainer.control)
+    return pusher.push_save(trainer.args.output_dir, checkpoint_dir)
+
+
+def finish_pushes(trainer: Any) -> None:
+    """At the end of ``train()``: wait for the checkpoint uploads still running (one that failed raises here)."""
+    pusher = _PUSHERS.get(trainer)
+    if pusher is not None:
+        pusher.wait()

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from shardkit.trainer import hub
 from shardkit.trainer.callbacks import ExportableState
 from shardkit.trainer.neftune import neftune
 from shardkit.trainer.optim_modes import pass_eval_loss, pass_training_loss, to_eval, to_train
@@ -399,7 +400,9 @@ class TrainLoopMixin:
         to_eval(self)  # schedule-free: the checkpoint holds the averaged weights (training swaps back)
         self._flush_counts()
         self.store_flos()
-        return self.checkpointer.save(self._parts())
+        path = self.checkpointer.save(self._parts())  # complete on every rank (barrier) before any upload
+        hub.push_checkpoint(self, path)
+        return path
 
     def load_model(self, path: Any) -> None:
         """Load only the model weights of a checkpoint (shardkit's at any world size, or Hugging Face's)."""
@@ -431,6 +434,7 @@ class TrainLoopMixin:
         if self.args.load_best_model_at_end:
             self._load_best_model()
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+        hub.finish_pushes(self)  # as transformers: train() returns once the checkpoint uploads are done
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)
 
 

@@ -24,7 +24,8 @@ def batches() -> torch.Tensor:
     return torch.randint(0, CONFIG.vocab_size, (STEPS, GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(5))
 
 
-def train(strategy: Any, accumulation: int = 1) -> dict:
+def train(strategy: Any, accumulation: int = 1, window: int | None = None) -> dict:
+    """``window``: every step a short accumulation window of that many micro-batches (``runner.begin_window``)."""
     runner = Runner(strategy, seed=0, gradient_accumulation_steps=accumulation)
     with runner.init_module():
         model = Llama(CONFIG)
@@ -34,7 +35,9 @@ def train(strategy: Any, accumulation: int = 1) -> dict:
     losses = []
     for x in batches():
         x = x[s.data_parallel_rank * per:(s.data_parallel_rank + 1) * per]
-        for part in x.chunk(accumulation):
+        if window is not None:
+            runner.begin_window(window)
+        for part in x.chunk(window or accumulation):
             loss = model(part, labels=part)
             runner.backward(loss)
             losses.append(runner.all_reduce(loss.detach().clone(), "mean").item())
@@ -44,13 +47,15 @@ def train(strategy: Any, accumulation: int = 1) -> dict:
 
 
 def pp_worker(cases: list[dict]) -> dict:
-    """DDP's run, then each case (Pipeline keyword arguments, ``accumulation`` apart) on the same batches."""
+    """DDP's run, then each case (Pipeline keyword arguments, ``accumulation`` and ``window`` apart) on the same
+    batches; a case's name ends in the micro-batches per window (``accumulation=N``)."""
     from shardkit.strategies import DDP
     from shardkit.strategies.pipeline import Pipeline
 
     out = {"ddp": train(DDP()), "ddp_accumulation": train(DDP(), accumulation=2)}
     for kw in cases:
         kw = dict(kw)
-        accumulation = kw.pop("accumulation", 1)
-        out[repr(sorted(kw.items())) + f" accumulation={accumulation}"] = train(Pipeline(**kw), accumulation)
+        accumulation, window = kw.pop("accumulation", 1), kw.pop("window", None)
+        name = repr(sorted(kw.items())) + (f" short window of ga={accumulation}," if window else "")
+        out[name + f" accumulation={window or accumulation}"] = train(Pipeline(**kw), accumulation, window)
     return out

@@ -1,4 +1,5 @@
-"""Pipeline parallelism on 2 and 4 CPU ranks: each schedule's losses and weights equal DDP's; pp x dp on 4.
+"""Pipeline parallelism on 2 and 4 CPU ranks: each schedule's losses and weights equal DDP's (a short accumulation
+window included); pp x dp on 4.
 
 One launch per world size runs DDP and every case in one process group.
 """
@@ -13,7 +14,10 @@ from pp_workers import pp_worker
 SCHEDULES = [{"schedule": "gpipe"}, {"schedule": "1f1b", "microbatches": 4},
              {"schedule": "interleaved_1f1b", "microbatches": 4}, {"schedule": "zero_bubble", "microbatches": 4}]
 CASES = {
-    2: [*SCHEDULES, {"schedule": "1f1b", "accumulation": 2}, {"schedule": "gpipe", "layer_split": (1, 3)}],
+    # The window case: gradient_accumulation_steps=4 but every window 2 micro-batches long (begin_window), as
+    # DDP's 2-micro-batch windows: the pipeline's loss must be scaled by the window, not by 4.
+    2: [*SCHEDULES, {"schedule": "1f1b", "accumulation": 2}, {"schedule": "gpipe", "layer_split": (1, 3)},
+        {"schedule": "1f1b", "accumulation": 4, "window": 2}],
     4: [{"schedule": "gpipe", "microbatches": 4}, {"schedule": "1f1b", "microbatches": 4},
         {"schedule": "1f1b", "pp_size": 2, "microbatches": 2}, {"schedule": "interleaved_1f1b", "pp_size": 2,
                                                                   "microbatches": 2, "accumulation": 2}],

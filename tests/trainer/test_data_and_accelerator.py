@@ -20,7 +20,6 @@ from shardkit.trainer import (
     default_data_collator,
 )
 from shardkit.trainer.callbacks import EVENTS
-from shardkit.trainer.hub import HubUploadUnavailable
 
 
 def _args(tmp_path, **kw):
@@ -58,7 +57,7 @@ def test_accelerator_answers_or_names_the_runner(tmp_path):
         accelerator.prepare(model)
 
 
-def test_push_to_hub_uploads_output_dir_and_per_save_pushes_are_refused_clearly(tmp_path, monkeypatch):
+def test_push_to_hub_uploads_output_dir_and_a_misspelt_hub_strategy_is_named(tmp_path, monkeypatch):
     from concurrent.futures import Future
 
     from shardkit.hub import HubPusher
@@ -77,9 +76,9 @@ def test_push_to_hub_uploads_output_dir_and_per_save_pushes_are_refused_clearly(
             return done
 
     monkeypatch.setattr(HubPusher, "api", property(lambda self: RecordingApi()))
-    with pytest.raises(HubUploadUnavailable, match="upload_folder"):
-        Trainer(Line(), _args(tmp_path, push_to_hub=True, hub_model_id="me/model"))
-    Trainer(Line(), _args(tmp_path, push_to_hub=True, hub_model_id="me/model", hub_strategy="end"))  # accepted
+    with pytest.raises(ValueError, match="every_save"):
+        Trainer(Line(), _args(tmp_path, push_to_hub=True, hub_model_id="me/model", hub_strategy="every_sav"))
+    Trainer(Line(), _args(tmp_path, push_to_hub=True, hub_model_id="me/model"))  # every_save: pushed at each save
 
     class Pushes(TrainerCallback):
         began = 0

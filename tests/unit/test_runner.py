@@ -73,7 +73,7 @@ def test_methods_need_setup_first():
 
 def test_unknown_strategy_suggests_the_closest_name():
     with pytest.raises(ValueError, match="did you mean 'ddp'"):
-        strategy_from_name("dpp")
+        strategy_from_name("ddpx")
 
 
 def test_print_only_on_the_main_process(capsys):
