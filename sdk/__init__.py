@@ -22,6 +22,7 @@ _LAZY = {
     "TensorParallel": "shardkit.strategies.tensor_parallel",
     "Accelerator": "shardkit.accelerate_compat", "notebook_launcher": "shardkit.accelerate_compat",
     "Trainer": "shardkit.trainer", "TrainingArguments": "shardkit.trainer",
+    "SFTTrainer": "shardkit.sft", "SFTConfig": "shardkit.sft",
 }
 
 

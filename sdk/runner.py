@@ -17,12 +17,13 @@ from torch.utils.data import DataLoader
 from shardkit import checkpoint as ckpt
 from shardkit.checkpoint.async_save import AsyncCheckpointer
 from shardkit.config.common import CONFIG_FILE_ENV, precision_kind
-from shardkit.data import RunnerDataLoader, rebuild_dataloader
+from shardkit.data import RunnerDataLoader
 from shardkit.distributed.oom import leave_run_facts
 from shardkit.observability import RunLog, StepProfiler, Throughput, install_oom_snapshot
 from shardkit.precision import FP32, Precision
 from shardkit.seeding import enable_determinism, rank_logger, seed_everything
 from shardkit.strategies.base import Strategy
+from shardkit.streaming import rebuild_loader
 from shardkit.tracking import TrackerSpec
 from shardkit.user_state import StateSaver
 
@@ -278,14 +279,14 @@ class Runner:
 
         Shuffling (kept from the loader: ``shuffle=True`` stays shuffled) depends only on the seed and
         the epoch, so every rank and every resumed run sees the same order. ``seed`` is this loader's
-        shuffling seed (default: the Runner's seed, else 0).
+        shuffling seed (default: the Runner's seed, else 0). A streamed (iterable) dataset is read in order
+        and dealt to the ranks item by item (:mod:`shardkit.streaming`).
         """
         strategy = self.strategy
         strategy.set_runner_values(micro_batch_size=loader.batch_size)
         seed = seed if seed is not None else self.seed or 0
-        self._loader = rebuild_dataloader(
-            loader, strategy.data_parallel_rank, strategy.data_parallel_size, seed, self.device
-        )
+        self._loader = rebuild_loader(loader, strategy.data_parallel_rank, strategy.data_parallel_size, seed,
+                                      self.device)
         return self._loader
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.nn.varlen import Segments, varlen_attention
+
 __all__ = ["KVCache", "LlamaConfig", "Llama", "LlamaBlock", "llama_plan"]
 
 
@@ -76,9 +78,12 @@ class _RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        # 16-bit inputs are normalised in fp32; fp64 stays fp64 (an fp32 weight product would make the weight's
+        # gradient, summed over tokens, depend on the batch's shape at fp32 rounding).
+        wide = torch.promote_types(x.dtype, torch.float32)
+        x32 = x.to(wide)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return (normed * self.weight.to(wide)).to(x.dtype)
 
 
 class _Rotary(nn.Module):
@@ -89,13 +94,17 @@ class _Rotary(nn.Module):
         self.max_position = max_position
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = torch.outer(positions.float(), self.inv_freq.to(positions.device))
+        """cos/sin of ``positions`` (T,) as (T, D), or of (B, T) as (B, 1, T, D): either broadcasts over heads."""
+        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
         emb = torch.cat([freqs, freqs], dim=-1)
+        if emb.dim() == 3:
+            emb = emb.unsqueeze(1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, position_ids: torch.Tensor | None = None,
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k (B, H, T, D) at ``position_ids`` (T,), default 0..T-1 (as the fused module's)."""
+        """Rotate q and k (B, H, T, D) at ``position_ids`` (T,), (1, T) or (B, T), default 0..T-1 (as the fused
+        module's)."""
         if position_ids is None:
             position_ids = torch.arange(q.shape[-2], device=q.device)
         cos, sin = self.cos_sin(position_ids, q.dtype)
@@ -133,12 +142,14 @@ class Attention(nn.Module):
         # over the split sequence: core(q, k, v, dropout_p) -> out, (B, H, T_local, D) each, or None for SDPA here.
         self.core = None
 
-    def forward(self, x: torch.Tensor, cache: _LayerCache | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: _LayerCache | None = None, position_ids: torch.Tensor | None = None,
+                segments: Segments | None = None) -> torch.Tensor:
         """Causal self-attention over ``x``; with ``cache``, over the cached positions too (which it extends).
 
-        ``position_ids`` (T,): the rotary positions of ``x``'s tokens, default 0..T-1 (context parallelism
-        gives each rank's chunks their places in the whole sequence).
+        ``position_ids``: the rotary positions of ``x``'s tokens, default 0..T-1: (T,) for one sequence's tokens
+        (context parallelism gives each rank's chunks their places in the whole sequence), (B, T) per row.
+        ``segments`` (packed sequences, from :meth:`Segments.from_position_ids`) keep each sequence's attention
+        inside it.
         """
         cfg = self.config
         batch, seq, _ = x.shape
@@ -151,10 +162,17 @@ class Attention(nn.Module):
             start = cache.owner.length
             q, k = self.rotary.rotate(q, k, torch.arange(start, start + seq, device=x.device))
             k, v = cache.extend(k, v)
+        dropout = cfg.dropout if self.training else 0.0
+        if segments is not None and self.core is not None:
+            raise ValueError("Llama: packed sequences (position_ids restarting per sequence) under context "
+                             "parallelism are not supported: train packed batches without context parallelism")
+        if segments is not None:  # packed sequences: (B*T, H, D) tokens, attention within each sequence only
+            flat = [t.transpose(1, 2).reshape(batch * seq, -1, cfg.head_dim) for t in (q, k, v)]
+            out = varlen_attention(*flat, segments, dropout_p=dropout)
+            return self.o_proj(out.reshape(batch, seq, -1))
         if cfg.kv_heads != cfg.num_heads:
             repeat = cfg.num_heads // cfg.kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        dropout = cfg.dropout if self.training else 0.0
         past = k.shape[-2] - seq
         if cache is None and self.core is not None:
             out = self.core(q, k, v, dropout)
@@ -210,20 +228,20 @@ class LlamaBlock(nn.Module):
         self.mlp = mlp(config.hidden_size, config.intermediate_size)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: _LayerCache | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: _LayerCache | None = None, position_ids: torch.Tensor | None = None,
+                segments: Segments | None = None) -> torch.Tensor:
         if cache is not None:
             attended = self.self_attn(self.input_layernorm(x), cache=cache)
-        elif position_ids is not None:
-            attended = self.self_attn(self.input_layernorm(x), position_ids=position_ids)
-        else:
+        elif position_ids is None:
             attended = self.self_attn(self.input_layernorm(x))
+        else:
+            attended = self.self_attn(self.input_layernorm(x), position_ids=position_ids, segments=segments)
         x = x + self.dropout(attended)
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LMHead(nn.Linear):
-    """The output projection; given labels it returns the mean cross-entropy instead of logits.
+    """The output projection; given labels it returns the mean cross-entropy instead of logits (0 without any).
 
     With ``fused`` the loss is :func:`shardkit.ops.fused_linear_cross_entropy`, which never holds
     the (tokens x vocab) logits. It runs inside this module's forward on purpose: engines that gather
@@ -240,8 +258,13 @@ class LMHead(nn.Linear):
         if self.fused:
             from shardkit.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
-            return fused_linear_cross_entropy(hidden, self.weight, labels, ignore_index=-100)
-        return F.cross_entropy(super().forward(hidden).float(), labels, ignore_index=-100)
+            total = fused_linear_cross_entropy(hidden, self.weight, labels, ignore_index=-100, reduction="sum")
+        else:
+            total = F.cross_entropy(super().forward(hidden).float(), labels, ignore_index=-100, reduction="sum")
+        # Sum over the count, not a "mean" reduction: a micro-batch without a label token (a prompt-only packed row
+        # under completion-only loss) gives 0 and zero gradients instead of 0/0 = NaN, which the Trainer's
+        # rescaling by its share of the window (0) would not undo.
+        return total / (labels != -100).sum().clamp(min=1)
 
 
 class Llama(nn.Module):
@@ -273,27 +296,41 @@ class Llama(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None,
                       position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Final normed hidden states, (batch, seq, hidden); ``cache``: see :class:`KVCache`; ``position_ids``
-        (seq,): the tokens' rotary positions (default 0..seq-1; context parallelism passes its chunks')."""
+        """Final normed hidden states, (batch, seq, hidden); ``cache``: see :class:`KVCache`; ``position_ids``:
+        see :meth:`forward` ((seq,): the tokens' rotary positions, as context parallelism passes its chunks')."""
         start = 0 if cache is None else cache.length
-        if start + input_ids.shape[-1] > self.config.max_position:
+        if position_ids is not None and cache is not None:
+            raise ValueError("Llama: position_ids (packed training batches) and a KV cache (decoding) do not mix; "
+                             "pass one of them")
+        packed = position_ids is not None and position_ids.dim() == 2  # (B, T): rows of packed sequences
+        if position_ids is not None:
+            position_ids = _check_position_ids(position_ids, input_ids, self.config.max_position)
+        elif start + input_ids.shape[-1] > self.config.max_position:
             raise ValueError(f"sequence length {start + input_ids.shape[-1]} exceeds "
                              f"max_position={self.config.max_position}")
         x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            if cache is not None:
-                x = layer(x, cache=cache.layer(i))
-            else:
-                x = layer(x) if position_ids is None else layer(x, position_ids=position_ids)
+        if position_ids is not None:
+            segments = Segments.from_position_ids(position_ids, input_ids.shape[0]) if packed else None
+            for layer in self.layers:
+                x = layer(x, position_ids=position_ids, segments=segments)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x) if cache is None else layer(x, cache=cache.layer(i))
         if cache is not None:
             cache.length += input_ids.shape[-1]
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The mean cross-entropy of predicting ``labels[t+1]`` from position t (labels of -100 are
-        ignored), or the logits when no labels are given; ``cache`` (inference) holds earlier positions."""
-        hidden = self.hidden_states(input_ids, cache)
+        ignored), or the logits when no labels are given; ``cache`` (inference) holds earlier positions.
+
+        ``position_ids`` (B, T) or (1, T) make a packed (padding-free) batch: positions restart at each sequence
+        (wherever a position is not the previous one plus one) and attention never crosses a restart. Label the
+        first token of each sequence -100 so that no loss is taken across the boundary (the collators of
+        :mod:`shardkit.sft` do).
+        """
+        hidden = self.hidden_states(input_ids, cache, position_ids)
         if labels is None:
             return self.lm_head(hidden)
         shift_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
@@ -355,6 +392,25 @@ class Llama(nn.Module):
         finally:
             self.train(was_training)
         return tokens
+
+
+def _check_position_ids(position_ids: torch.Tensor, input_ids: torch.Tensor, max_position: int) -> torch.Tensor:
+    """``position_ids`` as (B or 1, T) integers inside the rotary table, or a ValueError naming the problem."""
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    batch, seq = input_ids.shape
+    if position_ids.dim() != 2 or position_ids.shape[1] != seq or position_ids.shape[0] not in (1, batch):
+        raise ValueError(f"Llama: position_ids of shape {tuple(position_ids.shape)} do not match input_ids "
+                         f"{tuple(input_ids.shape)}; pass (B, T) or (1, T)")
+    if position_ids.is_floating_point() or position_ids.is_complex():
+        raise ValueError(f"Llama: position_ids must be integers, got {position_ids.dtype}")
+    if position_ids.numel() and position_ids.device.type == "cpu":  # on CUDA the rope kernel asserts instead
+        lo, hi = int(position_ids.min()), int(position_ids.max())
+        if lo < 0 or hi >= max_position:
+            raise ValueError(f"Llama: position_ids span [{lo}, {hi}] but max_position={max_position}; a packed "
+                             "sequence is longer than the model's rotary table (build it with max_position >= "
+                             f"{hi + 1}, or pack into max_length <= max_position)")
+    return position_ids
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None):

@@ -193,6 +193,8 @@ class Checkpointer:
             return False
         with ckpt.CheckpointReader(path) as reader:
             entry = ckpt.rank_entry("loader", self.runner.rank)
+            if not reader.has(entry):  # saved with fewer ranks: every rank's position is the same global one
+                entry = ckpt.rank_entry("loader", 0)
             if not reader.has(entry):
                 logger.warning(f"{path} has no data position for rank {self.runner.rank}: the position is derived "
                                "from the step count")

@@ -10,6 +10,7 @@ with 90% of the batch (as Hugging Face does) when a step runs out of memory.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any, NamedTuple
 
@@ -160,6 +161,10 @@ class TrainLoopMixin:
     def _max_steps_and_epochs(self) -> tuple[int, int]:
         from shardkit.trainer.engine import total_steps
 
+        if self._per_epoch is None:  # a stream: each pass over it is an epoch, as many as max_steps needs
+            max_steps = total_steps(self.args, None)[0]
+            self._per_epoch = max_steps
+            return max_steps, sys.maxsize
         return total_steps(self.args, self._per_epoch)
 
     def _resume(self, path: Any) -> None:
@@ -265,7 +270,7 @@ class TrainLoopMixin:
     def _run_epoch(self, epoch: int) -> None:
         args, state, loader = self.args, self.state, self._train_loader
         loader.set_epoch(epoch)
-        batches = len(loader)
+        batches = _length(loader)
         remaining = batches - loader.batches_seen
         self.control._new_epoch()
         self.control = self.callback_handler.on_epoch_begin(args, state, self.control)
@@ -436,3 +441,11 @@ class TrainLoopMixin:
 def _empty_cache() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _length(loader: Any) -> int:
+    """Batches in an epoch of the loader; a stream's are not known ahead (the epoch ends where it does)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return sys.maxsize

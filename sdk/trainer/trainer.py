@@ -309,7 +309,10 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
             raise TypeError(f"get_train_dataloader() returned a {type(loader).__name__}: shardkit's Trainer shards "
                             "and resumes a torch DataLoader (built with batch_size=...); return one")
         loader = self.runner.setup_dataloader(loader)
-        self._per_epoch = steps_per_epoch(len(loader), self.args.gradient_accumulation_steps)
+        try:
+            self._per_epoch = steps_per_epoch(len(loader), self.args.gradient_accumulation_steps)
+        except TypeError:  # a stream (shardkit.streaming): max_steps bounds the run, as in Hugging Face's Trainer
+            self._per_epoch = None
         return loader
 
     # ---- optimizer and schedule ---------------------------------------------------------------
@@ -416,8 +419,12 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         return self.runner.local_rank == 0
 
     def num_examples(self, dataloader: Any) -> int:
-        """Samples in a loader's dataset."""
-        return len(dataloader.dataset)
+        """Samples in a loader's dataset (a stream's: the loader's batches times its batch size, as HF counts)."""
+        try:
+            return len(dataloader.dataset)
+        except TypeError:
+            batch = getattr(dataloader, "batch_size", None) or 1
+            return self.args.max_steps * self.args.gradient_accumulation_steps * batch
 
     def floating_point_ops(self, inputs: Mapping[str, Any]) -> int:
         """Floating-point operations of one forward+backward on ``inputs`` (the model's own estimate, else 0)."""

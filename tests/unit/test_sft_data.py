@@ -1,0 +1,189 @@
+"""SFT data: loss masks on a hand-checked conversation, the config's TRL names, datasets caching, and exact
+mid-epoch resume of packed map-style and streamed data at another world size (ranks simulated in one process)."""
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from shardkit.sft import DataCollatorForLanguageModeling, SFTConfig, SFTTokenizer, prepare_dataset, train_tokenizer
+from shardkit.sft.chat import text_conversations
+from shardkit.sft.collator import split_sequences
+from shardkit.sft.packing import IGNORE_INDEX
+from shardkit.streaming import ChunkedStream, rebuild_loader
+
+datasets = pytest.importorskip("datasets")
+
+TEXT = Path(__file__).resolve().parents[2] / "examples" / "data" / "public_domain.txt"
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who wrote it?"},
+        {"role": "assistant", "content": "Lincoln."}, {"role": "user", "content": "When?"},
+        {"role": "assistant", "content": "In 1863."}]
+# The FSDP seed's ChatML rendering of CHAT (its DEFAULT_CHATML_CHAT_TEMPLATE), by hand.
+CHATML = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWho wrote it?<|im_end|>\n"
+          "<|im_start|>assistant\nLincoln.<|im_end|>\n<|im_start|>user\nWhen?<|im_end|>\n"
+          "<|im_start|>assistant\nIn 1863.<|im_end|>\n")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_tokenizer([TEXT], vocab_size=400)
+
+
+def _trained_runs(tokenizer, ids, labels):
+    """The decoded runs of consecutive trained (label != -100) tokens."""
+    runs, current = [], []
+    for token, label in zip(ids, labels):
+        if label == IGNORE_INDEX:
+            if current:
+                runs.append(current)
+            current = []
+        else:
+            assert label == token
+            current.append(token)
+    return [tokenizer.decode(r) for r in runs + ([current] if current else [])]
+
+
+def test_assistant_only_loss_on_a_hand_checked_conversation(tokenizer):
+    full = SFTTokenizer(tokenizer)({"messages": CHAT})
+    assert tokenizer.decode(full["input_ids"]) == CHATML and full["labels"] == full["input_ids"]
+    masked = SFTTokenizer(tokenizer, assistant_only_loss=True)({"messages": CHAT})
+    assert masked["input_ids"] == full["input_ids"]
+    assert _trained_runs(tokenizer, masked["input_ids"], masked["labels"]) == ["Lincoln.<|im_end|>",
+                                                                                "In 1863.<|im_end|>"]
+
+
+def test_completion_only_loss_on_prompt_completion_data(tokenizer):
+    text = SFTTokenizer(tokenizer)({"prompt": "Who wrote it?", "completion": " Lincoln."})
+    assert tokenizer.decode(text["input_ids"]) == "Who wrote it? Lincoln.<|im_end|>"  # EOS appended
+    assert _trained_runs(tokenizer, text["input_ids"], text["labels"]) == [" Lincoln.<|im_end|>"]
+    whole = SFTTokenizer(tokenizer, completion_only_loss=False)({"prompt": "Who wrote it?", "completion": " Lincoln."})
+    assert whole["labels"] == whole["input_ids"]
+    chat = SFTTokenizer(tokenizer)({"prompt": CHAT[:2], "completion": CHAT[2:3]})
+    assert _trained_runs(tokenizer, chat["input_ids"], chat["labels"]) == ["Lincoln.<|im_end|>\n"]
+    ready = SFTTokenizer(tokenizer)({"input_ids": [5, 6, 7, 8], "completion_mask": [0, 0, 1, 1]})
+    assert ready == {"input_ids": [5, 6, 7, 8], "labels": [IGNORE_INDEX, IGNORE_INDEX, 7, 8]}
+
+
+def test_text_options_and_truncation(tokenizer):
+    plain = SFTTokenizer(tokenizer, text_field="content", append_eos=False, max_length=3)({"content": "Four score"})
+    assert len(plain["input_ids"]) == 3 and tokenizer.eos_token_id not in plain["input_ids"]
+    formatted = SFTTokenizer(tokenizer, formatting_func=lambda e: f"Q: {e['q']}")({"q": "why"})
+    assert tokenizer.decode(formatted["input_ids"]) == "Q: why<|im_end|>"
+    with pytest.raises(ValueError, match="set dataset_text_field"):
+        SFTTokenizer(tokenizer)({"body": "x"})
+    no_marks = train_tokenizer([TEXT], vocab_size=300, chat_template=None)
+    no_marks.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="generation"):
+        SFTTokenizer(no_marks, assistant_only_loss=True)({"messages": CHAT})
+
+
+def test_sft_config_takes_trl_and_seed_names():
+    config = SFTConfig(output_dir="o", max_seq_length=256, packing=True, dataset_kwargs={"append_concat_token": False,
+                                                                                         "add_special_tokens": False})
+    assert config.max_length == 256 and config.padding_free and not config.append_concat_token
+    assert not SFTConfig(output_dir="o", packing=True, packing_strategy="wrapped").padding_free
+    with pytest.raises(ValueError, match="did you mean 'bfd'"):
+        SFTConfig(output_dir="o", packing_strategy="bdf")
+    with pytest.raises(ValueError, match="did you mean 'append_concat_token'"):
+        SFTConfig(output_dir="o", dataset_kwargs={"append_concat_tokens": True})
+    with pytest.raises(TypeError, match="did you mean 'dataset_text_field'"):
+        SFTConfig.from_training_arguments(SFTConfig(output_dir="o"), dataset_text_fields="content")
+
+
+def test_map_tokenization_is_cached_on_disk(tokenizer, tmp_path):
+    datasets.Dataset.from_list(text_conversations(TEXT.read_text())).save_to_disk(str(tmp_path / "raw"))
+    raw = datasets.load_from_disk(str(tmp_path / "raw"))
+    tokenize = SFTTokenizer(tokenizer, max_length=128, assistant_only_loss=True)
+    first = prepare_dataset(raw, tokenize, packing=True, max_length=128, num_proc=2)
+    files = [f["filename"] for f in first.cache_files]
+    assert files and all(Path(f).is_relative_to(tmp_path) for f in files)
+    stamps = {f: Path(f).stat().st_mtime_ns for f in files}
+    again = prepare_dataset(datasets.load_from_disk(str(tmp_path / "raw")), tokenize, packing=True, max_length=128,
+                            num_proc=2)
+    assert [f["filename"] for f in again.cache_files] == files  # the same fingerprint: read back, not recomputed
+    assert {f: Path(f).stat().st_mtime_ns for f in files} == stamps
+    assert again["input_ids"] == first["input_ids"]
+
+
+# ---- exact resume at another world size (ranks simulated: the loader's arithmetic is per rank) -----------------
+
+def _loaders(make_loader, world):
+    return [rebuild_loader(make_loader(), r, world, 7, torch.device("cpu")) for r in range(world)]
+
+
+def _resume_run(make_loader, total_items, batch=2, opened=None):
+    """Two ranks read a few batches each and save; 1 and 3 ranks resume from those states. Returns, per new world
+    size, the sequences every run saw (and, with ``opened``, the shards the resumed run opened)."""
+    steps = next(k for k in (3, 4, 5) if (total_items - 2 * batch * k) % 3 == 0)  # the 3-rank split is even
+    first = _loaders(make_loader, 2)
+    iterators = [iter(loader) for loader in first]
+    seen = [s for _ in range(steps) for it in iterators for s in split_sequences(next(it))]
+    states = [loader.state_dict() for loader in first]
+    results = {}
+    for world in (1, 3):
+        if opened is not None:
+            opened.clear()
+        resumed = _loaders(make_loader, world)
+        for rank, loader in enumerate(resumed):
+            loader.load_state_dict(states[min(rank, 1)])  # a rank the old run lacked reads rank 0's file
+        rest = [s for loader in resumed for b in loader for s in split_sequences(b)]
+        results[world] = (seen + rest, list(opened or []))
+    return results
+
+
+def _expected(tokenize, conversations):
+    return Counter(tuple(tokenize(c)["input_ids"]) for c in conversations)
+
+
+def test_packed_map_dataset_resumes_each_sequence_once_at_another_world_size(tokenizer):
+    conversations = text_conversations(TEXT.read_text())
+    tokenize = SFTTokenizer(tokenizer, max_length=96, assistant_only_loss=True)
+    packed = prepare_dataset(datasets.Dataset.from_list(conversations), tokenize, packing=True, max_length=96)
+    collate = DataCollatorForLanguageModeling(tokenizer.pad_token_id, padding_free=True)
+    runs = _resume_run(lambda: DataLoader(packed, batch_size=2, shuffle=True, collate_fn=collate), len(packed))
+    for world, (sequences, _) in runs.items():
+        assert Counter(sequences) == _expected(tokenize, conversations), world
+
+
+OPENED: list[int] = []
+
+
+def _shards(shards, conversations):
+    for shard in shards:
+        OPENED.append(shard)
+        yield from conversations[shard * 5:(shard + 1) * 5]
+
+
+def test_streamed_dataset_resumes_each_sequence_once_without_rereading_consumed_shards(tokenizer):
+    conversations = text_conversations(TEXT.read_text())[:40]
+    source = datasets.IterableDataset.from_generator(_shards, gen_kwargs={"shards": list(range(8)),
+                                                                           "conversations": tuple(conversations)})
+    tokenize = SFTTokenizer(tokenizer, max_length=96, assistant_only_loss=True)
+    stream = prepare_dataset(source, tokenize, packing=True, max_length=96, buffer_size=5)
+    assert isinstance(stream, ChunkedStream) and stream.seekable
+    collate = DataCollatorForLanguageModeling(tokenizer.pad_token_id, padding_free=True)
+    total = sum(1 for _ in stream)
+    runs = _resume_run(lambda: DataLoader(stream, batch_size=2, collate_fn=collate), total, opened=OPENED)
+    for world, (sequences, opened) in runs.items():
+        assert Counter(sequences) == _expected(tokenize, conversations), world
+        assert min(opened) >= 1, opened  # shard 0 was consumed before the save: not read again
+
+
+def test_stream_loader_state_is_checked(tokenizer):
+    stream = ChunkedStream(datasets.IterableDataset.from_generator(_shards, gen_kwargs={
+        "shards": [0, 1], "conversations": tuple(text_conversations(TEXT.read_text()))}))
+    loader = rebuild_loader(DataLoader(stream, batch_size=2, collate_fn=list), 0, 1, 7, torch.device("cpu"))
+    with pytest.raises(TypeError, match="max_steps"):
+        len(loader)
+    good = loader.state_dict()
+    bad_states = [({**good, "samples_seen": -1}, "integer >= 0"), ({**good, "seed": 8}, "seed 8"),
+                  ({**good, "stream": {"state": {"examples_iterable": {"shard_idx": "x"}}, "index": 0}}, "keys"),
+                  ({**good, "stream": {"state": {"examples_iterable": {"shard_idx": "1", "shard_example_idx": 0,
+                                                                        "type": "ExamplesIterable"}, "epoch": 0},
+                                       "index": 0}}, "integer >= 0"),
+                  ({"epoch": 0}, "streamed loader")]
+    for state, message in bad_states:
+        with pytest.raises(ValueError, match=message):
+            loader.load_state_dict(state)
