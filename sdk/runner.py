@@ -6,6 +6,7 @@ import builtins
 import contextlib
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +15,16 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from shardkit import checkpoint as ckpt
-from shardkit.config.common import CONFIG_FILE_ENV
+from shardkit.checkpoint.async_save import AsyncCheckpointer
+from shardkit.config.common import CONFIG_FILE_ENV, precision_kind
 from shardkit.data import RunnerDataLoader
+from shardkit.distributed.oom import leave_run_facts
+from shardkit.observability import RunLog, StepProfiler, Throughput, install_oom_snapshot
 from shardkit.precision import FP32, Precision
-from shardkit.seeding import rank_logger, seed_everything
+from shardkit.seeding import enable_determinism, rank_logger, seed_everything
 from shardkit.strategies.base import Strategy
 from shardkit.streaming import rebuild_loader
+from shardkit.tracking import TrackerSpec
 from shardkit.user_state import StateSaver
 
 __all__ = ["Runner"]
@@ -98,13 +103,23 @@ class Runner:
             :class:`shardkit.strategies.ActivationCheckpointing` (``use_reentrant``, CPU offload, ...).
             None takes a DeepSpeed config's ``activation_checkpointing`` section; False turns block checkpointing
             off (the section still configures ``deepspeed.checkpointing`` for a model that calls it).
+        log_with: experiment trackers for :meth:`log` and :meth:`log_hyperparams` (main process only): names of
+            :data:`shardkit.tracking.TRACKERS` (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"csv"``,
+            ``"jsonl"``, ``"all"``) or tracker objects. A DeepSpeed config's ``tensorboard`` / ``wandb`` /
+            ``csv_monitor`` sections add theirs, which also record the loss, learning rate and loss scale per step.
+        logging_dir: where the trackers named in ``log_with`` write (and the profiler, under ``profile``).
+        deterministic: torch's deterministic algorithms, cuBLAS's fixed workspace and seeded everything, so that two
+            runs are bitwise equal (``seed`` defaults to 0 then).
+        profile_steps: record these optimizer steps with torch.profiler (``(2, 4)``, ``"2-3"`` or ``2``): a Chrome
+            trace and a memory timeline per rank under ``<logging_dir>/profile``, and the top ops logged.
     """
 
     def __init__(
         self, strategy: Strategy | str | None = None, precision: Precision | str | None = None, *,
         config: str | Path | dict | None = None, gradient_accumulation_steps: int | None = None,
         seed: int | None = None, checkpoint_keep_last: int | None = None, activation_checkpointing: Any = None,
-        mixed_precision: str | None = None,
+        mixed_precision: str | None = None, log_with: Any = None, logging_dir: str | Path = "runs",
+        deterministic: bool = False, profile_steps: Any = None,
     ):
         strategy, precision = _by_name(strategy, precision, mixed_precision)
         self.config = None
@@ -135,8 +150,12 @@ class Runner:
             self.strategy.set_runner_values(micro_batch_size=self.config.micro_batch_size)
         self.strategy.setup_environment()
         self.logger = rank_logger("shardkit", self.rank)
-        if seed is not None:
+        self.deterministic = deterministic
+        if deterministic:
+            self.seed = seed = enable_determinism(0 if seed is None else seed)
+        elif seed is not None:
             seed_everything(seed)
+        self._observe(log_with, logging_dir, profile_steps)
         self._module: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: Any | None = None
@@ -149,6 +168,21 @@ class Runner:
         self._stepped = False  # the last step() applied an optimizer step, and no backward came since
         self._loader: RunnerDataLoader | None = None
         self._dp_leaders: list[int] | None = None  # gather_for_metrics under model parallelism
+        self._async_saves: AsyncCheckpointer | None = None  # save(..., blocking=False), made on first use
+        self._throughput: Throughput | None = None
+
+    def _observe(self, log_with: Any, logging_dir: str | Path, profile_steps: Any) -> None:
+        specs = tuple(self.config.trackers) if self.config is not None else ()
+        given = [] if log_with is None else list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
+        self.logging_dir = Path(logging_dir)
+        items = given + list(specs)
+        # DeepSpeed's monitor sections (TrackerSpec, from this config or a front's) also get its per-step records.
+        monitor = any(isinstance(item, TrackerSpec) for item in items)
+        self.run_log = RunLog(items, self.logging_dir, "shardkit", self.is_main_process, monitor=monitor)
+        self.profiler = None if profile_steps is None else StepProfiler(
+            profile_steps, self.logging_dir / "profile", self.rank, self.is_main_process)
+        if self.profiler is not None:
+            install_oom_snapshot(self.logging_dir / "profile", self.rank)
 
     # ---- rank facts ---------------------------------------------------------------------------
 
@@ -232,6 +266,9 @@ class Runner:
             self._owners[optimizer] = model
         self._micro_step, self._boundary = 0, False
         self._set_window(self.gradient_accumulation_steps)
+        self._throughput = None  # timed from here, for this model
+        if self.rank == 0:  # the run's size, for `shardkit launch`'s out-of-memory diagnosis
+            leave_run_facts(self.unwrap_model(model), precision_kind(self.precision))
         self.strategy.set_gradient_sync(model, self.gradient_accumulation_steps == 1)
         if optimizer is None:
             return model
@@ -329,6 +366,9 @@ class Runner:
     def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
         """Backward of one micro-batch's loss, averaged over the accumulation window."""
         module = model if model is not None else self._require("_module", "backward")
+        if self.profiler is not None and self._micro_step == 0:
+            self.profiler.before_step(self.optimizer_steps)
+        self.run_log.on_backward(loss)
         self.strategy.backward(loss, module, self._window)
         self._stepped = False
         self._micro_step = (self._micro_step + 1) % self._window
@@ -369,6 +409,7 @@ class Runner:
         self.strategy.zero_grad(optimizer, module)
         self._boundary = False
         self._stepped = stepped
+        self._after_step(optimizer)
         return stepped
 
     def record_step(self, scheduler: Any | None = None) -> None:
@@ -377,6 +418,39 @@ class Runner:
         self.optimizer_steps += 1
         if scheduler is not None:
             scheduler.step()
+
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        scale = self.precision.current_loss_scale if self.precision.loss_scaling is not None else None
+        # DeepSpeed's monitor counts samples: micro-batches of micro_batch_size on every data-parallel rank.
+        micro = getattr(self.config, "micro_batch_size", None) or 1
+        samples = (self.optimizer_steps * self.gradient_accumulation_steps * micro
+                   * self.strategy.data_parallel_size)
+        self.run_log.on_step(optimizer, scale, samples)
+        if self.profiler is not None:
+            self.profiler.after_step(self.optimizer_steps - 1)
+
+    # ---- what the run is doing ----------------------------------------------------------------
+
+    @property
+    def throughput(self) -> Throughput:
+        """Tokens/s, samples/s, TFLOP/s and MFU of the model set up: ``runner.throughput.update(tokens, samples)``
+        after each step returns them (see :class:`shardkit.observability.Throughput`); timing starts at setup()."""
+        if self._throughput is None:
+            module = self._require("_module", "throughput")
+            self._throughput = Throughput(
+                self.unwrap_model(module), self.device, self.precision.compute_dtype,
+                data_parallel_size=self.strategy.data_parallel_size, world_size=self.world_size,
+                checkpointed=bool(self.activation_checkpointing))
+        return self._throughput
+
+    def log(self, values: dict[str, Any], step: int | None = None) -> None:
+        """Record metrics with the ``log_with`` trackers on the main process (``step``: the optimizer step)."""
+        self.run_log.log(values, self.optimizer_steps if step is None else step)
+
+    def log_hyperparams(self, values: dict[str, Any]) -> None:
+        """Record the run's configuration once with the ``log_with`` trackers on the main process."""
+        self.run_log.log_hyperparams(values)
 
     # ---- collectives --------------------------------------------------------------------------
 
@@ -448,25 +522,58 @@ class Runner:
 
     # ---- checkpoints --------------------------------------------------------------------------
 
-    def save(self, path: str | Path, state: dict[str, Any], *, update_latest: bool = True) -> Path:
+    def save(self, path: str | Path, state: dict[str, Any], *, blocking: bool = True, update_latest: bool = True,
+             on_saved: Callable[[Path], None] | None = None) -> Path:
         """Save a checkpoint directory atomically.
 
         ``state`` maps names to models, optimizers, schedulers, data loaders and plain values; the
         precision's state, the accumulation position and every rank's RNG state are added. The
         parent directory's ``latest`` pointer moves to the new save once it is complete (unless
         ``update_latest=False``: the Trainer finds its ``checkpoint-N`` folders by name).
+
+        With ``blocking=False`` the state is copied to host memory (pinned, from GPUs) and the call returns while
+        a background thread writes the same atomic, verified checkpoint; the strategy's gathers still run here.
+        At most one save is in flight: the next ``save``, ``load``, :meth:`wait_for_save` and :meth:`teardown`
+        wait for it, and raise a ``CheckpointError`` naming it if it failed. The host copy (the state's size) is
+        kept for the next save. ``on_saved(path)`` runs once the checkpoint is published (on this rank; on the
+        background thread for ``blocking=False``: file work only, no collectives).
         """
-        saver = StateSaver(self.strategy, self._owner_of)
-        with ckpt.CheckpointWriter(
-            path, rank=self.rank, world_size=self.world_size, barrier=self.barrier, broadcast=self.broadcast,
-            keep_last=self.checkpoint_keep_last, info=self.strategy.checkpoint_info(), update_latest=update_latest,
-        ) as writer:
-            saver.save(writer, state)
-            if self.is_main_process:
-                writer.write_json("precision", self.precision.state_dict())
-                writer.write_json(_RUNNER_STATE, self._runner_state())
-            writer.write_state(ckpt.rank_entry("rng", self.rank), ckpt.capture_rng_state())
-        return Path(path)
+        path = Path(path)
+        make_writer = functools.partial(
+            ckpt.CheckpointWriter, path, rank=self.rank, world_size=self.world_size, broadcast=self.broadcast,
+            keep_last=self.checkpoint_keep_last, info=self.strategy.checkpoint_info(),
+            update_latest=update_latest)
+        if not blocking:
+            self._saves().save(path, make_writer, functools.partial(self._write_checkpoint, state=state), on_saved)
+            return path
+        self.wait_for_save()
+        with make_writer(barrier=self.barrier) as writer:
+            self._write_checkpoint(writer, state)
+        if on_saved is not None:
+            on_saved(path)
+        return path
+
+    def _write_checkpoint(self, writer: Any, state: dict[str, Any]) -> None:
+        StateSaver(self.strategy, self._owner_of).save(writer, state)
+        if self.is_main_process:
+            writer.write_json("precision", self.precision.state_dict())
+            writer.write_json(_RUNNER_STATE, self._runner_state())
+        writer.write_state(ckpt.rank_entry("rng", self.rank), ckpt.capture_rng_state())
+
+    def wait_for_save(self) -> Path | None:
+        """Wait for the background save in flight (``save(..., blocking=False)``); return its path, or None.
+
+        Raises:
+            CheckpointError: that save failed; the message names the checkpoint (the previous one is untouched).
+        """
+        return self._async_saves.wait() if self._async_saves is not None else None
+
+    def _saves(self) -> AsyncCheckpointer:
+        if self._async_saves is None:
+            from shardkit.distributed.process_group import default_timeout
+
+            self._async_saves = AsyncCheckpointer(self.rank, self.world_size, default_timeout())
+        return self._async_saves
 
     def load(self, path: str | Path, state: dict[str, Any], *, verify: bool = True,
              runner_state: bool = True) -> dict[str, Any]:
@@ -478,6 +585,7 @@ class Runner:
         ``runner_state=False`` restores only ``state``: the precision's loss scale, the step count,
         the accumulation position and the RNG streams stay as they are (loading the best weights).
         """
+        self.wait_for_save()
         with ckpt.CheckpointReader(path, verify=verify) as reader:
             saver = StateSaver(self.strategy, self._owner_of)
             values = saver.load(reader, state)
@@ -527,8 +635,19 @@ class Runner:
         self._window = self.gradient_accumulation_steps
 
     def teardown(self) -> None:
-        """Release the process group and anything else the strategy holds."""
-        self.strategy.teardown()
+        """Finish a background save, then release the process group and anything else the strategy holds.
+
+        Raises:
+            CheckpointError: the background save failed (the process group is released all the same).
+        """
+        try:
+            if self.profiler is not None:
+                self.profiler.finish()
+            self.run_log.finish()
+            if self._async_saves is not None:
+                self._async_saves.close()
+        finally:
+            self.strategy.teardown()
 
     def __repr__(self) -> str:
         return f"Runner(strategy={self.strategy!r}, precision={self.precision!r}, world_size={self.world_size})"

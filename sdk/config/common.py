@@ -85,6 +85,7 @@ class ResolvedConfig:
     source: str
     ignored_keys: tuple[str, ...] = ()
     activation_checkpointing: Any = None  # shardkit.strategies.ActivationCheckpointing from a DeepSpeed section
+    trackers: tuple[Any, ...] = ()  # shardkit.tracking.TrackerSpec per enabled DeepSpeed monitor section
 
 
 def precision_kind(precision: Any) -> str:

@@ -28,6 +28,7 @@ from shardkit.config.common import (
     world_size_from_env,
 )
 from shardkit.config.deepspeed_schema import walk
+from shardkit.config.monitors import trackers_from_deepspeed
 from shardkit.config.optim import resolve_optimizer, resolve_scheduler
 from shardkit.dtypes import dtype_name
 from shardkit.suggest import did_you_mean
@@ -113,7 +114,7 @@ def resolve_deepspeed(
         strategy=resolved_strategy, precision=resolved_precision, gradient_accumulation_steps=accumulation,
         micro_batch_size=micro, max_grad_norm=_as_float(clip, "gradient_clipping", where) or None,
         optimizer=optimizer, scheduler=scheduler, source=where, ignored_keys=tuple(found["ignore"]),
-        activation_checkpointing=_activation_checkpointing(raw, where),
+        activation_checkpointing=_activation_checkpointing(raw, where), trackers=trackers_from_deepspeed(raw, where),
     )
 
 

@@ -4,7 +4,7 @@ Kinds:
     use:         mapped onto shardkit's objects (strategy, precision, Runner settings, optimizer/scheduler).
     pass:        handed unchanged to the DeepSpeed engine by the ZeRO strategies (``extra``); dropped,
                  with a debug line, for strategies that do not run on DeepSpeed.
-    ignore:      accepted and not acted on (logging, profiling, monitors); listed in a debug log.
+    ignore:      accepted and not acted on (logging, profiling); listed in a debug log.
     unsupported: changes training in a way shardkit cannot honour; NotImplementedError unless the value
                  is the "off" one (``enabled: false``, ``false``, ``1.0`` ...).
 
@@ -165,9 +165,10 @@ SCHEMA: dict[str, Key] = {
         "use_node_local_storage": Key("ignore", no_effect=(
             "checkpoint.use_node_local_storage has no effect: shardkit checkpoints are written by Runner.save to one "
             "directory every rank reaches; give Runner.save a node-local path only on a single machine"))}),
-    "tensorboard": _ignored_section("enabled", "output_path", "job_name"),
-    "csv_monitor": _ignored_section("enabled", "output_path", "job_name"),
-    "wandb": _ignored_section("enabled", "group", "team", "project"),
+    # DeepSpeed's monitors: trackers of shardkit.tracking that the Runner writes to (config/monitors.py).
+    "tensorboard": Key("use", section={k: USE for k in ("enabled", "output_path", "job_name")}),
+    "csv_monitor": Key("use", section={k: USE for k in ("enabled", "output_path", "job_name")}),
+    "wandb": Key("use", section={k: USE for k in ("enabled", "group", "team", "project")}),
     "comet": _ignored_section("enabled", "samples_log_interval", "project", "workspace", "api_key",
                               "experiment_name", "experiment_key", "online", "mode"),
     "flops_profiler": _ignored_section("enabled", "recompute_fwd_factor", "profile_step", "module_depth",

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from shardkit.distributed.oom import describe_kill, exit_signal, oom_kill_count, read_run_facts, rss_bytes
 from shardkit.distributed.signals import catch_stop_signals, redeliver
 from shardkit.distributed.watchdog import REPORT_DIR_ENV, read_reports
 
@@ -42,6 +43,9 @@ class _Job:
     exited: dict[int, float] = field(default_factory=dict)  # rank -> when it was first seen gone
     kill_at: float | None = None
     stragglers: list[int] = field(default_factory=list)
+    rss: dict[int, int] = field(default_factory=dict)  # rank -> resident bytes when last seen alive
+    signals: dict[int, int] = field(default_factory=dict)  # rank -> the signal that ended it, when seen as a zombie
+    oom_kills: int | None = None  # the kernel's OOM-kill counters at the start
 
 
 def run_supervised(command: Sequence[str], env: Mapping[str, str], straggle_s: float, stop_grace: float) -> int:
@@ -49,7 +53,8 @@ def run_supervised(command: Sequence[str], env: Mapping[str, str], straggle_s: f
     report_dir = tempfile.mkdtemp(prefix="shardkit-launch-")
     try:
         with catch_stop_signals() as received:
-            job = _Job(subprocess.Popen(list(command), env={**env, REPORT_DIR_ENV: report_dir}))
+            oom_kills = oom_kill_count()
+            job = _Job(subprocess.Popen(list(command), env={**env, REPORT_DIR_ENV: report_dir}), oom_kills=oom_kills)
             try:
                 code = _watch(job, straggle_s, stop_grace, received)
             finally:
@@ -120,9 +125,16 @@ def _scan(job: _Job, now: float) -> None:
             rank = _rank_of(pid)
             if rank is not None:
                 job.workers[pid] = rank
+        rss = rss_bytes(pid) if pid in job.workers else None
+        if rss:
+            job.rss[job.workers[pid]] = rss
     for pid, rank in job.workers.items():
         if pid not in alive and rank not in job.exited:
             job.exited[rank] = now
+        if pid not in alive and rank not in job.signals:
+            sig = exit_signal(pid)  # a zombie until torchrun reaps it (its monitor looks every 0.1 s)
+            if sig is not None:
+                job.signals[rank] = sig
 
 
 def _children(parent: int) -> list[int]:
@@ -156,11 +168,25 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
+def _killed(job: _Job, report_dir: str, code: int) -> str:
+    """The OOM diagnosis of the first rank that died, when the job failed and a rank died of a signal or while the
+    kernel's OOM-kill counters rose."""
+    if code == 0 or not job.exited:
+        return ""
+    now = oom_kill_count()
+    rose = now - job.oom_kills if now is not None and job.oom_kills is not None else 0
+    first = min(job.exited, key=lambda rank: (rank not in job.signals, job.exited[rank]))
+    return describe_kill(first, job.signals.get(first), job.rss.get(first), rose, read_run_facts(report_dir))
+
+
 def _summarise(job: _Job, report_dir: str, code: int) -> None:
     reports = read_reports(report_dir)
-    if not reports and not job.stragglers:
+    killed = _killed(job, report_dir, code)
+    if not reports and not job.stragglers and not killed:
         return
     lines = [f"shardkit launch: the job failed (exit code {code})"]
+    if killed:
+        lines.append(killed)
     hung = sorted({rank for report in reports for rank in report.missing or ()} | set(job.stragglers))
     if hung:
         lines.append(f"  root cause: rank(s) {hung} hung (did not arrive at a collective or outlived the others)")

@@ -23,10 +23,16 @@ class LossScaler:
 
     On an overflow the step is skipped; the scale halves once ``hysteresis`` overflows have been
     seen since the last good window (never below ``min_loss_scale``). After ``loss_scale_window``
-    steps in a row without overflow the scale doubles and the hysteresis budget refills.
+    steps in a row without overflow the scale doubles and the hysteresis budget refills. ``stuck_steps``
+    overflows in a row at ``min_loss_scale`` warn once (the run is skipping every step and learns nothing).
     """
 
-    def __init__(self, initial_scale: float, window: int, hysteresis: int, min_scale: float, dynamic: bool):
+    # DeepSpeed raises at the minimum (raise_error_at_min_scale); warning after a few skipped steps in a row lets a
+    # transient spike pass and still names a run that has stopped learning.
+    STUCK_STEPS = 10
+
+    def __init__(self, initial_scale: float, window: int, hysteresis: int, min_scale: float, dynamic: bool,
+                 stuck_steps: int = STUCK_STEPS):
         self.scale = float(initial_scale)
         self.window = window
         self.hysteresis = hysteresis
@@ -35,6 +41,8 @@ class LossScaler:
         self.hysteresis_left = hysteresis
         self.good_steps = 0
         self.skipped_steps = 0
+        self.stuck_steps = stuck_steps
+        self.overflows_at_min = 0  # overflows in a row with the scale at its minimum
 
     def update(self, overflow: bool) -> None:
         if not self.dynamic:
@@ -50,11 +58,22 @@ class LossScaler:
             else:
                 self.hysteresis_left -= 1
             log.warning("fp16 overflow: skipped the optimizer step; loss scale %g -> %g", old, self.scale)
+            self._check_stuck(old)
             return
+        self.overflows_at_min = 0
         self.good_steps += 1
         if self.good_steps % self.window == 0:
             self.scale *= 2.0
             self.hysteresis_left = self.hysteresis
+
+    def _check_stuck(self, old: float) -> None:
+        self.overflows_at_min = self.overflows_at_min + 1 if old <= self.min_scale else 0
+        if self.overflows_at_min == self.stuck_steps:
+            log.warning(
+                "fp16 loss scale stuck at its minimum (min_loss_scale=%g) for %d overflowing steps in a row: every "
+                "optimizer step is skipped and the model is not training. The gradients overflow fp16 even unscaled "
+                "(or the loss is inf/NaN): check the loss and the data, lower the learning rate, or train in bf16 "
+                "(precision=BF16(), DeepSpeed's \"bf16\": {\"enabled\": true})", self.min_scale, self.stuck_steps)
 
     def state_dict(self) -> dict[str, Any]:
         keys = ("scale", "hysteresis_left", "good_steps", "skipped_steps")

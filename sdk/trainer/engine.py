@@ -107,7 +107,8 @@ def build_runner(args: TrainingArguments, strategy: Any, precision: Any, max_ste
         )
         spec = EngineSpec(resolved.optimizer, resolved.scheduler)
         runner = Runner(resolved.strategy, resolved.precision,
-                        activation_checkpointing=resolved.activation_checkpointing, **common)
+                        activation_checkpointing=resolved.activation_checkpointing,
+                        log_with=list(resolved.trackers) or None, **common)  # DeepSpeed's monitor sections
     else:
         strategy = _fsdp_strategy(args, strategy) if args.fsdp else _default_strategy(args, strategy)
         runner = Runner(strategy, precision, **common)

@@ -3,6 +3,8 @@
 A forked child saves with SHARDKIT_CHECKPOINT_FAULT=<step> and SIGKILLs itself when it reaches <step>.
 After every kill a whole checkpoint must load (verified), and it must be the old one before the new
 directory is in place and the new one from then on; the next save reclaims what the killed ones left.
+Issue 27: the same for asynchronous saves, killed on their background thread while the main thread
+overwrites the tensors it saved (training goes on).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from shardkit.checkpoint import CheckpointReader, CheckpointWriter
+from shardkit.checkpoint.async_save import AsyncCheckpointer
 from shardkit.checkpoint.writer import FAULT_ENV, FAULT_STEPS
 
 ROUNDS = 2
@@ -27,14 +30,30 @@ def _save(path, version, keep_last=None):
         w.write_json("state", {"v": version})
 
 
-def _save_in_child(path, version, fault, keep_last=None):
-    """Runs ``_save`` in a forked child with the fault hook set; returns the signal that ended it, or 0."""
+def _save_async(path, version, keep_last=None):
+    """A background save of version ``version``; the main thread then overwrites the tensors, as a step would."""
+    tensors = {f"p{i}": torch.full((256,), float(version)) for i in range(4)}
+
+    def fill(w):
+        w.write_tensors("model", tensors)
+        w.write_json("state", {"v": version})
+
+    saves = AsyncCheckpointer(rank=0, world_size=1, timeout_s=60)
+    saves.save(path, lambda barrier: CheckpointWriter(path, keep_last=keep_last, info={"v": version}, barrier=barrier),
+               fill)
+    for t in tensors.values():
+        t.fill_(-1.0)  # the training step changes the live tensors while the thread writes the copies
+    saves.close()
+
+
+def _save_in_child(path, version, fault, keep_last=None, save=_save):
+    """Runs ``save`` in a forked child with the fault hook set; returns the signal that ended it, or 0."""
     pid = os.fork()
     if pid == 0:  # the child never returns into pytest
         code = 1
         try:
             os.environ[FAULT_ENV] = fault
-            _save(path, version, keep_last)
+            save(path, version, keep_last)
             code = 0
         except BaseException:
             traceback.print_exc()
@@ -90,15 +109,17 @@ def test_kills_at_every_step_over_one_name(tmp_path):
     assert _hidden(root) == [] and _loaded_version(root) == version + 1  # J: everything reclaimed
 
 
-def test_kills_at_every_step_with_new_names_and_pruning(tmp_path):
-    """New names with keep_last=2: `latest` always names a whole checkpoint, pruning never loses it."""
+@pytest.mark.parametrize("save", [_save, _save_async], ids=["sync", "async"])
+def test_kills_at_every_step_with_new_names_and_pruning(tmp_path, save):
+    """New names with keep_last=2: `latest` always names a whole checkpoint, pruning never loses it; a background
+    save killed at any step is the same, and holds the values of the moment it was called."""
     root = tmp_path / "ckpt"
     _save(root / "step-0", 0, keep_last=2)
     current, version = 0, 0
-    for _ in range(ROUNDS):
+    for _ in range(ROUNDS if save is _save else 1):
         for step in FAULT_STEPS:
             version += 1
-            sig = _save_in_child(root / f"step-{version}", version, step, keep_last=2)
+            sig = _save_in_child(root / f"step-{version}", version, step, keep_last=2, save=save)
             moved = sig == 0 or FAULT_STEPS.index(step) >= FAULT_STEPS.index("latest-moved")
             got = _loaded_version(root)
             assert got == (version if moved else current), f"killed at {step}: loaded {got}"

@@ -283,8 +283,12 @@ def test_inert_keys_accepted_and_logged(caplog):
               "tensorboard": {"enabled": True, "output_path": "tb"}}
     with caplog.at_level(logging.DEBUG, logger="shardkit.config"):
         resolved = resolve_runner_config(config)
-    assert {"steps_per_print", "wall_clock_breakdown", "amp", "tensorboard.output_path"} <= set(resolved.ignored_keys)
+    assert {"steps_per_print", "wall_clock_breakdown", "amp"} <= set(resolved.ignored_keys)
     assert "not acted on" in caplog.text and "steps_per_print" in caplog.text
+    # Issue 27: the monitor sections are trackers now, not ignored keys.
+    assert not any(k.startswith("tensorboard") for k in resolved.ignored_keys)
+    trackers = [(t.name, t.logging_dir, t.run_name) for t in resolved.trackers]
+    assert trackers == [("tensorboard", "tb", "DeepSpeedJobName")]
 
 
 def test_stage0_is_data_parallel():
