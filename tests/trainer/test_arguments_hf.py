@@ -70,7 +70,7 @@ def test_to_dict_is_plain_json():
     (dict(save_strategy="best"), "metric_for_best_model` must be provided"),
     (dict(accelerator_config={"split_batches": True}), "split_batches"),
     (dict(optim="stable_adamw"), "torch-optimi"),
-    (dict(report_to="wandb"), "register_reporter"),
+    (dict(report_to="comet_ml"), "register_reporter"),
 ])
 def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(TrainingArgumentsError, match=field):
