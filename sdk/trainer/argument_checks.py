@@ -174,7 +174,7 @@ def _check_report_to(args: Any) -> None:
     for name in names:
         if name not in known:
             raise TrainingArgumentsError(f"TrainingArguments.report_to={name!r}: no reporter of that name"
-                                         f"{did_you_mean(str(name), known)}. Reporters: {sorted(known)} (register "
+                                         f"{did_you_mean(str(name), known)} (reporters: {sorted(known)}; register "
                                          "another with shardkit.trainer.reporting.register_reporter)")
     args.report_to = [n for n in names if n != "none"]
 
