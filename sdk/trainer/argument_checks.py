@@ -406,3 +406,10 @@ def _check_extensions(args: Any) -> None:
         raise TrainingArgumentsError(f"TrainingArguments.optim_target_modules={targets!r} must be a list of module "
                                      "names, a regex string or 'all-linear'")
     check_model_prep_args(args)  # neftune, fused kernels and torch_compile fields
+    if args.profile_steps is not None:  # a bad range is named now, not when the Runner is built
+        from shardkit.observability import parse_profile_steps
+
+        try:
+            parse_profile_steps(args.profile_steps)
+        except ValueError as err:
+            raise TrainingArgumentsError(f"TrainingArguments.{err}") from None

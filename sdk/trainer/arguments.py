@@ -64,8 +64,11 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
 
     Beyond Hugging Face: ``max_time`` (seconds of wall clock, then save and stop), ``save_on_sigterm``
     (a SIGTERM saves a checkpoint that resumes exactly, then stops), ``fast_dev_run`` (run that many
-    training and eval batches, no saves), ``logging_dir`` (where ``report_to`` writes), ``use_fused_kernels``
-    and ``report_to="jsonl"``.
+    training and eval batches, no saves), ``logging_dir`` (where ``report_to`` writes), ``use_fused_kernels``,
+    ``async_save`` (checkpoints written by a background thread while training goes on), ``profile_steps``
+    (torch.profiler traces of those optimizer steps under ``<logging_dir>/profile``) and ``report_to="jsonl"``.
+    The logs sent to ``report_to`` carry ``tokens_per_s``, ``tflops`` (model TFLOP/s per device) and ``mfu`` when
+    the batches hold ``input_ids``; ``state.log_history`` keeps Hugging Face's keys only (no timing).
 
     Build it directly, from command-line flags (:meth:`from_cli`), or from a JSON/YAML file
     (:meth:`from_file`). Bad or contradictory settings raise :class:`TrainingArgumentsError` naming the
@@ -192,6 +195,10 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
     save_on_sigterm: bool = True  # SIGTERM on any rank: save a checkpoint that resumes exactly, then stop
     fast_dev_run: int = 0  # run that many training and evaluation batches, save nothing
     use_fused_kernels: bool = False  # patch an HF model with shardkit.nn.apply_fused_kernels before setup
+    # Runner.save(blocking=False): the state is copied to host memory and written by a background thread; the
+    # next save, a load and the end of train() wait for it (peft models' saves block: adapters are gathered).
+    async_save: bool = False
+    profile_steps: str | int | tuple[int, int] | None = None  # Runner(profile_steps=...): (2, 4), "2-3" or 2
 
     def __post_init__(self) -> None:
         from shardkit.trainer.argument_checks import check_arguments

@@ -8,9 +8,11 @@ scheduler and data position through the Runner, the TrainerState and the callbac
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -100,16 +102,50 @@ class Checkpointer:
                 entries["scheduler"] = parts.scheduler
             entries["tr_loss"] = parts.losses.state_dict()
         entries[_STATE_VALUE] = json.dumps(dataclasses.asdict(state))
-        self.runner.save(path, entries, update_latest=False)
-        if is_peft_model(self.runner.unwrap_model(parts.model)):  # peft's files, as Hugging Face's checkpoints hold
-            save_adapters(self.runner, parts.model, path)
-        write_hf_files(self.runner, parts.model, path, parts.processing_class, parts.data_collator)
-        if self.runner.is_main_process:
-            state.save_to_json(path / TRAINER_STATE_NAME)
-            (path / "training_args.json").write_text(self.args.to_json_string() + "\n")
-            self.rotate(state.best_model_checkpoint)
+        peft = is_peft_model(self.runner.unwrap_model(parts.model))
+        if self.args.async_save and not peft:  # peft's adapters are written into the published directory
+            self._save_in_background(path, entries, parts)
+        else:
+            self.runner.save(path, entries, update_latest=False)
+            if peft:  # peft's files, as Hugging Face's checkpoints hold
+                save_adapters(self.runner, parts.model, path)
+            write_hf_files(self.runner, parts.model, path, parts.processing_class, parts.data_collator)
+            if self.runner.is_main_process:
+                self._finish_save(state, path)
         self.runner.barrier("trainer-save")
         return path
+
+    def _save_in_background(self, path: Path, entries: dict[str, Any], parts: CheckpointParts) -> None:
+        """``async_save``: the Runner writes the checkpoint on a background thread. Hugging Face's files need
+        gathers (collectives), so they are written here into a hidden sibling, moved in once the checkpoint is
+        published, with trainer_state.json (this step's copy) and the rotation. Where the strategy keeps whole
+        weights the checkpoint's own ``model.safetensors`` already is Hugging Face's file, and the staged copy is
+        dropped (the Runner's file names are known only once it has written them)."""
+        stage = path.parent / f".{path.name}.hf-files"
+        if self.runner.is_main_process:
+            shutil.rmtree(stage, ignore_errors=True)  # left by a run killed mid-save
+            stage.mkdir(parents=True)
+        self.runner.barrier("trainer-save-stage")
+        write_hf_files(self.runner, parts.model, stage, parts.processing_class, parts.data_collator)
+        state = copy.deepcopy(parts.state)
+
+        def publish(published: Path) -> None:
+            for file in stage.iterdir():
+                if (published / file.name).exists():  # the checkpoint's own model.safetensors (whole weights)
+                    file.unlink()
+                else:
+                    os.replace(file, published / file.name)
+            stage.rmdir()
+            self._finish_save(state, published)
+
+        self.runner.save(path, entries, update_latest=False, blocking=False,
+                         on_saved=publish if self.runner.is_main_process else None)
+
+    def _finish_save(self, state: TrainerState, path: Path) -> None:
+        """Main process: the readable trainer_state.json and training_args.json, then the rotation."""
+        state.save_to_json(path / TRAINER_STATE_NAME)
+        (path / "training_args.json").write_text(self.args.to_json_string() + "\n")
+        self.rotate(state.best_model_checkpoint)
 
     def _note_best_checkpoint(self, state: TrainerState, path: Path) -> None:
         # As Hugging Face: the best checkpoint is the one saved at the best evaluation's step, if one was.
@@ -160,6 +196,7 @@ class Checkpointer:
     def load(self, path: Path, parts: CheckpointParts) -> tuple[TrainerState, bool]:
         """Restore everything from ``path``; returns (the saved TrainerState, whether the data position was
         restored exactly). O(1): the data position is restored, no batch is replayed."""
+        self.runner.wait_for_save()  # async_save: a checkpoint still being written is published first
         if is_hf_checkpoint(path):
             load_hf_checkpoint(self.runner, parts.model, parts.optimizer, parts.scheduler, path)
             parts.losses.reset()
@@ -210,6 +247,7 @@ class Checkpointer:
 
     def load_model(self, path: str | Path, model: Any) -> None:
         """Only the model weights of a checkpoint (any strategy, any world size)."""
+        self.runner.wait_for_save()
         path = Path(path)
         if is_hf_checkpoint(path):
             from shardkit.checkpoint.hf import load_pretrained

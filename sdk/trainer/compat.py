@@ -27,7 +27,8 @@ HF_METHODS = (
     "store_flos", "train", "training_step",
 )
 
-SHARDKIT_ONLY = ("logging_dir", "max_time", "save_on_sigterm", "fast_dev_run", "use_fused_kernels")
+SHARDKIT_ONLY = ("logging_dir", "max_time", "save_on_sigterm", "fast_dev_run", "use_fused_kernels", "async_save",
+                 "profile_steps")
 
 _HUB = ("uploads through huggingface_hub (shardkit.hub) from the main process; push_to_hub=True pushes each "
         "checkpoint save in the background as hub_strategy says, but a checkpoint goes up with its Hugging Face files "
@@ -56,7 +57,8 @@ ARGUMENT_NOTES: dict[str, tuple[str, str]] = {
                                           "Hugging Face does; a resumed run starts from the checkpoint's batch"),
     "logging_nan_inf_filter": ("different", "NaN/inf steps are left out of the logged mean (a warning counts them); "
                                             "a window of only NaN/inf repeats the last logged value"),
-    "include_num_input_tokens_seen": ("different", "counted and logged; per-step logs carry no timing values"),
+    "include_num_input_tokens_seen": ("different", "counted and logged; log_history carries no timing (tokens/s, "
+                                                   "TFLOP/s and MFU go to the reporters only)"),
     "log_level": ("different", "sets the 'shardkit' loggers; get_process_log_level() answers as Hugging Face's"),
     "log_level_replica": ("different", "as log_level, on the other processes"),
     "report_to": ("different", "every tracker of shardkit.tracking (jsonl, tensorboard; logs tagged train/..., "

@@ -3,7 +3,8 @@
 Steps are counted as Hugging Face counts them: an epoch of ``B`` batches takes ``ceil(B / accumulation)``
 optimizer steps, the last window holding the remainder (``Runner.begin_window``), and an epoch shorter than a
 window still takes one step. The loss of each step is exact over its window and ranks; logs carry no timing,
-so a resumed run's ``log_history`` equals the uninterrupted run's. ``auto_find_batch_size`` retries the run
+so a resumed run's ``log_history`` equals the uninterrupted run's (tokens/s, TFLOP/s and MFU go to the reporters
+only: :mod:`~shardkit.trainer.step_rates`). ``auto_find_batch_size`` retries the run
 with 90% of the batch (as Hugging Face does) when a step runs out of memory.
 """
 
@@ -21,6 +22,7 @@ from shardkit.trainer.callbacks import ExportableState
 from shardkit.trainer.neftune import neftune
 from shardkit.trainer.optim_modes import pass_eval_loss, pass_training_loss, to_eval, to_train
 from shardkit.trainer.state import TrainerControl, TrainerState
+from shardkit.trainer.step_rates import StepRates
 
 __all__ = ["TrainLoopMixin", "TrainOutput", "is_out_of_memory"]
 
@@ -255,6 +257,7 @@ class TrainLoopMixin:
             self._log_start()
         start = time.perf_counter()
         steps_at_start = state.global_step
+        self._rates = StepRates(self.runner, getattr(self.model, "main_input_name", "input_ids"))
         self.control = self.callback_handler.on_train_begin(args, state, self.control)
         if args.eval_on_start and not resumed:
             self._evaluate(None, self._ignore_keys_for_eval, skip_scheduler=True)
@@ -313,6 +316,7 @@ class TrainLoopMixin:
             if index < len(window) - 1:
                 self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
         self._count_inputs(window)
+        self._rates.add(window)
         self._grad_norm = runner.clip_gradients(args.max_grad_norm) if args.max_grad_norm > 0 else None
         self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
         pass_training_loss(self, window_loss)  # GrokAdamW's step reads it
@@ -332,6 +336,7 @@ class TrainLoopMixin:
         if control.should_log and self.state.global_step > self._last_logged_step:
             self._log_training()
         control.should_log = False
+        self._rates.pause()  # evaluations and saves are not training time
         if control.should_evaluate:
             metrics = self._evaluate(None, getattr(self, "_ignore_keys_for_eval", None))
             new_best = self._determine_best_metric(metrics)
@@ -342,9 +347,11 @@ class TrainLoopMixin:
             self._save_checkpoint(self.model_wrapped, trial=None)
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
         self.control.should_save = False
+        self._rates.resume()
 
     def _log_training(self) -> None:
         logs: dict[str, float] = {"loss": round(self.losses.log_value(), 6)}
+        self._pending_rates = self._rates.take()  # after the loss is read: the device has finished the steps
         if self._grad_norm is not None:
             logs["grad_norm"] = float(self._grad_norm)
         logs["learning_rate"] = getattr(self, "_step_lr", None) or self._current_lr()
@@ -358,13 +365,15 @@ class TrainLoopMixin:
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add ``epoch`` (and ``num_input_tokens_seen``) to ``logs``, record them in ``state.log_history`` with
-        the step, and call ``on_log``."""
+        the step, and call ``on_log`` (with the training log's tokens/s, TFLOP/s and MFU, which ``log_history``
+        leaves out)."""
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch
         if self.args.include_num_input_tokens_seen != "no":
             logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         self.state.log_history.append({**logs, "step": self.state.global_step})
-        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs=logs)
+        rates, self._pending_rates = getattr(self, "_pending_rates", {}), {}
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs={**logs, **rates})
 
     def _evaluate(self, trial: Any, ignore_keys: list[str] | None, skip_scheduler: bool = False) -> dict[str, float]:
         """evaluate(), then a metric-driven scheduler (ReduceLROnPlateau, GreedyLR) steps on the metric."""
@@ -401,6 +410,8 @@ class TrainLoopMixin:
         self._flush_counts()
         self.store_flos()
         path = self.checkpointer.save(self._parts())  # complete on every rank (barrier) before any upload
+        if self.args.push_to_hub:
+            self.runner.wait_for_save()  # async_save: the upload needs the published checkpoint
         hub.push_checkpoint(self, path)
         return path
 
@@ -420,6 +431,7 @@ class TrainLoopMixin:
         self.load_model(best)
 
     def _finish(self, start: float, steps: int) -> TrainOutput:
+        self.runner.wait_for_save()  # async_save: the last checkpoint is published before train() ends
         self._flush_counts()
         self.store_flos()
         runtime = time.perf_counter() - start
