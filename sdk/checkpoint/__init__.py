@@ -8,20 +8,7 @@ A checkpoint is a directory (``runs/ckpt/step-000100``) whose parent holds a ``l
     r = CheckpointReader("runs/ckpt")          # follows `latest`
 """
 
-from .consolidate import (
-    consolidate,
-    consolidate_deepspeed,
-    get_fp32_state_dict,
-    load_state_dict_from_zero_checkpoint,
-    parse_size,
-)
-from .format import FORMAT_NAME, FORMAT_VERSION, CheckpointError, rank_entry
-from .optimizer import load_optimizer_state_by_name, optimizer_state_by_name
-from .reader import CheckpointReader, resolve_checkpoint
-from .rng import capture_rng_state, restore_rng_state
-from .schema import check_precision_state, check_runner_state
-from .trust import check_cast
-from .writer import CheckpointBusyError, CheckpointWriter, ShardPiece, prune_checkpoints, recover_checkpoints
+from shardkit._lazy import lazy_exports
 
 __all__ = [
     "FORMAT_NAME",
@@ -48,3 +35,19 @@ __all__ = [
     "resolve_checkpoint",
     "restore_rng_state",
 ]
+
+# NOTE: each name imports its module on first use, so that `shardkit <command> --help` does not import torch
+# (issue 30; see shardkit._lazy).
+_EXPORTS = {
+    "consolidate": "consolidate", "consolidate_deepspeed": "consolidate", "get_fp32_state_dict": "consolidate",
+    "load_state_dict_from_zero_checkpoint": "consolidate", "parse_size": "consolidate",
+    "FORMAT_NAME": "format", "FORMAT_VERSION": "format", "CheckpointError": "format", "rank_entry": "format",
+    "load_optimizer_state_by_name": "optimizer", "optimizer_state_by_name": "optimizer",
+    "CheckpointReader": "reader", "resolve_checkpoint": "reader",
+    "capture_rng_state": "rng", "restore_rng_state": "rng",
+    "check_precision_state": "schema", "check_runner_state": "schema",
+    "check_cast": "trust",
+    "CheckpointBusyError": "writer", "CheckpointWriter": "writer", "ShardPiece": "writer", "prune_checkpoints":
+    "writer", "recover_checkpoints": "writer",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -12,18 +12,24 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from shardkit._lazy import lazy_exports
 
-from .consolidate import consolidate, consolidate_deepspeed, get_fp32_state_dict, load_state_dict_from_zero_checkpoint
-from .deepspeed_reader import find_deepspeed_checkpoint
-from .export import MODEL_FILES, check_output_dir
-from .format import CheckpointError
-from .trust import check_child_dir
+if TYPE_CHECKING:
+    import torch
+
+    from .consolidate import get_fp32_state_dict, load_state_dict_from_zero_checkpoint
 
 __all__ = ["get_fp32_state_dict", "load_state_dict_from_zero_checkpoint", "main", "register"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}
+# NOTE: the Python API loads on first use and the tool imports it when it runs, so that `shardkit zero-to-fp32
+# --help` does not import torch (5 s on a busy 2-core machine; issue 30).
+__getattr__, __dir__ = lazy_exports(__name__, {"get_fp32_state_dict": "consolidate",
+                                               "load_state_dict_from_zero_checkpoint": "consolidate"})
+
+# --dtype's choices; the torch dtype each names is `_dtype(name)`.
+_DTYPE_NAMES = ("bf16", "fp16", "fp32", "keep")
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,7 +37,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("output_dir", help="where model*.safetensors (and the index, config.json and tokenizer files "
                    "found beside the checkpoint) are written; a previous export there is replaced atomically")
     p.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB, 500MB (default 5GB)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32",
+    p.add_argument("--dtype", choices=_DTYPE_NAMES, default="fp32",
                    help="dtype of floating tensors (default fp32; keep = as saved)")
     p.add_argument("--name", default="model", help="shardkit: the checkpoint entry to convert (default model)")
     p.add_argument("-t", "--tag", default=None,
@@ -40,18 +46,30 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DeepSpeed: leave out parameters that were not trained (requires_grad=False)")
 
 
+def _dtype(name: str) -> torch.dtype | None:
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}[name]
+
+
 def _run(args: argparse.Namespace) -> int:
+    from .consolidate import consolidate, consolidate_deepspeed
+    from .deepspeed_reader import find_deepspeed_checkpoint
+    from .export import MODEL_FILES, check_output_dir
+    from .format import CheckpointError
+    from .trust import check_child_dir
+
     try:
         ds = find_deepspeed_checkpoint(args.checkpoint, args.tag)
         if ds is not None or args.tag:
             check_output_dir(args.output_dir, [args.checkpoint])  # not inside what was named: a parent of tags too
         if ds is not None:
-            paths = consolidate_deepspeed(ds, args.output_dir, dtype=_DTYPES[args.dtype],
+            paths = consolidate_deepspeed(ds, args.output_dir, dtype=_dtype(args.dtype),
                                           max_shard_size=args.max_shard_size,
                                           exclude_frozen_parameters=args.exclude_frozen_parameters)
         else:
             path = check_child_dir(Path(args.checkpoint), args.tag, "--tag") if args.tag else args.checkpoint
-            paths = consolidate(path, args.output_dir, name=args.name, dtype=_DTYPES[args.dtype],
+            paths = consolidate(path, args.output_dir, name=args.name, dtype=_dtype(args.dtype),
                                 max_shard_size=args.max_shard_size)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -11,21 +11,7 @@ job the environment variables describe: torchrun, SLURM, MPI), `watchdog` (namin
 
 from __future__ import annotations
 
-from shardkit.distributed.cluster import (
-    ClusterEnvironment,
-    ClusterEnvironmentError,
-    detect_environment,
-    expand_nodelist,
-)
-from shardkit.distributed.launcher import GRACE_PERIOD_S, LaunchError, LaunchTimeout, find_free_port, launch
-from shardkit.distributed.process_group import (
-    DEFAULT_COLLECTIVE_TIMEOUT_S,
-    TIMEOUT_ENV_VAR,
-    backend_for_device,
-    default_timeout,
-    destroy_distributed,
-    init_distributed,
-)
+from shardkit._lazy import lazy_exports
 
 __all__ = [
     "ClusterEnvironment",
@@ -44,3 +30,16 @@ __all__ = [
     "init_distributed",
     "launch",
 ]
+
+# NOTE: each name imports its module on first use, so that `shardkit <command> --help` does not import torch
+# (issue 30; see shardkit._lazy).
+_EXPORTS = {
+    "ClusterEnvironment": "cluster", "ClusterEnvironmentError": "cluster", "detect_environment": "cluster",
+    "expand_nodelist": "cluster",
+    "GRACE_PERIOD_S": "launcher", "LaunchError": "launcher", "LaunchTimeout": "launcher", "find_free_port":
+    "launcher", "launch": "launcher",
+    "DEFAULT_COLLECTIVE_TIMEOUT_S": "process_group", "TIMEOUT_ENV_VAR": "process_group", "backend_for_device":
+    "process_group", "default_timeout": "process_group", "destroy_distributed": "process_group", "init_distributed":
+    "process_group",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

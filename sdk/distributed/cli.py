@@ -13,10 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-from shardkit.distributed.launcher import GRACE_PERIOD_S, find_free_port
-from shardkit.distributed.process_group import TIMEOUT_ENV_VAR, check_timeout, cpu_budget, default_timeout
 from shardkit.distributed.signals import STOP_GRACE_S
-from shardkit.distributed.supervise import run_supervised
+from shardkit.distributed.timeouts import TIMEOUT_ENV_VAR, check_timeout, cpu_budget, default_timeout
 
 __all__ = ["CONFIG_FIELDS", "DEFAULT_CONFIG_FILE", "LaunchUsageError", "build_command", "register"]
 
@@ -132,6 +130,8 @@ def _resolve(args: argparse.Namespace) -> None:
     if args.main_process_ip is None:
         args.main_process_ip = "127.0.0.1"
     if args.main_process_port is None:
+        from shardkit.distributed.launcher import find_free_port  # imports torch: not on the `--help` path
+
         single = args.num_machines == 1
         args.main_process_port = find_free_port() if single else DEFAULT_MAIN_PROCESS_PORT
     if not 0 < args.main_process_port < 65536:
@@ -219,6 +219,11 @@ def _run(args: argparse.Namespace) -> int:
         if args.dry_run:
             print(" ".join(command))
             return 0
+        # NOTE: imported here, not at the top: they import torch (5-8 s on a busy 2-core machine), which
+        # `shardkit launch --help` and a usage error do not need (issue 30).
+        from shardkit.distributed.launcher import GRACE_PERIOD_S
+        from shardkit.distributed.supervise import run_supervised
+
         return run_supervised(command, env, straggle_s=collective + GRACE_PERIOD_S, stop_grace=args.stop_grace)
     finally:
         if written is not None:

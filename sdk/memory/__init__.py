@@ -8,19 +8,7 @@
 ``shardkit estimate-memory`` is the command-line form.
 """
 
-from .estimate import (
-    LAYOUTS,
-    Layout,
-    ModelStates,
-    activation_bytes,
-    deepspeed_table,
-    estimate_model_states,
-    find_layout,
-    recommend,
-    zero2_mem_needs,
-    zero3_mem_needs,
-)
-from .model_spec import ModelSpec, parse_count, spec_from_hf_config, spec_from_llama_config, spec_from_model
+from shardkit._lazy import lazy_exports
 
 __all__ = [
     "LAYOUTS",
@@ -39,3 +27,14 @@ __all__ = [
     "zero2_mem_needs",
     "zero3_mem_needs",
 ]
+
+# NOTE: each name imports its module on first use, so that `shardkit <command> --help` does not import torch
+# (issue 30; see shardkit._lazy).
+_EXPORTS = {
+    "LAYOUTS": "estimate", "Layout": "estimate", "ModelStates": "estimate", "activation_bytes": "estimate",
+    "deepspeed_table": "estimate", "estimate_model_states": "estimate", "find_layout": "estimate", "recommend":
+    "estimate", "zero2_mem_needs": "estimate", "zero3_mem_needs": "estimate",
+    "ModelSpec": "model_spec", "parse_count": "model_spec", "spec_from_hf_config": "model_spec",
+    "spec_from_llama_config": "model_spec", "spec_from_model": "model_spec",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -7,9 +7,10 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = ["ModelSpec", "parse_count", "spec_from_hf_config", "spec_from_llama_config", "spec_from_model"]
 

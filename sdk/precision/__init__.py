@@ -1,14 +1,14 @@
 """Precisions: which dtypes are used for parameters, compute and communication."""
 
-from shardkit.precision.base import Precision
-from shardkit.precision.bf16 import BF16
-from shardkit.precision.fp8 import FP8
-from shardkit.precision.fp16 import FP16
-from shardkit.precision.fp32 import FP32
+from shardkit._lazy import lazy_exports
 from shardkit.precision.registry import PRECISIONS
 
 __all__ = ["Precision", "FP32", "FP16", "BF16", "FP8", "PRECISIONS", "precision_from_name"]
 
+# NOTE: the classes load on first use, so that the registry (`shardkit estimate-memory --help`'s --precision
+# choices) does not import torch (issue 30).
+__getattr__, __dir__ = lazy_exports(__name__, {"Precision": "base", "BF16": "bf16", "FP8": "fp8", "FP16": "fp16",
+                                               "FP32": "fp32"})
 
 # A Precision from a name or alias ("fp32", "tf32", "fp16", "bf16", "bf16-true", "no", "16-mixed", ...) with the
 # registry's defaults, then the keyword arguments. It IS the registry's builder, not a copy.

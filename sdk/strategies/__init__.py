@@ -6,12 +6,10 @@ registered class by name (``from shardkit.strategies import ZeRO3``), importing 
 
 from __future__ import annotations
 
-from shardkit.strategies.activation_checkpointing import ActivationCheckpointing
-from shardkit.strategies.base import Strategy
-from shardkit.strategies.ddp import DDP
-from shardkit.strategies.fsdp import FSDP
+import contextlib
+
+from shardkit._lazy import lazy_exports
 from shardkit.strategies.registry import STRATEGIES
-from shardkit.strategies.single import SingleDevice
 
 __all__ = ["ActivationCheckpointing", "Strategy", "SingleDevice", "DDP", "FSDP", "STRATEGIES", "strategy_from_name"]
 
@@ -23,8 +21,16 @@ _REMOVED = {"STRATEGY_NAMES": "use STRATEGIES.names() / STRATEGIES.aliases() for
                               "STRATEGIES.entry(name).target for the class behind one (shardkit.strategies.registry)"}
 
 
+# NOTE: these load on first use too, so that the registry (`shardkit estimate-memory --help`'s --strategy choices)
+# does not import torch (issue 30).
+_load, _ = lazy_exports(__name__, {"ActivationCheckpointing": "activation_checkpointing", "Strategy": "base",
+                                   "DDP": "ddp", "FSDP": "fsdp", "SingleDevice": "single"})
+
+
 def __getattr__(name: str):
-    # Registered classes not imported above load on first use, so `import shardkit` does not import DeepSpeed.
+    with contextlib.suppress(AttributeError):
+        return _load(name)
+    # Registered classes not named above load on first use, so `import shardkit` does not import DeepSpeed.
     if name in STRATEGIES.class_names():
         return STRATEGIES.get_class(name)
     if name in _REMOVED:
@@ -33,4 +39,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *STRATEGIES.class_names()})
+    return sorted({*globals(), *__all__, *STRATEGIES.class_names()})

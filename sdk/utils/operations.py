@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["batch_size", "json_object", "move_to_device"]
 
@@ -20,6 +21,8 @@ def move_to_device(batch: Any, device: torch.device | str, non_blocking: bool = 
     Mappings, named tuples, lists and tuples keep their type. ``non_blocking`` suits host-to-device
     copies of a loader's (pinned) batches; leave it off for copies to the host that are read at once.
     """
+    import torch  # NOTE: here, not at the top: `shardkit.registry` imports this module for `json_object` (issue 30)
+
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, Mapping):
@@ -34,6 +37,8 @@ def move_to_device(batch: Any, device: torch.device | str, non_blocking: bool = 
 def batch_size(batch: Any) -> int:
     """Samples in a batch: the leading dimension of its first tensor (a mapping's first value, a sequence's
     first item, recursively); 1 for anything else (a 0-d tensor, a scalar, an empty container)."""
+    import torch
+
     if isinstance(batch, torch.Tensor):
         return batch.shape[0] if batch.ndim else 1
     if isinstance(batch, Mapping):

@@ -17,15 +17,22 @@ from shardkit.env_info import collect_environment
 _REPO = Path(__file__).resolve().parents[2]
 
 
-def test_help_answers_without_importing_torch():
-    code = ("import sys; from shardkit import cli\n"
-            "for argv in (['--help'], ['env', '--help']):\n"
-            "    try: cli.main(argv)\n"
-            "    except SystemExit: pass\n"
-            "print('torch imported:', 'torch' in sys.modules)")
+@pytest.mark.parametrize(("argv", "shown"), [
+    (["--help"], "estimate-memory"),
+    (["env", "--help"], "--json"),
+    (["launch", "--help"], "--num-processes"),
+    (["estimate-memory", "--help"], "--largest-layer-params"),
+    (["zero-to-fp32", "--help"], "--exclude-frozen-parameters"),
+])
+def test_help_answers_without_importing_torch(argv, shown):
+    # One process per command: once one imports torch, the next could not show whether it does too.
+    code = (f"import sys; from shardkit import cli\n"
+            f"try: cli.main({argv!r})\n"
+            f"except SystemExit: pass\n"
+            f"print('torch imported:', 'torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "estimate-memory" in done.stdout and "torch imported: False" in done.stdout
+    assert shown in done.stdout and "torch imported: False" in done.stdout, done.stdout[-300:]
 
 
 def test_env_reports_ops_backend_and_optional_packages():
