@@ -3,7 +3,7 @@
     # once: a tiny Llama, a tokenizer trained on examples/data/public_domain.txt and a chat set made from that text
     python examples/sft.py --make_tiny runs/tiny
     # the seed's command line with the seed's flags, on 2 CPU processes (LoRA; add the QLoRA flags for 4-bit)
-    shardkit launch --config_file fsdp_config.yaml --num_processes 2 examples/sft.py --seed 100 \\
+    shardkit launch --config_file examples/configs/sft_fsdp.yaml --num_processes 2 examples/sft.py --seed 100 \\
         --model_name_or_path runs/tiny --dataset_name runs/tiny/chat --chat_template_format chatml \\
         --add_special_tokens False --append_concat_token False --splits "train,test" --max_seq_len 256 \\
         --num_train_epochs 1 --logging_steps 5 --log_level info --logging_strategy steps --eval_strategy epoch \\

@@ -23,34 +23,8 @@ pytest.importorskip("bitsandbytes")
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "sft.py"
 
-# The seed's fsdp_config.yaml, with num_processes 8 -> 2.
-FSDP_CONFIG = """\
-compute_environment: LOCAL_MACHINE
-debug: false
-distributed_type: FSDP
-downcast_bf16: 'no'
-fsdp_config:
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_backward_prefetch: BACKWARD_PRE
-  fsdp_cpu_ram_efficient_loading: true
-  fsdp_forward_prefetch: false
-  fsdp_offload_params: false
-  fsdp_sharding_strategy: FULL_SHARD
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-  fsdp_sync_module_states: true
-  fsdp_use_orig_params: false
-machine_rank: 0
-main_training_function: main
-mixed_precision: bf16
-num_machines: 1
-num_processes: 2
-rdzv_backend: static
-same_network: true
-tpu_env: []
-tpu_use_cluster: false
-tpu_use_sudo: false
-use_cpu: false
-"""
+# The seed's fsdp_config.yaml, with num_processes 8 -> 2, as shipped for examples/sft.py.
+FSDP_CONFIG = ROOT / "examples" / "configs" / "sft_fsdp.yaml"
 
 SEED_FLAGS = """--seed 100 --model_name_or_path {model} --dataset_name {model}/chat --chat_template_format chatml
 --add_special_tokens False --append_concat_token False --splits train,test --max_seq_len 128 --num_train_epochs 1
@@ -70,13 +44,12 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("seed")
     subprocess.run([sys.executable, str(EXAMPLE), "--make_tiny", str(root / "tiny")], check=True, cwd=ROOT,
                    capture_output=True, timeout=300)
-    (root / "fsdp_config.yaml").write_text(FSDP_CONFIG)
     return root
 
 
 def _launch(root: Path, name: str, extra: str, reentrant: str) -> subprocess.CompletedProcess:
     flags = SEED_FLAGS.format(model=root / "tiny", out=root / name, reentrant=reentrant).split() + extra.split()
-    command = [sys.executable, "-m", "shardkit.cli", "launch", "--config_file", str(root / "fsdp_config.yaml"),
+    command = [sys.executable, "-m", "shardkit.cli", "launch", "--config_file", str(FSDP_CONFIG),
                str(EXAMPLE), *flags]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "SHARDKIT_COLLECTIVE_TIMEOUT": "120"})
