@@ -65,6 +65,12 @@ def test_fresh_venv_readme_first_command_then_every_example(tmp_path):
                               "--max_steps", "4", "--logging_steps", "2", "--save_strategy", "no"],
         "trainer_classification": ["examples/trainer_classification.py", "--output_dir", str(tmp_path / "out/cls"),
                                    "--max_steps", "4", "--logging_steps", "2", "--save_strategy", "no"],
+        "sft tiny": ["examples/sft.py", "--make_tiny", str(tmp_path / "sft/tiny")],
+        "sft": ["examples/sft.py", "--model_name_or_path", str(tmp_path / "sft/tiny"), "--dataset_name",
+                str(tmp_path / "sft/tiny/chat"), "--chat_template_format", "chatml", "--splits", "train,test",
+                "--max_seq_len", "128", "--max_steps", "2", "--logging_steps", "1", "--save_strategy", "no",
+                "--output_dir", str(tmp_path / "sft/out"), "--per_device_train_batch_size", "2", "--packing", "True",
+                "--dataset_text_field", "content", "--use_peft_lora", "True", "--lora_target_modules", "all-linear"],
     }
     shipped = {p.name for p in (_REPO / "examples").glob("*.py")}
     assert shipped == {Path(argv[0]).name for argv in runs.values()}, "an example is not run here: add it"
