@@ -16,7 +16,8 @@ processes, picks the port and reports failures.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import pytest
 
@@ -50,3 +51,18 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, timeout: float 
         pytest.fail(f"{getattr(fn, '__name__', fn)} hung on {world_size} processes:\n{err}", pytrace=False)
     except LaunchError as err:
         pytest.fail(f"{getattr(fn, '__name__', fn)} failed on {world_size} processes:\n{err}", pytrace=False)
+
+
+@contextlib.contextmanager
+def transformers_without_zero3() -> Iterator[None]:
+    """For a load on one rank only: while a ZeRO-3 run is registered with transformers (as Accelerate registers it),
+    ``from_pretrained`` partitions through collectives that the other ranks never join, as it would under HF's
+    Trainer. Inside this block the files are read as a user without shardkit would read them."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = ref

@@ -3,13 +3,12 @@ loss falls, only adapters get gradients and optimizer state, the base stays bitw
 ranks, saved adapters and the merged HF export give the trained model's logits; exact resume under FSDP; QLoRA (a
 bitsandbytes 4-bit base, bf16 quant storage) under FSDP with BF16 on the CPU."""
 
-import contextlib
 import os
 from pathlib import Path
 
 import pytest
 import torch
-from harness import run_distributed
+from harness import run_distributed, transformers_without_zero3
 from trainer_fixtures import StopAt, logged_losses, text_data
 
 from shardkit.strategies import strategy_from_name
@@ -71,21 +70,6 @@ def _logits(model, ids):
         return model(input_ids=ids).logits.float()
 
 
-@contextlib.contextmanager
-def _transformers_without_zero3():
-    """Loads on one rank only: while a ZeRO-3 run is registered with transformers (as Accelerate registers it),
-    ``from_pretrained`` partitions through collectives that the other ranks never join, as it would under HF's
-    Trainer. The reload here checks the files as a user without shardkit would read them."""
-    from transformers.integrations import deepspeed as hf_ds
-
-    ref = hf_ds._hf_deepspeed_config_weak_ref
-    hf_ds.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_ds._hf_deepspeed_config_weak_ref = ref
-
-
 def _saves_match(trainer, out: Path, ids: torch.Tensor) -> dict:
     """save_model both ways on every rank; the main process reloads each without shardkit and compares logits."""
     want = _logits(trainer.model, ids)  # on every rank: a sharded forward is a collective
@@ -93,7 +77,7 @@ def _saves_match(trainer, out: Path, ids: torch.Tensor) -> dict:
     trainer.save_model(str(out / "merged"), merge_adapters=True)
     if not trainer.runner.is_main_process:
         return {}
-    with _transformers_without_zero3():
+    with transformers_without_zero3():
         adapter = peft.PeftModel.from_pretrained(_hf_base(), str(out / "adapter"))
         merged = transformers.LlamaForCausalLM.from_pretrained(str(out / "merged"))
     return {"adapter_gap": (_logits(adapter, ids) - want).abs().max().item(),

@@ -30,7 +30,9 @@ def test_tp2_on_llama_matches_ddp(sequence_parallel):
     # DDP averages two half-batches; TP computes the whole batch on both ranks: the same mean loss.
     torch.testing.assert_close(torch.tensor(tp["losses"]), torch.tensor(ddp["losses"]), rtol=1e-5, atol=1e-5)
     for key, w in tp["weights"].items():
-        torch.testing.assert_close(w, ddp["weights"][key], rtol=1e-4, atol=5e-5)  # Adam amplifies ulp noise
+        # Adam amplifies ulp noise where a gradient is near zero (seen: 6.8e-5 on one element of 2048 on another
+        # CPU). One wrong update moves a weight by lr = 1e-2, so 2e-4 still catches any real divergence.
+        torch.testing.assert_close(w, ddp["weights"][key], rtol=1e-4, atol=2e-4)
         assert torch.equal(w, r1["tp"]["weights"][key])
 
 
