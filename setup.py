@@ -1,6 +1,6 @@
 """Packaging glue that pyproject.toml cannot express.
 
-The repository folder ``sdk/`` is the package ``shardkit``, ``kernels/`` is ``shardkit.kernels`` and ``csrc/``
+The repository folder ``sdk/`` is the package ``shardkit`` (``sdk/kernels/`` is ``shardkit.kernels``) and ``csrc/``
 ships as the package data ``shardkit/ops/csrc``;
 the subpackage list is computed here so that a new folder needs no edit. Setting
 ``SHARDKIT_BUILD_OPS=1`` builds the C++/CUDA extension ahead of time instead of on first import.
@@ -15,7 +15,6 @@ from setuptools import find_namespace_packages, find_packages, setup
 
 def _packages() -> list[str]:
     found = ["shardkit"] + [f"shardkit.{name}" for name in find_packages("sdk")]
-    found += ["shardkit.kernels"] + [f"shardkit.kernels.{name}" for name in find_packages("kernels")]
     csrc = ["shardkit.ops.csrc"] + [f"shardkit.ops.csrc.{name}" for name in _csrc_folders()]
     return found + csrc
 

@@ -27,7 +27,7 @@ import pytest
 _REPO = Path(__file__).resolve().parents[2]
 _BUILD_LINE = "building C++ ops"
 # What `pip wheel .` reads: copied so that the build is hermetic (no stale build/ of the checkout in the wheel)
-_PACKAGING = ["setup.py", "pyproject.toml", "README.md", "MANIFEST.in", "CMakeLists.txt", "sdk", "kernels", "csrc"]
+_PACKAGING = ["setup.py", "pyproject.toml", "README.md", "MANIFEST.in", "CMakeLists.txt", "sdk", "csrc"]
 # One C++ op against its reference, in the user's environment, away from the checkout (cwd is a temporary folder)
 _OP_CHECK = """
 import torch
@@ -47,6 +47,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 def _wheel(tmp: Path) -> Path:
     """``pip wheel .`` of a copy of the packaging files; returns the wheel."""
     source = tmp / "source"
+    source.mkdir(parents=True)
     for name in _PACKAGING:
         if (_REPO / name).is_dir():
             shutil.copytree(_REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.so", "build"))
