@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ._common import Launch, LaunchConfig, dtype_label, empty_out, finish_out, meta
 
-__all__ = ["LAUNCH", "compile_checks", "rms_norm_bwd", "rms_norm_fwd"]
+__all__ = ["LAUNCH", "compile_checks", "launch_settings", "rms_norm_bwd", "rms_norm_fwd"]
 
 _WARPS = (1, 2, 4, 8, 16, 32)
 LAUNCH = LaunchConfig("rms_norm", fwd_warps=_WARPS, bwd_warps=_WARPS, bwd_programs_per_sm=tuple(range(1, 17)))
@@ -61,6 +61,13 @@ def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, rows, n, rows_per_progr
             tl.store(DX + row * n + cols, (rstd * (g - xhat * mean)).to(DX.dtype.element_ty), mask=mask)
             dw += dy * xhat
     tl.store(DW_PARTIAL + pid * n + cols, dw, mask=mask)
+
+
+def launch_settings(n: int, rows: int, device: torch.device) -> dict[str, int]:
+    """The launch settings the next call at row width ``n`` and ``rows`` rows uses (:data:`LAUNCH` applied)."""
+    block = triton.next_power_of_2(n)
+    return {"fwd_warps": _num_warps(block, "fwd_warps"), "bwd_warps": _num_warps(block, "bwd_warps"),
+            "bwd_programs": _num_programs(device, rows)}
 
 
 def _num_warps(block: int, setting: str) -> int:
