@@ -41,6 +41,7 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the Triton kernels are first imported
 
 import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
 
 from shardkit.kernels import adamw as triton_adamw  # noqa: E402
 from shardkit.kernels import rms_norm as triton_rms_norm  # noqa: E402
@@ -84,7 +85,7 @@ def bench_ms(fn: Fn, device: torch.device, rep_ms: int) -> float:
     """Median milliseconds of ``fn()``: do_bench (CUDA events) on a GPU, wall clock on CPU (smoke only)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
-        return float(triton.testing.do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median"))
+        return float(do_bench(fn, warmup=max(5, rep_ms // 4), rep=rep_ms, return_mode="median"))
     fn()
     times = []
     for _ in range(3):
