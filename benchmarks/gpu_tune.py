@@ -331,6 +331,16 @@ def header(device: torch.device, native: str | None) -> str:
             f"# 'triton default' is rms_norm {rows}x{n}: {rms}; AdamW: block={block} num_warps={warps}")
 
 
+def write_report(sections: list[Section], head: str, start: float) -> str:
+    """Full tables, then the short summary; also written to $OUT/gpu_tune.txt when $OUT is set."""
+    short = [line for s in sections for line in summary(s)]
+    elapsed = f"sweeps {time.monotonic() - start:.1f} s, process {time.monotonic() - _T0:.1f} s"
+    report = "\n\n".join(full_table(s) for s in sections) + "\n\n" + "\n".join(short) + "\n" + elapsed
+    if os.environ.get("OUT"):
+        (Path(os.environ["OUT"]) / "gpu_tune.txt").write_text(head + "\n\n" + report + "\n")
+    return report
+
+
 # ---- main -------------------------------------------------------------------------------------------------
 
 # Grid order: the settings most likely to win first, so that a section cut short by the budget loses the least.
@@ -382,7 +392,8 @@ def main() -> int:
     native = want if native_ready(args.build_native) else None
     print(header(device, native), flush=True)
     start = time.monotonic()
-    sections = []
+    sections: list[Section] = []
+    report = ""
     steps = plan(SMOKE if args.smoke else FULL, device, native, args.rep_ms)
     for i, (title, weight, run) in enumerate(steps):
         left = start + args.budget_s - time.monotonic()
@@ -396,15 +407,10 @@ def main() -> int:
             print(f"  {title}: error: {type(e).__name__}: {str(e)[:160]}", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    report = "\n\n".join(full_table(s) for s in sections)
-    short = [line for s in sections for line in summary(s)]
-    elapsed = (f"sweeps {time.monotonic() - start:.1f} s (budget {args.budget_s:.0f} s), "
-               f"process {time.monotonic() - _T0:.1f} s")
-    print("\n" + report + "\n\n" + "\n".join(short) + "\n" + elapsed, flush=True)
+        report = write_report(sections, header(device, native), start)  # after each section: a kill loses little
+    print("\n" + report, flush=True)
     if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "gpu_tune.txt"
-        path.write_text(header(device, native) + "\n\n" + report + "\n\n" + "\n".join(short) + "\n" + elapsed + "\n")
-        print(f"full table: {path}", flush=True)
+        print(f"full table: {Path(os.environ['OUT']) / 'gpu_tune.txt'}", flush=True)
     return 0
 
 
