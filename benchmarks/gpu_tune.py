@@ -131,12 +131,12 @@ def run_section(section: Section, variants: dict[str, tuple[Settings | None, Fn 
             row.note = "skipped: out of budget"
             continue
         try:
-            if outputs is not None:
-                row.err = err_ratio(outputs(), want, *tol)
-            if row.err is not None and row.err > 1 and settings is not None:
-                row.note = "FAIL: outputs differ from the default's"
-                continue
-            row.ms = bench_ms(timed, device, rep_ms)
+            row.err = err_ratio(outputs(), want, *tol) if outputs is not None else None
+            failed = row.err is not None and row.err > 1
+            if failed:
+                row.note = "FAIL: outputs differ from the default's" + ("" if settings else " (a baseline: timed)")
+            if not (failed and settings):
+                row.ms = bench_ms(timed, device, rep_ms)
         except Exception as e:  # noqa: BLE001 (a broken config is reported, and the sweep goes on)
             row.note = f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         print(f"  {section.title}: {name:<34} {row.setting_text():<44} "
@@ -312,7 +312,7 @@ def summary(section: Section) -> list[str]:
     best = min(tri, key=lambda r: r.ms)
     gain = f" = {default.ms / best.ms:.2f}x the default ({_ms(default)} ms)" if default else ""
     others = [r for r in timed if not r.name.startswith("triton")]
-    bad = sum(1 for r in section.rows if r.note.startswith(("FAIL", "error")))
+    bad = sum(1 for r in section.rows if r.settings and r.note.startswith(("FAIL", "error")))
     skipped = sum(1 for r in section.rows if r.note.startswith("skipped"))
     return [f"{section.title}: best triton {best.setting_text() if best.settings else '(default)'}: "
             f"{_ms(best)} ms{gain}",
