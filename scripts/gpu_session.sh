@@ -49,6 +49,8 @@ if wants bench; then
         | grep -vE "^\[|^#" | tail -45
     timeout "$(left 40 170)" python3 benchmarks/kernels.py --only flce --flce-dtype bfloat16 2>&1 \
         | tee "$out/flce_bf16.log" | tail -12
+    # launch-setting sweep of the Triton rms_norm and AdamW (issue 28 item 3; ~60 s, its own deadline inside)
+    timeout "$(left 70 160)" python3 benchmarks/gpu_tune.py 2>&1 | tee "$out/gpu_tune.log" | tail -30
 fi
 if wants e2e; then
     phase e2e  # eager variants first (~15 s each), then compiled (~1 min each) while the budget lasts
