@@ -29,15 +29,19 @@ _BUILD_LINE = "building C++ ops"
 # What `pip wheel .` reads: copied so that the build is hermetic (no stale build/ of the checkout in the wheel)
 _PACKAGING = ["setup.py", "pyproject.toml", "README.md", "MANIFEST.in", "CMakeLists.txt", "sdk", "csrc"]
 # One C++ op against its reference, in the user's environment, away from the checkout (cwd is a temporary folder)
+# (fp32: the kernels' dtype; float64 goes to the reference whatever the backend)
 _OP_CHECK = """
 import torch
 from shardkit.ops import BUILDER, force_backend, rms_norm, rms_norm_reference
 print("library", BUILDER.load())
 print("sources", BUILDER.csrc)
-x, w = torch.randn(5, 96, dtype=torch.float64), torch.randn(96, dtype=torch.float64)
+x, w = torch.randn(5, 96), torch.randn(96)
+expected = rms_norm_reference(x.double(), w.double()).float()
+raw, _ = torch.ops.shardkit_C.rms_norm_fwd(x, w, 1e-6, 0.0)
 with force_backend("cpp"):
     out = rms_norm(x, w)
-torch.testing.assert_close(out, rms_norm_reference(x, w))
+torch.testing.assert_close(raw, expected)
+torch.testing.assert_close(out, expected)
 print("rms_norm cpp == reference")
 """
 
@@ -124,3 +128,4 @@ def test_fresh_venv_readme_first_command_then_every_example(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     assert f"library {built[0]}" in done.stdout and f"sources {shipped_sources}" in done.stdout, done.stdout
+    assert "rms_norm cpp == reference" in done.stdout, done.stdout
