@@ -110,6 +110,9 @@ class Runner(RunnerObservability, RunnerCheckpoints):
             runs are bitwise equal (``seed`` defaults to 0 then).
         profile_steps: record these optimizer steps with torch.profiler (``(2, 4)``, ``"2-3"`` or ``2``): a Chrome
             trace and a memory timeline per rank under ``<logging_dir>/profile``, and the top ops logged.
+        memory_snapshot: on CUDA, record the allocator's history and write ``<logging_dir>/profile/
+            oom_snapshot.rank<N>.pickle`` when an allocation fails (``profile_steps`` turns it on too). On every
+            device an out-of-memory error writes ``<logging_dir>/oom_report.rank<N>.json`` (:meth:`report_oom`).
     """
 
     def __init__(
@@ -117,7 +120,7 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         config: str | Path | dict | None = None, gradient_accumulation_steps: int | None = None,
         seed: int | None = None, checkpoint_keep_last: int | None = None, activation_checkpointing: Any = None,
         mixed_precision: str | None = None, log_with: Any = None, logging_dir: str | Path = "runs",
-        deterministic: bool = False, profile_steps: Any = None,
+        deterministic: bool = False, profile_steps: Any = None, memory_snapshot: bool = False,
     ):
         strategy, precision = _by_name(strategy, precision, mixed_precision)
         self.config = None
@@ -153,7 +156,7 @@ class Runner(RunnerObservability, RunnerCheckpoints):
             self.seed = seed = enable_determinism(0 if seed is None else seed)
         elif seed is not None:
             seed_everything(seed)
-        self._observe(log_with, logging_dir, profile_steps)
+        self._observe(log_with, logging_dir, profile_steps, memory_snapshot)
         self._module: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: Any | None = None
@@ -354,7 +357,9 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         if self.profiler is not None and self._micro_step == 0:
             self.profiler.before_step(self.optimizer_steps)
         self.run_log.on_backward(loss)
-        self.strategy.backward(loss, module, self._window)
+        self.flight_recorder.on_backward(loss)
+        with self._reporting_oom():
+            self.strategy.backward(loss, module, self._window)
         self._stepped = False
         self._micro_step = (self._micro_step + 1) % self._window
         self._boundary = self._micro_step == 0
@@ -386,7 +391,8 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         if self.max_grad_norm and not self._clipped:  # a config's gradient_clipping applies by itself
             self.strategy.clip_gradients(module, optimizer, self.max_grad_norm)
         self._clipped = False
-        stepped = self.strategy.optimizer_step(optimizer, module)
+        with self._reporting_oom():
+            stepped = self.strategy.optimizer_step(optimizer, module)
         if stepped:
             self.optimizer_steps += 1
             if self._scheduler is not None:

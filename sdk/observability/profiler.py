@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from shardkit.observability.oom_report import note_cuda_oom
+
 __all__ = ["StepProfiler", "install_oom_snapshot", "oom_observer", "parse_profile_steps"]
 
 log = logging.getLogger("shardkit.observability")
@@ -160,6 +162,7 @@ def oom_observer(output_dir: str | Path, rank: int) -> Callable[..., None]:
     path = Path(output_dir) / f"oom_snapshot.rank{rank}.pickle"
 
     def observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+        note_cuda_oom(device, alloc, device_allocated, device_free)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._dump_snapshot(str(path))
