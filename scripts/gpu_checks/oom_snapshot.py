@@ -25,7 +25,7 @@ CHUNK_FRACTION = 5  # each step keeps free/5 bytes: the 5th or 6th step fails, a
 ROUNDING = 2 * 2**20  # the caching allocator rounds large blocks up to 2 MiB
 
 
-def child(folder: Path) -> None:
+def child(folder: Path, checkpoints: Path) -> None:
     import torch
     from torch import nn
 
@@ -53,7 +53,7 @@ def child(folder: Path) -> None:
         runner.backward(loss)
         runner.step()
         if step == 1:
-            runner.save(folder / "ckpt" / "step-2", {"model": model, "optimizer": optimizer})
+            runner.save(checkpoints / "step-2", {"model": model, "optimizer": optimizer})
     raise SystemExit("no out-of-memory error after all: the GPU has more memory than it said")
 
 
@@ -78,8 +78,9 @@ def parent() -> int:
         return 1
     folder = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="oom_snapshot_"))
     folder.mkdir(parents=True, exist_ok=True)
-    run = subprocess.run([sys.executable, __file__, "--child", str(folder)], capture_output=True, text=True,
-                         timeout=300)
+    checkpoints = Path(tempfile.mkdtemp(prefix="oom_snapshot_ckpt_"))  # not under $OUT: 8 files come back
+    run = subprocess.run([sys.executable, __file__, "--child", str(folder), str(checkpoints)], capture_output=True,
+                         text=True, timeout=300)
     (folder / "child.log").write_text(run.stdout + run.stderr)
     results = [check("child ended with the out-of-memory error", run.returncode != 0 and "OutOfMemoryError"
                      in run.stderr, run.stderr[-1500:])]
@@ -100,21 +101,21 @@ def parent() -> int:
         results.append(check("report holds the CUDA memory summary", "cuda" in report.get("memory", {})))
         results.append(check("report names the fix", "shardkit estimate-memory --params" in report.get("fix", "")))
         results.append(check("stderr points at the report", str(report_path) in run.stderr))
-    results.append(check("checkpoint before the error loads", checkpoint_loads(folder / "ckpt")))
+    results.append(check("checkpoint before the error loads", checkpoint_loads(checkpoints, folder)))
     print("PASS all" if all(results) else "FAIL some checks", flush=True)
     return 0 if all(results) else 1
 
 
-def checkpoint_loads(folder: Path) -> bool:
+def checkpoint_loads(checkpoints: Path, folder: Path) -> bool:
     import torch
     from torch import nn
 
     from shardkit import Runner
 
     try:
-        runner = Runner(logging_dir=folder / "runs")
+        runner = Runner(logging_dir=folder / "load_runs")
         model = runner.setup(nn.ModuleDict({"linear": nn.Linear(64, 64)}))  # the child's Hog without its hog
-        runner.load(folder, {"model": model}, runner_state=False)
+        runner.load(checkpoints, {"model": model}, runner_state=False)
         runner.teardown()
         return bool(torch.isfinite(model["linear"].weight).all())
     except Exception as err:  # noqa: BLE001 - reported as a FAIL line
@@ -123,7 +124,7 @@ def checkpoint_loads(folder: Path) -> bool:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        child(Path(sys.argv[2]))
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        child(Path(sys.argv[2]), Path(sys.argv[3]))
     else:
         sys.exit(parent())

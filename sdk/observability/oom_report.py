@@ -136,13 +136,17 @@ def memory_summary() -> dict[str, Any]:
 
 
 def _fix(facts: dict[str, Any] | None, allocation: int | None, summary: dict[str, Any]) -> str:
-    from shardkit.distributed.oom import _estimate_command
-
     where = "GPU" if "cuda" in summary else "host"
     asked = f"{allocation / 2**20:.1f} MiB" if allocation else "an allocation of unknown size"
-    return (f"the {where} ran out of memory asking for {asked}. What fits: {_estimate_command(facts)}; "
-            "activation_checkpointing=True also trades compute for activation memory, and more "
-            "gradient_accumulation_steps keep the batch with a smaller micro-batch")
+    if facts is None:
+        command = "shardkit estimate-memory --params <model parameters> --num-gpus <ranks per node>"
+    else:
+        command = (f"shardkit estimate-memory --params {facts['params']} --num-gpus {facts['nproc_per_node']} "
+                   f"--num-nodes {facts['nodes']} --precision {facts['precision']}")
+    return (f"the {where} ran out of memory asking for {asked}. What fits: `{command}` (every strategy; add "
+            "--batch-size and --seq-len for activations). Then: a strategy that shards or offloads more (fsdp, zero3, "
+            "zero3 with offload), activation_checkpointing=True, or a smaller micro-batch with more "
+            "gradient_accumulation_steps")
 
 
 def write_oom_report(exc: BaseException, folder: str | Path, rank: int, recorder: StepRecorder | None = None,
