@@ -44,21 +44,24 @@ _last_cuda_oom: dict[str, Any] = {}  # the CUDA allocator's figures at its last 
 _hook: dict[str, Any] = {"installed": False, "report": None}
 
 
+def _is_device_oom(exc: BaseException) -> bool:
+    return isinstance(exc, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """True for CUDA's OutOfMemoryError, Python's MemoryError and the CPU allocator's failure."""
-    oom_type = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
-    if isinstance(exc, (MemoryError, oom_type)):
+    if isinstance(exc, MemoryError) or _is_device_oom(exc):
         return True
     return isinstance(exc, RuntimeError) and bool(_CPU_TEXT.search(str(exc)[:2000]))
 
 
 def failing_allocation(exc: BaseException) -> int | None:
-    """The bytes the failing allocation asked for: the CPU allocator's exact count, CUDA's rounded "2.00 GiB", or
-    the CUDA allocator's own figure when its observer saw the error; None for Python's MemoryError."""
+    """The bytes the failing allocation asked for: the CPU allocator's exact count, the CUDA allocator's own figure
+    when its observer saw the error, else CUDA's rounded "2.00 GiB"; None for Python's MemoryError."""
     text = str(exc)[:2000]
     if (exact := _BYTES_TEXT.search(text)) is not None:
         return int(exact.group(1))
-    if _last_cuda_oom.get("alloc"):
+    if _is_device_oom(exc) and _last_cuda_oom.get("alloc"):
         return int(_last_cuda_oom["alloc"])
     if (rounded := _UNIT_TEXT.search(text)) is not None:
         return int(float(rounded.group(1)) * _UNITS[rounded.group(2).lower()])
@@ -166,12 +169,14 @@ def write_oom_report(exc: BaseException, folder: str | Path, rank: int, recorder
     summary = memory_summary()
     snap = Path(snapshot) if snapshot is not None and Path(snapshot).is_file() else None
     report = {"error": {"type": type(exc).__name__, "message": str(exc)[:2000]},
-              "failing_allocation_bytes": allocation, "cuda_allocator": dict(_last_cuda_oom) or None,
+              "failing_allocation_bytes": allocation,
+              "cuda_allocator": dict(_last_cuda_oom) if _is_device_oom(exc) and _last_cuda_oom else None,
               "memory": summary, "last_steps": recorder.as_list() if recorder is not None else [],
               "fix": _fix(facts, allocation, summary), "snapshot": None if snap is None else str(snap)}
     path = Path(folder) / f"oom_report.rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1, default=str))
+    _last_cuda_oom.clear()  # this error's figures; the next out-of-memory brings its own
     log.error("out of memory on rank %d: report (last %d steps, memory summary) written to %s%s; %s", rank,
               len(report["last_steps"]), path, f", CUDA memory snapshot {snap}" if snap else "", report["fix"])
     return path
