@@ -2,11 +2,11 @@
 
 Runs a Runner loop with ``memory_snapshot=True`` in a child process whose model's forward keeps a tensor of a fixed
 size per step until the GPU is full; the out-of-memory error ends the child as it would end a user's script. The
-parent then checks that ``oom_snapshot.rank0.pickle`` and ``oom_report.rank0.json`` exist, that both name the
+parent then checks that ``profile/oom_snapshot.rank0.pickle`` and ``oom_report.rank0.json`` exist, that both name the
 failing allocation (the chunk size, as the allocator rounded it), that the report holds the last steps, the memory
 summary and the ``shardkit estimate-memory`` fix, and that the checkpoint saved before the error loads. Prints one
-PASS/FAIL line per check; exit status 0 only when all pass. Files go under $OUT when it is set. Needs only the
-standard library, torch (2.11 or later) and shardkit; under a minute on an H100.
+PASS/FAIL line per check; exit status 0 only when all pass. Files go under $OUT/oom_snapshot when $OUT is set.
+Needs only the standard library, torch (2.11 or later) and shardkit; 20 s on an H200 (torch 2.11.0+cu130).
 
     python scripts/gpu_checks/oom_snapshot.py
 """
@@ -33,7 +33,7 @@ def child(folder: Path, checkpoints: Path) -> None:
 
     free, _ = torch.cuda.mem_get_info()
     chunk = free // CHUNK_FRACTION // ROUNDING * ROUNDING + 1024  # not a round size: easy to find in the files
-    (folder / "chunk.txt").write_text(str(chunk))
+    print(f"chunk={chunk}", flush=True)
     kept: list[torch.Tensor] = []
 
     class Hog(nn.Module):
@@ -45,7 +45,7 @@ def child(folder: Path, checkpoints: Path) -> None:
             kept.append(torch.empty(chunk, dtype=torch.uint8, device=x.device))  # what a leak looks like
             return self.linear(x)
 
-    runner = Runner(logging_dir=folder / "runs", memory_snapshot=True, seed=0)
+    runner = Runner(logging_dir=folder, memory_snapshot=True, seed=0)
     model = Hog()
     model, optimizer = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     for step in range(10 * CHUNK_FRACTION):
@@ -76,7 +76,8 @@ def parent() -> int:
     if not torch.cuda.is_available():
         print("FAIL cuda: no CUDA device")
         return 1
-    folder = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="oom_snapshot_"))
+    # Three files, two folders down, under $OUT/oom_snapshot: beside other checks' logs in the device tool's $OUT.
+    folder = Path(os.environ["OUT"]) / "oom_snapshot" if os.environ.get("OUT") else Path(tempfile.mkdtemp())
     folder.mkdir(parents=True, exist_ok=True)
     checkpoints = Path(tempfile.mkdtemp(prefix="oom_snapshot_ckpt_"))  # not under $OUT: 8 files come back
     run = subprocess.run([sys.executable, __file__, "--child", str(folder), str(checkpoints)], capture_output=True,
@@ -84,9 +85,9 @@ def parent() -> int:
     (folder / "child.log").write_text(run.stdout + run.stderr)
     results = [check("child ended with the out-of-memory error", run.returncode != 0 and "OutOfMemoryError"
                      in run.stderr, run.stderr[-1500:])]
-    chunk = int((folder / "chunk.txt").read_text()) if (folder / "chunk.txt").is_file() else 0
-    snapshot = folder / "runs" / "profile" / "oom_snapshot.rank0.pickle"
-    report_path = folder / "runs" / "oom_report.rank0.json"
+    chunk = next((int(line[6:]) for line in run.stdout.splitlines() if line.startswith("chunk=")), 0)
+    snapshot = folder / "profile" / "oom_snapshot.rank0.pickle"
+    report_path = folder / "oom_report.rank0.json"
     results.append(check("snapshot written", snapshot.is_file(), str(snapshot)))
     results.append(check("snapshot names the failing allocation", snapshot.is_file() and snapshot_names(
         snapshot, chunk), f"no 'oom' event of {chunk} bytes"))
@@ -101,19 +102,19 @@ def parent() -> int:
         results.append(check("report holds the CUDA memory summary", "cuda" in report.get("memory", {})))
         results.append(check("report names the fix", "shardkit estimate-memory --params" in report.get("fix", "")))
         results.append(check("stderr points at the report", str(report_path) in run.stderr))
-    results.append(check("checkpoint before the error loads", checkpoint_loads(checkpoints, folder)))
+    results.append(check("checkpoint before the error loads", checkpoint_loads(checkpoints)))
     print("PASS all" if all(results) else "FAIL some checks", flush=True)
     return 0 if all(results) else 1
 
 
-def checkpoint_loads(checkpoints: Path, folder: Path) -> bool:
+def checkpoint_loads(checkpoints: Path) -> bool:
     import torch
     from torch import nn
 
     from shardkit import Runner
 
     try:
-        runner = Runner(logging_dir=folder / "load_runs")
+        runner = Runner(logging_dir=checkpoints / "runs")
         model = runner.setup(nn.ModuleDict({"linear": nn.Linear(64, 64)}))  # the child's Hog without its hog
         runner.load(checkpoints, {"model": model}, runner_state=False)
         runner.teardown()
