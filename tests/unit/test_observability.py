@@ -15,7 +15,15 @@ import pytest
 import torch
 
 from shardkit import Runner
-from shardkit.observability import StepProfiler, Throughput, flops_per_token, oom_report, parse_profile_steps
+from shardkit.observability import (
+    StepProfiler,
+    Throughput,
+    flops_per_token,
+    install_oom_snapshot,
+    oom_report,
+    parse_profile_steps,
+    profiler,
+)
 from shardkit.observability.profiler import oom_observer
 from shardkit.observability.run_log import RunLog
 from shardkit.precision.fp16 import LossScaler
@@ -206,6 +214,22 @@ def test_oom_observer_writes_the_memory_snapshot_and_names_it(tmp_path, monkeypa
     assert written == [str(tmp_path / "profile" / "oom_snapshot.rank3.pickle")]
     assert oom_report._last_cuda_oom == {"device": 0, "alloc": 2**30, "allocated": 5 * 2**30, "free": 2**20}
     assert "asking for 1073741824 bytes" in caplog.text and "oom_snapshot.rank3.pickle" in caplog.text
+
+
+def test_one_allocator_observer_serves_the_latest_runner(tmp_path, monkeypatch):
+    """The CUDA allocator keeps every observer attached: a second Runner must not add a second snapshot per OOM."""
+    attached, written = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kwargs: None)
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", attached.append, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", written.append)
+    monkeypatch.setattr(profiler, "_snapshot", {"current": None})
+    monkeypatch.setattr(oom_report, "_last_cuda_oom", {})
+    install_oom_snapshot(tmp_path / "first", 0)
+    install_oom_snapshot(tmp_path / "second", 0)
+    assert len(attached) == 1
+    attached[0](0, 2**20, 2**30, 0)
+    assert written == [str(tmp_path / "second" / "oom_snapshot.rank0.pickle")]
 
 
 def test_an_oom_inside_step_writes_one_report_and_still_reaches_the_loop(tmp_path, caplog):
