@@ -24,7 +24,7 @@ CASES = {
     4: [{"schedule": "gpipe", "microbatches": 4}, {"schedule": "1f1b", "microbatches": 4},
         {"schedule": "1f1b", "pp_size": 2, "microbatches": 2}, {"schedule": "interleaved_1f1b", "pp_size": 2,
                                                                   "microbatches": 2, "accumulation": 2},
-        {"schedule": "1f1b", "pp_size": 2, "dp": "fsdp"},
+        {"model": "hf_tied", "schedule": "1f1b", "pp_size": 2, "dp": "fsdp"},
         {"schedule": "interleaved_1f1b", "pp_size": 2, "dp": "fsdp", "accumulation": 2}],
 }
 # Micro-batches each case's schedules ran with no microbatches given: the accumulation window's length when it is
