@@ -17,7 +17,8 @@ budget="${GPU_BUDGET_S:-560}"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/shardkit_ext}" MAX_JOBS="${MAX_JOBS:-16}"
 
 # seconds for the next phase: its own cap, or what is left of the budget less a reserve for the later phases
-left() { local cap=$1 reserve=${2:-0} rest; rest=$(( budget - ($(date +%s) - start) - reserve )); \
+# (reserves are written for the default 560 s and scale with GPU_BUDGET_S)
+left() { local cap=$1 reserve=$(( ${2:-0} * budget / 560 )) rest; rest=$(( budget - ($(date +%s) - start) - reserve )); \
          (( rest < cap )) && cap=$rest; (( cap < 5 )) && cap=5; echo "$cap"; }
 phase() { echo "== $1 at +$(( $(date +%s) - start ))s" | tee -a "$out/phases.txt"; }
 wants() { [ "$what" = all ] || [[ " $what " == *" $1 "* ]]; }
