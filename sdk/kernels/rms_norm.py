@@ -22,7 +22,7 @@ __all__ = ["LAUNCH", "compile_checks", "launch_settings", "rms_norm_bwd", "rms_n
 
 _WARPS = (1, 2, 4, 8, 16, 32)
 LAUNCH = LaunchConfig("rms_norm", fwd_warps=_WARPS, bwd_warps=_WARPS, bwd_programs_per_sm=tuple(range(1, 17)))
-"""Overrides of the launch heuristics (``None``: :func:`_num_warps`, one backward program per SM)."""
+"""Overrides of the launch heuristics (``None``: :func:`row_warps`, one backward program per SM)."""
 
 
 @triton.jit
@@ -70,14 +70,17 @@ def launch_settings(n: int, rows: int, device: torch.device) -> dict[str, int]:
             "bwd_programs": _num_programs(device, rows)}
 
 
-def _num_warps(block: int, setting: str) -> int:
-    chosen = LAUNCH.get(setting)
-    if chosen is not None:
-        return chosen
+def row_warps(block: int) -> int:
+    """Warps for one program holding a whole row of ``block`` elements (also the LayerNorm kernels' choice)."""
     # 8 elements of each row tensor per thread. With the default 4 warps a 4096-wide row is 32 elements per
     # thread: the backward kernel then takes 190-206 registers (12% occupancy on sm_80/sm_90), and at 8192 it
     # spills 312-352 B/thread to local memory (scripts/check_triton.py; compiled, not run: no GPU here).
     return max(4, min(32, block // 256))
+
+
+def _num_warps(block: int, setting: str) -> int:
+    chosen = LAUNCH.get(setting)
+    return row_warps(block) if chosen is None else chosen
 
 
 def _num_programs(device: torch.device, rows: int) -> int:
