@@ -1,5 +1,5 @@
 """End-to-end training step of a ~1B Llama in bf16 on one GPU: plain HF, HF + Liger-Kernel, HF + shardkit's
-kernels, each eager and under torch.compile, and shardkit's kernels with FP8 linears beside them.
+kernels, each eager and then under torch.compile, and shardkit's kernels with FP8 linears beside them.
 
 Run (a GPU lend runs it through ``scripts/gpu_session.sh e2e``): ``python benchmarks/gpu_e2e.py``.
 Smoke run on CPU at tiny shapes (checks every variant builds, steps and reports; figures meaningless):
@@ -162,11 +162,16 @@ def main() -> None:
           f"{'smoke (tiny model, CPU)' if smoke else 'Llama 3.2 1B shape'}", flush=True)
     wanted = set(args.only.split(",")) if args.only else set(_VARIANTS)
     rows = []
-    for name, patch in _VARIANTS.items():
-        if name not in wanted:
-            continue
-        for compiled in (False,) if args.no_compile else (False, True):
-            rows.append(_run_variant(name, patch, compiled, args, cfg, device))
+    # Every eager variant before any compiled one: a lend that runs out of time still has the whole eager table.
+    for compiled in (False,) if args.no_compile else (False, True):
+        for name, patch in _VARIANTS.items():
+            if name not in wanted:
+                continue
+            try:
+                rows.append(_run_variant(name, patch, compiled, args, cfg, device))
+            except Exception as exc:  # one variant's failure (a kernel, a compile) must not lose the others' rows
+                rows.append([name, "compile" if compiled else "eager", "-", "-", "-", "-",
+                             f"failed: {type(exc).__name__}: {str(exc)[:120]}"])
             print(" | ".join(rows[-1]), flush=True)
             _free(device)
     print_table(["variant", "mode", "step ms", "tokens/s", "MFU", "peak memory", "note"], rows)

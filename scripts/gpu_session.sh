@@ -1,26 +1,57 @@
 #!/usr/bin/env bash
-# What a session with a lent GPU runs first (device tool, one call): the CUDA and Triton kernel tests on the GPU,
-# then the kernel benchmark, then the end-to-end training benchmark (benchmarks/gpu_e2e.py: a 1B Llama, plain HF vs
-# HF+Liger (when installed) vs HF+shardkit kernels, eager and compiled, FP8 beside bf16). Logs go to $OUT (the
-# device tool's return folder) or ./gpu_logs.
-# Usage: bash scripts/gpu_session.sh [tests|bench|e2e|all]
+# What a session with a lent GPU runs (device tool, one call): the CUDA and Triton kernel tests on the GPU, the
+# self-checking GPU scripts (scripts/gpu_checks/*.py: CUDA OOM snapshot, ...), the kernel benchmark, then the
+# end-to-end training benchmark (benchmarks/gpu_e2e.py: a 1B Llama, plain HF vs HF+Liger vs HF+shardkit kernels,
+# eager then compiled, FP8 beside bf16). Logs go to $OUT (the device tool's return folder) or ./gpu_logs.
+# A lend is short (15 minutes of device time, 10 per command), so every phase runs under one deadline
+# (GPU_BUDGET_S seconds from the start, default 560) and is cut off rather than letting the call run over.
+# Wheels a lend carries (liger-kernel, torchao) are installed from .whl/ when that folder exists.
+# Usage: bash scripts/gpu_session.sh [tests|checks|bench|e2e|all]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
 what="${1:-all}"
+start=$(date +%s)
+budget="${GPU_BUDGET_S:-560}"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/shardkit_ext}" MAX_JOBS="${MAX_JOBS:-16}"
+
+# seconds for the next phase: its own cap, or what is left of the budget less a reserve for the later phases
+left() { local cap=$1 reserve=${2:-0} rest; rest=$(( budget - ($(date +%s) - start) - reserve )); \
+         (( rest < cap )) && cap=$rest; (( cap < 5 )) && cap=5; echo "$cap"; }
+phase() { echo "== $1 at +$(( $(date +%s) - start ))s" | tee -a "$out/phases.txt"; }
+wants() { [ "$what" = all ] || [ "$what" = "$1" ]; }
+
+phase setup
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site
+fi
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
-if [ "$what" = tests ] || [ "$what" = all ]; then
-    # The CPU backends run in CI; here only the GPU ones (test ids carry the backend-device pair).
-    timeout 420 python3 -m pytest tests/kernels -q -p no:cacheprovider -k "cuda" --timeout 400 --tb=short -rf \
-        ${PYTEST_EXTRA:-} 2>&1 | tee "$out/kernel_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -60
+
+if wants tests; then
+    phase tests  # the CPU backends run in CI; here only the GPU ones (test ids carry the backend-device pair)
+    t=$(left 200 300)
+    timeout "$t" python3 -m pytest tests/kernels -q -p no:cacheprovider -k "cuda" --timeout "$t" --tb=short -rf \
+        ${PYTEST_EXTRA:-} 2>&1 | tee "$out/kernel_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-    timeout 500 python3 benchmarks/kernels.py 2>&1 | tee "$out/kernel_bench.log" | tail -80
+if wants checks; then
+    phase checks
+    for check in scripts/gpu_checks/*.py; do
+        [ -e "$check" ] || continue
+        timeout "$(left 60 240)" python3 "$check" 2>&1 | tee -a "$out/gpu_checks.log" | grep -E "PASS|FAIL|Error" | tail -10
+    done
 fi
-if [ "$what" = e2e ] || [ "$what" = all ]; then
-    # ~1 min per variant (8 variants; the compiled ones compile in their warmup steps)
-    timeout 580 python3 benchmarks/gpu_e2e.py ${E2E_ARGS:-} 2>&1 | tee "$out/e2e_bench.log" | tail -20
+if wants bench; then
+    phase bench
+    timeout "$(left 150 200)" python3 benchmarks/kernels.py --only ops --only adamw 2>&1 | tee "$out/kernel_bench.log" \
+        | grep -vE "^\[|^#" | tail -45
+    timeout "$(left 40 170)" python3 benchmarks/kernels.py --only flce --flce-dtype bfloat16 2>&1 \
+        | tee "$out/flce_bf16.log" | tail -12
 fi
+if wants e2e; then
+    phase e2e  # eager variants first (~15 s each), then compiled (~1 min each) while the budget lasts
+    timeout "$(left 580 10)" python3 benchmarks/gpu_e2e.py ${E2E_ARGS:-} 2>&1 | tee "$out/e2e_bench.log" | tail -14
+fi
+phase done
