@@ -215,17 +215,20 @@ class FSDP(MeshStrategy):
             return self._setup_recorded(module, records)
         sync = self.settings.sync_module_states and self.world_size > 1
         if sync and self.settings.cpu_ram_efficient_loading and not self.is_global_zero:
-            _mesh.parameters_to_meta(module)  # rank 0's weights are what every shard starts from: free this copy
+            # Rank 0's weights are what every shard starts from: free this copy. NOTE: parameter subclasses (QLoRA's
+            # packed 4-bit weights and their quant state) cannot be rebuilt from the meta device; they are sent whole.
+            if all(type(p) is nn.Parameter for p in module.parameters()):
+                _mesh.parameters_to_meta(module)
         meta = self._any_rank(_mesh.has_meta_parameters(module))
         if sync and not meta:
             _mesh.broadcast_from_rank0(module)
         rank0_state = None
+        if meta and sync and self._any_rank(self.is_global_zero and _mesh.has_meta_parameters(module)):
+            # Raised on every rank (the flag is reduced), so that none waits for rank 0's broadcast.
+            raise ValueError("FSDP sync_module_states: rank 0's model has parameters on the meta device, so there are "
+                             "no weights to send the other ranks; build or load the model with real weights on rank 0 "
+                             "(runner.init_module(empty_init=True) does that)")
         if meta and sync and self.is_global_zero:
-            if _mesh.has_meta_parameters(module):
-                names = [n for n, p in module.named_parameters() if p.is_meta][:3]
-                raise ValueError(f"FSDP sync_module_states: rank 0's model has parameters on the meta device ({names}"
-                                 f"), so there are no weights to send the other ranks; build or load the model with "
-                                 f"real weights on rank 0 (runner.init_module(empty_init=True) does that)")
             rank0_state = {k: v.detach() for k, v in module.state_dict().items()}
         self._shard(module)
         if meta:

@@ -146,10 +146,23 @@ def _ram_efficient_case(rank1_build: str, out: str) -> dict:
             "built_meta": built.weight.is_meta}
 
 
+def _rank0_meta_case(out: str) -> str:
+    """Rank 0 without weights: every rank stops with the error (none waits for a broadcast that never comes)."""
+    with torch.device("meta"):
+        model = _hf_llama()
+    args = _args(out, max_steps=1, fsdp="full_shard", fsdp_config={"cpu_ram_efficient_loading": True})
+    try:
+        Trainer(model, args, train_dataset=Tokens()).train()
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
 def _worker(out: str) -> dict:
     return {"fused": {s: _fused_case(s, f"{out}/{s}") for s in FUSED_STRATEGIES},
             "neftune": {s: _neftune_case(s, f"{out}/n{s}") for s in NEFTUNE_STRATEGIES},
-            "ram_efficient": {b: _ram_efficient_case(b, f"{out}/r{b}") for b in ("other", "meta")}}
+            "ram_efficient": {b: _ram_efficient_case(b, f"{out}/r{b}") for b in ("other", "meta")},
+            "rank0_meta": _rank0_meta_case(f"{out}/r0meta")}
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +198,4 @@ def test_fsdp_cpu_ram_efficient_loading_trains_every_rank_from_rank0s_weights(re
             assert case["hf_told"], (build, rank)  # transformers' from_pretrained sees Accelerate's variables
         assert cases[0]["losses"] == cases[1]["losses"], build
         assert [c["built_meta"] for c in cases] == [False, True], build
+    assert all("rank 0's model has parameters on the meta device" in r["rank0_meta"] for r in results), results
