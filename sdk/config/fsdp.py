@@ -109,7 +109,8 @@ def fsdp_spec(section: Mapping[str, Any], where: str, path: str = "fsdp_config",
                           f"{options.key('sync_module_states')}: true (only rank 0 loads the weights; the others "
                           f"receive them) in {where}")
     kwargs["sync_module_states"] = sync
-    kwargs["cpu_ram_efficient_loading"] = options.flag("cpu_ram_efficient_loading", False)
+    if options.flag("cpu_ram_efficient_loading", False):  # named only when asked for (the FSDP default is off)
+        kwargs["cpu_ram_efficient_loading"] = True
     version = options.get("version", 1)
     if isinstance(version, str) and version.isdigit():
         version = int(version)

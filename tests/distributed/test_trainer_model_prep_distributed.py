@@ -142,8 +142,10 @@ def _ram_efficient_case(rank1_build: str, out: str) -> dict:
     trainer.train()
     with trainer.runner.init_module():  # rank 0 alone builds real weights
         built = torch.nn.Linear(4, 4)
+    plugin = trainer.accelerator.state.fsdp_plugin  # what scripts written for Accelerate read
     return {"weights": probe.weights, "losses": _losses(trainer), "hf_told": is_fsdp_enabled(),
-            "built_meta": built.weight.is_meta}
+            "built_meta": built.weight.is_meta, "plugin": (plugin.cpu_ram_efficient_loading, plugin.sync_module_states,
+                                                           plugin.sharding_strategy)}
 
 
 def _rank0_meta_case(out: str) -> str:
@@ -198,4 +200,5 @@ def test_fsdp_cpu_ram_efficient_loading_trains_every_rank_from_rank0s_weights(re
             assert case["hf_told"], (build, rank)  # transformers' from_pretrained sees Accelerate's variables
         assert cases[0]["losses"] == cases[1]["losses"], build
         assert [c["built_meta"] for c in cases] == [False, True], build
+        assert all(c["plugin"] == (True, True, "full") for c in cases), build
     assert all("rank 0's model has parameters on the meta device" in r["rank0_meta"] for r in results), results
