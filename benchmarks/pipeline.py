@@ -3,9 +3,15 @@ hand (same split, same schedule), round by round in the same processes; and the 
 measured against (pp - 1) / (microbatches + pp - 1).
 
     .venv/bin/python benchmarks/pipeline.py --pp 2 --microbatches 4 --rounds 5
+    .venv/bin/python benchmarks/pipeline.py --mode bubble --microbatches 2 4 8 --rounds 3
 
 Bubble measured = 1 - microbatches * (one micro-batch's forward + backward through this rank's stage, timed
 alone, no communication) / (the schedule's step time). Interleaved schedules run 2 stages per rank.
+
+``--mode bubble``: the layers' work is a fixed sleep per micro-batch (forward F ms; backward B ms on the input
+path and W ms on the weight path, so zero-bubble's split backward has a W to move), on tiny tensors, so CPU load
+on shared cores barely moves it. The bubble-free step is microbatches x (this rank's layers x (F + B + W)); the
+measured bubble is 1 - that / the step time, printed against (pp - 1) / (microbatches x stages per rank + pp - 1).
 """
 
 from __future__ import annotations
@@ -136,15 +142,114 @@ def worker(microbatches: int, rounds: int) -> dict:
     return out
 
 
+SLEEP_MS = {"forward": 10.0, "input_grad": 10.0, "weight_grad": 10.0}
+SLEEP_LAYERS, SLEEP_HIDDEN = 4, 8
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity that sleeps ``ms_forward`` in forward and ``ms_backward`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ms_forward: float, ms_backward: float) -> torch.Tensor:
+        ctx.ms_backward = ms_backward
+        time.sleep(ms_forward / 1000)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.ms_backward / 1000)
+        return grad, None, None
+
+
+class SleepBlock(torch.nn.Module):
+    """A decoder layer whose cost is fixed sleeps: F in forward, B on the input's gradient, W on the weight's."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.eye(hidden))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _Sleep.apply(x, SLEEP_MS["forward"], SLEEP_MS["input_grad"])
+        return x @ _Sleep.apply(self.weight, 0.0, SLEEP_MS["weight_grad"])
+
+
+def bubble_worker(microbatches: list[int], rounds: int) -> dict:
+    import torch.distributed as dist
+
+    from shardkit.strategies.pipeline import Pipeline, bubble_fraction
+
+    cfg = LlamaConfig(vocab_size=16, hidden_size=SLEEP_HIDDEN, intermediate_size=16, num_layers=SLEEP_LAYERS,
+                      num_heads=2, max_position=8, tie_embeddings=False, fused=False)
+    x = torch.randint(0, cfg.vocab_size, (max(microbatches), 4), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for schedule in SCHEDULES:
+        for m in microbatches:
+            runner = Runner(Pipeline(schedule=schedule, microbatches=m), seed=0)
+            pp = dist.get_world_size()
+            per_microbatch = SLEEP_LAYERS // pp * sum(SLEEP_MS.values()) / 1000  # this rank's layers, all chunks
+            model = Llama(cfg)
+            model.layers = torch.nn.ModuleList(SleepBlock(SLEEP_HIDDEN) for _ in range(SLEEP_LAYERS))
+            model, opt = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
+            times = []
+            for r in range(rounds + 1):  # round 0 warms up (shape inference)
+                dist.barrier()
+                start = time.perf_counter()
+                runner.backward(model(x[:m], labels=x[:m]))
+                runner.step()
+                elapsed = torch.tensor(time.perf_counter() - start)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                times.append(elapsed.item())
+            step = sorted(times[1:])[len(times[1:]) // 2]
+            alone = torch.tensor(_sleep_stage_alone(runner.strategy._runner, cfg.vocab_size))
+            dist.all_reduce(alone, op=dist.ReduceOp.MAX)
+            chunks = len(runner.strategy._runner.stages)
+            out[schedule, m] = {"step": step, "ideal": m * per_microbatch, "bubble": 1 - m * per_microbatch / step,
+                                "alone": alone.item(), "bubble_alone": 1 - m * alone.item() / step,
+                                "theory": bubble_fraction(pp, m * chunks)}
+    return out
+
+
+def _sleep_stage_alone(pipeline, vocab: int) -> float:
+    """One micro-batch's forward + backward through this rank's stages, no communication (median of 3): the
+    sleeps plus what they cost on this machine (oversleep under load, the embedding, head and Python around)."""
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for stage in pipeline.stages:
+            part = stage.submod
+            ids = torch.randint(0, vocab, (1, 4))
+            out = part(ids if part.embed is not None else torch.randn(1, 4, SLEEP_HIDDEN, requires_grad=True))
+            (out.pow(2).mean() if part.head is None else part.head(out[:, :-1].reshape(-1, out.shape[-1]),
+                                                                    ids[:, 1:].reshape(-1))).backward()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[1]
+
+
+def _print_bubble(pp: int, rounds: int, res: dict) -> None:
+    print(f"pp {pp}, {SLEEP_LAYERS} sleep layers (F/B/W = {SLEEP_MS['forward']:g}/{SLEEP_MS['input_grad']:g}/"
+          f"{SLEEP_MS['weight_grad']:g} ms per micro-batch), median of {rounds} rounds")
+    print("| schedule | m | step s | m x sleeps s | bubble vs sleeps | m x stage alone s | bubble vs alone | "
+          "(pp-1)/(m*v+pp-1) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (schedule, m), r in res.items():
+        print(f"| {schedule} | {m} | {r['step']:.3f} | {r['ideal']:.3f} | {r['bubble']:.3f} | {m * r['alone']:.3f} | "
+              f"{r['bubble_alone']:.3f} | {r['theory']:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("speed", "bubble"), default="speed")
     parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    res = run_distributed(worker, world_size=args.pp, args=(args.microbatches, args.rounds), timeout=3000)[0]
+    if args.mode == "bubble":
+        res = run_distributed(bubble_worker, world_size=args.pp, args=(args.microbatches, args.rounds), timeout=3000)
+        _print_bubble(args.pp, args.rounds, res[0])
+        return
+    res = run_distributed(worker, world_size=args.pp, args=(args.microbatches[0], args.rounds), timeout=3000)[0]
     print(f"Llama hidden {CONFIG.hidden_size}, {CONFIG.num_layers} layers, batch {BATCH} x seq {SEQ}, fp32 AdamW, "
-          f"pp {args.pp}, {args.microbatches} micro-batches, median of {args.rounds} rounds")
+          f"pp {args.pp}, {args.microbatches[0]} micro-batches, median of {args.rounds} rounds")
     print("| schedule | Pipeline strategy step s | torch pipelining direct s | ratio | bubble measured | "
           "(pp-1)/(m+pp-1) |")
     for schedule, r in res.items():

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["Launch", "dtype_label", "empty_out", "finish_out", "meta"]
+from shardkit.suggest import did_you_mean
+
+__all__ = ["Launch", "LaunchConfig", "dtype_label", "empty_out", "finish_out", "meta"]
 
 Launch = tuple[str, Callable[[], object]]
 """(label, call): one launch of a Triton kernel for scripts/check_triton.py (see ``OpSpec.triton_checks``)."""
@@ -42,3 +45,55 @@ def meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def dtype_label(dtype: torch.dtype) -> str:
     """fp32, bf16, fp16: the short dtype names of the compile-check labels."""
     return str(dtype).removeprefix("torch.").replace("float", "fp").replace("bfp", "bf")
+
+
+class LaunchConfig:
+    """Launch settings of one Triton op that a tuning sweep may override (``benchmarks/gpu_tune.py``).
+
+    Every setting is ``None`` by default, meaning the op's own heuristic; :meth:`override` sets some of them
+    for the duration of a ``with`` block. The values are process-wide and not thread-safe: a knob for
+    benchmarks and experiments, not something training code should need.
+
+    Example::
+
+        from shardkit.kernels import rms_norm
+        with rms_norm.LAUNCH.override(fwd_warps=8, bwd_programs_per_sm=2):
+            ...  # Triton rms_norm launches in here use these settings
+    """
+
+    def __init__(self, op: str, **allowed: tuple[int, ...]):
+        self._op = op
+        self._allowed = allowed
+        self._values: dict[str, int | None] = dict.fromkeys(allowed)
+
+    def get(self, name: str) -> int | None:
+        """The current value of setting ``name`` (``None``: the op's heuristic)."""
+        return self._values[name]
+
+    def settings(self) -> dict[str, int | None]:
+        """A copy of all current values."""
+        return dict(self._values)
+
+    @contextlib.contextmanager
+    def override(self, **values: int | None) -> Iterator[None]:
+        """Use ``values`` for the named settings inside the block; the previous values come back after it.
+
+        Raises:
+            TypeError: a name that is not a setting of this op.
+            ValueError: a value outside the setting's allowed ones.
+        """
+        for name, value in values.items():
+            if name not in self._allowed:
+                raise TypeError(f"{self._op} has no launch setting {name!r}{did_you_mean(name, self._allowed)}; "
+                                f"its settings are {', '.join(self._allowed)}")
+            ok = self._allowed[name]
+            if value is not None and (type(value) is not int or value not in ok):
+                shown = value if type(value) is int else f"a {type(value).__name__}"
+                raise ValueError(f"{self._op} launch setting {name}={shown} is not allowed: use one of "
+                                 f"{', '.join(map(str, ok))}, or None for the op's heuristic")
+        previous = dict(self._values)
+        self._values.update(values)
+        try:
+            yield
+        finally:
+            self._values = previous

@@ -3,6 +3,10 @@
 Reference: ``shardkit.optim.adamw._step_reference`` (torch._foreach ops) and torch.optim.AdamW. One fused pass
 per tensor reads p (or its fp32 master), g, m, v and writes them back (28 bytes/param in fp32), with the same
 operation order as torch so fp32 results agree to rounding.
+
+Launch settings: :data:`LAUNCH` (``block``: elements per program; ``num_warps``) overrides the defaults (4096 on
+CUDA, 1024 interpreted; 4 warps) for a sweep, e.g. ``with LAUNCH.override(block=8192): ...``
+(benchmarks/gpu_tune.py); both ``None`` by default.
 """
 
 from __future__ import annotations
@@ -11,9 +15,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launch, dtype_label, meta
+from ._common import Launch, LaunchConfig, dtype_label, meta
 
-__all__ = ["adamw_step_", "compile_checks"]
+__all__ = ["LAUNCH", "adamw_step_", "compile_checks", "launch_settings"]
+
+LAUNCH = LaunchConfig("adamw", block=tuple(1 << k for k in range(8, 17)), num_warps=(1, 2, 4, 8, 16, 32))
+"""Overrides of the launch defaults (``None``: BLOCK 4096 on CUDA, 1024 interpreted; 4 warps)."""
 
 
 @triton.jit
@@ -49,14 +56,20 @@ def _adamw_kernel(p_ptr, master_ptr, g_ptr, m_ptr, v_ptr, n, decay, beta1, beta2
         tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
 
 
+def launch_settings(cuda: bool) -> tuple[int, int]:
+    """(BLOCK, num_warps) of the next launch: :data:`LAUNCH`'s overrides, else the defaults."""
+    # 4096 elements x 28 B = 112 KiB of traffic per program: enough to hide latency at 4 warps
+    block = LAUNCH.get("block") or (4096 if cuda else 1024)
+    return block, LAUNCH.get("num_warps") or 4  # 4: triton's own default
+
+
 def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
                 exp_avg_sqs: list[torch.Tensor], masters: list[torch.Tensor], step_sizes: list[float],
                 bc2_sqrts: list[float], lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                 maximize: bool) -> None:
     """Same contract as ``torch.ops.shardkit_C.adamw_step_``: one launch per tensor, all updated in place."""
     decay = 1.0 - lr * weight_decay
-    # 4096 elements x 28 B = 112 KiB of traffic per program: enough to hide latency at 4 warps
-    block = 4096 if params and params[0].is_cuda else 1024
+    block, warps = launch_settings(bool(params) and params[0].is_cuda)
     for i, p in enumerate(params):
         n = p.numel()
         if n == 0:
@@ -64,7 +77,7 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
         master = masters[i] if masters else p
         _adamw_kernel[(triton.cdiv(n, block),)](
             p, master, grads[i], exp_avgs[i], exp_avg_sqs[i], n, decay, beta1, beta2, eps, step_sizes[i],
-            bc2_sqrts[i], HAS_MASTER=bool(masters), MAXIMIZE=maximize, BLOCK=block)
+            bc2_sqrts[i], HAS_MASTER=bool(masters), MAXIMIZE=maximize, BLOCK=block, num_warps=warps)
 
 
 def compile_checks(dtypes: tuple[torch.dtype, ...]) -> list[Launch]:

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import Launch, dtype_label, empty_out, finish_out, meta
-from .rms_norm import _num_programs, _num_warps
+from .rms_norm import _num_programs, row_warps
 
 __all__ = ["compile_checks", "layer_norm_bwd", "layer_norm_fwd"]
 
@@ -72,7 +72,7 @@ def layer_norm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if rows:
         block = triton.next_power_of_2(n)
         _layer_norm_fwd_kernel[(rows,)](x, weight, weight if bias is None else bias, y, mean, rstd, n, eps,
-                                        HAS_BIAS=bias is not None, BLOCK=block, num_warps=_num_warps(block))
+                                        HAS_BIAS=bias is not None, BLOCK=block, num_warps=row_warps(block))
     return finish_out(y, x.dtype), mean, rstd
 
 
@@ -86,7 +86,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean
     if rows:
         block = triton.next_power_of_2(n)
         _layer_norm_bwd_kernel[(programs,)](dy, x, weight, mean, rstd, dx, dw, db, rows, n,
-                                            triton.cdiv(rows, programs), BLOCK=block, num_warps=_num_warps(block))
+                                            triton.cdiv(rows, programs), BLOCK=block, num_warps=row_warps(block))
     return finish_out(dx, x.dtype), dw.sum(0).to(weight.dtype), db.sum(0).to(weight.dtype)
 
 

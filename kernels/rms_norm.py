@@ -4,6 +4,10 @@ Reference: ``shardkit.ops.rms_norm.rms_norm_reference`` (the oracle the tests ho
 Layout: x is (rows, n) contiguous; one program per row holds the whole row in registers, so BLOCK = next
 power of two >= n (n = 4096 -> 4096 fp32 = 16 KiB per program, fine for a 228 KiB-SMEM H100 SM). fp32
 accumulation whatever the storage dtype; only rstd (4 B per row) is saved for backward.
+
+Launch settings: :data:`LAUNCH` (``fwd_warps``, ``bwd_warps``: warps per program; ``bwd_programs_per_sm``:
+backward programs per SM) overrides the heuristics below for a sweep, e.g.
+``with LAUNCH.override(bwd_warps=8): ...`` (benchmarks/gpu_tune.py); all ``None`` by default.
 """
 
 from __future__ import annotations
@@ -12,9 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launch, dtype_label, empty_out, finish_out, meta
+from ._common import Launch, LaunchConfig, dtype_label, empty_out, finish_out, meta
 
-__all__ = ["compile_checks", "rms_norm_bwd", "rms_norm_fwd"]
+__all__ = ["LAUNCH", "compile_checks", "launch_settings", "rms_norm_bwd", "rms_norm_fwd"]
+
+_WARPS = (1, 2, 4, 8, 16, 32)
+LAUNCH = LaunchConfig("rms_norm", fwd_warps=_WARPS, bwd_warps=_WARPS, bwd_programs_per_sm=tuple(range(1, 17)))
+"""Overrides of the launch heuristics (``None``: :func:`row_warps`, one backward program per SM)."""
 
 
 @triton.jit
@@ -55,18 +63,32 @@ def _rms_norm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, rows, n, rows_per_progr
     tl.store(DW_PARTIAL + pid * n + cols, dw, mask=mask)
 
 
-def _num_warps(block: int) -> int:
+def launch_settings(n: int, rows: int, device: torch.device) -> dict[str, int]:
+    """The launch settings the next call at row width ``n`` and ``rows`` rows uses (:data:`LAUNCH` applied)."""
+    block = triton.next_power_of_2(n)
+    return {"fwd_warps": _num_warps(block, "fwd_warps"), "bwd_warps": _num_warps(block, "bwd_warps"),
+            "bwd_programs": _num_programs(device, rows)}
+
+
+def row_warps(block: int) -> int:
+    """Warps for one program holding a whole row of ``block`` elements (also the LayerNorm kernels' choice)."""
     # 8 elements of each row tensor per thread. With the default 4 warps a 4096-wide row is 32 elements per
     # thread: the backward kernel then takes 190-206 registers (12% occupancy on sm_80/sm_90), and at 8192 it
     # spills 312-352 B/thread to local memory (scripts/check_triton.py; compiled, not run: no GPU here).
     return max(4, min(32, block // 256))
 
 
+def _num_warps(block: int, setting: str) -> int:
+    chosen = LAUNCH.get(setting)
+    return row_warps(block) if chosen is None else chosen
+
+
 def _num_programs(device: torch.device, rows: int) -> int:
+    per_sm = LAUNCH.get("bwd_programs_per_sm") or 1
     if device.type == "cuda":
         # one program per SM: an H100 has 132, enough rows per program to amortise the dw partial write
-        return min(rows, torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(rows, 4)  # interpreter: fewer programs, fewer Python-level launches
+        return min(rows, per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(rows, per_sm * 4)  # interpreter: fewer programs, fewer Python-level launches
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
@@ -76,7 +98,8 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: floa
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
         block = triton.next_power_of_2(n)
-        _rms_norm_fwd_kernel[(rows,)](x, weight, y, rstd, n, eps, offset, BLOCK=block, num_warps=_num_warps(block))
+        _rms_norm_fwd_kernel[(rows,)](x, weight, y, rstd, n, eps, offset, BLOCK=block,
+                                      num_warps=_num_warps(block, "fwd_warps"))
     return finish_out(y, x.dtype), rstd
 
 
@@ -90,7 +113,7 @@ def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: 
         per = triton.cdiv(rows, programs)
         block = triton.next_power_of_2(n)
         _rms_norm_bwd_kernel[(programs,)](dy, x, weight, rstd, dx, partial, rows, n, per, offset,
-                                          BLOCK=block, num_warps=_num_warps(block))
+                                          BLOCK=block, num_warps=_num_warps(block, "bwd_warps"))
     return finish_out(dx, x.dtype), partial.sum(0).to(weight.dtype)
 
 

@@ -6,7 +6,8 @@
 # A lend is short (15 minutes of device time, 10 per command), so every phase runs under one deadline
 # (GPU_BUDGET_S seconds from the start, default 560) and is cut off rather than letting the call run over.
 # Wheels a lend carries (liger-kernel, torchao) are installed from .whl/ when that folder exists.
-# Usage: bash scripts/gpu_session.sh [tests|checks|bench|e2e|all]
+# Usage: bash scripts/gpu_session.sh [all | "tests e2e" | any of tests, checks, bench, e2e]; GPU_TESTS_K narrows
+# the kernel tests (a pytest -k expression, "cuda" by default).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_logs}"; mkdir -p "$out"
@@ -16,10 +17,11 @@ budget="${GPU_BUDGET_S:-560}"
 export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/shardkit_ext}" MAX_JOBS="${MAX_JOBS:-16}"
 
 # seconds for the next phase: its own cap, or what is left of the budget less a reserve for the later phases
-left() { local cap=$1 reserve=${2:-0} rest; rest=$(( budget - ($(date +%s) - start) - reserve )); \
+# (reserves are written for the default 560 s and scale with GPU_BUDGET_S)
+left() { local cap=$1 reserve=$(( ${2:-0} * budget / 560 )) rest; rest=$(( budget - ($(date +%s) - start) - reserve )); \
          (( rest < cap )) && cap=$rest; (( cap < 5 )) && cap=5; echo "$cap"; }
 phase() { echo "== $1 at +$(( $(date +%s) - start ))s" | tee -a "$out/phases.txt"; }
-wants() { [ "$what" = all ] || [ "$what" = "$1" ]; }
+wants() { [ "$what" = all ] || [[ " $what " == *" $1 "* ]]; }
 
 phase setup
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$out/gpu.txt"
@@ -32,23 +34,25 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 
 if wants tests; then
     phase tests  # the CPU backends run in CI; here only the GPU ones (test ids carry the backend-device pair)
-    t=$(left 200 300)
-    timeout "$t" python3 -m pytest tests/kernels -q -p no:cacheprovider -k "cuda" --timeout "$t" --tb=short -rf \
+    t=$(left 150 380)
+    timeout "$t" python3 -m pytest tests/kernels -q -p no:cacheprovider -k "${GPU_TESTS_K:-cuda}" --timeout "$t" --tb=short -rf \
         ${PYTEST_EXTRA:-} 2>&1 | tee "$out/kernel_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
 fi
 if wants checks; then
     phase checks
     for check in scripts/gpu_checks/*.py; do
         [ -e "$check" ] || continue
-        timeout "$(left 60 240)" python3 "$check" 2>&1 | tee -a "$out/gpu_checks.log" | grep -E "PASS|FAIL|Error" | tail -10
+        timeout "$(left 60 380)" python3 "$check" 2>&1 | tee -a "$out/gpu_checks.log" | grep -E "PASS|FAIL|Error" | tail -10
     done
 fi
 if wants bench; then
     phase bench
-    timeout "$(left 150 200)" python3 benchmarks/kernels.py --only ops --only adamw 2>&1 | tee "$out/kernel_bench.log" \
+    timeout "$(left 120 260)" python3 benchmarks/kernels.py --only ops --only adamw 2>&1 | tee "$out/kernel_bench.log" \
         | grep -vE "^\[|^#" | tail -45
-    timeout "$(left 40 170)" python3 benchmarks/kernels.py --only flce --flce-dtype bfloat16 2>&1 \
+    timeout "$(left 35 225)" python3 benchmarks/kernels.py --only flce --flce-dtype bfloat16 2>&1 \
         | tee "$out/flce_bf16.log" | tail -12
+    # launch-setting sweep of the Triton rms_norm and AdamW (issue 28 item 3; ~60 s, its own deadline inside)
+    timeout "$(left 65 160)" python3 benchmarks/gpu_tune.py 2>&1 | tee "$out/gpu_tune.log" | tail -30
 fi
 if wants e2e; then
     phase e2e  # eager variants first (~15 s each), then compiled (~1 min each) while the budget lasts

@@ -2,6 +2,7 @@
 
     parser.add_argument("--num-gpus", type=int_range(1, 1_000_000), default=1)
     parser.add_argument("--additional-buffer-factor", type=float_range(above=0), default=1.5)
+    parse_int_list("2,6", "Pipeline layer_split", minimum=1)   # (2, 6), as --strategy-opt layer_split=2,6 gives it
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import math
 from collections.abc import Callable
 
-__all__ = ["float_range", "int_range"]
+__all__ = ["float_range", "int_range", "parse_int_list"]
 
 
 def _num(x: float) -> str:
@@ -60,3 +61,28 @@ def float_range(minimum: float | None = None, maximum: float | None = None,
 
     parse.__name__ = "number"
     return parse
+
+
+def parse_int_list(text: str, what: str, minimum: int | None = None) -> tuple[int, ...]:
+    """Comma-separated whole numbers (``"2,6"``, ``"(2, 6)"`` or ``"[2, 6]"``), each ``>= minimum``.
+
+    Raises:
+        ValueError: an empty list, a part that is not a whole number, or one out of range; the message names
+            ``what``, the part and the expected form.
+    """
+    wanted = f"comma-separated whole numbers {_bounds(minimum, None)}".strip()
+    body = str(text).strip().strip("()[]")
+    parts = [p.strip() for p in body.split(",") if p.strip()]
+    if not parts:
+        raise ValueError(f"{what}={str(text)[:40]!r} is empty; give {wanted}, e.g. 2,6")
+    values = []
+    for part in parts:
+        try:
+            value = int(part.replace("_", ""))
+        except ValueError:
+            raise ValueError(f"{what}={str(text)[:40]!r}: {part[:20]!r} is not a whole number; give {wanted}, "
+                             "e.g. 2,6") from None
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{what}={str(text)[:40]!r}: {value} is out of range; give {wanted}")
+        values.append(value)
+    return tuple(values)

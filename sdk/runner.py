@@ -6,30 +6,28 @@ import builtins
 import contextlib
 import functools
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from shardkit import checkpoint as ckpt
-from shardkit.checkpoint.async_save import AsyncCheckpointer
 from shardkit.config.common import CONFIG_FILE_ENV, precision_kind
 from shardkit.data import RunnerDataLoader
 from shardkit.distributed.oom import leave_run_facts
-from shardkit.observability import RunLog, StepProfiler, Throughput, install_oom_snapshot
 from shardkit.precision import FP32, Precision
+from shardkit.runner_checkpoints import RunnerCheckpoints
+from shardkit.runner_observe import RunnerObservability
 from shardkit.seeding import enable_determinism, rank_logger, seed_everything
 from shardkit.strategies.base import Strategy
 from shardkit.streaming import rebuild_loader
-from shardkit.tracking import TrackerSpec
-from shardkit.user_state import StateSaver
+
+if TYPE_CHECKING:
+    from shardkit.checkpoint.async_save import AsyncCheckpointer
+    from shardkit.observability import Throughput
 
 __all__ = ["Runner"]
-
-_RUNNER_STATE = "runner"
 
 
 def _default_strategy() -> Strategy:
@@ -74,7 +72,7 @@ def _by_name(strategy: Any, precision: Any, mixed_precision: Any) -> tuple[Strat
     return strategy, precision
 
 
-class Runner:
+class Runner(RunnerObservability, RunnerCheckpoints):
     """Trains a model with a pluggable :class:`Strategy` and :class:`Precision`.
 
     Example:
@@ -112,6 +110,9 @@ class Runner:
             runs are bitwise equal (``seed`` defaults to 0 then).
         profile_steps: record these optimizer steps with torch.profiler (``(2, 4)``, ``"2-3"`` or ``2``): a Chrome
             trace and a memory timeline per rank under ``<logging_dir>/profile``, and the top ops logged.
+        memory_snapshot: on CUDA, record the allocator's history and write ``<logging_dir>/profile/
+            oom_snapshot.rank<N>.pickle`` when an allocation fails (``profile_steps`` turns it on too). On every
+            device an out-of-memory error writes ``<logging_dir>/oom_report.rank<N>.json`` (:meth:`report_oom`).
     """
 
     def __init__(
@@ -119,7 +120,7 @@ class Runner:
         config: str | Path | dict | None = None, gradient_accumulation_steps: int | None = None,
         seed: int | None = None, checkpoint_keep_last: int | None = None, activation_checkpointing: Any = None,
         mixed_precision: str | None = None, log_with: Any = None, logging_dir: str | Path = "runs",
-        deterministic: bool = False, profile_steps: Any = None,
+        deterministic: bool = False, profile_steps: Any = None, memory_snapshot: bool = False,
     ):
         strategy, precision = _by_name(strategy, precision, mixed_precision)
         self.config = None
@@ -155,7 +156,7 @@ class Runner:
             self.seed = seed = enable_determinism(0 if seed is None else seed)
         elif seed is not None:
             seed_everything(seed)
-        self._observe(log_with, logging_dir, profile_steps)
+        self._observe(log_with, logging_dir, profile_steps, memory_snapshot)
         self._module: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: Any | None = None
@@ -170,19 +171,6 @@ class Runner:
         self._dp_leaders: list[int] | None = None  # gather_for_metrics under model parallelism
         self._async_saves: AsyncCheckpointer | None = None  # save(..., blocking=False), made on first use
         self._throughput: Throughput | None = None
-
-    def _observe(self, log_with: Any, logging_dir: str | Path, profile_steps: Any) -> None:
-        specs = tuple(self.config.trackers) if self.config is not None else ()
-        given = [] if log_with is None else list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
-        self.logging_dir = Path(logging_dir)
-        items = given + list(specs)
-        # DeepSpeed's monitor sections (TrackerSpec, from this config or a front's) also get its per-step records.
-        monitor = any(isinstance(item, TrackerSpec) for item in items)
-        self.run_log = RunLog(items, self.logging_dir, "shardkit", self.is_main_process, monitor=monitor)
-        self.profiler = None if profile_steps is None else StepProfiler(
-            profile_steps, self.logging_dir / "profile", self.rank, self.is_main_process)
-        if self.profiler is not None:
-            install_oom_snapshot(self.logging_dir / "profile", self.rank)
 
     # ---- rank facts ---------------------------------------------------------------------------
 
@@ -369,7 +357,9 @@ class Runner:
         if self.profiler is not None and self._micro_step == 0:
             self.profiler.before_step(self.optimizer_steps)
         self.run_log.on_backward(loss)
-        self.strategy.backward(loss, module, self._window)
+        self.flight_recorder.on_backward(loss)
+        with self._reporting_oom():
+            self.strategy.backward(loss, module, self._window)
         self._stepped = False
         self._micro_step = (self._micro_step + 1) % self._window
         self._boundary = self._micro_step == 0
@@ -401,7 +391,8 @@ class Runner:
         if self.max_grad_norm and not self._clipped:  # a config's gradient_clipping applies by itself
             self.strategy.clip_gradients(module, optimizer, self.max_grad_norm)
         self._clipped = False
-        stepped = self.strategy.optimizer_step(optimizer, module)
+        with self._reporting_oom():
+            stepped = self.strategy.optimizer_step(optimizer, module)
         if stepped:
             self.optimizer_steps += 1
             if self._scheduler is not None:
@@ -419,38 +410,6 @@ class Runner:
         if scheduler is not None:
             scheduler.step()
 
-
-    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        scale = self.precision.current_loss_scale if self.precision.loss_scaling is not None else None
-        # DeepSpeed's monitor counts samples: micro-batches of micro_batch_size on every data-parallel rank.
-        micro = getattr(self.config, "micro_batch_size", None) or 1
-        samples = (self.optimizer_steps * self.gradient_accumulation_steps * micro
-                   * self.strategy.data_parallel_size)
-        self.run_log.on_step(optimizer, scale, samples)
-        if self.profiler is not None:
-            self.profiler.after_step(self.optimizer_steps - 1)
-
-    # ---- what the run is doing ----------------------------------------------------------------
-
-    @property
-    def throughput(self) -> Throughput:
-        """Tokens/s, samples/s, TFLOP/s and MFU of the model set up: ``runner.throughput.update(tokens, samples)``
-        after each step returns them (see :class:`shardkit.observability.Throughput`); timing starts at setup()."""
-        if self._throughput is None:
-            module = self._require("_module", "throughput")
-            self._throughput = Throughput(
-                self.unwrap_model(module), self.device, self.precision.compute_dtype,
-                data_parallel_size=self.strategy.data_parallel_size, world_size=self.world_size,
-                checkpointed=bool(self.activation_checkpointing))
-        return self._throughput
-
-    def log(self, values: dict[str, Any], step: int | None = None) -> None:
-        """Record metrics with the ``log_with`` trackers on the main process (``step``: the optimizer step)."""
-        self.run_log.log(values, self.optimizer_steps if step is None else step)
-
-    def log_hyperparams(self, values: dict[str, Any]) -> None:
-        """Record the run's configuration once with the ``log_with`` trackers on the main process."""
-        self.run_log.log_hyperparams(values)
 
     # ---- collectives --------------------------------------------------------------------------
 
@@ -519,105 +478,6 @@ class Runner:
 
         s = self.strategy
         return gather_object(obj, dp_rank=s.data_parallel_rank, dp_size=s.data_parallel_size)
-
-    # ---- checkpoints --------------------------------------------------------------------------
-
-    def save(self, path: str | Path, state: dict[str, Any], *, blocking: bool = True, update_latest: bool = True,
-             on_saved: Callable[[Path], None] | None = None) -> Path:
-        """Save a checkpoint directory atomically.
-
-        ``state`` maps names to models, optimizers, schedulers, data loaders and plain values; the
-        precision's state, the accumulation position and every rank's RNG state are added. The
-        parent directory's ``latest`` pointer moves to the new save once it is complete (unless
-        ``update_latest=False``: the Trainer finds its ``checkpoint-N`` folders by name).
-
-        With ``blocking=False`` the state is copied to host memory (pinned, from GPUs) and the call returns while
-        a background thread writes the same atomic, verified checkpoint; the strategy's gathers still run here.
-        At most one save is in flight: the next ``save``, ``load``, :meth:`wait_for_save` and :meth:`teardown`
-        wait for it, and raise a ``CheckpointError`` naming it if it failed. The host copy (the state's size) is
-        kept for the next save. ``on_saved(path)`` runs once the checkpoint is published (on this rank; on the
-        background thread for ``blocking=False``: file work only, no collectives).
-        """
-        path = Path(path)
-        make_writer = functools.partial(
-            ckpt.CheckpointWriter, path, rank=self.rank, world_size=self.world_size, broadcast=self.broadcast,
-            keep_last=self.checkpoint_keep_last, info=self.strategy.checkpoint_info(),
-            update_latest=update_latest)
-        if not blocking:
-            self._saves().save(path, make_writer, functools.partial(self._write_checkpoint, state=state), on_saved)
-            return path
-        self.wait_for_save()
-        with make_writer(barrier=self.barrier) as writer:
-            self._write_checkpoint(writer, state)
-        if on_saved is not None:
-            on_saved(path)
-        return path
-
-    def _write_checkpoint(self, writer: Any, state: dict[str, Any]) -> None:
-        StateSaver(self.strategy, self._owner_of).save(writer, state)
-        if self.is_main_process:
-            writer.write_json("precision", self.precision.state_dict())
-            writer.write_json(_RUNNER_STATE, self._runner_state())
-        writer.write_state(ckpt.rank_entry("rng", self.rank), ckpt.capture_rng_state())
-
-    def wait_for_save(self) -> Path | None:
-        """Wait for the background save in flight (``save(..., blocking=False)``); return its path, or None.
-
-        Raises:
-            CheckpointError: that save failed; the message names the checkpoint (the previous one is untouched).
-        """
-        return self._async_saves.wait() if self._async_saves is not None else None
-
-    def _saves(self) -> AsyncCheckpointer:
-        if self._async_saves is None:
-            from shardkit.distributed.process_group import default_timeout
-
-            self._async_saves = AsyncCheckpointer(self.rank, self.world_size, default_timeout())
-        return self._async_saves
-
-    def load(self, path: str | Path, state: dict[str, Any], *, verify: bool = True,
-             runner_state: bool = True) -> dict[str, Any]:
-        """Restore the objects in ``state`` in place from a checkpoint; return its plain values.
-
-        ``path`` may be a checkpoint directory or its parent (the ``latest`` pointer is followed).
-        Every file read is checked against the manifest's sha256 in the same pass that reads it;
-        ``verify=False`` skips the hashes (sizes, schema and paths are still checked).
-        ``runner_state=False`` restores only ``state``: the precision's loss scale, the step count,
-        the accumulation position and the RNG streams stay as they are (loading the best weights).
-        """
-        self.wait_for_save()
-        with ckpt.CheckpointReader(path, verify=verify) as reader:
-            saver = StateSaver(self.strategy, self._owner_of)
-            values = saver.load(reader, state)
-            if not runner_state:
-                return values
-            self.precision.load_state_dict(reader.read_json("precision", check=ckpt.check_precision_state))
-            self._load_runner_state(reader.read_json(_RUNNER_STATE, check=ckpt.check_runner_state))
-            rng_name = ckpt.rank_entry("rng", self.rank)
-            if reader.has(rng_name):
-                ckpt.restore_rng_state(reader.read_state(rng_name))
-            else:
-                self.logger.warning("checkpoint %s has no RNG state for rank %d (saved with %d ranks); "
-                                    "random streams start fresh", reader.path, self.rank, reader.world_size)
-        return values
-
-    def _runner_state(self) -> dict[str, Any]:
-        return {"micro_step": self._micro_step, "boundary": self._boundary, "optimizer_steps": self.optimizer_steps,
-                "gradient_accumulation_steps": self.gradient_accumulation_steps}
-
-    def _load_runner_state(self, state: dict[str, Any]) -> None:
-        self._micro_step, self._boundary = state["micro_step"], state["boundary"]
-        self._set_window(self.gradient_accumulation_steps)
-        self.optimizer_steps = state["optimizer_steps"]
-        if self._module is not None:
-            last = self.gradient_accumulation_steps - 1
-            self.strategy.set_gradient_sync(self._module, self._micro_step == last)
-
-    def _owner_of(self, optimizer: torch.optim.Optimizer) -> nn.Module:
-        owner = self._owners.get(optimizer)
-        if owner is None:
-            raise ValueError("save/load an optimizer only together with the model it was set up with in runner.setup()")
-        return owner
 
     def _require(self, attr: str, action: str) -> Any:
         value = getattr(self, attr)

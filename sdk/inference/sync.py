@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.strategies.partitioned import params_partitioned
+from shardkit.utils.env import seconds_from_env
 
 __all__ = [
     "ENTRY_TIMEOUT_ENV_VAR",
@@ -55,16 +55,7 @@ class NotCalledOnAllRanksError(RuntimeError):
 
 def entry_timeout() -> float:
     """$SHARDKIT_GENERATE_ENTRY_TIMEOUT seconds, else 60."""
-    raw = os.environ.get(ENTRY_TIMEOUT_ENV_VAR, "").strip()
-    if not raw:
-        return DEFAULT_ENTRY_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENTRY_TIMEOUT_ENV_VAR}={raw!r} is not a number of seconds; use e.g. 60") from None
-    if not value > 0:
-        raise ValueError(f"{ENTRY_TIMEOUT_ENV_VAR}={raw!r} must be > 0 seconds")
-    return value
+    return seconds_from_env(ENTRY_TIMEOUT_ENV_VAR, DEFAULT_ENTRY_TIMEOUT_S)
 
 
 def distributed() -> bool:

@@ -17,6 +17,18 @@ from ..ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 __all__ = ["causal_lm_forward", "fused_causal_lm_loss"]
 
 
+def _keep_positions(hidden: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions ``logits_to_keep`` selects, as transformers' models read it: an int keeps the last ``keep``
+    (0: all), a 1-D tensor indexes positions, a 2-D integer tensor indexes per sample, a 2-D bool tensor masks
+    (flattened). Ours because transformers' ``slice_logits_to_keep`` is missing from some 5.x releases (5.17
+    on the GPU machine: the fused loss failed to import there)."""
+    if isinstance(keep, torch.Tensor) and keep.ndim == 2:
+        if keep.dtype == torch.bool:
+            return hidden[keep]
+        return torch.take_along_dim(hidden, keep[..., None], dim=1)
+    return hidden[:, slice(-keep, None) if isinstance(keep, int) else keep, :]
+
+
 def fused_causal_lm_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor | None = None,
                          shift_labels: Tensor | None = None, num_items_in_batch: Tensor | int | None = None,
                          ignore_index: int = -100, logit_softcap: float | None = None) -> Tensor:
@@ -80,14 +92,13 @@ def causal_lm_forward(self: nn.Module, input_ids: Tensor | None = None, attentio
                                   inputs_embeds=inputs_embeds, use_cache=use_cache, logits_to_keep=logits_to_keep,
                                   **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
-    from transformers.modeling_utils import slice_logits_to_keep
 
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", -100)
     return_dict = kwargs.pop("return_dict", None)
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-    hidden = slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep)
+    hidden = _keep_positions(outputs.last_hidden_state, logits_to_keep)
     loss = fused_causal_lm_loss(hidden, self.lm_head, labels=labels, shift_labels=shift_labels,
                                 num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
                                 logit_softcap=getattr(self.config, "final_logit_softcapping", None))

@@ -20,9 +20,12 @@ from typing import Any
 
 import torch
 
+from shardkit.observability.oom_report import note_cuda_oom
+
 __all__ = ["StepProfiler", "install_oom_snapshot", "oom_observer", "parse_profile_steps"]
 
 log = logging.getLogger("shardkit.observability")
+_snapshot: dict[str, Callable[..., None] | None] = {"current": None}  # the observer the allocator's one calls
 _TOP_OPS = 15
 
 
@@ -151,7 +154,11 @@ def install_oom_snapshot(output_dir: str | Path, rank: int = 0, *, max_entries: 
         return None
     torch.cuda.memory._record_memory_history(max_entries=max_entries)
     observer = oom_observer(output_dir, rank)
-    torch._C._cuda_attach_out_of_memory_observer(observer)
+    # The allocator keeps every observer attached, for the process's life: attach one that calls the latest
+    # Runner's, so that a second Runner in the process does not write a second snapshot per out-of-memory.
+    if _snapshot["current"] is None:
+        torch._C._cuda_attach_out_of_memory_observer(lambda *args: _snapshot["current"](*args))
+    _snapshot["current"] = observer
     return observer
 
 
@@ -160,6 +167,7 @@ def oom_observer(output_dir: str | Path, rank: int) -> Callable[..., None]:
     path = Path(output_dir) / f"oom_snapshot.rank{rank}.pickle"
 
     def observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+        note_cuda_oom(device, alloc, device_allocated, device_free)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.cuda.memory._dump_snapshot(str(path))

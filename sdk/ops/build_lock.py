@@ -25,6 +25,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from shardkit.utils.env import seconds_from_env
+
 __all__ = ["BuildTimeout", "build_lock", "build_timeout_s", "clear_stale_baton", "extensions_root",
            "run_build_subprocess"]
 
@@ -39,22 +41,9 @@ class BuildTimeout(RuntimeError):
     """A build, or the wait for another process's build, ran past its time limit."""
 
 
-def _seconds_from_env(name: str, default: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds; set it to e.g. {default:.0f}") from None
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{name}={raw!r} must be a positive, finite number of seconds (e.g. {default:.0f})")
-    return value
-
-
 def build_timeout_s() -> float:
     """The time limit of one compile: ``SHARDKIT_BUILD_TIMEOUT_S`` (default 1800 s)."""
-    return _seconds_from_env("SHARDKIT_BUILD_TIMEOUT_S", _DEFAULT_TIMEOUT_S)
+    return seconds_from_env("SHARDKIT_BUILD_TIMEOUT_S", _DEFAULT_TIMEOUT_S)
 
 
 def extensions_root() -> Path:
@@ -110,7 +99,7 @@ def build_lock(build_dir: Path, label: str, wait_s: float | None = None) -> Iter
     build_dir = Path(build_dir)
     build_dir.mkdir(parents=True, exist_ok=True)
     if wait_s is None:
-        wait_s = _seconds_from_env("SHARDKIT_BUILD_WAIT_S", build_timeout_s() + 60)
+        wait_s = seconds_from_env("SHARDKIT_BUILD_WAIT_S", build_timeout_s() + 60)
     with open(build_dir / ".lock", "a+") as lock:
         deadline = time.monotonic() + wait_s
         while True:

@@ -14,69 +14,63 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.strategies._mesh import local_tensor
+from shardkit.strategies._pipeline_models import ModelLayout, StageModule, model_layout
 from shardkit.strategies.pipeline import SCHEDULES, PipelineSettings, stage_layers
 
 __all__ = ["PipelineRunner", "StageModule", "gather_optimizer_state", "iter_full_state", "own_optimizer_state"]
 
 
-class StageModule(nn.Module):
-    """One stage: the embedding on the first, a block of layers, the final norm on the last."""
-
-    def __init__(self, embed: nn.Module | None, layers: list[nn.Module], norm: nn.Module | None,
-                 head: nn.Module | None):
-        super().__init__()
-        self.embed, self.layers, self.norm, self.head = embed, nn.ModuleList(layers), norm, head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = self.embed(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.norm(x) if self.norm is not None else x
-
-
-def _check_model(module: nn.Module, stages: int, split: tuple[int, ...] | None) -> None:
-    missing = [n for n in ("embed_tokens", "layers", "norm", "lm_head") if not hasattr(module, n)]
-    if missing:
-        raise ValueError(f"Pipeline splits shardkit Llama-style models (embed_tokens, layers, norm, lm_head); "
-                         f"{type(module).__name__} has no {missing}")
+def _check_model(module: nn.Module, stages: int, split: tuple[int, ...] | None) -> ModelLayout:
     from shardkit.strategies.mesh import ParallelDims
 
-    ParallelDims(pp=stages, dp_shard=1).validate(num_layers=len(module.layers), layer_split=split)
+    layout = model_layout(module)
+    ParallelDims(pp=stages, dp_shard=1).validate(num_layers=len(layout.body.layers), layer_split=split)
+    return layout
 
 
 class PipelineRunner:
-    """This rank's stages, the schedule over them, and the forward installed on the user's model."""
+    """This rank's stages, the schedule over them, and the forward installed on the user's model.
+
+    ``shard``: called on each stage module before its ``PipelineStage`` is built (FSDP2 over ``dp_shard``); the
+    stages' gradients are then reduced by it, not by this runner's all-reduce.
+    """
 
     def __init__(self, module: nn.Module, settings: PipelineSettings, mesh: Any, device: torch.device,
-                 loss_scale: Callable[[], tuple[int, bool]], scale_loss: Callable[[torch.Tensor], torch.Tensor]):
+                 loss_scale: Callable[[], tuple[int, bool]], scale_loss: Callable[[torch.Tensor], torch.Tensor],
+                 shard: Callable[[nn.Module], None] | None = None):
         import torch.distributed.pipelining as pipelining
 
         pp = settings.pp_size
         total = pp * settings.chunks
-        _check_model(module, total, settings.layer_split)
+        layout = self.layout = _check_model(module, total, settings.layer_split)
+        body, self.sharded = layout.body, shard is not None
         self.settings, self.loss_scale, self.scale_loss = settings, loss_scale, scale_loss
         # The whole model's names in state_dict order, and the tied embedding/head weight (summed across
         # the first and last stages' ranks after backward, so both copies step alike).
         self.keys = list(module.state_dict().keys())
-        tied = module.lm_head.weight is module.embed_tokens.weight
-        self.tied_shape = tuple(module.embed_tokens.weight.shape) if tied else None
+        tied = module.lm_head.weight is body.embed_tokens.weight
+        self.tied_shape = tuple(body.embed_tokens.weight.shape) if tied else None
+        prefix = next(n + "." for n, m in module.named_modules() if m is body) if body is not module else ""
+        self.tied_keys = ("lm_head.weight", f"{prefix}embed_tokens.weight")
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp_shard"].get_group()
         self.pp_rank, self.pp = dist.get_rank(self.pp_group), pp
-        ranges = stage_layers(len(module.layers), total, settings.layer_split)
+        ranges = stage_layers(len(body.layers), total, settings.layer_split)
         # Looped placement: rank r holds stages r, r + pp, ... (what torch's interleaved schedules expect).
         self.indices = [self.pp_rank + c * pp for c in range(settings.chunks)]
         first, last = 0 in self.indices, total - 1 in self.indices
         owned = {i for s in self.indices for i in ranges[s]}
         self.stages = []
         for s in self.indices:
-            part = StageModule(module.embed_tokens if s == 0 else None, [module.layers[i] for i in ranges[s]],
-                               module.norm if s == total - 1 else None, module.lm_head if s == total - 1 else None)
+            part = layout.stage(body.embed_tokens if s == 0 else None, [body.layers[i] for i in ranges[s]],
+                                body.norm if s == total - 1 else None, module.lm_head if s == total - 1 else None)
+            if shard is not None:
+                shard(part)
             self.stages.append(pipelining.PipelineStage(part, s, total, device, group=self.pp_group))
-        module.layers = nn.ModuleDict({str(i): module.layers[i] for i in sorted(owned)})
-        for name, keep in (("embed_tokens", first), ("norm", last), ("lm_head", last)):
+        body.layers = nn.ModuleDict({str(i): body.layers[i] for i in sorted(owned)})
+        for owner, name, keep in ((body, "embed_tokens", first), (body, "norm", last), (module, "lm_head", last)):
             if not keep:
-                setattr(module, name, None)
+                setattr(owner, name, None)
         self.first, self.last, self.module = first, last, module
         self.schedule_class = getattr(pipelining, SCHEDULES[settings.schedule])
         self._schedules: dict[int, Any] = {}
@@ -99,16 +93,29 @@ class PipelineRunner:
         count = (shift != -100).sum()
         if not int(count):
             return hidden.sum() * 0.0
-        mean = self.module.lm_head(hidden[:, :-1].reshape(-1, hidden.shape[-1]), shift)
+        mean = self.layout.head_loss(self.module.lm_head, hidden[:, :-1].reshape(-1, hidden.shape[-1]), shift)
         return self.scale_loss(mean * count / tokens / accumulation)
+
+    def microbatches(self, batch: int, window: int) -> int:
+        """Pieces a batch of ``batch`` rows is cut into: the user's ``microbatches``, else the accumulation window's
+        length (``gradient_accumulation_steps`` or ``begin_window``) when it is over 1, else ``pp_size``."""
+        explicit = self.settings.microbatches
+        n = explicit or (window if window > 1 else self.pp)
+        if batch % n == 0:
+            return n
+        if explicit:
+            raise ValueError(f"Pipeline: batch size({batch}) % microbatches({n}) != 0; use a batch size that is a "
+                             f"multiple of {n}, or Pipeline(microbatches=...) that divides it")
+        source = f"the accumulation window ({window} micro-batches)" if window > 1 else f"pp_size({self.pp})"
+        raise ValueError(f"Pipeline: batch size({batch}) % microbatches({n}) != 0; with no microbatches given the "
+                         f"pipeline cuts each batch into {n} pieces, from {source}; use a batch size that is a "
+                         f"multiple of {n}, or set Pipeline(microbatches=...) (--strategy-opt microbatches=N) to a "
+                         f"divisor of {batch}")
 
     def run(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-batch; the batch's token-weighted mean loss on every rank."""
-        n = self.settings.microbatches or self.pp
-        if input_ids.shape[0] % n:
-            raise ValueError(f"Pipeline: batch size({input_ids.shape[0]}) % microbatches({n}) != 0; use a batch "
-                             f"size that is a multiple of {n}, or Pipeline(microbatches=...) that divides it")
         accumulation, sync = self.loss_scale()
+        n = self.microbatches(input_ids.shape[0], accumulation)
         self._batch = ((labels[:, 1:] != -100).sum().clamp(min=1).float(), accumulation)
         schedule = self.schedule(n)
         losses: list[torch.Tensor] = []
@@ -122,21 +129,36 @@ class PipelineRunner:
         last_rank = dist.get_global_rank(self.pp_group, self.pp - 1)
         dist.broadcast(total, src=last_rank, group=self.pp_group)
         self._sum_tied_gradient()
-        if sync and dist.get_world_size(self.dp_group) > 1:
+        if sync and not self.sharded and dist.get_world_size(self.dp_group) > 1:
             self._all_reduce_gradients()
         total._shardkit_pipeline_backward_done = True
         return total
 
     def _sum_tied_gradient(self) -> None:
-        """A tied embedding/head: the first stage's gradient and the last's, summed on both (zeros elsewhere)."""
+        """A tied embedding/head: the first stage's gradient and the last's, summed on both (zeros elsewhere).
+
+        Under FSDP each rank sums its shard: the first and last stages shard the weight alike over dp_shard.
+        """
         if self.tied_shape is None or self.pp == 1:
             return
-        holder = self.module.embed_tokens if self.first else self.module.lm_head if self.last else None
+        body = self.layout.body
+        holder = body.embed_tokens if self.first else self.module.lm_head if self.last else None
         weight = holder.weight if holder is not None else None
         if weight is not None and weight.grad is None:
             weight.grad = torch.zeros_like(weight)
-        grad = weight.grad if weight is not None else torch.zeros(self.tied_shape, device=self.stages[0].device)
+        if weight is not None:
+            grad = local_tensor(weight.grad)
+        else:
+            grad = torch.zeros(self._tied_local_shape(), device=self.stages[0].device)
         dist.all_reduce(grad, group=self.pp_group)
+
+    def _tied_local_shape(self) -> tuple[int, ...]:
+        """The shape of this rank's part of the tied weight: whole, or its FSDP2 dim-0 chunk over dp_shard."""
+        if not self.sharded:
+            return self.tied_shape
+        chunks = torch.empty(self.tied_shape, device="meta").chunk(dist.get_world_size(self.dp_group))
+        rank = dist.get_rank(self.dp_group)
+        return tuple(chunks[rank].shape) if rank < len(chunks) else (0, *self.tied_shape[1:])
 
     def _all_reduce_gradients(self) -> None:
         size = dist.get_world_size(self.dp_group)
@@ -146,14 +168,28 @@ class PipelineRunner:
                 p.grad.div_(size)
 
 
-def _pipeline_forward(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                      **kwargs: Any) -> torch.Tensor:
-    """The forward Pipeline installs: with labels, the schedule (forward and backward); else a refusal."""
-    if labels is None or kwargs:
-        raise NotImplementedError("Pipeline: a forward without labels (logits, generation) is not supported on a "
-                                  "pipeline-split model; save a checkpoint and load it under a single-device or "
-                                  "FSDP strategy for evaluation and generation")
-    return self._shardkit_pipeline.run(input_ids, labels)
+def _pipeline_forward(self: nn.Module, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    """The forward Pipeline installs: with labels, the schedule (forward and backward); else a refusal.
+
+    An HF model returns its usual output with ``loss`` (no logits); an all-ones ``attention_mask`` is accepted.
+    """
+    runner = self._shardkit_pipeline
+    if labels is None or input_ids is None or any(v not in (None, False) for v in kwargs.values()):
+        given = sorted(k for k, v in kwargs.items() if v not in (None, False))
+        raise NotImplementedError("Pipeline: only model(input_ids, labels=...) runs on a pipeline-split model (the "
+                                  f"schedule's forward and backward){'; got ' + str(given) if given else ''}; a "
+                                  "forward without labels (logits, generation) is not supported: save a checkpoint "
+                                  "and load it under a single-device or FSDP strategy for evaluation and generation")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise NotImplementedError("Pipeline: an attention_mask with padding (zeros) is not supported; the stages "
+                                  "apply the causal mask only: pack sequences, or pad on the right with labels=-100")
+    loss = runner.run(input_ids, labels)
+    if not runner.layout.hf:
+        return loss
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return CausalLMOutputWithPast(loss=loss)
 
 
 def iter_full_state(runner: PipelineRunner, is_main: bool) -> Any:
@@ -168,7 +204,7 @@ def iter_full_state(runner: PipelineRunner, is_main: bool) -> Any:
     for key in runner.keys:
         holder = next(j for j, held in enumerate(meta) if key in held)
         shape, dtype = meta[holder][key]
-        t = own[key].detach().contiguous() if holder == runner.pp_rank else \
+        t = _whole(own[key]).detach().contiguous() if holder == runner.pp_rank else \
             torch.empty(shape, dtype=dtype, device=runner.stages[0].device)
         dist.broadcast(t, src=dist.get_global_rank(group, holder), group=group)
         if is_main:
@@ -178,6 +214,7 @@ def iter_full_state(runner: PipelineRunner, is_main: bool) -> Any:
 def gather_optimizer_state(runner: PipelineRunner, state: dict[str, Any]) -> dict[str, Any] | None:
     """Every stage's optimizer state by name merged on pipeline rank 0 (None elsewhere)."""
     parts: list[Any] = [None] * runner.pp
+    state = {**state, "state": {n: {k: _whole(v) for k, v in st.items()} for n, st in state["state"].items()}}
     dist.all_gather_object(parts, state, group=runner.pp_group)
     if runner.pp_rank:
         return None
@@ -193,3 +230,10 @@ def own_optimizer_state(state: dict[str, Any], names: set[str]) -> dict[str, Any
     """The part of a whole model's optimizer state (by name) that this stage's parameters hold."""
     groups = [dict(g, params=[n for n in g["params"] if n in names]) for g in state["param_groups"]]
     return {"state": {n: s for n, s in state["state"].items() if n in names}, "param_groups": groups}
+
+
+def _whole(t: Any) -> Any:
+    """A DTensor gathered whole (every rank of its mesh calls it in the same order); anything else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -40,6 +40,7 @@ __all__ = [
     "read_optimizer_meta",
     "save_module_state",
     "save_optimizer_state",
+    "slice_full",
     "tensor_piece",
     "write_pieces",
 ]
@@ -229,7 +230,7 @@ def load_optimizer_state(reader: ckpt.CheckpointReader, name: str, optimizer: to
         state = {}
         for fqn, st in nested["state"].items():
             like = params.get(fqn)
-            state[fqn] = {k: (_slice_full(v, like) if like is not None and _is_sharded_value(v) else v)
+            state[fqn] = {k: (slice_full(v, like) if like is not None and _is_sharded_value(v) else v)
                           for k, v in st.items()}
         ckpt.load_optimizer_state_by_name(optimizer, module, {"state": state, "param_groups": nested["param_groups"]})
         return
@@ -249,7 +250,8 @@ def load_optimizer_state(reader: ckpt.CheckpointReader, name: str, optimizer: to
     ckpt.load_optimizer_state_by_name(optimizer, module, {"state": state, "param_groups": meta["param_groups"]})
 
 
-def _slice_full(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def slice_full(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a whole tensor ``full``, laid out like ``like`` (a DTensor shard, or plain whole)."""
     if not isinstance(like, DTensor):
         return full.to(like.device)
     offsets, shape = dtensor_box(like)

@@ -35,7 +35,8 @@ STRATEGIES.register("cp", f"{_S}.context_parallel:ContextParallel", aliases=("co
                                 "attention), FSDP2 over dp_shard x cp")
 STRATEGIES.register("pp", f"{_S}.pipeline:Pipeline", aliases=("pipeline", "pipeline_parallel"),
                     description="pipeline parallelism (torch.distributed.pipelining): layers split into stages "
-                                "over pp_size ranks, GPipe/1F1B/interleaved/zero-bubble, DDP over the rest")
+                                "over pp_size ranks, GPipe/1F1B/interleaved/zero-bubble, DDP or FSDP2 (dp=fsdp) over "
+                                "the rest")
 STRATEGIES.register("zero1", f"{_S}.zero:ZeRO1", aliases=("zero_1", "deepspeed_stage_1"),
                     description="DeepSpeed ZeRO stage 1: optimizer state partitioned")
 STRATEGIES.register("zero2", f"{_S}.zero:ZeRO2", aliases=("zero_2", "deepspeed_stage_2"),

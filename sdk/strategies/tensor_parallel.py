@@ -1,8 +1,9 @@
 """Tensor parallel on DTensor ``parallelize_module``, alone or composed with FSDP2 as 2-D (data x tensor).
 
-The mesh is ``("dp_replicate", "dp_shard", "tp")``: TP runs inside each group of ``tp_size``
-consecutive ranks; across groups the model is either sharded by FSDP2 (``dp="fsdp"``) or replicated
-with gradients all-reduced (``dp="replicate"``, FSDP2 with shard groups of one rank).
+The mesh is ``("dp_replicate", "dp_shard", "tp")``, cut from the one validated
+:class:`~shardkit.strategies.mesh.ParallelDims` mesh (``strategy.dims``, ``strategy.world_mesh``): TP runs
+inside each group of ``tp_size`` consecutive ranks; across groups the model is either sharded by FSDP2
+(``dp="fsdp"``) or replicated with gradients all-reduced (``dp="replicate"``, FSDP2 with shard groups of one rank).
 
 A plan (module name or fnmatch pattern -> ``ParallelStyle``) says how each layer is split. It comes from
 ``TensorParallel(plan=...)`` when given, else from the model's ``parallel_plan(tp_size, sequence_parallel)``
@@ -23,6 +24,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from typing_extensions import override
 
 from shardkit.strategies import _mesh
+from shardkit.strategies.mesh import ParallelDims
 from shardkit.strategies.parallel import MeshStrategy
 from shardkit.suggest import did_you_mean
 
@@ -176,6 +178,8 @@ class TensorParallel(MeshStrategy):
                  timeout: float | None = None):
         super().__init__(timeout)
         self.settings = TensorParallelSettings(tp_size, plan, sequence_parallel, dp, state_dict_type)
+        self.dims = ParallelDims(dp_shard=1, tp=tp_size or 1)  # resolved against the world in setup_environment
+        self.world_mesh: Any = None
 
     @property
     def data_parallel_size(self) -> int:
@@ -196,12 +200,15 @@ class TensorParallel(MeshStrategy):
         super().setup_environment()
         if self.settings.tp_size is None:  # strategy_from_name("tp"): TP over every rank
             self.settings = dataclasses.replace(self.settings, tp_size=self.world_size)
-        shape = self.settings.mesh_shape(self.world_size)  # validates before anything is built
-        self.mesh = _mesh.build_mesh(self.device_type, shape, ("dp_replicate", "dp_shard", "tp"))
+        replicate, shard, tp = self.settings.mesh_shape(self.world_size)  # validates before anything is built
+        self.dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp).resolve(self.world_size)
+        self.world_mesh = self.dims.build(self.device_type)
+        self.mesh = self.world_mesh["dp_replicate", "dp_shard", "tp"]
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         s = self.settings
+        _validate_heads(module, self.dims)
         plan = resolve_plan(module, s.plan, s.tp_size, s.sequence_parallel)
         if _mesh.has_meta_parameters(module):
             raise ValueError(f"TensorParallel: {type(module).__name__} has parameters on the meta device; TP splits "
@@ -224,3 +231,14 @@ class TensorParallel(MeshStrategy):
 
     def __repr__(self) -> str:
         return f"TensorParallel(tp_size={self.settings.tp_size}, dp={self.settings.dp!r}, device={self._device})"
+
+
+def _validate_heads(module: nn.Module, dims: ParallelDims) -> None:
+    """Named errors for head counts tp does not divide (shardkit's LlamaConfig or an HF config), before the split."""
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        return
+    heads = getattr(cfg, "num_heads", None) or getattr(cfg, "num_attention_heads", None)
+    kv = getattr(cfg, "num_kv_heads", None) or getattr(cfg, "num_key_value_heads", None)
+    if isinstance(heads, int):
+        dims.validate(num_heads=heads, num_kv_heads=kv if isinstance(kv, int) else None)

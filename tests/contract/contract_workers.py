@@ -269,7 +269,8 @@ def checkpoint_dir(root: str, name: str, runner: Runner) -> Path:
 def exact_resume(name: str, root: str) -> dict:
     """2N steps straight (saving after N and at the end) against a fresh run that loads the N-step save and
     trains N more (and saves at the end): the test compares losses, weights and both final checkpoints. The
-    N-step save is asynchronous (issue 27): training goes on while it is written, and the resume must not see it."""
+    saves are asynchronous (issue 27): training goes on while the N-step one is written (the resume must not see
+    it), the next save waits for it, and the resumed run's save is in flight while its weights are read."""
     runner, model, loader, state = _resume_build(name)
     where, batches_left = checkpoint_dir(root, name, runner), iter(loader)
     straight = _train_steps(runner, model, batches_left, RESUME_STEPS)
@@ -278,18 +279,21 @@ def exact_resume(name: str, root: str) -> dict:
     at_save = full_state(runner, model)
     straight += _train_steps(runner, model, batches_left, RESUME_STEPS)
     state["step"] = 2 * RESUME_STEPS
-    runner.save(where / "straight", state)
+    runner.save(where / "straight", state, blocking=False)
     weights = full_state(runner, model)
+    runner.wait_for_save()
 
     torch.manual_seed(1234)  # whatever the RNG holds now, the load must restore the saved one
     runner2, model2, loader2, state2 = _resume_build(name)
     values = runner2.load(where / "mid", state2)
     resumed = _train_steps(runner2, model2, iter(loader2), RESUME_STEPS)
     state2["step"] = 2 * RESUME_STEPS
-    runner2.save(where / "resumed", state2)
+    runner2.save(where / "resumed", state2, blocking=False)
+    resumed_weights = full_state(runner2, model2)
+    runner2.wait_for_save()
     return {"straight": straight, "resumed": resumed, "loaded_step": values["step"], "dir": str(where),
             "saved_world_size": runner.world_size, "weights_at_save": at_save, "weights": weights,
-            "resumed_weights": full_state(runner2, model2), "scales": [r.precision.current_loss_scale
+            "resumed_weights": resumed_weights, "scales": [r.precision.current_loss_scale
                                                                          for r in (runner, runner2)],
             "steps": [runner.optimizer_steps, runner2.optimizer_steps]}
 
@@ -387,11 +391,12 @@ def reload_worker(name: str, path: str) -> dict:
         return {"error_type": type(err).__name__, "error": str(err)}
     weights = full_state(runner, model)
     again = Path(path).parent / "reloaded-1-rank"
-    runner.save(again, state)
+    runner.save(again, state, blocking=False)  # written while the next step runs
     x = batches(1)[0]
     for micro in range(2):
         loss = model(x[2 * micro:2 * micro + 2], labels=x[2 * micro:2 * micro + 2])
         runner.backward(loss)
     stepped = runner.step()
+    runner.wait_for_save()
     return {"world_size": runner.world_size, "step": values["step"], "weights": weights, "again": str(again),
             "stepped": stepped, "loss": loss.item()}

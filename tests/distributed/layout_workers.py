@@ -13,7 +13,7 @@ from cp_workers import CONFIG
 from shardkit import Runner
 from shardkit.models import Llama
 
-__all__ = ["layout_worker"]
+__all__ = ["layout_worker", "resume_case"]
 
 GLOBAL_BATCH, SEQ, STEPS, SAVE_AT = 4, 16, 4, 2
 
@@ -44,7 +44,8 @@ def _train(runner: Runner, model: Any, batches: torch.Tensor) -> list[float]:
     return losses
 
 
-def _case(first: Any, second: Any, root: Path) -> dict:
+def resume_case(first: Any, second: Any, root: Path) -> dict:
+    """Train, save mid-way and go on under ``first``; resume from the save under ``second``."""
     runner, model, opt = _build(first)
     batches = _batches()
     losses = _train(runner, model, batches[:SAVE_AT])
@@ -78,4 +79,4 @@ def layout_worker(root: str) -> dict:
         "pp2->pp1": (lambda: Pipeline(pp_size=2, schedule="1f1b"), lambda: Pipeline(pp_size=1)),
         "pp1->pp2": (lambda: Pipeline(pp_size=1), lambda: Pipeline(pp_size=2, schedule="gpipe")),
     }
-    return {name: _case(a(), b(), Path(root) / name) for name, (a, b) in cases.items()}
+    return {name: resume_case(a(), b(), Path(root) / name) for name, (a, b) in cases.items()}

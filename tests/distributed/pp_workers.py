@@ -1,11 +1,14 @@
 """Pipeline parallelism inside each rank: every schedule in one process group, compared with DDP's losses.
 
-Each case trains the same untied tiny Llama on the same global batches (SGD, so a wrong gradient shows in the
-next loss) and returns its losses and, for the stages this rank holds, the weights after training.
+Each case trains the same untied tiny Llama (or a tiny HF LlamaForCausalLM, built locally: ``model="hf"``, tied
+embeddings with ``"hf_tied"``) on the same global batches (SGD, so a wrong gradient shows in the next loss) and
+returns its losses, the micro-batch counts its schedules ran and, for the stages this rank holds, the weights
+after training (FSDP shards gathered whole).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,11 +27,37 @@ def batches() -> torch.Tensor:
     return torch.randint(0, CONFIG.vocab_size, (STEPS, GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(5))
 
 
-def train(strategy: Any, accumulation: int = 1, window: int | None = None) -> dict:
+def build(model: str) -> torch.nn.Module:
+    """shardkit's Llama ("llama"), or an HF LlamaForCausalLM of the same shape ("hf"; "hf_tied": tied head)."""
+    if model == "llama":
+        return Llama(CONFIG)
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    cfg = HFConfig(vocab_size=CONFIG.vocab_size, hidden_size=CONFIG.hidden_size, num_hidden_layers=CONFIG.num_layers,
+                   intermediate_size=CONFIG.intermediate_size, num_attention_heads=CONFIG.num_heads,
+                   num_key_value_heads=CONFIG.num_heads, max_position_embeddings=CONFIG.max_position,
+                   tie_word_embeddings=model == "hf_tied", attn_implementation="eager")
+    return LlamaForCausalLM(cfg)
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(input_ids=x, labels=x)
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def train(strategy: Any, accumulation: int = 1, window: int | None = None, model: str = "llama") -> dict:
     """``window``: every step a short accumulation window of that many micro-batches (``runner.begin_window``)."""
     runner = Runner(strategy, seed=0, gradient_accumulation_steps=accumulation)
+    name = model
     with runner.init_module():
-        model = Llama(CONFIG)
+        model = build(name)
     model, opt = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
     s = runner.strategy
     per = GLOBAL_BATCH // s.data_parallel_size
@@ -38,24 +67,38 @@ def train(strategy: Any, accumulation: int = 1, window: int | None = None) -> di
         if window is not None:
             runner.begin_window(window)
         for part in x.chunk(window or accumulation):
-            loss = model(part, labels=part)
+            loss = _loss(model, part)
             runner.backward(loss)
             losses.append(runner.all_reduce(loss.detach().clone(), "mean").item())
         runner.step()
-    weights = {k: v.detach().clone() for k, v in runner.unwrap_model(model).state_dict().items()}
-    return {"losses": losses, "weights": weights}
+    from torch.distributed.tensor import DTensor
+
+    state = runner.unwrap_model(model).state_dict()
+    weights = {k: _whole(v) for k, v in state.items()}
+    sharded = sorted(k for k, v in state.items() if isinstance(v, DTensor))
+    pipeline = getattr(runner.strategy, "_runner", None)
+    return {"losses": losses, "weights": weights, "microbatches": sorted(pipeline._schedules) if pipeline else [],
+            "sharded": sharded}
 
 
-def pp_worker(cases: list[dict]) -> dict:
-    """DDP's run, then each case (Pipeline keyword arguments, ``accumulation`` and ``window`` apart) on the same
-    batches; a case's name ends in the micro-batches per window (``accumulation=N``)."""
+def pp_worker(cases: list[dict], resumes: dict[str, tuple[dict, dict]], root: str) -> dict:
+    """DDP's run, then each case (Pipeline keyword arguments, ``accumulation``, ``window`` and ``model`` apart) on
+    the same batches; a case's name ends in the micro-batches per window (``accumulation=N``). Then each of
+    ``resumes`` (name: the Pipeline arguments saving and those resuming, see layout_workers.resume_case)."""
+    from layout_workers import resume_case
+
     from shardkit.strategies import DDP
     from shardkit.strategies.pipeline import Pipeline
 
+    resumed = {name: resume_case(Pipeline(**a), Pipeline(**b), Path(root) / name) for name, (a, b) in resumes.items()}
+
     out = {"ddp": train(DDP()), "ddp_accumulation": train(DDP(), accumulation=2)}
+    for model in sorted({kw["model"] for kw in cases if "model" in kw}):
+        out[f"ddp {model}"] = train(DDP(), model=model)
     for kw in cases:
         kw = dict(kw)
         accumulation, window = kw.pop("accumulation", 1), kw.pop("window", None)
-        name = repr(sorted(kw.items())) + (f" short window of ga={accumulation}," if window else "")
-        out[name + f" accumulation={window or accumulation}"] = train(Pipeline(**kw), accumulation, window)
-    return out
+        model = kw.pop("model", "llama")
+        name = f"{model} {sorted(kw.items())!r}" + (f" short window of ga={accumulation}," if window else "")
+        out[name + f" accumulation={window or accumulation}"] = train(Pipeline(**kw), accumulation, window, model)
+    return {"cases": out, "resumed": resumed}

@@ -1,5 +1,6 @@
 """Pipeline parallelism on 2 and 4 CPU ranks: each schedule's losses and weights equal DDP's (a short accumulation
-window included); pp x dp on 4.
+window included); HF LlamaForCausalLM stages (tied head, a user's split) on 2; pp x dp on 4, with the stages
+replicated (DDP) or sharded with FSDP2 over dp_shard.
 
 One launch per world size runs DDP and every case in one process group.
 """
@@ -17,18 +18,38 @@ CASES = {
     # The window case: gradient_accumulation_steps=4 but every window 2 micro-batches long (begin_window), as
     # DDP's 2-micro-batch windows: the pipeline's loss must be scaled by the window, not by 4.
     2: [*SCHEDULES, {"schedule": "1f1b", "accumulation": 2}, {"schedule": "gpipe", "layer_split": (1, 3)},
-        {"schedule": "1f1b", "accumulation": 4, "window": 2}],
+        {"schedule": "1f1b", "accumulation": 4, "window": 2},
+        {"model": "hf", "schedule": "1f1b", "microbatches": 4},
+        {"model": "hf_tied", "schedule": "gpipe", "layer_split": "1,3"}],
     4: [{"schedule": "gpipe", "microbatches": 4}, {"schedule": "1f1b", "microbatches": 4},
         {"schedule": "1f1b", "pp_size": 2, "microbatches": 2}, {"schedule": "interleaved_1f1b", "pp_size": 2,
-                                                                  "microbatches": 2, "accumulation": 2}],
+                                                                  "microbatches": 2, "accumulation": 2},
+        {"model": "hf_tied", "schedule": "1f1b", "pp_size": 2, "dp": "fsdp"},
+        {"schedule": "interleaved_1f1b", "pp_size": 2, "dp": "fsdp", "accumulation": 2}],
 }
+# Micro-batches each case's schedules ran with no microbatches given: the accumulation window's length when it is
+# over 1 (the short window's 2, not gradient_accumulation_steps' 4), else pp_size.
+WINDOW_MICROBATCHES = {"'1f1b')] accumulation=2": [2], "short window of ga=4, accumulation=2": [2],
+                       "('layer_split', '1,3'), ('schedule', 'gpipe')] accumulation=1": [2],
+                       "('dp', 'fsdp'), ('pp_size', 2), ('schedule', 'interleaved_1f1b')] accumulation=2": [2]}
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
+# Checkpoints of sharded stages: saved under pp 2 x FSDP 2, resumed under pp 2 x DDP 2, and from pp 1 into it.
+RESUMES = {4: {"pp2 x fsdp2 -> pp2 x ddp2": ({"pp_size": 2, "dp": "fsdp"}, {"pp_size": 2, "schedule": "gpipe"}),
+               "pp1 -> pp2 x fsdp2": ({"pp_size": 1}, {"pp_size": 2, "dp": "fsdp", "schedule": "gpipe"})}}
+
+
 @pytest.fixture(scope="module")
-def results():
-    return {world: run_distributed(pp_worker, world_size=world, args=(cases,), timeout=600)
-            for world, cases in CASES.items()}
+def launches(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("pp_layouts"))
+    return {world: run_distributed(pp_worker, world_size=world, args=(cases, RESUMES.get(world, {}), root),
+                                   timeout=600) for world, cases in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def results(launches):
+    return {world: [per_rank["cases"] for per_rank in ranks] for world, ranks in launches.items()}
 
 
 def _window_means(losses: list[float], accumulation: int) -> torch.Tensor:
@@ -42,14 +63,37 @@ def test_pipeline_losses_and_weights_equal_ddp(results, world):
             if case.startswith("ddp"):
                 continue
             accumulation = int(case.rsplit("=", 1)[1])
-            ddp = per_rank["ddp" if accumulation == 1 else "ddp_accumulation"]
+            model = case.split(" ", 1)[0]
+            ddp = per_rank[f"ddp {model}" if model != "llama" else "ddp" if accumulation == 1 else "ddp_accumulation"]
             # Micro-batches of an accumulation window group rows differently under DDP (per rank) and a
             # pipeline (dp 1): each window's mean is the batch's mean in both.
             torch.testing.assert_close(_window_means(got["losses"], accumulation),
                                        _window_means(ddp["losses"], accumulation), **TOL,
                                        msg=lambda m, c=case, r=rank: f"rank {r} {c}: losses differ from DDP's: {m}")
             assert got["weights"], f"rank {rank} {case}: holds no stage"
+            fsdp = "('dp', 'fsdp')" in case
+            assert got["sharded"] == (sorted(got["weights"]) if fsdp else []), f"rank {rank} {case}: FSDP shards"
             assert len(got["weights"]) < len(ddp["weights"]), f"rank {rank} {case}: holds the whole model"
             for key, value in got["weights"].items():
                 torch.testing.assert_close(value, ddp["weights"][key], **TOL,
                                            msg=lambda m, k=key, c=case: f"{c}: {k} differs from DDP's: {m}")
+
+
+def test_microbatches_come_from_the_accumulation_window(results):
+    seen = {}
+    for world in CASES:
+        for case, got in results[world][0].items():
+            for suffix, expected in WINDOW_MICROBATCHES.items():
+                if case.endswith(suffix):
+                    seen[suffix] = True
+                    assert got["microbatches"] == expected, f"{case}: schedules ran {got['microbatches']}"
+    assert sorted(seen) == sorted(WINDOW_MICROBATCHES), f"cases not run: {set(WINDOW_MICROBATCHES) - set(seen)}"
+
+
+@pytest.mark.parametrize("case", sorted(RESUMES[4]))
+def test_sharded_stages_resume_under_another_layout(launches, case):
+    for rank, per_rank in enumerate(launches[4]):
+        got = per_rank["resumed"][case]
+        torch.testing.assert_close(torch.tensor(got["resumed"]), torch.tensor(got["uninterrupted"]), **TOL,
+                                   msg=lambda m, r=rank: f"rank {r} {case}: resumed losses differ: {m}")
+    assert launches[4][0]["resumed"][case]["consolidated"], f"{case}: zero-to-fp32's reader differs from the model"

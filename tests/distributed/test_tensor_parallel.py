@@ -1,5 +1,6 @@
 """TensorParallel (DTensor parallelize_module) on real processes with gloo: tp=2 on the Llama model, 2-D with
-FSDP on 4 ranks, a user plan, a non-Llama model with its own plan, and the settings errors."""
+FSDP on 4 ranks, a user plan, a non-Llama model with its own plan, the settings errors, and its mesh cut from the
+one ParallelDims mesh (head counts tp does not divide refused by name)."""
 
 from __future__ import annotations
 
@@ -184,6 +185,30 @@ def _tp_not_dividing() -> None:
 def test_tp_not_dividing_world_size_fails_before_anything_is_built():
     with pytest.raises(LaunchError, match=r"world_size\(2\) % tp_size\(3\) != 0"):
         launch(_tp_not_dividing, num_processes=2, timeout=60, env={"SHARDKIT_COLLECTIVE_TIMEOUT": "20"})
+
+
+def _one_mesh_and_heads() -> tuple:
+    from shardkit import Runner
+    from shardkit.strategies import TensorParallel
+
+    runner = Runner(TensorParallel(tp_size=2), seed=0)
+    s = runner.strategy
+    try:
+        runner.setup(Llama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                                       num_kv_heads=1, max_position=32)))
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return s.world_mesh.mesh_dim_names, s.mesh.mesh_dim_names, s.dims.sizes, error
+
+
+def test_the_mesh_is_cut_from_parallel_dims_and_heads_are_checked():
+    from shardkit.strategies.mesh import DIM_NAMES
+
+    for world_names, names, sizes, error in run_distributed(_one_mesh_and_heads, world_size=2, timeout=120):
+        assert world_names == DIM_NAMES and names == ("dp_replicate", "dp_shard", "tp")
+        assert sizes == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 2}
+        assert error is not None and "num_kv_heads(1) % tp(2) != 0: each tensor-parallel rank needs whole" in error
 
 
 def _sp_generation() -> tuple[bool, bool]:

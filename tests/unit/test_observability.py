@@ -3,6 +3,7 @@ profiler's files, the OOM snapshot handler, the FP16 stuck-scale warning and det
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import glob
 import json
@@ -14,7 +15,15 @@ import pytest
 import torch
 
 from shardkit import Runner
-from shardkit.observability import StepProfiler, Throughput, flops_per_token, parse_profile_steps
+from shardkit.observability import (
+    StepProfiler,
+    Throughput,
+    flops_per_token,
+    install_oom_snapshot,
+    oom_report,
+    parse_profile_steps,
+    profiler,
+)
 from shardkit.observability.profiler import oom_observer
 from shardkit.observability.run_log import RunLog
 from shardkit.precision.fp16 import LossScaler
@@ -199,10 +208,58 @@ def test_oom_observer_writes_the_memory_snapshot_and_names_it(tmp_path, monkeypa
     """The CUDA allocator calls this observer on an out-of-memory error; simulated here (no GPU)."""
     written = []
     monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: written.append(path) or open(path, "w"))
+    monkeypatch.setattr(oom_report, "_last_cuda_oom", {})  # the allocator's figures, kept for the report
     with caplog.at_level(logging.ERROR, logger="shardkit.observability"):
         oom_observer(tmp_path / "profile", rank=3)(0, 2**30, 5 * 2**30, 2**20)
     assert written == [str(tmp_path / "profile" / "oom_snapshot.rank3.pickle")]
+    assert oom_report._last_cuda_oom == {"device": 0, "alloc": 2**30, "allocated": 5 * 2**30, "free": 2**20}
     assert "asking for 1073741824 bytes" in caplog.text and "oom_snapshot.rank3.pickle" in caplog.text
+
+
+def test_one_allocator_observer_serves_the_latest_runner(tmp_path, monkeypatch):
+    """The CUDA allocator keeps every observer attached: a second Runner must not add a second snapshot per OOM."""
+    attached, written = [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kwargs: None)
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", attached.append, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", written.append)
+    monkeypatch.setattr(profiler, "_snapshot", {"current": None})
+    monkeypatch.setattr(oom_report, "_last_cuda_oom", {})
+    install_oom_snapshot(tmp_path / "first", 0)
+    install_oom_snapshot(tmp_path / "second", 0)
+    assert len(attached) == 1
+    attached[0](0, 2**20, 2**30, 0)
+    assert written == [str(tmp_path / "second" / "oom_snapshot.rank0.pickle")]
+
+
+def test_an_oom_inside_step_writes_one_report_and_still_reaches_the_loop(tmp_path, caplog):
+    """An out-of-memory error raised inside runner.step() (a CUDA one, as a GPU raises it): the report names the
+    allocation and holds the steps before it; the loop still gets the error, and a second report_oom is a no-op."""
+    runner = Runner(logging_dir=tmp_path, seed=0)
+    model = runner.setup(torch.nn.Linear(8, 1))
+    failing = {"now": False}
+
+    class Hungry(torch.optim.SGD):
+        def step(self, closure=None):
+            if failing["now"]:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ...")
+            return super().step(closure)
+
+    model, _ = runner.setup(model, Hungry(model.parameters(), lr=0.1))
+    for i in range(4):
+        failing["now"] = i == 3
+        runner.backward(model(torch.randn(4, 8)).square().mean())
+        with caplog.at_level(logging.ERROR, logger="shardkit.observability"), \
+                pytest.raises(torch.OutOfMemoryError) if i == 3 else contextlib.nullcontext() as caught:
+            runner.step()
+    path = tmp_path / "oom_report.rank0.json"
+    report = json.loads(path.read_text())
+    assert report["failing_allocation_bytes"] == 2 * 2**30 and report["error"]["type"] == "OutOfMemoryError"
+    assert [r["step"] for r in report["last_steps"]] == [1, 2, 3] and "cuda" not in report["memory"]
+    assert "--params 9 --num-gpus 1" in report["fix"] and str(path) in caplog.text
+    path.unlink()
+    assert runner.report_oom(caught.value) == path and not path.exists()  # once per error
+    assert runner.report_oom(ValueError("not memory")) is None
 
 
 def test_fp16_loss_scale_stuck_at_its_minimum_warns_once(caplog):
