@@ -106,7 +106,7 @@ def test_cross_entropy_overwrite_refused_where_the_logits_are_held():
         torch.testing.assert_close(logits.detach(), kept, rtol=0, atol=0)
 
 
-def _peak_ratio(make_logits, target, **kw) -> float:
+def _peak_ratio(make_logits, target, size: int, warm: bool = True, **kw) -> float:
     """CPU peak of forward+backward over what was live before, in units of the logits' size (RSS high-water:
     at 62.5 MiB every tensor of the logits' size is its own mmap, so it counts once, exactly)."""
     held: list[torch.Tensor] = []
@@ -120,26 +120,30 @@ def _peak_ratio(make_logits, target, **kw) -> float:
         cross_entropy(logits, target, **kw).backward()
         del logits
 
-    setup()
-    run()  # warm-up: first-call buffers
-    size = 512 * 32000 * 4
+    if warm:  # first-call buffers out of the window
+        setup()
+        run()
     return peak_memory(run, "cpu", setup) / size
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resident-set accounting")
-def test_cross_entropy_forward_backward_allocates_no_logits_sized_tensor_when_overwriting(monkeypatch):
-    """(512, 32000) fp32 logits, the H200 run's vocabulary: out of place one buffer of the logits' size (it
-    becomes the leaf's .grad without a copy; before: two, 2.0x), over an intermediate's logits none (< 0.5x:
-    chunk temporaries only). Liger-Kernel: ~0 (it writes over the logits). 4 MiB chunks: the CPU reference's
-    row pass allocates a few chunk-sized temporaries (the Triton kernel none), kept small beside the logits."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cross_entropy_forward_backward_allocates_no_logits_sized_tensor_when_overwriting(monkeypatch, dtype):
+    """62.5 MiB of logits at the H200 run's vocabulary (32000): out of place one buffer of the logits' size (it
+    becomes the leaf's .grad without a copy; before: 2.0x in fp32, 5x in bf16 where the fp32 scale of the bf16
+    gradient was materialised whole), over lm_head's output with overwrite_logits none (< 0.5x: chunk
+    temporaries only). Liger-Kernel: ~0 (it writes over the logits). 4 MiB chunks: the CPU reference's row pass
+    allocates a few chunk-sized temporaries (the Triton kernel none), kept small beside the logits."""
     monkeypatch.setattr(ce_module, "_CHUNK_BYTES", 4 * 2**20)
+    n, v = 512 * 4 // dtype.itemsize, 32000
     gen = torch.Generator().manual_seed(0)
-    target = torch.randint(0, 32000, (512,), generator=gen)
-    leaf = torch.randn(512, 32000, generator=gen)
+    target = torch.randint(0, v, (n,), generator=gen)
+    h = torch.randn(n, 16, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(v, 16, generator=gen) / 4).to(dtype)
+    logits = (h @ w.T).detach()
+    size = logits.numel() * logits.element_size()
     with force_backend("reference"):
-        out_of_place = _peak_ratio(lambda: leaf.detach().clone().requires_grad_(), target)
-        h = torch.randn(512, 16, generator=gen).requires_grad_()
-        w = torch.randn(32000, 16, generator=gen)
-        over = _peak_ratio(lambda: h @ w.T, target, overwrite_logits=True)  # lm_head's output
+        out_of_place = _peak_ratio(lambda: logits.detach().clone().requires_grad_(), target, size)
+        over = _peak_ratio(lambda: h @ w.T, target, size, warm=False, overwrite_logits=True)  # lm_head's output
     assert 0.9 < out_of_place < 1.5, out_of_place
     assert over < 0.5, over
