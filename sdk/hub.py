@@ -10,10 +10,10 @@ main process uploads. ``hub_strategy`` decides what a save uploads, as in transf
 - ``"every_save"``: the model files in ``output_dir`` (weights, config, tokenizer; a checkpoint's are first copied
   there, as transformers does), never the ``checkpoint-*`` folders; a save while the previous upload still runs is
   skipped unless ``hub_always_push``;
-- ``"checkpoint"``: that, plus the latest checkpoint's Hugging Face files (:data:`CHECKPOINT_FILES`: weights,
-  config, tokenizer, trainer_state.json) as ``last-checkpoint/``; shardkit's own sharded resume state (optimizer,
-  RNG, data position shards) stays local;
-- ``"all_checkpoints"``: that, plus every checkpoint's Hugging Face files under its own name;
+- ``"checkpoint"``: that, plus the latest checkpoint folder, whole, as ``last-checkpoint/``: the model, optimizer,
+  scheduler, RNG and data-position state, trainer_state.json, as transformers pushes it, so that a run downloaded
+  from the Hub resumes with ``resume_from_checkpoint=".../last-checkpoint"`` exactly where it stopped;
+- ``"all_checkpoints"``: that, plus every checkpoint folder, whole, under its own name;
 - ``"end"``: nothing until ``push_final``.
 """
 
@@ -41,7 +41,8 @@ MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "mo
                "model.safetensors.index.json", "adapter_config.json", "adapter_model.safetensors")
 _TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
                     "chat_template.*", "preprocessor_config.json", "processor_config.json")
-# A checkpoint on the Hub: the model, its tokenizer and the files transformers' Trainer reads back from it.
+# A checkpoint's Hugging Face files: the model, its tokenizer and the files transformers' Trainer reads back from it.
+# (A checkpoint save pushes the whole folder, resume state included, as transformers does.)
 CHECKPOINT_FILES = (*MODEL_FILES, *_TOKENIZER_FILES, "trainer_state.json", "training_args.json")
 
 
@@ -108,12 +109,15 @@ class HubPusher:
         """Whether a save now starts an upload (not under ``"end"``, nor while one runs without ``always_push``)."""
         return self.strategy != "end" and (self.always_push or not self.busy())
 
-    def push_save(self, output_dir: str | Path, checkpoint_dir: str | Path | None = None) -> list[Future]:
+    def push_save(self, output_dir: str | Path, checkpoint_dir: str | Path | None = None,
+                  commit_message: str | None = None) -> list[Future]:
         """After a save: start the uploads ``strategy`` asks for, in the background; returns their futures.
 
         Args:
             output_dir: the run's folder (its model files are uploaded; a checkpoint's are copied there first).
             checkpoint_dir: the complete checkpoint folder just written (``output_dir/checkpoint-N``), if any.
+            commit_message: the model upload's ("Training in progress, step 500" from the Trainer, as
+                transformers words it); the checkpoint's adds ", checkpoint".
         """
         if self.strategy == "end":
             return []
@@ -122,14 +126,15 @@ class HubPusher:
                      "pushes every save)", self.repo_id)
             return []
         self.create_repo()
-        step = Path(checkpoint_dir).name if checkpoint_dir is not None else "the model"
+        if commit_message is None:
+            step = Path(checkpoint_dir).name if checkpoint_dir is not None else "the model"
+            commit_message = f"Training in progress, {step}"
         if checkpoint_dir is not None:
             _copy_model_files(Path(checkpoint_dir), Path(output_dir))
-        started = [self._upload(output_dir, f"Training in progress, {step}", ignore=_OUTPUT_IGNORE)]
+        started = [self._upload(output_dir, commit_message, ignore=_OUTPUT_IGNORE)]
         if checkpoint_dir is not None and self.strategy in ("checkpoint", "all_checkpoints"):
             path_in_repo = "last-checkpoint" if self.strategy == "checkpoint" else Path(checkpoint_dir).name
-            started.append(self._upload(checkpoint_dir, f"Training in progress, {step}, checkpoint",
-                                        path_in_repo=path_in_repo, allow=list(CHECKPOINT_FILES)))
+            started.append(self._upload(checkpoint_dir, f"{commit_message}, checkpoint", path_in_repo=path_in_repo))
         self._pending.extend(started)
         return started
 

@@ -109,6 +109,8 @@ def fsdp_spec(section: Mapping[str, Any], where: str, path: str = "fsdp_config",
                           f"{options.key('sync_module_states')}: true (only rank 0 loads the weights; the others "
                           f"receive them) in {where}")
     kwargs["sync_module_states"] = sync
+    if options.flag("cpu_ram_efficient_loading", False):  # named only when asked for (the FSDP default is off)
+        kwargs["cpu_ram_efficient_loading"] = True
     version = options.get("version", 1)
     if isinstance(version, str) and version.isdigit():
         version = int(version)
@@ -215,11 +217,6 @@ def _no_effect(options: _Options) -> None:
     if not options.flag("limit_all_gathers", True):
         warn_once("fsdp:limit_all_gathers", f"{where}: {options.name('limit_all_gathers')}: false has no effect: "
                   f"FSDP2 bounds its in-flight all-gathers itself; remove the key")
-    if options.flag("cpu_ram_efficient_loading", False):
-        warn_once("fsdp:cpu_ram_efficient_loading", f"{where}: {options.name('cpu_ram_efficient_loading')}: true "
-                  f"does not set Accelerate's FSDP_CPU_RAM_EFFICIENT_LOADING variable (transformers would load on "
-                  f"rank 0 alone): build the model inside runner.init_module(empty_init=True) instead; with "
-                  f"sync_module_states rank 0 holds the weights and the other ranks receive them")
     if options.get("xla_fsdp_settings"):
         raise NotImplementedError(f"{options.name('xla_fsdp_settings')} in {where}: XLA's FSDP runs on TPUs; shardkit "
                                   f"runs torch FSDP2 (drop the key)")

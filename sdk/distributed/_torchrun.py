@@ -9,6 +9,7 @@ is one short summary: which ranks failed, how (exit code or signal), and that ea
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -20,11 +21,28 @@ def failure_summary(script: str, failures: dict) -> str:
     lines = [f"shardkit launch: {len(failures)} rank(s) of {script} failed; the others were stopped"]
     for rank, failure in sorted(failures.items()):
         if failure.exitcode is not None and failure.exitcode < 0:
-            how = f"was killed by {failure.signal_name()} (by the system's out-of-memory killer if SIGKILL)"
+            how = f"was killed by {failure.signal_name()}"
+            if failure.exitcode == -signal.SIGKILL:
+                how += " (the system's out-of-memory killer sends SIGKILL; see below)"
+            elif failure.exitcode == -signal.SIGTERM:
+                how += " (the launcher stops the other ranks when one fails)"
         else:
             how = f"exited with code {failure.exitcode}; its traceback, if any, is printed above"
         lines.append(f"  rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}")
     return "\n".join(lines)
+
+
+def _leave_exit_signals(failures: dict) -> None:
+    """Under `shardkit launch`: the signals that ended ranks, for its out-of-memory diagnosis."""
+    import os
+
+    from shardkit.distributed.oom import write_exit_signals
+    from shardkit.distributed.watchdog import REPORT_DIR_ENV
+
+    folder = os.environ.get(REPORT_DIR_ENV)
+    signals = {rank: -f.exitcode for rank, f in failures.items() if f.exitcode is not None and f.exitcode < 0}
+    if folder and signals:
+        write_exit_signals(folder, signals)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run(args)
     except ChildFailedError as err:
         print(failure_summary(err.name, err.failures), file=sys.stderr, flush=True)
+        _leave_exit_signals(err.failures)
         return 1
     return 0
 

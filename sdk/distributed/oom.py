@@ -16,10 +16,11 @@ import signal
 from pathlib import Path
 from typing import Any
 
-__all__ = ["describe_kill", "exit_signal", "leave_run_facts", "oom_kill_count", "read_run_facts", "rss_bytes",
-           "write_run_facts"]
+__all__ = ["describe_kill", "exit_signal", "leave_run_facts", "oom_kill_count", "read_exit_signals", "read_run_facts",
+           "rss_bytes", "write_exit_signals", "write_run_facts"]
 
 RUN_FACTS = "run-facts.json"
+EXIT_SIGNALS = "exit-signals.json"
 _MAX_FACTS_BYTES = 4096
 
 
@@ -46,19 +47,46 @@ def leave_run_facts(model: Any, precision: str) -> None:
     write_run_facts(folder, params, precision, local, max(1, world // max(local, 1)))
 
 
-def read_run_facts(folder: str | os.PathLike) -> dict[str, Any] | None:
-    """What :func:`write_run_facts` left, checked (a regular file, small, the four keys in range); else None."""
-    path = Path(folder, RUN_FACTS)
+def _small_json(path: Path) -> Any:
+    """A small regular file's JSON (a launcher's own note, still read as hostile input); None when it is not one."""
     try:
         if not path.is_file() or path.is_symlink() or path.stat().st_size > _MAX_FACTS_BYTES:
             return None
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_run_facts(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """What :func:`write_run_facts` left, checked (a regular file, small, the four keys in range); else None."""
+    data = _small_json(Path(folder, RUN_FACTS))
+    try:
         facts = {"params": int(data["params"]), "precision": str(data["precision"]),
                  "nproc_per_node": int(data["nproc_per_node"]), "nodes": int(data["nodes"])}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
     ok = facts["params"] > 0 and facts["nproc_per_node"] > 0 and facts["nodes"] > 0
     return facts if ok and facts["precision"].replace("-", "").isalnum() else None
+
+
+def write_exit_signals(folder: str | os.PathLike, signals: dict[int, int]) -> None:
+    """torchrun's wrapper: the signal that ended each failed rank, for the supervisor's diagnosis. The supervisor
+    sees a dead rank's status only while it is a zombie, and torchrun may reap it first (seen with a real OOM
+    kill: "vanished without an error")."""
+    try:
+        Path(folder, EXIT_SIGNALS).write_text(json.dumps({str(int(r)): int(s) for r, s in signals.items()}))
+    except OSError:
+        pass
+
+
+def read_exit_signals(folder: str | os.PathLike) -> dict[int, int]:
+    """What :func:`write_exit_signals` left: rank -> signal number, entries out of range dropped."""
+    data = _small_json(Path(folder, EXIT_SIGNALS))
+    found: dict[int, int] = {}
+    for rank, sig in (data.items() if isinstance(data, dict) else ()):
+        if isinstance(rank, str) and rank.isdigit() and type(sig) is int and 0 < sig < 65:
+            found[int(rank)] = sig
+    return found
 
 
 def rss_bytes(pid: int) -> int | None:

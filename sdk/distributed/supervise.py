@@ -27,7 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from shardkit.distributed.oom import describe_kill, exit_signal, oom_kill_count, read_run_facts, rss_bytes
+from shardkit.distributed.oom import (
+    describe_kill,
+    exit_signal,
+    oom_kill_count,
+    read_exit_signals,
+    read_run_facts,
+    rss_bytes,
+)
 from shardkit.distributed.signals import catch_stop_signals, redeliver
 from shardkit.distributed.watchdog import REPORT_DIR_ENV, read_reports
 
@@ -175,7 +182,12 @@ def _killed(job: _Job, report_dir: str, code: int) -> str:
         return ""
     now = oom_kill_count()
     rose = now - job.oom_kills if now is not None and job.oom_kills is not None else 0
-    first = min(job.exited, key=lambda rank: (rank not in job.signals, job.exited[rank]))
+    for rank, sig in read_exit_signals(report_dir).items():  # ranks torchrun reaped before a scan saw them
+        if rank in job.exited:
+            job.signals.setdefault(rank, sig)
+    # the first rank that died of a signal the launcher did not send itself (it stops the others with SIGTERM)
+    first = min(job.exited, key=lambda rank: (rank not in job.signals, job.signals.get(rank) == signal.SIGTERM,
+                                              job.exited[rank]))
     return describe_kill(first, job.signals.get(first), job.rss.get(first), rose, read_run_facts(report_dir))
 
 

@@ -38,7 +38,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp-size", type=int_range(1, _MAX_DEVICES), default=None,
                    help="pipeline stages (pp row; default: --num-gpus)")
     p.add_argument("--microbatches", type=int_range(1, 2**20), default=None,
-                   help="pipeline micro-batches per step (default pp)")
+                   help="pipeline micro-batches per step (default: --gradient-accumulation-steps when over 1, else "
+                        "pp, as the Pipeline strategy chooses)")
+    p.add_argument("--gradient-accumulation-steps", type=int_range(1, 2**20), default=1,
+                   help="the Runner's accumulation window: a pipeline's micro-batches when --microbatches is unset")
     p.add_argument("--pp-schedule", default="1f1b", choices=["gpipe", "1f1b"],
                    help="pipeline schedule for the activation estimate (in-flight micro-batches)")
     p.add_argument("--device-memory", help="memory per device, e.g. 80GB or 24GiB: recommend what fits")
@@ -87,7 +90,7 @@ def _parallel_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
         rows.append(f"Activations per rank under cp {args.cp_size} (sequence split, load-balanced): {cp / GIB:.2f} GiB")
     pp = args.pp_size or args.num_gpus
     if pp > 1:
-        m = args.microbatches or pp
+        m = args.microbatches or (args.gradient_accumulation_steps if args.gradient_accumulation_steps > 1 else pp)
         stage = activation_bytes(spec, args.batch_size, args.seq_len, pp_size=pp, microbatches=m,
                                  schedule=args.pp_schedule)
         rows.append(f"Activations per pipeline stage (pp {pp}, {m} micro-batches, {args.pp_schedule}): "

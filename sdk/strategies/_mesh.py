@@ -32,6 +32,7 @@ __all__ = [
     "model_state_bytes",
     "mp_policy",
     "parameter_names",
+    "parameters_to_meta",
     "rebind_optimizer",
     "reduce_max",
     "repeated_blocks",
@@ -121,6 +122,20 @@ def meta_parameters() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def parameters_to_meta(module: nn.Module) -> None:
+    """Replace every parameter by one on the meta device (tied ones stay tied), freeing its storage; buffers stay."""
+    moved: dict[int, nn.Parameter] = {}
+    originals = list(module.parameters())  # alive until the end, so that no id() is reused in the loop
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is None or p.is_meta:
+                continue
+            if id(p) not in moved:
+                moved[id(p)] = type(p)(p.detach().to("meta"), requires_grad=p.requires_grad)
+            m._parameters[name] = moved[id(p)]
+    del originals
 
 
 def has_meta_parameters(module: nn.Module) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,11 @@ class FSDPSettings:
         sync_module_states: start every rank from rank 0's weights.
         hybrid_shard_size: ranks per shard group in "hybrid" (default: processes per node).
         state_dict_type: "sharded" (each rank writes its shards) or "full" (gathered to rank 0).
+        cpu_ram_efficient_loading: Accelerate's option of that name: only rank 0 keeps the model's real weights;
+            every other rank builds it on the meta device (``init_module()``; transformers' ``from_pretrained``
+            is told through Accelerate's environment variables) or drops its copy in ``setup``, and after
+            sharding each rank receives its shards from rank 0, one tensor at a time. Needs
+            ``sync_module_states``.
     """
 
     sharding: str = "full"
@@ -70,9 +76,14 @@ class FSDPSettings:
     sync_module_states: bool = True
     hybrid_shard_size: int | None = None
     state_dict_type: str = "sharded"
+    cpu_ram_efficient_loading: bool = False
 
     def __post_init__(self) -> None:
         _choice(self.sharding, SHARDING_MODES, "sharding")
+        if self.cpu_ram_efficient_loading and not self.sync_module_states:
+            raise ValueError("FSDP cpu_ram_efficient_loading=True needs sync_module_states=True: only rank 0 holds "
+                             "the weights and the other ranks receive them (as Accelerate refuses this combination "
+                             "too); set sync_module_states=True or drop cpu_ram_efficient_loading")
         _choice(self.state_dict_type, STATE_DICT_TYPES, "state_dict_type")
         if self.hybrid_shard_size is not None:
             if self.sharding != "hybrid":
@@ -123,7 +134,8 @@ class FSDP(MeshStrategy):
 
     Args:
         sharding, auto_wrap, cpu_offload, activation_checkpointing, reshard_after_forward,
-        sync_module_states, hybrid_shard_size, state_dict_type: see :class:`FSDPSettings`.
+        sync_module_states, hybrid_shard_size, state_dict_type, cpu_ram_efficient_loading: see
+        :class:`FSDPSettings`.
         timeout: seconds a collective may wait before the job fails (default: SHARDKIT_COLLECTIVE_TIMEOUT
             or 1800).
     """
@@ -132,11 +144,12 @@ class FSDP(MeshStrategy):
         self, sharding: str = "full", auto_wrap: ModuleClasses | int | None = None, cpu_offload: bool = False,
         activation_checkpointing: bool | ModuleClasses = False, reshard_after_forward: bool | None = None,
         sync_module_states: bool = True, hybrid_shard_size: int | None = None, state_dict_type: str = "sharded",
-        timeout: float | None = None,
+        timeout: float | None = None, cpu_ram_efficient_loading: bool = False,
     ):
         super().__init__(timeout)
         self.settings = FSDPSettings(sharding, auto_wrap, cpu_offload, activation_checkpointing,
-                                     reshard_after_forward, sync_module_states, hybrid_shard_size, state_dict_type)
+                                     reshard_after_forward, sync_module_states, hybrid_shard_size, state_dict_type,
+                                     cpu_ram_efficient_loading)
         self._recorders: list[_init.MetaInitRecorder] = []
 
     # ---- environment -------------------------------------------------------------------------------
@@ -147,6 +160,11 @@ class FSDP(MeshStrategy):
         self._start_private_group()  # the device mesh needs a group, also for a plain `python train.py`
         shape, names = self.settings.mesh_shape(self.world_size, self._local_world_size)
         self.mesh = _mesh.build_mesh(self.device_type, shape, names)
+        if self.settings.cpu_ram_efficient_loading:
+            # What `accelerate launch` exports for this option: transformers' from_pretrained then leaves the weights
+            # it does not load on the meta device and skips their random init on every local rank but 0.
+            os.environ["ACCELERATE_USE_FSDP"] = "true"
+            os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "true"
 
     # ---- modules -----------------------------------------------------------------------------------
 
@@ -162,8 +180,11 @@ class FSDP(MeshStrategy):
         records), any other write is lost; write weights inside the block or after ``setup``.
         ``empty_init=True``: on the meta device (on every rank but 0 when ``sync_module_states``, so rank
         0's weights, pretrained ones loaded into it included, are what every shard starts from),
-        materialised shard by shard in setup. ``empty_init=False``: the whole model on every rank.
+        materialised shard by shard in setup. ``empty_init=False``: the whole model on every rank. With
+        ``cpu_ram_efficient_loading`` the default is ``empty_init=True``: rank 0 alone builds (or loads) the weights.
         """
+        if empty_init is None and self.settings.cpu_ram_efficient_loading:
+            empty_init = True
         stack = contextlib.ExitStack()
         stack.enter_context(super().module_init_context(empty_init))
         if empty_init is None:
@@ -192,11 +213,21 @@ class FSDP(MeshStrategy):
         records = self._init_records(module)
         if records:
             return self._setup_recorded(module, records)
-        meta = self._any_rank(_mesh.has_meta_parameters(module))
         sync = self.settings.sync_module_states and self.world_size > 1
+        if sync and self.settings.cpu_ram_efficient_loading and not self.is_global_zero:
+            # Rank 0's weights are what every shard starts from: free this copy. NOTE: parameter subclasses (QLoRA's
+            # packed 4-bit weights and their quant state) cannot be rebuilt from the meta device; they are sent whole.
+            if all(type(p) is nn.Parameter for p in module.parameters()):
+                _mesh.parameters_to_meta(module)
+        meta = self._any_rank(_mesh.has_meta_parameters(module))
         if sync and not meta:
             _mesh.broadcast_from_rank0(module)
         rank0_state = None
+        if meta and sync and self._any_rank(self.is_global_zero and _mesh.has_meta_parameters(module)):
+            # Raised on every rank (the flag is reduced), so that none waits for rank 0's broadcast.
+            raise ValueError("FSDP sync_module_states: rank 0's model has parameters on the meta device, so there are "
+                             "no weights to send the other ranks; build or load the model with real weights on rank 0 "
+                             "(runner.init_module(empty_init=True) does that)")
         if meta and sync and self.is_global_zero:
             rank0_state = {k: v.detach() for k, v in module.state_dict().items()}
         self._shard(module)

@@ -34,13 +34,24 @@ class FSDPPluginView:
         self.auto_wrap_policy: Any = None
         self.state_dict_type = "FULL_STATE_DICT"
 
+    def _setting(self, name: str, default: Any) -> Any:
+        return getattr(getattr(self.strategy, "settings", None), name, default)
+
     @property
     def sharding_strategy(self) -> str:
-        return str(getattr(self.strategy, "sharding", "full"))
+        return str(self._setting("sharding", "full"))
 
     @property
     def cpu_offload(self) -> bool:
-        return bool(getattr(self.strategy, "cpu_offload", False))
+        return bool(self._setting("cpu_offload", False))
+
+    @property
+    def sync_module_states(self) -> bool:
+        return bool(self._setting("sync_module_states", True))
+
+    @property
+    def cpu_ram_efficient_loading(self) -> bool:
+        return bool(self._setting("cpu_ram_efficient_loading", False))
 
     def set_state_dict_type(self, state_dict_type: str = "FULL_STATE_DICT") -> None:
         """Recorded only: save_model() writes the full state dict in Hugging Face's format under every strategy."""

@@ -30,7 +30,8 @@ from shardkit.trainer.state import (
     export_callback_states,
 )
 
-__all__ = ["CheckpointParts", "Checkpointer", "PREFIX_CHECKPOINT_DIR", "get_last_checkpoint", "sorted_checkpoints"]
+__all__ = ["CheckpointParts", "Checkpointer", "PREFIX_CHECKPOINT_DIR", "checkpoints_by_age", "get_last_checkpoint",
+           "sorted_checkpoints"]
 
 logger = logging.getLogger("shardkit.trainer")
 
@@ -48,8 +49,25 @@ def sorted_checkpoints(output_dir: str | Path) -> list[Path]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NUMBERED.match(p.name)) and _complete(p)]
-    return [p for _, p in sorted(found)]
+    found = [p for p in root.iterdir() if _NUMBERED.match(p.name) and _complete(p)]
+    return sorted(found, key=_step)
+
+
+def checkpoints_by_age(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints oldest first by modification time, as transformers' rotation orders them (a run resumed
+    from checkpoint-5 beside an older run's checkpoint-10 writes a checkpoint-6 that is newer than checkpoint-10);
+    by step number where the times span under a second, too close to tell apart on some filesystems."""
+    found = sorted_checkpoints(output_dir)
+    if len(found) < 2:
+        return found
+    by_time = sorted(found, key=lambda p: (p.stat().st_mtime, _step(p)))
+    if by_time[-1].stat().st_mtime - by_time[0].stat().st_mtime < 1.0:
+        return found
+    return by_time
+
+
+def _step(path: Path) -> int:
+    return int(_NUMBERED.match(path.name).group(1))
 
 
 def get_last_checkpoint(output_dir: str | Path) -> str | None:
@@ -156,18 +174,39 @@ class Checkpointer:
             state.best_model_checkpoint = str(best)
 
     def rotate(self, best_model_checkpoint: str | None) -> None:
-        """Keep ``save_total_limit`` newest checkpoints, and the best one whatever its age (with a limit of 1
-        and a best that is not the newest, 2 are kept, so the run can still resume)."""
+        """As transformers' ``rotate_checkpoints``: keep at most ``save_total_limit`` checkpoints, never deleting the
+        most recent (to resume from) nor the best; with both protected and a limit of 1, two stay. The oldest
+        others go first, ordered as transformers orders them (see :func:`checkpoints_by_age`)."""
         limit = self.args.save_total_limit
-        if limit is None:
+        if limit is None or limit <= 0:
             return
-        found = sorted_checkpoints(self.args.output_dir)
-        best = Path(best_model_checkpoint) if best_model_checkpoint else None
-        keep = limit + 1 if (limit == 1 and best is not None and best in found and best != found[-1]) else limit
-        candidates = [p for p in found if p != best]
-        for old in candidates[: max(len(found) - keep, 0)]:
-            logger.info(f"deleting {old} (save_total_limit={limit})")
-            shutil.rmtree(old, ignore_errors=True)
+        found = checkpoints_by_age(self.args.output_dir)
+        if len(found) <= limit:
+            return
+        protected = {found[-1]}
+        if best_model_checkpoint is not None:
+            protected.add(Path(best_model_checkpoint))
+        remaining = len(found)
+        for old in found:
+            if remaining <= max(limit, len(protected)):
+                break
+            if old not in protected:
+                logger.info(f"deleting {old} (save_total_limit={limit})")
+                shutil.rmtree(old, ignore_errors=True)
+                remaining -= 1
+
+    def keep_only_best(self, best_model_checkpoint: str | None) -> None:
+        """End of train() with ``save_total_limit=1``: the rotation kept the newest checkpoint beside the best one
+        for resuming; training is over, so only the best stays (as transformers does)."""
+        if self.args.save_total_limit != 1 or best_model_checkpoint is None:
+            return
+        best = Path(best_model_checkpoint)
+        if not best.is_dir():
+            return
+        for path in sorted_checkpoints(self.args.output_dir):
+            if not os.path.samefile(path, best):
+                logger.info(f"deleting {path} (save_total_limit=1 keeps the best checkpoint {best})")
+                shutil.rmtree(path, ignore_errors=True)
 
     # ---- resuming --------------------------------------------------------------------------------
 

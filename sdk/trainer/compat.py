@@ -31,8 +31,8 @@ SHARDKIT_ONLY = ("logging_dir", "max_time", "save_on_sigterm", "fast_dev_run", "
                  "profile_steps")
 
 _HUB = ("uploads through huggingface_hub (shardkit.hub) from the main process; push_to_hub=True pushes each "
-        "checkpoint save in the background as hub_strategy says, but a checkpoint goes up with its Hugging Face files "
-        "only (weights, config, tokenizer, trainer_state.json), not shardkit's sharded resume state")
+        "checkpoint save in the background as hub_strategy says; 'checkpoint' and 'all_checkpoints' push the whole "
+        "checkpoint folder (shardkit's sharded resume state included: resume from a downloaded last-checkpoint)")
 ARGUMENT_NOTES: dict[str, tuple[str, str]] = {
     "output_dir": ("supported", "None is 'trainer_output'; ~ is expanded"),
     "warmup_steps": ("supported", "below 1 it is a fraction of the training steps (warmup_ratio folded in)"),
@@ -65,9 +65,10 @@ ARGUMENT_NOTES: dict[str, tuple[str, str]] = {
                                "eval/... as HF's) and callbacks added with shardkit.trainer.reporting."
                                "register_reporter; other names refused"),
     "project": ("different", "accepted; read by reporters that use it (no trackio reporter)"),
-    "trackio_space_id": ("refused", "no trackio reporter: accepted, unused"),
-    "trackio_bucket_id": ("refused", "no trackio reporter: accepted, unused"),
-    "trackio_static_space_id": ("refused", "no trackio reporter: accepted, unused"),
+    "trackio_space_id": ("different", "accepted, unused: no trackio reporter (report_to='trackio' is refused)"),
+    "trackio_bucket_id": ("different", "accepted, unused: no trackio reporter (report_to='trackio' is refused)"),
+    "trackio_static_space_id": ("different", "accepted, unused: no trackio reporter (report_to='trackio' is "
+                                             "refused)"),
     "eval_use_gather_object": ("different", "accepted; tensors are gathered the same way (objects are not)"),
     "eval_accumulation_steps": ("different", "accepted; predictions move to the CPU after every batch anyway"),
     "include_for_metrics": ("different", "'inputs' and 'loss' reach EvalPrediction.inputs / .losses"),
@@ -81,11 +82,12 @@ ARGUMENT_NOTES: dict[str, tuple[str, str]] = {
                                                              "True also rebuilds the callbacks from saved arguments"),
     "full_determinism": ("supported", "torch.use_deterministic_algorithms and the cuBLAS workspace setting"),
     "use_cpu": ("supported", "SingleDevice('cpu') on one process"),
-    "accelerator_config": ("refused", "no Accelerate object: only its defaults are accepted"),
+    "accelerator_config": ("different", "no Accelerate object: only its defaults are accepted, another value is "
+                                        "refused by name"),
     "parallelism_config": ("refused", "pass strategy=TensorParallel(...) / FSDP(...) to the Trainer"),
     "dataloader_in_order": ("supported", "each rank's order is fixed by (seed, epoch)"),
     "train_sampling_strategy": ("different", "'random' and 'sequential'; 'group_by_length' refused"),
-    "length_column_name": ("refused", "only read by group_by_length, which is refused"),
+    "length_column_name": ("different", "accepted, unused: only group_by_length reads it, and that is refused"),
     "ddp_find_unused_parameters": ("supported", "passed to DDP under a launcher"),
     "ddp_bucket_cap_mb": ("supported", "passed to DDP under a launcher"),
     "ddp_broadcast_buffers": ("different", "False is refused (buffers are always broadcast)"),
@@ -117,8 +119,9 @@ INIT_NOTES: dict[str, tuple[str, str]] = {
 
 METHOD_NOTES: dict[str, tuple[str, str]] = {
     "create_accelerator_and_postprocess": ("different", "no-op: the Runner is built with the Trainer"),
-    "create_model_card": ("refused", "part of the Hub upload, not available yet"),
-    "init_hf_repo": ("refused", "part of the Hub upload, not available yet"),
+    "create_model_card": ("supported", "transformers' TrainingSummary writes output_dir/README.md; push_to_hub() "
+                                       "writes it before uploading"),
+    "init_hf_repo": ("supported", "creates hub_model_id's repository through huggingface_hub (exist_ok)"),
     "push_to_hub": ("supported", "saves the model, then uploads output_dir (not its checkpoints) through "
                     "huggingface_hub after the uploads still running"),
     "hyperparameter_search": ("refused", "run the search loop yourself around Trainer(model_init=...)"),

@@ -4,8 +4,9 @@
 :func:`push_to_hub` and :func:`push_checkpoint` and nothing else; the uploads go through
 :class:`shardkit.hub.HubPusher` (``huggingface_hub``'s API, in the background as Hugging Face's Trainer does),
 from the main process only. ``trainer.push_to_hub()`` uploads ``output_dir``; under ``push_to_hub=True`` each
-checkpoint save, once the checkpoint is complete on every rank, calls :func:`push_checkpoint` (its Hugging Face
-files only, as ``hub_strategy`` says), and the end of ``train()`` waits for those uploads (:func:`finish_pushes`).
+checkpoint save, once the checkpoint is complete on every rank, calls :func:`push_checkpoint` (the model files,
+and under ``hub_strategy="checkpoint"``/``"all_checkpoints"`` the whole checkpoint folder, resumable), and the end
+of ``train()`` waits for those uploads (:func:`finish_pushes`).
 """
 
 from __future__ import annotations
@@ -40,14 +41,18 @@ def push_to_hub(trainer: Any, commit_message: str | None = "End of training", bl
                 token: str | None = None, revision: str | None = None, **kwargs: Any) -> Any:
     """Save the model to ``output_dir`` (every rank) and upload it (not its checkpoints) from the main process.
 
-    ``commit_message=None`` (``init_hf_repo``, ``create_model_card``) only creates the repository. Returns the
-    upload's result (its future with ``blocking=False``); None on other ranks.
+    ``commit_message=None`` (``init_hf_repo``) only creates the repository. Other keywords go to
+    ``create_model_card`` (the card is written into ``output_dir`` and uploaded with the model, as transformers).
+    Returns the upload's result (its future with ``blocking=False``); None on other ranks.
     """
     pusher = pusher_for(trainer)
     if token is not None:
         pusher.token = token
     if revision is not None:
         pusher.revision = revision
+    private = kwargs.pop("private", None)  # transformers' push_to_hub(private=...): the repository's visibility
+    if private is not None:
+        pusher.private = private
     if commit_message is not None:
         trainer.save_model(_internal_call=True)
     if not trainer.is_world_process_zero():
@@ -55,6 +60,8 @@ def push_to_hub(trainer: Any, commit_message: str | None = "End of training", bl
     if commit_message is None:
         pusher.create_repo()
         return None
+    # As transformers: the draft model card goes up with the model (kwargs are create_model_card's).
+    trainer.create_model_card(model_name=kwargs.pop("model_name", None) or pusher.repo_id.split("/")[-1], **kwargs)
     return pusher.push_final(trainer.args.output_dir, commit_message, blocking)
 
 
@@ -66,7 +73,10 @@ def push_checkpoint(trainer: Any, checkpoint_dir: str | Path) -> list[Future]:
     pusher = pusher_for(trainer)
     if pusher.would_push():
         trainer.control = trainer.callback_handler.on_push_begin(trainer.args, trainer.state, trainer.control)
-    return pusher.push_save(trainer.args.output_dir, checkpoint_dir)
+    state, strategy = trainer.state, str(getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy))
+    message = (f"Training in progress, step {state.global_step}" if strategy == "steps" else
+               f"Training in progress, epoch {int(state.epoch or 0)}")  # transformers' words
+    return pusher.push_save(trainer.args.output_dir, checkpoint_dir, message)
 
 
 def finish_pushes(trainer: Any) -> None:

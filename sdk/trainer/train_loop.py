@@ -445,6 +445,8 @@ class TrainLoopMixin:
         self.log(metrics)
         if self.args.load_best_model_at_end:
             self._load_best_model()
+        if self.runner.is_main_process:
+            self.checkpointer.keep_only_best(self.state.best_model_checkpoint)
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         hub.finish_pushes(self)  # as transformers: train() returns once the checkpoint uploads are done
         return TrainOutput(self.state.global_step, metrics["train_loss"], metrics)

@@ -496,9 +496,18 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         """Create the Hub repository ``hub_model_id`` (see :mod:`shardkit.trainer.hub`)."""
         hub.push_to_hub(self, commit_message=None, token=token)
 
-    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
-        """Write a model card for the Hub (see :mod:`shardkit.trainer.hub`)."""
-        hub.push_to_hub(self, commit_message=None)
+    def create_model_card(self, language: str | None = None, license: str | None = None,
+                          tags: str | list[str] | None = None, model_name: str | None = None,
+                          finetuned_from: str | None = None, tasks: str | list[str] | None = None,
+                          dataset_tags: str | list[str] | None = None, dataset: str | list[str] | None = None,
+                          dataset_args: str | list[str] | None = None) -> None:
+        """Write the draft model card ``output_dir/README.md`` as Hugging Face's Trainer does (main process only;
+        see :mod:`shardkit.trainer.model_card`)."""
+        from shardkit.trainer.model_card import write_model_card
+
+        write_model_card(self, language=language, license=license, tags=tags, model_name=model_name,
+                         finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags, dataset=dataset,
+                         dataset_args=dataset_args)
 
     def _parts(self) -> CheckpointParts:
         return CheckpointParts(self.model_wrapped, self.optimizer, self.lr_scheduler, self._train_loader, self.state,

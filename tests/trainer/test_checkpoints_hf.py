@@ -151,3 +151,25 @@ def test_a_missing_checkpoint_is_named(tmp_path):
     with pytest.raises(ValueError, match="No valid checkpoint found in output directory"):
         trainer.train(resume_from_checkpoint=True)
     shutil.rmtree(tmp_path / "out", ignore_errors=True)
+
+
+def _fake_checkpoints(root, steps_and_ages):
+    for step, age in steps_and_ages:
+        path = root / f"checkpoint-{step}"
+        path.mkdir(parents=True)
+        (path / "shardkit.json").write_text("{}")
+        os.utime(path, (1_000_000 - age, 1_000_000 - age))
+
+
+@pytest.mark.parametrize(("limit", "best", "kept"), [
+    # checkpoint-10 is an earlier run's; this run resumed from checkpoint-5 and wrote 6 and 7: by age, as
+    # transformers orders them, 7 is the most recent (kept to resume from), 10 the oldest.
+    (2, None, [6, 7]), (1, None, [7]), (1, 5, [5, 7]), (3, 10, [6, 7, 10]), (None, None, [5, 6, 7, 10]),
+])
+def test_rotation_orders_by_age_and_keeps_the_newest_and_the_best(tmp_path, limit, best, kept):
+    from shardkit.trainer.checkpointing import Checkpointer
+
+    _fake_checkpoints(tmp_path, [(10, 40), (5, 30), (6, 20), (7, 10)])
+    args = TrainingArguments(output_dir=str(tmp_path), save_total_limit=limit)
+    Checkpointer(None, args).rotate(str(tmp_path / f"checkpoint-{best}") if best else None)
+    assert sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*")) == kept

@@ -35,7 +35,8 @@ EXPECTED = {
                                     "sync_module_states": True}), "bf16", 2, 1),
     "fsdp_peft.yaml": ("FSDP", ("FSDP", {"sharding": "full", "auto_wrap": None, "state_dict_type": "sharded",
                                          "cpu_offload": False, "activation_checkpointing": False,
-                                         "sync_module_states": True}), "bf16", 8, 1),
+                                         "sync_module_states": True, "cpu_ram_efficient_loading": True}),
+                       "bf16", 8, 1),
     "tensor_parallel.yaml": ("TP", ("TensorParallel", {"tp_size": 4}), "no", 4, 1),
 }
 

@@ -26,7 +26,7 @@ TRAINER_CONFIG = {  # transformers' fsdp_config spellings, every key the seeds a
 }
 WANT = {"sharding": "full", "reshard_after_forward": True, "auto_wrap": ("LlamaDecoderLayer",),
         "state_dict_type": "sharded", "cpu_offload": False, "activation_checkpointing": True,
-        "sync_module_states": True}
+        "sync_module_states": True, "cpu_ram_efficient_loading": True}
 
 
 def test_trainer_and_accelerate_spellings_give_the_same_settings():
@@ -82,3 +82,13 @@ def test_the_trainer_reads_fsdp_config_through_the_translator(tmp_path):
     tiny = Llama(LlamaConfig(hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, max_position=8))
     with pytest.raises(ConfigKeyError, match=r"fsdp_config\.fsdp_transformer_layer_cls_to_wrp"):
         Trainer(model=tiny, args=args)  # was dropped silently
+
+
+def test_cpu_ram_efficient_loading_without_sync_is_refused_by_name():
+    from shardkit.strategies.fsdp import FSDP
+
+    with pytest.raises(ValueError, match="cpu_ram_efficient_loading=True needs sync_module_states=True"):
+        FSDP(cpu_ram_efficient_loading=True, sync_module_states=False)
+    with pytest.raises(ConfigError, match=r"fsdp_config\.cpu_ram_efficient_loading: true needs sync_module_states"):
+        trainer_fsdp_spec(True, {"cpu_ram_efficient_loading": "true", "sync_module_states": "false"})
+    assert FSDP(**trainer_fsdp_spec(True, {"cpu_ram_efficient_loading": True})[1]).settings.cpu_ram_efficient_loading

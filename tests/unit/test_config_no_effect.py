@@ -28,7 +28,7 @@ fsdp_config:
 
 @pytest.mark.parametrize(("text", "suffix", "needles"), [
     (FSDP_YAML, ".yaml", ["set_modules_to_backward_prefetch", "set_modules_to_forward_prefetch",
-                          "fsdp_use_orig_params: false has no effect", "runner.init_module(empty_init=True)"]),
+                          "fsdp_use_orig_params: false has no effect"]),
     (json.dumps({"activation_checkpointing": {"partition_activations": True},
                  "checkpoint": {"use_node_local_storage": True}}), ".json",
      ["activation_checkpointing.partition_activations=True has no effect", "use_node_local_storage has no effect"]),

@@ -129,3 +129,8 @@ def test_estimate_memory_cli_prints_cp_activations_and_the_pipeline_bubble(tmp_p
     out = capsys.readouterr().out
     assert "Activations per rank under cp 4" in out
     assert "bubble (pp-1)/(m+pp-1) = 27% of a step" in out
+    # no --microbatches: the accumulation window, as the Pipeline strategy takes it (else pp)
+    for extra, m in ((["--gradient-accumulation-steps", "12"], 12), ([], 4)):
+        assert main(["estimate-memory", "--config", str(cfg), "--num-gpus", "4", "--batch-size", "8", "--seq-len",
+                     "1024", "--pp-size", "4", "--strategy", "pp", *extra]) == 0
+        assert f"(pp 4, {m} micro-batches, 1f1b)" in capsys.readouterr().out

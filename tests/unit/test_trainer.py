@@ -119,7 +119,7 @@ def test_best_model_is_kept_and_loaded(tmp_path):
     best = max(evals, key=lambda h: h["eval_loss"])  # "greater is better" on a falling loss: the first wins
     assert trainer.state.best_model_checkpoint.endswith(f"checkpoint-{best['step']}")
     kept = sorted(p.name for p in Path(args.output_dir).glob("checkpoint-*"))
-    assert kept == sorted({f"checkpoint-{best['step']}", "checkpoint-12"})
+    assert kept == [f"checkpoint-{best['step']}"]  # as transformers: save_total_limit=1 keeps the best alone at the end
     assert trainer.evaluate()["eval_loss"] == pytest.approx(best["eval_loss"], rel=1e-6)
     assert "eval_accuracy" in evals[0]
 
