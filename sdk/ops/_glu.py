@@ -5,8 +5,8 @@ recomputes the activation: nothing of the size of the product is stored, e.g. 4 
 layer in bf16 not kept for a 7B Llama MLP. With ``in_place_backward=True`` the backward also writes d gate over
 ``gate`` and d up over ``up`` (Liger-Kernel's memory: no (tokens, intermediate) buffer allocated in backward,
 where the out-of-place form allocates two). That destroys the two activations, so it is taken only where they
-are intermediates of the graph (not leaves), contiguous, distinct and plain tensors in eager mode; the MLP
-modules (``SwiGLUMLP``, ``GeGLUMLP``, the Hugging Face patch) pass it because their gate and up are fresh
+are intermediates of the graph (not leaves nor views of leaves), contiguous, distinct and plain tensors in eager
+mode; the MLP modules (``SwiGLUMLP``, ``GeGLUMLP``, the Hugging Face patch) pass it because their gate and up are fresh
 linear outputs nothing else reads. Under torch.compile the out-of-place backward is traced (the compiler plans
 its own buffers).
 """
@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .registry import OpSpec, direct_call_ok, native
 
-__all__ = ["GluOp", "acc_dtype", "build_glu", "can_take_grads_in_place", "glu_example", "plain_eager"]
+__all__ = ["GluOp", "acc_dtype", "build_glu", "can_overwrite", "can_take_grads_in_place", "glu_example", "plain_eager"]
 
 BwdFn = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
 
@@ -41,13 +41,21 @@ def _disjoint(a: Tensor, b: Tensor) -> bool:
     return a0 + nbytes <= b0 or b0 + nbytes <= a0
 
 
+def can_overwrite(t: Tensor) -> bool:
+    """Whether ``t`` is an intermediate an op may write its gradient over: a contiguous, non-empty plain tensor
+    in eager mode that requires grad and is neither a leaf (a user's tensor, a parameter) nor a view of one
+    (``leaf.view(...)`` has a ``grad_fn`` but shares the leaf's storage)."""
+    if not (plain_eager(t) and t.requires_grad and t.grad_fn is not None):
+        return False
+    base = t._base
+    return (base is None or base.grad_fn is not None) and t.is_contiguous() and t.numel() > 0
+
+
 def can_take_grads_in_place(gate: Tensor, up: Tensor) -> bool:
     """Whether the backward may overwrite ``gate`` and ``up`` with their gradients (see the module docstring)."""
-    if not (plain_eager(gate, up) and gate.shape == up.shape and gate.dtype == up.dtype):
+    if not (gate.shape == up.shape and gate.dtype == up.dtype):
         return False
-    if gate.grad_fn is None or up.grad_fn is None or not (gate.requires_grad and up.requires_grad):
-        return False  # a leaf (a user's tensor, a parameter) is never overwritten
-    return gate.is_contiguous() and up.is_contiguous() and gate.numel() > 0 and _disjoint(gate, up)
+    return can_overwrite(gate) and can_overwrite(up) and _disjoint(gate, up)
 
 
 @dataclass

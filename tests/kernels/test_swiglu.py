@@ -3,10 +3,13 @@ place; the bytes the autograd graph saves, against Liger-Kernel's and eager PyTo
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks._timing import peak_memory
 from shardkit.nn import GeGLUMLP, SwiGLUMLP
 from shardkit.ops import geglu, geglu_reference, swiglu, swiglu_reference
 
@@ -149,3 +152,45 @@ def test_mlp_modules_match_eager(cls, act):
     torch.testing.assert_close(y, y_ref)
     for got, want in zip(grads, [p.grad for p in mlp.parameters()] + [x.grad]):
         torch.testing.assert_close(got, want)
+
+
+def test_in_place_is_refused_on_a_view_of_a_leaf():
+    """``leaf.view(...)`` has a grad_fn but shares the leaf's storage: writing gradients over it would destroy
+    the user's tensor (it did before can_overwrite checked the base)."""
+    leaf_g, leaf_u = torch.randn(3, 16, requires_grad=True), torch.randn(3, 16, requires_grad=True)
+    kept = leaf_g.detach().clone(), leaf_u.detach().clone()
+    geglu(leaf_g.view(48), leaf_u.view(48), in_place_backward=True).sum().backward()
+    torch.testing.assert_close((leaf_g.detach(), leaf_u.detach()), kept, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resident-set accounting")
+@pytest.mark.parametrize("op", OPS)
+def test_cpu_peak_in_an_mlp_is_the_output_alone(op):
+    """The path apply_fused_kernels runs (gate and up from linears, in_place_backward=True): forward+backward
+    adds the output alone (1x the activation, as Liger); on leaf inputs (what benchmarks/kernels.py measured on
+    the H200) the backward allocates both gradients (3x): the inputs are the user's and are never overwritten."""
+    fn, _ = OPS[op]
+    m, f = 1024, 11008  # 43 MiB per activation: each its own mmap, counted once by the RSS high-water mark
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(m, 8, generator=gen).requires_grad_()
+    wg, wu = torch.randn(f, 8, generator=gen), torch.randn(f, 8, generator=gen)
+    dy = torch.randn(m, f, generator=gen)
+    held: list[torch.Tensor] = []
+
+    def setup():
+        x.grad = None
+        held[:] = [x @ wg.T, x @ wu.T]
+
+    def run(**kw):
+        gate, up = held
+        held.clear()
+        fn(gate, up, **kw).backward(dy)
+
+    setup()
+    run(in_place_backward=True)
+    in_mlp = peak_memory(lambda: run(in_place_backward=True), "cpu", setup) / (m * f * 4)
+    leaves = [t.detach().requires_grad_() for t in (x @ wg.T, x @ wu.T)]
+    on_leaves = peak_memory(lambda: fn(*leaves).backward(dy), "cpu",
+                            lambda: [setattr(t, "grad", None) for t in leaves]) / (m * f * 4)
+    assert in_mlp < 1.3, in_mlp
+    assert 2.7 < on_leaves < 3.3, on_leaves
