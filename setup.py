@@ -1,6 +1,7 @@
 """Packaging glue that pyproject.toml cannot express.
 
-The repository folder ``sdk/`` is the package ``shardkit`` and ``kernels/`` is ``shardkit.kernels``;
+The repository folder ``sdk/`` is the package ``shardkit`` (``sdk/kernels/`` is ``shardkit.kernels``) and ``csrc/``
+ships as the package data ``shardkit/ops/csrc``;
 the subpackage list is computed here so that a new folder needs no edit. Setting
 ``SHARDKIT_BUILD_OPS=1`` builds the C++/CUDA extension ahead of time instead of on first import.
 """
@@ -9,13 +10,23 @@ import importlib.util
 import os
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 
 
 def _packages() -> list[str]:
     found = ["shardkit"] + [f"shardkit.{name}" for name in find_packages("sdk")]
-    found += ["shardkit.kernels"] + [f"shardkit.kernels.{name}" for name in find_packages("kernels")]
-    return found
+    csrc = ["shardkit.ops.csrc"] + [f"shardkit.ops.csrc.{name}" for name in _csrc_folders()]
+    return found + csrc
+
+
+def _csrc_folders() -> list[str]:
+    """csrc/'s folders as (data-only) packages, so that setuptools ships their files without a warning.
+
+    The C++/CUDA sources are package data so that a wheel (non-editable) install can JIT-build the ops from
+    shardkit/ops/csrc (sdk/ops/_builder.py looks there first, then in the checkout's csrc/). The torch-free
+    ctest sources (csrc/tests/) stay out: only CMakeLists.txt builds them, from a checkout.
+    """
+    return find_namespace_packages("csrc", exclude=["tests", "tests.*", "build", "build.*"])
 
 
 def _ops_build_args() -> dict:
@@ -38,4 +49,6 @@ def _ops_build_args() -> dict:
     }
 
 
-setup(packages=_packages(), package_data={"shardkit": ["py.typed"]}, **_ops_build_args())
+_SOURCES = ["*.cpp", "*.cu", "*.h", "*.cuh"]
+_CSRC_DATA = {package: _SOURCES for package in _packages() if package.startswith("shardkit.ops.csrc")}
+setup(packages=_packages(), package_data={"shardkit": ["py.typed"], **_CSRC_DATA}, **_ops_build_args())

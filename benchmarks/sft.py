@@ -148,8 +148,9 @@ def _run_child(names: list[str], args: argparse.Namespace, mmap_threshold: bool)
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     if mmap_threshold:
         env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    parent_only = ("child", "only", "rounds", "peak_memory")
     command = [sys.executable, __file__, "--child", ",".join(names)] + [
-        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("child", "only", "rounds")]
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in parent_only]
     run = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [json.loads(x[7:]) for x in run.stdout.splitlines() if x.startswith("RESULT ")]
     if run.returncode or len(lines) != len(names):
@@ -168,6 +169,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--only", nargs="*", default=None, help="contender names to run")
+    parser.add_argument("--no-peak-memory", dest="peak_memory", action="store_false",
+                        help="skip the peak-memory runs (one child per contender; each as long as a round)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -180,7 +183,12 @@ def main() -> None:
         order = names[round_ % len(names):] + names[:round_ % len(names)]
         for result in _run_child(order, args, mmap_threshold=False):
             results[result["name"]].append(result)
-    peaks = {name: _run_child([name], args, mmap_threshold=True)[0]["peak"] for name in names}
+            # NOTE: one line per contender and round as it lands: a round took 27 min at load 13 (2026-11-26),
+            # and a run stopped early still leaves its finished rounds.
+            print(f"round {round_ + 1}: {result['name']}: {result['tokens_per_s']:.0f} tokens/s, "
+                  f"{result['tokens_per_cpu_s']:.0f} tokens/CPU-s (load {os.getloadavg()[0]:.1f})", flush=True)
+    peaks = {name: _run_child([name], args, mmap_threshold=True)[0]["peak"] if args.peak_memory else None
+             for name in names}
     print(f"{machine_description()}; load average at the end {os.getloadavg()[0]:.1f}")
 
     def median(name: str, key: str) -> float:
@@ -190,7 +198,7 @@ def main() -> None:
     for name in names:
         wall, cpu = median(name, "tokens_per_s"), median(name, "tokens_per_cpu_s")
         rows.append([name, f"{wall:.0f}", f"{cpu:.0f}", f"{cpu / median(names[0], 'tokens_per_cpu_s'):.2f}",
-                     f"{results[name][0]['padding']:.1%}", fmt_bytes(peaks[name])])
+                     f"{results[name][0]['padding']:.1%}", "-" if peaks[name] is None else fmt_bytes(peaks[name])])
     print_table(["contender", "real tokens/s", "real tokens/CPU-s", f"CPU-s rate vs {names[0]}", "padding",
                  "peak memory"], rows)
 

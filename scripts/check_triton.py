@@ -4,7 +4,7 @@ The tests run the Triton kernels under TRITON_INTERPRET=1, which executes their 
 but never lowers them: a kernel can pass every CPU test and still fail to compile for a GPU, ask for more shared
 memory than the GPU has, or compile into a loop that spills registers to local memory. This script drives every
 launcher of every registered op (``OpSpec.triton_checks`` in ``shardkit.ops.registry`` names a function beside
-the op's kernels in ``kernels/<op>.py``) with meta tensors at the shapes a real model uses, turns each launch into
+the op's kernels in ``sdk/kernels/<op>.py``) with meta tensors at the shapes a real model uses, turns each launch into
 Triton's own ahead-of-time compile (same binder, specialisation and options as a real launch, nothing run) for
 sm_80 (A100) and sm_90 (H100), and reads the resource use of each cubin with the cuobjdump that ships with Triton.
 

@@ -39,12 +39,14 @@ else:  # loaded by path (setup.py, scripts/check_cuda_link.py): its sibling by p
     build_lock, extensions_root = _lock_module.build_lock, _lock_module.extensions_root
     run_build_subprocess = _lock_module.run_build_subprocess
 
-__all__ = ["BUILDER", "ExtensionBuilder", "ExtensionUnavailable"]
+__all__ = ["BUILDER", "CSRC_PLACES", "ExtensionBuilder", "ExtensionUnavailable", "find_csrc"]
 
 _log = logging.getLogger("shardkit.ops")
 
 _REPO = Path(__file__).resolve().parents[2]
-_CSRC = _REPO / "csrc"
+# Where the C++/CUDA sources are, first found wins: the package data of an installed wheel (setup.py ships csrc/
+# as shardkit/ops/csrc), then the source checkout's csrc/ (editable install, scripts/build_ops.py, setup.py).
+CSRC_PLACES = (Path(__file__).resolve().with_name("csrc"), _REPO / "csrc")
 _NAME = "shardkit_C"
 # NOTE: measured on a 2-core machine: 3 sources built in 16 s (~10 s per translation unit with the slim ATen
 # headers we include, ninja running two at once); reported in the one log line so the pause is expected.
@@ -53,6 +55,11 @@ _SECONDS_PER_SOURCE = 6
 
 class ExtensionUnavailable(RuntimeError):
     """The extension could not be built or loaded; the message names the reason and the fix."""
+
+
+def find_csrc(places: Iterable[Path] = CSRC_PLACES) -> Path | None:
+    """The first of ``places`` that holds the sources (an ``include/`` folder), or None when none does."""
+    return next((Path(p) for p in places if (Path(p) / "include").is_dir()), None)
 
 
 def _rank() -> int:
@@ -73,15 +80,17 @@ class ExtensionBuilder:
     """Builds, caches and loads the ``shardkit_C`` library (see the module docstring).
 
     Args:
-        csrc: the folder holding ``<op>/<op>.cpp`` sources and ``include/``.
+        csrc: the folder holding ``<op>/<op>.cpp`` sources and ``include/``; None: the first of
+            :data:`CSRC_PLACES` that has them (the installed package's, then the checkout's).
         name: the library name (also the torch op namespace of the raw kernels).
         op_dirs: returns the ``csrc/`` folders to compile (for :data:`BUILDER`: the registered ops'); None
             compiles every folder but ``include/`` and ``tests/``.
     """
 
-    def __init__(self, csrc: Path = _CSRC, name: str = _NAME,
+    def __init__(self, csrc: Path | None = None, name: str = _NAME,
                  op_dirs: Callable[[], Iterable[str]] | None = None) -> None:
-        self.csrc = Path(csrc)
+        self.searched = (Path(csrc),) if csrc is not None else CSRC_PLACES
+        self.csrc = find_csrc(self.searched) or self.searched[0]
         self.name = name
         self._op_dirs = op_dirs
         self._loaded: str | None = None
@@ -167,7 +176,9 @@ class ExtensionBuilder:
         if not is_ninja_available():
             return "ninja not found. Install it with `pip install ninja` in this environment"
         if not self.sources(cuda=False):
-            return f"no C++ sources under {self.csrc}. Reinstall shardkit from a source checkout"
+            where = " or ".join(str(p) for p in self.searched)
+            return (f"no C++ sources under {where}. Reinstall shardkit (its wheel ships them as shardkit/ops/csrc) "
+                    "or install it from a source checkout (pip install -e .)")
         return None
 
     # ---------------------------------------------------------------- loading

@@ -146,7 +146,7 @@ def flce_rows_reference(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_ind
 
 def rows_triton(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_index: int, label_smoothing: float,
                 softcap: float, write_grad: bool) -> Tensor:
-    """:func:`flce_rows_reference` on the Triton row kernel (``kernels/fused_linear_cross_entropy.py``)."""
+    """:func:`flce_rows_reference` on the Triton row kernel (``sdk/kernels/fused_linear_cross_entropy.py``)."""
     from shardkit.kernels import fused_linear_cross_entropy as tk
 
     return tk.flce_rows_(z, labels, row_scale, ignore_index, label_smoothing, softcap, write_grad)

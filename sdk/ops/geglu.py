@@ -1,6 +1,6 @@
 """GeGLU (Gemma's MLP): ``gelu_tanh(gate) * up``, the tanh-approximated GELU Gemma's ``gelu_pytorch_tanh`` uses.
 
-Reference here; the kernels are SwiGLU's with the activation switched (``_glu.py``, ``kernels/swiglu.py``,
+Reference here; the kernels are SwiGLU's with the activation switched (``_glu.py``, ``sdk/kernels/swiglu.py``,
 ``csrc/swiglu/``): ``gelu_tanh(g) = g * sigmoid(2 sqrt(2/pi) (g + 0.044715 g^3))``.
 """
 

@@ -82,7 +82,7 @@ class OpSpec:
     """Everything shardkit needs to know about one fused op.
 
     Args:
-        name: the op's name (``"rms_norm"``); also the name of its Triton file, ``kernels/<name>.py``.
+        name: the op's name (``"rms_norm"``); also the name of its Triton file, ``sdk/kernels/<name>.py``.
         function: the public fused function (``shardkit.ops.rms_norm``).
         reference: the plain-PyTorch oracle with the same signature (fallback and test oracle).
         kernels: for each kernel (entry point; for cpp/cuda the ``shardkit_C`` op it calls), the backend table

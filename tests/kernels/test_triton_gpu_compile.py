@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "check_triton.py"
+TRITON_DIR = REPO / "sdk" / "kernels"  # the package shardkit.kernels
 
 
 def _python(*args: str) -> subprocess.CompletedProcess:
@@ -32,7 +33,7 @@ def _triton_files() -> list[Path]:
     from shardkit.ops.registry import registered_ops
 
     modules = [spec.triton_checks.partition(":")[0] for spec in registered_ops() if spec.triton_checks]
-    return [REPO / "kernels" / f"{m.removeprefix('shardkit.kernels.')}.py" for m in modules]
+    return [TRITON_DIR / f"{m.removeprefix('shardkit.kernels.')}.py" for m in modules]
 
 
 def _jit_kernels() -> set[str]:
@@ -47,10 +48,10 @@ def _jit_kernels() -> set[str]:
 
 
 def test_every_triton_file_belongs_to_a_registered_op():
-    """A kernels/<op>.py that no OpSpec names would never be compile-checked (nor dispatched)."""
+    """A sdk/kernels/<op>.py that no OpSpec names would never be compile-checked (nor dispatched)."""
     files = {p.name for p in _triton_files()}
     assert all(p.exists() for p in _triton_files()), _triton_files()
-    orphans = [p.name for p in (REPO / "kernels").glob("*.py") if not p.name.startswith("_") and p.name not in files]
+    orphans = [p.name for p in TRITON_DIR.glob("*.py") if not p.name.startswith("_") and p.name not in files]
     assert not orphans, f"Triton files with no OpSpec(triton_checks=...) in shardkit.ops: {orphans}"
 
 

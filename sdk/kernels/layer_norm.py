@@ -1,6 +1,6 @@
 """Triton LayerNorm forward and backward.
 
-Reference: ``shardkit.ops.layer_norm.layer_norm_reference``. Same layout as ``kernels/rms_norm.py``: x is
+Reference: ``shardkit.ops.layer_norm.layer_norm_reference``. Same layout as ``rms_norm.py``: x is
 (rows, n) contiguous, one program holds a whole row, fp32 statistics; mean and rstd (8 B per row) are saved for
 backward. The backward splits rows across programs, each keeping its dw/db share in fp32 registers; torch sums
 the (programs, n) partials (deterministic, no atomics).
