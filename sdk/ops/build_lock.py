@@ -25,7 +25,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from shardkit.utils.env import seconds_from_env
+try:
+    from shardkit.utils.env import seconds_from_env
+except ImportError:  # loaded by path (setup.py's ahead-of-time build runs before shardkit is installed)
+    import importlib.util as _util
+
+    _spec = _util.spec_from_file_location("_shardkit_env", Path(__file__).parents[1] / "utils" / "env.py")
+    _env = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_env)
+    seconds_from_env = _env.seconds_from_env
 
 __all__ = ["BuildTimeout", "build_lock", "build_timeout_s", "clear_stale_baton", "extensions_root",
            "run_build_subprocess"]

@@ -78,16 +78,18 @@ def test_a_hung_compile_is_stopped_with_a_message(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_deepspeed_op_with_a_killed_builds_baton_does_not_hang():
-    """The issue's reproduction: DeepSpeed's shm_comm folder holds a dead build's baton; the next ZeRO run loads."""
+@pytest.mark.parametrize("entry", ["zero_run", "build_ops_script"])
+def test_deepspeed_op_with_a_killed_builds_baton_does_not_hang(entry):
+    """The issue's reproduction: DeepSpeed's shm_comm folder holds a dead build's baton; the next ZeRO run loads, and
+    so does `make test`'s scripts/build_ops.py (which once loaded DeepSpeed's ops directly and waited for ever)."""
     pytest.importorskip("deepspeed")
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     env.setdefault("TORCH_EXTENSIONS_DIR", str(_REPO / ".torch_extensions"))
     build_dir = Path(env["TORCH_EXTENSIONS_DIR"]) / "deepspeed_shm_comm"
     code = textwrap.dedent("""
-        from shardkit.strategies.zero.strategy import _build_op
+        from shardkit.strategies.zero.strategy import build_deepspeed_op
         from deepspeed.accelerator import get_accelerator
-        _build_op("ShareMemCommBuilder")
+        build_deepspeed_op("ShareMemCommBuilder")
         print("loaded", get_accelerator().create_op_builder("ShareMemCommBuilder").NAME)
     """)
     probe = subprocess.run([sys.executable, "-c", "from deepspeed.accelerator import get_accelerator; "
@@ -95,9 +97,11 @@ def test_deepspeed_op_with_a_killed_builds_baton_does_not_hang():
                            env=env, capture_output=True, text=True, timeout=120, check=True)
     build_dir = build_dir.parent / probe.stdout.strip().splitlines()[-1]
     _killed_build_baton(build_dir)
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "loaded" in done.stdout
+    command = ([sys.executable, "-c", code] if entry == "zero_run" else [sys.executable, "scripts/build_ops.py"])
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=280, cwd=_REPO)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    assert ("loaded" in done.stdout) if entry == "zero_run" else ("DeepSpeed shm_comm ...\n  ready in" in done.stdout)
+    assert not (build_dir / "lock").exists()
     assert not (build_dir / "lock").exists()
     CORPUS.append("killed DeepSpeed build: next ZeRO run loads the op")
 

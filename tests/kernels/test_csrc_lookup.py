@@ -49,3 +49,17 @@ def test_no_sources_anywhere_names_every_place_searched(tmp_path, monkeypatch):
     message = str(caught.value)
     assert f"no C++ sources under {tmp_path / 'shipped'} or {tmp_path / 'checkout'}" in message
     assert "Reinstall shardkit" in message and "pip install -e ." in message
+
+
+def test_the_builder_loads_by_path_before_shardkit_is_installed():
+    """setup.py's ahead-of-time build loads sdk/ops/_builder.py by path while shardkit is not importable yet; its
+    build lock read its time limits through `shardkit.utils` and broke that (ImportError) until it fell back."""
+    import subprocess
+    import sys
+
+    code = ("import sys, importlib.util as u; sys.modules['shardkit'] = None; "  # None: `import shardkit` fails
+            f"s = u.spec_from_file_location('_b', {str(_REPO / 'sdk' / 'ops' / '_builder.py')!r}); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m); print(m.find_csrc(m.CSRC_PLACES))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("csrc")

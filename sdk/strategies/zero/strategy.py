@@ -44,7 +44,7 @@ from shardkit.strategies.zero.config import (
 )
 from shardkit.strategies.zero.layout import FlatPartitionLayout, ZeROLayout
 
-__all__ = ["ZeROStrategy", "ZeRO1", "ZeRO2", "ZeROSettingsError", "prepare_deepspeed"]
+__all__ = ["ZeROStrategy", "ZeRO1", "ZeRO2", "ZeROSettingsError", "build_deepspeed_op", "prepare_deepspeed"]
 
 log = logging.getLogger("shardkit.strategies.zero")
 
@@ -395,10 +395,13 @@ def prepare_deepspeed(settings: ZeROSettings) -> None:
     if settings.uses_nvme:
         needed.append("AsyncIOBuilder")
     for name in needed:
-        _build_op(name)
+        build_deepspeed_op(name)
 
 
-def _build_op(builder_name: str) -> None:
+def build_deepspeed_op(builder_name: str) -> None:
+    """Build (first use only) and load DeepSpeed's op ``builder_name`` (e.g. "CPUAdamBuilder") under shardkit's
+    build lock: one build however many ranks or processes ask, a baton left by a killed build cleared, and the
+    compile under its time limit (``SHARDKIT_BUILD_TIMEOUT_S``). ``scripts/build_ops.py`` (``make test``) uses it."""
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
