@@ -128,7 +128,7 @@ def load_accelerate_config(path: str | os.PathLike) -> AccelerateConfig:
         main_process_port=None if port is None else _int(raw, "main_process_port", where, 0, minimum=1,
                                                          maximum=65535),
         use_cpu=use_cpu, gpu_ids=_gpu_ids(raw.get("gpu_ids"), where), strategy=spec, deepspeed=ds,
-        deepspeed_source=ds_where, env=_env(raw, use_cpu, path),
+        deepspeed_source=ds_where, env=_env(raw, use_cpu, path, spec),
     )
 
 
@@ -202,8 +202,12 @@ def _gpu_ids(value: Any, where: str) -> tuple[int, ...] | None:
         raise ConfigError(f"gpu_ids: {value!r} in {where} must be 'all' or device indices like '0,1'") from None
 
 
-def _env(raw: Mapping[str, Any], use_cpu: bool, path: Path) -> dict[str, str]:
+def _env(raw: Mapping[str, Any], use_cpu: bool, path: Path, spec: StrategySpec | None) -> dict[str, str]:
     env = {CONFIG_FILE_ENV: str(path)}
+    if spec is not None and spec[1].get("cpu_ram_efficient_loading"):
+        # what `accelerate launch` exports for it: a script's from_pretrained, which runs before any Runner exists,
+        # then leaves the weights on the meta device on every local rank but 0 (transformers reads these two)
+        env.update(ACCELERATE_USE_FSDP="true", FSDP_CPU_RAM_EFFICIENT_LOADING="true")
     ids = _gpu_ids(raw.get("gpu_ids"), str(path))
     if use_cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""

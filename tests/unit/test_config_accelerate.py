@@ -111,6 +111,18 @@ def test_launch_args_per_machine(monkeypatch):
     assert args["env"][CONFIG_FILE_ENV] == str((ACC / "ddp_multinode.yaml").resolve())
 
 
+@pytest.mark.parametrize("efficient", [True, False])
+def test_launch_exports_cpu_ram_efficient_loading_as_accelerate_launch_does(tmp_path, efficient):
+    """transformers' from_pretrained reads these two variables, before the script builds any Runner."""
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(yaml.safe_dump({"distributed_type": "FSDP", "num_processes": 2, "mixed_precision": "no",
+                                    "fsdp_config": {"fsdp_cpu_ram_efficient_loading": efficient,
+                                                    "fsdp_sync_module_states": True}}))
+    env = launch_args_from_yaml(path)["env"]
+    want = {"ACCELERATE_USE_FSDP": "true", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"} if efficient else {}
+    assert {k: v for k, v in env.items() if k in ("ACCELERATE_USE_FSDP", "FSDP_CPU_RAM_EFFICIENT_LOADING")} == want
+
+
 # ---- errors ------------------------------------------------------------------------------------
 
 
