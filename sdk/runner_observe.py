@@ -33,6 +33,7 @@ class RunnerObservability:
             profile_steps, self.logging_dir / "profile", self.rank, self.is_main_process)
         self.flight_recorder = StepRecorder()
         self._oom_snapshot = None
+        self._oom_retrying = False
         if self.profiler is not None or memory_snapshot:
             if install_oom_snapshot(self.logging_dir / "profile", self.rank) is not None:
                 self._oom_snapshot = self.logging_dir / "profile" / f"oom_snapshot.rank{self.rank}.pickle"
@@ -67,11 +68,22 @@ class RunnerObservability:
                 "nodes": max(1, self.world_size // max(local, 1))} if params > 0 else None
 
     @contextlib.contextmanager
+    def retrying_oom(self) -> Iterator[None]:
+        """Out-of-memory errors inside are the caller's to retry smaller (the Trainer's ``auto_find_batch_size``):
+        ``backward``/``step`` write no report for them. One that escapes and ends the script is still reported."""
+        previous, self._oom_retrying = self._oom_retrying, True
+        try:
+            yield
+        finally:
+            self._oom_retrying = previous
+
+    @contextlib.contextmanager
     def _reporting_oom(self) -> Iterator[None]:
         try:
             yield
         except BaseException as exc:
-            self.report_oom(exc)
+            if not self._oom_retrying:
+                self.report_oom(exc)
             raise
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:

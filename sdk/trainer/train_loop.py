@@ -10,6 +10,7 @@ with 90% of the batch (as Hugging Face does) when a step runs out of memory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -69,8 +70,10 @@ class TrainLoopMixin:
         self.is_in_train = True
         try:
             while True:
-                try:
-                    return self._train_once(resume_from_checkpoint, ignore_keys_for_eval)
+                retry = args.auto_find_batch_size and self._train_batch_size > 1
+                try:  # an OOM this loop recovers from gets no report; the last one, at batch 1, does
+                    with self.runner.retrying_oom() if retry else contextlib.nullcontext():
+                        return self._train_once(resume_from_checkpoint, ignore_keys_for_eval)
                 except Exception as err:  # noqa: BLE001 - only out-of-memory is retried, the rest re-raised
                     if not (args.auto_find_batch_size and is_out_of_memory(err)) or self._train_batch_size <= 1:
                         raise

@@ -185,6 +185,33 @@ def test_auto_find_batch_size_retries_with_a_smaller_batch_and_resumes_with_it(t
                 callbacks=[_OutOfMemoryAt()]).train()
 
 
+class _LineOutOfMemoryInBackward(Line):
+    """Runs out of memory inside backward (so inside runner.backward) while the batch is 8 or more."""
+
+    def forward(self, input_x, labels=None):
+        out = super().forward(input_x, labels)
+        if self.training and input_x.shape[0] >= 8:
+            def fail(grad):
+                raise torch.OutOfMemoryError("out of memory (test)")
+            out[-1].register_hook(fail)
+        return out
+
+
+def test_auto_find_batch_size_writes_no_oom_report_for_what_it_recovers_from(tmp_path):
+    trainer = Trainer(_LineOutOfMemoryInBackward(), _args(tmp_path, per_device_train_batch_size=8,
+                                                          auto_find_batch_size=True, max_steps=2),
+                      train_dataset=Regression(32))
+    trainer.train()
+    assert trainer._train_batch_size == 7 and trainer.state.global_step == 2
+    assert not list(trainer.runner.logging_dir.glob("oom_report.rank*.json"))
+    # without the flag the same error is reported (and reaches the user)
+    plain = Trainer(_LineOutOfMemoryInBackward(), _args(tmp_path / "plain", per_device_train_batch_size=8,
+                                                        max_steps=1), train_dataset=Regression(32))
+    with pytest.raises(torch.OutOfMemoryError):
+        plain.train()
+    assert len(list(plain.runner.logging_dir.glob("oom_report.rank*.json"))) == 1
+
+
 def test_public_methods(tmp_path, capsys):
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
     trainer = Trainer(model, _args(tmp_path, optim="adamw_torch", weight_decay=0.1))
