@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 if __package__:
-    from .build_lock import build_lock, extensions_root, run_build_subprocess
+    from .build_lock import build_lock, build_timeout_s, extensions_root, run_build_subprocess, seconds_from_env
 else:  # loaded by path (setup.py, scripts/check_cuda_link.py): its sibling by path too (it imports nothing of ours)
     import importlib.util as _util
 
@@ -37,7 +37,8 @@ else:  # loaded by path (setup.py, scripts/check_cuda_link.py): its sibling by p
     _lock_module = _util.module_from_spec(_spec)
     _spec.loader.exec_module(_lock_module)
     build_lock, extensions_root = _lock_module.build_lock, _lock_module.extensions_root
-    run_build_subprocess = _lock_module.run_build_subprocess
+    run_build_subprocess, build_timeout_s = _lock_module.run_build_subprocess, _lock_module.build_timeout_s
+    seconds_from_env = _lock_module.seconds_from_env
 
 __all__ = ["BUILDER", "CSRC_PLACES", "ExtensionBuilder", "ExtensionUnavailable", "find_csrc"]
 
@@ -241,7 +242,7 @@ class ExtensionBuilder:
         if rank != 0 and not marker.exists():
             # NOTE: wait for rank 0's marker instead of competing for the lock, so that rank 0 is the one
             # that compiles and prints; a lone non-zero rank gives up waiting after SHARDKIT_BUILD_WAIT_S.
-            deadline = time.monotonic() + float(os.environ.get("SHARDKIT_BUILD_WAIT_S", "900"))
+            deadline = time.monotonic() + seconds_from_env("SHARDKIT_BUILD_WAIT_S", build_timeout_s() + 60)
             while not marker.exists() and time.monotonic() < deadline:
                 time.sleep(0.5)
         with build_lock(build_dir, f"shardkit's C++ ops ({self.name})"):
