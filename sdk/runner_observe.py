@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,8 @@ from shardkit.observability.oom_report import StepRecorder, install_oom_exceptho
 from shardkit.tracking import TrackerSpec
 
 __all__ = ["RunnerObservability"]
+
+_log = logging.getLogger("shardkit")
 
 
 class RunnerObservability:
@@ -83,7 +86,11 @@ class RunnerObservability:
             yield
         except BaseException as exc:
             if not self._oom_retrying:
-                self.report_oom(exc)
+                try:
+                    self.report_oom(exc)
+                except Exception as failed:  # noqa: BLE001 - a full disk must not replace the out-of-memory error
+                    _log.warning("shardkit: could not write the out-of-memory report: %s: %.200s",
+                                 type(failed).__name__, failed)
             raise
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:

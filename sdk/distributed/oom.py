@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +51,16 @@ def leave_run_facts(model: Any, precision: str) -> None:
 def _small_json(path: Path) -> Any:
     """A small regular file's JSON (a launcher's own note, still read as hostile input); None when it is not one."""
     try:
-        if not path.is_file() or path.is_symlink() or path.stat().st_size > _MAX_FACTS_BYTES:
-            return None
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            raw = f.read(_MAX_FACTS_BYTES + 1)
+        return None if len(raw) > _MAX_FACTS_BYTES else json.loads(raw)
+    except (OSError, ValueError, RecursionError):  # RecursionError: "[[[[..." nests past the parser's depth
         return None
 
 
@@ -84,7 +91,7 @@ def read_exit_signals(folder: str | os.PathLike) -> dict[int, int]:
     data = _small_json(Path(folder, EXIT_SIGNALS))
     found: dict[int, int] = {}
     for rank, sig in (data.items() if isinstance(data, dict) else ()):
-        if isinstance(rank, str) and rank.isdigit() and type(sig) is int and 0 < sig < 65:
+        if isinstance(rank, str) and rank.isascii() and rank.isdigit() and type(sig) is int and 0 < sig < 65:
             found[int(rank)] = sig
     return found
 

@@ -175,8 +175,8 @@ def _pipeline_forward(self: nn.Module, input_ids: torch.Tensor | None = None, la
     An HF model returns its usual output with ``loss`` (no logits); an all-ones ``attention_mask`` is accepted.
     """
     runner = self._shardkit_pipeline
-    if labels is None or input_ids is None or any(v not in (None, False) for v in kwargs.values()):
-        given = sorted(k for k, v in kwargs.items() if v not in (None, False))
+    given = sorted(k for k, v in kwargs.items() if not (v is None or v is False))  # `in` would compare tensors
+    if labels is None or input_ids is None or given:
         raise NotImplementedError("Pipeline: only model(input_ids, labels=...) runs on a pipeline-split model (the "
                                   f"schedule's forward and backward){'; got ' + str(given) if given else ''}; a "
                                   "forward without labels (logits, generation) is not supported: save a checkpoint "

@@ -284,8 +284,8 @@ class Pipeline(ProcessGroupStrategy):
         if self._runner.tied_shape is not None:  # a tied weight may be stored under either name
             head, embed = self._runner.tied_keys
             for key, alias in ((head, embed), (embed, head)):
-                if key in own and key not in tensors and alias in own:
-                    tensors[key] = tensors.get(alias)
+                if key in own and key not in tensors and alias in own and alias in tensors:
+                    tensors[key] = tensors[alias]
         if not self.sharded:
             module.load_state_dict(tensors, strict=True)
             return

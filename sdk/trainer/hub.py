@@ -11,12 +11,15 @@ of ``train()`` waits for those uploads (:func:`finish_pushes`).
 
 from __future__ import annotations
 
+import logging
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from shardkit.hub import HubPusher
+
+_log = logging.getLogger("shardkit.trainer")
 
 __all__ = ["check_push_settings", "finish_pushes", "push_checkpoint", "push_to_hub"]
 
@@ -60,8 +63,15 @@ def push_to_hub(trainer: Any, commit_message: str | None = "End of training", bl
     if commit_message is None:
         pusher.create_repo()
         return None
-    # As transformers: the draft model card goes up with the model (kwargs are create_model_card's).
-    trainer.create_model_card(model_name=kwargs.pop("model_name", None) or pusher.repo_id.split("/")[-1], **kwargs)
+    # As transformers: the draft model card goes up with the model (kwargs are create_model_card's). The card is
+    # rendered by transformers; a plain torch model pushed with only the hub extra goes up without one.
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is not None:
+        trainer.create_model_card(model_name=kwargs.pop("model_name", None) or pusher.repo_id.split("/")[-1],
+                                  **kwargs)
+    else:
+        _log.info("push_to_hub: no model card (rendering it needs transformers: pip install transformers)")
     return pusher.push_final(trainer.args.output_dir, commit_message, blocking)
 
 

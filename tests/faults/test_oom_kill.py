@@ -7,6 +7,7 @@ and says why."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -22,19 +23,42 @@ LIMIT = 1200 * 2**20
 def _memory_cgroup() -> tuple[Path, str] | None:
     """A fresh memory cgroup with this test's limit written, or None where none can be made."""
     name = f"shardkit-oom-test-{uuid.uuid4().hex[:8]}"
-    for parent, limit_file in ((Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"),
-                               (Path("/sys/fs/cgroup"), "memory.max")):
-        if not (parent / limit_file).exists() and not (parent / "cgroup.controllers").exists():
+    # (limit, memory+swap limit): without the second a host with swap pages the leak out instead of killing it
+    for parent, limits in ((Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes")),
+                           (Path("/sys/fs/cgroup"), ("memory.max", "memory.swap.max"))):
+        if not (parent / limits[0]).exists() and not (parent / "cgroup.controllers").exists():
             continue
         group = parent / name
         try:
             group.mkdir()
-            (group / limit_file).write_text(str(LIMIT))
-            return group, limit_file
+            (group / limits[0]).write_text(str(LIMIT))
+            if (group / limits[1]).exists():
+                (group / limits[1]).write_text(str(LIMIT) if limits[1].startswith("memory.memsw") else "0")
+            return group, limits[0]
         except OSError:
             if group.exists():
                 group.rmdir()
     return None
+
+
+def _empty_and_remove(group: Path) -> None:
+    """Kill whatever is still in the group (a run that timed out leaves its ranks there), then remove it."""
+    import signal
+    import time
+
+    for _ in range(50):
+        try:
+            pids = [int(p) for p in (group / "cgroup.procs").read_text().split()]
+        except OSError:
+            return
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+    with contextlib.suppress(OSError):
+        group.rmdir()
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the OOM killer and cgroups are Linux's")
@@ -51,7 +75,7 @@ def test_a_rank_the_oom_killer_ends_is_named_with_its_memory_and_the_estimate_co
                            f'--num-processes 2 "{ROOT}/tests/faults/probe_oom_kill.py"', sys.executable],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     finally:
-        group.rmdir()  # the job's processes have all ended: the group is empty
+        _empty_and_remove(group)
     err = run.stderr
     assert run.returncode != 0
     assert "rank 1 was killed by SIGKILL (exit -9, 137 in a shell)" in err, err[-3000:]

@@ -306,3 +306,20 @@ def test_deterministic_runs_are_bitwise_equal(monkeypatch):
     finally:
         torch.use_deterministic_algorithms(False)
     assert all(torch.equal(first[k], second[k]) for k in first)
+
+
+def test_a_report_that_cannot_be_written_never_replaces_the_out_of_memory_error(tmp_path, monkeypatch, caplog):
+    """A full disk (here: the writer raising OSError) is logged; the loop still gets the out-of-memory error."""
+    import shardkit.runner_observe as observe
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(observe, "write_oom_report", disk_full)
+    runner = Runner(logging_dir=tmp_path, seed=0)
+    model = runner.setup(torch.nn.Linear(8, 1))
+    out = model(torch.randn(4, 8)).square().mean()
+    out.register_hook(lambda grad: (_ for _ in ()).throw(torch.OutOfMemoryError("out of memory (test)")))
+    with caplog.at_level(logging.WARNING, logger="shardkit"), pytest.raises(torch.OutOfMemoryError):
+        runner.backward(out)
+    assert "could not write the out-of-memory report: OSError" in caplog.text

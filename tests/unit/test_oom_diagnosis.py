@@ -55,3 +55,27 @@ def test_oom_counter_names_the_cause_and_hostile_facts_are_refused(tmp_path):
     assert oom.read_run_facts(tmp_path) is None
     oom.write_run_facts(tmp_path, 7, "fp32", 1, 1)
     assert oom.read_run_facts(tmp_path) == {"params": 7, "precision": "fp32", "nproc_per_node": 1, "nodes": 1}
+
+
+def test_exit_signals_and_facts_files_are_read_as_hostile_input(tmp_path):
+    import os
+
+    oom.write_exit_signals(tmp_path, {1: 9, 0: 15})
+    assert oom.read_exit_signals(tmp_path) == {1: 9, 0: 15}
+    cases = {"digit_not_ascii": '{"\u00b2": 9}', "signal_range": '{"1": 999}', "signal_type": '{"1": "9"}',
+             "nested": "[" * 2000, "not_json": "\x00\xff", "list": "[1, 2]"}
+    for text in cases.values():
+        (tmp_path / oom.EXIT_SIGNALS).write_text(text)
+        assert oom.read_exit_signals(tmp_path) == {}
+    (tmp_path / oom.EXIT_SIGNALS).write_text('{"1": 9}' + " " * 5000)  # over the size bound
+    assert oom.read_exit_signals(tmp_path) == {}
+    (tmp_path / oom.RUN_FACTS).write_text("[" * 2000)
+    assert oom.read_run_facts(tmp_path) is None
+    for name in (oom.EXIT_SIGNALS, oom.RUN_FACTS):  # a FIFO would block a plain open; a link points elsewhere
+        (tmp_path / name).unlink()
+        os.mkfifo(tmp_path / name)
+        assert oom.read_exit_signals(tmp_path) == {} and oom.read_run_facts(tmp_path) is None
+        (tmp_path / name).unlink()
+    (tmp_path / "elsewhere.json").write_text('{"1": 9}')
+    (tmp_path / oom.EXIT_SIGNALS).symlink_to(tmp_path / "elsewhere.json")
+    assert oom.read_exit_signals(tmp_path) == {}

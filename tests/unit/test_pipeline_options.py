@@ -76,3 +76,14 @@ def test_hf_llama_splits_and_other_architectures_are_named():
         model_layout(LlamaModel(_hf_config("LlamaConfig", num_hidden_layers=1)))
     with pytest.raises(UnsplittableModelError, match=r"shardkit Llama-style models.*Linear has no"):
         model_layout(torch.nn.Linear(2, 2))
+
+
+def test_a_pipeline_forward_refuses_extra_tensor_arguments_by_name():
+    """A keyword the schedule cannot carry (a tensor, so not compared with `in`) is named in the refusal."""
+    from shardkit.strategies._pipeline_stages import _pipeline_forward
+
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    for extra in ({"position_ids": torch.arange(4).expand(2, 4)}, {"position_ids": torch.tensor(0)},
+                  {"output_hidden_states": True}):
+        with pytest.raises(NotImplementedError, match=f"got \\['{next(iter(extra))}'\\]"):
+            _pipeline_forward(SimpleNamespace(_shardkit_pipeline=None), ids, labels=ids, **extra)
