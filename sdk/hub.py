@@ -19,6 +19,7 @@ main process uploads. ``hub_strategy`` decides what a save uploads, as in transf
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import shutil
@@ -72,6 +73,7 @@ class HubPusher:
         self._api = api
         self._created = False
         self._pending: list[Future] = []
+        self._reading: list[tuple[Future, Path]] = []  # checkpoint uploads and the folder each reads
 
     @classmethod
     def from_args(cls, args: Any, api: Any = None) -> HubPusher:
@@ -135,8 +137,18 @@ class HubPusher:
         if checkpoint_dir is not None and self.strategy in ("checkpoint", "all_checkpoints"):
             path_in_repo = "last-checkpoint" if self.strategy == "checkpoint" else Path(checkpoint_dir).name
             started.append(self._upload(checkpoint_dir, f"{commit_message}, checkpoint", path_in_repo=path_in_repo))
+            self._reading.append((started[-1], Path(checkpoint_dir).resolve()))
         self._pending.extend(started)
         return started
+
+    def wait_for_folder(self, folder: str | Path) -> None:
+        """Block until no upload still reads ``folder``: a checkpoint rotation is about to delete it (an upload of
+        a deleted folder would fail or commit half of it). An upload that failed raises later, in :meth:`wait`."""
+        folder = Path(folder).resolve()
+        self._reading = [(f, p) for f, p in self._reading if not f.done()]
+        for future, path in self._reading:
+            if path == folder:
+                concurrent.futures.wait([future])
 
     def push_final(self, output_dir: str | Path, commit_message: str = "End of training",
                    blocking: bool = True) -> Any:

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,9 @@ class Checkpointer:
 
     def __init__(self, runner: Any, args: Any):
         self.runner, self.args = runner, args
+        # called with each checkpoint folder before the rotation deletes it (the Trainer waits there for a Hub
+        # upload still reading it)
+        self.before_delete: Callable[[Path], None] = lambda path: None
 
     # ---- saving ----------------------------------------------------------------------------------
 
@@ -192,6 +196,7 @@ class Checkpointer:
                 break
             if old not in protected:
                 logger.info(f"deleting {old} (save_total_limit={limit})")
+                self.before_delete(old)
                 shutil.rmtree(old, ignore_errors=True)
                 remaining -= 1
 
@@ -206,6 +211,7 @@ class Checkpointer:
         for path in sorted_checkpoints(self.args.output_dir):
             if not os.path.samefile(path, best):
                 logger.info(f"deleting {path} (save_total_limit=1 keeps the best checkpoint {best})")
+                self.before_delete(path)
                 shutil.rmtree(path, ignore_errors=True)
 
     # ---- resuming --------------------------------------------------------------------------------

@@ -89,6 +89,13 @@ def push_checkpoint(trainer: Any, checkpoint_dir: str | Path) -> list[Future]:
     return pusher.push_save(trainer.args.output_dir, checkpoint_dir, message)
 
 
+def wait_for_folder(trainer: Any, folder: str | Path) -> None:
+    """Before a rotation deletes ``folder``: wait for a Hub upload still reading it (none without push_to_hub)."""
+    pusher = _PUSHERS.get(trainer)
+    if pusher is not None:
+        pusher.wait_for_folder(folder)
+
+
 def finish_pushes(trainer: Any) -> None:
     """At the end of ``train()``: wait for the checkpoint uploads still running (one that failed raises here)."""
     pusher = _PUSHERS.get(trainer)

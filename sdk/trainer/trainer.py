@@ -114,6 +114,7 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         self.stop_requests = StopRequests(self.runner, args.save_on_sigterm or args.enable_jit_checkpoint,
                                           args.max_time)
         self.checkpointer = Checkpointer(self.runner, args)
+        self.checkpointer.before_delete = lambda path: hub.wait_for_folder(self, path)
         defaults = [DefaultFlowCallback, *reporter_callbacks(args.report_to)]
         defaults.append(PrinterCallback if args.disable_tqdm else ProgressCallback)
         self.callback_handler = CallbackHandler(defaults + list(callbacks or []), self.model, processing_class,

@@ -4,7 +4,9 @@ reaches the Hub. Uploads start in the background (run_as_future=True) as in tran
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -85,3 +87,35 @@ def test_bad_settings_are_refused_by_name(tmp_path):
         HubPusher("me/x", strategy="every-save", api=RecordingApi())
     with pytest.raises(ValueError, match="hub_model_id"):
         HubPusher("", api=RecordingApi())
+
+
+def test_a_rotation_waits_for_the_upload_still_reading_the_folder_it_deletes(tmp_path):
+    """The next save's rotation may delete a checkpoint whose background upload still reads it: wait_for_folder
+    blocks until that upload is done, and returns at once for a folder no upload reads."""
+    class SlowApi:
+        def __init__(self):
+            self.finished: list[str] = []
+
+        def create_repo(self, repo_id, **kwargs):
+            pass
+
+        def upload_folder(self, folder_path, **kwargs):
+            future: Future = Future()
+
+            def later():
+                time.sleep(0.5)
+                self.finished.append(Path(folder_path).name)
+                future.set_result("commit")
+            threading.Thread(target=later, daemon=True).start()
+            return future
+
+    (tmp_path / "checkpoint-1").mkdir()
+    (tmp_path / "checkpoint-1" / "model.safetensors").write_bytes(b"0" * 8)
+    api = SlowApi()
+    pusher = HubPusher("me/run", strategy="checkpoint", api=api)
+    pusher.push_save(tmp_path, tmp_path / "checkpoint-1", "Training in progress, step 1")
+    pusher.wait_for_folder(tmp_path / "elsewhere")
+    assert "checkpoint-1" not in api.finished
+    pusher.wait_for_folder(tmp_path / "checkpoint-1")
+    assert "checkpoint-1" in api.finished
+    pusher.wait()
