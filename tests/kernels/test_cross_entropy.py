@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fresh_process import in_fresh_process
 
 from benchmarks._timing import peak_memory
 from shardkit.ops import cross_entropy, cross_entropy_reference, force_backend
@@ -126,15 +127,10 @@ def _peak_ratio(make_logits, target, size: int, warm: bool = True, **kw) -> floa
     return peak_memory(run, "cpu", setup) / size
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resident-set accounting")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cross_entropy_forward_backward_allocates_no_logits_sized_tensor_when_overwriting(monkeypatch, dtype):
-    """62.5 MiB of logits at the H200 run's vocabulary (32000): out of place one buffer of the logits' size (it
-    becomes the leaf's .grad without a copy; before: 2.0x in fp32, 5x in bf16 where the fp32 scale of the bf16
-    gradient was materialised whole), over lm_head's output with overwrite_logits none (< 0.5x: chunk
-    temporaries only). Liger-Kernel: ~0 (it writes over the logits). 4 MiB chunks: the CPU reference's row pass
-    allocates a few chunk-sized temporaries (the Triton kernel none), kept small beside the logits."""
-    monkeypatch.setattr(ce_module, "_CHUNK_BYTES", 4 * 2**20)
+def overwrite_peaks(dtype_name: str) -> tuple[float, float]:
+    """CPU peaks of forward+backward in units of the logits: out of place on leaf logits, and overwriting."""
+    ce_module._CHUNK_BYTES = 4 * 2**20  # a fresh process of its own (fresh_process.py): nothing to restore
+    dtype = getattr(torch, dtype_name)
     n, v = 512 * 4 // dtype.itemsize, 32000
     gen = torch.Generator().manual_seed(0)
     target = torch.randint(0, v, (n,), generator=gen)
@@ -145,5 +141,17 @@ def test_cross_entropy_forward_backward_allocates_no_logits_sized_tensor_when_ov
     with force_backend("reference"):
         out_of_place = _peak_ratio(lambda: logits.detach().clone().requires_grad_(), target, size)
         over = _peak_ratio(lambda: h @ w.T, target, size, warm=False, overwrite_logits=True)  # lm_head's output
+    return out_of_place, over
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resident-set accounting")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"], ids=["fp32", "bf16"])
+def test_cross_entropy_forward_backward_allocates_no_logits_sized_tensor_when_overwriting(dtype):
+    """62.5 MiB of logits at the H200 run's vocabulary (32000): out of place one buffer of the logits' size (it
+    becomes the leaf's .grad without a copy; before: 2.0x in fp32, 5x in bf16 where the fp32 scale of the bf16
+    gradient was materialised whole), over lm_head's output with overwrite_logits none (< 0.5x: chunk
+    temporaries only). Liger-Kernel: ~0 (it writes over the logits). 4 MiB chunks: the CPU reference's row pass
+    allocates a few chunk-sized temporaries (the Triton kernel none), kept small beside the logits."""
+    out_of_place, over = in_fresh_process("test_cross_entropy", "overwrite_peaks", dtype)
     assert 0.9 < out_of_place < 1.5, out_of_place
     assert over < 0.5, over

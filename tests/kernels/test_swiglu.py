@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from fresh_process import in_fresh_process
 
 from benchmarks._timing import peak_memory
 from shardkit.nn import GeGLUMLP, SwiGLUMLP
@@ -163,12 +164,8 @@ def test_in_place_is_refused_on_a_view_of_a_leaf():
     torch.testing.assert_close((leaf_g.detach(), leaf_u.detach()), kept, rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resident-set accounting")
-@pytest.mark.parametrize("op", OPS)
-def test_cpu_peak_in_an_mlp_is_the_output_alone(op):
-    """The path apply_fused_kernels runs (gate and up from linears, in_place_backward=True): forward+backward
-    adds the output alone (1x the activation, as Liger); on leaf inputs (what benchmarks/kernels.py measured on
-    the H200) the backward allocates both gradients (3x): the inputs are the user's and are never overwritten."""
+def mlp_peaks(op: str) -> tuple[float, float]:
+    """CPU peak of forward+backward in units of one activation: in an MLP (in-place backward), on leaf inputs."""
     fn, _ = OPS[op]
     m, f = 1024, 11008  # 43 MiB per activation: each its own mmap, counted once by the RSS high-water mark
     gen = torch.Generator().manual_seed(0)
@@ -192,5 +189,15 @@ def test_cpu_peak_in_an_mlp_is_the_output_alone(op):
     leaves = [t.detach().requires_grad_() for t in (x @ wg.T, x @ wu.T)]
     on_leaves = peak_memory(lambda: fn(*leaves).backward(dy), "cpu",
                             lambda: [setattr(t, "grad", None) for t in leaves]) / (m * f * 4)
+    return in_mlp, on_leaves
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resident-set accounting")
+@pytest.mark.parametrize("op", OPS)
+def test_cpu_peak_in_an_mlp_is_the_output_alone(op):
+    """The path apply_fused_kernels runs (gate and up from linears, in_place_backward=True): forward+backward
+    adds the output alone (1x the activation, as Liger); on leaf inputs (what benchmarks/kernels.py measured on
+    the H200) the backward allocates both gradients (3x): the inputs are the user's and are never overwritten."""
+    in_mlp, on_leaves = in_fresh_process("test_swiglu", "mlp_peaks", op)  # see fresh_process.py
     assert in_mlp < 1.3, in_mlp
     assert 2.7 < on_leaves < 3.3, on_leaves
