@@ -398,10 +398,11 @@ def prepare_deepspeed(settings: ZeROSettings) -> None:
         build_deepspeed_op(name)
 
 
-def build_deepspeed_op(builder_name: str) -> None:
+def build_deepspeed_op(builder_name: str) -> bool:
     """Build (first use only) and load DeepSpeed's op ``builder_name`` (e.g. "CPUAdamBuilder") under shardkit's
     build lock: one build however many ranks or processes ask, a baton left by a killed build cleared, and the
-    compile under its time limit (``SHARDKIT_BUILD_TIMEOUT_S``). ``scripts/build_ops.py`` (``make test``) uses it."""
+    compile under its time limit (``SHARDKIT_BUILD_TIMEOUT_S``). ``scripts/build_ops.py`` (``make test``) uses it.
+    Returns False, building nothing, for an op DeepSpeed marks incompatible with this machine."""
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
@@ -409,7 +410,7 @@ def build_deepspeed_op(builder_name: str) -> None:
 
     builder = get_accelerator().create_op_builder(builder_name)
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, True):
-        return
+        return False
     build_dir = extensions_root() / builder.NAME
     label = f"DeepSpeed op {builder.NAME}"
     # NOTE: every rank comes here; the shared build lock makes the others wait for the one build (no
@@ -423,6 +424,7 @@ def build_deepspeed_op(builder_name: str) -> None:
                                  f".create_op_builder({builder_name!r}).load(verbose=False)", label, build_dir)
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
             builder.load(verbose=False)
+    return True
 
 
 def _is_fused_adamw(optimizer: Any) -> bool:
