@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import Launch, dtype_label, empty_out, finish_out, meta
-from .rms_norm import _num_programs, row_warps
+from .rms_norm import row_programs, row_warps
 
 __all__ = ["compile_checks", "layer_norm_bwd", "layer_norm_fwd"]
 
@@ -80,7 +80,7 @@ def layer_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean
     """(dy, x) (rows, n) contiguous, mean/rstd (rows,) -> (dx like x, dw like weight, db in weight's dtype)."""
     rows, n = x.shape
     dx = empty_out(x)
-    programs = max(1, _num_programs(x.device, rows))
+    programs = max(1, row_programs(x.device, rows))
     dw = torch.zeros(programs, n, dtype=torch.float32, device=x.device)
     db = torch.zeros(programs, n, dtype=torch.float32, device=x.device)
     if rows:

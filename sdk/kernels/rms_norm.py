@@ -83,12 +83,16 @@ def _num_warps(block: int, setting: str) -> int:
     return row_warps(block) if chosen is None else chosen
 
 
-def _num_programs(device: torch.device, rows: int) -> int:
-    per_sm = LAUNCH.get("bwd_programs_per_sm") or 1
+def row_programs(device: torch.device, rows: int, per_sm: int = 1) -> int:
+    """Backward programs for ``rows`` rows, each summing its share of the weight gradient (also LayerNorm's)."""
     if device.type == "cuda":
         # one program per SM: an H100 has 132, enough rows per program to amortise the dw partial write
         return min(rows, per_sm * torch.cuda.get_device_properties(device).multi_processor_count)
     return min(rows, per_sm * 4)  # interpreter: fewer programs, fewer Python-level launches
+
+
+def _num_programs(device: torch.device, rows: int) -> int:
+    return row_programs(device, rows, LAUNCH.get("bwd_programs_per_sm") or 1)
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
