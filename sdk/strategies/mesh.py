@@ -113,8 +113,10 @@ class ParallelDims:
                 raise ValueError(f"{what}({heads}) % tp({self.tp}) != 0: each tensor-parallel rank needs whole "
                                  "attention heads; pick a tp that divides the head counts")
         if num_heads is not None and self.cp > 1 and cp_mode == "ulysses" and (num_heads // self.tp) % self.cp:
+            local = f"the {num_heads // self.tp} heads each tp rank holds" if self.tp > 1 else "the heads"
             raise ValueError(f"num_heads({num_heads}) / tp({self.tp}) % cp({self.cp}) != 0: Ulysses gives each "
-                             "context-parallel rank whole heads; use cp_mode='ring' or a cp that divides the heads")
+                             f"context-parallel rank whole heads; use cp_mode='ring' (any head count) or a cp that "
+                             f"divides {local}")
         if seq_len is not None and self.cp > 1 and seq_len % (2 * self.cp):
             raise ValueError(f"seq_len({seq_len}) % (2 * cp({self.cp})) != 0: causal load balancing splits each "
                              f"sequence into {2 * self.cp} equal chunks; pad sequences to a multiple of {2 * self.cp}")

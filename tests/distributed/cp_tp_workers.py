@@ -1,0 +1,82 @@
+"""Context parallelism x tensor parallelism (cp 2 x tp 2) on 4 ranks, every case in one process group.
+
+Each training case runs shardkit's Llama (grouped-query attention: 4 heads, 2 key/value heads, so each tp rank
+holds 2 query heads and 1 key/value head) under ``ContextParallel(cp_size=2, tp_size=2)`` and, in the same
+process, on one device without collectives, on the same sequences with AdamW (cp_workers.py's loop). It returns
+the largest differences of the loss and of every whole gradient at each step, and of every weight after the steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from cp_workers import CONFIG, hf_case, reference, train_case
+
+from shardkit.models import LlamaConfig
+
+__all__ = ["GQA", "cp_tp_worker"]
+
+GQA = dataclasses.replace(CONFIG, num_kv_heads=2)
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _tp_split(weight: torch.Tensor) -> bool:
+    """The weight is split over the mesh's tp dimension (FSDP2 shards it over dp_shard x cp on top)."""
+    mesh = getattr(weight, "device_mesh", None)
+    return mesh is not None and "tp" in (mesh.mesh_dim_names or ())
+
+
+def _train(mode: str, ref: dict) -> dict:
+    from shardkit.strategies.context_parallel import ContextParallel
+
+    out, model = train_case(ContextParallel(cp_size=2, tp_size=2, cp_mode=mode), ref, GQA, _adamw)
+    return {**out, "tp_split": _tp_split(model.layers[0].self_attn.q_proj.weight)}
+
+
+def _hf(mode: str) -> dict:
+    out, model = hf_case("llama", mode, cp_size=2, tp_size=2)
+    return {**out, "tp_split": _tp_split(model.model.layers[0].self_attn.q_proj.weight)}
+
+
+def _error(kwargs: dict, config: LlamaConfig) -> str:
+    """The message setup raises for a layout the model's heads do not fit."""
+    from shardkit.strategies.context_parallel import ContextParallel
+
+    try:
+        train_case(ContextParallel(**kwargs), {}, config)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def _errors() -> dict:
+    return {
+        "heads % tp": _error({"cp_size": 2, "tp_size": 2}, dataclasses.replace(
+            CONFIG, hidden_size=24, num_heads=3, intermediate_size=48)),
+        "local heads % cp (ulysses)": _error({"cp_size": 2, "tp_size": 2, "cp_mode": "ulysses"}, dataclasses.replace(
+            CONFIG, num_heads=2)),
+    }
+
+
+def cp_tp_worker(root: str) -> dict:
+    """Every cp 2 x tp 2 case: training against one device (ring, Ulysses, HF Llama), the named errors, and a
+    checkpoint saved under cp 2 x tp 2 resumed under cp 1 (FSDP2 over the 4 ranks) and back."""
+    from layout_workers import resume_case
+
+    from shardkit.strategies.context_parallel import ContextParallel
+
+    ref = reference(GQA, _adamw)
+    out: dict[str, Any] = {mode: _train(mode, ref) for mode in ("ring", "ulysses")}
+    out["hf ring"] = _hf("ring")
+    out["errors"] = _errors()
+    out["cp2xtp2->cp1"] = resume_case(ContextParallel(cp_size=2, tp_size=2), ContextParallel(cp_size=1),
+                                      Path(root) / "to_cp1")
+    out["cp1->cp2xtp2"] = resume_case(ContextParallel(cp_size=1),
+                                      ContextParallel(cp_size=2, tp_size=2, cp_mode="ulysses"), Path(root) / "from_cp1")
+    return out
