@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from cp_workers import CONFIG, hf_case, reference, train_case
+from cp_workers import CONFIG, batches, hf_case, reference, train_case
 
-from shardkit.models import LlamaConfig
+from shardkit.models import Llama, LlamaConfig
 
 __all__ = ["GQA", "cp_tp_worker"]
 
@@ -36,7 +36,19 @@ def _train(mode: str, ref: dict) -> dict:
     from shardkit.strategies.context_parallel import ContextParallel
 
     out, model = train_case(ContextParallel(cp_size=2, tp_size=2, cp_mode=mode), ref, GQA, _adamw)
-    return {**out, "tp_split": _tp_split(model.layers[0].self_attn.q_proj.weight)}
+    return {**out, "tp_split": _tp_split(model.layers[0].self_attn.q_proj.weight), **_inference(model, ref)}
+
+
+def _inference(model: Any, ref: dict) -> dict:
+    """Forwards without labels run the whole sequence (unsplit, still tensor-parallel): the logits and greedy
+    generation (KV cache over each tp rank's heads) of one device with the trained weights."""
+    one = Llama(GQA)
+    one.load_state_dict(ref["weights"])
+    prompt = batches()[0, :2, :6].clamp(min=0)
+    with torch.no_grad():
+        logits = (model(prompt) - one(prompt)).abs().max().item()
+    return {"logits": [logits], "generated": torch.equal(model.generate(prompt, max_new_tokens=4),
+                                                         one.generate(prompt, max_new_tokens=4))}
 
 
 def _hf(mode: str) -> dict:

@@ -34,6 +34,9 @@ def test_cp2_x_tp2_equals_one_device(results, case):
         assert got["tp_split"], f"rank {rank} {case}: q_proj is not split over tp"
         if "weights" in got:
             assert got["weights"][0] < WEIGHT_TOL, f"rank {rank} {case}: weights after AdamW differ by {got['weights']}"
+            # Evaluation and generation run the whole sequence, still tensor-parallel, with those weights.
+            assert got["logits"][0] < WEIGHT_TOL, f"rank {rank} {case}: logits differ by {got['logits']}"
+            assert got["generated"], f"rank {rank} {case}: greedy generation differs from one device's"
 
 
 def test_head_counts_that_do_not_fit_are_refused_by_name(results):
