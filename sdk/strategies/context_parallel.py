@@ -125,7 +125,11 @@ class ContextParallel(_fsdp.FSDP):
         if self.dims.tp > 1:
             from torch.distributed.tensor.parallel import parallelize_module
 
-            parallelize_module(module, self.world_mesh["tp"], resolve_plan(module, self.tp_plan, self.dims.tp))
+            # src_data_rank=None: each rank cuts its part from its own copy, no scatter. The copies are already
+            # equal (rank 0's broadcast, or the recorded init replayed later); with empty_init=True only rank 0
+            # has real weights and a scatter from it would wait on meta ranks that never join (seen: a hang).
+            plan = resolve_plan(module, self.tp_plan, self.dims.tp)
+            parallelize_module(module, self.world_mesh["tp"], plan, src_data_rank=None)
         super()._shard(module)
 
     @override

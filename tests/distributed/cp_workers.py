@@ -14,7 +14,7 @@ import torch
 from shardkit import Runner
 from shardkit.models import Llama, LlamaConfig
 
-__all__ = ["CONFIG", "cp_worker", "reference", "hf_case", "sgd", "train_case", "whole"]
+__all__ = ["CONFIG", "build", "cp_worker", "reference", "hf_case", "sgd", "train_case", "whole"]
 
 # 4 heads so that Ulysses splits them over 2 and 4 ranks; 16 tokens: 2 * cp chunks of 2 on 4 ranks.
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, max_position=32,
@@ -36,9 +36,10 @@ def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.5)
 
 
-def _build(strategy: Any, config: LlamaConfig, optimizer: Callable) -> tuple[Runner, Any]:
+def build(strategy: Any, config: LlamaConfig, optimizer: Callable,
+          empty_init: bool | None = None) -> tuple[Runner, Any]:
     runner = Runner(strategy, seed=0)
-    with runner.init_module():
+    with runner.init_module(empty_init=empty_init):
         model = Llama(config)
     model, _ = runner.setup(model, optimizer(model))
     return runner, model
@@ -49,29 +50,34 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def reference(config: LlamaConfig = CONFIG, optimizer: Callable = sgd) -> dict:
-    """One device, no collectives: each step's loss and gradients, the weights after the last step."""
+def reference(config: LlamaConfig = CONFIG, optimizer: Callable = sgd, clip: float | None = None) -> dict:
+    """One device, no collectives: the initial weights, each step's loss, gradients and (with ``clip``) gradient
+    norm, the weights after the last step."""
     from shardkit.strategies import SingleDevice
 
-    runner, model = _build(SingleDevice("cpu"), config, optimizer)
-    out: dict = {"loss": [], "grad": []}
+    runner, model = build(SingleDevice("cpu"), config, optimizer)
+    out: dict = {"loss": [], "grad": [], "norm": [],
+                 "init": {n: p.detach().clone() for n, p in model.named_parameters()}}
     for labels in batches():
         loss = model(labels.clamp(min=0), labels=labels)
         runner.backward(loss)
         out["loss"].append(loss.item())
         out["grad"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        if clip is not None:
+            out["norm"].append(runner.clip_gradients(clip).item())
         runner.step()
     out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
 
 
-def train_case(strategy: Any, ref: dict, config: LlamaConfig = CONFIG,
-               optimizer: Callable = sgd) -> tuple[dict, Any]:
-    """The largest differences from ``ref`` of each step's loss and gradients and of the final weights; the model."""
-    runner, model = _build(strategy, config, optimizer)
+def train_case(strategy: Any, ref: dict, config: LlamaConfig = CONFIG, optimizer: Callable = sgd,
+               clip: float | None = None) -> tuple[dict, Any]:
+    """The largest differences from ``ref`` (same ``clip``) of each step's loss, gradients and gradient norm and of
+    the final weights; the model."""
+    runner, model = build(strategy, config, optimizer)
     s = runner.strategy
     per = GLOBAL_BATCH // s.data_parallel_size
-    out: dict = {"loss": [], "grad": []}
+    out: dict = {"loss": [], "grad": [], "norm": []}
     for step, labels in enumerate(batches()):
         labels = labels[s.data_parallel_rank * per:(s.data_parallel_rank + 1) * per]
         loss = model(labels.clamp(min=0), labels=labels)
@@ -83,6 +89,8 @@ def train_case(strategy: Any, ref: dict, config: LlamaConfig = CONFIG,
         out["loss"].append(abs(total[0].item() / total[1].item() - ref["loss"][step]))
         out["grad"].append(max((whole(p.grad) - ref["grad"][step][n]).abs().max().item()
                                for n, p in model.named_parameters()))
+        if clip is not None:
+            out["norm"].append(abs(runner.clip_gradients(clip).item() - ref["norm"][step]))
         runner.step()
     out["weights"] = [max((whole(p.detach()) - ref["weights"][n]).abs().max().item()
                           for n, p in model.named_parameters())]

@@ -31,12 +31,19 @@ def test_cp2_x_tp2_equals_one_device(results, case):
         got = per_rank[case]
         assert max(got["loss"]) < TOL, f"rank {rank} {case}: loss differs by {got['loss']}"
         assert max(got["grad"]) < TOL, f"rank {rank} {case}: gradients differ by {got['grad']}"
+        assert max(got.get("norm", [0.0])) < TOL, f"rank {rank} {case}: clipped gradient norms differ: {got['norm']}"
         assert got["tp_split"], f"rank {rank} {case}: q_proj is not split over tp"
         if "weights" in got:
             assert got["weights"][0] < WEIGHT_TOL, f"rank {rank} {case}: weights after AdamW differ by {got['weights']}"
             # Evaluation and generation run the whole sequence, still tensor-parallel, with those weights.
             assert got["logits"][0] < WEIGHT_TOL, f"rank {rank} {case}: logits differ by {got['logits']}"
             assert got["generated"], f"rank {rank} {case}: greedy generation differs from one device's"
+
+
+def test_every_way_of_building_the_model_starts_from_one_devices_weights(results):
+    for rank, per_rank in enumerate(results):
+        # empty_init=True (weights on rank 0 only) hung in TP's scatter from rank 0 before src_data_rank=None.
+        assert all(d == 0.0 for d in per_rank["init"].values()), f"rank {rank}: {per_rank['init']}"
 
 
 def test_head_counts_that_do_not_fit_are_refused_by_name(results):
