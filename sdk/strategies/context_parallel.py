@@ -73,6 +73,7 @@ class ContextParallel(_fsdp.FSDP):
         if tp_plan is not None and tp_size == 1:
             raise ValueError("ContextParallel tp_plan=... is a tensor-parallel plan: it needs tp_size > 1 "
                              "(e.g. ContextParallel(cp_size=2, tp_size=2, tp_plan=...))")
+        _check_plan(tp_plan)
         self.cp_mode = cp_mode
         self._cp_size = cp_size
         self.tp_plan = tp_plan
@@ -142,6 +143,22 @@ class ContextParallel(_fsdp.FSDP):
     def __repr__(self) -> str:
         tp = f", tp_size={self.dims.tp}" if self.dims.tp > 1 else ""
         return f"ContextParallel(cp_size={self.dims.cp}{tp}, cp_mode={self.cp_mode!r}, device={self._device})"
+
+
+def _check_plan(plan: Any) -> None:
+    """``tp_plan`` maps FQN patterns to ParallelStyle objects (a config file's strings are not styles)."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if plan is None:
+        return
+    if not isinstance(plan, dict):
+        raise ValueError(f"ContextParallel tp_plan must be a dict of FQN pattern -> ParallelStyle, not a "
+                         f"{type(plan).__name__}")
+    for key, style in plan.items():
+        if not isinstance(key, str) or not isinstance(style, ParallelStyle):
+            raise ValueError(f"ContextParallel tp_plan entry {str(key)[:80]!r}: {type(style).__name__} is not a "
+                             "ParallelStyle; use e.g. {'layers.*.mlp.up_proj': ColwiseParallel()} from "
+                             "torch.distributed.tensor.parallel (or leave tp_plan unset for the model's own plan)")
 
 
 def _attention_modules(module: nn.Module) -> list[nn.Module]:
