@@ -151,7 +151,8 @@ def test_estimate_memory_cli_knows_cp_x_tp(tmp_path, capsys):
 
     from shardkit.cli import main
     from shardkit.memory.estimate import activation_bytes
-    from shardkit.memory.model_spec import spec_from_hf_config
+    from shardkit.memory.model_spec import spec_from_hf_config, spec_from_llama_config
+    from shardkit.models import LlamaConfig
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "intermediate_size": 688,
@@ -163,6 +164,13 @@ def test_estimate_memory_cli_knows_cp_x_tp(tmp_path, capsys):
     assert both < activation_bytes(spec_from_hf_config(str(cfg)), 8, 1024, cp_size=2)
     assert f"under cp 2 x tp 2 (sequence split, load-balanced, heads and MLP split): {both / 2**30:.2f} GiB" in \
         capsys.readouterr().out
+    # benchmarks/context_parallel.py's model, fp32: cp 2 x tp 2 kept 0.35-0.37 of cp 1's saved bytes (~0.05 of them
+    # unsplit weights); the estimate must not split what stays whole on tp ranks (it said 0.27 when it did).
+    bench = spec_from_llama_config(LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_layers=4,
+                                               num_heads=4))
+    ratio = activation_bytes(bench, 1, 2048, cp_size=2, tp_size=2, dtype_bytes=4) / \
+        activation_bytes(bench, 1, 2048, dtype_bytes=4)
+    assert 0.29 < ratio < 0.34, ratio
     assert main([*args, "--cp-size", "2", "--tp-size", "3"]) == 2
     assert "--cp-size 2 --tp-size 3 on 4 device(s)" in capsys.readouterr().err
     assert main([*args, "--num-gpus", "6", "--cp-size", "2", "--tp-size", "3"]) == 2
