@@ -52,8 +52,8 @@ def _inference(model: Any, ref: dict) -> dict:
                                                          one.generate(prompt, max_new_tokens=4))}
 
 
-def _hf(mode: str) -> dict:
-    out, model = hf_case("llama", mode, cp_size=2, tp_size=2)
+def _hf(kind: str, mode: str) -> dict:
+    out, model = hf_case(kind, mode, cp_size=2, tp_size=2)
     return {**out, "tp_split": _tp_split(model.model.layers[0].self_attn.q_proj.weight)}
 
 
@@ -91,7 +91,7 @@ def _errors() -> dict:
 
 
 def cp_tp_worker(root: str) -> dict:
-    """Every cp 2 x tp 2 case: training against one device (ring, Ulysses, HF Llama), the named errors, and a
+    """Every cp 2 x tp 2 case: training against one device (ring, Ulysses, HF Llama and Qwen2), the named errors, and a
     checkpoint saved under cp 2 x tp 2 resumed under cp 1 (FSDP2 over the 4 ranks) and back."""
     from layout_workers import resume_case
 
@@ -99,7 +99,8 @@ def cp_tp_worker(root: str) -> dict:
 
     ref = reference(GQA, _adamw, clip=CLIP)
     out: dict[str, Any] = {mode: _train(mode, ref) for mode in ("ring", "ulysses")}
-    out["hf ring"] = _hf("ring")
+    out["hf llama ring"] = _hf("llama", "ring")
+    out["hf qwen2 ulysses"] = _hf("qwen2", "ulysses")  # q/k/v biases split with their columns
     out["errors"] = _errors()
     out["init"] = _init(ref)
     out["cp2xtp2->cp1"] = resume_case(ContextParallel(cp_size=2, tp_size=2), ContextParallel(cp_size=1),

@@ -1,7 +1,7 @@
 """Context parallelism composed with tensor parallelism (cp 2 x tp 2 on 4 CPU ranks): ring and Ulysses attention
 over each tp rank's heads give the loss, the gradients and the weights after 2 AdamW steps of one device; HF Llama
-under its own tensor-parallel plan too; head counts that do not fit are refused by name; a checkpoint saved under
-cp 2 x tp 2 resumes under cp 1 (and back) with the uninterrupted losses.
+and Qwen2 under their own tensor-parallel plans too; head counts that do not fit are refused by name; a checkpoint
+saved under cp 2 x tp 2 resumes under cp 1 (and back) with the uninterrupted losses.
 
 One 4-rank launch runs every case (spawning costs more than a case).
 """
@@ -25,7 +25,7 @@ def results(tmp_path_factory):
     return run_distributed(cp_tp_worker, world_size=4, args=(str(tmp_path_factory.mktemp("cp_tp")),), timeout=600)
 
 
-@pytest.mark.parametrize("case", ["ring", "ulysses", "hf ring"])
+@pytest.mark.parametrize("case", ["ring", "ulysses", "hf llama ring", "hf qwen2 ulysses"])
 def test_cp2_x_tp2_equals_one_device(results, case):
     for rank, per_rank in enumerate(results):
         got = per_rank[case]
