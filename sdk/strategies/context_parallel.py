@@ -56,11 +56,13 @@ class ContextParallel(_fsdp.FSDP):
             work, CP x TP); neighbouring ranks, innermost in the mesh. 1: no tensor parallelism.
         tp_plan: with ``tp_size > 1``, the tensor-parallel plan (FQN pattern -> ParallelStyle); None: the
             model's own, as :func:`~shardkit.strategies.tensor_parallel.resolve_plan` finds it.
+        sequence_parallel: with ``tp_size > 1``, the model's own plan in its sequence-parallel form (the norms and
+            the residual stream between blocks split over tp along each rank's chunk of the sequence).
     """
 
     def __init__(self, cp_size: int | None = None, cp_mode: str = "ring", dp_replicate: int = 1,
                  sharding: str = "full", state_dict_type: str = "sharded", timeout: float | None = None,
-                 tp_size: int = 1, tp_plan: dict[str, Any] | None = None):
+                 tp_size: int = 1, tp_plan: dict[str, Any] | None = None, sequence_parallel: bool = False):
         if cp_mode not in CP_MODES:
             raise ValueError(f"ContextParallel cp_mode={cp_mode!r} is not one of {CP_MODES}"
                              f"{did_you_mean(str(cp_mode), CP_MODES)}")
@@ -73,7 +75,11 @@ class ContextParallel(_fsdp.FSDP):
         if tp_plan is not None and tp_size == 1:
             raise ValueError("ContextParallel tp_plan=... is a tensor-parallel plan: it needs tp_size > 1 "
                              "(e.g. ContextParallel(cp_size=2, tp_size=2, tp_plan=...))")
+        if sequence_parallel and (tp_size == 1 or tp_plan is not None):
+            raise ValueError("ContextParallel sequence_parallel=True splits the model's own tensor-parallel plan: it "
+                             "needs tp_size > 1 and no tp_plan (put SequenceParallel() styles in tp_plan instead)")
         _check_plan(tp_plan)
+        self.sequence_parallel = sequence_parallel
         self.cp_mode = cp_mode
         self._cp_size = cp_size
         self.tp_plan = tp_plan
@@ -129,7 +135,7 @@ class ContextParallel(_fsdp.FSDP):
             # src_data_rank=None: each rank cuts its part from its own copy, no scatter. The copies are already
             # equal (rank 0's broadcast, or the recorded init replayed later); with empty_init=True only rank 0
             # has real weights and a scatter from it would wait on meta ranks that never join (seen: a hang).
-            plan = resolve_plan(module, self.tp_plan, self.dims.tp)
+            plan = resolve_plan(module, self.tp_plan, self.dims.tp, self.sequence_parallel)
             parallelize_module(module, self.world_mesh["tp"], plan, src_data_rank=None)
         super()._shard(module)
 

@@ -33,10 +33,11 @@ def _tp_split(weight: torch.Tensor) -> bool:
     return mesh is not None and "tp" in (mesh.mesh_dim_names or ())
 
 
-def _train(mode: str, ref: dict) -> dict:
+def _train(mode: str, ref: dict, sequence_parallel: bool = False) -> dict:
     from shardkit.strategies.context_parallel import ContextParallel
 
-    out, model = train_case(ContextParallel(cp_size=2, tp_size=2, cp_mode=mode), ref, GQA, _adamw, clip=CLIP)
+    strategy = ContextParallel(cp_size=2, tp_size=2, cp_mode=mode, sequence_parallel=sequence_parallel)
+    out, model = train_case(strategy, ref, GQA, _adamw, clip=CLIP)
     return {**out, "tp_split": _tp_split(model.layers[0].self_attn.q_proj.weight), **_inference(model, ref)}
 
 
@@ -91,14 +92,17 @@ def _errors() -> dict:
 
 
 def cp_tp_worker(root: str) -> dict:
-    """Every cp 2 x tp 2 case: training against one device (ring, Ulysses, HF Llama and Qwen2), the named errors, and a
-    checkpoint saved under cp 2 x tp 2 resumed under cp 1 (FSDP2 over the 4 ranks) and back."""
+    """Every cp 2 x tp 2 case: training against one device (ring, Ulysses, ring with TP's sequence parallelism,
+    HF Llama and Qwen2), the named errors, the ways of building the model, and a checkpoint saved under cp 2 x tp 2
+    resumed under cp 1 (FSDP2 over the 4 ranks) and back."""
     from layout_workers import resume_case
 
     from shardkit.strategies.context_parallel import ContextParallel
 
     ref = reference(GQA, _adamw, clip=CLIP)
     out: dict[str, Any] = {mode: _train(mode, ref) for mode in ("ring", "ulysses")}
+    # The norms and the residual stream split over tp along each rank's chunk, gathered for attention and the MLP.
+    out["ring sequence_parallel"] = _train("ring", ref, sequence_parallel=True)
     out["hf llama ring"] = _hf("llama", "ring")
     out["hf qwen2 ulysses"] = _hf("qwen2", "ulysses")  # q/k/v biases split with their columns
     out["errors"] = _errors()

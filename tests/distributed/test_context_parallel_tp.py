@@ -25,7 +25,7 @@ def results(tmp_path_factory):
     return run_distributed(cp_tp_worker, world_size=4, args=(str(tmp_path_factory.mktemp("cp_tp")),), timeout=600)
 
 
-@pytest.mark.parametrize("case", ["ring", "ulysses", "hf llama ring", "hf qwen2 ulysses"])
+@pytest.mark.parametrize("case", ["ring", "ulysses", "ring sequence_parallel", "hf llama ring", "hf qwen2 ulysses"])
 def test_cp2_x_tp2_equals_one_device(results, case):
     for rank, per_rank in enumerate(results):
         got = per_rank[case]

@@ -104,6 +104,9 @@ def test_pipeline_stages_schedules_and_options():
         STRATEGIES.build("cp", tp_plan={})
     with pytest.raises(ValueError, match=r"tp_plan entry 'layers.\*.mlp.up_proj': str is not a ParallelStyle"):
         STRATEGIES.build_from_cli("cp", ["tp_size=2", 'tp_plan={"layers.*.mlp.up_proj": "colwise"}'])
+    with pytest.raises(ValueError, match=r"sequence_parallel=True splits the model's own tensor-parallel plan: it "
+                                         r"needs tp_size > 1"):
+        STRATEGIES.build("cp", sequence_parallel=True)
     with pytest.raises(ValueError, match=r"ContextParallel tp_size=0 must be an int >= 1"):
         STRATEGIES.build("cp", tp_size=0)
 
