@@ -112,3 +112,29 @@ def cp_tp_worker(root: str) -> dict:
     out["cp1->cp2xtp2"] = resume_case(ContextParallel(cp_size=1),
                                       ContextParallel(cp_size=2, tp_size=2, cp_mode="ulysses"), Path(root) / "from_cp1")
     return out
+
+
+def eight_rank_worker() -> dict:
+    """dp_shard 2 x cp 2 x tp 2 (ring) and dp_replicate 2 x cp 2 x tp 2 (Ulysses) against one device: not in CI
+    (8 processes on 2 cores, ~40 s); run ``python tests/distributed/cp_tp_workers.py``."""
+    from shardkit.strategies.context_parallel import ContextParallel
+
+    ref = reference(GQA, _adamw, clip=CLIP)
+    layouts = {"dp_shard 2 x cp 2 x tp 2 ring": {"cp_size": 2, "tp_size": 2},
+               "dp_replicate 2 x cp 2 x tp 2 ulysses": {"cp_size": 2, "tp_size": 2, "dp_replicate": 2,
+                                                        "cp_mode": "ulysses"}}
+    return {name: train_case(ContextParallel(**kw), ref, GQA, _adamw, clip=CLIP)[0] for name, kw in layouts.items()}
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from cp_tp_workers import eight_rank_worker as _worker  # by module name, so that spawned ranks import it
+    from harness import run_distributed
+
+    for rank, per_rank in enumerate(run_distributed(_worker, world_size=8)):
+        for name, got in per_rank.items():
+            worst = {k: max(v) for k, v in got.items()}
+            assert max(worst.values()) < 2e-4 and max(got["grad"]) < 2e-5, (rank, name, worst)
+            print(f"rank {rank} {name}: largest differences from one device {worst}")
