@@ -149,6 +149,7 @@ _LIGER: dict[str, Callable] = {"rms_norm": lambda lg: lambda x, w: lg.liger_rms_
                                "layer_norm": lambda lg: lambda x, w, b: lg.liger_layer_norm(x, w, b, 1e-5),
                                "cross_entropy": lambda lg: lambda z, t: lg.liger_cross_entropy(z, t)}
 _OWN_SECTION = ("fused_linear_cross_entropy",)
+_GLU_OPS = ("swiglu", "geglu")  # also measured as an MLP runs them (bench_glu_mlp)
 # bf16 on CPU only for rms_norm: keeps the CPU run near 5 minutes
 _CPU_FP32_ONLY = ("rope", "swiglu", "geglu", "layer_norm", "cross_entropy")
 
@@ -162,7 +163,9 @@ def _case(spec: OpSpec, device: str, dtype: torch.dtype, quick: bool, lg) -> OpC
     grads_out = [_leaf(*o.shape, dtype=o.dtype, device=device, seed=100 + i, grad=False) for i, o in enumerate(outs)]
     shapes = ", ".join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
     liger = _LIGER[spec.name](lg) if lg is not None and spec.name in _LIGER else None
-    return OpCase(f"{spec.name} {shapes} {str(dtype)[6:]}", spec.function, _EAGER.get(spec.name, spec.reference),
+    # GLU ops on leaves: ours keeps the gradients out of place there (see bench_glu_mlp for the model's way)
+    leaf = " (leaf inputs)" if spec.name in _GLU_OPS else ""
+    return OpCase(f"{spec.name} {shapes} {str(dtype)[6:]}{leaf}", spec.function, _EAGER.get(spec.name, spec.reference),
                   liger, list(args), grads_out, spec.name)
 
 
@@ -214,6 +217,90 @@ def bench_ops(device: str, quick: bool) -> str:
     print("\nOps, forward+backward: time median / peak memory; ratios > 1 mean ours is faster", flush=True)
     return print_table(["op", "ours: backend", "ours", "torch eager", "torch.compile", "Liger-Kernel",
                         "eager/ours", "compile/ours", "liger/ours"], rows)
+
+
+# ---- SwiGLU / GeGLU as an MLP runs them --------------------------------------------------------------------
+
+class _FreshGluInputs:
+    """gate and up made fresh for every call, as an MLP's two linears make them: ``setup()`` (outside the timed
+    and measured window) computes them from ``x``, ``run()`` consumes them in one forward+backward.
+
+    On these inputs ours may write its gradients over gate and up (``in_place_backward=True``, what
+    ``SwiGLUMLP``/``GeGLUMLP`` and the Hugging Face patch pass), which it refuses on the per-op table's leaf
+    inputs; Liger-Kernel writes over its inputs in both.
+    """
+
+    def __init__(self, fn: Callable, m: int, f: int, dtype: torch.dtype, device: str, dy: torch.Tensor) -> None:
+        gen = torch.Generator().manual_seed(0)
+        # inner size 16: making gate and up costs little, and x's gradient (m, 16) is small beside (m, f)
+        self.x = torch.randn(m, 16, generator=gen).to(device, dtype).requires_grad_()
+        self.w_gate, self.w_up = (torch.randn(f, 16, generator=gen).to(device, dtype) for _ in range(2))
+        self.fn, self.dy, self.held = fn, dy, []
+
+    def setup(self) -> None:
+        self.x.grad = None
+        self.held[:] = [self.x @ self.w_gate.T, self.x @ self.w_up.T]
+
+    def run(self) -> None:
+        gate, up = self.held
+        self.held.clear()  # the op's graph holds them from here, as in a model
+        self.fn(gate, up).backward(self.dy)
+
+
+def _time_with_setup(case: _FreshGluInputs, device: str, repeats: int, backend: str | None) -> float:
+    """Median seconds of ``case.run()`` alone, a fresh ``case.setup()`` before each call (after 2 warmup calls)."""
+    times = []
+    with force_backend(backend) if backend else contextlib.nullcontext():
+        for i in range(repeats + 2):
+            case.setup()
+            sync(device)
+            t0 = time.perf_counter()
+            case.run()
+            sync(device)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _glu_contenders(name: str, device: str, lg) -> dict[str, tuple[Callable, str | None]]:
+    """label -> (fn(gate, up), backend forced for ours)."""
+    eager = _EAGER[name]
+    out: dict[str, tuple[Callable, str | None]] = {"torch eager": (eager, None),
+                                                    "torch.compile": (torch.compile(eager, dynamic=False), None)}
+    if lg is not None:
+        out["Liger-Kernel"] = (_LIGER[name](lg), None)
+    ours = get_op(name).function
+    for backend in _our_backends(device, name):
+        out[f"ours ({backend})"] = (lambda g, u, ours=ours: ours(g, u, in_place_backward=True), backend)
+    return out
+
+
+def bench_glu_mlp(device: str, quick: bool) -> str:
+    """SwiGLU and GeGLU forward+backward with gate and up fresh linear outputs (see :class:`_FreshGluInputs`)."""
+    m, f = (64, 352) if quick else (4096, 11008)
+    lg = _liger_functional() if device != "cpu" else None
+    rows = []
+    for name in _GLU_OPS:
+        for dt in (torch.float32,) if device == "cpu" else (torch.float32, torch.bfloat16):
+            dy = _leaf(m, f, dtype=dt, device=device, seed=100, grad=False)
+            act = m * f * dt.itemsize
+            res = {}
+            for label, (fn, backend) in _glu_contenders(name, device, lg).items():
+                case = _FreshGluInputs(fn, m, f, dt, device, dy)
+                t = _time_with_setup(case, device, 3 if quick else 10, backend)
+                mem = peak_memory(_forced(case.run, backend), device, setup=case.setup)
+                res[label] = (t, mem)
+            liger = res.get("Liger-Kernel")
+            for label, (t, mem) in res.items():
+                rows.append([f"{name} ({m}, {f}) {str(dt)[6:]}", label, f"{t * 1e3:.2f} ms",
+                             fmt_bytes(mem), f"{mem / act:.2f}x" if mem is not None else "n/a",
+                             f"{liger[0] / t:.2f}x" if liger else "n/a",
+                             f"{mem / liger[1]:.2f}" if liger and mem and liger[1] else "n/a"])
+                print(rows[-1], flush=True)
+    print("\nSwiGLU / GeGLU in an MLP (gate and up fresh linear outputs, ours with in_place_backward=True): "
+          "forward+backward; peak in units of one activation; ratios > 1 mean ours is faster", flush=True)
+    return print_table(["op", "implementation", "time (median)", "peak memory", "peak / activation",
+                        "liger/this time", "this/liger peak"], rows)
 
 
 # ---- fused linear cross-entropy ---------------------------------------------------------------------------
@@ -417,7 +504,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, not a measurement")
-    parser.add_argument("--only", choices=("ops", "flce", "adamw"), action="append")
+    parser.add_argument("--only", choices=("ops", "glu", "flce", "adamw"), action="append",
+                        help="ops: the per-op table and the GLU-in-an-MLP table; glu: that table alone")
     parser.add_argument("--flce-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="dtype of hidden and weight in the fused linear cross-entropy comparison")
     args = parser.parse_args()
@@ -426,6 +514,8 @@ def main() -> None:
           f"python {platform.python_version()}, load {os.getloadavg()[0]:.2f}", flush=True)
     if "ops" in only:
         bench_ops(args.device, args.quick)
+    if "ops" in only or "glu" in only:
+        bench_glu_mlp(args.device, args.quick)
     if "flce" in only:
         bench_flce(args.device, args.quick, getattr(torch, args.flce_dtype))
     if "adamw" in only:

@@ -54,7 +54,7 @@ fi
 if wants bench; then
     phase bench
     timeout "$(left 120 260)" python3 benchmarks/kernels.py --only ops 2>&1 | tee "$out/kernel_bench.log" \
-        | grep -vE "^\[|^#" | tail -45
+        | grep -vE "^\[|^#" | tail -70
     timeout "$(left 35 225)" python3 benchmarks/kernels.py --only flce --flce-dtype bfloat16 2>&1 \
         | tee "$out/flce_bf16.log" | tail -12
     # launch-setting sweep of the Triton rms_norm and multi-tensor AdamW (issue 28 item 3; ~60 s, its own deadline)
