@@ -350,6 +350,11 @@ def bench_flce(device: str, quick: bool, dt: torch.dtype = torch.float32) -> str
     }
     for backend in _our_backends(device, "fused_linear_cross_entropy"):
         variants[f"ours fused ({backend})"] = (lambda: fused_linear_cross_entropy(h, w, y, chunk_rows=chunk), backend)
+        if not cpu and dt != torch.float32 and backend == "triton":
+            # the Python loop holds one 16-bit chunk: at half the rows (Liger's 128 at T=4096 V=128256) its peak
+            # is Liger's; what the smaller GEMMs cost in time decides the default (issue 28 item 2)
+            variants[f"ours fused ({backend}, {chunk // 2}-row chunks)"] = (
+                lambda: fused_linear_cross_entropy(h, w, y, chunk_rows=chunk // 2), backend)
     lg = _liger_functional() if not cpu else None
     if lg is not None:
         variants["liger"] = (lambda: lg.liger_fused_linear_cross_entropy(h, w, y), None)

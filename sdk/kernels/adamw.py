@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launch, LaunchConfig, dtype_label, meta
+from ._common import Launch, LaunchConfig, dtype_label, meta, round_like
 
 __all__ = ["LAUNCH", "adamw_step_", "compile_checks", "launch_settings"]
 
@@ -64,17 +64,6 @@ def _st(ptr, offs, n, value, FULL: tl.constexpr):
 
 
 @triton.jit
-def _to_param(p, p_ptr):
-    """fp32 -> the param's dtype, rounding to nearest even."""
-    if p_ptr.dtype.element_ty == tl.bfloat16:
-        # by hand: the interpreter's fp32 -> bf16 cast truncates (nan never occurs here unless the inputs hold one)
-        bits = p.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return p.to(p_ptr.dtype.element_ty)
-
-
-@triton.jit
 def _adamw_tile(p_ptr, master_ptr, g_ptr, m_ptr, v_ptr, offs, n, decay, beta1, beta2, eps, step_size, bc2_sqrt,
                 HAS_MASTER: tl.constexpr, MAXIMIZE: tl.constexpr, FULL: tl.constexpr):
     if HAS_MASTER:
@@ -95,7 +84,7 @@ def _adamw_tile(p_ptr, master_ptr, g_ptr, m_ptr, v_ptr, offs, n, decay, beta1, b
     _st(v_ptr, offs, n, v, FULL)
     if HAS_MASTER:
         _st(master_ptr, offs, n, p, FULL)
-    _st(p_ptr, offs, n, _to_param(p, p_ptr), FULL)
+    _st(p_ptr, offs, n, round_like(p, p_ptr), FULL)
 
 
 @triton.jit
