@@ -17,7 +17,8 @@ Micro-batches: ``microbatches`` when given, else the Runner's accumulation windo
 or a ``runner.begin_window`` size) when it is over 1, else ``pp_size``.
 
 Data parallelism over the other ranks: ``dp="ddp"`` replicates each stage (gradients all-reduced), ``dp="fsdp"``
-shards it with FSDP2 over ``dp_shard`` (each decoder layer, the output head and the stage are FSDP units).
+shards it with FSDP2 over ``dp_shard`` (each decoder layer, the output head and the stage are FSDP units). Either
+way the gradients are reduced once per accumulation window, at its last ``model(...)`` call.
 
 Models: shardkit's Llama (``embed_tokens``, ``layers``, ``norm``, ``lm_head``) and Hugging Face decoders of
 model_type ``llama`` (``model(input_ids=x, labels=x).loss``); tied embeddings included.
