@@ -1,4 +1,4 @@
-"""DTensor helpers shared by FSDP and TensorParallel: meshes, blocks and sharding, the mixed-precision
+"""DTensor helpers shared by FSDP and TensorParallel: blocks and sharding, the mixed-precision
 policy, the rank-0 broadcast, meta-device init, gradient norms, memory.
 
 Everything here works on a mix of DTensor and plain tensors, because a module set up by FSDP2 or
@@ -8,14 +8,12 @@ Everything here works on a mix of DTensor and plain tensors, because a module se
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -24,7 +22,6 @@ from shardkit.precision import Precision
 __all__ = [
     "blocks_bottom_up",
     "broadcast_from_rank0",
-    "build_mesh",
     "clip_grad_norm",
     "gathered_parameters",
     "local_tensor",
@@ -39,15 +36,6 @@ __all__ = [
     "shard_bottom_up",
     "total_grad_norm",
 ]
-
-
-def build_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """A device mesh over every rank of the default group, e.g. ``(2, 2)`` named ``("dp", "tp")``."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if math.prod(shape) != world:
-        dims = " * ".join(f"{n}({s})" for n, s in zip(names, shape))
-        raise ValueError(f"mesh {dims} = {math.prod(shape)} != world_size({world})")
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
