@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from shardkit.precision import Precision
@@ -23,6 +23,7 @@ __all__ = [
     "blocks_bottom_up",
     "broadcast_from_rank0",
     "clip_grad_norm",
+    "drop_unreduced_gradients",
     "gathered_parameters",
     "local_tensor",
     "meta_parameters",
@@ -285,6 +286,20 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, norm_type: float
     for device, ts in by_device.items():
         torch._foreach_mul_(ts, coef.to(device))
     return total
+
+
+def drop_unreduced_gradients(module: nn.Module) -> None:
+    """Drop the gradients the FSDP2 units in ``module`` hold unsharded after backwards with gradient sync off (the
+    non-final micro-batches of an accumulation window): ``optimizer.zero_grad`` reaches only the sharded ones, so an
+    abandoned window's would otherwise be reduced into the next window's."""
+    for unit in module.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        for group in unit._get_fsdp_state()._fsdp_param_groups:
+            for param in group.fsdp_params:
+                param.unsharded_accumulated_grad = None  # set when gradients accumulate in the reduce dtype
+                if hasattr(param, "_unsharded_param"):
+                    param._unsharded_param.grad = None
 
 
 def reduce_max(flag: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -237,6 +237,15 @@ class Pipeline(ProcessGroupStrategy):
         self._sync = enabled
 
     @override
+    def zero_grad(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+        """The gradients, and under ``dp="fsdp"`` those of an abandoned window that FSDP2 holds unsharded (each stage
+        defers its reduction to the window's last call)."""
+        super().zero_grad(optimizer, module)
+        if self.sharded:
+            for stage in self._runner.stages:
+                _mesh.drop_unreduced_gradients(stage.submod)
+
+    @override
     def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
                        norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over every stage's gradients (each rank holds its stage's, whole or FSDP shards)."""

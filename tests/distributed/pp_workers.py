@@ -78,8 +78,11 @@ def count_reduce_scatters(pipeline: Any) -> dict[str, list[int]]:
     return counts
 
 
-def train(strategy: Any, accumulation: int = 1, window: int | None = None, model: str = "llama") -> dict:
-    """``window``: every step a short accumulation window of that many micro-batches (``runner.begin_window``)."""
+def train(strategy: Any, accumulation: int = 1, window: int | None = None, model: str = "llama",
+          abandon: bool = False) -> dict:
+    """``window``: every step a short accumulation window of that many micro-batches (``runner.begin_window``).
+    ``abandon``: the first window is abandoned after one micro-batch (``runner.abandon_window``) and run again whole,
+    so the run must equal one without the abandoned micro-batch."""
     runner = Runner(strategy, seed=0, gradient_accumulation_steps=accumulation)
     name = model
     with runner.init_module():
@@ -90,8 +93,11 @@ def train(strategy: Any, accumulation: int = 1, window: int | None = None, model
     reduce_scatters = count_reduce_scatters(pipeline) if pipeline is not None and pipeline.sharded else {}
     per = GLOBAL_BATCH // s.data_parallel_size
     losses = []
-    for x in batches():
+    for step, x in enumerate(batches()):
         x = x[s.data_parallel_rank * per:(s.data_parallel_rank + 1) * per]
+        if abandon and step == 0:
+            runner.backward(_loss(model, x.chunk(accumulation)[1]))
+            runner.abandon_window()
         if window is not None:
             runner.begin_window(window)
         for part in x.chunk(window or accumulation):
@@ -125,7 +131,9 @@ def pp_worker(cases: list[dict], resumes: dict[str, tuple[dict, dict]], root: st
     for kw in cases:
         kw = dict(kw)
         accumulation, window = kw.pop("accumulation", 1), kw.pop("window", None)
-        model = kw.pop("model", "llama")
+        model, abandon = kw.pop("model", "llama"), kw.pop("abandon", False)
         name = f"{model} {sorted(kw.items())!r}" + (f" short window of ga={accumulation}," if window else "")
-        out[name + f" accumulation={window or accumulation}"] = train(Pipeline(**kw), accumulation, window, model)
+        name += " abandoned first window," if abandon else ""
+        out[name + f" accumulation={window or accumulation}"] = train(Pipeline(**kw), accumulation, window, model,
+                                                                      abandon)
     return {"cases": out, "resumed": resumed}

@@ -152,6 +152,34 @@ def test_every_sharding_mode_trains_like_ddp(precision):
 # every rank, are checked for every strategy by tests/contract/test_strategy_contract.py.
 
 
+def _abandoned_window() -> dict:
+    """DDP and FSDP with windows of 2 micro-batches, the first abandoned after one (runner.abandon_window)."""
+    out = {}
+    for name in ("ddp", "fsdp"):
+        runner = make_runner(name, {}, "fp32", gradient_accumulation_steps=2)
+        model = Llama(TINY)
+        model, _ = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+        per = GLOBAL_BATCH // runner.world_size
+        for step, rows in enumerate(batches(2)):
+            x = rows[runner.rank * per:(runner.rank + 1) * per]
+            if step == 0:
+                runner.backward(model(x[:1], labels=x[:1]))
+                runner.abandon_window()
+            for part in x.chunk(2):
+                runner.backward(model(part, labels=part))
+            runner.step()
+        out[name] = full_weights(runner.unwrap_model(model))
+    return out
+
+
+def test_abandoned_window_gradients_are_dropped():
+    """FSDP2 holds a window's unsynced gradients unsharded, out of optimizer.zero_grad's reach: abandon_window drops
+    them too, so training goes on as DDP's."""
+    for got in run_distributed(_abandoned_window, world_size=2, timeout=300):
+        for key, w in got["fsdp"].items():
+            torch.testing.assert_close(w, got["ddp"][key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
 # ---- init on the meta device ---------------------------------------------------------------------------
 
 
