@@ -7,9 +7,9 @@ under Triton's interpreter (a check of the script, not a measurement).
 1. rms_norm (4096, 4096) fp32 and bf16, forward+backward: the Triton kernels over fwd/bwd num_warps x backward
    programs per SM (``shardkit.kernels.rms_norm.LAUNCH``), beside the CUDA backend, torch eager (Hugging Face's
    LlamaRMSNorm) and Liger-Kernel's ``liger_rms_norm`` (skipped when it does not import).
-2. AdamW at 100M fp32 parameters, as one tensor and as a Llama-like list of 48 tensors: the Triton kernel over
-   BLOCK x num_warps (``shardkit.kernels.adamw.LAUNCH``), beside torch.optim.AdamW(fused=True), foreach, and
-   FusedAdamW on the CUDA backend.
+2. AdamW at 100M fp32 parameters, as one tensor and as a Llama-like list of 48 tensors: the Triton kernel (one
+   multi-tensor launch per step) over BLOCK x num_warps (``shardkit.kernels.adamw.LAUNCH``), beside
+   torch.optim.AdamW(fused=True), foreach, and FusedAdamW on the CUDA backend.
 
 Method: median of ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls, warmed up first) on
 fresh random inputs (never zero). Every variant's outputs are compared once with the default setting's; a
@@ -48,6 +48,9 @@ from shardkit.kernels import rms_norm as triton_rms_norm  # noqa: E402
 from shardkit.ops import BUILDER, force_backend  # noqa: E402
 from shardkit.ops.rms_norm import rms_norm  # noqa: E402
 from shardkit.optim import FusedAdamW  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _model_shapes import llama_like_sizes  # noqa: E402
 
 Fn = Callable[[], object]
 Settings = dict[str, int]
@@ -212,12 +215,6 @@ def sweep_rms_norm(section: Section, shape: tuple[int, int], dtype: torch.dtype,
 
 # ---- AdamW ------------------------------------------------------------------------------------------------
 
-def llama_like_sizes(hidden: int, inter: int, vocab: int, layers: int) -> list[int]:
-    """Parameter sizes of a Llama-style model: embedding, per layer q/k/v/o, gate/up/down and two norms, head."""
-    layer = [hidden * hidden] * 4 + [hidden * inter] * 3 + [hidden] * 2
-    return [vocab * hidden] + layer * layers + [hidden, vocab * hidden]
-
-
 def _adamw_tensors(sizes: list[int], device: torch.device):
     """Params with random grads; for the direct-kernel check a frozen copy of them and random (never zero)
     moments (the timed optimizers change the params)."""
@@ -345,12 +342,13 @@ def write_report(sections: list[Section], head: str, start: float) -> str:
 
 # Grid order: the settings most likely to win first, so that a section cut short by the budget loses the least.
 # Compiled for sm_90 here (scripts/check_triton.py with LAUNCH overrides, n=4096): rms_norm bwd at 4 warps takes
-# 197-204 registers/thread (12% occupancy), at 16 warps 63-64 (50%); AdamW B4096 w4 (the default) 163 (19%),
-# B2048 w8 48 (62%); at 64 elements per thread or more AdamW spills (B8192 w4 472 B/thread, B16384 w4 4736 B).
+# 197-204 registers/thread (12% occupancy), at 16 warps 63-64 (50%). The multi-tensor AdamW (fp32 / bf16 with
+# fp32 master): 8 elements a thread (B2048 w8, the default; B4096 w16) 53-80 registers, 16 (B4096 w8) 104-128,
+# 32 (B4096 w4) 182-254; the per-tensor kernel before it spilled from 64 elements a thread (B8192 w4).
 FULL = {"rms": (4096, 4096), "rms_grid": {"fwd_warps": (8, 16, 32, 4), "bwd_warps": (16, 32, 8, 4),
                                           "bwd_programs_per_sm": (1, 2, 4)},
         "adamw": ([100_000_000], llama_like_sizes(1024, 2816, 16_000, 5)),  # 1 x 100M; 48 tensors, 97.0M
-        "adamw_grid": {"block": (1024, 2048, 4096, 8192, 16384), "num_warps": (4, 8, 16)}}
+        "adamw_grid": {"block": (1024, 2048, 4096, 8192), "num_warps": (4, 8, 16)}}
 SMOKE = {"rms": (16, 96), "rms_grid": {"fwd_warps": (4,), "bwd_warps": (4, 8), "bwd_programs_per_sm": (1, 2)},
          "adamw": ([10_007], llama_like_sizes(16, 40, 50, 2)),
          "adamw_grid": {"block": (1024, 2048), "num_warps": (4, 8)}}
@@ -361,7 +359,8 @@ def plan(cfg: dict, device: torch.device, native: str | None, rep_ms: int) -> li
 
     A section gets the time left times its weight over the weights still to come, so what one leaves unused
     goes to the next. Most of a section's time is Triton compiling its grid (about 12 kernels per rms_norm
-    dtype, 15 for AdamW); the 48-tensor AdamW reuses the 1-tensor section's kernels, hence its small weight.
+    dtype, 12 for AdamW). The Llama-like AdamW comes first (a model's many tensors: what the multi-tensor launch
+    is for); the 1-tensor section reuses its kernels, hence its small weight.
     """
     one, many = cfg["adamw"]
     shape = cfg["rms"]
@@ -370,7 +369,7 @@ def plan(cfg: dict, device: torch.device, native: str | None, rep_ms: int) -> li
         title = f"rms_norm {shape} {str(dt).removeprefix('torch.')} fwd+bwd"
         out.append((title, weight, lambda s, dt=dt: sweep_rms_norm(s, shape, dt, device, cfg["rms_grid"], native,
                                                                   rep_ms)))
-    for weight, sizes, what in ((0.28, one, "1 tensor"), (0.12, many, f"{len(many)} tensors (Llama-like)")):
+    for weight, sizes, what in ((0.28, many, f"{len(many)} tensors (Llama-like)"), (0.12, one, "1 tensor")):
         title = f"AdamW fp32 {sum(sizes) / 1e6:.3g}M params, {what}"
         out.append((title, weight, lambda s, z=sizes: sweep_adamw(s, z, device, cfg["adamw_grid"], native, rep_ms)))
     return out

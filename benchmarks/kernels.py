@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _model_shapes import llama_like_sizes  # noqa: E402
 from _timing import (  # noqa: E402
     ensure_malloc_returns_memory,
     fmt_bytes,
@@ -148,6 +149,7 @@ _LIGER: dict[str, Callable] = {"rms_norm": lambda lg: lambda x, w: lg.liger_rms_
                                "layer_norm": lambda lg: lambda x, w, b: lg.liger_layer_norm(x, w, b, 1e-5),
                                "cross_entropy": lambda lg: lambda z, t: lg.liger_cross_entropy(z, t)}
 _OWN_SECTION = ("fused_linear_cross_entropy",)
+_GLU_OPS = ("swiglu", "geglu")  # also measured as an MLP runs them (bench_glu_mlp)
 # bf16 on CPU only for rms_norm: keeps the CPU run near 5 minutes
 _CPU_FP32_ONLY = ("rope", "swiglu", "geglu", "layer_norm", "cross_entropy")
 
@@ -161,7 +163,9 @@ def _case(spec: OpSpec, device: str, dtype: torch.dtype, quick: bool, lg) -> OpC
     grads_out = [_leaf(*o.shape, dtype=o.dtype, device=device, seed=100 + i, grad=False) for i, o in enumerate(outs)]
     shapes = ", ".join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor) and a.requires_grad)
     liger = _LIGER[spec.name](lg) if lg is not None and spec.name in _LIGER else None
-    return OpCase(f"{spec.name} {shapes} {str(dtype)[6:]}", spec.function, _EAGER.get(spec.name, spec.reference),
+    # GLU ops on leaves: ours keeps the gradients out of place there (see bench_glu_mlp for the model's way)
+    leaf = " (leaf inputs)" if spec.name in _GLU_OPS else ""
+    return OpCase(f"{spec.name} {shapes} {str(dtype)[6:]}{leaf}", spec.function, _EAGER.get(spec.name, spec.reference),
                   liger, list(args), grads_out, spec.name)
 
 
@@ -215,6 +219,90 @@ def bench_ops(device: str, quick: bool) -> str:
                         "eager/ours", "compile/ours", "liger/ours"], rows)
 
 
+# ---- SwiGLU / GeGLU as an MLP runs them --------------------------------------------------------------------
+
+class _FreshGluInputs:
+    """gate and up made fresh for every call, as an MLP's two linears make them: ``setup()`` (outside the timed
+    and measured window) computes them from ``x``, ``run()`` consumes them in one forward+backward.
+
+    On these inputs ours may write its gradients over gate and up (``in_place_backward=True``, what
+    ``SwiGLUMLP``/``GeGLUMLP`` and the Hugging Face patch pass), which it refuses on the per-op table's leaf
+    inputs; Liger-Kernel writes over its inputs in both.
+    """
+
+    def __init__(self, fn: Callable, m: int, f: int, dtype: torch.dtype, device: str, dy: torch.Tensor) -> None:
+        gen = torch.Generator().manual_seed(0)
+        # inner size 16: making gate and up costs little, and x's gradient (m, 16) is small beside (m, f)
+        self.x = torch.randn(m, 16, generator=gen).to(device, dtype).requires_grad_()
+        self.w_gate, self.w_up = (torch.randn(f, 16, generator=gen).to(device, dtype) for _ in range(2))
+        self.fn, self.dy, self.held = fn, dy, []
+
+    def setup(self) -> None:
+        self.x.grad = None
+        self.held[:] = [self.x @ self.w_gate.T, self.x @ self.w_up.T]
+
+    def run(self) -> None:
+        gate, up = self.held
+        self.held.clear()  # the op's graph holds them from here, as in a model
+        self.fn(gate, up).backward(self.dy)
+
+
+def _time_with_setup(case: _FreshGluInputs, device: str, repeats: int, backend: str | None) -> float:
+    """Median seconds of ``case.run()`` alone, a fresh ``case.setup()`` before each call (after 2 warmup calls)."""
+    times = []
+    with force_backend(backend) if backend else contextlib.nullcontext():
+        for i in range(repeats + 2):
+            case.setup()
+            sync(device)
+            t0 = time.perf_counter()
+            case.run()
+            sync(device)
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _glu_contenders(name: str, device: str, lg) -> dict[str, tuple[Callable, str | None]]:
+    """label -> (fn(gate, up), backend forced for ours)."""
+    eager = _EAGER[name]
+    out: dict[str, tuple[Callable, str | None]] = {"torch eager": (eager, None),
+                                                    "torch.compile": (torch.compile(eager, dynamic=False), None)}
+    if lg is not None:
+        out["Liger-Kernel"] = (_LIGER[name](lg), None)
+    ours = get_op(name).function
+    for backend in _our_backends(device, name):
+        out[f"ours ({backend})"] = (lambda g, u, ours=ours: ours(g, u, in_place_backward=True), backend)
+    return out
+
+
+def bench_glu_mlp(device: str, quick: bool) -> str:
+    """SwiGLU and GeGLU forward+backward with gate and up fresh linear outputs (see :class:`_FreshGluInputs`)."""
+    m, f = (64, 352) if quick else (4096, 11008)
+    lg = _liger_functional() if device != "cpu" else None
+    rows = []
+    for name in _GLU_OPS:
+        for dt in (torch.float32,) if device == "cpu" else (torch.float32, torch.bfloat16):
+            dy = _leaf(m, f, dtype=dt, device=device, seed=100, grad=False)
+            act = m * f * dt.itemsize
+            res = {}
+            for label, (fn, backend) in _glu_contenders(name, device, lg).items():
+                case = _FreshGluInputs(fn, m, f, dt, device, dy)
+                t = _time_with_setup(case, device, 3 if quick else 10, backend)
+                mem = peak_memory(_forced(case.run, backend), device, setup=case.setup)
+                res[label] = (t, mem)
+            liger = res.get("Liger-Kernel")
+            for label, (t, mem) in res.items():
+                rows.append([f"{name} ({m}, {f}) {str(dt)[6:]}", label, f"{t * 1e3:.2f} ms",
+                             fmt_bytes(mem), f"{mem / act:.2f}x" if mem is not None else "n/a",
+                             f"{liger[0] / t:.2f}x" if liger else "n/a",
+                             f"{mem / liger[1]:.2f}" if liger and mem and liger[1] else "n/a"])
+                print(rows[-1], flush=True)
+    print("\nSwiGLU / GeGLU in an MLP (gate and up fresh linear outputs, ours with in_place_backward=True): "
+          "forward+backward; peak in units of one activation; ratios > 1 mean ours is faster", flush=True)
+    return print_table(["op", "implementation", "time (median)", "peak memory", "peak / activation",
+                        "liger/this time", "this/liger peak"], rows)
+
+
 # ---- fused linear cross-entropy ---------------------------------------------------------------------------
 
 class _PlainChunked(torch.autograd.Function):
@@ -262,6 +350,11 @@ def bench_flce(device: str, quick: bool, dt: torch.dtype = torch.float32) -> str
     }
     for backend in _our_backends(device, "fused_linear_cross_entropy"):
         variants[f"ours fused ({backend})"] = (lambda: fused_linear_cross_entropy(h, w, y, chunk_rows=chunk), backend)
+        if not cpu and dt != torch.float32 and backend == "triton":
+            # the Python loop holds one 16-bit chunk: at half the rows (Liger's 128 at T=4096 V=128256) its peak
+            # is Liger's; what the smaller GEMMs cost in time decides the default (issue 28 item 2)
+            variants[f"ours fused ({backend}, {chunk // 2}-row chunks)"] = (
+                lambda: fused_linear_cross_entropy(h, w, y, chunk_rows=chunk // 2), backend)
     lg = _liger_functional() if not cpu else None
     if lg is not None:
         variants["liger"] = (lambda: lg.liger_fused_linear_cross_entropy(h, w, y), None)
@@ -321,8 +414,27 @@ def flce_full_size_estimate(t: int, h: int, v: int, chunk: int) -> str:
 
 # ---- AdamW ---------------------------------------------------------------------------------------------
 
-def _params(n: int, device: str, piece: int = 1 << 22) -> list[torch.Tensor]:
-    sizes = [piece] * (n // piece) + ([n % piece] if n % piece else [])
+def _pieces(n: int, piece: int = 1 << 22) -> list[int]:
+    """``n`` parameters in tensors of ``piece`` elements (the last one ragged)."""
+    return [piece] * (n // piece) + ([n % piece] if n % piece else [])
+
+
+def _adamw_cases(device: str, quick: bool) -> list[tuple[str, list[int]]]:
+    """(label, parameter sizes) per AdamW case; the many-tensor case is a GPU one."""
+    if quick:
+        cases, many = [("1M", _pieces(1 << 20)), ("4M", _pieces(4 << 20, 1 << 20))], llama_like_sizes(64, 176, 500, 2)
+    else:  # 110M in 111 tensors: a model's mix of sizes
+        cases, many = [(f"{n / 1e6:.0f}M", _pieces(n)) for n in (10_000_000, 100_000_000)], llama_like_sizes(
+            768, 2048, 16_000, 12)
+    label = f"{sum(many) / 1e6:.3g}M in {len(many)} tensors"
+    if device == "cpu":
+        print(f"AdamW {label} (the Triton multi-tensor launch beside torch's fused and foreach AdamW): GPU-only "
+              "rows, not run on CPU (Triton runs there only interpreted)", flush=True)
+        return cases
+    return cases + [(label, many)]
+
+
+def _params(sizes: list[int], device: str) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     ps = [torch.randn(s, generator=g).to(device).requires_grad_() for s in sizes]
     for p in ps:
@@ -369,8 +481,9 @@ def bench_adamw(device: str, quick: bool) -> str:
     m = (1 << 24) if quick else (1 << 28)  # 2^28 fp32 = 1 GiB per triad array
     a, b = torch.rand(m, device=device), torch.rand(m, device=device)
     rows = []
-    for n in ((1 << 20, 4 << 20) if quick else (10_000_000, 100_000_000)):
-        ps = _params(n, device)
+    for label, sizes in _adamw_cases(device, quick):
+        n = sum(sizes)
+        ps = _params(sizes, device)
         fns: dict[str, Fn] = {name: _forced(make(ps).step, backend)
                               for name, (make, backend) in _optimizers(device).items()}
         fns["floor: triad a += c*b"] = lambda: a.add_(b, alpha=1e-3)
@@ -380,11 +493,11 @@ def bench_adamw(device: str, quick: bool) -> str:
         for name, ts in times.items():
             med = statistics.median(ts)
             same_round = statistics.median(t / f for t, f in zip(ts, floor_round))
-            rows.append([f"{n / 1e6:.0f}M", name, f"{med * 1e3:.1f} ms", f"{28 * n / med / 1e9:.1f} GB/s",
+            rows.append([label, name, f"{med * 1e3:.1f} ms", f"{28 * n / med / 1e9:.1f} GB/s",
                          f"{med / best_floor:.2f}x", f"{same_round:.2f}x"])
             print(rows[-1], flush=True)
         tri = [12 * m / (f * 12 * m / (28 * n)) / 1e9 for f in floor_round]
-        print(f"{n / 1e6:.0f}M: triad GB/s per round {', '.join(f'{x:.1f}' for x in tri)}", flush=True)
+        print(f"{label}: triad GB/s per round {', '.join(f'{x:.1f}' for x in tri)}", flush=True)
         del ps, fns
     print("\nAdamW step, fp32 (28 B/param): median of 5 interleaved rounds; floor = 28 B/param at the in-place "
           "triad's bandwidth (1 GiB arrays, 12 B/elem), best round / same round", flush=True)
@@ -396,7 +509,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, not a measurement")
-    parser.add_argument("--only", choices=("ops", "flce", "adamw"), action="append")
+    parser.add_argument("--only", choices=("ops", "glu", "flce", "adamw"), action="append",
+                        help="ops: the per-op table and the GLU-in-an-MLP table; glu: that table alone")
     parser.add_argument("--flce-dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="dtype of hidden and weight in the fused linear cross-entropy comparison")
     args = parser.parse_args()
@@ -405,6 +519,8 @@ def main() -> None:
           f"python {platform.python_version()}, load {os.getloadavg()[0]:.2f}", flush=True)
     if "ops" in only:
         bench_ops(args.device, args.quick)
+    if "ops" in only or "glu" in only:
+        bench_glu_mlp(args.device, args.quick)
     if "flce" in only:
         bench_flce(args.device, args.quick, getattr(torch, args.flce_dtype))
     if "adamw" in only:

@@ -6,7 +6,8 @@
 # A lend is short (15 minutes of device time, 10 per command), so every phase runs under one deadline
 # (GPU_BUDGET_S seconds from the start, default 560) and is cut off rather than letting the call run over.
 # Wheels a lend carries (liger-kernel, torchao) are installed from .whl/ when that folder exists.
-# Usage: bash scripts/gpu_session.sh [all | "tests e2e" | any of tests, checks, bench, e2e]; GPU_TESTS_K narrows
+# Usage: bash scripts/gpu_session.sh [all | "tests e2e" | any of tests, checks, adamw, bench, e2e] (bench includes
+# adamw: the AdamW rows of benchmarks/kernels.py); GPU_TESTS_K narrows
 # the kernel tests (a pytest -k expression, "cuda" by default).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,13 +46,18 @@ if wants checks; then
         timeout "$(left 60 380)" python3 "$check" 2>&1 | tee -a "$out/gpu_checks.log" | grep -E "PASS|FAIL|Error" | tail -10
     done
 fi
+if wants bench || wants adamw; then
+    phase adamw  # issue 28 item 3: the multi-tensor Triton launch vs torch's fused/foreach, 110M in 111 tensors
+    timeout "$(left 60 320)" python3 benchmarks/kernels.py --only adamw 2>&1 | tee "$out/adamw_bench.log" \
+        | grep -vE "^\[|^#" | tail -16
+fi
 if wants bench; then
     phase bench
-    timeout "$(left 120 260)" python3 benchmarks/kernels.py --only ops --only adamw 2>&1 | tee "$out/kernel_bench.log" \
-        | grep -vE "^\[|^#" | tail -45
+    timeout "$(left 120 260)" python3 benchmarks/kernels.py --only ops 2>&1 | tee "$out/kernel_bench.log" \
+        | grep -vE "^\[|^#" | tail -70
     timeout "$(left 35 225)" python3 benchmarks/kernels.py --only flce --flce-dtype bfloat16 2>&1 \
         | tee "$out/flce_bf16.log" | tail -12
-    # launch-setting sweep of the Triton rms_norm and AdamW (issue 28 item 3; ~60 s, its own deadline inside)
+    # launch-setting sweep of the Triton rms_norm and multi-tensor AdamW (issue 28 item 3; ~60 s, its own deadline)
     timeout "$(left 65 160)" python3 benchmarks/gpu_tune.py 2>&1 | tee "$out/gpu_tune.log" | tail -30
 fi
 if wants e2e; then

@@ -6,10 +6,12 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+import triton
+import triton.language as tl
 
 from shardkit.suggest import did_you_mean
 
-__all__ = ["Launch", "LaunchConfig", "dtype_label", "empty_out", "finish_out", "meta"]
+__all__ = ["Launch", "LaunchConfig", "dtype_label", "empty_out", "finish_out", "meta", "round_like"]
 
 Launch = tuple[str, Callable[[], object]]
 """(label, call): one launch of a Triton kernel for scripts/check_triton.py (see ``OpSpec.triton_checks``)."""
@@ -30,6 +32,20 @@ def empty_out(like: torch.Tensor, shape=None, dtype: torch.dtype | None = None) 
     shape = like.shape if shape is None else shape
     store = torch.float32 if _interpreted(like) and dtype in (torch.bfloat16, torch.float16) else dtype
     return torch.empty(shape, dtype=store, device=like.device)
+
+
+@triton.jit
+def round_like(x, ptr):
+    """fp32 ``x`` converted to ``ptr``'s element type, rounding to nearest even as torch's ``.to()`` does.
+
+    bf16 by hand: the interpreter's fp32 -> bf16 cast truncates (see :func:`empty_out`); nan never occurs here
+    unless the inputs hold one. Other types: the plain cast (round to nearest even on GPU and in numpy).
+    """
+    if ptr.dtype.element_ty == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(ptr.dtype.element_ty)
 
 
 def finish_out(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -2,9 +2,12 @@
 
 Reference: :func:`shardkit.ops.fused_linear_cross_entropy.flce_rows_reference`. As in Liger-Kernel, the
 matmuls stay cuBLAS (torch.mm in ``shardkit.ops.fused_linear_cross_entropy``); this kernel takes one chunk of
-fp32 logits ``z`` (rows, V) and, one program per row, computes the loss and overwrites the row with
+logits ``z`` (rows, V) and, one program per row, computes the loss and overwrites the row with
 ``row_scale * dloss/dz`` (label smoothing, logit softcap, ignore_index). Two sweeps over the row: an online
-max/sum-exp (plus the sum of logits for smoothing), then the gradient write.
+max/sum-exp (plus the sum of logits for smoothing), then the gradient write. The math is fp32 whatever ``z``'s
+dtype: 16-bit logits (the matmul's own output for bf16/fp16 models) are read as they are and the gradient is
+written over them rounded to their dtype, the rounding the matmuls that take it would apply anyway, so no fp32
+copy of the chunk exists (Liger-Kernel's memory).
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launch, meta
+from ._common import Launch, dtype_label, meta, round_like
 
 __all__ = ["compile_checks", "flce_rows_"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -42,7 +47,7 @@ def _flce_rows_kernel(z_ptr, z_stride, labels_ptr, scale_ptr, loss_ptr, V, ignor
         if WRITE_GRAD:
             for off in range(0, V, BLOCK):
                 cols = off + tl.arange(0, BLOCK)
-                tl.store(z_row + cols, tl.zeros((BLOCK,), dtype=tl.float32), mask=cols < V)
+                tl.store(z_row + cols, round_like(tl.zeros((BLOCK,), dtype=tl.float32), z_ptr), mask=cols < V)
         return
 
     # sweep 1: running max m, sum of exp(y - m) d, and sum of y for label smoothing
@@ -74,18 +79,20 @@ def _flce_rows_kernel(z_ptr, z_stride, labels_ptr, scale_ptr, loss_ptr, V, ignor
             if HAS_SOFTCAP:
                 t = y / cap
                 g = g * (1.0 - t * t)
-            tl.store(z_row + cols, g * scale, mask=mask)
+            tl.store(z_row + cols, round_like(g * scale, z_ptr), mask=mask)
 
 
 def flce_rows_(z: torch.Tensor, labels: torch.Tensor, row_scale: torch.Tensor, ignore_index: int,
                label_smoothing: float, softcap: float, write_grad: bool) -> torch.Tensor:
-    """Row pass over fp32 logits ``z`` (rows, V), in place when ``write_grad``; returns the fp32 per-row loss.
+    """Row pass over logits ``z`` (rows, V; fp32, bf16 or fp16), in place when ``write_grad``; returns the fp32
+    per-row loss.
 
     Labels outside [0, V) other than ``ignore_index`` are not checked here (the caller checks them first: no host
     sync per chunk); such a row gets a nan loss and a zero gradient.
     """
-    if z.dtype != torch.float32 or z.dim() != 2 or z.stride(1) != 1:
-        raise ValueError(f"flce_rows_: z must be 2-D float32 with contiguous rows, got {z.dtype} {tuple(z.shape)}")
+    if z.dtype not in _DTYPES or z.dim() != 2 or z.stride(1) != 1:
+        raise ValueError(f"flce_rows_: z must be 2-D float32, bfloat16 or float16 with contiguous rows, got "
+                         f"{z.dtype} {tuple(z.shape)}")
     rows, vocab = z.shape
     loss = torch.empty(rows, dtype=torch.float32, device=z.device)
     if rows == 0:
@@ -100,16 +107,14 @@ def flce_rows_(z: torch.Tensor, labels: torch.Tensor, row_scale: torch.Tensor, i
 
 
 def compile_checks(dtypes: tuple[torch.dtype, ...]) -> list[Launch]:
-    """The row pass on 512-row chunks at an odd vocab and Llama 3's 128256, with and without softcap and gradient.
-
-    The logits are fp32 whatever the model's dtype, so ``dtypes`` does not multiply these launches.
-    """
+    """The row pass on 512-row chunks at an odd vocab and Llama 3's 128256, with and without softcap and gradient
+    on fp32 logits; and the gradient write at 128256 on the 16-bit logits of each 16-bit dtype in ``dtypes``."""
     out: list[Launch] = []
-    for vocab in (123, 128256):
-        z, labels, scale = meta(512, vocab), meta(512, dtype=torch.int64), meta(512)
-        for cap in (0.0, 30.0):
-            for grad in (False, True):
-                label = f"flce rows V={vocab}{' softcap' if cap else ''}{' +grad' if grad else ''}"
-                out.append((label, lambda z=z, lb=labels, sc=scale, c=cap, gr=grad:
-                            flce_rows_(z, lb, sc, -100, 0.1, c, gr)))
+    cases = [(vocab, torch.float32, cap, grad) for vocab in (123, 128256) for cap in (0.0, 30.0) for grad in (0, 1)]
+    cases += [(128256, dt, 0.0, True) for dt in dtypes if dt != torch.float32]
+    for vocab, dt, cap, grad in cases:
+        z, labels, scale = meta(512, vocab, dtype=dt), meta(512, dtype=torch.int64), meta(512)
+        label = f"flce rows V={vocab} {dtype_label(dt)}{' softcap' if cap else ''}{' +grad' if grad else ''}"
+        out.append((label, lambda z=z, lb=labels, sc=scale, c=cap, gr=bool(grad):
+                    flce_rows_(z, lb, sc, -100, 0.1, c, gr)))
     return out

@@ -3,8 +3,10 @@
 ``shardkit.optim.FusedAdamW`` batches a param group's tensors per device and calls :func:`adamw_step` once per
 batch. Backends: ``cpp`` on CPU (``shardkit_C::adamw_step_``: OpenMP over 64 Ki-element chunks of every tensor at
 once, 28 bytes/param in fp32: the optimizer of ZeRO CPU/NVMe offload), ``cuda`` on GPU (the same op's CUDA kernel:
-multi-tensor launches of up to 24 tensors), ``triton`` on GPU (``shardkit.kernels.adamw``) when the extension has no
-CUDA kernel, and ``reference`` everywhere else. The update is the one of torch.optim.AdamW, in the same order:
+multi-tensor launches of up to 24 tensors), ``triton`` on GPU (``shardkit.kernels.adamw``: one launch over the whole
+batch per dtype pair, from tables of the tensors' addresses and tiles) when the extension has no CUDA kernel or
+``SHARDKIT_KERNEL_BACKEND=triton`` forces it, and ``reference`` everywhere else. The update is the one of
+torch.optim.AdamW, in the same order:
 
     p = p * (1 - lr * weight_decay)
     m = lerp(m, g, 1 - beta1);   v = v * beta2 + (1 - beta2) * g^2

@@ -105,8 +105,11 @@ def _saved_weight_dtype(compute_dtype: torch.dtype, weight_dtype: torch.dtype) -
 def chunk_rows_for(n: int, vocab: int, dtype: torch.dtype, budget_bytes: int = _LOGITS_BUDGET_BYTES) -> int:
     """Rows per chunk so that one chunk's logits stay within ``budget_bytes``.
 
-    Bytes per logit in flight: 4 for the fp32 logits/gradient (updated in place), plus 2 + 2 for the 16-bit
-    matmul output and the 16-bit copy of the gradient fed to the next matmul when the inputs are bf16/fp16.
+    Rows are counted at 4 bytes a logit for fp32 inputs and 8 for bf16/fp16. The Python loop (reference and
+    Triton backends) now holds only the 16-bit chunk (2 bytes a logit, written over in place) for 16-bit inputs;
+    the C++ loop (cpp/cuda) still holds the 16-bit matmul output, an fp32 copy and a 16-bit gradient (2 + 4 + 2).
+    The row count is kept (256 at V=128256): halving it would cut the 16-bit chunk from 62.6 to 31.3 MiB
+    (Liger-Kernel's 128-row chunk) but make each chunk's three GEMMs memory-bound on reading the (V, H) weight.
     """
     per_logit = 4 if dtype == torch.float32 else 8  # float64 (the test oracle): 8 bytes a logit
     rows = max(1, budget_bytes // max(1, vocab * per_logit))
@@ -141,6 +144,24 @@ def flce_rows_reference(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_ind
             g.mul_(1.0 - (y / softcap).square())
         scale = torch.where(valid, row_scale.to(g.dtype), torch.zeros_like(lse))
         z.copy_(g.mul_(scale.unsqueeze(1)))
+    return loss
+
+
+def _rows_reference_any(z: Tensor, labels: Tensor, row_scale: Tensor, ignore_index: int, label_smoothing: float,
+                        softcap: float, write_grad: bool) -> Tensor:
+    """:func:`flce_rows_reference` on logits of any float dtype: 16-bit ones a few rows at a time in fp32, the
+    gradient written back over them rounded to their dtype (as the Triton row pass does)."""
+    if z.dtype not in _HALF:
+        return flce_rows_reference(z, labels, row_scale, ignore_index, label_smoothing, softcap, write_grad)
+    # fp32 blocks of 1/32 of the chunk: the reference's ~4 fp32 temporaries stay at 1/4 of the 16-bit chunk
+    step = max(1, z.shape[0] // 32)
+    loss = z.new_empty(z.shape[0], dtype=torch.float32)
+    for s in range(0, z.shape[0], step):
+        block = z[s:s + step].float()
+        loss[s:s + step] = flce_rows_reference(block, labels[s:s + step], row_scale[s:s + step], ignore_index,
+                                               label_smoothing, softcap, write_grad)
+        if write_grad:
+            z[s:s + step].copy_(block)
     return loss
 
 
@@ -189,24 +210,35 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
     for s in range(0, n, chunk_rows):
         e = min(n, s + chunk_rows)
         hc = hidden[s:e]
+        # 16-bit inputs: the row pass reads the 16-bit logits and writes the gradient over them rounded to 16 bits
+        # (fp32 math inside), the rounding the naive path's backward applies before its matmuls too, which then
+        # run as 16-bit matmuls (an fp32 one is ~15x slower on tensor cores). No fp32 copy of the chunk: at
+        # T=4096 H=2048 V=128256 bf16 the H200 peak was 705 MiB (cuda loop) / 768 MiB (this loop, which also
+        # held the last chunk's two copies while making the next) against Liger's 548 MiB; here one 16-bit chunk
+        # (62.6 MiB at 256 rows) is what the loop adds to grad_weight and grad_hidden.
         z = torch.addmm(bias, hc, wt) if bias is not None else hc @ wt  # chunk_rows x V
-        z = z.to(acc)
         loss[s:e] = rows_fn(z, labels[s:e], row_scale[s:e], ignore_index, label_smoothing, softcap, write_grad)
-        if not write_grad:
-            continue
-        # 16-bit inputs: both gradient matmuls take the gradient rounded to the input dtype (as the naive path's
-        # backward does), so they run as 16-bit matmuls; an fp32 one is ~15x slower on tensor cores
-        g = z.to(weight.dtype) if need_h or need_w else z
-        if need_h:
-            torch.mm(g, weight, out=gh[s:e])
-        if need_w and (g is z or fold_bf16):
-            gw.addmm_(g.t(), hc)
-        elif need_w:  # 16-bit products, a block of vocab rows at a time, summed into the fp32 accumulator
-            for v in range(0, vocab, block):
-                gw[v:v + block].add_(g[:, v:v + block].t() @ hc)
-        if need_b:
-            gb.add_(z.sum(0))
+        if write_grad:
+            _fold_chunk(z, hc, weight, (gh[s:e] if need_h else None, gw if need_w else None, gb if need_b else None),
+                        fold_bf16, block)
+        del z  # before the next chunk's logits exist
     return loss, gh, gw, gb
+
+
+def _fold_chunk(g: Tensor, hc: Tensor, weight: Tensor, outs: tuple[Tensor | None, Tensor | None, Tensor | None],
+                fold_bf16: bool, block: int) -> None:
+    """Adds one chunk's logits gradient ``g`` (rows, V; the input dtype) into grad_hidden rows, grad_weight and
+    grad_bias (``outs``, None where not needed)."""
+    gh, gw, gb = outs
+    if gh is not None:
+        torch.mm(g, weight, out=gh)
+    if gw is not None and (g.dtype == gw.dtype or fold_bf16):
+        gw.addmm_(g.t(), hc)
+    elif gw is not None:  # fp16: 16-bit products, a block of vocab rows at a time, summed into the fp32 accumulator
+        for v in range(0, g.shape[1], block):
+            gw[v:v + block].add_(g[:, v:v + block].t() @ hc)
+    if gb is not None:
+        gb.add_(g.sum(0, dtype=gb.dtype))
 
 
 def check_loss_options(op: str, reduction: str, label_smoothing: float, softcap_name: str,
@@ -461,6 +493,6 @@ SPEC = register(OpSpec(
     csrc="fused_linear_cross_entropy",
     # cpp/cuda run the whole chunk loop in C++ (matmuls through MKL/cuBLAS); the others run it here around their
     # row pass
-    kernels={"flce_chunked": {"reference": _loop_with(flce_rows_reference), "triton": _loop_with(rows_triton),
+    kernels={"flce_chunked": {"reference": _loop_with(_rows_reference_any), "triton": _loop_with(rows_triton),
                               **native("flce_chunked")}},
     triton_checks="shardkit.kernels.fused_linear_cross_entropy:compile_checks", example=_example))
