@@ -134,14 +134,41 @@ class ParallelDims:
             raise ValueError(f"num_layers({num_layers}) % pp({self.pp}) != 0: give each stage's layer count with "
                              f"layer_split=(...) summing to {num_layers}, or a pp that divides it")
 
-    def build(self, device_type: str) -> Any:
-        """The DeviceMesh over every rank of the default group, dimensions named as :data:`DIM_NAMES`."""
+    def build(self, device_type: str, names: Mapping[str, str] | None = None) -> Any:
+        """The DeviceMesh over every rank of the default group, dimensions named as :data:`DIM_NAMES`.
+
+        Args:
+            names: dimension name -> the name the mesh gives it instead (FSDP's public ``"replicate"`` and
+                ``"shard"`` for ``dp_replicate`` and ``dp_shard``).
+        """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.resolve(world)
-        return init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=DIM_NAMES)
+        renamed = tuple((names or {}).get(n, n) for n in DIM_NAMES)
+        return init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=renamed)
+
+    @classmethod
+    def data_parallel(cls, world_size: int, shard_size: int, owner: str = "ParallelDims",
+                      name: str = "dp_shard") -> ParallelDims:
+        """Data parallelism over the whole world: groups of ``shard_size`` ranks shard (``dp_shard``) and the
+        ``world_size / shard_size`` groups replicate (``dp_replicate``), as FSDP's sharding modes need.
+
+        Args:
+            owner, name: who asks and what its users call ``shard_size``, named in the error (FSDP's
+                ``hybrid_shard_size``).
+
+        Raises:
+            ValueError: ``shard_size`` is not a whole number >= 1 that divides ``world_size``.
+        """
+        if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+            raise ValueError(f"{owner}: {name}={shard_size!r} must be an int >= 1")
+        if world_size % shard_size:
+            raise ValueError(f"{owner}: world_size({world_size}) % {name}({shard_size}) != 0: the ranks split into "
+                             f"shard groups of {name} ranks each; choose a {name} that divides the world size "
+                             "(e.g. the processes per node)")
+        return cls(dp_replicate=world_size // shard_size, dp_shard=shard_size).resolve(world_size)
 
     @staticmethod
     def submesh(mesh: Any, names: tuple[str, ...]) -> Any:
