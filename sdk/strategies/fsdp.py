@@ -316,12 +316,6 @@ class FSDP(MeshStrategy):
             return _size_targets(module, self.settings.auto_wrap)
         return _mesh.blocks_bottom_up(module, blocks)
 
-    @override
-    def zero_grad(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
-        """The sharded gradients, and those of an abandoned window that FSDP2 still holds unsharded."""
-        super().zero_grad(optimizer, module)
-        _mesh.drop_unreduced_gradients(module)
-
     # ---- checkpoints -------------------------------------------------------------------------------
 
     @override

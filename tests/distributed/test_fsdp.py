@@ -152,24 +152,29 @@ def test_every_sharding_mode_trains_like_ddp(precision):
 # every rank, are checked for every strategy by tests/contract/test_strategy_contract.py.
 
 
+def abandoned_window_weights(name: str, kwargs: dict, abandon: bool) -> dict:
+    """Windows of 2 micro-batches through the Runner, the first window's first micro-batch abandoned
+    (runner.abandon_window) when ``abandon``: the weights after 2 steps."""
+    runner = make_runner(name, kwargs, "fp32", gradient_accumulation_steps=2)
+    model = Llama(TINY)
+    model, _ = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    strat = runner.strategy
+    dp_rank, dp_size = strat.data_parallel_rank, strat.data_parallel_size
+    per = GLOBAL_BATCH // dp_size
+    for step, rows in enumerate(batches(2)):
+        x = rows[dp_rank * per:(dp_rank + 1) * per]
+        if step == 0 and abandon:
+            runner.backward(model(x[:1], labels=x[:1]))
+            runner.abandon_window()
+        for part in x.chunk(2):
+            runner.backward(model(part, labels=part))
+        runner.step()
+    return full_weights(runner.unwrap_model(model))
+
+
 def _abandoned_window() -> dict:
-    """DDP and FSDP with windows of 2 micro-batches, the first abandoned after one (runner.abandon_window)."""
-    out = {}
-    for name in ("ddp", "fsdp"):
-        runner = make_runner(name, {}, "fp32", gradient_accumulation_steps=2)
-        model = Llama(TINY)
-        model, _ = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
-        per = GLOBAL_BATCH // runner.world_size
-        for step, rows in enumerate(batches(2)):
-            x = rows[runner.rank * per:(runner.rank + 1) * per]
-            if step == 0:
-                runner.backward(model(x[:1], labels=x[:1]))
-                runner.abandon_window()
-            for part in x.chunk(2):
-                runner.backward(model(part, labels=part))
-            runner.step()
-        out[name] = full_weights(runner.unwrap_model(model))
-    return out
+    """DDP and FSDP with windows of 2 micro-batches, the first abandoned after one."""
+    return {name: abandoned_window_weights(name, {}, abandon=True) for name in ("ddp", "fsdp")}
 
 
 def test_abandoned_window_gradients_are_dropped():
