@@ -113,8 +113,10 @@ class ParallelDims:
                 raise ValueError(f"{what}({heads}) % tp({self.tp}) != 0: each tensor-parallel rank needs whole "
                                  "attention heads; pick a tp that divides the head counts")
         if num_heads is not None and self.cp > 1 and cp_mode == "ulysses" and (num_heads // self.tp) % self.cp:
+            local = f"the {num_heads // self.tp} heads each tp rank holds" if self.tp > 1 else "the heads"
             raise ValueError(f"num_heads({num_heads}) / tp({self.tp}) % cp({self.cp}) != 0: Ulysses gives each "
-                             "context-parallel rank whole heads; use cp_mode='ring' or a cp that divides the heads")
+                             f"context-parallel rank whole heads; use cp_mode='ring' (any head count) or a cp that "
+                             f"divides {local}")
         if seq_len is not None and self.cp > 1 and seq_len % (2 * self.cp):
             raise ValueError(f"seq_len({seq_len}) % (2 * cp({self.cp})) != 0: causal load balancing splits each "
                              f"sequence into {2 * self.cp} equal chunks; pad sequences to a multiple of {2 * self.cp}")
@@ -199,11 +201,12 @@ def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_typ
                                   where: str) -> tuple[str, dict[str, Any]]:
     """The strategy (registry name, keyword arguments) an Accelerate ``parallelism_config`` section describes.
 
-    cp > 1: ContextParallel (FSDP2 over dp_shard x cp, HSDP over dp_replicate); tp > 1: TensorParallel (FSDP2
-    over the data-parallel ranks); data parallelism only: FSDP (hybrid when dp_replicate > 1).
+    cp > 1: ContextParallel (FSDP2 over dp_shard x cp, HSDP over dp_replicate; with tp > 1 too, CP x TP: its
+    ``tp_size``); tp > 1 alone: TensorParallel (FSDP2 over the data-parallel ranks); data parallelism only: FSDP
+    (hybrid when dp_replicate > 1).
 
     Raises:
-        ValueError: a bad key or size, sizes whose product is not the world size, or cp and tp together.
+        ValueError: a bad key or size, sizes whose product is not the world size, or tp with dp_replicate but no cp.
     """
     if not isinstance(section, Mapping):
         raise ValueError(f"parallelism_config in {where} must be a section (a mapping), not {type(section).__name__}")
@@ -215,11 +218,9 @@ def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_typ
         dims = dims.resolve(world_size)
     except ValueError as err:
         raise ValueError(f"parallelism_config in {where}: {err}") from None
-    if dims.cp > 1 and dims.tp > 1:
-        raise ValueError(f"parallelism_config in {where}: cp({dims.cp}) together with tp({dims.tp}) is not supported "
-                         "by shardkit yet; use one of them (ContextParallel or TensorParallel) with dp_shard")
     if dims.cp > 1:
-        return "cp", {"cp_size": dims.cp, "dp_replicate": dims.dp_replicate}
+        return "cp", {"cp_size": dims.cp, "dp_replicate": dims.dp_replicate, **({"tp_size": dims.tp} if dims.tp > 1
+                                                                                 else {})}
     if dims.tp > 1:
         if dims.dp_replicate > 1:
             raise ValueError(f"parallelism_config in {where}: tp({dims.tp}) with dp_replicate({dims.dp_replicate}) "
