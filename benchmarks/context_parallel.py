@@ -75,14 +75,18 @@ def _measure(mode: str, seqs: list[int], steps: int, tp: int = 1) -> dict:
 
 
 def _torch_cp_probe() -> str:
-    """Whether torch's experimental context_parallel runs here (it needs a CUDA SDPA backend)."""
+    """Whether torch's experimental context_parallel runs here, used as documented: the buffers it shards in place
+    are inputs (no grad); attention goes through F.scaled_dot_product_attention. On CPU SDPA dispatches
+    ``aten._scaled_dot_product_flash_attention_for_cpu``, which it has no ring handler for (torch 2.13)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
 
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("cp",))
-    q = torch.randn(1, 4, 64, 32, requires_grad=True)
+    x = torch.randn(1, 4, 64, 32)
+    proj = torch.nn.Linear(32, 32)
     try:
-        with context_parallel(mesh, buffers=[q], buffer_seq_dims=[2]):
+        with context_parallel(mesh, buffers=[x], buffer_seq_dims=[2]):
+            q = proj(x)
             torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
         return "ran"
     except Exception as err:  # noqa: BLE001 - reported as the finding
