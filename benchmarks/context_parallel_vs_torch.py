@@ -195,13 +195,14 @@ def parser() -> argparse.ArgumentParser:
     """The mode's options (also ``benchmarks/context_parallel.py --vs-torch``)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cps", type=int, nargs="+", default=None, help="cp sizes (default: 1 and every visible GPU)")
-    # ~165M parameters over 16k tokens: ~30 TFLOP a step with causal attention, so ~50-200 ms on one H100 in bf16
-    # (estimated from FLOPs, not yet measured: the first lend measures it)
-    p.add_argument("--seq", type=int, default=16384)
+    # ~530M parameters over 8k tokens: ~26 TFLOP of matmuls a step, ~50-200 ms on one H100 in bf16 (estimated from
+    # FLOPs, not yet measured). Not longer: shardkit's ring attention forms each block's fp32 scores (16 heads x
+    # 8192^2 x 4 bytes = 4.3 GB per temporary at cp=1), which 16k tokens would quadruple.
+    p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rotate", choices=["allgather", "alltoall"], default="allgather",
