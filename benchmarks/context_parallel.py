@@ -4,6 +4,8 @@ it runs.
 
     .venv/bin/python benchmarks/context_parallel.py --seqs 256 512 1024 --budget-mib 64
     .venv/bin/python benchmarks/context_parallel.py --seqs 1024 2048 --cps 1 2 4 --tps 1 2   # + cp 2 x tp 2
+    .venv/bin/python benchmarks/context_parallel.py --vs-torch   # against torch's context_parallel (CUDA), see
+                                                                # benchmarks/context_parallel_vs_torch.py
 
 Activation bytes are the tensors autograd saves for backward during one forward (counted through
 ``torch.autograd.graph.saved_tensors_hooks``, storage by storage), on each rank: what context parallelism
@@ -140,6 +142,11 @@ def _print_table(results: dict, seqs: list[int]) -> None:
 
 
 def main() -> None:
+    if "--vs-torch" in sys.argv[1:]:  # step time against torch's context_parallel: its own script and options
+        from context_parallel_vs_torch import main as vs_torch
+
+        vs_torch([a for a in sys.argv[1:] if a != "--vs-torch"])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])

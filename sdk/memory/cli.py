@@ -88,20 +88,34 @@ def _parallel_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
     from shardkit.strategies.pipeline import bubble_fraction
 
     rows = []
-    if args.cp_size > 1 or args.tp_size > 1:
-        cp = activation_bytes(spec, args.batch_size, args.seq_len, cp_size=args.cp_size, tp_size=args.tp_size)
-        layout = " x ".join(f"{n} {s}" for n, s in (("cp", args.cp_size), ("tp", args.tp_size)) if s > 1)
-        how = ", ".join(w for w, s in (("sequence split, load-balanced", args.cp_size),
+    cp_size = _cp_size(args)
+    if _shows(args, "cp", args.cp_size > 1 or args.tp_size > 1) and (cp_size > 1 or args.tp_size > 1):
+        cp = activation_bytes(spec, args.batch_size, args.seq_len, cp_size=cp_size, tp_size=args.tp_size)
+        layout = " x ".join(f"{n} {s}" for n, s in (("cp", cp_size), ("tp", args.tp_size)) if s > 1)
+        how = ", ".join(w for w, s in (("sequence split, load-balanced", cp_size),
                                        ("heads and MLP split", args.tp_size)) if s > 1)
         rows.append(f"Activations per rank under {layout} ({how}): {cp / GIB:.2f} GiB")
     pp = args.pp_size or args.num_gpus
-    if pp > 1:
+    if _shows(args, "pp", args.pp_size is not None) and pp > 1:
         m = args.microbatches or (args.gradient_accumulation_steps if args.gradient_accumulation_steps > 1 else pp)
         stage = activation_bytes(spec, args.batch_size, args.seq_len, pp_size=pp, microbatches=m,
                                  schedule=args.pp_schedule)
         rows.append(f"Activations per pipeline stage (pp {pp}, {m} micro-batches, {args.pp_schedule}): "
                     f"{stage / GIB:.2f} GiB; bubble (pp-1)/(m+pp-1) = {bubble_fraction(pp, m):.0%} of a step")
     return rows
+
+
+def _shows(args: argparse.Namespace, row: str, sized: bool) -> bool:
+    """Whether the ``row`` ("cp" or "pp") activation line applies: its strategy is the one asked for (or all), or
+    its size was given explicitly (``--cp-size 4 --strategy pp`` still shows cp's split)."""
+    return args.strategy in ("all", row) or sized
+
+
+def _cp_size(args: argparse.Namespace) -> int:
+    """--cp-size, or under ``--strategy cp`` without it every device over tp, as ContextParallel() splits."""
+    if args.strategy == "cp" and args.cp_size == 1:
+        return max(1, args.num_gpus * args.num_nodes // args.tp_size)
+    return args.cp_size
 
 
 def _check_layout(spec: ModelSpec, args: argparse.Namespace) -> None:
