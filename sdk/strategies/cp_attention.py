@@ -10,11 +10,13 @@ Two ways to attend over the whole sequence from the local chunks, both different
 
 - :class:`UlyssesAttention`: all-to-all from (local sequence, all heads) to (whole sequence, heads/cp),
   ordinary causal SDPA, and back. Two all-to-alls of q/k/v/out per layer; needs heads divisible by cp.
-- :class:`RingAttention`: key/value blocks travel around the ring (cp - 1 shifts); each step adds a
-  block to an online softmax (running max, sum and unnormalised output). Any head count. Its backward is
-  written out (flash-attention style from the saved log-sum-exp): the blocks go around the ring again with
-  their gradients, so a rank keeps only its own q/k/v, output and log-sum-exp. With attention dropout it runs
-  autograd through the shifts instead (each block recomputed in backward under its RNG state).
+- :class:`RingAttention`: key/value blocks travel around the ring (cp - 1 shifts); each step runs one fused
+  SDPA call (aten's flash op that returns the log-sum-exp: no score block is materialised) and merges it into
+  the output by log-sum-exp. Any head count. Its backward is written out (ring-flash): the blocks go around the
+  ring again with their gradients, each through the fused op's backward with the merged output and log-sum-exp,
+  so a rank keeps only its own q/k/v, output and log-sum-exp. Where no fused op fits it falls back to an
+  explicit fp32 online softmax (see :func:`_fused_ops`); with attention dropout it runs autograd through the
+  shifts over that math path (each block recomputed in backward under its RNG state).
 """
 
 from __future__ import annotations
