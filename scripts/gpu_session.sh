@@ -6,7 +6,7 @@
 # A lend is short (15 minutes of device time, 10 per command), so every phase runs under one deadline
 # (GPU_BUDGET_S seconds from the start, default 560) and is cut off rather than letting the call run over.
 # Wheels a lend carries (liger-kernel, torchao) are installed from .whl/ when that folder exists.
-# Usage: bash scripts/gpu_session.sh [all | "tests e2e" | any of tests, checks, adamw, bench, e2e] (bench includes
+# Usage: bash scripts/gpu_session.sh [all | "tests e2e" | any of tests, checks, adamw, bench, e2e, cp] (bench includes
 # adamw: the AdamW rows of benchmarks/kernels.py); GPU_TESTS_K narrows
 # the kernel tests (a pytest -k expression, "cuda" by default).
 set -uo pipefail
@@ -62,6 +62,13 @@ if wants bench; then
 fi
 if wants e2e; then
     phase e2e  # eager variants first (~15 s each), then compiled (~1 min each) while the budget lasts
-    timeout "$(left 580 10)" python3 benchmarks/gpu_e2e.py ${E2E_ARGS:-} 2>&1 | tee "$out/e2e_bench.log" | tail -14
+    timeout "$(left 580 75)" python3 benchmarks/gpu_e2e.py ${E2E_ARGS:-} 2>&1 | tee "$out/e2e_bench.log" | tail -14
+fi
+if wants cp; then
+    phase cp  # issue 26: ContextParallel(ring) vs torch's context_parallel + FSDP2, step time ratio (~40 s on 1 GPU;
+    # cp=2 and up need a GPU per rank and are printed as skipped on a one-GPU lend)
+    t=$(left 65 0)
+    timeout "$t" python3 benchmarks/context_parallel.py --vs-torch --cps 1 2 --timeout "$(( t - 5 ))" 2>&1 \
+        | tee "$out/cp_vs_torch.log" | grep -vE "^\[" | tail -12
 fi
 phase done

@@ -35,6 +35,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-checkpointing", action="store_true", help="activations with checkpointing")
     p.add_argument("--cp-size", type=int_range(1, _MAX_DEVICES), default=1,
                    help="context-parallel ranks splitting each sequence (cp row)")
+    p.add_argument("--tp-size", type=int_range(1, _MAX_DEVICES), default=1,
+                   help="tensor-parallel ranks composed with --cp-size (ContextParallel(cp_size, tp_size)): the cp "
+                        "row's activations also split over tp")
     p.add_argument("--pp-size", type=int_range(1, _MAX_DEVICES), default=None,
                    help="pipeline stages (pp row; default: --num-gpus)")
     p.add_argument("--microbatches", type=int_range(1, 2**20), default=None,
@@ -85,17 +88,49 @@ def _parallel_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
     from shardkit.strategies.pipeline import bubble_fraction
 
     rows = []
-    if args.cp_size > 1:
-        cp = activation_bytes(spec, args.batch_size, args.seq_len, cp_size=args.cp_size)
-        rows.append(f"Activations per rank under cp {args.cp_size} (sequence split, load-balanced): {cp / GIB:.2f} GiB")
+    cp_size = _cp_size(args)
+    if _shows(args, "cp", args.cp_size > 1 or args.tp_size > 1) and (cp_size > 1 or args.tp_size > 1):
+        cp = activation_bytes(spec, args.batch_size, args.seq_len, cp_size=cp_size, tp_size=args.tp_size)
+        layout = " x ".join(f"{n} {s}" for n, s in (("cp", cp_size), ("tp", args.tp_size)) if s > 1)
+        how = ", ".join(w for w, s in (("sequence split, load-balanced", cp_size),
+                                       ("heads and MLP split", args.tp_size)) if s > 1)
+        rows.append(f"Activations per rank under {layout} ({how}): {cp / GIB:.2f} GiB")
     pp = args.pp_size or args.num_gpus
-    if pp > 1:
+    if _shows(args, "pp", args.pp_size is not None) and pp > 1:
         m = args.microbatches or (args.gradient_accumulation_steps if args.gradient_accumulation_steps > 1 else pp)
         stage = activation_bytes(spec, args.batch_size, args.seq_len, pp_size=pp, microbatches=m,
                                  schedule=args.pp_schedule)
         rows.append(f"Activations per pipeline stage (pp {pp}, {m} micro-batches, {args.pp_schedule}): "
                     f"{stage / GIB:.2f} GiB; bubble (pp-1)/(m+pp-1) = {bubble_fraction(pp, m):.0%} of a step")
     return rows
+
+
+def _shows(args: argparse.Namespace, row: str, sized: bool) -> bool:
+    """Whether the ``row`` ("cp" or "pp") activation line applies: its strategy is the one asked for (or all), or
+    its size was given explicitly (``--cp-size 4 --strategy pp`` still shows cp's split)."""
+    return args.strategy in ("all", row) or sized
+
+
+def _cp_size(args: argparse.Namespace) -> int:
+    """--cp-size, or under ``--strategy cp`` without it every device over tp, as ContextParallel() splits."""
+    if args.strategy == "cp" and args.cp_size == 1:
+        return max(1, args.num_gpus * args.num_nodes // args.tp_size)
+    return args.cp_size
+
+
+def _check_layout(spec: ModelSpec, args: argparse.Namespace) -> None:
+    """--cp-size x --tp-size must divide the devices, and tp the heads (the mesh's own checks)."""
+    from shardkit.strategies.mesh import ParallelDims
+
+    if args.cp_size == 1 and args.tp_size == 1:
+        return
+    devices = args.num_gpus * args.num_nodes
+    try:
+        ParallelDims(cp=args.cp_size, tp=args.tp_size).resolve(devices)
+        ParallelDims(dp_shard=1, tp=args.tp_size).validate(num_heads=spec.num_heads or None,
+                                                           num_kv_heads=spec.num_kv_heads or None)
+    except ValueError as err:
+        raise ValueError(f"--cp-size {args.cp_size} --tp-size {args.tp_size} on {devices} device(s): {err}") from None
 
 
 def _header(spec: ModelSpec, args: argparse.Namespace) -> str:
@@ -115,6 +150,7 @@ def _header(spec: ModelSpec, args: argparse.Namespace) -> str:
 def _run(args: argparse.Namespace) -> int:
     try:
         spec = _spec(args)
+        _check_layout(spec, args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

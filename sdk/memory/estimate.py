@@ -308,7 +308,11 @@ def activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, *, checkpoi
     input shared by q/k/v, q and k after RoPE, v, the attention output, the o-projection input; gate,
     up, silu(gate) and their product for down), plus the logits (fp32, with their gradient) once.
     With checkpointing each layer keeps only its input ``h``, and one layer is recomputed at a time.
-    ``tp_size`` divides the split parts (without sequence parallelism the norms' inputs are not split).
+    ``tp_size`` divides the split parts (q/k/v, the attention output, the MLP's); the norms' inputs and the normed
+    input the column-wise projections read are whole on every tp rank (no sequence parallelism), and so are the
+    logits (shardkit's plan keeps the head replicated, an HF plan gathers its output). Measured on cp 2 x tp 2
+    (benchmarks/context_parallel.py): 0.35-0.37 of cp 1 with ~0.05 of unsplit weights; splitting all of them
+    had predicted 0.27, this gives 0.30.
     ``cp_size`` divides the tokens (each rank keeps its chunks' activations; ring attention's recomputed blocks
     keep none of the ``s^2`` scores). Under ``pp_size`` stages a rank keeps ``num_layers / pp_size`` layers for the
     micro-batches in flight: all ``microbatches`` under GPipe, at most ``pp_size`` under 1F1B (stage 0, the most).
@@ -323,8 +327,8 @@ def activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, *, checkpoi
     if pp_size > 1:
         m = microbatches or pp_size
         tokens = tokens / m * (m if schedule == "gpipe" else min(m, pp_size))
-    per_layer = tokens * dtype_bytes * (2 * h + (3 * h + 3 * kv + 4 * i) / tp_size)
-    logits = tokens * v * 4 * 2 / tp_size
+    per_layer = tokens * dtype_bytes * (3 * h + (2 * h + 3 * kv + 4 * i) / tp_size)
+    logits = tokens * v * 4 * 2
     if checkpointing:
         return int(layers * tokens * h * dtype_bytes + per_layer + logits)
     return int(layers * per_layer + logits)

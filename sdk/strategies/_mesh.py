@@ -1,4 +1,4 @@
-"""DTensor helpers shared by FSDP and TensorParallel: meshes, blocks and sharding, the mixed-precision
+"""DTensor helpers shared by FSDP and TensorParallel: blocks and sharding, the mixed-precision
 policy, the rank-0 broadcast, meta-device init, gradient norms, memory.
 
 Everything here works on a mix of DTensor and plain tensors, because a module set up by FSDP2 or
@@ -8,15 +8,13 @@ Everything here works on a mix of DTensor and plain tensors, because a module se
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from shardkit.precision import Precision
@@ -24,8 +22,8 @@ from shardkit.precision import Precision
 __all__ = [
     "blocks_bottom_up",
     "broadcast_from_rank0",
-    "build_mesh",
     "clip_grad_norm",
+    "drop_unreduced_gradients",
     "gathered_parameters",
     "local_tensor",
     "meta_parameters",
@@ -39,15 +37,6 @@ __all__ = [
     "shard_bottom_up",
     "total_grad_norm",
 ]
-
-
-def build_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """A device mesh over every rank of the default group, e.g. ``(2, 2)`` named ``("dp", "tp")``."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if math.prod(shape) != world:
-        dims = " * ".join(f"{n}({s})" for n, s in zip(names, shape))
-        raise ValueError(f"mesh {dims} = {math.prod(shape)} != world_size({world})")
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -297,6 +286,20 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float, norm_type: float
     for device, ts in by_device.items():
         torch._foreach_mul_(ts, coef.to(device))
     return total
+
+
+def drop_unreduced_gradients(module: nn.Module) -> None:
+    """Drop the gradients the FSDP2 units in ``module`` hold unsharded after backwards with gradient sync off (the
+    non-final micro-batches of an accumulation window): ``optimizer.zero_grad`` reaches only the sharded ones, so an
+    abandoned window's would otherwise be reduced into the next window's."""
+    for unit in module.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        for group in unit._get_fsdp_state()._fsdp_param_groups:
+            for param in group.fsdp_params:
+                param.unsharded_accumulated_grad = None  # set when gradients accumulate in the reduce dtype
+                if hasattr(param, "_unsharded_param"):
+                    param._unsharded_param.grad = None
 
 
 def reduce_max(flag: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

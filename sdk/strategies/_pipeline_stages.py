@@ -13,12 +13,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.pipelining import PipelineStage
+from typing_extensions import override
 
 from shardkit.strategies._mesh import local_tensor
 from shardkit.strategies._pipeline_models import ModelLayout, StageModule, model_layout
 from shardkit.strategies.pipeline import SCHEDULES, PipelineSettings, stage_layers
 
-__all__ = ["PipelineRunner", "StageModule", "gather_optimizer_state", "iter_full_state", "own_optimizer_state"]
+__all__ = ["PipelineRunner", "StageModule", "WindowStage", "gather_optimizer_state", "iter_full_state",
+           "own_optimizer_state"]
 
 
 def _check_model(module: nn.Module, stages: int, split: tuple[int, ...] | None) -> ModelLayout:
@@ -66,7 +70,8 @@ class PipelineRunner:
                                 body.norm if s == total - 1 else None, module.lm_head if s == total - 1 else None)
             if shard is not None:
                 shard(part)
-            self.stages.append(pipelining.PipelineStage(part, s, total, device, group=self.pp_group))
+            self.stages.append(WindowStage(part, s, total, device, group=self.pp_group,
+                                           sync=lambda: self.loss_scale()[1]))
         body.layers = nn.ModuleDict({str(i): body.layers[i] for i in sorted(owned)})
         for owner, name, keep in ((body, "embed_tokens", first), (body, "norm", last), (module, "lm_head", last)):
             if not keep:
@@ -128,7 +133,8 @@ class PipelineRunner:
             total = sum(x.detach().float() / u for x, u in zip(losses, unscaled)) * accumulation
         last_rank = dist.get_global_rank(self.pp_group, self.pp - 1)
         dist.broadcast(total, src=last_rank, group=self.pp_group)
-        self._sum_tied_gradient()
+        if sync:  # once per window: the tied copies' gradients summed on every call would count earlier calls twice
+            self._sum_tied_gradient()
         if sync and not self.sharded and dist.get_world_size(self.dp_group) > 1:
             self._all_reduce_gradients()
         total._shardkit_pipeline_backward_done = True
@@ -166,6 +172,48 @@ class PipelineRunner:
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=self.dp_group)
                 p.grad.div_(size)
+
+
+class WindowStage(PipelineStage):
+    """A ``PipelineStage`` whose FSDP2 gradient reduction waits for the end of the Runner's accumulation window.
+
+    torch's stage reduce-scatters an FSDP2 stage's gradients in ``perform_reduce_grad``, at the end of every
+    ``schedule.step`` (every ``model(x, labels)``): on the non-final calls of a window (``sync()`` False) this
+    one ends the backward as torch's does but leaves the gradients unreduced (FSDP2 keeps them unsharded and
+    accumulates the next call's into them), so each FSDP unit reduce-scatters once per window, as ``dp="ddp"``
+    all-reduces once. A stage that is not FSDP-sharded behaves as torch's.
+
+    Args:
+        sync: whether the current call closes the accumulation window.
+        *args, **kwargs: those of ``PipelineStage``.
+    """
+
+    def __init__(self, *args: Any, sync: Callable[[], bool], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._window_sync = sync
+
+    @override
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        # NOTE: grad_scale_factor is 1 here: PipelineRunner builds its schedules with scale_grads=False (the loss
+        # carries the micro-batch's share), so no scaling waits for the deferred reduction.
+        if isinstance(self.submod, FSDPModule) and not self._window_sync():
+            _end_backward_unreduced(self.submod)
+            return
+        super().perform_reduce_grad(grad_scale_factor)
+
+
+def _end_backward_unreduced(module: FSDPModule) -> None:
+    """End an FSDP2 stage's backward as torch's ``perform_reduce_grad`` does (post-backward of every parameter
+    group, then the root's final callback), but with gradient sync off: each unit reshards its parameters and keeps
+    its unsharded gradients for the next call to add to. The private calls are the ones torch 2.13's stage makes."""
+    module.set_is_last_backward(True)  # clears the prefetch bookkeeping; no reduction is pending to wait for
+    module.set_reshard_after_backward(True)  # the gathered parameters are freed until the next call's forward
+    module.set_requires_gradient_sync(False)
+    state = fully_shard.state(module)
+    for inner in state._state_ctx.all_states:
+        for group in inner._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
 
 
 def _pipeline_forward(self: nn.Module, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,

@@ -12,6 +12,13 @@ Why the gradients come out right: the loss is ``all_reduce_sum(local_sum) / toke
 each rank's backward is ``cp`` times its local tokens' share; FSDP2 averages over ``dp_shard * cp`` ranks,
 which leaves the mean over the data-parallel batches: what DDP gives on the same sequences.
 
+With ``tp_size > 1`` (CP x TP) the mesh gains its innermost ``tp`` dimension: each layer's attention heads
+and MLP matrices are split over ``tp`` as :class:`~shardkit.strategies.TensorParallel` splits them (the model's
+own plan), then FSDP2 shards over ``dp_shard x cp`` as above (2-D with TP's DTensors). Attention runs over each
+rank's ``num_heads / tp`` local heads: ring for any count, Ulysses when ``cp`` divides it. TP's output
+projections all-reduce over ``tp``, so the loss and the replicated parts (norms, embedding, head) are equal on the
+tp peers, and DTensor's backward gives them whole gradients; the cp scaling above is untouched by ``tp``.
+
 Forwards without labels (evaluation logits, generation) run the whole sequence on every rank, unsplit.
 """
 
@@ -30,6 +37,7 @@ from shardkit.strategies import fsdp as _fsdp
 from shardkit.strategies.cp_attention import RingAttention, UlyssesAttention, load_balanced_positions, shard_sequence
 from shardkit.strategies.mesh import CP_MODES, ParallelDims
 from shardkit.strategies.parallel import ProcessGroupStrategy
+from shardkit.strategies.tensor_parallel import resolve_plan
 from shardkit.suggest import did_you_mean
 
 __all__ = ["ContextParallel", "context_parallel_forward"]
@@ -44,10 +52,17 @@ class ContextParallel(_fsdp.FSDP):
             between sequence and heads; heads divisible by cp).
         dp_replicate: replicas across which FSDP2 shards are replicated (HSDP); the rest is dp_shard.
         sharding, state_dict_type, timeout: as :class:`~shardkit.strategies.FSDP` ("full" or "grad_op").
+        tp_size: ranks that split each layer's heads and MLP matrices (tensor parallelism inside each cp rank's
+            work, CP x TP); neighbouring ranks, innermost in the mesh. 1: no tensor parallelism.
+        tp_plan: with ``tp_size > 1``, the tensor-parallel plan (FQN pattern -> ParallelStyle); None: the
+            model's own, as :func:`~shardkit.strategies.tensor_parallel.resolve_plan` finds it.
+        sequence_parallel: with ``tp_size > 1``, the model's own plan in its sequence-parallel form (the norms and
+            the residual stream between blocks split over tp along each rank's chunk of the sequence).
     """
 
     def __init__(self, cp_size: int | None = None, cp_mode: str = "ring", dp_replicate: int = 1,
-                 sharding: str = "full", state_dict_type: str = "sharded", timeout: float | None = None):
+                 sharding: str = "full", state_dict_type: str = "sharded", timeout: float | None = None,
+                 tp_size: int = 1, tp_plan: dict[str, Any] | None = None, sequence_parallel: bool = False):
         if cp_mode not in CP_MODES:
             raise ValueError(f"ContextParallel cp_mode={cp_mode!r} is not one of {CP_MODES}"
                              f"{did_you_mean(str(cp_mode), CP_MODES)}")
@@ -55,9 +70,20 @@ class ContextParallel(_fsdp.FSDP):
             raise ValueError(f"ContextParallel sharding={sharding!r}: use 'full' or 'grad_op' (replicas across "
                              "nodes are dp_replicate=N)")
         super().__init__(sharding=sharding, state_dict_type=state_dict_type, timeout=timeout)
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"ContextParallel tp_size={tp_size!r} must be an int >= 1 (1: no tensor parallelism)")
+        if tp_plan is not None and tp_size == 1:
+            raise ValueError("ContextParallel tp_plan=... is a tensor-parallel plan: it needs tp_size > 1 "
+                             "(e.g. ContextParallel(cp_size=2, tp_size=2, tp_plan=...))")
+        if sequence_parallel and (tp_size == 1 or tp_plan is not None):
+            raise ValueError("ContextParallel sequence_parallel=True splits the model's own tensor-parallel plan: it "
+                             "needs tp_size > 1 and no tp_plan (put SequenceParallel() styles in tp_plan instead)")
+        _check_plan(tp_plan)
+        self.sequence_parallel = sequence_parallel
         self.cp_mode = cp_mode
         self._cp_size = cp_size
-        self.dims = ParallelDims(dp_replicate=dp_replicate, cp=cp_size or 1)
+        self.tp_plan = tp_plan
+        self.dims = ParallelDims(dp_replicate=dp_replicate, cp=cp_size or 1, tp=tp_size)
         self.world_mesh: Any = None
 
     @property
@@ -65,15 +91,19 @@ class ContextParallel(_fsdp.FSDP):
         return self.dims.cp
 
     @property
+    def tp_size(self) -> int:
+        return self.dims.tp
+
+    @property
     @override
     def data_parallel_size(self) -> int:
-        """Ranks that see different batches: dp_replicate * dp_shard (cp peers share one)."""
-        return self.world_size // self.dims.cp
+        """Ranks that see different batches: dp_replicate * dp_shard (cp and tp peers share one)."""
+        return self.world_size // (self.dims.cp * self.dims.tp)
 
     @property
     @override
     def data_parallel_rank(self) -> int:
-        return self.rank // self.dims.cp
+        return self.rank // (self.dims.cp * self.dims.tp)  # cp and tp are the innermost dimensions
 
     @property
     def cp_group(self) -> Any:
@@ -82,7 +112,7 @@ class ContextParallel(_fsdp.FSDP):
     @override
     def setup_environment(self) -> None:
         ProcessGroupStrategy.setup_environment(self)
-        cp = self._cp_size or self.world_size
+        cp = self._cp_size or max(1, self.world_size // (self.dims.tp * self.dims.dp_replicate))
         self.dims = dataclasses.replace(self.dims, cp=cp, dp_shard=-1).resolve(self.world_size)
         self.world_mesh = self.dims.build(self.device_type)
         shard = ParallelDims.submesh(self.world_mesh, ("dp_shard", "cp"))
@@ -96,13 +126,45 @@ class ContextParallel(_fsdp.FSDP):
         return super().setup_module(module)
 
     @override
+    def _shard(self, module: nn.Module) -> None:
+        """Tensor parallelism first (whole weights, rank 0's after the broadcast or the recorded init's meta ones),
+        then FSDP2's units over ``dp_shard x cp`` on top of TP's DTensors."""
+        if self.dims.tp > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            # src_data_rank=None: each rank cuts its part from its own copy, no scatter. The copies are already
+            # equal (rank 0's broadcast, or the recorded init replayed later); with empty_init=True only rank 0
+            # has real weights and a scatter from it would wait on meta ranks that never join (seen: a hang).
+            plan = resolve_plan(module, self.tp_plan, self.dims.tp, self.sequence_parallel)
+            parallelize_module(module, self.world_mesh["tp"], plan, src_data_rank=None)
+        super()._shard(module)
+
+    @override
     def checkpoint_info(self) -> dict[str, Any]:
         info = super().checkpoint_info()
-        info.update(cp_size=self.dims.cp, cp_mode=self.cp_mode, dp_replicate=self.dims.dp_replicate)
+        info.update(cp_size=self.dims.cp, cp_mode=self.cp_mode, dp_replicate=self.dims.dp_replicate,
+                    tp_size=self.dims.tp)
         return info
 
     def __repr__(self) -> str:
-        return f"ContextParallel(cp_size={self.dims.cp}, cp_mode={self.cp_mode!r}, device={self._device})"
+        tp = f", tp_size={self.dims.tp}" if self.dims.tp > 1 else ""
+        return f"ContextParallel(cp_size={self.dims.cp}{tp}, cp_mode={self.cp_mode!r}, device={self._device})"
+
+
+def _check_plan(plan: Any) -> None:
+    """``tp_plan`` maps FQN patterns to ParallelStyle objects (a config file's strings are not styles)."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if plan is None:
+        return
+    if not isinstance(plan, dict):
+        raise ValueError(f"ContextParallel tp_plan must be a dict of FQN pattern -> ParallelStyle, not a "
+                         f"{type(plan).__name__}")
+    for key, style in plan.items():
+        if not isinstance(key, str) or not isinstance(style, ParallelStyle):
+            raise ValueError(f"ContextParallel tp_plan entry {str(key)[:80]!r}: {type(style).__name__} is not a "
+                             "ParallelStyle; use e.g. {'layers.*.mlp.up_proj': ColwiseParallel()} from "
+                             "torch.distributed.tensor.parallel (or leave tp_plan unset for the model's own plan)")
 
 
 def _attention_modules(module: nn.Module) -> list[nn.Module]:
@@ -115,7 +177,8 @@ def _install(module: nn.Module, attention: Any, dims: ParallelDims, cp_mode: str
 
     cfg = getattr(module, "config", None)
     if cp_hf.is_hf_decoder(module) and cp_hf.hf_attention_modules(module):
-        dims.validate(num_heads=getattr(cfg, "num_attention_heads", None), cp_mode=cp_mode)
+        dims.validate(num_heads=getattr(cfg, "num_attention_heads", None),
+                      num_kv_heads=getattr(cfg, "num_key_value_heads", None), cp_mode=cp_mode)
         cp_hf.install_hf(module, attention)
     else:
         attns = _attention_modules(module)
@@ -124,7 +187,8 @@ def _install(module: nn.Module, attention: Any, dims: ParallelDims, cp_mode: str
                              f"with a `core`, `hidden_states` and `lm_head`) or a Hugging Face decoder that "
                              f"dispatches through ALL_ATTENTION_FUNCTIONS (Llama, Qwen2, ...); {type(module).__name__} "
                              "is neither")
-        dims.validate(num_heads=getattr(cfg, "num_heads", None), cp_mode=cp_mode)
+        dims.validate(num_heads=getattr(cfg, "num_heads", None), num_kv_heads=getattr(cfg, "kv_heads", None),
+                      cp_mode=cp_mode)
         for attn in attns:
             attn.core = attention
     module._shardkit_cp = attention

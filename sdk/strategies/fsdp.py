@@ -18,14 +18,17 @@ from typing_extensions import override
 
 from shardkit.strategies import _init, _mesh, _sharded_state
 from shardkit.strategies import activation_checkpointing as checkpointing
+from shardkit.strategies.mesh import ParallelDims
 from shardkit.strategies.parallel import MeshStrategy
 from shardkit.strategies.quant_storage import check_quant_storage
 from shardkit.suggest import did_you_mean
 
-__all__ = ["FSDP", "FSDPSettings"]
+__all__ = ["FSDP", "FSDPSettings", "MESH_DIM_NAMES"]
 
 SHARDING_MODES = ("full", "grad_op", "hybrid", "none")
 STATE_DICT_TYPES = ("sharded", "full")
+# ParallelDims' data-parallel dimensions under the names FSDP's mesh has always had (users read mesh["shard"]).
+MESH_DIM_NAMES = {"dp_replicate": "replicate", "dp_shard": "shard"}
 ModuleClasses = type | str | tuple[type | str, ...]  # module classes or class names (as configs spell them)
 
 
@@ -107,16 +110,29 @@ class FSDPSettings:
             raise ValueError(f"FSDP activation_checkpointing={ac!r} must be a bool, a module class or a tuple of them, "
                              "or ActivationCheckpointing(...)")
 
+    def parallel_dims(self, world_size: int, local_world_size: int) -> ParallelDims:
+        """The mesh's sizes: "full"/"grad_op" shard over every rank (dp_shard = world), "hybrid" within groups of
+        ``hybrid_shard_size`` (default: ``local_world_size``) replicated across them, "none" replicates on every rank.
+
+        Raises:
+            ValueError: (from ParallelDims) ``hybrid_shard_size`` does not divide ``world_size``.
+        """
+        size = {"full": world_size, "grad_op": world_size, "none": 1}.get(self.sharding)
+        if size is None:
+            size = self.hybrid_shard_size or local_world_size
+        return ParallelDims.data_parallel(world_size, size, owner=f"FSDP sharding={self.sharding!r}",
+                                          name="hybrid_shard_size" if self.sharding == "hybrid" else "dp_shard")
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """The FSDP mesh's dimensions: ("shard",), or ("replicate", "shard") for "hybrid" and "none"."""
+        return ("shard",) if self.sharding in ("full", "grad_op") else ("replicate", "shard")
+
     def mesh_shape(self, world_size: int, local_world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
         """The device mesh: 1-D ("shard",) or 2-D ("replicate", "shard") for "hybrid" and "none"."""
-        if self.sharding in ("full", "grad_op"):
-            return (world_size,), ("shard",)
-        if self.sharding == "none":
-            return (world_size, 1), ("replicate", "shard")
-        size = self.hybrid_shard_size or local_world_size
-        if world_size % size:
-            raise ValueError(f"FSDP sharding='hybrid': world_size({world_size}) % hybrid_shard_size({size}) != 0")
-        return (world_size // size, size), ("replicate", "shard")
+        dims = self.parallel_dims(world_size, local_world_size)
+        sizes = {"replicate": dims.dp_replicate, "shard": dims.dp_shard}
+        return tuple(sizes[n] for n in self.mesh_dim_names), self.mesh_dim_names
 
     @property
     def reshard(self) -> bool:
@@ -151,6 +167,8 @@ class FSDP(MeshStrategy):
                                      reshard_after_forward, sync_module_states, hybrid_shard_size, state_dict_type,
                                      cpu_ram_efficient_loading)
         self._recorders: list[_init.MetaInitRecorder] = []
+        self.dims: ParallelDims | None = None  # set with the mesh in setup_environment
+        self.world_mesh: Any = None
 
     # ---- environment -------------------------------------------------------------------------------
 
@@ -158,8 +176,12 @@ class FSDP(MeshStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._start_private_group()  # the device mesh needs a group, also for a plain `python train.py`
-        shape, names = self.settings.mesh_shape(self.world_size, self._local_world_size)
-        self.mesh = _mesh.build_mesh(self.device_type, shape, names)
+        self.dims = self.settings.parallel_dims(self.world_size, self._local_world_size)
+        # The one mesh every strategy builds (ParallelDims), under FSDP's public dimension names; FSDP2 shards over
+        # its ("shard",) or ("replicate", "shard") part.
+        self.world_mesh = self.dims.build(self.device_type, names=MESH_DIM_NAMES)
+        names = self.settings.mesh_dim_names
+        self.mesh = self.world_mesh[names[0]] if len(names) == 1 else self.world_mesh[names]
         if self.settings.cpu_ram_efficient_loading:
             # What `accelerate launch` exports for this option: transformers' from_pretrained then leaves the weights
             # it does not load on the meta device and skips their random init on every local rank but 0.

@@ -113,8 +113,10 @@ class ParallelDims:
                 raise ValueError(f"{what}({heads}) % tp({self.tp}) != 0: each tensor-parallel rank needs whole "
                                  "attention heads; pick a tp that divides the head counts")
         if num_heads is not None and self.cp > 1 and cp_mode == "ulysses" and (num_heads // self.tp) % self.cp:
+            local = f"the {num_heads // self.tp} heads each tp rank holds" if self.tp > 1 else "the heads"
             raise ValueError(f"num_heads({num_heads}) / tp({self.tp}) % cp({self.cp}) != 0: Ulysses gives each "
-                             "context-parallel rank whole heads; use cp_mode='ring' or a cp that divides the heads")
+                             f"context-parallel rank whole heads; use cp_mode='ring' (any head count) or a cp that "
+                             f"divides {local}")
         if seq_len is not None and self.cp > 1 and seq_len % (2 * self.cp):
             raise ValueError(f"seq_len({seq_len}) % (2 * cp({self.cp})) != 0: causal load balancing splits each "
                              f"sequence into {2 * self.cp} equal chunks; pad sequences to a multiple of {2 * self.cp}")
@@ -132,14 +134,41 @@ class ParallelDims:
             raise ValueError(f"num_layers({num_layers}) % pp({self.pp}) != 0: give each stage's layer count with "
                              f"layer_split=(...) summing to {num_layers}, or a pp that divides it")
 
-    def build(self, device_type: str) -> Any:
-        """The DeviceMesh over every rank of the default group, dimensions named as :data:`DIM_NAMES`."""
+    def build(self, device_type: str, names: Mapping[str, str] | None = None) -> Any:
+        """The DeviceMesh over every rank of the default group, dimensions named as :data:`DIM_NAMES`.
+
+        Args:
+            names: dimension name -> the name the mesh gives it instead (FSDP's public ``"replicate"`` and
+                ``"shard"`` for ``dp_replicate`` and ``dp_shard``).
+        """
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.resolve(world)
-        return init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=DIM_NAMES)
+        renamed = tuple((names or {}).get(n, n) for n in DIM_NAMES)
+        return init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=renamed)
+
+    @classmethod
+    def data_parallel(cls, world_size: int, shard_size: int, owner: str = "ParallelDims",
+                      name: str = "dp_shard") -> ParallelDims:
+        """Data parallelism over the whole world: groups of ``shard_size`` ranks shard (``dp_shard``) and the
+        ``world_size / shard_size`` groups replicate (``dp_replicate``), as FSDP's sharding modes need.
+
+        Args:
+            owner, name: who asks and what its users call ``shard_size``, named in the error (FSDP's
+                ``hybrid_shard_size``).
+
+        Raises:
+            ValueError: ``shard_size`` is not a whole number >= 1 that divides ``world_size``.
+        """
+        if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+            raise ValueError(f"{owner}: {name}={shard_size!r} must be an int >= 1")
+        if world_size % shard_size:
+            raise ValueError(f"{owner}: world_size({world_size}) % {name}({shard_size}) != 0: the ranks split into "
+                             f"shard groups of {name} ranks each; choose a {name} that divides the world size "
+                             "(e.g. the processes per node)")
+        return cls(dp_replicate=world_size // shard_size, dp_shard=shard_size).resolve(world_size)
 
     @staticmethod
     def submesh(mesh: Any, names: tuple[str, ...]) -> Any:
@@ -172,11 +201,12 @@ def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_typ
                                   where: str) -> tuple[str, dict[str, Any]]:
     """The strategy (registry name, keyword arguments) an Accelerate ``parallelism_config`` section describes.
 
-    cp > 1: ContextParallel (FSDP2 over dp_shard x cp, HSDP over dp_replicate); tp > 1: TensorParallel (FSDP2
-    over the data-parallel ranks); data parallelism only: FSDP (hybrid when dp_replicate > 1).
+    cp > 1: ContextParallel (FSDP2 over dp_shard x cp, HSDP over dp_replicate; with tp > 1 too, CP x TP: its
+    ``tp_size``); tp > 1 alone: TensorParallel (FSDP2 over the data-parallel ranks); data parallelism only: FSDP
+    (hybrid when dp_replicate > 1).
 
     Raises:
-        ValueError: a bad key or size, sizes whose product is not the world size, or cp and tp together.
+        ValueError: a bad key or size, sizes whose product is not the world size, or tp with dp_replicate but no cp.
     """
     if not isinstance(section, Mapping):
         raise ValueError(f"parallelism_config in {where} must be a section (a mapping), not {type(section).__name__}")
@@ -188,11 +218,9 @@ def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_typ
         dims = dims.resolve(world_size)
     except ValueError as err:
         raise ValueError(f"parallelism_config in {where}: {err}") from None
-    if dims.cp > 1 and dims.tp > 1:
-        raise ValueError(f"parallelism_config in {where}: cp({dims.cp}) together with tp({dims.tp}) is not supported "
-                         "by shardkit yet; use one of them (ContextParallel or TensorParallel) with dp_shard")
     if dims.cp > 1:
-        return "cp", {"cp_size": dims.cp, "dp_replicate": dims.dp_replicate}
+        return "cp", {"cp_size": dims.cp, "dp_replicate": dims.dp_replicate, **({"tp_size": dims.tp} if dims.tp > 1
+                                                                                 else {})}
     if dims.tp > 1:
         if dims.dp_replicate > 1:
             raise ValueError(f"parallelism_config in {where}: tp({dims.tp}) with dp_replicate({dims.dp_replicate}) "

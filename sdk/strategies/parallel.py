@@ -232,6 +232,13 @@ class MeshStrategy(ProcessGroupStrategy):
         return _mesh.clip_grad_norm(params, max_norm, norm_type)
 
     @override
+    def zero_grad(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+        """The sharded gradients, and those of an abandoned window that FSDP2 units (FSDP, TP's dp="fsdp",
+        ContextParallel) still hold unsharded."""
+        super().zero_grad(optimizer, module)
+        _mesh.drop_unreduced_gradients(module)
+
+    @override
     def _reduce_found_inf(self, flag: torch.Tensor) -> torch.Tensor:
         # Each rank sees only its gradient shards: an inf anywhere must skip the step on every rank.
         return _mesh.reduce_max(flag)

@@ -17,7 +17,8 @@ Micro-batches: ``microbatches`` when given, else the Runner's accumulation windo
 or a ``runner.begin_window`` size) when it is over 1, else ``pp_size``.
 
 Data parallelism over the other ranks: ``dp="ddp"`` replicates each stage (gradients all-reduced), ``dp="fsdp"``
-shards it with FSDP2 over ``dp_shard`` (each decoder layer, the output head and the stage are FSDP units).
+shards it with FSDP2 over ``dp_shard`` (each decoder layer, the output head and the stage are FSDP units). Either
+way the gradients are reduced once per accumulation window, at its last ``model(...)`` call.
 
 Models: shardkit's Llama (``embed_tokens``, ``layers``, ``norm``, ``lm_head``) and Hugging Face decoders of
 model_type ``llama`` (``model(input_ids=x, labels=x).loss``); tied embeddings included.
@@ -234,6 +235,15 @@ class Pipeline(ProcessGroupStrategy):
     @override
     def set_gradient_sync(self, module: nn.Module, enabled: bool) -> None:
         self._sync = enabled
+
+    @override
+    def zero_grad(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
+        """The gradients, and under ``dp="fsdp"`` those of an abandoned window that FSDP2 holds unsharded (each stage
+        defers its reduction to the window's last call)."""
+        super().zero_grad(optimizer, module)
+        if self.sharded:
+            for stage in self._runner.stages:
+                _mesh.drop_unreduced_gradients(stage.submod)
 
     @override
     def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,

@@ -125,7 +125,7 @@ METHOD_NOTES: dict[str, tuple[str, str]] = {
     "push_to_hub": ("supported", "saves the model, then uploads output_dir (not its checkpoints) through "
                     "huggingface_hub after the uploads still running"),
     "hyperparameter_search": ("refused", "run the search loop yourself around Trainer(model_init=...)"),
-    "get_cp_size": ("different", "always 1 (no context parallelism)"),
+    "get_cp_size": ("supported", "the strategy's cp degree (ContextParallel), else 1"),
     "get_sp_size": ("different", "always 1 (no sequence parallelism over the batch)"),
     "get_optimizer_cls_and_kwargs": ("different", "returns a factory f(params, **kwargs) from shardkit's registry"),
     "autocast_smart_context_manager": ("different", "the precision's autocast (forward is autocast already)"),

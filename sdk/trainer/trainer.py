@@ -386,12 +386,17 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         return self._train_batch_size * args.gradient_accumulation_steps * self.runner.strategy.data_parallel_size
 
     def get_tp_size(self) -> int:
-        """Tensor-parallel degree (1 unless the strategy is TensorParallel)."""
-        return int(getattr(self.runner.strategy, "tp_size", 1) or 1)
+        """Tensor-parallel degree: the strategy's ``tp`` (TensorParallel, ContextParallel with tp_size), else 1."""
+        return self._parallel_degree("tp")
 
     def get_cp_size(self) -> int:
-        """Context-parallel degree: shardkit has none, so 1."""
-        return 1
+        """Context-parallel degree: the strategy's ``cp`` (ContextParallel), else 1."""
+        return self._parallel_degree("cp")
+
+    def _parallel_degree(self, name: str) -> int:
+        """One dimension of the strategy's ParallelDims mesh (1 for strategies without one, e.g. DDP or ZeRO)."""
+        dims = getattr(self.runner.strategy, "dims", None)
+        return int(getattr(dims, name, 1) or 1)
 
     def get_sp_size(self) -> int:
         """Sequence-parallel degree over the batch (Hugging Face's ALST): shardkit has none, so 1."""

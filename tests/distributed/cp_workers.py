@@ -7,14 +7,14 @@ and of every whole gradient, step by step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from shardkit import Runner
 from shardkit.models import Llama, LlamaConfig
 
-__all__ = ["CONFIG", "cp_worker"]
+__all__ = ["CONFIG", "build", "cp_worker", "reference", "hf_case", "sgd", "train_case", "whole"]
 
 # 4 heads so that Ulysses splits them over 2 and 4 ranks; 16 tokens: 2 * cp chunks of 2 on 4 ranks.
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, max_position=32,
@@ -32,46 +32,69 @@ def batches() -> torch.Tensor:
     return x
 
 
-def _reference() -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+def sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.5)
+
+
+def build(strategy: Any, config: LlamaConfig, optimizer: Callable,
+          empty_init: bool | None = None) -> tuple[Runner, Any]:
+    runner = Runner(strategy, seed=0)
+    with runner.init_module(empty_init=empty_init):
+        model = Llama(config)
+    model, _ = runner.setup(model, optimizer(model))
+    return runner, model
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered whole; a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def reference(config: LlamaConfig = CONFIG, optimizer: Callable = sgd, clip: float | None = None) -> dict:
+    """One device, no collectives: the initial weights, each step's loss, gradients and (with ``clip``) gradient
+    norm, the weights after the last step."""
     from shardkit.strategies import SingleDevice
 
-    runner = Runner(SingleDevice("cpu"), seed=0)
-    with runner.init_module():
-        model = Llama(CONFIG)
-    model, opt = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
-    losses, grads = [], []
+    runner, model = build(SingleDevice("cpu"), config, optimizer)
+    out: dict = {"loss": [], "grad": [], "norm": [],
+                 "init": {n: p.detach().clone() for n, p in model.named_parameters()}}
     for labels in batches():
         loss = model(labels.clamp(min=0), labels=labels)
         runner.backward(loss)
-        losses.append(loss.item())
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        out["loss"].append(loss.item())
+        out["grad"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        if clip is not None:
+            out["norm"].append(runner.clip_gradients(clip).item())
         runner.step()
-    return losses, grads
+    out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
 
 
-def _case(strategy: Any, reference: tuple[list[float], list[dict[str, torch.Tensor]]]) -> dict:
-    runner = Runner(strategy, seed=0)
-    with runner.init_module():
-        model = Llama(CONFIG)
-    model, opt = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+def train_case(strategy: Any, ref: dict, config: LlamaConfig = CONFIG, optimizer: Callable = sgd,
+               clip: float | None = None) -> tuple[dict, Any]:
+    """The largest differences from ``ref`` (same ``clip``) of each step's loss, gradients and gradient norm and of
+    the final weights; the model."""
+    runner, model = build(strategy, config, optimizer)
     s = runner.strategy
     per = GLOBAL_BATCH // s.data_parallel_size
-    out: dict = {"loss": [], "grad": []}
+    out: dict = {"loss": [], "grad": [], "norm": []}
     for step, labels in enumerate(batches()):
         labels = labels[s.data_parallel_rank * per:(s.data_parallel_rank + 1) * per]
         loss = model(labels.clamp(min=0), labels=labels)
         runner.backward(loss)
-        # Token-weighted over the whole global batch, as the reference's single mean is.
+        # Token-weighted over the whole global batch, as the reference's single mean is; cp and tp peers hold
+        # the same loss, so their count is divided out.
         count = (labels[:, 1:] != -100).sum().float()
-        total = runner.all_reduce(torch.stack([loss.detach() * count, count]), "sum") / s.cp_size
-        out["loss"].append(abs(total[0].item() / total[1].item() - reference[0][step]))
-        diffs = {}
-        for n, p in model.named_parameters():
-            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            diffs[n] = (g - reference[1][step][n]).abs().max().item()
-        out["grad"].append(max(diffs.values()))
+        total = runner.all_reduce(torch.stack([loss.detach() * count, count]), "sum") / (s.cp_size * s.tp_size)
+        out["loss"].append(abs(total[0].item() / total[1].item() - ref["loss"][step]))
+        out["grad"].append(max((whole(p.grad) - ref["grad"][step][n]).abs().max().item()
+                               for n, p in model.named_parameters()))
+        if clip is not None:
+            out["norm"].append(abs(runner.clip_gradients(clip).item() - ref["norm"][step]))
         runner.step()
-    return out
+    out["weights"] = [max((whole(p.detach()) - ref["weights"][n]).abs().max().item()
+                          for n, p in model.named_parameters())]
+    return out, model
 
 
 def _hf_model(kind: str) -> Any:
@@ -87,24 +110,26 @@ def _hf_model(kind: str) -> Any:
     return getattr(transformers, model_class)(config).float()
 
 
-def _hf_case(kind: str, mode: str) -> dict:
-    """A Hugging Face model under ContextParallel against the same model in this process, one step."""
+def hf_case(kind: str, mode: str, **strategy_kw: Any) -> tuple[dict, Any]:
+    """A Hugging Face model under ContextParallel (``strategy_kw``: tp_size, ...) against the same model in this
+    process, one step: the loss and gradient differences, and the model."""
     from shardkit.strategies.context_parallel import ContextParallel
 
     labels = batches()[0]
-    reference = _hf_model(kind)
-    ref_loss = reference(input_ids=labels.clamp(min=0), labels=labels).loss
+    ref_model = _hf_model(kind)
+    ref_loss = ref_model(input_ids=labels.clamp(min=0), labels=labels).loss
     ref_loss.backward()
-    runner = Runner(ContextParallel(cp_mode=mode), seed=0)
+    runner = Runner(ContextParallel(cp_mode=mode, **strategy_kw), seed=0)
     model = runner.setup(_hf_model(kind))
-    per = GLOBAL_BATCH // runner.strategy.data_parallel_size
-    local = labels[runner.strategy.data_parallel_rank * per:(runner.strategy.data_parallel_rank + 1) * per]
+    s = runner.strategy
+    per = GLOBAL_BATCH // s.data_parallel_size
+    local = labels[s.data_parallel_rank * per:(s.data_parallel_rank + 1) * per]
     loss = model(input_ids=local.clamp(min=0), labels=local).loss
     runner.backward(loss)
     total = runner.all_reduce(loss.detach().clone(), "mean")
-    grads = dict(reference.named_parameters())
-    diff = max((p.grad.full_tensor() - grads[n].grad).abs().max().item() for n, p in model.named_parameters())
-    return {"loss": [abs(total.item() - ref_loss.item())], "grad": [diff]}
+    grads = dict(ref_model.named_parameters())
+    diff = max((whole(p.grad) - grads[n].grad).abs().max().item() for n, p in model.named_parameters())
+    return {"loss": [abs(total.item() - ref_loss.item())], "grad": [diff]}, model
 
 
 def cp_worker(cases: list[dict]) -> dict:
@@ -112,11 +137,11 @@ def cp_worker(cases: list[dict]) -> dict:
     its differences from one process."""
     from shardkit.strategies.context_parallel import ContextParallel
 
-    reference = _reference()
+    ref = reference()
     out = {}
     for kw in cases:
         if "hf" in kw:
-            out[f"hf {kw['hf']} {kw['cp_mode']}"] = _hf_case(kw["hf"], kw["cp_mode"])
+            out[f"hf {kw['hf']} {kw['cp_mode']}"] = hf_case(kw["hf"], kw["cp_mode"])[0]
         else:
-            out[repr(sorted(kw.items()))] = _case(ContextParallel(**kw), reference)
+            out[repr(sorted(kw.items()))] = train_case(ContextParallel(**kw), ref)[0]
     return out

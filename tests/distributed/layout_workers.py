@@ -13,7 +13,7 @@ from cp_workers import CONFIG
 from shardkit import Runner
 from shardkit.models import Llama
 
-__all__ = ["layout_worker", "resume_case"]
+__all__ = ["assert_resumed", "layout_worker", "resume_case"]
 
 GLOBAL_BATCH, SEQ, STEPS, SAVE_AT = 4, 16, 4, 2
 
@@ -56,6 +56,15 @@ def resume_case(first: Any, second: Any, root: Path) -> dict:
     runner.load(root / "mid", {"model": model, "optimizer": opt})
     return {"uninterrupted": losses[SAVE_AT:], "resumed": _train(runner, model, batches[SAVE_AT:]),
             "consolidated": consolidated}
+
+
+def assert_resumed(results: list[dict], case: str) -> None:
+    """Every rank's resumed losses of ``case`` are the uninterrupted ones; zero-to-fp32 reads the saved model."""
+    for rank, per_rank in enumerate(results):
+        got = per_rank[case]
+        torch.testing.assert_close(torch.tensor(got["resumed"]), torch.tensor(got["uninterrupted"]), rtol=1e-5,
+                                   atol=1e-5, msg=lambda m, r=rank: f"rank {r} {case}: resumed losses differ: {m}")
+    assert results[0][case]["consolidated"], f"{case}: zero-to-fp32's reader does not give the saved model"
 
 
 def _consolidated_matches(runner: Runner, model: Any, path: Path) -> bool | None:

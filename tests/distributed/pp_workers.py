@@ -2,8 +2,8 @@
 
 Each case trains the same untied tiny Llama (or a tiny HF LlamaForCausalLM, built locally: ``model="hf"``, tied
 embeddings with ``"hf_tied"``) on the same global batches (SGD, so a wrong gradient shows in the next loss) and
-returns its losses, the micro-batch counts its schedules ran and, for the stages this rank holds, the weights
-after training (FSDP shards gathered whole).
+returns its losses, the micro-batch counts its schedules ran, for the stages this rank holds the weights after
+training (FSDP shards gathered whole) and, under ``dp="fsdp"``, the reduce-scatters each FSDP unit ran.
 """
 
 from __future__ import annotations
@@ -52,18 +52,52 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def train(strategy: Any, accumulation: int = 1, window: int | None = None, model: str = "llama") -> dict:
-    """``window``: every step a short accumulation window of that many micro-batches (``runner.begin_window``)."""
+def count_reduce_scatters(pipeline: Any) -> dict[str, list[int]]:
+    """Count, from now on, the reduce-scatters of each FSDP unit of this rank's stages that owns parameters (a
+    one-element list per unit, keyed by stage index and module name)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    counts: dict[str, list[int]] = {}
+
+    class Counting(DefaultReduceScatter):
+        def __init__(self, count: list[int]):
+            self.count = count
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            self.count[0] += 1
+            return super().__call__(*args, **kwargs)
+
+    for stage in pipeline.stages:
+        for name, unit in stage.submod.named_modules():
+            inner = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)
+                     for p in m.parameters()}
+            if isinstance(unit, FSDPModule) and any(id(p) not in inner for p in unit.parameters()):
+                counts[f"{stage.stage_index}:{name}"] = [0]
+                unit.set_custom_reduce_scatter(Counting(counts[f"{stage.stage_index}:{name}"]))
+    return counts
+
+
+def train(strategy: Any, accumulation: int = 1, window: int | None = None, model: str = "llama",
+          abandon: bool = False) -> dict:
+    """``window``: every step a short accumulation window of that many micro-batches (``runner.begin_window``).
+    ``abandon``: the first window is abandoned after one micro-batch (``runner.abandon_window``) and run again whole,
+    so the run must equal one without the abandoned micro-batch."""
     runner = Runner(strategy, seed=0, gradient_accumulation_steps=accumulation)
     name = model
     with runner.init_module():
         model = build(name)
     model, opt = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
     s = runner.strategy
+    pipeline = getattr(s, "_runner", None)
+    reduce_scatters = count_reduce_scatters(pipeline) if pipeline is not None and pipeline.sharded else {}
     per = GLOBAL_BATCH // s.data_parallel_size
     losses = []
-    for x in batches():
+    for step, x in enumerate(batches()):
         x = x[s.data_parallel_rank * per:(s.data_parallel_rank + 1) * per]
+        if abandon and step == 0:
+            runner.backward(_loss(model, x.chunk(accumulation)[1]))
+            runner.abandon_window()
         if window is not None:
             runner.begin_window(window)
         for part in x.chunk(window or accumulation):
@@ -76,9 +110,8 @@ def train(strategy: Any, accumulation: int = 1, window: int | None = None, model
     state = runner.unwrap_model(model).state_dict()
     weights = {k: _whole(v) for k, v in state.items()}
     sharded = sorted(k for k, v in state.items() if isinstance(v, DTensor))
-    pipeline = getattr(runner.strategy, "_runner", None)
     return {"losses": losses, "weights": weights, "microbatches": sorted(pipeline._schedules) if pipeline else [],
-            "sharded": sharded}
+            "sharded": sharded, "reduce_scatters": {k: n for k, (n,) in reduce_scatters.items()}}
 
 
 def pp_worker(cases: list[dict], resumes: dict[str, tuple[dict, dict]], root: str) -> dict:
@@ -98,7 +131,9 @@ def pp_worker(cases: list[dict], resumes: dict[str, tuple[dict, dict]], root: st
     for kw in cases:
         kw = dict(kw)
         accumulation, window = kw.pop("accumulation", 1), kw.pop("window", None)
-        model = kw.pop("model", "llama")
+        model, abandon = kw.pop("model", "llama"), kw.pop("abandon", False)
         name = f"{model} {sorted(kw.items())!r}" + (f" short window of ga={accumulation}," if window else "")
-        out[name + f" accumulation={window or accumulation}"] = train(Pipeline(**kw), accumulation, window, model)
+        name += " abandoned first window," if abandon else ""
+        out[name + f" accumulation={window or accumulation}"] = train(Pipeline(**kw), accumulation, window, model,
+                                                                      abandon)
     return {"cases": out, "resumed": resumed}

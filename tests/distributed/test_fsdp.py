@@ -73,7 +73,18 @@ def build_and_train(strategy: str, kwargs: dict, precision: str, steps: int = ST
     dp_rank = getattr(strat, "data_parallel_rank", runner.rank)
     dp_size = getattr(strat, "data_parallel_size", runner.world_size)
     losses = train(runner, model, optimizer, batches(steps), dp_rank, dp_size, clip)
-    return {"losses": losses, "weights": full_weights(runner.unwrap_model(model))}
+    return {"losses": losses, "weights": full_weights(runner.unwrap_model(model)), "mesh": mesh_layout(strat)}
+
+
+def mesh_layout(strategy) -> dict | None:
+    """The ParallelDims sizes, the whole mesh's dimension names and the part FSDP2 shards over (names, shape, this
+    rank's shard group), of a strategy with a ParallelDims mesh; None for others."""
+    if getattr(strategy, "world_mesh", None) is None:
+        return None
+    mesh = strategy.mesh
+    shard = mesh.get_group("shard") if "shard" in (mesh.mesh_dim_names or ()) else None
+    return {"dims": strategy.dims.sizes, "world": strategy.world_mesh.mesh_dim_names, "names": mesh.mesh_dim_names,
+            "shape": tuple(mesh.shape), "shard_group": dist.get_process_group_ranks(shard) if shard else None}
 
 
 # ---- every sharding mode x precision, against DDP -------------------------------------------------------
@@ -87,6 +98,23 @@ MODES = {
     "full-offload-ac": {"sharding": "full", "cpu_offload": True, "activation_checkpointing": True},
     "full-wrap-by-size": {"sharding": "full", "auto_wrap": 2000},
 }
+
+
+# Each mode's (dp_replicate, dp_shard) on 2 ranks: its mesh is ParallelDims' under FSDP's names.
+MODE_DIMS = {"full": (1, 2), "grad_op": (1, 2), "hybrid-2x1": (2, 1), "hybrid-1x2": (1, 2), "none": (2, 1),
+             "full-offload-ac": (1, 2), "full-wrap-by-size": (1, 2)}
+
+
+def _assert_meshes(results: list[dict]) -> None:
+    for rank, per_rank in enumerate(results):
+        for mode, (replicate, shard) in MODE_DIMS.items():
+            got = per_rank[mode]["mesh"]
+            names = ("shard",) if MODES[mode]["sharding"] in ("full", "grad_op") else ("replicate", "shard")
+            group = [0, 1] if shard == 2 else [rank]
+            assert got == {"dims": {"pp": 1, "dp_replicate": replicate, "dp_shard": shard, "cp": 1, "tp": 1},
+                           "world": ("pp", "replicate", "shard", "cp", "tp"), "names": names,
+                           "shape": (shard,) if names == ("shard",) else (replicate, shard),
+                           "shard_group": group}, f"rank {rank} {mode}: mesh {got}"
 
 
 def _all_modes(precision: str, clip: float | None) -> dict:
@@ -117,10 +145,44 @@ def _assert_modes(results: list[dict], precision: str) -> None:
 def test_every_sharding_mode_trains_like_ddp(precision):
     results = run_distributed(_all_modes, world_size=2, args=(precision, 1.0), timeout=300)
     _assert_modes(results, precision)
+    _assert_meshes(results)
 
 
 # Gradient accumulation and clipping against DDP, and an FP16 overflow on one rank's shard skipping the step on
 # every rank, are checked for every strategy by tests/contract/test_strategy_contract.py.
+
+
+def abandoned_window_weights(name: str, kwargs: dict, abandon: bool) -> dict:
+    """Windows of 2 micro-batches through the Runner, the first window's first micro-batch abandoned
+    (runner.abandon_window) when ``abandon``: the weights after 2 steps."""
+    runner = make_runner(name, kwargs, "fp32", gradient_accumulation_steps=2)
+    model = Llama(TINY)
+    model, _ = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    strat = runner.strategy
+    dp_rank, dp_size = strat.data_parallel_rank, strat.data_parallel_size
+    per = GLOBAL_BATCH // dp_size
+    for step, rows in enumerate(batches(2)):
+        x = rows[dp_rank * per:(dp_rank + 1) * per]
+        if step == 0 and abandon:
+            runner.backward(model(x[:1], labels=x[:1]))
+            runner.abandon_window()
+        for part in x.chunk(2):
+            runner.backward(model(part, labels=part))
+        runner.step()
+    return full_weights(runner.unwrap_model(model))
+
+
+def _abandoned_window() -> dict:
+    """DDP and FSDP with windows of 2 micro-batches, the first abandoned after one."""
+    return {name: abandoned_window_weights(name, {}, abandon=True) for name in ("ddp", "fsdp")}
+
+
+def test_abandoned_window_gradients_are_dropped():
+    """FSDP2 holds a window's unsynced gradients unsharded, out of optimizer.zero_grad's reach: abandon_window drops
+    them too, so training goes on as DDP's."""
+    for got in run_distributed(_abandoned_window, world_size=2, timeout=300):
+        for key, w in got["fsdp"].items():
+            torch.testing.assert_close(w, got["ddp"][key], rtol=1e-5, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 
 
 # ---- init on the meta device ---------------------------------------------------------------------------
@@ -199,6 +261,9 @@ def test_bad_settings_name_the_values():
         FSDP(sharding="ful")
     with pytest.raises(ValueError, match=r"world_size\(4\) % hybrid_shard_size\(3\) != 0"):
         FSDPSettings(sharding="hybrid", hybrid_shard_size=3).mesh_shape(4, 4)
+    with pytest.raises(ValueError, match=r"FSDP sharding='hybrid': world_size\(6\) % hybrid_shard_size\(4\) != 0: "
+                                         r".*choose a hybrid_shard_size that divides"):
+        FSDPSettings(sharding="hybrid").parallel_dims(6, 4)  # the default: processes per node
     with pytest.raises(ValueError, match="only applies to sharding='hybrid'"):
         FSDP(sharding="full", hybrid_shard_size=2)
     with pytest.raises(ValueError, match="reshard_after_forward=True contradicts"):
@@ -207,6 +272,20 @@ def test_bad_settings_name_the_values():
         FSDP(state_dict_type="local")
     with pytest.raises(ValueError, match="auto_wrap"):
         FSDP(auto_wrap=True)
+
+
+def test_sharding_modes_are_parallel_dims():
+    from shardkit.strategies.fsdp import FSDPSettings
+    from shardkit.strategies.mesh import ParallelDims
+
+    expected = {("full", None): (1, 8), ("grad_op", None): (1, 8), ("hybrid", None): (2, 4), ("hybrid", 2): (4, 2),
+                ("none", None): (8, 1)}
+    for (sharding, size), (replicate, shard) in expected.items():
+        settings = FSDPSettings(sharding=sharding, hybrid_shard_size=size)
+        assert settings.parallel_dims(8, 4) == ParallelDims(dp_replicate=replicate, dp_shard=shard), sharding
+        names = ("shard",) if sharding in ("full", "grad_op") else ("replicate", "shard")
+        shape = (shard,) if names == ("shard",) else (replicate, shard)
+        assert settings.mesh_shape(8, 4) == (shape, names), sharding
 
 
 def test_auto_wrap_class_names_resolve_against_the_model():

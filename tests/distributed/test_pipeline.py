@@ -1,6 +1,6 @@
 """Pipeline parallelism on 2 and 4 CPU ranks: each schedule's losses and weights equal DDP's (a short accumulation
 window included); HF LlamaForCausalLM stages (tied head, a user's split) on 2; pp x dp on 4, with the stages
-replicated (DDP) or sharded with FSDP2 over dp_shard.
+replicated (DDP) or sharded with FSDP2 over dp_shard, whose units reduce-scatter once per accumulation window.
 
 One launch per world size runs DDP and every case in one process group.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import run_distributed
-from pp_workers import pp_worker
+from pp_workers import STEPS, pp_worker
 
 SCHEDULES = [{"schedule": "gpipe"}, {"schedule": "1f1b", "microbatches": 4},
              {"schedule": "interleaved_1f1b", "microbatches": 4}, {"schedule": "zero_bubble", "microbatches": 4}]
@@ -24,14 +24,16 @@ CASES = {
     4: [{"schedule": "gpipe", "microbatches": 4}, {"schedule": "1f1b", "microbatches": 4},
         {"schedule": "1f1b", "pp_size": 2, "microbatches": 2}, {"schedule": "interleaved_1f1b", "pp_size": 2,
                                                                   "microbatches": 2, "accumulation": 2},
-        {"model": "hf_tied", "schedule": "1f1b", "pp_size": 2, "dp": "fsdp"},
-        {"schedule": "interleaved_1f1b", "pp_size": 2, "dp": "fsdp", "accumulation": 2}],
+        # Windows of 2 calls under FSDP: the tied head's gradient summed across stages once per window.
+        {"model": "hf_tied", "schedule": "1f1b", "pp_size": 2, "dp": "fsdp", "accumulation": 2},
+        # An abandoned first window's unreduced FSDP gradients are dropped (the run equals DDP's without them).
+        {"schedule": "interleaved_1f1b", "pp_size": 2, "dp": "fsdp", "accumulation": 2, "abandon": True}],
 }
 # Micro-batches each case's schedules ran with no microbatches given: the accumulation window's length when it is
 # over 1 (the short window's 2, not gradient_accumulation_steps' 4), else pp_size.
 WINDOW_MICROBATCHES = {"'1f1b')] accumulation=2": [2], "short window of ga=4, accumulation=2": [2],
                        "('layer_split', '1,3'), ('schedule', 'gpipe')] accumulation=1": [2],
-                       "('dp', 'fsdp'), ('pp_size', 2), ('schedule', 'interleaved_1f1b')] accumulation=2": [2]}
+                       "('schedule', 'interleaved_1f1b')] abandoned first window, accumulation=2": [2]}
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
@@ -68,7 +70,7 @@ def test_pipeline_losses_and_weights_equal_ddp(results, world):
             # Micro-batches of an accumulation window group rows differently under DDP (per rank) and a
             # pipeline (dp 1): each window's mean is the batch's mean in both.
             torch.testing.assert_close(_window_means(got["losses"], accumulation),
-                                       _window_means(ddp["losses"], accumulation), **TOL,
+                                       _window_means(ddp["losses"], len(ddp["losses"]) // STEPS), **TOL,
                                        msg=lambda m, c=case, r=rank: f"rank {r} {c}: losses differ from DDP's: {m}")
             assert got["weights"], f"rank {rank} {case}: holds no stage"
             fsdp = "('dp', 'fsdp')" in case
@@ -77,6 +79,18 @@ def test_pipeline_losses_and_weights_equal_ddp(results, world):
             for key, value in got["weights"].items():
                 torch.testing.assert_close(value, ddp["weights"][key], **TOL,
                                            msg=lambda m, k=key, c=case: f"{c}: {k} differs from DDP's: {m}")
+
+
+def test_sharded_stages_reduce_once_per_window(results):
+    """Each FSDP unit reduce-scatters at the end of each accumulation window only (torch's stage alone does it at
+    the end of every model(...) call: twice per window of 2)."""
+    cases = [case for case in results[4][0] if "('dp', 'fsdp')" in case]
+    assert any(case.endswith("accumulation=2") for case in cases), f"no FSDP case with a window of 2: {cases}"
+    for rank, per_rank in enumerate(results[4]):
+        for case in cases:
+            counts = per_rank[case]["reduce_scatters"]
+            assert counts and counts == dict.fromkeys(counts, STEPS), \
+                f"rank {rank} {case}: reduce-scatters per FSDP unit over {STEPS} windows: {counts}"
 
 
 def test_microbatches_come_from_the_accumulation_window(results):

@@ -144,3 +144,18 @@ def test_memory_metrics_and_full_determinism(tmp_path):
         assert "eval_mem_cpu_alloc_delta" in trainer.evaluate()
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_parallel_degrees_come_from_the_strategy_mesh():
+    """get_tp_size / get_cp_size (transformers reads them for batch arithmetic) report the strategy's mesh."""
+    from types import SimpleNamespace
+
+    from shardkit import DDP, ContextParallel, TensorParallel
+    from shardkit.trainer import Trainer
+
+    cases = [(ContextParallel(cp_size=2, tp_size=2), 2, 2), (ContextParallel(cp_size=4), 1, 4),
+             (TensorParallel(tp_size=4), 4, 1), (DDP(), 1, 1)]
+    for strategy, tp, cp in cases:
+        trainer = SimpleNamespace(runner=SimpleNamespace(strategy=strategy))
+        trainer._parallel_degree = lambda name, t=trainer: Trainer._parallel_degree(t, name)
+        assert (Trainer.get_tp_size(trainer), Trainer.get_cp_size(trainer)) == (tp, cp), strategy
