@@ -1,6 +1,7 @@
 // Torch binding + CPU kernels of fused linear cross-entropy in the shardkit_C op namespace.
 //
-//   flce_rows_   the fused row pass (softcap, log-sum-exp, loss, gradient) in place on a chunk of fp32 logits.
+//   flce_rows_   the fused row pass (softcap, log-sum-exp, loss, gradient) in place on a chunk of logits (fp32,
+//                or 16-bit with fp32 math inside).
 //   flce_chunked the whole chunk loop (flce_chunk_loop.h) with this row pass: only a (chunk_rows, V) block of
 //                logits ever exists; grad_weight and grad_bias come back as fp32 accumulators.
 #include <ATen/ops/empty.h>
@@ -22,8 +23,12 @@ void row_pass(at::Tensor& logits, const at::Tensor& labels, const float* scale, 
   check_flce_logits(logits, op);
   TORCH_CHECK(labels.scalar_type() == at::kLong && labels.is_contiguous() && labels.numel() == logits.size(0), op,
               ": labels must be contiguous int64 with one entry per row (", logits.size(0), ")");
-  const int64_t bad = flce_rows_cpu(logits.data_ptr<float>(), logits.size(0), logits.size(1), logits.stride(0),
-                                    labels.data_ptr<int64_t>(), scale, loss, p);
+  int64_t bad = -1;
+  dispatch_float_types(logits, op, [&](auto tag) {
+    using T = decltype(tag);
+    bad = flce_rows_cpu(ptr<T>(logits), logits.size(0), logits.size(1), logits.stride(0),
+                        labels.data_ptr<int64_t>(), scale, loss, p);
+  });
   TORCH_CHECK(bad < 0, op, ": label ", labels.data_ptr<int64_t>()[bad < 0 ? 0 : bad], " at row ", row0 + bad,
               " is outside [0, ", logits.size(1), ") and is not ignore_index (", p.ignore_index, ")");
 }

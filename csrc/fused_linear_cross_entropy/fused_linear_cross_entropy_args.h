@@ -10,10 +10,14 @@
 
 namespace shardkit {
 
-// The logits a row pass works on in place: 2-D float32 with contiguous rows.
+// The logits a row pass works on in place: 2-D float32, bfloat16 or float16 with contiguous rows (16-bit ones
+// get fp32 math inside and the gradient rounded back to their dtype).
 inline void check_flce_logits(const at::Tensor& logits, const char* op) {
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1, op,
-              ": logits must be a 2-D float32 tensor with contiguous rows");
+  const auto dt = logits.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && logits.dim() == 2 &&
+                  logits.stride(1) == 1,
+              op, ": logits must be a 2-D float32, bfloat16 or float16 tensor with contiguous rows, got ", dt, " ",
+              logits.sizes());
 }
 
 // flce_rows_: int64 labels and the optional row scale have one entry per row of the logits, on their device.

@@ -1,5 +1,7 @@
 // Fused linear cross-entropy CPU core, torch-free (used by fused_linear_cross_entropy.cpp and
-// csrc/tests/test_flce.cpp): the row-wise pass over one chunk of fp32 logits produced by a matmul.
+// csrc/tests/test_flce.cpp): the row-wise pass over one chunk of logits produced by a matmul, in fp32 or in
+// 16 bits (bf16 / fp16: each row goes through a per-thread fp32 scratch row, the gradient is written back over
+// the 16-bit logits rounded to nearest even, so no fp32 copy of the chunk exists).
 //
 // For each row with label t (y = softcap * tanh(z / softcap) when softcap > 0, else y = z):
 //   loss = lse(y) - (1 - eps) * y_t - eps * mean(y)                  (eps = label_smoothing, torch's definition)
@@ -12,6 +14,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "shardkit/cpu_common.h"
 
@@ -106,17 +110,52 @@ inline bool flce_row(float* y, int64_t vocab, int64_t label, float scale, float*
   return true;
 }
 
-// A chunk of rows (row stride ld floats), OpenMP over rows. row_scale may be nullptr (scale 1).
-// Returns the index of the first row with an out-of-range label, or -1.
-inline int64_t flce_rows_cpu(float* logits, int64_t rows, int64_t vocab, int64_t ld, const int64_t* labels,
-                             const float* row_scale, float* loss, const FlceRowParams& p) {
+namespace flce_detail {
+
+// One 16-bit row through the fp32 row pass: widened into `buf` (vocab floats, the calling thread's), run in
+// place there, and the gradient rounded back over the row. The scratch row stays in L2 (512 KiB at V=128256),
+// so the 16-bit row is read once and written once from DRAM, as the fp32 row is.
+template <typename T>
+bool flce_row_16bit(T* row, float* buf, int64_t vocab, int64_t label, float scale, float* loss,
+                    const FlceRowParams& p) {
+  if (label == p.ignore_index) {
+    *loss = 0.f;
+    if (p.write_grad) std::memset(static_cast<void*>(row), 0, sizeof(T) * static_cast<size_t>(vocab));
+    return true;
+  }
+  if (label < 0 || label >= vocab) return false;
+  for (int64_t j = 0; j < vocab; ++j) buf[j] = to_float(row[j]);
+  flce_row(buf, vocab, label, scale, loss, p);
+  if (p.write_grad)
+    for (int64_t j = 0; j < vocab; ++j) row[j] = from_float<T>(buf[j]);
+  return true;
+}
+
+}  // namespace flce_detail
+
+// A chunk of rows (row stride ld elements of T: float, bf16 or fp16), OpenMP over rows. row_scale may be
+// nullptr (scale 1). Returns the index of the first row with an out-of-range label, or -1.
+template <typename T>
+int64_t flce_rows_cpu(T* logits, int64_t rows, int64_t vocab, int64_t ld, const int64_t* labels,
+                      const float* row_scale, float* loss, const FlceRowParams& p) {
   int64_t bad = -1;
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float scale = row_scale ? row_scale[r] : 1.f;
-    if (!flce_row(logits + r * ld, vocab, labels[r], scale, loss + r, p)) {
+#pragma omp parallel
+  {
+    // 16-bit rows: one fp32 scratch row per thread, not per row or per chunk
+    std::vector<float> buf(std::is_same_v<T, float> ? 0 : static_cast<size_t>(vocab));
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float scale = row_scale ? row_scale[r] : 1.f;
+      bool ok;
+      if constexpr (std::is_same_v<T, float>) {
+        ok = flce_row(logits + r * ld, vocab, labels[r], scale, loss + r, p);
+      } else {
+        ok = flce_detail::flce_row_16bit(logits + r * ld, buf.data(), vocab, labels[r], scale, loss + r, p);
+      }
+      if (!ok) {
 #pragma omp critical
-      bad = (bad < 0 || r < bad) ? r : bad;
+        bad = (bad < 0 || r < bad) ? r : bad;
+      }
     }
   }
   return bad;

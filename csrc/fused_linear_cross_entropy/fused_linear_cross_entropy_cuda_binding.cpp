@@ -27,9 +27,9 @@ void check_labels(const at::Tensor& labels, int64_t vocab, int64_t ignore_index,
 void rows_cuda(at::Tensor& z, const at::Tensor& labels, const float* scale, float* loss, int64_t ignore_index,
                double label_smoothing, double softcap, bool write_grad, const char* op) {
   check_flce_logits(z, op);
-  check_cuda(flce_rows_cuda(z.data_ptr<float>(), z.size(0), z.size(1), z.stride(0), labels.data_ptr<int64_t>(), scale,
-                            loss, ignore_index, static_cast<float>(label_smoothing), static_cast<float>(softcap),
-                            write_grad, current_stream(z)),
+  check_cuda(flce_rows_cuda(z.data_ptr(), to_dtype(z, op), z.size(0), z.size(1), z.stride(0),
+                            labels.data_ptr<int64_t>(), scale, loss, ignore_index, static_cast<float>(label_smoothing),
+                            static_cast<float>(softcap), write_grad, current_stream(z)),
              op);
 }
 

@@ -50,7 +50,7 @@ __all__ = [
 _REDUCTIONS = ("mean", "sum", "none")
 _HALF = (torch.float16, torch.bfloat16)
 # NOTE: budget for one chunk's logits. At V=128256 (Llama 3) a row is 501 KiB in fp32, so 256 MiB gives
-# 512-row chunks in fp32 (256 for bf16, which also holds a 16-bit copy); at T=4096 the naive path holds the
+# 512-row chunks in fp32 (256 for bf16: see chunk_rows_for); at T=4096 the naive path holds the
 # (4096, 128256) logits, their softmax and their gradient: 3 x 2.1 GB in fp32, against 256 MiB here.
 # Smaller chunks only add matmul launches: at H=2048 a 256-row chunk is still a 256x2048x128256 GEMM.
 _LOGITS_BUDGET_BYTES = 256 * 2**20
@@ -105,11 +105,11 @@ def _saved_weight_dtype(compute_dtype: torch.dtype, weight_dtype: torch.dtype) -
 def chunk_rows_for(n: int, vocab: int, dtype: torch.dtype, budget_bytes: int = _LOGITS_BUDGET_BYTES) -> int:
     """Rows per chunk so that one chunk's logits stay within ``budget_bytes``.
 
-    Rows are counted at 4 bytes a logit for fp32 inputs and 8 for bf16/fp16. The Python loop (reference and
-    Triton backends) now holds only the 16-bit chunk (2 bytes a logit, written over in place) for 16-bit inputs;
-    the C++ loop (cpp/cuda) still holds the 16-bit matmul output, an fp32 copy and a 16-bit gradient (2 + 4 + 2).
-    The row count is kept (256 at V=128256): halving it would cut the 16-bit chunk from 62.6 to 31.3 MiB
-    (Liger-Kernel's 128-row chunk) but make each chunk's three GEMMs memory-bound on reading the (V, H) weight.
+    Rows are counted at 4 bytes a logit for fp32 inputs and 8 for bf16/fp16, although every loop (the Python one
+    of the reference and Triton backends, the C++ one of cpp/cuda) now holds only the 16-bit chunk for 16-bit
+    inputs (2 bytes a logit, the gradient written over it in place; it was 2 + 4 + 2 with an fp32 copy and a
+    16-bit gradient). The row count is kept (256 at V=128256): halving it would cut the 16-bit chunk from 62.6 to
+    31.3 MiB (Liger-Kernel's 128-row chunk) but make each chunk's three GEMMs memory-bound on reading the (V, H) weight.
     """
     per_logit = 4 if dtype == torch.float32 else 8  # float64 (the test oracle): 8 bytes a logit
     rows = max(1, budget_bytes // max(1, vocab * per_logit))
