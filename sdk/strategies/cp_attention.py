@@ -242,10 +242,10 @@ def _block_plan(ring: RingAttention, step: int) -> tuple[slice, slice, bool] | N
     (causal over both chunks, since r < 2cp-1-r); for j < r every query sees only the block's first chunk, in
     full; for j > r only the second query chunk sees anything, the whole block.
     """
-    if step == 0:
-        return slice(None), slice(None), True
     if ring.seq_len is None:
         raise RuntimeError("context-parallel attention ran outside a context-parallel forward (no seq_len set)")
+    if step == 0:
+        return slice(None), slice(None), True
     c = ring.seq_len // (2 * ring.size)
     src = (ring.rank - step) % ring.size
     return (slice(None), slice(0, c), False) if src < ring.rank else (slice(c, None), slice(None), False)
