@@ -10,15 +10,19 @@ Two ways to attend over the whole sequence from the local chunks, both different
 
 - :class:`UlyssesAttention`: all-to-all from (local sequence, all heads) to (whole sequence, heads/cp),
   ordinary causal SDPA, and back. Two all-to-alls of q/k/v/out per layer; needs heads divisible by cp.
-- :class:`RingAttention`: key/value blocks travel around the ring (cp - 1 shifts); each step adds a
-  block to an online softmax (running max, sum and unnormalised output). Any head count. Its backward is
-  written out (flash-attention style from the saved log-sum-exp): the blocks go around the ring again with
-  their gradients, so a rank keeps only its own q/k/v, output and log-sum-exp. With attention dropout it runs
-  autograd through the shifts instead (each block recomputed in backward under its RNG state).
+- :class:`RingAttention`: key/value blocks travel around the ring (cp - 1 shifts); each step runs one fused
+  SDPA call (aten's flash op that returns the log-sum-exp: no score block is materialised) and merges it into
+  the output by log-sum-exp. Any head count. Its backward is written out (ring-flash): the blocks go around the
+  ring again with their gradients, each through the fused op's backward with the merged output and log-sum-exp,
+  so a rank keeps only its own q/k/v, output and log-sum-exp. Where no fused op fits it falls back to an
+  explicit fp32 online softmax (see :func:`_fused_ops`); with attention dropout it runs autograd through the
+  shifts over that math path (each block recomputed in backward under its RNG state).
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any
 
 import torch
@@ -186,41 +190,168 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingAttention) -> torch.Tensor:
-        q_pos = ring.positions(ring.rank, q.device)
-        b, h, s, _ = q.shape
-        m = torch.full((b, h, s, 1), float("-inf"), device=q.device)
-        denom = torch.zeros((b, h, s, 1), device=q.device)
-        acc = torch.zeros((b, h, s, v.shape[-1]), device=q.device)
-        kc, vc = k, v
-        for step in range(ring.size):
-            if step:
-                kc, vc = _shift(kc, ring.group, 1), _shift(vc, ring.group, 1)
-            m, denom, acc = _block(q, kc, vc, ring.visible(q_pos, step), m, denom, acc, 0.0)
-        out = acc / denom
-        ctx.save_for_backward(q, k, v, out, m + torch.log(denom))
+        ctx.fused = _fused_ops(q)
+        out, lse = (_fused_forward if ctx.fused else _math_forward)(q, k, v, ring)
+        ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, out, lse = ctx.saved_tensors
-        ring = ctx.ring
-        q_pos = ring.positions(ring.rank, q.device)
-        scale = q.shape[-1] ** -0.5
-        qf, grad = q.float(), grad.float()
-        delta = (grad * out).sum(-1, keepdim=True)
-        dq = torch.zeros_like(qf)
-        kc, vc = k.float(), v.float()
-        dk, dv = torch.zeros_like(kc), torch.zeros_like(vc)
-        for step in range(ring.size):
-            if step:
-                kc, vc, dk, dv = (_shift(t, ring.group, 1) for t in (kc, vc, dk, dv))
-            scores = (qf @ kc.transpose(-1, -2)) * scale
-            p = torch.exp(scores.masked_fill(~ring.visible(q_pos, step), float("-inf")) - lse)
-            dv += p.transpose(-1, -2) @ grad
-            ds = p * (grad @ vc.transpose(-1, -2) - delta)
-            dq += (ds @ kc) * scale
-            dk += (ds.transpose(-1, -2) @ qf) * scale
-        # The block held last came from rank + 1: one more shift takes its gradients home.
-        dk, dv = _shift(dk, ring.group, 1), _shift(dv, ring.group, 1)
+        run = _fused_backward if ctx.fused else _math_backward
+        dq, dk, dv = run(grad, q, k, v, out, lse, ctx.ring)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _fused_ops(q: torch.Tensor) -> str | None:
+    """Which fused per-block kernel runs the ring here: ``"cpu"``, ``"flash"`` (CUDA) or None (the math path).
+
+    The math path materialises a (B, H, s, s) fp32 score block and its probabilities per step (4.3 GB each at
+    seq 8192 on one GPU); the fused ops keep them in tiles. It stays where no fused op with a log-sum-exp output
+    and a matching backward fits: CUDA fp32 (flash takes only fp16/bf16; the memory-efficient op pads its
+    log-sum-exp to a multiple of 32 rows, a layout this ring has not been checked against on a GPU), head dims
+    over 256 or not a multiple of 8, GPUs before sm80, and other devices. It warns once when it does.
+    """
+    aten = torch.ops.aten
+    if q.device.type == "cpu" and hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        return "cpu"
+    if (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+            and q.shape[-1] % 8 == 0 and torch.cuda.get_device_capability(q.device) >= (8, 0)
+            and hasattr(aten, "_scaled_dot_product_flash_attention")):
+        return "flash"
+    _warn_math_path(q)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(what: str) -> None:
+    warnings.warn(f"ring attention: no fused attention kernel for {what}; using the math path, which holds a "
+                  "full fp32 score block per ring step (fused: CPU any dtype, CUDA sm80+ fp16/bf16 with head "
+                  "dim <= 256 and a multiple of 8)", stacklevel=4)
+
+
+def _warn_math_path(q: torch.Tensor) -> None:
+    _warn_once(f"{q.device.type} {q.dtype} head dim {q.shape[-1]}")
+
+
+def _block_plan(ring: RingAttention, step: int) -> tuple[slice, slice, bool] | None:
+    """The one attention call step ``step`` needs: (query rows, key rows, is_causal), from the chunk layout.
+
+    Rank r holds chunks (r, 2cp-1-r); the block at ``step`` came from j = r - step. Step 0 is the diagonal
+    (causal over both chunks, since r < 2cp-1-r); for j < r every query sees only the block's first chunk, in
+    full; for j > r only the second query chunk sees anything, the whole block.
+    """
+    if ring.seq_len is None:
+        raise RuntimeError("context-parallel attention ran outside a context-parallel forward (no seq_len set)")
+    if step == 0:
+        return slice(None), slice(None), True
+    c = ring.seq_len // (2 * ring.size)
+    src = (ring.rank - step) % ring.size
+    return (slice(None), slice(0, c), False) if src < ring.rank else (slice(c, None), slice(None), False)
+
+
+def _attend(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block through the fused op: its output and log-sum-exp (B, H, rows)."""
+    if kind == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+
+
+def _attend_backward(kind: str, grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, lse: torch.Tensor, causal: bool) -> tuple[torch.Tensor, ...]:
+    """dq, dk, dv of one block, from the ring's merged output and log-sum-exp (the ring-flash backward)."""
+    if kind == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, causal)
+    # Dense (not varlen) and no dropout: no cumulative lengths, the philox state is unused.
+    empty = torch.empty((), dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, empty, empty)[:3]
+
+
+def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   ring: RingAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each step's block through the fused op, merged by log-sum-exp; returns (out in q's dtype, lse)."""
+    kind = _fused_ops(q)
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    acc = lse = None
+    kc, vc = k, v
+    for step in range(ring.size):
+        if step:
+            kc, vc = _shift(kc, ring.group, 1), _shift(vc, ring.group, 1)
+        rows, keys, causal = _block_plan(ring, step)
+        blk_out, blk_lse = _attend(kind, q[:, :, rows], kc[:, :, keys], vc[:, :, keys], causal)
+        blk_out, blk_lse = blk_out.to(acc_dtype), blk_lse.to(acc_dtype).unsqueeze(-1)
+        if acc is None:  # step 0, the diagonal: every query sees itself, so the lse is finite from here on
+            acc, lse = blk_out, blk_lse
+            continue
+        # Online softmax: each side weighted by its share of the merged normaliser.
+        old_lse = lse[:, :, rows]
+        new_lse = torch.logaddexp(old_lse, blk_lse)
+        acc[:, :, rows] = acc[:, :, rows] * torch.exp(old_lse - new_lse) + blk_out * torch.exp(blk_lse - new_lse)
+        lse[:, :, rows] = new_lse
+    return acc.to(q.dtype), lse.squeeze(-1)
+
+
+def _fused_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, ring: RingAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per block the fused op's backward with the merged output and lse; dk/dv travel with their block."""
+    kind = _fused_ops(q)
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    grad = grad.to(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+    kc, vc = k, v
+    for step in range(ring.size):
+        if step:
+            kc, vc, dk, dv = (_shift(t, ring.group, 1) for t in (kc, vc, dk, dv))
+        rows, keys, causal = _block_plan(ring, step)
+        gq, gk, gv = _attend_backward(kind, grad[:, :, rows], q[:, :, rows], kc[:, :, keys], vc[:, :, keys],
+                                      out[:, :, rows], lse[:, :, rows], causal)
+        dq[:, :, rows] += gq
+        dk[:, :, keys] += gk
+        dv[:, :, keys] += gv
+    # The block held last came from rank + 1: one more shift takes its gradients home.
+    return dq, _shift(dk, ring.group, 1), _shift(dv, ring.group, 1)
+
+
+def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  ring: RingAttention) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fallback: full fp32 score blocks per step into the online softmax; returns (out fp32, lse)."""
+    q_pos = ring.positions(ring.rank, q.device)
+    b, h, s, _ = q.shape
+    m = torch.full((b, h, s, 1), float("-inf"), device=q.device)
+    denom = torch.zeros((b, h, s, 1), device=q.device)
+    acc = torch.zeros((b, h, s, v.shape[-1]), device=q.device)
+    kc, vc = k, v
+    for step in range(ring.size):
+        if step:
+            kc, vc = _shift(kc, ring.group, 1), _shift(vc, ring.group, 1)
+        m, denom, acc = _block(q, kc, vc, ring.visible(q_pos, step), m, denom, acc, 0.0)
+    return acc / denom, m + torch.log(denom)
+
+
+def _math_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, ring: RingAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fallback's backward, flash-attention style from the saved lse, one fp32 score block per step."""
+    q_pos = ring.positions(ring.rank, q.device)
+    scale = q.shape[-1] ** -0.5
+    qf, grad = q.float(), grad.float()
+    delta = (grad * out).sum(-1, keepdim=True)
+    dq = torch.zeros_like(qf)
+    kc, vc = k.float(), v.float()
+    dk, dv = torch.zeros_like(kc), torch.zeros_like(vc)
+    for step in range(ring.size):
+        if step:
+            kc, vc, dk, dv = (_shift(t, ring.group, 1) for t in (kc, vc, dk, dv))
+        scores = (qf @ kc.transpose(-1, -2)) * scale
+        p = torch.exp(scores.masked_fill(~ring.visible(q_pos, step), float("-inf")) - lse)
+        dv += p.transpose(-1, -2) @ grad
+        ds = p * (grad @ vc.transpose(-1, -2) - delta)
+        dq += (ds @ kc) * scale
+        dk += (ds.transpose(-1, -2) @ qf) * scale
+    # The block held last came from rank + 1: one more shift takes its gradients home.
+    return dq, _shift(dk, ring.group, 1), _shift(dv, ring.group, 1)
