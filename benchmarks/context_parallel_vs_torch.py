@@ -196,8 +196,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cps", type=int, nargs="+", default=None, help="cp sizes (default: 1 and every visible GPU)")
     # ~530M parameters over 8k tokens: ~26 TFLOP of matmuls a step, ~50-200 ms on one H100 in bf16 (estimated from
-    # FLOPs, not yet measured). Not longer: shardkit's ring attention forms each block's fp32 scores (16 heads x
-    # 8192^2 x 4 bytes = 4.3 GB per temporary at cp=1), which 16k tokens would quadruple.
+    # FLOPs, not yet measured). Kept at 8k while ring attention's CUDA flash path is unverified: its math fallback
+    # (fp32, or a failed check) forms each block's fp32 scores, 16 heads x 8192^2 x 4 bytes = 4.3 GB at cp=1.
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--hidden", type=int, default=2048)

@@ -36,7 +36,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
 if wants tests; then
     phase tests  # the CPU backends run in CI; here only the GPU ones (test ids carry the backend-device pair)
     t=$(left 150 380)
-    timeout "$t" python3 -m pytest tests/kernels -q -p no:cacheprovider -k "${GPU_TESTS_K:-cuda}" --timeout "$t" --tb=short -rf \
+    timeout "$t" python3 -m pytest tests/kernels tests/unit/test_cp_attention.py -q -p no:cacheprovider -k "${GPU_TESTS_K:-cuda}" --timeout "$t" --tb=short -rf \
         ${PYTEST_EXTRA:-} 2>&1 | tee "$out/kernel_tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
 fi
 if wants checks; then

@@ -4,6 +4,7 @@ fp64 causal attention of the whole sequence without launching a process group.""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -83,13 +84,27 @@ def _run_ring(cp: int, q, k, v, grad, monkeypatch):
     return gathered
 
 
+_CASES = [("cpu", torch.float64, 1e-10), ("cpu", torch.float32, 2e-5), ("cpu", torch.bfloat16, 2e-2),
+          # the GPU session (scripts/gpu_session.sh) runs these: the flash op per block, and fp32's math path
+          ("cuda", torch.bfloat16, 2e-2), ("cuda", torch.float16, 4e-3), ("cuda", torch.float32, 2e-5)]
+
+
 @pytest.mark.parametrize("cp", [1, 3])
-@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-def test_fused_ring_equals_fp64_causal_attention_with_gradients(cp, dtype, tol, monkeypatch):
+@pytest.mark.parametrize("device, dtype, tol", _CASES, ids=[f"{d}-{str(t)[6:]}" for d, t, _ in _CASES])
+def test_fused_ring_equals_fp64_causal_attention_with_gradients(cp, device, dtype, tol, monkeypatch):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here")
     gen = torch.Generator().manual_seed(cp)
     b, h, seq, d = 2, 3, 12 * cp, 8
     q, k, v, grad = (torch.randn(b, h, seq, d, generator=gen, dtype=torch.float64) for _ in range(4))
-    assert _fused_ops(q.to(dtype)) == "cpu"
+    if device == "cuda":
+        q, k, v, grad = (t.cuda() for t in (q, k, v, grad))
+        fused = "flash" if dtype != torch.float32 and torch.cuda.get_device_capability() >= (8, 0) else None
+        cp_attention._warn_once.cache_clear()  # it warns once per process
+        with pytest.warns(UserWarning, match="math path") if fused is None else contextlib.nullcontext():
+            assert _fused_ops(q.to(dtype)) == fused
+    else:
+        assert _fused_ops(q.to(dtype)) == "cpu"
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
     scores = (ref[0] @ ref[1].transpose(-1, -2)) * d ** -0.5
     mask = torch.ones(seq, seq, dtype=torch.bool).tril()
