@@ -191,7 +191,7 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingAttention) -> torch.Tensor:
         ctx.fused = _fused_ops(q)
-        out, lse = (_fused_forward if ctx.fused else _math_forward)(q, k, v, ring)
+        out, lse = _fused_forward(q, k, v, ring, ctx.fused) if ctx.fused else _math_forward(q, k, v, ring)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
         return out.to(q.dtype)
@@ -199,8 +199,10 @@ class _Ring(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         q, k, v, out, lse = ctx.saved_tensors
-        run = _fused_backward if ctx.fused else _math_backward
-        dq, dk, dv = run(grad, q, k, v, out, lse, ctx.ring)
+        if ctx.fused:
+            dq, dk, dv = _fused_backward(grad, q, k, v, out, lse, ctx.ring, ctx.fused)
+        else:
+            dq, dk, dv = _math_backward(grad, q, k, v, out, lse, ctx.ring)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
@@ -271,10 +273,10 @@ def _attend_backward(kind: str, grad: torch.Tensor, q: torch.Tensor, k: torch.Te
         grad, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, causal, empty, empty)[:3]
 
 
-def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   ring: RingAttention) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each step's block through the fused op, merged by log-sum-exp; returns (out in q's dtype, lse)."""
-    kind = _fused_ops(q)
+def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingAttention,
+                   kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each step's block through the fused op ``kind`` (:func:`_fused_ops`), merged by log-sum-exp; returns
+    (out in q's dtype, lse)."""
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     acc = lse = None
     kc, vc = k, v
@@ -296,9 +298,9 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _fused_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, ring: RingAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    lse: torch.Tensor, ring: RingAttention,
+                    kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per block the fused op's backward with the merged output and lse; dk/dv travel with their block."""
-    kind = _fused_ops(q)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     grad = grad.to(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
