@@ -1,6 +1,7 @@
 """Pipeline parallelism on 2 and 4 CPU ranks: each schedule's losses and weights equal DDP's (a short accumulation
 window included); HF LlamaForCausalLM stages (tied head, a user's split) on 2; pp x dp on 4, with the stages
-replicated (DDP) or sharded with FSDP2 over dp_shard, whose units reduce-scatter once per accumulation window.
+replicated (DDP) or sharded with FSDP2 over dp_shard (zero-bubble included), whose units reduce-scatter once per
+accumulation window.
 
 One launch per world size runs DDP and every case in one process group.
 """
@@ -27,7 +28,10 @@ CASES = {
         # Windows of 2 calls under FSDP: the tied head's gradient summed across stages once per window.
         {"model": "hf_tied", "schedule": "1f1b", "pp_size": 2, "dp": "fsdp", "accumulation": 2},
         # An abandoned first window's unreduced FSDP gradients are dropped (the run equals DDP's without them).
-        {"schedule": "interleaved_1f1b", "pp_size": 2, "dp": "fsdp", "accumulation": 2, "abandon": True}],
+        {"schedule": "interleaved_1f1b", "pp_size": 2, "dp": "fsdp", "accumulation": 2, "abandon": True},
+        # Zero-bubble's weight passes (W) under FSDP, windows of 2 calls, tied head: every unit's weight gradient
+        # counted (WindowStage gathers the units its I and W passes read) and reduced once per window.
+        {"model": "hf_tied", "schedule": "zero_bubble", "pp_size": 2, "dp": "fsdp", "accumulation": 2}],
 }
 # Micro-batches each case's schedules ran with no microbatches given: the accumulation window's length when it is
 # over 1 (the short window's 2, not gradient_accumulation_steps' 4), else pp_size.

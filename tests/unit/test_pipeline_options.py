@@ -29,8 +29,6 @@ def test_layer_split_and_dp_from_strategy_opt():
     (["layer_split=1,2,1", "pp_size=2"], r"gives 3 stages; pp_size\(2\) x stages_per_rank\(1\) = 2 are run"),
     (["layer_split=1,1,1", "pp_size=2", "schedule=interleaved_1f1b"], r"pp_size\(2\) x stages_per_rank\(2\) = 4"),
     (["dp=fdsp"], r"dp='fdsp' is not one of \('ddp', 'fsdp'\); did you mean 'fsdp'"),
-    (["dp=fsdp", "schedule=zero_bubble"], r"schedule='zero_bubble' with dp='fsdp' is not supported.*use "
-                                          r"schedule='interleaved_1f1b'"),
 ])
 def test_bad_pipeline_options_are_named(options, message):
     with pytest.raises(ValueError, match=message):
