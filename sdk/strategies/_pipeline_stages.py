@@ -57,11 +57,16 @@ class PipelineRunner:
         self.tied_shape = tuple(body.embed_tokens.weight.shape) if tied else None
         prefix = next(n + "." for n, m in module.named_modules() if m is body) if body is not module else ""
         self.tied_keys = ("lm_head.weight", f"{prefix}embed_tokens.weight")
+        if tied and shard is not None and {0, total - 1} <= set(settings.stage_indices(0)):
+            # FSDP2 would shard the one weight twice (once per stage) into two parameters that train apart.
+            raise ValueError(f"Pipeline schedule={settings.schedule!r} with dp='fsdp' runs the first and the last "
+                             "stage on pipeline rank 0, and this model ties its output head to its embedding: FSDP2 "
+                             "cannot shard one weight in two stages; use schedule='zero_bubble' (the stages apart), "
+                             "dp='ddp', or untie the embeddings")
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp_shard"].get_group()
         self.pp_rank, self.pp = dist.get_rank(self.pp_group), pp
         ranges = stage_layers(len(body.layers), total, settings.layer_split)
-        # Looped placement: rank r holds stages r, r + pp, ... (what torch's interleaved schedules expect).
-        self.indices = [self.pp_rank + c * pp for c in range(settings.chunks)]
+        self.indices = settings.stage_indices(self.pp_rank)
         first, last = 0 in self.indices, total - 1 in self.indices
         owned = {i for s in self.indices for i in ranges[s]}
         self.stages = []
@@ -77,6 +82,7 @@ class PipelineRunner:
             if not keep:
                 setattr(owner, name, None)
         self.first, self.last, self.module = first, last, module
+        self.last_pp_rank = next(r for r in range(pp) if total - 1 in settings.stage_indices(r))
         self.schedule_class = getattr(pipelining, SCHEDULES[settings.schedule])
         self._schedules: dict[int, Any] = {}
         self._batch: tuple[torch.Tensor, int] = (torch.ones(()), 1)
@@ -131,7 +137,7 @@ class PipelineRunner:
         if self.last:
             unscaled = [self.scale_loss(torch.ones((), device=input_ids.device))] * len(losses)
             total = sum(x.detach().float() / u for x, u in zip(losses, unscaled)) * accumulation
-        last_rank = dist.get_global_rank(self.pp_group, self.pp - 1)
+        last_rank = dist.get_global_rank(self.pp_group, self.last_pp_rank)
         dist.broadcast(total, src=last_rank, group=self.pp_group)
         if sync:  # once per window: the tied copies' gradients summed on every call would count earlier calls twice
             self._sum_tied_gradient()

@@ -114,10 +114,24 @@ def train(strategy: Any, accumulation: int = 1, window: int | None = None, model
             "sharded": sharded, "reduce_scatters": {k: n for k, (n,) in reduce_scatters.items()}}
 
 
-def pp_worker(cases: list[dict], resumes: dict[str, tuple[dict, dict]], root: str) -> dict:
+def refusal(strategy: Any, model: str) -> str:
+    """The ValueError ``runner.setup`` raises for a layout it refuses ("" when it sets up)."""
+    runner = Runner(strategy, seed=0)
+    with runner.init_module():
+        module = build(model)
+    try:
+        runner.setup(module, torch.optim.SGD(module.parameters(), lr=0.5))
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def pp_worker(cases: list[dict], resumes: dict[str, tuple[dict, dict]], root: str,
+              refusals: dict[str, tuple[dict, str, str]] | None = None) -> dict:
     """DDP's run, then each case (Pipeline keyword arguments, ``accumulation``, ``window`` and ``model`` apart) on
     the same batches; a case's name ends in the micro-batches per window (``accumulation=N``). Then each of
-    ``resumes`` (name: the Pipeline arguments saving and those resuming, see layout_workers.resume_case)."""
+    ``resumes`` (name: the Pipeline arguments saving and those resuming, see layout_workers.resume_case), and
+    each of ``refusals`` (name: Pipeline arguments, model, the words expected): the error its setup raised."""
     from layout_workers import resume_case
 
     from shardkit.strategies import DDP
@@ -136,4 +150,5 @@ def pp_worker(cases: list[dict], resumes: dict[str, tuple[dict, dict]], root: st
         name += " abandoned first window," if abandon else ""
         out[name + f" accumulation={window or accumulation}"] = train(Pipeline(**kw), accumulation, window, model,
                                                                       abandon)
-    return {"cases": out, "resumed": resumed}
+    refused = {name: refusal(Pipeline(**kw), model) for name, (kw, model, _) in (refusals or {}).items()}
+    return {"cases": out, "resumed": resumed, "refused": refused}
