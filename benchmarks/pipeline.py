@@ -37,7 +37,7 @@ from shardkit.models import Llama, LlamaConfig  # noqa: E402
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_layers=8, num_heads=4,
                      max_position=512, tie_embeddings=False, fused=False)
 BATCH, SEQ = 8, 128
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 
 
 def _ours(schedule: str, microbatches: int):
@@ -63,21 +63,22 @@ def _direct(schedule: str, microbatches: int):
 
     from shardkit.strategies._pipeline_stages import StageModule
     from shardkit.strategies.pipeline import SCHEDULES as NAMES
-    from shardkit.strategies.pipeline import stage_layers
+    from shardkit.strategies.pipeline import PipelineSettings, stage_layers
 
     torch.manual_seed(0)
     model = Llama(CONFIG)
     pp, rank = dist.get_world_size(), dist.get_rank()
-    chunks = 2 if schedule in ("interleaved_1f1b", "zero_bubble") else 1
+    settings = PipelineSettings(pp_size=pp, schedule=schedule)
+    chunks, indices = settings.chunks, settings.stage_indices(rank)
     total = pp * chunks
     ranges = stage_layers(CONFIG.num_layers, total)
     stages, params = [], []
-    for s in (rank + c * pp for c in range(chunks)):
+    for s in indices:
         part = StageModule(model.embed_tokens if s == 0 else None, [model.layers[i] for i in ranges[s]],
                            model.norm if s == total - 1 else None, model.lm_head if s == total - 1 else None)
         params += list(part.parameters())
         stages.append(pipelining.PipelineStage(part, s, total, torch.device("cpu")))
-    head, last = model.lm_head, total - 1 in [rank + c * pp for c in range(chunks)]
+    head, last = model.lm_head, total - 1 in indices
 
     def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return head(hidden[:, :-1].reshape(-1, hidden.shape[-1]), target[:, 1:].reshape(-1)) / microbatches
