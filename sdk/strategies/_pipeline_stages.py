@@ -25,6 +25,9 @@ __all__ = ["PipelineRunner", "StageModule", "WindowStage", "gather_optimizer_sta
            "own_optimizer_state"]
 
 
+_AT_LEAST_ONE_PER_STAGE = ("dualpipev",)  # torch's DualPipeV refuses fewer micro-batches than stages
+
+
 def _check_model(module: nn.Module, stages: int, split: tuple[int, ...] | None) -> ModelLayout:
     from shardkit.strategies.mesh import ParallelDims
 
@@ -112,6 +115,12 @@ class PipelineRunner:
         length (``gradient_accumulation_steps`` or ``begin_window``) when it is over 1, else ``pp_size``."""
         explicit = self.settings.microbatches
         n = explicit or (window if window > 1 else self.pp)
+        stages = self.pp * self.settings.chunks
+        if self.settings.schedule in _AT_LEAST_ONE_PER_STAGE and n < stages:
+            raise ValueError(f"Pipeline schedule={self.settings.schedule!r} needs at least one micro-batch per stage "
+                             f"(pp_size({self.pp}) x 2 = {stages}), got {n}"
+                             f"{'' if explicit else ' (no microbatches given)'}: set Pipeline(microbatches=...) "
+                             f"(--strategy-opt microbatches=N) to {stages} or more, with a batch size it divides")
         if batch % n == 0:
             return n
         if explicit:

@@ -45,10 +45,12 @@ from shardkit.suggest import did_you_mean
 __all__ = ["DATA_PARALLEL", "SCHEDULES", "Pipeline", "PipelineSettings", "bubble_fraction", "stage_layers"]
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-             "zero_bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
-_MULTI_STAGE = ("interleaved_1f1b", "zero_bubble", "zbv")
-_V_SHAPED = ("zbv",)  # rank r holds stages r and 2 * pp_size - 1 - r (the first and the last on rank 0)
-_SPLIT_BACKWARD = ("zero_bubble", "zbv")  # weight gradients in a W pass after the input's (I)
+             "zero_bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+             "dualpipev": "ScheduleDualPipeV"}
+_MULTI_STAGE = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+# rank r holds stages r and 2 * pp_size - 1 - r (the first and the last on rank 0)
+_V_SHAPED = ("zbv", "dualpipev")
+_SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")  # weight gradients in a W pass after the input's (I)
 DATA_PARALLEL = ("ddp", "fsdp")
 
 
@@ -70,8 +72,9 @@ class PipelineSettings:
 
     Args:
         pp_size: pipeline ranks; the world size must be a multiple (the rest replicates, as DDP). None: all.
-        schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble" (interleaved zero-bubble) or "zbv"
-            (zero-bubble V: rank r runs stages r and 2 * pp_size - 1 - r; exactly 2 stages per rank).
+        schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble" (interleaved zero-bubble), "zbv"
+            (zero-bubble V: rank r runs stages r and 2 * pp_size - 1 - r; exactly 2 stages per rank) or
+            "dualpipev" (DeepSeek's DualPipe, V-shaped as zbv; at least 2 x pp_size micro-batches).
         microbatches: pieces each batch is cut into; the batch size must be a multiple. None: the Runner's
             accumulation window when it is over 1, else pp_size.
         stages_per_rank: model chunks per rank (interleaved schedules: 2 unless given; others: 1).

@@ -34,7 +34,8 @@ CASES = {
         # Zero-bubble's weight passes (W) under FSDP, windows of 2 calls, tied head: every unit's weight gradient
         # counted (WindowStage gathers the units its I and W passes read) and reduced once per window.
         {"model": "hf_tied", "schedule": "zero_bubble", "pp_size": 2, "dp": "fsdp", "accumulation": 2},
-        {"schedule": "zbv", "pp_size": 2, "dp": "fsdp", "accumulation": 2}],
+        {"schedule": "zbv", "pp_size": 2, "dp": "fsdp", "accumulation": 2},
+        {"schedule": "dualpipev", "pp_size": 2, "dp": "fsdp", "microbatches": 4}],
 }
 # Micro-batches each case's schedules ran with no microbatches given: the accumulation window's length when it is
 # over 1 (the short window's 2, not gradient_accumulation_steps' 4), else pp_size.
