@@ -112,15 +112,19 @@ class PipelineRunner:
 
     def microbatches(self, batch: int, window: int) -> int:
         """Pieces a batch of ``batch`` rows is cut into: the user's ``microbatches``, else the accumulation window's
-        length (``gradient_accumulation_steps`` or ``begin_window``) when it is over 1, else ``pp_size``."""
+        length (``gradient_accumulation_steps`` or ``begin_window``) when it is over 1, else ``pp_size`` (for
+        dualpipev at least one per stage)."""
         explicit = self.settings.microbatches
         n = explicit or (window if window > 1 else self.pp)
         stages = self.pp * self.settings.chunks
         if self.settings.schedule in _AT_LEAST_ONE_PER_STAGE and n < stages:
-            raise ValueError(f"Pipeline schedule={self.settings.schedule!r} needs at least one micro-batch per stage "
-                             f"(pp_size({self.pp}) x 2 = {stages}), got {n}"
-                             f"{'' if explicit else ' (no microbatches given)'}: set Pipeline(microbatches=...) "
-                             f"(--strategy-opt microbatches=N) to {stages} or more, with a batch size it divides")
+            if not explicit:
+                n = stages
+            else:
+                raise ValueError(f"Pipeline schedule={self.settings.schedule!r} needs at least one micro-batch per "
+                                 f"stage (pp_size({self.pp}) x 2 = {stages}), got microbatches={n}: set "
+                                 f"Pipeline(microbatches=...) (--strategy-opt microbatches=N) to {stages} or more, "
+                                 "with a batch size it divides")
         if batch % n == 0:
             return n
         if explicit:

@@ -76,7 +76,7 @@ class PipelineSettings:
             (zero-bubble V: rank r runs stages r and 2 * pp_size - 1 - r; exactly 2 stages per rank) or
             "dualpipev" (DeepSeek's DualPipe, V-shaped as zbv; at least 2 x pp_size micro-batches).
         microbatches: pieces each batch is cut into; the batch size must be a multiple. None: the Runner's
-            accumulation window when it is over 1, else pp_size.
+            accumulation window when it is over 1, else pp_size (dualpipev: at least 2 x pp_size).
         stages_per_rank: model chunks per rank (interleaved schedules: 2 unless given; others: 1).
         layer_split: layers per stage (pp_size * stages_per_rank of them), default equal blocks; a string
             "2,6" (as ``--strategy-opt layer_split=2,6`` gives it) is read as (2, 6).

@@ -35,13 +35,14 @@ CASES = {
         # counted (WindowStage gathers the units its I and W passes read) and reduced once per window.
         {"model": "hf_tied", "schedule": "zero_bubble", "pp_size": 2, "dp": "fsdp", "accumulation": 2},
         {"schedule": "zbv", "pp_size": 2, "dp": "fsdp", "accumulation": 2},
-        {"schedule": "dualpipev", "pp_size": 2, "dp": "fsdp", "microbatches": 4}],
+        {"schedule": "dualpipev", "pp_size": 2, "dp": "fsdp"}],
 }
 # Micro-batches each case's schedules ran with no microbatches given: the accumulation window's length when it is
-# over 1 (the short window's 2, not gradient_accumulation_steps' 4), else pp_size.
+# over 1 (the short window's 2, not gradient_accumulation_steps' 4), else pp_size (dualpipev: one per stage).
 WINDOW_MICROBATCHES = {"'1f1b')] accumulation=2": [2], "short window of ga=4, accumulation=2": [2],
                        "('layer_split', '1,3'), ('schedule', 'gpipe')] accumulation=1": [2],
-                       "('schedule', 'interleaved_1f1b')] abandoned first window, accumulation=2": [2]}
+                       "('schedule', 'interleaved_1f1b')] abandoned first window, accumulation=2": [2],
+                       "('schedule', 'dualpipev')] accumulation=1": [4]}
 TOL = dict(rtol=1e-5, atol=1e-5)
 # Layouts refused at setup (name: Pipeline arguments, model), each with the words its error must hold.
 REFUSALS = {4: {"zbv x fsdp, tied head": ({"schedule": "zbv", "pp_size": 2, "dp": "fsdp"}, "hf_tied",

@@ -52,12 +52,15 @@ def test_microbatches_come_from_the_window_unless_given():
     with pytest.raises(ValueError, match=r"batch size\(6\) % microbatches\(4\) != 0; use a batch size that is a "
                                          r"multiple of 4"):
         count(_runner(4), 6, 1)
-    dualpipe = SimpleNamespace(settings=PipelineSettings(pp_size=2, schedule="dualpipev"), pp=2)
-    assert count(dualpipe, 8, 4) == 4
+    def dualpipe(microbatches: int | None) -> SimpleNamespace:
+        return SimpleNamespace(settings=PipelineSettings(pp_size=2, schedule="dualpipev", microbatches=microbatches),
+                               pp=2)
+
+    assert (count(dualpipe(None), 8, 1), count(dualpipe(None), 8, 2), count(dualpipe(None), 16, 8)) == (4, 4, 8)
     with pytest.raises(ValueError, match=r"schedule='dualpipev' needs at least one micro-batch per stage "
-                                         r"\(pp_size\(2\) x 2 = 4\), got 2 \(no microbatches given\): set "
+                                         r"\(pp_size\(2\) x 2 = 4\), got microbatches=2: set "
                                          r"Pipeline\(microbatches=...\)"):
-        count(dualpipe, 8, 1)
+        count(dualpipe(2), 8, 1)
 
 
 def _hf_config(name: str, **kw):
