@@ -8,6 +8,7 @@ training (FSDP shards gathered whole) and, under ``dp="fsdp"``, the reduce-scatt
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,18 @@ def train(strategy: Any, accumulation: int = 1, window: int | None = None, model
             "sharded": sharded, "reduce_scatters": {k: n for k, (n,) in reduce_scatters.items()}}
 
 
+def _reshard_after_forward() -> Any:
+    """FSDP2 units that reshard after every forward, whatever the Pipeline asks (zero-bubble stages keep theirs
+    whole): the stage must still find the graph's weights in its I and W passes."""
+    from unittest import mock
+
+    from shardkit.strategies import _mesh
+
+    shard = _mesh.shard_bottom_up
+    return mock.patch.object(_mesh, "shard_bottom_up",
+                             lambda *args, **kwargs: shard(*args, **{**kwargs, "reshard_after_forward": True}))
+
+
 def refusal(strategy: Any, model: str) -> str:
     """The ValueError ``runner.setup`` raises for a layout it refuses ("" when it sets up)."""
     runner = Runner(strategy, seed=0)
@@ -146,9 +159,12 @@ def pp_worker(cases: list[dict], resumes: dict[str, tuple[dict, dict]], root: st
         kw = dict(kw)
         accumulation, window = kw.pop("accumulation", 1), kw.pop("window", None)
         model, abandon = kw.pop("model", "llama"), kw.pop("abandon", False)
+        resharding = kw.pop("reshard_after_forward", False)
         name = f"{model} {sorted(kw.items())!r}" + (f" short window of ga={accumulation}," if window else "")
         name += " abandoned first window," if abandon else ""
-        out[name + f" accumulation={window or accumulation}"] = train(Pipeline(**kw), accumulation, window, model,
-                                                                      abandon)
+        name += " units resharded after forward," if resharding else ""
+        with _reshard_after_forward() if resharding else contextlib.nullcontext():
+            out[name + f" accumulation={window or accumulation}"] = train(Pipeline(**kw), accumulation, window,
+                                                                          model, abandon)
     refused = {name: refusal(Pipeline(**kw), model) for name, (kw, model, _) in (refusals or {}).items()}
     return {"cases": out, "resumed": resumed, "refused": refused}
