@@ -3,8 +3,15 @@ hand (same split, same schedule), round by round in the same processes; and the 
 measured against (pp - 1) / (microbatches + pp - 1).
 
     .venv/bin/python benchmarks/pipeline.py --pp 2 --microbatches 4 --rounds 5
+    .venv/bin/python benchmarks/pipeline.py --pp 2 --dp-size 2 --dp fsdp --schedules 1f1b zero_bubble --rounds 15
     .venv/bin/python benchmarks/pipeline.py --mode bubble --microbatches 2 4 8 --rounds 3
     .venv/bin/python benchmarks/pipeline.py --mode bubble --dp ddp fsdp --dp-size 2 --schedules zero_bubble
+
+Speed mode with ``--dp-size N --dp ddp|fsdp`` runs pp x N ranks: ours is ``Pipeline(dp=...)``; the direct side puts
+each stage module under DDP or FSDP2 over the dp dimension of a (pp, dp) mesh as torchtitan does (FSDP2 per decoder
+layer, the head and the stage, not resharded after forward), the same schedule class and stage indices. Ratio =
+median ours / median direct; "median round ratio" = the median of each round's ours / direct (the two steps run
+seconds apart, so a load that drifts over the run moves it less). Every rank reports its slowest rank's time.
 
 Bubble measured = 1 - microbatches * (one micro-batch's forward + backward through this rank's stage, timed
 alone, no communication) / (the schedule's step time). Interleaved schedules run 2 stages per rank.
@@ -158,8 +165,11 @@ def worker(microbatches: int, rounds: int, schedules: tuple[str, ...] = SCHEDULE
                 if r:
                     times[name].append(elapsed.item())
         med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        # Each round's ours / direct, taken seconds apart: less moved by the shared machine's load drifting.
+        paired = sorted(o / d for o, d in zip(times["ours"], times["direct"]))
         chunks = len(runner.stages)
-        row = {**med, "ratio": med["ours"] / med["direct"], "theory": bubble_fraction(pp, microbatches * chunks)}
+        row = {**med, "ratio": med["ours"] / med["direct"], "paired": paired[len(paired) // 2],
+               "theory": bubble_fraction(pp, microbatches * chunks)}
         if dist.get_world_size() == pp:  # the stage-alone reference runs FSDP/DDP collectives outside the schedule
             alone = torch.tensor(_stage_alone(runner, microbatches))
             dist.all_reduce(alone, op=dist.ReduceOp.MAX)
@@ -306,12 +316,12 @@ def main() -> None:
 def _print_speed(args: argparse.Namespace, dp_label: str, res: dict) -> None:
     print(f"Llama hidden {CONFIG.hidden_size}, {CONFIG.num_layers} layers, batch {BATCH} x seq {SEQ}, fp32 AdamW, "
           f"pp {args.pp}{dp_label}, {args.microbatches[0]} micro-batches, median of {args.rounds} rounds")
-    print("| schedule | Pipeline strategy step s | torch pipelining direct s | ratio | bubble measured | "
-          "(pp-1)/(m*v+pp-1) |")
-    print("|---|---|---|---|---|---|")
+    print("| schedule | Pipeline strategy step s | torch pipelining direct s | ratio | median round ratio | "
+          "bubble measured | (pp-1)/(m*v+pp-1) |")
+    print("|---|---|---|---|---|---|---|")
     for schedule, r in res.items():
         bubble = f"{r['bubble']:.2f}" if "bubble" in r else "-"
-        print(f"| {schedule} | {r['ours']:.3f} | {r['direct']:.3f} | {r['ratio']:.3f} | {bubble} | "
+        print(f"| {schedule} | {r['ours']:.3f} | {r['direct']:.3f} | {r['ratio']:.3f} | {r['paired']:.3f} | {bubble} | "
               f"{r['theory']:.2f} |")
 
 
