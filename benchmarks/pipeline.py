@@ -112,15 +112,18 @@ def _direct(schedule: str, microbatches: int, pp: int, dp: str):
 def _data_parallel(part: torch.nn.Module, mesh, dp: str) -> torch.nn.Module:
     """torchtitan's recipe for a pipeline stage: FSDP2 per decoder layer (and the output head, whose loss runs
     outside the stage's forward) then the stage, not resharded after forward (torchtitan's default under pipeline
-    parallelism: no all-gather per micro-batch); or the stage under DDP over the dp group."""
+    parallelism: no all-gather per micro-batch). ``dp="ddp"``: the same units under torch's FSDP-based
+    ``replicate``, the data parallelism torch's ``PipelineStage`` drives (``DistributedDataParallel`` around a
+    stage fails in torch 2.13's reducer on its first step here: "rebuilt parameter indices size is not same as
+    original model parameters size", 37 vs 74, every schedule)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel
 
-    if dp == "ddp":
-        return DistributedDataParallel(part, process_group=mesh.get_group())
+    wrap = (lambda m: replicate(m, mesh=mesh)) if dp == "ddp" else \
+        (lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=False))
     for unit in [*part.layers, *([part.head] if part.head is not None else [])]:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
-    return fully_shard(part, mesh=mesh, reshard_after_forward=False)
+        wrap(unit)
+    return wrap(part)
 
 
 def _stage_alone(runner, microbatches: int) -> float:
