@@ -254,8 +254,8 @@ class Pipeline(ProcessGroupStrategy):
         # A tied embedding/head has a copy on the first stage and one on the last, both holding the summed gradient:
         # counted once (the first stage's), as the unsplit model's parameters() does. Counted twice, the tiny tied
         # Llama of tests/contract clipped by a norm 1.35x DDP's.
-        copy = self._tied_copy()
-        counted = [p for p in params if copy is None or p is not self._runner.module.lm_head.weight]
+        copy = self._runner.module.lm_head.weight if self._tied_copy() else None
+        counted = [p for p in params if p is not copy]
         norm = _stage_norm(counted, norm_type, self.mesh["pp"].get_group())
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in params:
