@@ -283,9 +283,15 @@ def _return_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
 
 
-def _summary(times: list[float], losses: list[torch.Tensor], peaks: list[float], device: torch.device) -> dict:
+def _summary(times: list[float], losses: list[torch.Tensor], peaks: list[float], device: torch.device,
+             cpu: list[float] | None = None) -> dict:
     slowest = torch.tensor(times, dtype=torch.float64, device=device)
     torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)  # a step lasts as long as its slowest rank
+    extra = {}
+    if cpu:  # CPU seconds of every rank's process (its compute and gloo threads) per step, summed over the ranks
+        used = torch.tensor(cpu, dtype=torch.float64)
+        torch.distributed.all_reduce(used)
+        extra = {"cpu_s": statistics.median(used.tolist())}
     mean = torch.stack(losses).double()
     torch.distributed.all_reduce(mean)
     mean /= torch.distributed.get_world_size()  # shardkit, reference: equal on every rank; torch: see _torch_step
@@ -294,7 +300,7 @@ def _summary(times: list[float], losses: list[torch.Tensor], peaks: list[float],
         torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX)
         peaks = statistics.median(top.tolist())
     return {"step_s": statistics.median(slowest.tolist()) if times else None, "step_all": slowest.tolist(),
-            "losses": mean.tolist(), "peak": peaks}
+            "losses": mean.tolist(), "peak": peaks, **extra}
 
 
 def _timed(step, batches: list[torch.Tensor], device: torch.device) -> dict:
@@ -321,20 +327,21 @@ def _alternated(steps: dict[str, Callable], batches: list[torch.Tensor], device:
     processes, so load on the shared machine hits every side alike. Time and RSS growth of every step after the
     warm-up, every loss."""
     rss = _PeakRss()
-    record = {name: ([], [], []) for name in steps}  # times, losses, RSS peaks
+    record = {name: ([], [], [], []) for name in steps}  # times, losses, RSS peaks, CPU seconds
     names = list(steps)
     for i, x in enumerate(batches):
         for name in names if i % 2 == 0 else names[::-1]:
-            times, losses, peaks = record[name]
+            times, losses, peaks, cpu = record[name]
             torch.distributed.barrier()
             with rss.track():
-                start = time.perf_counter()
+                start, used = time.perf_counter(), time.process_time()
                 losses.append(steps[name](x))
-                elapsed = time.perf_counter() - start
+                elapsed, used = time.perf_counter() - start, time.process_time() - used
             if i >= WARMUP:
                 times.append(elapsed)
                 peaks.append(float(rss.growth))
-    return {name: _summary(*record[name], device) for name in names}
+                cpu.append(used)
+    return {name: _summary(*record[name][:3], device, record[name][3]) for name in names}
 
 
 def worker(args: argparse.Namespace, cp: int) -> dict:
@@ -376,7 +383,10 @@ def _report(cp: int, r: dict) -> list[str]:
     if not cuda:
         paired = [a / b for a, b in zip(ours["step_all"], theirs["step_all"])]
         lines.append(f"cp={cp}: median of the per-step ratios {statistics.median(paired):.3f} over {len(paired)} "
-                     f"alternated steps")
+                     f"alternated steps; CPU seconds a step (all ranks) shardkit {ours['cpu_s']:.3f}, torch "
+                     f"{theirs['cpu_s']:.3f}: ratio {ours['cpu_s'] / theirs['cpu_s']:.3f}")
+        lines += [f"cp={cp}: {name} step ms " + " ".join(f"{v * 1e3:.0f}" for v in side["step_all"])
+                  for name, side in (("shardkit", ours), ("torch", theirs))]
     sides = [(name, r[name]) for name in ("shardkit", "torch", "reference") if name in r]
     lines += [f"cp={cp}: {name} losses " + " ".join(f"{v:.6f}" for v in side["losses"]) for name, side in sides]
     gap = max(abs(a - b) for _, side in sides[1:] for a, b in zip(ours["losses"], side["losses"]))

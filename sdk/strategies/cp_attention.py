@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -124,16 +124,37 @@ class _RingShift(torch.autograd.Function):
 
 def _shift(t: torch.Tensor, group: Any, step: int) -> torch.Tensor:
     """Rank r sends ``t`` to r + step and receives from r - step (within ``group``)."""
+    return _post(t, group, step)()
+
+
+def _post(t: torch.Tensor, group: Any, step: int) -> Callable[[], torch.Tensor]:
+    """Starts :func:`_shift` and returns its wait, which gives the received tensor: the fused ring posts the next
+    block before computing the current one, so the transfer runs under the compute (as torch's ring does)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if size == 1 or step % size == 0:  # to itself: gloo has no pair to its own rank
-        return t
+        return lambda: t
     t = t.contiguous()
     out = torch.empty_like(t)
     ops = [dist.P2POp(dist.isend, t, dist.get_global_rank(group, (rank + step) % size), group),
            dist.P2POp(dist.irecv, out, dist.get_global_rank(group, (rank - step) % size), group)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return out
+    works = dist.batch_isend_irecv(ops)
+
+    def wait(sent: torch.Tensor = t) -> torch.Tensor:  # holds the sent tensor until the transfer is done
+        for work in works:
+            work.wait()
+        return out
+
+    return wait
+
+
+def _pack(*ts: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One flat buffer of ``ts`` (one message a ring step instead of one per tensor)."""
+    return torch.cat([t.reshape(-1).to(dtype or t.dtype) for t in ts])
+
+
+def _unpack(flat: torch.Tensor, *like: torch.Tensor) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped as ``like``, in order (the inverse of :func:`_pack`)."""
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 def _block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, m: torch.Tensor,
@@ -279,10 +300,13 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     (out in q's dtype, lse)."""
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     acc = lse = None
-    kc, vc = k, v
+    kv, incoming = _pack(k, v), None
     for step in range(ring.size):
-        if step:
-            kc, vc = _shift(kc, ring.group, 1), _shift(vc, ring.group, 1)
+        if incoming is not None:
+            kv = incoming()
+        # the next block travels while this one is computed
+        incoming = _post(kv, ring.group, 1) if step < ring.size - 1 else None
+        kc, vc = _unpack(kv, k, v)
         rows, keys, causal = _block_plan(ring, step)
         blk_out, blk_lse = _attend(kind, q[:, :, rows], kc[:, :, keys], vc[:, :, keys], causal)
         blk_out, blk_lse = blk_out.to(acc_dtype), blk_lse.to(acc_dtype).unsqueeze(-1)
@@ -304,20 +328,25 @@ def _fused_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     grad = grad.to(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
-    kc, vc = k, v
+    kv, dkv = _pack(k, v), torch.zeros(k.numel() + v.numel(), dtype=acc_dtype, device=k.device)
+    incoming = gradients = None
     for step in range(ring.size):
-        if step:
-            kc, vc, dk, dv = (_shift(t, ring.group, 1) for t in (kc, vc, dk, dv))
+        if incoming is not None:
+            kv = incoming()
+        # the next block travels under this block's compute
+        incoming = _post(kv, ring.group, 1) if step < ring.size - 1 else None
+        kc, vc = _unpack(kv, k, v)
         rows, keys, causal = _block_plan(ring, step)
         gq, gk, gv = _attend_backward(kind, grad[:, :, rows], q[:, :, rows], kc[:, :, keys], vc[:, :, keys],
                                       out[:, :, rows], lse[:, :, rows], causal)
+        if gradients is not None:  # this block's gradients from the ranks it visited before, sent under the compute
+            dkv = gradients()
         dq[:, :, rows] += gq
+        dk, dv = _unpack(dkv, k, v)
         dk[:, :, keys] += gk
         dv[:, :, keys] += gv
-    # The block held last came from rank + 1: one more shift takes its gradients home.
-    return dq, _shift(dk, ring.group, 1), _shift(dv, ring.group, 1)
+        gradients = _post(dkv, ring.group, 1)  # on with the block; after the last step, home to its owner
+    return (dq, *_unpack(gradients(), k, v))
 
 
 def _math_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
