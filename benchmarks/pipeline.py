@@ -4,6 +4,7 @@ measured against (pp - 1) / (microbatches + pp - 1).
 
     .venv/bin/python benchmarks/pipeline.py --pp 2 --microbatches 4 --rounds 5
     .venv/bin/python benchmarks/pipeline.py --mode bubble --microbatches 2 4 8 --rounds 3
+    .venv/bin/python benchmarks/pipeline.py --mode bubble --dp ddp fsdp --dp-size 2 --schedules zero_bubble
 
 Bubble measured = 1 - microbatches * (one micro-batch's forward + backward through this rank's stage, timed
 alone, no communication) / (the schedule's step time). Interleaved schedules run 2 stages per rank.
@@ -12,11 +13,14 @@ alone, no communication) / (the schedule's step time). Interleaved schedules run
 path and W ms on the weight path, so zero-bubble's split backward has a W to move), on tiny tensors, so CPU load
 on shared cores barely moves it. The bubble-free step is microbatches x (this rank's layers x (F + B + W)); the
 measured bubble is 1 - that / the step time, printed against (pp - 1) / (microbatches x stages per rank + pp - 1).
+``--dp-size N --dp ddp fsdp``: pp x N ranks, each stage replicated, then sharded with FSDP2, over N; the stage-alone
+reference then includes the FSDP all-gathers and reduce-scatter of one micro-batch over the N ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,7 +37,7 @@ from shardkit.models import Llama, LlamaConfig  # noqa: E402
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_layers=8, num_heads=4,
                      max_position=512, tie_embeddings=False, fused=False)
 BATCH, SEQ = 8, 128
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 
 
 def _ours(schedule: str, microbatches: int):
@@ -59,21 +63,22 @@ def _direct(schedule: str, microbatches: int):
 
     from shardkit.strategies._pipeline_stages import StageModule
     from shardkit.strategies.pipeline import SCHEDULES as NAMES
-    from shardkit.strategies.pipeline import stage_layers
+    from shardkit.strategies.pipeline import PipelineSettings, stage_layers
 
     torch.manual_seed(0)
     model = Llama(CONFIG)
     pp, rank = dist.get_world_size(), dist.get_rank()
-    chunks = 2 if schedule in ("interleaved_1f1b", "zero_bubble") else 1
+    settings = PipelineSettings(pp_size=pp, schedule=schedule)
+    chunks, indices = settings.chunks, settings.stage_indices(rank)
     total = pp * chunks
     ranges = stage_layers(CONFIG.num_layers, total)
     stages, params = [], []
-    for s in (rank + c * pp for c in range(chunks)):
+    for s in indices:
         part = StageModule(model.embed_tokens if s == 0 else None, [model.layers[i] for i in ranges[s]],
                            model.norm if s == total - 1 else None, model.lm_head if s == total - 1 else None)
         params += list(part.parameters())
         stages.append(pipelining.PipelineStage(part, s, total, torch.device("cpu")))
-    head, last = model.lm_head, total - 1 in [rank + c * pp for c in range(chunks)]
+    head, last = model.lm_head, total - 1 in indices
 
     def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return head(hidden[:, :-1].reshape(-1, hidden.shape[-1]), target[:, 1:].reshape(-1)) / microbatches
@@ -173,7 +178,20 @@ class SleepBlock(torch.nn.Module):
         return x @ _Sleep.apply(self.weight, 0.0, SLEEP_MS["weight_grad"])
 
 
-def bubble_worker(microbatches: list[int], rounds: int) -> dict:
+def bubble_worker(microbatches: list[int], rounds: int, schedules: tuple[str, ...] = SCHEDULES, pp: int | None = None,
+                  dps: tuple[str, ...] = ("ddp",)) -> dict:
+    """Each schedule (under each of ``dps`` when the world is over ``pp``) at each micro-batch count."""
+    world = int(os.environ["WORLD_SIZE"])  # the process group is the Runner's, made inside each run
+    pp = pp or world
+    out = {}
+    for dp in dps:
+        for schedule in schedules:
+            name = f"{schedule} x {dp}" if world > pp else schedule
+            out.update({(name, m): r for m, r in _bubble_runs(schedule, microbatches, rounds, pp, dp).items()})
+    return out
+
+
+def _bubble_runs(schedule: str, microbatches: list[int], rounds: int, pp: int, dp: str) -> dict:
     import torch.distributed as dist
 
     from shardkit.strategies.pipeline import Pipeline, bubble_fraction
@@ -182,36 +200,35 @@ def bubble_worker(microbatches: list[int], rounds: int) -> dict:
                       num_heads=2, max_position=8, tie_embeddings=False, fused=False)
     x = torch.randint(0, cfg.vocab_size, (max(microbatches), 4), generator=torch.Generator().manual_seed(0))
     out = {}
-    for schedule in SCHEDULES:
-        for m in microbatches:
-            runner = Runner(Pipeline(schedule=schedule, microbatches=m), seed=0)
-            pp = dist.get_world_size()
-            per_microbatch = SLEEP_LAYERS // pp * sum(SLEEP_MS.values()) / 1000  # this rank's layers, all chunks
-            model = Llama(cfg)
-            model.layers = torch.nn.ModuleList(SleepBlock(SLEEP_HIDDEN) for _ in range(SLEEP_LAYERS))
-            model, opt = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
-            times = []
-            for r in range(rounds + 1):  # round 0 warms up (shape inference)
-                dist.barrier()
-                start = time.perf_counter()
-                runner.backward(model(x[:m], labels=x[:m]))
-                runner.step()
-                elapsed = torch.tensor(time.perf_counter() - start)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                times.append(elapsed.item())
-            step = sorted(times[1:])[len(times[1:]) // 2]
-            alone = torch.tensor(_sleep_stage_alone(runner.strategy._runner, cfg.vocab_size))
-            dist.all_reduce(alone, op=dist.ReduceOp.MAX)
-            chunks = len(runner.strategy._runner.stages)
-            out[schedule, m] = {"step": step, "ideal": m * per_microbatch, "bubble": 1 - m * per_microbatch / step,
-                                "alone": alone.item(), "bubble_alone": 1 - m * alone.item() / step,
-                                "theory": bubble_fraction(pp, m * chunks)}
+    for m in microbatches:
+        runner = Runner(Pipeline(pp_size=pp, schedule=schedule, microbatches=m, dp=dp), seed=0)
+        per_microbatch = SLEEP_LAYERS // pp * sum(SLEEP_MS.values()) / 1000  # this rank's layers, all chunks
+        model = Llama(cfg)
+        model.layers = torch.nn.ModuleList(SleepBlock(SLEEP_HIDDEN) for _ in range(SLEEP_LAYERS))
+        model, opt = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        times = []
+        for r in range(rounds + 1):  # round 0 warms up (shape inference)
+            dist.barrier()
+            start = time.perf_counter()
+            runner.backward(model(x[:m], labels=x[:m]))
+            runner.step()
+            elapsed = torch.tensor(time.perf_counter() - start)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            times.append(elapsed.item())
+        step = sorted(times[1:])[len(times[1:]) // 2]
+        alone = torch.tensor(_sleep_stage_alone(runner.strategy._runner, cfg.vocab_size))
+        dist.all_reduce(alone, op=dist.ReduceOp.MAX)
+        chunks = len(runner.strategy._runner.stages)
+        out[m] = {"step": step, "ideal": m * per_microbatch, "bubble": 1 - m * per_microbatch / step,
+                  "alone": alone.item(), "bubble_alone": 1 - m * alone.item() / step,
+                  "theory": bubble_fraction(pp, m * chunks)}
     return out
 
 
 def _sleep_stage_alone(pipeline, vocab: int) -> float:
-    """One micro-batch's forward + backward through this rank's stages, no communication (median of 3): the
-    sleeps plus what they cost on this machine (oversleep under load, the embedding, head and Python around)."""
+    """One micro-batch's forward + backward through this rank's stages, no pipeline communication (median of 3):
+    the sleeps plus what they cost on this machine (oversleep under load, the embedding, head and Python around,
+    and under dp="fsdp" the stage's all-gathers and reduce-scatters over its dp ranks)."""
     times = []
     for _ in range(3):
         start = time.perf_counter()
@@ -225,8 +242,8 @@ def _sleep_stage_alone(pipeline, vocab: int) -> float:
     return sorted(times)[1]
 
 
-def _print_bubble(pp: int, rounds: int, res: dict) -> None:
-    print(f"pp {pp}, {SLEEP_LAYERS} sleep layers (F/B/W = {SLEEP_MS['forward']:g}/{SLEEP_MS['input_grad']:g}/"
+def _print_bubble(pp: int, rounds: int, res: dict, dp: str = "") -> None:
+    print(f"pp {pp}{dp}, {SLEEP_LAYERS} sleep layers (F/B/W = {SLEEP_MS['forward']:g}/{SLEEP_MS['input_grad']:g}/"
           f"{SLEEP_MS['weight_grad']:g} ms per micro-batch), median of {rounds} rounds")
     print("| schedule | m | step s | m x sleeps s | bubble vs sleeps | m x stage alone s | bubble vs alone | "
           "(pp-1)/(m*v+pp-1) |")
@@ -242,10 +259,15 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES), help="bubble mode")
+    parser.add_argument("--dp", nargs="+", choices=("ddp", "fsdp"), default=["ddp"],
+                        help="bubble mode: the data parallelism over --dp-size ranks (each given is run)")
+    parser.add_argument("--dp-size", type=int, default=1, help="bubble mode: data-parallel ranks per stage")
     args = parser.parse_args()
     if args.mode == "bubble":
-        res = run_distributed(bubble_worker, world_size=args.pp, args=(args.microbatches, args.rounds), timeout=3000)
-        _print_bubble(args.pp, args.rounds, res[0])
+        res = run_distributed(bubble_worker, world_size=args.pp * args.dp_size, timeout=3000,
+                              args=(args.microbatches, args.rounds, tuple(args.schedules), args.pp, tuple(args.dp)))
+        _print_bubble(args.pp, args.rounds, res[0], f" x dp {args.dp_size}" if args.dp_size > 1 else "")
         return
     res = run_distributed(worker, world_size=args.pp, args=(args.microbatches[0], args.rounds), timeout=3000)[0]
     print(f"Llama hidden {CONFIG.hidden_size}, {CONFIG.num_layers} layers, batch {BATCH} x seq {SEQ}, fp32 AdamW, "

@@ -25,6 +25,9 @@ __all__ = ["PipelineRunner", "StageModule", "WindowStage", "gather_optimizer_sta
            "own_optimizer_state"]
 
 
+_AT_LEAST_ONE_PER_STAGE = ("dualpipev",)  # torch's DualPipeV refuses fewer micro-batches than stages
+
+
 def _check_model(module: nn.Module, stages: int, split: tuple[int, ...] | None) -> ModelLayout:
     from shardkit.strategies.mesh import ParallelDims
 
@@ -57,11 +60,16 @@ class PipelineRunner:
         self.tied_shape = tuple(body.embed_tokens.weight.shape) if tied else None
         prefix = next(n + "." for n, m in module.named_modules() if m is body) if body is not module else ""
         self.tied_keys = ("lm_head.weight", f"{prefix}embed_tokens.weight")
+        if tied and shard is not None and {0, total - 1} <= set(settings.stage_indices(0)):
+            # FSDP2 would shard the one weight twice (once per stage) into two parameters that train apart.
+            raise ValueError(f"Pipeline schedule={settings.schedule!r} with dp='fsdp' runs the first and the last "
+                             "stage on pipeline rank 0, and this model ties its output head to its embedding: FSDP2 "
+                             "cannot shard one weight in two stages; use schedule='zero_bubble' (the stages apart), "
+                             "dp='ddp', or untie the embeddings")
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp_shard"].get_group()
         self.pp_rank, self.pp = dist.get_rank(self.pp_group), pp
         ranges = stage_layers(len(body.layers), total, settings.layer_split)
-        # Looped placement: rank r holds stages r, r + pp, ... (what torch's interleaved schedules expect).
-        self.indices = [self.pp_rank + c * pp for c in range(settings.chunks)]
+        self.indices = settings.stage_indices(self.pp_rank)
         first, last = 0 in self.indices, total - 1 in self.indices
         owned = {i for s in self.indices for i in ranges[s]}
         self.stages = []
@@ -77,6 +85,7 @@ class PipelineRunner:
             if not keep:
                 setattr(owner, name, None)
         self.first, self.last, self.module = first, last, module
+        self.last_pp_rank = next(r for r in range(pp) if total - 1 in settings.stage_indices(r))
         self.schedule_class = getattr(pipelining, SCHEDULES[settings.schedule])
         self._schedules: dict[int, Any] = {}
         self._batch: tuple[torch.Tensor, int] = (torch.ones(()), 1)
@@ -103,9 +112,19 @@ class PipelineRunner:
 
     def microbatches(self, batch: int, window: int) -> int:
         """Pieces a batch of ``batch`` rows is cut into: the user's ``microbatches``, else the accumulation window's
-        length (``gradient_accumulation_steps`` or ``begin_window``) when it is over 1, else ``pp_size``."""
+        length (``gradient_accumulation_steps`` or ``begin_window``) when it is over 1, else ``pp_size`` (for
+        dualpipev at least one per stage)."""
         explicit = self.settings.microbatches
         n = explicit or (window if window > 1 else self.pp)
+        stages = self.pp * self.settings.chunks
+        if self.settings.schedule in _AT_LEAST_ONE_PER_STAGE and n < stages:
+            if not explicit:
+                n = stages
+            else:
+                raise ValueError(f"Pipeline schedule={self.settings.schedule!r} needs at least one micro-batch per "
+                                 f"stage (pp_size({self.pp}) x 2 = {stages}), got microbatches={n}: set "
+                                 f"Pipeline(microbatches=...) (--strategy-opt microbatches=N) to {stages} or more, "
+                                 "with a batch size it divides")
         if batch % n == 0:
             return n
         if explicit:
@@ -131,7 +150,7 @@ class PipelineRunner:
         if self.last:
             unscaled = [self.scale_loss(torch.ones((), device=input_ids.device))] * len(losses)
             total = sum(x.detach().float() / u for x, u in zip(losses, unscaled)) * accumulation
-        last_rank = dist.get_global_rank(self.pp_group, self.pp - 1)
+        last_rank = dist.get_global_rank(self.pp_group, self.last_pp_rank)
         dist.broadcast(total, src=last_rank, group=self.pp_group)
         if sync:  # once per window: the tied copies' gradients summed on every call would count earlier calls twice
             self._sum_tied_gradient()
@@ -183,6 +202,13 @@ class WindowStage(PipelineStage):
     accumulates the next call's into them), so each FSDP unit reduce-scatters once per window, as ``dp="ddp"``
     all-reduces once. A stage that is not FSDP-sharded behaves as torch's.
 
+    Zero-bubble's split backward (an I pass for the input gradients, a W pass later for the weights') finds the
+    weights by ``submod.parameters()`` when each pass starts; FSDP2 registers the sharded parameters there once a
+    unit reshards after its forward, so torch's I pass matched none of the autograd graph's (unsharded) weights
+    and the W pass computed no weight gradient for those units (measured on pp 2 x dp_shard 2: the last stage's
+    layer and head never reduce-scattered, losses off DDP's by 7e-3 after 3 steps). This stage gathers its units
+    before each I and W pass (a unit already whole is left as it is), so both passes see the unsharded weights.
+
     Args:
         sync: whether the current call closes the accumulation window.
         *args, **kwargs: those of ``PipelineStage``.
@@ -193,6 +219,14 @@ class WindowStage(PipelineStage):
         self._window_sync = sync
 
     @override
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        """torch's backward of one micro-batch, the units of an FSDP stage gathered first for zero-bubble's I and W
+        passes (a full backward accumulates into the graph's own weights and gathers unit by unit as torch's)."""
+        if backward_type in ("input", "weight") and isinstance(self.submod, FSDPModule):
+            _unshard_stage(self.submod)
+        return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+    @override
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         # NOTE: grad_scale_factor is 1 here: PipelineRunner builds its schedules with scale_grads=False (the loss
         # carries the micro-batch's share), so no scaling waits for the deferred reduction.
@@ -200,6 +234,13 @@ class WindowStage(PipelineStage):
             _end_backward_unreduced(self.submod)
             return
         super().perform_reduce_grad(grad_scale_factor)
+
+
+def _unshard_stage(stage: FSDPModule) -> None:
+    """Gather every FSDP unit of a stage (a unit already whole is left as it is)."""
+    for module in stage.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
 
 
 def _end_backward_unreduced(module: FSDPModule) -> None:

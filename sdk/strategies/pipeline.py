@@ -45,8 +45,12 @@ from shardkit.suggest import did_you_mean
 __all__ = ["DATA_PARALLEL", "SCHEDULES", "Pipeline", "PipelineSettings", "bubble_fraction", "stage_layers"]
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-             "zero_bubble": "ScheduleInterleavedZeroBubble"}
-_MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
+             "zero_bubble": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+             "dualpipev": "ScheduleDualPipeV"}
+_MULTI_STAGE = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+# rank r holds stages r and 2 * pp_size - 1 - r (the first and the last on rank 0)
+_V_SHAPED = ("zbv", "dualpipev")
+_SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")  # weight gradients in a W pass after the input's (I)
 DATA_PARALLEL = ("ddp", "fsdp")
 
 
@@ -68,9 +72,11 @@ class PipelineSettings:
 
     Args:
         pp_size: pipeline ranks; the world size must be a multiple (the rest replicates, as DDP). None: all.
-        schedule: "gpipe", "1f1b", "interleaved_1f1b" or "zero_bubble" (interleaved zero-bubble).
+        schedule: "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble" (interleaved zero-bubble), "zbv"
+            (zero-bubble V: rank r runs stages r and 2 * pp_size - 1 - r; exactly 2 stages per rank) or
+            "dualpipev" (DeepSeek's DualPipe, V-shaped as zbv; at least 2 x pp_size micro-batches).
         microbatches: pieces each batch is cut into; the batch size must be a multiple. None: the Runner's
-            accumulation window when it is over 1, else pp_size.
+            accumulation window when it is over 1, else pp_size (dualpipev: at least 2 x pp_size).
         stages_per_rank: model chunks per rank (interleaved schedules: 2 unless given; others: 1).
         layer_split: layers per stage (pp_size * stages_per_rank of them), default equal blocks; a string
             "2,6" (as ``--strategy-opt layer_split=2,6`` gives it) is read as (2, 6).
@@ -95,12 +101,6 @@ class PipelineSettings:
         if self.dp not in DATA_PARALLEL:
             raise ValueError(f"Pipeline dp={self.dp!r} is not one of {DATA_PARALLEL}"
                              f"{did_you_mean(str(self.dp), DATA_PARALLEL)}")
-        if self.dp == "fsdp" and self.schedule == "zero_bubble":
-            # Measured: pp 2 x dp_shard 2 trained off DDP's losses by 7e-3 after 3 steps (weights by 5e-2): the
-            # deferred weight-gradient pass and FSDP2's gradient reduction do not compose in this torch.
-            raise ValueError("Pipeline schedule='zero_bubble' with dp='fsdp' is not supported (its deferred "
-                             "weight gradients miss FSDP2's reduction): use schedule='interleaved_1f1b' with "
-                             "dp='fsdp', or dp='ddp' with zero_bubble")
         if self.layer_split is not None:
             split = self.layer_split
             if isinstance(split, str):
@@ -115,6 +115,9 @@ class PipelineSettings:
                 raise ValueError(f"Pipeline layer_split={self.layer_split} gives {len(self.layer_split)} stages; "
                                  f"pp_size({self.pp_size}) x stages_per_rank({self.chunks}) = {stages} are run: give "
                                  f"{stages} layer counts")
+        if self.schedule in _V_SHAPED and self.stages_per_rank not in (None, 2):
+            raise ValueError(f"Pipeline stages_per_rank={self.stages_per_rank}: schedule={self.schedule!r} runs "
+                             "exactly 2 stages per rank (r and 2 * pp_size - 1 - r); leave stages_per_rank unset")
         if self.stages_per_rank not in (None, 1) and self.schedule not in _MULTI_STAGE:
             raise ValueError(f"Pipeline stages_per_rank={self.stages_per_rank} needs an interleaved schedule "
                              f"({', '.join(_MULTI_STAGE)}); {self.schedule!r} runs one stage per rank")
@@ -123,6 +126,13 @@ class PipelineSettings:
     def chunks(self) -> int:
         """Stages each rank holds."""
         return self.stages_per_rank or (2 if self.schedule in _MULTI_STAGE else 1)
+
+    def stage_indices(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank ``pp_rank`` runs: looped (r, r + pp, ...) or, for V schedules, r and
+        2 * pp - 1 - r (what torch's schedules expect)."""
+        if self.schedule in _V_SHAPED:
+            return [pp_rank, 2 * self.pp_size - 1 - pp_rank]
+        return [pp_rank + c * self.pp_size for c in range(self.chunks)]
 
 
 class Pipeline(ProcessGroupStrategy):
@@ -219,7 +229,13 @@ class Pipeline(ProcessGroupStrategy):
         policy = _mesh.mp_policy(self.precision)
         mesh = self.mesh["dp_shard"]
         units = [*stage.layers, *([stage.head] if stage.head is not None else [])]
-        _mesh.shard_bottom_up(stage, units, mesh=mesh, mp_policy=policy)
+        # Zero-bubble's W pass needs the units gathered (WindowStage): a unit resharded after each forward would be
+        # gathered again for the W of every micro-batch whose stage ran a forward since its I. Kept whole from the
+        # first forward to the step's reduction: 48 all-gathers instead of 212 on pp rank 0 of pp 2 x dp_shard 2
+        # (the bubble benchmark's zero_bubble runs at 4 and 8 micro-batches, 4 steps each), at the cost of the
+        # stage's whole weights held through the step (one stage of pp_size x stages_per_rank).
+        keep_whole = self.settings.schedule in _SPLIT_BACKWARD
+        _mesh.shard_bottom_up(stage, units, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep_whole)
 
     def _loss_scale(self) -> tuple[int, bool]:
         return self._window, self._sync

@@ -8,6 +8,7 @@ training (FSDP shards gathered whole) and, under ``dp="fsdp"``, the reduce-scatt
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -114,10 +115,36 @@ def train(strategy: Any, accumulation: int = 1, window: int | None = None, model
             "sharded": sharded, "reduce_scatters": {k: n for k, (n,) in reduce_scatters.items()}}
 
 
-def pp_worker(cases: list[dict], resumes: dict[str, tuple[dict, dict]], root: str) -> dict:
+def _reshard_after_forward() -> Any:
+    """FSDP2 units that reshard after every forward, whatever the Pipeline asks (zero-bubble stages keep theirs
+    whole): the stage must still find the graph's weights in its I and W passes."""
+    from unittest import mock
+
+    from shardkit.strategies import _mesh
+
+    shard = _mesh.shard_bottom_up
+    return mock.patch.object(_mesh, "shard_bottom_up",
+                             lambda *args, **kwargs: shard(*args, **{**kwargs, "reshard_after_forward": True}))
+
+
+def refusal(strategy: Any, model: str) -> str:
+    """The ValueError ``runner.setup`` raises for a layout it refuses ("" when it sets up)."""
+    runner = Runner(strategy, seed=0)
+    with runner.init_module():
+        module = build(model)
+    try:
+        runner.setup(module, torch.optim.SGD(module.parameters(), lr=0.5))
+    except ValueError as err:
+        return str(err)
+    return ""
+
+
+def pp_worker(cases: list[dict], resumes: dict[str, tuple[dict, dict]], root: str,
+              refusals: dict[str, tuple[dict, str, str]] | None = None) -> dict:
     """DDP's run, then each case (Pipeline keyword arguments, ``accumulation``, ``window`` and ``model`` apart) on
     the same batches; a case's name ends in the micro-batches per window (``accumulation=N``). Then each of
-    ``resumes`` (name: the Pipeline arguments saving and those resuming, see layout_workers.resume_case)."""
+    ``resumes`` (name: the Pipeline arguments saving and those resuming, see layout_workers.resume_case), and
+    each of ``refusals`` (name: Pipeline arguments, model, the words expected): the error its setup raised."""
     from layout_workers import resume_case
 
     from shardkit.strategies import DDP
@@ -132,8 +159,12 @@ def pp_worker(cases: list[dict], resumes: dict[str, tuple[dict, dict]], root: st
         kw = dict(kw)
         accumulation, window = kw.pop("accumulation", 1), kw.pop("window", None)
         model, abandon = kw.pop("model", "llama"), kw.pop("abandon", False)
+        resharding = kw.pop("reshard_after_forward", False)
         name = f"{model} {sorted(kw.items())!r}" + (f" short window of ga={accumulation}," if window else "")
         name += " abandoned first window," if abandon else ""
-        out[name + f" accumulation={window or accumulation}"] = train(Pipeline(**kw), accumulation, window, model,
-                                                                      abandon)
-    return {"cases": out, "resumed": resumed}
+        name += " units resharded after forward," if resharding else ""
+        with _reshard_after_forward() if resharding else contextlib.nullcontext():
+            out[name + f" accumulation={window or accumulation}"] = train(Pipeline(**kw), accumulation, window,
+                                                                          model, abandon)
+    refused = {name: refusal(Pipeline(**kw), model) for name, (kw, model, _) in (refusals or {}).items()}
+    return {"cases": out, "resumed": resumed, "refused": refused}

@@ -1,6 +1,7 @@
 """Pipeline parallelism on 2 and 4 CPU ranks: each schedule's losses and weights equal DDP's (a short accumulation
 window included); HF LlamaForCausalLM stages (tied head, a user's split) on 2; pp x dp on 4, with the stages
-replicated (DDP) or sharded with FSDP2 over dp_shard, whose units reduce-scatter once per accumulation window.
+replicated (DDP) or sharded with FSDP2 over dp_shard (zero-bubble included), whose units reduce-scatter once per
+accumulation window.
 
 One launch per world size runs DDP and every case in one process group.
 """
@@ -13,7 +14,9 @@ from harness import run_distributed
 from pp_workers import STEPS, pp_worker
 
 SCHEDULES = [{"schedule": "gpipe"}, {"schedule": "1f1b", "microbatches": 4},
-             {"schedule": "interleaved_1f1b", "microbatches": 4}, {"schedule": "zero_bubble", "microbatches": 4}]
+             {"schedule": "interleaved_1f1b", "microbatches": 4}, {"schedule": "zero_bubble", "microbatches": 4},
+             # V placement: rank 0 runs the first and the last stage, so the tied head's two uses share one weight.
+             {"model": "hf_tied", "schedule": "zbv", "microbatches": 4}]
 CASES = {
     # The window case: gradient_accumulation_steps=4 but every window 2 micro-batches long (begin_window), as
     # DDP's 2-micro-batch windows: the pipeline's loss must be scaled by the window, not by 4.
@@ -27,14 +30,26 @@ CASES = {
         # Windows of 2 calls under FSDP: the tied head's gradient summed across stages once per window.
         {"model": "hf_tied", "schedule": "1f1b", "pp_size": 2, "dp": "fsdp", "accumulation": 2},
         # An abandoned first window's unreduced FSDP gradients are dropped (the run equals DDP's without them).
-        {"schedule": "interleaved_1f1b", "pp_size": 2, "dp": "fsdp", "accumulation": 2, "abandon": True}],
+        {"schedule": "interleaved_1f1b", "pp_size": 2, "dp": "fsdp", "accumulation": 2, "abandon": True},
+        # Zero-bubble's weight passes (W) under FSDP, windows of 2 calls, tied head: every unit's weight gradient
+        # counted (the stages stay whole from forward to reduction) and reduced once per window.
+        {"model": "hf_tied", "schedule": "zero_bubble", "pp_size": 2, "dp": "fsdp", "accumulation": 2},
+        {"schedule": "zbv", "pp_size": 2, "dp": "fsdp", "accumulation": 2},
+        # Units that reshard after each forward (FSDP2's default): torch's I pass alone misses their weights
+        # (losses off DDP's by 7e-3), WindowStage gathers them before each I and W pass.
+        {"schedule": "zero_bubble", "pp_size": 2, "dp": "fsdp", "microbatches": 4, "reshard_after_forward": True},
+        {"schedule": "dualpipev", "pp_size": 2, "dp": "fsdp"}],
 }
 # Micro-batches each case's schedules ran with no microbatches given: the accumulation window's length when it is
-# over 1 (the short window's 2, not gradient_accumulation_steps' 4), else pp_size.
+# over 1 (the short window's 2, not gradient_accumulation_steps' 4), else pp_size (dualpipev: one per stage).
 WINDOW_MICROBATCHES = {"'1f1b')] accumulation=2": [2], "short window of ga=4, accumulation=2": [2],
                        "('layer_split', '1,3'), ('schedule', 'gpipe')] accumulation=1": [2],
-                       "('schedule', 'interleaved_1f1b')] abandoned first window, accumulation=2": [2]}
+                       "('schedule', 'interleaved_1f1b')] abandoned first window, accumulation=2": [2],
+                       "('schedule', 'dualpipev')] accumulation=1": [4]}
 TOL = dict(rtol=1e-5, atol=1e-5)
+# Layouts refused at setup (name: Pipeline arguments, model), each with the words its error must hold.
+REFUSALS = {4: {"zbv x fsdp, tied head": ({"schedule": "zbv", "pp_size": 2, "dp": "fsdp"}, "hf_tied",
+                                          "cannot shard one weight in two stages; use schedule='zero_bubble'")}}
 
 
 # Checkpoints of sharded stages: saved under pp 2 x FSDP 2, resumed under pp 2 x DDP 2, and from pp 1 into it.
@@ -45,8 +60,9 @@ RESUMES = {4: {"pp2 x fsdp2 -> pp2 x ddp2": ({"pp_size": 2, "dp": "fsdp"}, {"pp_
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("pp_layouts"))
-    return {world: run_distributed(pp_worker, world_size=world, args=(cases, RESUMES.get(world, {}), root),
-                                   timeout=600) for world, cases in CASES.items()}
+    return {world: run_distributed(pp_worker, world_size=world, timeout=600,
+                                   args=(cases, RESUMES.get(world, {}), root, REFUSALS.get(world, {})))
+            for world, cases in CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +127,10 @@ def test_sharded_stages_resume_under_another_layout(launches, case):
         torch.testing.assert_close(torch.tensor(got["resumed"]), torch.tensor(got["uninterrupted"]), **TOL,
                                    msg=lambda m, r=rank: f"rank {r} {case}: resumed losses differ: {m}")
     assert launches[4][0]["resumed"][case]["consolidated"], f"{case}: zero-to-fp32's reader differs from the model"
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS[4]))
+def test_unsupported_layouts_are_refused_by_name(launches, case):
+    words = REFUSALS[4][case][2]
+    for rank, per_rank in enumerate(launches[4]):
+        assert words in per_rank["refused"][case], f"rank {rank} {case}: {per_rank['refused'][case]}"

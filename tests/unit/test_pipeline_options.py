@@ -29,8 +29,8 @@ def test_layer_split_and_dp_from_strategy_opt():
     (["layer_split=1,2,1", "pp_size=2"], r"gives 3 stages; pp_size\(2\) x stages_per_rank\(1\) = 2 are run"),
     (["layer_split=1,1,1", "pp_size=2", "schedule=interleaved_1f1b"], r"pp_size\(2\) x stages_per_rank\(2\) = 4"),
     (["dp=fdsp"], r"dp='fdsp' is not one of \('ddp', 'fsdp'\); did you mean 'fsdp'"),
-    (["dp=fsdp", "schedule=zero_bubble"], r"schedule='zero_bubble' with dp='fsdp' is not supported.*use "
-                                          r"schedule='interleaved_1f1b'"),
+    (["schedule=zbv", "stages_per_rank=3"], r"stages_per_rank=3: schedule='zbv' runs exactly 2 stages per rank"),
+    (["schedule=zvb"], r"schedule='zvb' is not one of .*did you mean 'zbv'"),
 ])
 def test_bad_pipeline_options_are_named(options, message):
     with pytest.raises(ValueError, match=message):
@@ -52,6 +52,15 @@ def test_microbatches_come_from_the_window_unless_given():
     with pytest.raises(ValueError, match=r"batch size\(6\) % microbatches\(4\) != 0; use a batch size that is a "
                                          r"multiple of 4"):
         count(_runner(4), 6, 1)
+    def dualpipe(microbatches: int | None) -> SimpleNamespace:
+        return SimpleNamespace(settings=PipelineSettings(pp_size=2, schedule="dualpipev", microbatches=microbatches),
+                               pp=2)
+
+    assert (count(dualpipe(None), 8, 1), count(dualpipe(None), 8, 2), count(dualpipe(None), 16, 8)) == (4, 4, 8)
+    with pytest.raises(ValueError, match=r"schedule='dualpipev' needs at least one micro-batch per stage "
+                                         r"\(pp_size\(2\) x 2 = 4\), got microbatches=2: set "
+                                         r"Pipeline\(microbatches=...\)"):
+        count(dualpipe(2), 8, 1)
 
 
 def _hf_config(name: str, **kw):
@@ -87,3 +96,11 @@ def test_a_pipeline_forward_refuses_extra_tensor_arguments_by_name():
                   {"output_hidden_states": True}):
         with pytest.raises(NotImplementedError, match=f"got \\['{next(iter(extra))}'\\]"):
             _pipeline_forward(SimpleNamespace(_shardkit_pipeline=None), ids, labels=ids, **extra)
+
+
+def test_stage_placement_is_looped_or_v_shaped():
+    looped = PipelineSettings(pp_size=4, schedule="interleaved_1f1b")
+    v = PipelineSettings(pp_size=4, schedule="zbv")
+    assert [looped.stage_indices(r) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [v.stage_indices(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert PipelineSettings(pp_size=2, schedule="1f1b").stage_indices(1) == [1]
