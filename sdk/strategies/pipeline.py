@@ -266,11 +266,24 @@ class Pipeline(ProcessGroupStrategy):
         """Clip by the norm over every stage's gradients (each rank holds its stage's, whole or FSDP shards)."""
         self.precision.unscale_gradients(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        norm = _stage_norm(params, norm_type, self.mesh["pp"].get_group())
+        # A tied embedding/head has a copy on the first stage and one on the last, both holding the summed gradient:
+        # counted once (the first stage's), as the unsplit model's parameters() does. Counted twice, the tiny tied
+        # Llama of tests/contract clipped by a norm 1.35x DDP's.
+        copy = self._runner.module.lm_head.weight if self._tied_copy() else None
+        counted = [p for p in params if p is not copy]
+        norm = _stage_norm(counted, norm_type, self.mesh["pp"].get_group())
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in params:
             _mesh.local_tensor(p.grad).mul_(scale)
         return norm
+
+    def _tied_copy(self) -> tuple[str, str] | None:
+        """(this rank's name for it, the unsplit model's name for it) where this rank holds the last stage's copy of a
+        tied embedding/head weight and not the first stage's (which goes by the unsplit model's name); else None."""
+        runner = self._runner
+        if runner.tied_shape is None or not runner.last or runner.first:
+            return None
+        return runner.tied_keys
 
     @override
     def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
@@ -327,8 +340,15 @@ class Pipeline(ProcessGroupStrategy):
                        module: nn.Module) -> None:
         from shardkit.strategies._pipeline_stages import gather_optimizer_state
 
-        merged = gather_optimizer_state(self._runner, ckpt.optimizer_state_by_name(optimizer, module))
-        if self.is_global_zero:
+        state = ckpt.optimizer_state_by_name(optimizer, module)
+        copy = self._tied_copy()
+        if copy is not None:  # the first stage's copy steps alike (same summed gradient): saved once, as unsplit
+            state = _without(state, copy[0])
+        merged = gather_optimizer_state(self._runner, state)
+        if self.is_global_zero:  # the unsplit model's parameter order, whatever stages each rank holds
+            order = {key: i for i, key in enumerate(self._runner.keys)}
+            for group in merged["param_groups"]:
+                group["params"].sort(key=lambda n: order.get(n, len(order)))
             writer.write_state(name, merged)
 
     @override
@@ -338,7 +358,10 @@ class Pipeline(ProcessGroupStrategy):
         from shardkit.strategies._sharded_state import read_full_optimizer_state, slice_full
 
         params = dict(module.named_parameters())
-        state = own_optimizer_state(read_full_optimizer_state(reader, name), set(params))
+        full, copy = read_full_optimizer_state(reader, name), self._tied_copy()
+        if copy is not None:  # the last stage's copy of a tied weight loads the state saved under the unsplit name
+            full = _with_alias(full, *copy)
+        state = own_optimizer_state(full, set(params))
         if self.sharded:  # each rank keeps its FSDP shard of the whole tensors
             state["state"] = {n: {k: slice_full(v, params[n]) if isinstance(v, torch.Tensor) and v.dim() else v
                                   for k, v in st.items()} for n, st in state["state"].items()}
@@ -353,6 +376,23 @@ class Pipeline(ProcessGroupStrategy):
     def __repr__(self) -> str:
         return (f"Pipeline(pp_size={self.settings.pp_size}, schedule={self.settings.schedule!r}, "
                 f"dp={self.settings.dp!r}, device={self._device})")
+
+
+def _without(state: dict[str, Any], key: str) -> dict[str, Any]:
+    """An optimizer state by name without parameter ``key``."""
+    return {"state": {n: st for n, st in state["state"].items() if n != key},
+            "param_groups": [dict(g, params=[n for n in g["params"] if n != key]) for g in state["param_groups"]]}
+
+
+def _with_alias(state: dict[str, Any], alias: str, key: str) -> dict[str, Any]:
+    """An optimizer state by name where parameter ``alias`` also holds ``key``'s state (and group), unless the
+    checkpoint has its own entry for it (a save before the tied copy was saved once)."""
+    if any(alias in g["params"] for g in state["param_groups"]):
+        return state
+    own = {alias: state["state"][key]} if key in state["state"] else {}
+    return {"state": {**state["state"], **own},
+            "param_groups": [dict(g, params=[*g["params"], alias]) if key in g["params"] else g
+                             for g in state["param_groups"]]}
 
 
 def _stage_norm(params: list[torch.Tensor], norm_type: float, group: Any) -> torch.Tensor:

@@ -21,12 +21,13 @@ from typing import Any, Callable
 
 import torch
 from torch.utils.data import DataLoader
+from typing_extensions import override
 from workloads import full_state
 
 from shardkit import FP16, Runner
 from shardkit.models import ByteTextDataset, Llama, LlamaConfig
 
-__all__ = ["CHECKS", "contract_worker", "reload_worker", "strategy_names", "build_strategy"]
+__all__ = ["CHECKS", "contract_worker", "reload_worker", "strategy_names", "build_strategy", "whole_weights"]
 
 TEXT = Path(__file__).resolve().parents[2] / "examples" / "data" / "public_domain.txt"
 # Tiny on purpose (37k parameters): every check is about agreement, not scale. 4 heads so that TP splits them.
@@ -100,13 +101,26 @@ def single_device_reference() -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def whole_weights(runner: Runner, model) -> dict[str, torch.Tensor]:
+    """The model's full fp32 weights as plain CPU tensors: on every rank through ``gathered_parameters`` where
+    the strategy gives whole parameters; where it refuses (NotImplementedError: a pipeline rank holds only its
+    stages) the whole state dict streamed by ``iter_full_state_dict`` to the main rank, and {} on the others.
+    The test knows which strategies refuse (test_strategy_contract.REFUSALS) and which ranks hold weights."""
+    try:
+        return full_state(runner, model)
+    except NotImplementedError:
+        return {k: v.detach().float().cpu().clone() for k, v in runner.iter_full_state_dict(model)}
+
+
 def _guarded(fn: Callable[[], Any], seconds: dict[str, float], check: str) -> Any:
-    """Run one check; an exception becomes its result, so the other checks still run and report."""
+    """Run one check; an exception becomes its result (its type and message apart, for the test to match a
+    documented refusal), so the other checks still run and report."""
     start = time.perf_counter()
     try:
         return fn()
     except Exception as err:  # noqa: BLE001 - reported to the test, which fails that check with it
-        return {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc()}"}
+        return {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc()}", "error_type": type(err).__name__,
+                "message": str(err)}
     finally:
         seconds[check] = round(time.perf_counter() - start, 2)
 
@@ -114,18 +128,38 @@ def _guarded(fn: Callable[[], Any], seconds: dict[str, float], check: str) -> An
 # ---- checks on one model: init, whole parameters, streamed state dict -----------------------------------
 
 
-def init_and_gathered(name: str, reference: dict[str, torch.Tensor]) -> dict:
-    """init_module's weights, gathered_parameters and iter_full_state_dict on one set-up model."""
-    from test_init_parity import LiveBytes
-
+def init_and_gathered(name: str, reference: dict[str, torch.Tensor], seconds: dict[str, float]) -> dict:
+    """init_module's weights, gathered_parameters and iter_full_state_dict on one set-up model; gathered runs
+    guarded on its own, so a strategy that refuses it (by name, as Pipeline does) still reports its init."""
     runner = Runner(build_strategy(name), seed=0)
     model, _ = setup_training(runner)
-    probe = LiveBytes()
+    probe = _stream_probe(runner.unwrap_model(model))
     with probe:
         state = dict(runner.iter_full_state_dict(model))
     init = {"state": state, "main": runner.is_main_process, "stream_peak": probe.peak,
-            "model_bytes": 4 * _numel()}
-    return {"init": init, "gathered": _gathered(runner, model, reference)}
+            "stream_new_peak": probe.new_peak, "model_bytes": 4 * _numel()}
+    return {"init": init, "gathered": _guarded(lambda: _gathered(runner, model, reference), seconds, "gathered")}
+
+
+def _stream_probe(module: torch.nn.Module):
+    """test_init_parity's LiveBytes (the peak of the storages torch ops return inside the block, views of held
+    tensors included), that also keeps ``new_peak``: the storages this rank did not hold before the block. A
+    pipeline rank holds its stages whole, and its state dict's views of them allocate nothing."""
+    from test_init_parity import LiveBytes
+
+    held = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+            for p in (*module.parameters(), *module.buffers())}
+
+    class NewBytes(LiveBytes):
+        new_peak = 0
+
+        @override
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.new_peak = max(self.new_peak, sum(n for ptr, (_, n) in self.live.items() if ptr not in held))
+            return out
+
+    return NewBytes()
 
 
 def _numel() -> int:
@@ -166,7 +200,7 @@ def train_parity(strategy, steps: int = PARITY_STEPS) -> dict:
         runner.backward(loss)
         runner.step()
         losses.append(global_mean(runner, loss))
-    return {"losses": losses, "weights": full_state(runner, model)}
+    return {"losses": losses, "weights": whole_weights(runner, model)}
 
 
 def train_accumulate_clip(strategy) -> dict:
@@ -185,7 +219,7 @@ def train_accumulate_clip(strategy) -> dict:
             norm_types.add((type(norm).__name__, norm.dim()))
             norms.append(float(norm))
     return {"losses": losses, "norms": norms, "norm_types": sorted(norm_types),
-            "weights": full_state(runner, model), "steps": runner.optimizer_steps}
+            "weights": whole_weights(runner, model), "steps": runner.optimizer_steps}
 
 
 # ---- FP16 overflow --------------------------------------------------------------------------------------
@@ -208,7 +242,7 @@ def fp16_overflow(name: str) -> dict:
     runner.backward(model(x, labels=x))
     shows_grads = any(p.grad is not None for p in model.parameters())  # DeepSpeed keeps them in its engine
     first = runner.step()
-    before = full_state(runner, model)
+    before = whole_weights(runner, model)
     last = runner.rank == runner.world_size - 1
     loss = model(x, labels=x)
     where = "none"
@@ -218,9 +252,10 @@ def fp16_overflow(name: str) -> dict:
     if last and shows_grads:
         where = _inf_into_grad(model)
     stepped = runner.step()
-    after = full_state(runner, model)
+    after = whole_weights(runner, model)
     return {"first": first, "stepped": stepped, "scale": runner.precision.current_loss_scale, "where": where,
-            "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+            "unchanged": before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before),
+            "compared": sorted(before)}
 
 
 def _inf_into_grad(model) -> str:
@@ -276,11 +311,11 @@ def exact_resume(name: str, root: str) -> dict:
     straight = _train_steps(runner, model, batches_left, RESUME_STEPS)
     state["step"] = RESUME_STEPS
     runner.save(where / "mid", state, blocking=False)
-    at_save = full_state(runner, model)
+    at_save = whole_weights(runner, model)
     straight += _train_steps(runner, model, batches_left, RESUME_STEPS)
     state["step"] = 2 * RESUME_STEPS
     runner.save(where / "straight", state, blocking=False)
-    weights = full_state(runner, model)
+    weights = whole_weights(runner, model)
     runner.wait_for_save()
 
     torch.manual_seed(1234)  # whatever the RNG holds now, the load must restore the saved one
@@ -289,7 +324,7 @@ def exact_resume(name: str, root: str) -> dict:
     resumed = _train_steps(runner2, model2, iter(loader2), RESUME_STEPS)
     state2["step"] = 2 * RESUME_STEPS
     runner2.save(where / "resumed", state2, blocking=False)
-    resumed_weights = full_state(runner2, model2)
+    resumed_weights = whole_weights(runner2, model2)
     runner2.wait_for_save()
     return {"straight": straight, "resumed": resumed, "loaded_step": values["step"], "dir": str(where),
             "saved_world_size": runner.world_size, "weights_at_save": at_save, "weights": weights,
@@ -338,7 +373,7 @@ def contract_worker(name: str, root: str) -> dict:
     seconds: dict[str, float] = {}
     reference = single_device_reference()
     out: dict = {"name": name, "reference": reference, "seconds": seconds}
-    first = _guarded(lambda: init_and_gathered(name, reference), seconds, "init+gathered")
+    first = _guarded(lambda: init_and_gathered(name, reference, seconds), seconds, "init+gathered")
     out["init"], out["gathered"] = (first, first) if "error" in first else (first["init"], first["gathered"])
     out["fp32_losses"] = _guarded(lambda: train_parity(build_strategy(name)), seconds, "fp32_losses")
     out["accumulation_clipping"] = _guarded(lambda: train_accumulate_clip(build_strategy(name)), seconds,
@@ -389,7 +424,7 @@ def reload_worker(name: str, path: str) -> dict:
         values = runner.load(path, state)
     except Exception as err:  # noqa: BLE001 - compared with the strategy's documented error by the test
         return {"error_type": type(err).__name__, "error": str(err)}
-    weights = full_state(runner, model)
+    weights = whole_weights(runner, model)
     again = Path(path).parent / "reloaded-1-rank"
     runner.save(again, state, blocking=False)  # written while the next step runs
     x = batches(1)[0]

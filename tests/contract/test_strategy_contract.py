@@ -3,14 +3,19 @@ ranks (gloo) in ONE process group per strategy (plus one 1-rank launch for the r
 
 - ``init_module()`` builds SingleDevice's initial weights bitwise (same seed);
 - ``gathered_parameters`` yields plain whole tensors equal to SingleDevice's, rank 0's writes under
-  ``modifier_rank=0`` are kept, and ``iter_full_state_dict`` streams the full state dict to rank 0 one
-  module at a time;
+  ``modifier_rank=0`` are kept (or, for a strategy in ``REFUSALS``, it refuses by name, naming the
+  alternative), and ``iter_full_state_dict`` streams the full state dict to rank 0 one module at a time;
 - FP32 losses and weights equal DDP's; gradient accumulation and clipping (norms, losses, weights) equal DDP's;
 - an FP16 overflow on one rank skips the step on every rank and halves the loss scale (where the engine
   has FP16 on this device; else a skip quoting the engine's own error);
 - save then exact resume: losses, weights and the whole next checkpoint equal the uninterrupted run's;
 - a 2-rank save loads on 1 rank (the same strategy), saves the same state again and steps;
-- greedy generation gives SingleDevice's tokens, with different requests per data-parallel rank.
+- greedy generation gives SingleDevice's tokens, with different requests per data-parallel rank (or, for a
+  strategy in ``REFUSALS``, refuses by name).
+
+Weights are compared whole: on every rank where the strategy gathers parameters, else (it refuses
+``gathered_parameters``: Pipeline, whose ranks hold only their stages) on the main rank, from the state dict
+``iter_full_state_dict`` streams there, and every other rank must hold none.
 
 Tolerances are those of each engine's own parity tests (bitwise where those assert bitwise); a strategy with
 no entry in the tables gets the common one. ``KNOWN_FAILURES`` marks a real, reported bug as a strict xfail of
@@ -55,24 +60,17 @@ TOLERANCE = {
     # sums its matmuls: gradients agree to ~1e-7 (test_context_parallel.py), AdamW's 5 steps amplify it.
     "cp": {"losses": (1e-5, 1e-5), "norms": (1e-5, 1e-5), "weights": (1e-4, 5e-5)},
 }
-# (strategy, test) -> why that contract point does not apply to the strategy: skipped with the reason.
-_PP_SPLIT = ("each pipeline rank holds only its stages' parameters, so no parameter list means the same on every "
-             "rank: Pipeline.gathered_parameters refuses by name (runner.iter_full_state_dict and checkpoints give "
-             "the whole model)")
-NOT_APPLICABLE: dict[tuple[str, str], str] = {
-    ("pp", "init"): f"the check reads init and gathered_parameters in one run; {_PP_SPLIT}",
-    ("pp", "gathered"): _PP_SPLIT,
-    # The checks below read each rank's whole weights through gathered_parameters and compare them across
-    # ranks; a pipeline rank has only its stages'. test_pipeline.py checks the same points rank by rank: each
-    # schedule's losses and held weights equal DDP's (with accumulation, pp x dp); test_parallel_layouts.py
-    # resumes pp 2 -> 1 and 1 -> 2 with the uninterrupted losses.
-    ("pp", "fp32_losses"): _PP_SPLIT,
-    ("pp", "accumulation_clipping"): _PP_SPLIT,
-    ("pp", "fp16_overflow"): _PP_SPLIT,
-    ("pp", "resume"): _PP_SPLIT,
-    ("pp", "reload"): _PP_SPLIT,
-    ("pp", "generation"): ("a pipeline-split model refuses a forward without labels by name (NotImplementedError); "
-                           "generate under a single-device or FSDP strategy from a checkpoint"),
+# (strategy, test) -> why that contract point does not apply to the strategy: skipped with the reason. Empty
+# today: every check applies to every registered strategy (a refusal by name is asserted, see REFUSALS).
+NOT_APPLICABLE: dict[tuple[str, str], str] = {}
+# (strategy, check of contract_workers.CHECKS) -> (error type, texts its message must contain) where the strategy
+# refuses that contract point by design: every rank must raise it, naming the strategy and the alternative (the
+# test fails once the point works, so that the entry goes and the full check runs).
+REFUSALS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
+    # Each pipeline rank holds only its stages' parameters, so no parameter list means the same on every rank.
+    ("pp", "gathered"): ("NotImplementedError", ("Pipeline", "runner.iter_full_state_dict(model)")),
+    # A pipeline-split model runs only model(input_ids, labels=...) (the schedule's forward and backward).
+    ("pp", "generation"): ("NotImplementedError", ("Pipeline", "generation", "single-device or FSDP strategy")),
 }
 # (strategy, test: a check of contract_workers.CHECKS or "reload") -> reason: a real bug (or engine limitation)
 # reported to the lead, marked as a strict xfail of that one case so that its fix shows up as an XPASS failure.
@@ -108,19 +106,44 @@ def contract(request, tmp_path_factory):
     return {"name": name, "ranks": results, "reload": reload}
 
 
-def _check(contract, request, check: str, test: str | None = None) -> list:
+def _check(contract, request, check: str, test: str | None = None) -> list | None:
     """Each rank's result of ``check``; a check that raised fails here with its traceback. ``test`` (default:
-    ``check``) names this test in KNOWN_FAILURES, for a test that reads another check's results."""
+    ``check``) names this test in KNOWN_FAILURES, for a test that reads another check's results. None where the
+    strategy refuses the check by design (REFUSALS), once every rank is seen to raise that refusal."""
     name = contract["name"]
     if (name, test or check) in NOT_APPLICABLE:
         pytest.skip(f"{name}: {NOT_APPLICABLE[(name, test or check)]}")
     if (name, test or check) in KNOWN_FAILURES:
         request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[(name, test or check)]))
     results = [r[check] for r in contract["ranks"]]
+    if (name, check) in REFUSALS:  # the check's own refusal, whichever test reads it
+        _assert_refused(name, check, results, *REFUSALS[(name, check)])
+        return None
     for rank, r in enumerate(results):
         if isinstance(r, dict) and "error" in r:
             pytest.fail(f"{name}: {check} raised on rank {rank}:\n{r['error']}", pytrace=False)
     return results
+
+
+def _assert_refused(name: str, check: str, results: list, error_type: str, texts: tuple[str, ...]) -> None:
+    for rank, r in enumerate(results):
+        assert isinstance(r, dict) and "error_type" in r, f"{name} rank {rank}: {check} no longer refuses; drop it " \
+                                                          "from REFUSALS so that the contract checks it"
+        assert r["error_type"] == error_type, f"{name} rank {rank}: {check} raised, not the refusal:\n{r['error']}"
+        missing = [t for t in texts if t not in r["message"]]
+        assert not missing, f"{name} rank {rank}: {check}'s refusal does not name {missing}: {r['message']!r}"
+
+
+def _holders(contract) -> list[int]:
+    """The ranks that hold whole weights: every rank, or only the main one (global rank 0, where
+    iter_full_state_dict streams) for a strategy that refuses gathered_parameters."""
+    return [0] if (contract["name"], "gathered") in REFUSALS else list(range(len(contract["ranks"])))
+
+
+def _assert_held(contract, rank: int, weights: dict, what: str) -> None:
+    """``weights`` (one rank's result) hold the whole model on a holder rank, nothing on the others."""
+    want = list(contract["ranks"][0]["reference"]) if rank in _holders(contract) else []
+    assert sorted(weights) == sorted(want), f"{contract['name']} rank {rank}: {what} hold {sorted(weights)[:5]}"
 
 
 def _close(got, want, tol, what: str) -> None:
@@ -181,7 +204,7 @@ def test_init_module_gives_single_device_weights_bitwise(contract, request):
 
 def test_gathered_parameters_and_streamed_state_dict(contract, request):
     name, results = contract["name"], _check(contract, request, "gathered")
-    for rank, r in enumerate(results):
+    for rank, r in enumerate(results or ()):  # None: refused by name (REFUSALS), which _check asserted
         assert set(r["types"]) <= {"Parameter", "Tensor"}, f"{name}: yielded {r['types']}, not plain tensors"
         assert not r["differ"], f"{name} rank {rank}: gathered tensors differ from SingleDevice's: {r['differ'][:5]}"
         assert r["flat_numel"] == r["model_numel"] == r["module_flat_numel"], (name, rank, r)
@@ -190,8 +213,10 @@ def test_gathered_parameters_and_streamed_state_dict(contract, request):
         for key, tensor in init["state"].items():
             assert tensor.device.type == "cpu" and type(tensor) is torch.Tensor, f"{name}: streamed {key}"
         if not init["main"]:
-            # One module gathered at a time and nothing kept: far below the whole model on non-main ranks.
-            assert init["stream_peak"] < 0.5 * init["model_bytes"], (name, rank, init["stream_peak"])
+            # One module gathered at a time and nothing kept: far below the whole model on non-main ranks. A
+            # rank that holds whole parameters of its own (its stages: REFUSALS) counts only new storages.
+            peak = init["stream_new_peak" if (name, "gathered") in REFUSALS else "stream_peak"]
+            assert peak < 0.5 * init["model_bytes"], (name, rank, peak)
 
 
 def test_fp32_losses_equal_ddp(contract, request):
@@ -200,6 +225,7 @@ def test_fp32_losses_equal_ddp(contract, request):
         ddp = contract["ranks"][rank]["ddp"]["fp32_losses"]
         assert r["losses"][-1] < r["losses"][0] - 0.05, f"{name}: loss did not fall: {r['losses']}"
         _close(r["losses"], ddp["losses"], _tol(name, "losses"), f"{name} rank {rank}: losses vs DDP's")
+        _assert_held(contract, rank, r["weights"], "weights after training")
         for key, w in r["weights"].items():
             _close(w, ddp["weights"][key], _tol(name, "weights"), f"{name} rank {rank}: {key} vs DDP's")
             assert torch.equal(w, results[0]["weights"][key]), f"{name}: ranks disagree on {key}"
@@ -215,6 +241,7 @@ def test_accumulation_and_clipping_equal_ddp(contract, request):
         assert r["norms"] == results[0]["norms"], f"{name}: ranks disagree on the norm"
         _close(r["norms"], ddp["norms"], _tol(name, "norms"), f"{name} rank {rank}: clip norms vs DDP's")
         _close(r["losses"], ddp["losses"], _tol(name, "losses"), f"{name} rank {rank}: losses vs DDP's")
+        _assert_held(contract, rank, r["weights"], "weights after accumulation")
         for key, w in r["weights"].items():
             _close(w, ddp["weights"][key], _tol(name, "weights"), f"{name} rank {rank}: {key} vs DDP's")
             assert torch.equal(w, results[0]["weights"][key]), f"{name}: ranks disagree on {key}"
@@ -229,6 +256,7 @@ def test_fp16_overflow_skips_the_step_on_every_rank(contract, request):
     for rank, r in enumerate(results):
         assert r["first"] is True, f"{name} rank {rank}: the first, finite step was skipped"
         assert (r["stepped"], r["unchanged"]) == (False, True), f"{name} rank {rank}: overflowed step applied: {r}"
+        _assert_held(contract, rank, dict.fromkeys(r["compared"]), "weights compared across the skipped step")
         assert r["scale"] == 128.0, f"{name} rank {rank}: loss scale {r['scale']} after the overflow, not 256 / 2"
     assert results[-1]["where"] in ("grad", "loss") and results[0]["where"] in ("none", results[-1]["where"])
 
@@ -242,6 +270,8 @@ def test_save_then_exact_resume(contract, request):
         after = r["straight"][len(r["resumed"]):]
         assert r["resumed"] == after if tol is None else _near(r["resumed"], after, tol), \
             f"{name} rank {rank}: losses after resume differ: {r['resumed']} vs {after}"
+        for what in ("weights_at_save", "weights", "resumed_weights"):
+            _assert_held(contract, rank, r[what], what)
         differ = _differing(r["resumed_weights"], r["weights"], tol)
         assert not differ, f"{name} rank {rank}: weights after resume differ: {differ[:5]}"
         assert r["loaded_step"] == RESUME_STEPS and r["steps"] == [2 * RESUME_STEPS] * 2
@@ -276,6 +306,8 @@ def test_load_on_another_world_size(contract, request):
 
 def test_greedy_generation_equals_single_device(contract, request):
     name, results = contract["name"], _check(contract, request, "generation")
+    if results is None:  # refused by name (REFUSALS), which _check asserted
+        return
     for rank, r in enumerate(results):
         for case in ("plain", "eos"):
             got, want = r[case]
