@@ -3,8 +3,15 @@ hand (same split, same schedule), round by round in the same processes; and the 
 measured against (pp - 1) / (microbatches + pp - 1).
 
     .venv/bin/python benchmarks/pipeline.py --pp 2 --microbatches 4 --rounds 5
+    .venv/bin/python benchmarks/pipeline.py --pp 2 --dp-size 2 --dp fsdp --schedules 1f1b zero_bubble --rounds 15
     .venv/bin/python benchmarks/pipeline.py --mode bubble --microbatches 2 4 8 --rounds 3
     .venv/bin/python benchmarks/pipeline.py --mode bubble --dp ddp fsdp --dp-size 2 --schedules zero_bubble
+
+Speed mode with ``--dp-size N --dp ddp|fsdp`` runs pp x N ranks: ours is ``Pipeline(dp=...)``; the direct side puts
+each stage module under DDP or FSDP2 over the dp dimension of a (pp, dp) mesh as torchtitan does (FSDP2 per decoder
+layer, the head and the stage, not resharded after forward), the same schedule class and stage indices. Ratio =
+median ours / median direct; "median round ratio" = the median of each round's ours / direct (the two steps run
+seconds apart, so a load that drifts over the run moves it less). Every rank reports its slowest rank's time.
 
 Bubble measured = 1 - microbatches * (one micro-batch's forward + backward through this rank's stage, timed
 alone, no communication) / (the schedule's step time). Interleaved schedules run 2 stages per rank.
@@ -37,13 +44,14 @@ from shardkit.models import Llama, LlamaConfig  # noqa: E402
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_layers=8, num_heads=4,
                      max_position=512, tie_embeddings=False, fused=False)
 BATCH, SEQ = 8, 128
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
+BUBBLE_SCHEDULES = SCHEDULES[:-1]  # dualpipev needs 2 x pp micro-batches: the bubble default starts at 2
 
 
-def _ours(schedule: str, microbatches: int):
+def _ours(schedule: str, microbatches: int, pp: int, dp: str):
     from shardkit.strategies.pipeline import Pipeline
 
-    runner = Runner(Pipeline(schedule=schedule, microbatches=microbatches), seed=0)
+    runner = Runner(Pipeline(pp_size=pp, schedule=schedule, microbatches=microbatches, dp=dp), seed=0)
     with runner.init_module():
         model = Llama(CONFIG)
     model, opt = runner.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -56,10 +64,13 @@ def _ours(schedule: str, microbatches: int):
     return step, runner.strategy._runner
 
 
-def _direct(schedule: str, microbatches: int):
-    """torch.distributed.pipelining as its docs drive it: stages by hand, the schedule, the optimizer."""
+def _direct(schedule: str, microbatches: int, pp: int, dp: str):
+    """torch.distributed.pipelining as its docs and torchtitan drive it: stages by hand (the V schedules' stages
+    placed as torch's schedule classes expect, the same indices as ours), each stage module under DDP or FSDP2 over
+    the dp mesh dimension when the world is over ``pp``, the schedule, the optimizer."""
     import torch.distributed as dist
     import torch.distributed.pipelining as pipelining
+    from torch.distributed.device_mesh import init_device_mesh
 
     from shardkit.strategies._pipeline_stages import StageModule
     from shardkit.strategies.pipeline import SCHEDULES as NAMES
@@ -67,18 +78,21 @@ def _direct(schedule: str, microbatches: int):
 
     torch.manual_seed(0)
     model = Llama(CONFIG)
-    pp, rank = dist.get_world_size(), dist.get_rank()
+    dp_size = dist.get_world_size() // pp
+    mesh = init_device_mesh("cpu", (pp, dp_size), mesh_dim_names=("pp", "dp"))
+    pp_rank = dist.get_rank() // dp_size
     settings = PipelineSettings(pp_size=pp, schedule=schedule)
-    chunks, indices = settings.chunks, settings.stage_indices(rank)
+    chunks, indices = settings.chunks, settings.stage_indices(pp_rank)
     total = pp * chunks
     ranges = stage_layers(CONFIG.num_layers, total)
     stages, params = [], []
     for s in indices:
         part = StageModule(model.embed_tokens if s == 0 else None, [model.layers[i] for i in ranges[s]],
                            model.norm if s == total - 1 else None, model.lm_head if s == total - 1 else None)
+        part = _data_parallel(part, mesh["dp"], dp) if dp_size > 1 else part
         params += list(part.parameters())
-        stages.append(pipelining.PipelineStage(part, s, total, torch.device("cpu")))
-    head, last = model.lm_head, total - 1 in indices
+        stages.append(pipelining.PipelineStage(part, s, total, torch.device("cpu"), group=mesh["pp"].get_group()))
+    head, first, last = model.lm_head, 0 in indices, total - 1 in indices
 
     def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return head(hidden[:, :-1].reshape(-1, hidden.shape[-1]), target[:, 1:].reshape(-1)) / microbatches
@@ -88,14 +102,28 @@ def _direct(schedule: str, microbatches: int):
     opt = torch.optim.AdamW(params, lr=1e-3)
 
     def step(x: torch.Tensor) -> None:
-        if rank == 0:
-            sched.step(x, target=x) if last else sched.step(x)
-        else:
-            sched.step(target=x, losses=[]) if last else sched.step()
+        sched.step(*((x,) if first else ()), **({"target": x, "losses": []} if last else {}))
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     return step
+
+
+def _data_parallel(part: torch.nn.Module, mesh, dp: str) -> torch.nn.Module:
+    """torchtitan's recipe for a pipeline stage: FSDP2 per decoder layer (and the output head, whose loss runs
+    outside the stage's forward) then the stage, not resharded after forward (torchtitan's default under pipeline
+    parallelism: no all-gather per micro-batch). ``dp="ddp"``: the same units under torch's FSDP-based
+    ``replicate``, the data parallelism torch's ``PipelineStage`` drives (``DistributedDataParallel`` around a
+    stage fails in torch 2.13's reducer on its first step here: "rebuilt parameter indices size is not same as
+    original model parameters size", 37 vs 74, every schedule)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import fully_shard
+
+    wrap = (lambda m: replicate(m, mesh=mesh)) if dp == "ddp" else \
+        (lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=False))
+    for unit in [*part.layers, *([part.head] if part.head is not None else [])]:
+        wrap(unit)
+    return wrap(part)
 
 
 def _stage_alone(runner, microbatches: int) -> float:
@@ -116,16 +144,19 @@ def _stage_alone(runner, microbatches: int) -> float:
     return sorted(times)[1]
 
 
-def worker(microbatches: int, rounds: int) -> dict:
+def worker(microbatches: int, rounds: int, schedules: tuple[str, ...] = SCHEDULES, pp: int | None = None,
+           dp: str = "ddp") -> dict:
+    """Each schedule's step through the Pipeline strategy and driven directly, alternating round by round."""
     import torch.distributed as dist
 
     from shardkit.strategies.pipeline import bubble_fraction
 
+    pp = pp or int(os.environ["WORLD_SIZE"])
     x = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     out = {}
-    for schedule in SCHEDULES:
-        ours, runner = _ours(schedule, microbatches)
-        direct = _direct(schedule, microbatches)
+    for schedule in schedules:
+        ours, runner = _ours(schedule, microbatches, pp, dp)
+        direct = _direct(schedule, microbatches, pp, dp)
         times = {"ours": [], "direct": []}
         for r in range(rounds + 1):  # round 0 warms up (shape inference, allocations)
             for name, fn in (("ours", ours), ("direct", direct)) if r % 2 else (("direct", direct), ("ours", ours)):
@@ -136,14 +167,17 @@ def worker(microbatches: int, rounds: int) -> dict:
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 if r:
                     times[name].append(elapsed.item())
-        alone = torch.tensor(_stage_alone(runner, microbatches))
-        dist.all_reduce(alone, op=dist.ReduceOp.MAX)
         med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        # Each round's ours / direct, taken seconds apart: less moved by the shared machine's load drifting.
+        paired = sorted(o / d for o, d in zip(times["ours"], times["direct"]))
         chunks = len(runner.stages)
-        out[schedule] = {**med, "ratio": med["ours"] / med["direct"],
-                         "bubble": 1 - microbatches * alone.item() / med["ours"],
-                         "theory": bubble_fraction(dist.get_world_size(), microbatches * chunks) if chunks > 1 else
-                         bubble_fraction(dist.get_world_size(), microbatches)}
+        row = {**med, "ratio": med["ours"] / med["direct"], "paired": paired[len(paired) // 2],
+               "theory": bubble_fraction(pp, microbatches * chunks)}
+        if dist.get_world_size() == pp:  # the stage-alone reference runs FSDP/DDP collectives outside the schedule
+            alone = torch.tensor(_stage_alone(runner, microbatches))
+            dist.all_reduce(alone, op=dist.ReduceOp.MAX)
+            row["bubble"] = 1 - microbatches * alone.item() / med["ours"]
+        out[schedule] = row
     return out
 
 
@@ -178,8 +212,8 @@ class SleepBlock(torch.nn.Module):
         return x @ _Sleep.apply(self.weight, 0.0, SLEEP_MS["weight_grad"])
 
 
-def bubble_worker(microbatches: list[int], rounds: int, schedules: tuple[str, ...] = SCHEDULES, pp: int | None = None,
-                  dps: tuple[str, ...] = ("ddp",)) -> dict:
+def bubble_worker(microbatches: list[int], rounds: int, schedules: tuple[str, ...] = BUBBLE_SCHEDULES,
+                  pp: int | None = None, dps: tuple[str, ...] = ("ddp",)) -> dict:
     """Each schedule (under each of ``dps`` when the world is over ``pp``) at each micro-batch count."""
     world = int(os.environ["WORLD_SIZE"])  # the process group is the Runner's, made inside each run
     pp = pp or world
@@ -259,23 +293,38 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES), help="bubble mode")
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=None,
+                        help=f"default: all (bubble mode: {' '.join(BUBBLE_SCHEDULES)})")
     parser.add_argument("--dp", nargs="+", choices=("ddp", "fsdp"), default=["ddp"],
-                        help="bubble mode: the data parallelism over --dp-size ranks (each given is run)")
-    parser.add_argument("--dp-size", type=int, default=1, help="bubble mode: data-parallel ranks per stage")
+                        help="the data parallelism over --dp-size ranks (bubble mode: each given is run; speed: one)")
+    parser.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks per stage")
     args = parser.parse_args()
+    world, dp_label = args.pp * args.dp_size, f" x dp {args.dp_size}" if args.dp_size > 1 else ""
+    print(f"load average {os.getloadavg()[0]:.1f} at start", flush=True)
     if args.mode == "bubble":
-        res = run_distributed(bubble_worker, world_size=args.pp * args.dp_size, timeout=3000,
-                              args=(args.microbatches, args.rounds, tuple(args.schedules), args.pp, tuple(args.dp)))
-        _print_bubble(args.pp, args.rounds, res[0], f" x dp {args.dp_size}" if args.dp_size > 1 else "")
-        return
-    res = run_distributed(worker, world_size=args.pp, args=(args.microbatches[0], args.rounds), timeout=3000)[0]
+        res = run_distributed(bubble_worker, world_size=world, timeout=3000,
+                              args=(args.microbatches, args.rounds, tuple(args.schedules or BUBBLE_SCHEDULES),
+                                    args.pp, tuple(args.dp)))
+        _print_bubble(args.pp, args.rounds, res[0], dp_label)
+    else:
+        if len(args.dp) > 1:
+            parser.error("--mode speed runs one --dp at a time")
+        dp_label += f" ({args.dp[0]})" if args.dp_size > 1 else ""
+        res = run_distributed(worker, world_size=world, timeout=3000, args=(
+            args.microbatches[0], args.rounds, tuple(args.schedules or SCHEDULES), args.pp, args.dp[0]))[0]
+        _print_speed(args, dp_label, res)
+    print(f"load average {os.getloadavg()[0]:.1f} at end")
+
+
+def _print_speed(args: argparse.Namespace, dp_label: str, res: dict) -> None:
     print(f"Llama hidden {CONFIG.hidden_size}, {CONFIG.num_layers} layers, batch {BATCH} x seq {SEQ}, fp32 AdamW, "
-          f"pp {args.pp}, {args.microbatches[0]} micro-batches, median of {args.rounds} rounds")
-    print("| schedule | Pipeline strategy step s | torch pipelining direct s | ratio | bubble measured | "
-          "(pp-1)/(m+pp-1) |")
+          f"pp {args.pp}{dp_label}, {args.microbatches[0]} micro-batches, median of {args.rounds} rounds")
+    print("| schedule | Pipeline strategy step s | torch pipelining direct s | ratio | median round ratio | "
+          "bubble measured | (pp-1)/(m*v+pp-1) |")
+    print("|---|---|---|---|---|---|---|")
     for schedule, r in res.items():
-        print(f"| {schedule} | {r['ours']:.3f} | {r['direct']:.3f} | {r['ratio']:.3f} | {r['bubble']:.2f} | "
+        bubble = f"{r['bubble']:.2f}" if "bubble" in r else "-"
+        print(f"| {schedule} | {r['ours']:.3f} | {r['direct']:.3f} | {r['ratio']:.3f} | {r['paired']:.3f} | {bubble} | "
               f"{r['theory']:.2f} |")
 
 

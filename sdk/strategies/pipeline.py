@@ -50,7 +50,6 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b
 _MULTI_STAGE = ("interleaved_1f1b", "zero_bubble", "zbv", "dualpipev")
 # rank r holds stages r and 2 * pp_size - 1 - r (the first and the last on rank 0)
 _V_SHAPED = ("zbv", "dualpipev")
-_SPLIT_BACKWARD = ("zero_bubble", "zbv", "dualpipev")  # weight gradients in a W pass after the input's (I)
 DATA_PARALLEL = ("ddp", "fsdp")
 
 
@@ -229,13 +228,13 @@ class Pipeline(ProcessGroupStrategy):
         policy = _mesh.mp_policy(self.precision)
         mesh = self.mesh["dp_shard"]
         units = [*stage.layers, *([stage.head] if stage.head is not None else [])]
-        # Zero-bubble's W pass needs the units gathered (WindowStage): a unit resharded after each forward would be
-        # gathered again for the W of every micro-batch whose stage ran a forward since its I. Kept whole from the
-        # first forward to the step's reduction: 48 all-gathers instead of 212 on pp rank 0 of pp 2 x dp_shard 2
-        # (the bubble benchmark's zero_bubble runs at 4 and 8 micro-batches, 4 steps each), at the cost of the
-        # stage's whole weights held through the step (one stage of pp_size x stages_per_rank).
-        keep_whole = self.settings.schedule in _SPLIT_BACKWARD
-        _mesh.shard_bottom_up(stage, units, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep_whole)
+        # Units kept whole from the first forward to the step's reduction (torchtitan's default under pipeline
+        # parallelism), at the cost of the stage's whole weights held through the step: resharded after each forward,
+        # a unit is gathered again for every micro-batch's forward and backward. Measured on pp 2 x dp_shard 2, 4
+        # micro-batches (benchmarks/pipeline.py --dp-size 2 --dp fsdp): 1f1b 1.15x and interleaved_1f1b 1.11x the
+        # step time of torch's stages kept whole. Zero-bubble's W pass needs them whole too (WindowStage): 48
+        # all-gathers instead of 212 on pp rank 0 of its bubble benchmark runs (m 4 and 8, 4 steps each).
+        _mesh.shard_bottom_up(stage, units, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
 
     def _loss_scale(self) -> tuple[int, bool]:
         return self._window, self._sync

@@ -53,29 +53,31 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def count_reduce_scatters(pipeline: Any) -> dict[str, list[int]]:
-    """Count, from now on, the reduce-scatters of each FSDP unit of this rank's stages that owns parameters (a
-    one-element list per unit, keyed by stage index and module name)."""
+def count_collectives(pipeline: Any) -> dict[str, dict[str, list[int]]]:
+    """Count, from now on, the reduce-scatters and all-gathers of each FSDP unit of this rank's stages that owns
+    parameters (kind -> a one-element list per unit, keyed by stage index and module name)."""
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-    counts: dict[str, list[int]] = {}
+    counts: dict[str, dict[str, list[int]]] = {"reduce_scatters": {}, "all_gathers": {}}
 
-    class Counting(DefaultReduceScatter):
-        def __init__(self, count: list[int]):
-            self.count = count
+    def counting(base: type, count: list[int]) -> Any:
+        class Counting(base):
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                count[0] += 1
+                return super().__call__(*args, **kwargs)
 
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            self.count[0] += 1
-            return super().__call__(*args, **kwargs)
+        return Counting()
 
     for stage in pipeline.stages:
         for name, unit in stage.submod.named_modules():
             inner = {id(p) for m in unit.modules() if m is not unit and isinstance(m, FSDPModule)
                      for p in m.parameters()}
             if isinstance(unit, FSDPModule) and any(id(p) not in inner for p in unit.parameters()):
-                counts[f"{stage.stage_index}:{name}"] = [0]
-                unit.set_custom_reduce_scatter(Counting(counts[f"{stage.stage_index}:{name}"]))
+                key = f"{stage.stage_index}:{name}"
+                counts["reduce_scatters"][key], counts["all_gathers"][key] = [0], [0]
+                unit.set_custom_reduce_scatter(counting(DefaultReduceScatter, counts["reduce_scatters"][key]))
+                unit.set_custom_all_gather(counting(DefaultAllGather, counts["all_gathers"][key]))
     return counts
 
 
@@ -91,7 +93,7 @@ def train(strategy: Any, accumulation: int = 1, window: int | None = None, model
     model, opt = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
     s = runner.strategy
     pipeline = getattr(s, "_runner", None)
-    reduce_scatters = count_reduce_scatters(pipeline) if pipeline is not None and pipeline.sharded else {}
+    collectives = count_collectives(pipeline) if pipeline is not None and pipeline.sharded else {}
     per = GLOBAL_BATCH // s.data_parallel_size
     losses = []
     for step, x in enumerate(batches()):
@@ -112,7 +114,7 @@ def train(strategy: Any, accumulation: int = 1, window: int | None = None, model
     weights = {k: _whole(v) for k, v in state.items()}
     sharded = sorted(k for k, v in state.items() if isinstance(v, DTensor))
     return {"losses": losses, "weights": weights, "microbatches": sorted(pipeline._schedules) if pipeline else [],
-            "sharded": sharded, "reduce_scatters": {k: n for k, (n,) in reduce_scatters.items()}}
+            "sharded": sharded, **{kind: {k: n for k, (n,) in c.items()} for kind, c in collectives.items()}}
 
 
 def _reshard_after_forward() -> Any:

@@ -109,6 +109,22 @@ def test_sharded_stages_reduce_once_per_window(results):
                 f"rank {rank} {case}: reduce-scatters per FSDP unit over {STEPS} windows: {counts}"
 
 
+def test_sharded_stages_gather_once_per_call(results):
+    """Each FSDP unit all-gathers once per model(...) call (and once more for the schedule's shape inference on the
+    first), kept whole through the call's micro-batches: resharded after each forward (FSDP2's default), it gathered
+    again for each micro-batch's forward and backward (1f1b on pp 2 x dp 2: 1.15x the step time of torch's stages
+    driven as torchtitan does, benchmarks/RESULTS.md)."""
+    cases = [case for case in results[4][0] if "('dp', 'fsdp')" in case and "resharded" not in case
+             and "abandon" not in case]
+    assert any("'1f1b'" in case for case in cases), f"no 1f1b x fsdp case: {cases}"
+    for rank, per_rank in enumerate(results[4]):
+        for case in cases:
+            calls = STEPS * int(case.rsplit("=", 1)[1])
+            counts = per_rank[case]["all_gathers"]
+            assert counts and counts == dict.fromkeys(counts, calls + 1), \
+                f"rank {rank} {case}: all-gathers per FSDP unit over {calls} calls: {counts}"
+
+
 def test_microbatches_come_from_the_accumulation_window(results):
     seen = {}
     for world in CASES:
