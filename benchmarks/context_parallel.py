@@ -150,7 +150,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--tps", type=int, nargs="+", default=[1], help="tensor-parallel sizes composed with cp > 1")
+    parser.add_argument("--tps", type=int, nargs="+", default=[1],
+                        help="tensor-parallel sizes composed with cp > 1 (a cp x tp layout runs only where cp x tp <= "
+                             "the largest --cps: that many ranks are launched)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--budget-mib", type=float, default=64.0, help="per-rank activation budget for 'longest'")
     args = parser.parse_args()

@@ -299,6 +299,11 @@ def main() -> None:
                         help="the data parallelism over --dp-size ranks (bubble mode: each given is run; speed: one)")
     parser.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks per stage")
     args = parser.parse_args()
+    if min(args.pp, args.dp_size, args.rounds, *args.microbatches) < 1:
+        parser.error("--pp, --dp-size, --rounds and --microbatches must be >= 1")
+    if args.dp_size == 1 and (len(args.dp) > 1 or args.dp != ["ddp"]):
+        parser.error("--dp applies over --dp-size ranks: give --dp-size 2 or more (at 1, ours would shard over one "
+                     "rank while the direct side has no data parallelism)")
     world, dp_label = args.pp * args.dp_size, f" x dp {args.dp_size}" if args.dp_size > 1 else ""
     print(f"load average {os.getloadavg()[0]:.1f} at start", flush=True)
     if args.mode == "bubble":

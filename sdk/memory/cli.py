@@ -36,8 +36,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cp-size", type=int_range(1, _MAX_DEVICES), default=1,
                    help="context-parallel ranks splitting each sequence (cp row)")
     p.add_argument("--tp-size", type=int_range(1, _MAX_DEVICES), default=1,
-                   help="tensor-parallel ranks composed with --cp-size (ContextParallel(cp_size, tp_size)): the cp "
-                        "row's activations also split over tp")
+                   help="tensor-parallel ranks: the tp row's split (default: --num-gpus), and composed with "
+                        "--cp-size (ContextParallel(cp_size, tp_size)) the cp row's activations also split over tp")
     p.add_argument("--pp-size", type=int_range(1, _MAX_DEVICES), default=None,
                    help="pipeline stages (pp row; default: --num-gpus)")
     p.add_argument("--microbatches", type=int_range(1, 2**20), default=None,
@@ -77,7 +77,8 @@ def _strategy_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
     rows = [f"{'strategy':<16}{cols}  (GiB per device, {args.precision})"]
     for name in names:
         e = estimate_model_states(spec, name, num_gpus_per_node=args.num_gpus, num_nodes=args.num_nodes,
-                                  precision=args.precision, pp_size=args.pp_size)
+                                  precision=args.precision, pp_size=args.pp_size,
+                                  tp_size=args.tp_size if args.tp_size > 1 else None)
         rows.append(f"{name:<16}{e.params / GIB:9.2f}{e.grads / GIB:9.2f}{e.optimizer / GIB:9.2f}"
                     f"{e.device_total / GIB:9.2f}{e.device_peak / GIB:9.2f}{e.host / GIB:9.2f}{e.nvme / GIB:9.2f}")
     return rows

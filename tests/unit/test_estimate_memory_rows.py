@@ -40,3 +40,15 @@ def test_cp_without_cp_size_splits_over_every_device_as_context_parallel_does(ca
     assert "Activations per rank under cp 4 (sequence split" in out
     out = _rows(capsys, config, "--strategy", "cp", "--num-gpus", "4", "--tp-size", "2")[2]
     assert "Activations per rank under cp 2 x tp 2" in out
+
+
+
+def _tp_params(capsys, *args: str) -> float:
+    assert main(["estimate-memory", "--params", "1B", "--strategy", "tp", "--num-gpus", "4", *args]) == 0
+    return float(next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tp ")).split()[1])
+
+
+def test_tp_row_uses_tp_size_as_the_activation_row_does(capsys):
+    """--tp-size sized the cp x tp activations but the tp model-states row kept a node's tp (here 4)."""
+    node, two = _tp_params(capsys), _tp_params(capsys, "--tp-size", "2")
+    assert two == pytest.approx(2 * node, rel=0.01), (two, node)  # split 2 ways instead of 4
