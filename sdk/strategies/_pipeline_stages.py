@@ -60,12 +60,16 @@ class PipelineRunner:
         self.tied_shape = tuple(body.embed_tokens.weight.shape) if tied else None
         prefix = next(n + "." for n, m in module.named_modules() if m is body) if body is not module else ""
         self.tied_keys = ("lm_head.weight", f"{prefix}embed_tokens.weight")
-        if tied and shard is not None and {0, total - 1} <= set(settings.stage_indices(0)):
+        # The first and last stages on one rank (V placement, or pp 1) share the tied weight as one parameter,
+        # which autograd already sums: only stages on different ranks need the gradient summed across them.
+        together = {0, total - 1} <= set(settings.stage_indices(0))
+        self.tied_apart = tied and not together
+        if tied and shard is not None and together:
             # FSDP2 would shard the one weight twice (once per stage) into two parameters that train apart.
+            apart = "schedule='zero_bubble' (the stages apart), " if pp > 1 else ""
             raise ValueError(f"Pipeline schedule={settings.schedule!r} with dp='fsdp' runs the first and the last "
                              "stage on pipeline rank 0, and this model ties its output head to its embedding: FSDP2 "
-                             "cannot shard one weight in two stages; use schedule='zero_bubble' (the stages apart), "
-                             "dp='ddp', or untie the embeddings")
+                             f"cannot shard one weight in two stages; use {apart}dp='ddp', or untie the embeddings")
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp_shard"].get_group()
         self.pp_rank, self.pp = dist.get_rank(self.pp_group), pp
         ranges = stage_layers(len(body.layers), total, settings.layer_split)
@@ -164,7 +168,7 @@ class PipelineRunner:
 
         Under FSDP each rank sums its shard: the first and last stages shard the weight alike over dp_shard.
         """
-        if self.tied_shape is None or self.pp == 1:
+        if not self.tied_apart:
             return
         body = self.layout.body
         holder = body.embed_tokens if self.first else self.module.lm_head if self.last else None

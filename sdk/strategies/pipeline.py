@@ -338,12 +338,12 @@ class Pipeline(ProcessGroupStrategy):
     @override
     def save_optimizer(self, writer: ckpt.CheckpointWriter, name: str, optimizer: torch.optim.Optimizer,
                        module: nn.Module) -> None:
-        from shardkit.strategies._pipeline_stages import gather_optimizer_state
+        from shardkit.strategies._pipeline_stages import gather_optimizer_state, own_optimizer_state
 
         state = ckpt.optimizer_state_by_name(optimizer, module)
         copy = self._tied_copy()
         if copy is not None:  # the first stage's copy steps alike (same summed gradient): saved once, as unsplit
-            state = _without(state, copy[0])
+            state = own_optimizer_state(state, set(dict(module.named_parameters())) - {copy[0]})
         merged = gather_optimizer_state(self._runner, state)
         if self.is_global_zero:  # the unsplit model's parameter order, whatever stages each rank holds
             order = {key: i for i, key in enumerate(self._runner.keys)}
@@ -376,12 +376,6 @@ class Pipeline(ProcessGroupStrategy):
     def __repr__(self) -> str:
         return (f"Pipeline(pp_size={self.settings.pp_size}, schedule={self.settings.schedule!r}, "
                 f"dp={self.settings.dp!r}, device={self._device})")
-
-
-def _without(state: dict[str, Any], key: str) -> dict[str, Any]:
-    """An optimizer state by name without parameter ``key``."""
-    return {"state": {n: st for n, st in state["state"].items() if n != key},
-            "param_groups": [dict(g, params=[n for n in g["params"] if n != key]) for g in state["param_groups"]]}
 
 
 def _with_alias(state: dict[str, Any], alias: str, key: str) -> dict[str, Any]:
