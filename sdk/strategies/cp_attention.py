@@ -148,9 +148,9 @@ def _post(t: torch.Tensor, group: Any, step: int) -> Callable[[], torch.Tensor]:
     return wait
 
 
-def _pack(*ts: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def _pack(*ts: torch.Tensor) -> torch.Tensor:
     """One flat buffer of ``ts`` (one message a ring step instead of one per tensor)."""
-    return torch.cat([t.reshape(-1).to(dtype or t.dtype) for t in ts])
+    return torch.cat([t.reshape(-1) for t in ts])
 
 
 def _unpack(flat: torch.Tensor, *like: torch.Tensor) -> list[torch.Tensor]:
@@ -259,7 +259,7 @@ def _warn_math_path(q: torch.Tensor) -> None:
     _warn_once(f"{q.device.type} {q.dtype} head dim {q.shape[-1]}")
 
 
-def _block_plan(ring: RingAttention, step: int) -> tuple[slice, slice, bool] | None:
+def _block_plan(ring: RingAttention, step: int) -> tuple[slice, slice, bool]:
     """The one attention call step ``step`` needs: (query rows, key rows, is_causal), from the chunk layout.
 
     Rank r holds chunks (r, 2cp-1-r); the block at ``step`` came from j = r - step. Step 0 is the diagonal
