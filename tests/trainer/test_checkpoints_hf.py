@@ -56,8 +56,9 @@ class _AtStart(TrainerCallback):
         self.last_epoch = lr_scheduler.last_epoch
 
 
-def _hf_checkpoint(tmp_path):
-    """A checkpoint written by Hugging Face's own Trainer (transformers installed for the tests)."""
+def _hf_checkpoint(tmp_path, max_steps=2):
+    """checkpoint-2 written by Hugging Face's own Trainer (transformers installed for the tests), in a run of
+    ``max_steps`` that logs every step."""
     import transformers
 
     # A single-process ZeRO run earlier in this process leaves LOCAL_RANK=0 (DeepSpeed's zero.Init reads it);
@@ -65,8 +66,9 @@ def _hf_checkpoint(tmp_path):
     with mock.patch.dict(os.environ):
         os.environ.pop("LOCAL_RANK", None)
         args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4,
-                                              learning_rate=1e-2, optim="adamw_torch", max_steps=2, save_steps=2,
-                                              use_cpu=True, report_to="none", disable_tqdm=True, seed=0)
+                                              learning_rate=1e-2, optim="adamw_torch", max_steps=max_steps,
+                                              save_steps=2, logging_steps=1, use_cpu=True, report_to="none",
+                                              disable_tqdm=True, seed=0)
         hf = transformers.Trainer(tiny_llama(), args, train_dataset=Tokens())
         hf.train()
     return tmp_path / "hf" / "checkpoint-2", hf
@@ -90,6 +92,23 @@ def test_resume_from_a_checkpoint_hugging_faces_trainer_wrote(tmp_path, caplog):
     order += [n for n in names if n not in order]
     assert all(torch.equal(start.exp_avg[id(by_name[n])], saved[i]["exp_avg"]) for i, n in enumerate(order))
     assert f"resumed from {checkpoint} at step 2" in caplog.text
+
+
+def _logged(log_history, after):
+    return [(h["step"], h["loss"], h["learning_rate"]) for h in log_history if "loss" in h and h["step"] > after]
+
+
+def test_resuming_a_hugging_face_checkpoint_continues_its_run_exactly(tmp_path):
+    """Linear schedule over 4 steps, resumed at checkpoint-2: step 3 runs at 0.005 (the rate the schedule reached,
+    from the file's param groups and the loaded scheduler), not at the initial 0.01, and the remaining steps' losses
+    and rates are those of Hugging Face's uninterrupted run."""
+    checkpoint, hf = _hf_checkpoint(tmp_path, max_steps=4)
+    trainer = Trainer(tiny_llama(seed=1), _args(tmp_path / "out", max_steps=4, save_strategy="no"),
+                      train_dataset=Tokens())
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    mine, theirs = _logged(trainer.state.log_history, 2), _logged(hf.state.log_history, 2)
+    assert [(s, lr) for s, _, lr in mine] == [(s, lr) for s, _, lr in theirs] == [(3, 0.005), (4, 0.0025)]
+    assert [loss for _, loss, _ in mine] == pytest.approx([loss for _, loss, _ in theirs], abs=2e-6)
 
 
 def test_a_pickle_that_runs_code_is_never_loaded(tmp_path):
