@@ -192,3 +192,106 @@ def test_rotation_orders_by_age_and_keeps_the_newest_and_the_best(tmp_path, limi
     args = TrainingArguments(output_dir=str(tmp_path), save_total_limit=limit)
     Checkpointer(None, args).rotate(str(tmp_path / f"checkpoint-{best}") if best else None)
     assert sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*")) == kept
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    checkpoint, _ = _hf_checkpoint(tmp_path_factory.mktemp("hf"))
+    return checkpoint
+
+
+def _refused_resume(tmp_path, checkpoint, name, content, match):
+    """``content`` written as ``name`` into a copy of the checkpoint: the resume is refused naming the file and
+    ``match``, and the model and optimizer are left as they were."""
+    copy = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoint, copy)
+    if isinstance(content, bytes):
+        (copy / name).write_bytes(content)
+    else:
+        torch.save(content, copy / name)
+    trainer = Trainer(tiny_llama(seed=1), _args(tmp_path / "out", max_steps=4), train_dataset=Tokens())
+    with pytest.raises(CheckpointError, match=match) as err:
+        trainer.train(resume_from_checkpoint=str(copy))
+    assert str(copy / name) in str(err.value)
+    fresh = tiny_llama(seed=1).state_dict()
+    assert all(torch.equal(v, fresh[k]) for k, v in trainer.model.state_dict().items())
+    optimizer = trainer.optimizer
+    assert optimizer is None or (not optimizer.state and all(g["lr"] == 1e-2 for g in optimizer.param_groups))
+    return str(err.value)
+
+
+def _zip_bomb(inflated: int) -> bytes:
+    """A torch.save-shaped zip whose deflated data.pkl (about a 1000th of its size) inflates to ``inflated``
+    bytes."""
+    import io
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        with z.open("archive/data.pkl", "w", force_zip64=True) as f:
+            block = b"\0" * (1 << 20)
+            for _ in range(inflated >> 20):
+                f.write(block)
+        z.writestr("archive/version", "3\n")
+    return buffer.getvalue()
+
+
+def test_a_zip_bomb_optimizer_file_is_refused_before_it_is_inflated(tmp_path, hf_checkpoint):
+    bomb = _zip_bomb(64 << 20)  # under the pickle cap: the directory's ratio refuses it
+    assert len(bomb) < 1 << 20
+    _refused_resume(tmp_path, hf_checkpoint, "optimizer.pt", bomb,
+                    r"'archive/data\.pkl' declares 67108864 bytes inflated from \d+, .*a compression bomb")
+
+
+def _optimizer_with(change):
+    def build(checkpoint):
+        saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+        change(saved)
+        return saved
+    return build
+
+
+def _set(path, value):
+    def change(saved):
+        *parents, last = path
+        target = saved
+        for key in parents:
+            target = target[key]
+        target[last] = value
+    return change
+
+
+@pytest.mark.parametrize("change,match", [
+    (_set(("evil",), 1), "the top level is .*'evil'.*not an optimizer state dict"),
+    (_set(("param_groups",), "groups"), "param_groups is not a list of dicts"),
+    (_set(("param_groups", 1, "params", 0), 0), r"param_groups index the parameters .* not 0\.\.20 once each"),
+    (_set(("param_groups", 1, "params"), [16, 17]), "optimizer state for 18 parameters, the model trains 21"),
+    (lambda saved: saved["param_groups"][0].pop("lr"), r"param_groups\[0\] has no 'lr'"),
+    (_set(("param_groups", 0, "lr"), -1.0), r"param_groups\[0\]\.lr is -1\.0, below 0"),
+    (_set(("param_groups", 0, "betas"), "fast"), r"param_groups\[0\]\.betas is 'fast', not 2 values"),
+    (_set(("param_groups", 0, "weight_decay"), float("nan")), r"param_groups\[0\]\.weight_decay is nan"),
+    (_set(("state", 0, "step"), torch.tensor(-5.0)), r"state\[0\] \(.*\)\['step'\] is .*not a step count >= 0"),
+    (_set(("state", 0, "exp_avg"), torch.zeros(3)), r"\['exp_avg'\] has shape \[3\], the parameter \[64, 16\]"),
+    (_set(("state", 0, "exp_avg_sq"), torch.full((64, 16), float("nan"))), "NaN or infinite"),
+    (_set(("state", 0), "entry"), r"state\[0\] .* is 'entry', not a dict"),
+    (_set(("state", 99), {}), r"state has entries \[99\] for no parameter"),
+])
+def test_an_optimizer_file_of_the_wrong_structure_is_refused_by_field(tmp_path, hf_checkpoint, change, match):
+    text = _refused_resume(tmp_path, hf_checkpoint, "optimizer.pt", _optimizer_with(change)(hf_checkpoint), match)
+    assert "resume from another checkpoint" in text or "resume with the model it was saved with" in text
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda saved: saved.pop("base_lrs"), "the state lacks keys: 'base_lrs'"),
+    (_set(("evil",), 1), "the state has keys this scheduler lacks: 'evil'"),
+    (_set(("last_epoch",), "abc"), "'last_epoch' is 'abc', not an integer"),
+    (_set(("last_epoch",), -5), "'last_epoch' is -5, below 0"),
+    (_set(("_last_lr",), [0.005]), r"'_last_lr' is \[0\.005\], not 2 values"),
+    (_set(("base_lrs",), [-1.0, 0.01]), "'base_lrs' is .*a learning rate below 0"),
+    (_set(("lr_lambdas",), [{}, {"func": 1}]), r"'lr_lambdas'\[1\] has keys this scheduler lacks: 'func'"),
+])
+def test_a_scheduler_file_of_the_wrong_structure_is_refused_by_field(tmp_path, hf_checkpoint, change, match):
+    saved = torch.load(hf_checkpoint / "scheduler.pt", weights_only=True)
+    change(saved)
+    text = _refused_resume(tmp_path, hf_checkpoint, "scheduler.pt", saved, match)
+    assert "delete scheduler.pt" in text
