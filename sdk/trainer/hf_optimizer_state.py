@@ -29,6 +29,9 @@ from shardkit.checkpoint.trust import describe
 __all__ = ["checked_optimizer_state", "checked_scheduler_state", "read_torch_file"]
 
 _NON_NEGATIVE = ("lr", "initial_lr", "weight_decay", "momentum", "dampening", "eps")
+# param-group fields that torch versions and schedulers add or drop: their absence says nothing about the optimizer
+_VERSION_FIELDS = ("foreach", "fused", "capturable", "differentiable", "maximize", "decoupled_weight_decay",
+                   "initial_lr", "params")
 # bookkeeping flags some torch versions add to a scheduler's state and others lack: a file without them keeps
 # this run's values
 _SCHEDULER_OPTIONAL = ("_is_initial", "_get_lr_called_within_step")
@@ -121,6 +124,20 @@ def _check_entry(path: Path, name: str, index: int, entry: Any, param: torch.Ten
             raise _refuse(path, field, f"is {describe(value)}, not a step count >= 0", _FIX_OPTIMIZER)
 
 
+def _check_same_optimizer(path: Path, index: int, saved: dict, current: dict, optimizer: Any) -> None:
+    """The file's group has this optimizer's fields (AdamW's betas and eps, SGD's momentum...): state from
+    another optimizer class would fail at the first step (a missing ``exp_avg``) or be read as something else."""
+    missing = [k for k in current if k not in saved and k not in _VERSION_FIELDS]
+    extra = [k for k in saved if k not in current and k not in _VERSION_FIELDS]
+    if missing or extra:
+        words = [f"lacks {', '.join(map(describe, missing))}" if missing else "",
+                 f"has {', '.join(map(describe, extra))}" if extra else ""]
+        raise _refuse(path, f"param_groups[{index}]", f"{' and '.join(w for w in words if w)}, fields this run's "
+                      f"{type(optimizer).__name__} does not match: it was saved by another optimizer",
+                      "resume with the optimizer it was saved with (TrainingArguments.optim), or delete "
+                      "optimizer.pt to resume the weights with a fresh optimizer")
+
+
 def _saved_groups(saved: Any, path: Path, count: int) -> list[dict]:
     """The file's param groups, checked to index exactly parameters 0..count-1, each once."""
     if not isinstance(saved, dict) or set(saved) != {"state", "param_groups"}:
@@ -164,6 +181,7 @@ def checked_optimizer_state(saved: Any, path: Path, optimizer: torch.optim.Optim
     """
     groups = _saved_groups(saved, path, len(hf_order))
     group_of = {hf_order[i]: g for g, group in enumerate(groups) for i in group["params"]}
+    position = {name: i for i, name in enumerate(hf_order)}
     params = dict(module.named_parameters())
     names = {id(p): n for n, p in params.items()}
     current = optimizer.state_dict()["param_groups"]
@@ -174,12 +192,14 @@ def checked_optimizer_state(saved: Any, path: Path, optimizer: torch.optim.Optim
             name = names.get(id(p))
             if name in group_of:
                 sources.add(group_of[name])
-                i = hf_order.index(name)
+                i = position[name]
                 if i in saved["state"]:
                     _check_entry(path, name, i, saved["state"][i], params[name])
                     state[index] = saved["state"][i]
             index += 1
         hyper = {k: v for k, v in current[g].items() if k != "params"}
+        for s in sorted(sources):
+            _check_same_optimizer(path, s, groups[s], hyper, optimizer)
         for k in hyper:
             for s in sorted(sources):
                 if k in groups[s]:

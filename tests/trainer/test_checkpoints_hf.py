@@ -261,6 +261,12 @@ def _set(path, value):
     return change
 
 
+def _as_sgd(saved):
+    for group in saved["param_groups"]:
+        del group["betas"]
+        group.update(momentum=0.9, nesterov=False)
+
+
 @pytest.mark.parametrize("change,match", [
     (_set(("evil",), 1), "the top level is .*'evil'.*not an optimizer state dict"),
     (_set(("param_groups",), "groups"), "param_groups is not a list of dicts"),
@@ -275,10 +281,11 @@ def _set(path, value):
     (_set(("state", 0, "exp_avg_sq"), torch.full((64, 16), float("nan"))), "NaN or infinite"),
     (_set(("state", 0), "entry"), r"state\[0\] .* is 'entry', not a dict"),
     (_set(("state", 99), {}), r"state has entries \[99\] for no parameter"),
+    (_as_sgd, r"param_groups\[0\] lacks 'betas' and has 'momentum', 'nesterov', fields this run's AdamW"),
 ])
 def test_an_optimizer_file_of_the_wrong_structure_is_refused_by_field(tmp_path, hf_checkpoint, change, match):
     text = _refused_resume(tmp_path, hf_checkpoint, "optimizer.pt", _optimizer_with(change)(hf_checkpoint), match)
-    assert "resume from another checkpoint" in text or "resume with the model it was saved with" in text
+    assert "delete optimizer.pt" in text or "resume with the model it was saved with" in text
 
 
 @pytest.mark.parametrize("change,match", [
