@@ -247,6 +247,16 @@ def _same_shape(path: Path, field: str, saved: Any, current: Any) -> None:
         raise _refuse(path, field, f"is {describe(saved)}, not a {type(current).__name__}", _FIX_SCHEDULER)
 
 
+def _expected_scheduler_state(saved: Any, own: dict) -> dict:
+    """This scheduler's state as the file may hold it: a LambdaLR saves ``None`` for a plain function (nothing to
+    restore) and the ``__dict__`` of a callable object or partial, so a schedule written as a function (Hugging
+    Face's constant one) and read as a partial, or the reverse with an empty ``__dict__``, holds the same."""
+    lambdas, mine = (saved.get("lr_lambdas") if isinstance(saved, dict) else None), own.get("lr_lambdas")
+    if isinstance(lambdas, list) and isinstance(mine, list) and len(lambdas) == len(mine):
+        own = {**own, "lr_lambdas": [s if s is None or (m is None and s == {}) else m for s, m in zip(lambdas, mine)]}
+    return own
+
+
 def checked_scheduler_state(saved: Any, path: Path, scheduler: Any) -> dict:
     """``saved`` checked against ``scheduler``'s own ``state_dict()`` (keys, per-group lengths, kinds) and ranges
     (steps >= 0, learning rates >= 0); the scheduler is not touched.
@@ -254,7 +264,7 @@ def checked_scheduler_state(saved: Any, path: Path, scheduler: Any) -> dict:
     Raises:
         CheckpointError: naming the file, the field and the fix.
     """
-    _same_shape(path, "the state", saved, scheduler.state_dict())
+    _same_shape(path, "the state", saved, _expected_scheduler_state(saved, scheduler.state_dict()))
     for key in ("last_epoch", "_step_count"):
         if key in saved and saved[key] < 0:
             raise _refuse(path, describe(key), f"is {saved[key]}, below 0", _FIX_SCHEDULER)

@@ -56,7 +56,7 @@ class _AtStart(TrainerCallback):
         self.last_epoch = lr_scheduler.last_epoch
 
 
-def _hf_checkpoint(tmp_path, max_steps=2):
+def _hf_checkpoint(tmp_path, max_steps=2, schedule="linear"):
     """checkpoint-2 written by Hugging Face's own Trainer (transformers installed for the tests), in a run of
     ``max_steps`` that logs every step."""
     import transformers
@@ -68,7 +68,7 @@ def _hf_checkpoint(tmp_path, max_steps=2):
         args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4,
                                               learning_rate=1e-2, optim="adamw_torch", max_steps=max_steps,
                                               save_steps=2, logging_steps=1, use_cpu=True, report_to="none",
-                                              disable_tqdm=True, seed=0)
+                                              disable_tqdm=True, seed=0, lr_scheduler_type=schedule)
         hf = transformers.Trainer(tiny_llama(), args, train_dataset=Tokens())
         hf.train()
     return tmp_path / "hf" / "checkpoint-2", hf
@@ -98,16 +98,18 @@ def _logged(log_history, after):
     return [(h["step"], h["loss"], h["learning_rate"]) for h in log_history if "loss" in h and h["step"] > after]
 
 
-def test_resuming_a_hugging_face_checkpoint_continues_its_run_exactly(tmp_path):
-    """Linear schedule over 4 steps, resumed at checkpoint-2: step 3 runs at 0.005 (the rate the schedule reached,
-    from the file's param groups and the loaded scheduler), not at the initial 0.01, and the remaining steps' losses
-    and rates are those of Hugging Face's uninterrupted run."""
-    checkpoint, hf = _hf_checkpoint(tmp_path, max_steps=4)
-    trainer = Trainer(tiny_llama(seed=1), _args(tmp_path / "out", max_steps=4, save_strategy="no"),
-                      train_dataset=Tokens())
+@pytest.mark.parametrize("schedule,rates", [("linear", [0.005, 0.0025]), ("constant", [0.01, 0.01])])
+def test_resuming_a_hugging_face_checkpoint_continues_its_run_exactly(tmp_path, schedule, rates):
+    """A 4-step run resumed at checkpoint-2: under the linear schedule step 3 runs at 0.005 (the rate the schedule
+    reached, from the file's param groups and the loaded scheduler), not at the initial 0.01, and the remaining
+    steps' losses and rates are those of Hugging Face's uninterrupted run. (Hugging Face's constant schedule is a
+    plain function, shardkit's a partial: their saved states differ in form and load alike.)"""
+    checkpoint, hf = _hf_checkpoint(tmp_path, max_steps=4, schedule=schedule)
+    trainer = Trainer(tiny_llama(seed=1), _args(tmp_path / "out", max_steps=4, save_strategy="no",
+                                                lr_scheduler_type=schedule), train_dataset=Tokens())
     trainer.train(resume_from_checkpoint=str(checkpoint))
     mine, theirs = _logged(trainer.state.log_history, 2), _logged(hf.state.log_history, 2)
-    assert [(s, lr) for s, _, lr in mine] == [(s, lr) for s, _, lr in theirs] == [(3, 0.005), (4, 0.0025)]
+    assert [(s, lr) for s, _, lr in mine] == [(s, lr) for s, _, lr in theirs] == [(3, rates[0]), (4, rates[1])]
     assert [loss for _, loss, _ in mine] == pytest.approx([loss for _, loss, _ in theirs], abs=2e-6)
 
 
