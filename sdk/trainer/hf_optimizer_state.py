@@ -29,6 +29,8 @@ from shardkit.checkpoint.trust import describe
 __all__ = ["checked_optimizer_state", "checked_scheduler_state", "read_torch_file"]
 
 _NON_NEGATIVE = ("lr", "initial_lr", "weight_decay", "momentum", "dampening", "eps")
+# how this run computes the step (its kernels), not where training stands: kept from this run's optimizer
+_IMPLEMENTATION_FIELDS = ("foreach", "fused", "capturable", "differentiable")
 # param-group fields that torch versions and schedulers add or drop: their absence says nothing about the optimizer
 _VERSION_FIELDS = ("foreach", "fused", "capturable", "differentiable", "maximize", "decoupled_weight_decay",
                    "initial_lr", "params")
@@ -210,7 +212,7 @@ def checked_optimizer_state(saved: Any, path: Path, optimizer: torch.optim.Optim
                           "with and without weight decay), or delete optimizer.pt to resume with a fresh optimizer")
         if sources:
             source = groups[min(sources)]
-            hyper.update({k: source[k] for k in hyper if k in source})
+            hyper.update({k: source[k] for k in hyper if k in source and k not in _IMPLEMENTATION_FIELDS})
         new_groups.append({**hyper, "params": current[g]["params"]})
     return {"state": state, "param_groups": new_groups}
 
