@@ -21,6 +21,7 @@ from shardkit.runner_checkpoints import RunnerCheckpoints
 from shardkit.runner_observe import RunnerObservability
 from shardkit.seeding import enable_determinism, rank_logger, seed_everything
 from shardkit.strategies.base import Strategy
+from shardkit.strategies.quant_storage import keep_4bit_layers_trainable
 from shardkit.streaming import rebuild_loader
 
 if TYPE_CHECKING:
@@ -240,6 +241,7 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         """
         self.strategy.set_runner_values(gradient_accumulation_steps=self.gradient_accumulation_steps)
         _prebuild_kernels(model)
+        keep_4bit_layers_trainable(model)  # QLoRA: an evaluation must not switch 4-bit layers to a no-grad kernel
         if self.activation_checkpointing is not None:  # before the strategy wraps it: one mechanism for all
             from shardkit.strategies.activation_checkpointing import apply_activation_checkpointing
 

@@ -100,6 +100,10 @@ _MAX_DIMS = 64
 # A ZeRO pickle holds names, shapes and numbers, never tensor bytes (those are records of their own): a few MB
 # for a 70B model. Pure-Python unpickling runs ~1M opcodes a second, so this also bounds the time a crafted one takes.
 _MAX_PICKLE = 128 << 20
+# torch.save stores its records; a deflated one (a re-zipped file) may inflate this many times its compressed
+# size, past a small floor (real pickles compress a few times; a bomb of zeros about a thousand times)
+_MAX_INFLATION = 64
+_SMALL_RECORD = 64 << 10
 _MAX_INDEX = 1 << 62  # a size, stride or offset past this is not a tensor of any file
 _STORAGE_KEY = re.compile(r"^[A-Za-z0-9_]{1,64}$")
 
@@ -350,6 +354,8 @@ class TorchZipFile:
         try:
             with os.fdopen(os.dup(self._fd), "rb") as f, zipfile.ZipFile(f) as z:
                 infos = z.infolist()
+                for info in infos:
+                    self._check_declared_size(info)
                 pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
                 if len(pkl) != 1:
                     raise CheckpointError(f"{self.path}: a zip file but not a torch.save file (no data.pkl)")
@@ -366,6 +372,21 @@ class TorchZipFile:
                                   "truncated or was written by torch < 1.6 (legacy format); re-save it or copy it "
                                   "again") from None
         self._records = {i.filename: i for i in infos}
+
+    def _check_declared_size(self, info: zipfile.ZipInfo) -> None:
+        """From the zip directory, before any record is read: a stored record lies inside the file, and a
+        compressed one inflates at most :data:`_MAX_INFLATION` times its compressed size (a 1 MB DEFLATE record
+        declaring 1 GiB is a compression bomb)."""
+        name = describe(info.filename, 80)
+        if info.compress_type == zipfile.ZIP_STORED:
+            if info.file_size > self._size:
+                raise CheckpointError(f"{self.path}: record {name} declares {info.file_size} bytes, more than the "
+                                      f"whole file ({self._size}); the file is damaged or forged: re-save it")
+        elif info.file_size > max(_SMALL_RECORD, _MAX_INFLATION * info.compress_size):
+            raise CheckpointError(f"{self.path}: record {name} declares {info.file_size} bytes inflated from "
+                                  f"{info.compress_size}, more than {_MAX_INFLATION} times: a compression bomb, "
+                                  "refused unread; torch.save stores its records uncompressed: re-save the file "
+                                  "with torch.save")
 
     def _read_capped(self, z: zipfile.ZipFile, info: zipfile.ZipInfo, cap: int) -> bytes:
         """One record, refused when it declares or inflates to more than ``cap`` bytes (a 1 MB DEFLATE record

@@ -20,7 +20,7 @@ import sys
 import torch
 from torch import nn
 
-__all__ = ["check_quant_storage", "quantized_parameters"]
+__all__ = ["check_quant_storage", "keep_4bit_layers_trainable", "quantized_parameters"]
 
 
 def quantized_parameters(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -30,6 +30,37 @@ def quantized_parameters(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
         return []
     kind = bnb.nn.Params4bit
     return [(n, p) for n, p in module.named_parameters() if isinstance(p, kind)]
+
+
+def keep_4bit_layers_trainable(module: nn.Module) -> int:
+    """Keep every bitsandbytes ``Linear4bit`` in ``module`` in the layout its training path reads.
+
+    On a CPU with AVX512-BF16, bitsandbytes (0.50) repacks a 4-bit weight in place on its first forward in eval mode
+    without gradients (``packing_format_for_cpu``), and reverts it only on a save or a move to another device. From
+    then on every forward, in training too, goes through ``gemv_4bit``, which has no autograd kernel: no gradient
+    flows back through the frozen 4-bit layers to the adapters below them, so after the first evaluation the run
+    silently learns less (grad_norm roughly halves). Under FSDP it is worse: the flag lives on the shared quant
+    state while the weight is gathered again in the original layout, and is then read as the packed one.
+
+    So a model handed to a strategy never takes that inference-only path (the regular kernels compute the same
+    values), and a weight already repacked (an evaluation before setup) is put back. Returns how many layers were
+    touched.
+    """
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:
+        return 0
+    count = 0
+    for layer in module.modules():
+        if not isinstance(layer, bnb.nn.Linear4bit):
+            continue
+        layer.support_avx512bf16_for_cpu = False
+        weight = layer.weight
+        state = getattr(weight, "quant_state", None)
+        if state is not None and getattr(state, "packing_format_for_cpu", False):
+            # the same inverse bitsandbytes itself applies before a save or a move to a GPU
+            weight.data, weight.quant_state = bnb.functional._convert_weight_packed_for_cpu_inverse(weight.data, state)
+        count += 1
+    return count
 
 
 def check_quant_storage(module: nn.Module, gather_dtype: torch.dtype | None, owner: str = "FSDP") -> None:

@@ -9,9 +9,10 @@ one module at a time, so no rank ever holds the whole model.
 
 In: a ``checkpoint-N/`` written by Hugging Face's Trainer (``model.safetensors`` + ``trainer_state.json`` +
 ``optimizer.pt`` + ``scheduler.pt``) resumes here. Weights are read from safetensors into the (sharded) model;
-the optimizer and scheduler states only through ``torch.load(weights_only=True)``, which builds tensors and
-plain containers and never runs code. ``rng_state.pth`` and ``training_args.bin`` are full pickles: they are
-not read (random streams start fresh; the arguments are this run's).
+the optimizer and scheduler states only through shardkit's capped allowlist reader, which builds tensors and
+plain containers and never runs code, and checked against this run's optimizer and scheduler before they are
+loaded (:mod:`shardkit.trainer.hf_optimizer_state`). ``rng_state.pth`` and ``training_args.bin`` are full
+pickles: they are not read (random streams start fresh; the arguments are this run's).
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import stat
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from shardkit.checkpoint.format import MANIFEST, CheckpointError
+from shardkit.trainer.hf_optimizer_state import checked_optimizer_state, checked_scheduler_state, read_torch_file
 from shardkit.trainer.state import TRAINER_STATE_NAME
 
 __all__ = ["hf_decay_parameter_names", "is_hf_checkpoint", "load_hf_checkpoint", "public_permissions",
@@ -128,73 +129,49 @@ def _pickle_file(path: Path) -> Path | None:
     return path
 
 
-def _safe_load(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # NOTE: weights_only refuses any object it would have to run code to build
-        raise CheckpointError(f"{path} cannot be read as plain tensors and containers "
-                              f"(torch.load(weights_only=True): {type(err).__name__}); it is not loaded") from None
-
-
-def _param_names(module: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in module.named_parameters()}
-
-
-def _load_optimizer(optimizer: Any, module: nn.Module, path: Path) -> None:
-    """HF's optimizer.pt into ``optimizer``: parameters matched by name through HF's group order."""
-    saved = _safe_load(path)
-    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict) or \
-            not isinstance(saved.get("param_groups"), list):
-        raise CheckpointError(f"{path} is not an optimizer state dict (state, param_groups)")
+def _hf_order(module: nn.Module) -> list[str]:
+    """The trainable parameters' names in the order Hugging Face's optimizer indexes them: decayed ones first."""
     decay = hf_decay_parameter_names(module)
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    hf_order = [n for n, _ in named if n in decay] + [n for n, _ in named if n not in decay]
-    hf_count = sum(len(g.get("params", [])) for g in saved["param_groups"])
-    if hf_count != len(hf_order):
-        raise CheckpointError(f"{path} holds optimizer state for {hf_count} parameters, the model trains "
-                              f"{len(hf_order)}: it is from another model; resume with the model it was saved with")
-    by_name = {hf_order[int(i)]: s for i, s in saved["state"].items() if isinstance(i, int) and 0 <= i < hf_count}
-    names, params = _param_names(module), {n: p for n, p in named}
-    current = optimizer.state_dict()
-    state, index = {}, 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            name = names.get(id(p))
-            if name in by_name:
-                _check_shapes(by_name[name], params[name], name, path)
-                state[index] = by_name[name]
-            index += 1
-    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
-
-
-def _check_shapes(entry: Any, param: torch.Tensor, name: str, path: Path) -> None:
-    if not isinstance(entry, dict):
-        raise CheckpointError(f"{path}: the state of {name} is not a dict")
-    for key, value in entry.items():
-        if isinstance(value, torch.Tensor) and value.ndim and tuple(value.shape) != tuple(param.shape):
-            raise CheckpointError(f"{path}: {name}'s optimizer state {key!r} has shape {list(value.shape)}, the "
-                                  f"parameter {list(param.shape)}")
+    named = [n for n, p in module.named_parameters() if p.requires_grad]
+    return [n for n in named if n in decay] + [n for n in named if n not in decay]
 
 
 def load_hf_checkpoint(runner: Any, model: nn.Module, optimizer: Any, scheduler: Any, path: Path) -> None:
-    """Weights, optimizer and scheduler of a Hugging Face Trainer checkpoint. Call on every rank."""
+    """Weights, optimizer and scheduler of a Hugging Face Trainer checkpoint. Call on every rank.
+
+    The optimizer and scheduler files are read and checked before anything is loaded: a refused file leaves the
+    model, optimizer and scheduler as they were."""
     from shardkit.checkpoint.hf import load_pretrained
 
-    load_pretrained(runner, model, path)
-    strategy = runner.strategy
+    strategy, module = runner.strategy, runner.unwrap_model(model)
+    optimizer_state = scheduler_state = None
     optimizer_file = _pickle_file(path / "optimizer.pt")
     if optimizer_file is not None and optimizer is not None:
         if strategy.optimizer_parameters == "whole" and not strategy.partitions_parameters:
-            _load_optimizer(optimizer, runner.unwrap_model(model), optimizer_file)
+            optimizer_state = checked_optimizer_state(read_torch_file(optimizer_file), optimizer_file, optimizer,
+                                                      module, _hf_order(module))
         else:
             logger.warning(f"{optimizer_file} holds whole-parameter optimizer state, and {type(strategy).__name__} "
                            "keeps the optimizer state partitioned: the optimizer starts fresh (weights, schedule "
                            "and position are resumed)")
     scheduler_file = _pickle_file(path / "scheduler.pt")
     if scheduler_file is not None and scheduler is not None and hasattr(scheduler, "load_state_dict"):
-        saved = _safe_load(scheduler_file)
-        if not isinstance(saved, dict):
-            raise CheckpointError(f"{scheduler_file} is not a scheduler state dict")
-        scheduler.load_state_dict(saved)
+        scheduler_state = checked_scheduler_state(read_torch_file(scheduler_file), scheduler_file, scheduler)
+    load_pretrained(runner, model, path)
+    if optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    if scheduler_state is not None:
+        scheduler.load_state_dict(scheduler_state)
+        _learning_rates_from(scheduler)
     if (path / "rng_state.pth").exists():
         logger.info(f"{path / 'rng_state.pth'} is a full pickle and is not read: random streams start fresh")
+
+
+def _learning_rates_from(scheduler: Any) -> None:
+    """The next step runs at the rate the loaded schedule reached (as after Hugging Face's resume), also where the
+    optimizer state was not loaded: a scheduler sets the groups' rates only when it steps."""
+    last = getattr(scheduler, "_last_lr", None)
+    groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", None)
+    if isinstance(last, list) and groups is not None and len(last) == len(groups):
+        for group, lr in zip(groups, last):
+            group["lr"] = lr

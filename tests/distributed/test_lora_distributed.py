@@ -1,7 +1,7 @@
 """LoRA (peft) through the Trainer on 2 CPU ranks under DDP, FSDP, ZeRO-2 and ZeRO-3, one process group each: the
 loss falls, only adapters get gradients and optimizer state, the base stays bitwise unchanged, adapters agree across
 ranks, saved adapters and the merged HF export give the trained model's logits; exact resume under FSDP; QLoRA (a
-bitsandbytes 4-bit base, bf16 quant storage) under FSDP with BF16 on the CPU."""
+bitsandbytes 4-bit base, bf16 quant storage) under FSDP with BF16 on the CPU, evaluated during training."""
 
 import os
 from pathlib import Path
@@ -133,11 +133,17 @@ def _qlora_fsdp(out: Path) -> dict:
     torch.manual_seed(2)
     model = peft.get_peft_model(base, peft.LoraConfig(**LORA))
     packed = {n: p.detach().view(torch.uint8).clone() for n, p in quantized_parameters(model)}
-    trainer = Trainer(model, _args(out / "run", bf16=True), train_dataset=_data(), strategy=strategy_from_name("fsdp"))
+    # the seed evaluates during training: evaluation must leave the 4-bit layers as training needs them
+    trainer = Trainer(model, _args(out / "run", bf16=True, eval_strategy="steps", eval_steps=3), train_dataset=_data(),
+                      eval_dataset=text_data(4), strategy=strategy_from_name("fsdp"))
     trainer.train()
+    inference_layout = [n for n, p in quantized_parameters(model)
+                        if getattr(p.quant_state, "packing_format_for_cpu", False)]
     with trainer.runner.gathered_parameters([p for _, p in quantized_parameters(model)]) as whole:
         same = all(torch.equal(w.view(torch.uint8), packed[n]) for (n, _), w in zip(quantized_parameters(model), whole))
-    return {"losses": logged_losses(trainer), "packed": len(packed), "packed_equal": same,
+    evals = sum("eval_loss" in h for h in trainer.state.log_history)
+    return {"losses": logged_losses(trainer), "packed": len(packed), "packed_equal": same, "evals": evals,
+            "inference_layout": inference_layout,
             "held": _optimizer_held(trainer), "adapters": {n for n, p in model.named_parameters() if p.requires_grad}}
 
 
@@ -194,5 +200,6 @@ def test_qlora_trains_under_fsdp_with_bf16_quant_storage(lora_runs):
         assert "error" not in result, result.get("error")
         assert result["packed"] == 14 and result["packed_equal"]  # 7 Linears x 2 blocks stay 4-bit, untouched
         assert result["held"] == result["adapters"]
+        assert result["evals"] == 2 and result["inference_layout"] == []
     losses = lora_runs[0]["fsdp_qlora"]["losses"]
     assert losses[-1] < losses[0] - 0.05

@@ -265,7 +265,7 @@ BOMBS: dict[str, tuple[Callable[[Path], None], str]] = {
     "stride0_1e12": (lambda d: _model_states(d, {"buf": Rebuild(Storage("0", 1), 0, (10**12,), (0,))}),
                      "views larger than their storage"),
     "expand_2e9_buffer": (_expand_buffer, "views larger than their storage"),
-    "deflate_1gib_pickle": (_deflate_bomb, "a torch.save pickle is stored, at most"),
+    "deflate_1gib_pickle": (_deflate_bomb, "a compression bomb, refused unread"),
     "tuple_key_hash": (lambda d: _model_states(d, {}, junk=Items([(_nested_tuple(), 1)])), "dict key"),
     "int_key_collisions": (_int_key_collisions, "dict key"),
     "aliasing_views": (_aliasing_views, "reuse the same bytes"),

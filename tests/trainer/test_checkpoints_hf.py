@@ -56,8 +56,9 @@ class _AtStart(TrainerCallback):
         self.last_epoch = lr_scheduler.last_epoch
 
 
-def _hf_checkpoint(tmp_path):
-    """A checkpoint written by Hugging Face's own Trainer (transformers installed for the tests)."""
+def _hf_checkpoint(tmp_path, max_steps=2, schedule="linear"):
+    """checkpoint-2 written by Hugging Face's own Trainer (transformers installed for the tests), in a run of
+    ``max_steps`` that logs every step."""
     import transformers
 
     # A single-process ZeRO run earlier in this process leaves LOCAL_RANK=0 (DeepSpeed's zero.Init reads it);
@@ -65,8 +66,9 @@ def _hf_checkpoint(tmp_path):
     with mock.patch.dict(os.environ):
         os.environ.pop("LOCAL_RANK", None)
         args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4,
-                                              learning_rate=1e-2, optim="adamw_torch", max_steps=2, save_steps=2,
-                                              use_cpu=True, report_to="none", disable_tqdm=True, seed=0)
+                                              learning_rate=1e-2, optim="adamw_torch", max_steps=max_steps,
+                                              save_steps=2, logging_steps=1, use_cpu=True, report_to="none",
+                                              disable_tqdm=True, seed=0, lr_scheduler_type=schedule)
         hf = transformers.Trainer(tiny_llama(), args, train_dataset=Tokens())
         hf.train()
     return tmp_path / "hf" / "checkpoint-2", hf
@@ -90,6 +92,25 @@ def test_resume_from_a_checkpoint_hugging_faces_trainer_wrote(tmp_path, caplog):
     order += [n for n in names if n not in order]
     assert all(torch.equal(start.exp_avg[id(by_name[n])], saved[i]["exp_avg"]) for i, n in enumerate(order))
     assert f"resumed from {checkpoint} at step 2" in caplog.text
+
+
+def _logged(log_history, after):
+    return [(h["step"], h["loss"], h["learning_rate"]) for h in log_history if "loss" in h and h["step"] > after]
+
+
+@pytest.mark.parametrize("schedule,rates", [("linear", [0.005, 0.0025]), ("constant", [0.01, 0.01])])
+def test_resuming_a_hugging_face_checkpoint_continues_its_run_exactly(tmp_path, schedule, rates):
+    """A 4-step run resumed at checkpoint-2: under the linear schedule step 3 runs at 0.005 (the rate the schedule
+    reached, from the file's param groups and the loaded scheduler), not at the initial 0.01, and the remaining
+    steps' losses and rates are those of Hugging Face's uninterrupted run. (Hugging Face's constant schedule is a
+    plain function, shardkit's a partial: their saved states differ in form and load alike.)"""
+    checkpoint, hf = _hf_checkpoint(tmp_path, max_steps=4, schedule=schedule)
+    trainer = Trainer(tiny_llama(seed=1), _args(tmp_path / "out", max_steps=4, save_strategy="no",
+                                                lr_scheduler_type=schedule), train_dataset=Tokens())
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    mine, theirs = _logged(trainer.state.log_history, 2), _logged(hf.state.log_history, 2)
+    assert [(s, lr) for s, _, lr in mine] == [(s, lr) for s, _, lr in theirs] == [(3, rates[0]), (4, rates[1])]
+    assert [loss for _, loss, _ in mine] == pytest.approx([loss for _, loss, _ in theirs], abs=2e-6)
 
 
 def test_a_pickle_that_runs_code_is_never_loaded(tmp_path):
@@ -173,3 +194,113 @@ def test_rotation_orders_by_age_and_keeps_the_newest_and_the_best(tmp_path, limi
     args = TrainingArguments(output_dir=str(tmp_path), save_total_limit=limit)
     Checkpointer(None, args).rotate(str(tmp_path / f"checkpoint-{best}") if best else None)
     assert sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*")) == kept
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    checkpoint, _ = _hf_checkpoint(tmp_path_factory.mktemp("hf"))
+    return checkpoint
+
+
+def _refused_resume(tmp_path, checkpoint, name, content, match):
+    """``content`` written as ``name`` into a copy of the checkpoint: the resume is refused naming the file and
+    ``match``, and the model and optimizer are left as they were."""
+    copy = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoint, copy)
+    if isinstance(content, bytes):
+        (copy / name).write_bytes(content)
+    else:
+        torch.save(content, copy / name)
+    trainer = Trainer(tiny_llama(seed=1), _args(tmp_path / "out", max_steps=4), train_dataset=Tokens())
+    with pytest.raises(CheckpointError, match=match) as err:
+        trainer.train(resume_from_checkpoint=str(copy))
+    assert str(copy / name) in str(err.value)
+    fresh = tiny_llama(seed=1).state_dict()
+    assert all(torch.equal(v, fresh[k]) for k, v in trainer.model.state_dict().items())
+    optimizer = trainer.optimizer
+    assert optimizer is None or (not optimizer.state and all(g["lr"] == 1e-2 for g in optimizer.param_groups))
+    return str(err.value)
+
+
+def _zip_bomb(inflated: int) -> bytes:
+    """A torch.save-shaped zip whose deflated data.pkl (about a 1000th of its size) inflates to ``inflated``
+    bytes."""
+    import io
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        with z.open("archive/data.pkl", "w", force_zip64=True) as f:
+            block = b"\0" * (1 << 20)
+            for _ in range(inflated >> 20):
+                f.write(block)
+        z.writestr("archive/version", "3\n")
+    return buffer.getvalue()
+
+
+def test_a_zip_bomb_optimizer_file_is_refused_before_it_is_inflated(tmp_path, hf_checkpoint):
+    bomb = _zip_bomb(64 << 20)  # under the pickle cap: the directory's ratio refuses it
+    assert len(bomb) < 1 << 20
+    _refused_resume(tmp_path, hf_checkpoint, "optimizer.pt", bomb,
+                    r"'archive/data\.pkl' declares 67108864 bytes inflated from \d+, .*a compression bomb")
+
+
+def _optimizer_with(change):
+    def build(checkpoint):
+        saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+        change(saved)
+        return saved
+    return build
+
+
+def _set(path, value):
+    def change(saved):
+        *parents, last = path
+        target = saved
+        for key in parents:
+            target = target[key]
+        target[last] = value
+    return change
+
+
+def _as_sgd(saved):
+    for group in saved["param_groups"]:
+        del group["betas"]
+        group.update(momentum=0.9, nesterov=False)
+
+
+@pytest.mark.parametrize("change,match", [
+    (_set(("evil",), 1), "the top level is .*'evil'.*not an optimizer state dict"),
+    (_set(("param_groups",), "groups"), "param_groups is not a list of dicts"),
+    (_set(("param_groups", 1, "params", 0), 0), r"param_groups index the parameters .* not 0\.\.20 once each"),
+    (_set(("param_groups", 1, "params"), [16, 17]), "optimizer state for 18 parameters, the model trains 21"),
+    (lambda saved: saved["param_groups"][0].pop("lr"), r"param_groups\[0\] has no 'lr'"),
+    (_set(("param_groups", 0, "lr"), -1.0), r"param_groups\[0\]\.lr is -1\.0, below 0"),
+    (_set(("param_groups", 0, "betas"), "fast"), r"param_groups\[0\]\.betas is 'fast', not 2 values"),
+    (_set(("param_groups", 0, "weight_decay"), float("nan")), r"param_groups\[0\]\.weight_decay is nan"),
+    (_set(("state", 0, "step"), torch.tensor(-5.0)), r"state\[0\] \(.*\)\['step'\] is .*not a step count >= 0"),
+    (_set(("state", 0, "exp_avg"), torch.zeros(3)), r"\['exp_avg'\] has shape \[3\], the parameter \[64, 16\]"),
+    (_set(("state", 0, "exp_avg_sq"), torch.full((64, 16), float("nan"))), "NaN or infinite"),
+    (_set(("state", 0), "entry"), r"state\[0\] .* is 'entry', not a dict"),
+    (_set(("state", 99), {}), r"state has entries \[99\] for no parameter"),
+    (_as_sgd, r"param_groups\[0\] lacks 'betas' and has 'momentum', 'nesterov', fields this run's AdamW"),
+])
+def test_an_optimizer_file_of_the_wrong_structure_is_refused_by_field(tmp_path, hf_checkpoint, change, match):
+    text = _refused_resume(tmp_path, hf_checkpoint, "optimizer.pt", _optimizer_with(change)(hf_checkpoint), match)
+    assert "delete optimizer.pt" in text or "resume with the model it was saved with" in text
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda saved: saved.pop("base_lrs"), "the state lacks keys: 'base_lrs'"),
+    (_set(("evil",), 1), "the state has keys this scheduler lacks: 'evil'"),
+    (_set(("last_epoch",), "abc"), "'last_epoch' is 'abc', not an integer"),
+    (_set(("last_epoch",), -5), "'last_epoch' is -5, below 0"),
+    (_set(("_last_lr",), [0.005]), r"'_last_lr' is \[0\.005\], not 2 values"),
+    (_set(("base_lrs",), [-1.0, 0.01]), "'base_lrs' is .*a learning rate below 0"),
+    (_set(("lr_lambdas",), [{}, {"func": 1}]), r"'lr_lambdas'\[1\] has keys this scheduler lacks: 'func'"),
+])
+def test_a_scheduler_file_of_the_wrong_structure_is_refused_by_field(tmp_path, hf_checkpoint, change, match):
+    saved = torch.load(hf_checkpoint / "scheduler.pt", weights_only=True)
+    change(saved)
+    text = _refused_resume(tmp_path, hf_checkpoint, "scheduler.pt", saved, match)
+    assert "delete scheduler.pt" in text

@@ -23,9 +23,9 @@ HF_TINY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
-def _hf_base():
+def _hf_base(**sizes):
     torch.manual_seed(1)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_TINY))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**HF_TINY, **sizes}))
 
 
 def _hf_lora():
@@ -194,16 +194,16 @@ def test_trainable_view_holds_the_live_trainable_parameters():
 # ---- QLoRA (bitsandbytes 4-bit; its CPU backend quantizes and computes, so this runs without a GPU) -------------
 
 
-def _quantized_lora(tmp_path, storage=torch.float32):
+def _quantized_lora(tmp_path, storage=torch.float32, lora=None, **sizes):
     from shardkit.trainer.qlora import qlora_config
 
-    _hf_base().save_pretrained(str(tmp_path / "base"))
+    _hf_base(**sizes).save_pretrained(str(tmp_path / "base"))
     bnb_config = qlora_config(compute_dtype=torch.float32, quant_storage=storage)
     base = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "base"), quantization_config=bnb_config,
                                                          dtype=torch.float32, device_map="cpu")
     base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)
     torch.manual_seed(2)
-    return peft.get_peft_model(base, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
+    return peft.get_peft_model(base, peft.LoraConfig(task_type="CAUSAL_LM", **(lora or LORA)))
 
 
 def test_qlora_config_checks_its_arguments():
@@ -257,3 +257,53 @@ def test_qlora_trains_on_cpu_saves_adapters_and_refuses_a_merge(tmp_path):
         assert f.keys() and all("lora_" in k for k in f.keys())
     with pytest.raises(NotImplementedError, match="4-bit weights.*merge_adapters=False"):
         trainer.save_model(str(tmp_path / "merged"), merge_adapters=True)
+
+
+def test_qlora_after_an_evaluation_trains_as_without_it(tmp_path):
+    """The FSDP seed's QLoRA (LoRA on every linear layer) with an evaluation in the middle: the steps after it
+    get the same gradients and losses as the run without one. (bitsandbytes' CPU inference layout, taken on an
+    eval forward, would route training through a kernel without gradients; the layers are 64 wide so that
+    layout applies.)"""
+    pytest.importorskip("bitsandbytes")
+
+    def run(name, **kw):
+        model = _quantized_lora(tmp_path / name, lora={**LORA, "target_modules": "all-linear"}, hidden_size=64,
+                                intermediate_size=128)
+        trainer = Trainer(model, _args(tmp_path / f"{name}-run", max_steps=4, **kw), train_dataset=_data(16),
+                          eval_dataset=_data(4))
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        return [h["loss"] for h in logs], [h["grad_norm"] for h in logs], trainer
+
+    losses, norms, evaluated = run("eval", eval_strategy="steps", eval_steps=2)
+    assert any("eval_loss" in h for h in evaluated.state.log_history)
+    plain_losses, plain_norms, _ = run("plain")
+    assert losses == pytest.approx(plain_losses, rel=1e-6, abs=1e-6)
+    assert norms == pytest.approx(plain_norms, rel=1e-5)
+
+
+def test_setup_puts_a_4bit_weight_back_in_its_training_layout():
+    """A 4-bit layer evaluated before setup holds bitsandbytes' inference-only CPU layout; the Runner puts it back
+    (same bytes as before) and the layer never takes that layout again, so gradients reach its input."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from shardkit import Runner
+    from shardkit.strategies import SingleDevice
+
+    layer = bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.float32, quant_storage=torch.uint8)
+    layer.load_state_dict(torch.nn.Linear(64, 64, bias=False).state_dict())
+    layer = layer.to("cpu")
+    before = layer.weight.detach().clone()
+    weight = layer.weight
+    weight.data, weight.quant_state = bnb.functional._convert_weight_packed_for_cpu(weight.data, weight.quant_state)
+    assert weight.quant_state.packing_format_for_cpu  # the layout an eval forward leaves on AVX512-BF16 CPUs
+    model = Runner(SingleDevice("cpu")).setup(torch.nn.Sequential(layer))
+    assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
+    assert torch.equal(layer.weight.detach().view(-1), before.view(-1))
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(2, 64))
+    assert not getattr(layer.weight.quant_state, "packing_format_for_cpu", False)
+    model.train()
+    x = torch.randn(2, 64, requires_grad=True)
+    model(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
