@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,6 +24,13 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from shardkit.accelerate_compat.checkpointing import CheckpointMixin
+from shardkit.accelerate_compat.dummies import (
+    is_dummy_optimizer,
+    is_dummy_scheduler,
+    raw_deepspeed_config,
+    real_optimizer,
+    real_scheduler,
+)
 from shardkit.accelerate_compat.plugins import (
     DataLoaderConfiguration,
     ProjectConfiguration,
@@ -53,7 +61,6 @@ __all__ = ["Accelerator"]
 
 # Constructor arguments of Accelerate that shardkit does not take, and what to do instead.
 _REFUSED = {"torch_tp_plugin": "use shardkit.TensorParallel through a shardkit.Runner",
-            "downcast_bf16": "a TPU (XLA) option; on CPUs and GPUs mixed_precision='bf16' needs nothing more",
             "megatron_lm_plugin": "Megatron-LM is not supported",
             "dynamo_plugin": "call torch.compile(model) in the script",
             "deepspeed_plugins": "pass one deepspeed_plugin",
@@ -101,6 +108,10 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
                  step_scheduler_with_optimizer: bool = True, kwargs_handlers: Any = None,
                  dynamo_backend: str | None = None, **unsupported: Any) -> None:
         _refuse(unsupported, device_placement, dynamo_backend)
+        _check_types(dataloader_config=dataloader_config, project_config=project_config,
+                     gradient_accumulation_plugin=gradient_accumulation_plugin, kwargs_handlers=kwargs_handlers,
+                     deepspeed_plugin=deepspeed_plugin, fsdp_plugin=fsdp_plugin)
+        cpu = bool(cpu) or _env_flag("ACCELERATE_USE_CPU")  # accelerate launch --cpu, as Accelerate reads it
         handlers = read_handlers(kwargs_handlers)
         if "init" in handlers:
             apply_init_kwargs(handlers["init"])
@@ -137,9 +148,12 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         strategy: Strategy | None = None
         config = None
         steps: int | None = self.gradient_state.num_steps
-        if deepspeed_plugin is not None:
-            name = mixed_precision_name(precision.compute_dtype) if precision is not None else "no"
-            config = deepspeed_config(deepspeed_plugin, name)
+        mixed = mixed_precision_name(precision.compute_dtype) if precision is not None else "no"
+        launched = _launched(mixed, deepspeed_plugin, fsdp_plugin)
+        if launched is not None and launched.kind == "FSDP":
+            strategy = launched.strategy
+        elif launched is not None or deepspeed_plugin is not None:
+            config = launched.deepspeed if launched is not None else deepspeed_config(deepspeed_plugin, mixed)
             if steps == 1 and config.get("gradient_accumulation_steps", "auto") != "auto":
                 steps = None  # the DeepSpeed config's count, as Accelerate takes it from the plugin
         elif fsdp_plugin is not None:
@@ -150,13 +164,8 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
             else None
         runner = Runner(strategy, precision, config=config, gradient_accumulation_steps=steps,
                         checkpoint_keep_last=keep)
+        self._deepspeed_config = config  # as written: DummyOptim/DummyScheduler fill its "auto" params at prepare
         self.gradient_state.num_steps = runner.gradient_accumulation_steps
-        resolved = runner.config
-        if resolved is not None and (resolved.optimizer is not None or resolved.scheduler is not None):
-            raise NotImplementedError(f"the DeepSpeed config ({resolved.source}) has an optimizer or scheduler "
-                                      f"section: build the optimizer and scheduler in the script and pass them to "
-                                      f"prepare() (Accelerate's DummyOptim/DummyScheduler are not supported); remove "
-                                      f"the section")
         return runner
 
     # ---- facts ------------------------------------------------------------------------------------------
@@ -245,8 +254,9 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         """
         if device_placement is not None and not all(device_placement):
             raise NotImplementedError("prepare(device_placement=False): shardkit always places what it prepares")
+        args, built = self._from_deepspeed_sections(args)
         out = list(args)
-        kinds = [_kind(a) for a in args]
+        kinds = ["scheduler" if id(a) in built else _kind(a) for a in args]
         for i, kind in enumerate(kinds):
             if kind == "dataloader":  # first: DeepSpeed's engine config takes the micro-batch size from it
                 out[i] = self._prepare_loader(args[i])
@@ -267,6 +277,34 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         for i, scheduler in schedulers.items():
             out[i] = self._prepare_scheduler(scheduler, list(prepared_opts.values()))
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _from_deepspeed_sections(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], set[int]]:
+        """``args`` with each DummyOptim / DummyScheduler replaced by what the DeepSpeed config's ``optimizer`` /
+        ``scheduler`` section describes, and the ids of the schedulers built; a torch optimizer or scheduler where
+        the config has that section is refused, as Accelerate does (two would describe one thing)."""
+        dummies = [a for a in args if is_dummy_optimizer(a) or is_dummy_scheduler(a)]
+        resolved = self.runner.config
+        sections = resolved is not None and (resolved.optimizer is not None or resolved.scheduler is not None)
+        raw = raw_deepspeed_config(self._deepspeed_config, resolved) if dummies or sections else None
+        for section, kind, name in (("optimizer", torch.optim.Optimizer, "DummyOptim"),
+                                    ("scheduler", torch.optim.lr_scheduler.LRScheduler, "DummyScheduler")):
+            if raw is not None and section in raw[0] and any(isinstance(a, kind) for a in args):
+                raise ValueError(f"{raw[1]} has a {section} section and prepare() got a torch {section} too: remove "
+                                 f"the section, or pass shardkit.accelerate_compat.{name} in place of the {section}")
+        if not dummies:
+            return args, set()
+        out, real, built = list(args), {}, set()
+        for i, arg in enumerate(args):
+            if is_dummy_optimizer(arg):
+                out[i] = real[id(arg)] = real_optimizer(arg, raw)
+        for i, arg in enumerate(args):
+            if is_dummy_scheduler(arg):
+                optimizer = real.get(id(arg.optimizer))
+                if optimizer is None:
+                    raise ValueError("a DummyScheduler goes over the DummyOptim passed to the same prepare() call")
+                out[i] = real_scheduler(arg, optimizer, raw, self.num_processes, self.split_batches)
+                built.add(id(out[i]))
+        return tuple(out), built
 
     def prepare_model(self, model: nn.Module, device_placement: Any = None, evaluation_mode: bool = False) -> nn.Module:
         """Set up a model on its own (for inference, or an optimizer-free model)."""
@@ -400,13 +438,41 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
 
 # ---- helpers --------------------------------------------------------------------------------------------
 
+def _launched(mixed: str, deepspeed_plugin: Any, fsdp_plugin: Any) -> Any:
+    """What ``accelerate launch``'s variables ask for (an FSDP strategy or a DeepSpeed config), or None.
+
+    None under ``shardkit launch`` (its ranks read the YAML itself) and when a plugin argument names the same
+    engine (the argument wins, as in Accelerate); a plugin for the other engine is a contradiction, refused.
+    """
+    from shardkit.config.accelerate_env import launch_environment
+    from shardkit.config.common import CONFIG_FILE_ENV
+
+    if os.environ.get(CONFIG_FILE_ENV) is not None:
+        return None
+    launched = launch_environment(mixed)
+    given = "deepspeed_plugin" if deepspeed_plugin is not None else "fsdp_plugin" if fsdp_plugin is not None else None
+    if launched is None or given is None:
+        return launched
+    if (launched.kind == "FSDP") != (given == "fsdp_plugin"):
+        raise ValueError(f"{launched.source} asks for {launched.kind} but Accelerator({given}=...) asks for the other "
+                         f"engine; launch with the config that matches the script, or drop {given}=")
+    return None
+
+
 def _refuse(unsupported: dict[str, Any], device_placement: bool, dynamo_backend: str | None) -> None:
     for key, value in unsupported.items():
+        if key == "downcast_bf16":
+            if value:  # Accelerate reads it on TPUs only and ignores it elsewhere; so does shardkit, with a note
+                from shardkit.config.common import warn_once
+
+                warn_once("accelerator:downcast_bf16", "Accelerator(downcast_bf16=True) has no effect: it is a TPU "
+                          "(XLA) option; on CPUs and GPUs mixed_precision='bf16' needs nothing more")
+            continue
         if key not in _REFUSED:
             from shardkit.suggest import did_you_mean
 
-            raise TypeError(f"Accelerator() got an unexpected keyword argument {key!r}"
-                            f"{did_you_mean(key, [*_REFUSED, 'mixed_precision', 'gradient_accumulation_steps'])}")
+            known = [*_REFUSED, "downcast_bf16", "mixed_precision", "gradient_accumulation_steps"]
+            raise TypeError(f"Accelerator() got an unexpected keyword argument {key!r}{did_you_mean(key, known)}")
         if value not in (None, False):
             raise NotImplementedError(f"Accelerator({key}=...) is not supported by shardkit; {_REFUSED[key]}")
     if device_placement is not True:
@@ -414,6 +480,40 @@ def _refuse(unsupported: dict[str, Any], device_placement: bool, dynamo_backend:
     if dynamo_backend is not None and str(getattr(dynamo_backend, "value", dynamo_backend)).lower() != "no":
         raise NotImplementedError(f"Accelerator(dynamo_backend={dynamo_backend!r}): shardkit does not compile the "
                                   f"model for you; call torch.compile(model) in the script")
+
+
+# Argument -> (an attribute its objects have, what to pass): Accelerate's classes and shardkit's are both read by
+# attribute, so the check is by attribute too.
+_ARGUMENT_KINDS = {
+    "dataloader_config": ("split_batches", "a DataLoaderConfiguration"),
+    "project_config": ("automatic_checkpoint_naming", "a ProjectConfiguration"),
+    "gradient_accumulation_plugin": ("num_steps", "a GradientAccumulationPlugin"),
+    "deepspeed_plugin": ("deepspeed_config", "a DeepSpeedPlugin, a DeepSpeed config dict or a dict of "
+                                             "DeepSpeedPlugin's fields"),
+    "fsdp_plugin": ("fsdp_version", "a FullyShardedDataParallelPlugin or a dict of its fields / fsdp_config keys"),
+}
+
+
+def _check_types(**arguments: Any) -> None:
+    """A TypeError naming the argument for anything that is not what Accelerate takes there (``fsdp_plugin=5``
+    would otherwise run plain FSDP defaults)."""
+    for name, value in arguments.items():
+        if value is None:
+            continue
+        if name == "kwargs_handlers":
+            if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
+                raise TypeError(f"Accelerator(kwargs_handlers={value!r}) must be a list of handlers, e.g. "
+                                f"[DistributedDataParallelKwargs(...)]")
+            continue
+        attribute, wanted = _ARGUMENT_KINDS[name]
+        if isinstance(value, Mapping) and name in ("deepspeed_plugin", "fsdp_plugin"):
+            continue
+        if not hasattr(value, attribute):
+            raise TypeError(f"Accelerator({name}={value!r}): expected {wanted}, got {type(value).__name__}")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _gradient_state(steps: int, plugin: Any) -> GradientState:

@@ -172,6 +172,9 @@ def read_handlers(handlers: Iterable[Any] | None) -> dict[str, Any]:
         if kind is None:
             why = _UNSUPPORTED_HANDLERS.get(name)
             known = ", ".join(_HANDLERS)
+            if why is None and not hasattr(handler, "to_kwargs"):
+                raise TypeError(f"kwargs_handlers holds {handler!r} ({name}), which is not a kwargs handler; "
+                                f"shardkit takes {known}")
             raise NotImplementedError(f"kwargs_handlers: {name} is not supported" + (f" ({why})" if why else "") +
                                       f"; shardkit takes {known}")
         if kind in found:

@@ -80,9 +80,9 @@ def write_flags_config(args: argparse.Namespace, base_path: Path | None, process
         return None
     base = load_mapping(base_path) if base_path is not None else None
     if base is not None and base.get("deepspeed_config", {}).get("deepspeed_config_file"):
-        file = Path(str(base["deepspeed_config"]["deepspeed_config_file"]))  # relative to the base YAML's folder
-        base["deepspeed_config"]["deepspeed_config_file"] = str(file if file.is_absolute()
-                                                                else base_path.resolve().parent / file)
+        # relative to where the command runs, as accelerate launch takes it (the written YAML lives elsewhere)
+        file = Path(str(base["deepspeed_config"]["deepspeed_config_file"]))
+        base["deepspeed_config"]["deepspeed_config_file"] = str(file.resolve())
     config = config_from_flags(args, base)
     if config is None:
         return None
