@@ -93,7 +93,32 @@ def write_flags_config(args: argparse.Namespace, base_path: Path | None, process
     handle, name = tempfile.mkstemp(prefix="shardkit_launch_", suffix=".yaml")
     with os.fdopen(handle, "w", encoding="utf-8") as out:
         yaml.safe_dump(config, out, sort_keys=True)
-    return Path(name)
+    path = Path(name)
+    try:
+        _check_as_flags(path, args, base_path)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _check_as_flags(path: Path, args: argparse.Namespace, base_path: Path | None) -> None:
+    """The launcher's own checks of the written file, with errors naming the flags (and the base YAML) the values
+    came from instead of a temporary file the user never wrote."""
+    from shardkit.config.accelerate import launch_args_from_yaml
+    from shardkit.distributed.cli import LaunchUsageError
+
+    try:
+        launch_args_from_yaml(path)
+    except LaunchUsageError as err:
+        given = _given(args)
+        words = " ".join(f"--{k}" if v is True else f"--{k}={v}" for k, v in given.items())
+        origin = f"shardkit launch's flags ({words})" + (f" laid over {base_path}" if base_path else "")
+        message = str(err).removeprefix(f"--config-file {path}: ").replace(str(path), origin)
+        for key in given:
+            for section in ("fsdp_config", "deepspeed_config"):
+                message = message.replace(f"{section}.{key}", f"--{key}")
+        raise LaunchUsageError(message) from None
 
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:

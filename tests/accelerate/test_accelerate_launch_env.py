@@ -251,3 +251,44 @@ def test_accelerate_launch_with_a_deepspeed_yaml_trains_zero_with_the_configs_op
         assert record["lr"] == 0.05  # DummyOptim's lr filled the section's "auto", the warmup reached it
     _learned(records)
 
+
+
+# ---- shardkit launch's config-as-flags, and the wrap classes ------------------------------------------------
+
+@pytest.mark.parametrize("flags,text", [
+    (["--use_fsdp", "--fsdp_sharding_strategy=FUL_SHARD"], "--fsdp_sharding_strategy: 'FUL_SHARD' in shardkit "
+                                                           "launch's flags"),
+    (["--use_fsdp", "--fsdp_transformer_layer_cls_to_wrap="], "--fsdp_transformer_layer_cls_to_wrap: '' in "
+                                                              "shardkit launch's flags .* empty class name"),
+    (["--use_deepspeed", "--gradient_clipping=-1"], "--gradient_clipping=-1 in shardkit launch's flags"),
+    (["--use_deepspeed", "--deepspeed_config_file=nope.json"], "--deepspeed_config_file: .*nope.json"),
+])
+def test_a_bad_launch_flag_is_named_as_the_flag_not_a_temporary_file(flags, text, tmp_path, monkeypatch, capsys):
+    from shardkit import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")
+    assert cli.main(["launch", "--dry-run", *flags, "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert __import__("re").search(text, err), err
+    assert "shardkit_launch_" not in err and ".yaml" not in err
+
+
+def test_a_wrap_class_missing_from_the_model_lists_its_classes_closest_first():
+    from torch import nn
+
+    from shardkit.strategies.activation_checkpointing import resolve_module_classes
+
+    class LlamaDecoderLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+
+    model = nn.Sequential(nn.Embedding(3, 2), nn.ModuleList([LlamaDecoderLayer()]), nn.LayerNorm(2))
+    with pytest.raises(ValueError, match="no module of class 'LlamaDecoderLayers'.*did you mean 'LlamaDecoderLayer'"
+                                         ".*closest first: LlamaDecoderLayer, ") as err:
+        resolve_module_classes("LlamaDecoderLayers", model, "FSDP auto_wrap")
+    for name in ("Embedding", "ModuleList", "LayerNorm", "Linear", "Sequential"):
+        assert name in str(err.value)
+    with pytest.raises(ValueError, match="closest first: .*LlamaDecoderLayer"):  # listed even when none is near
+        resolve_module_classes("BertLayer", model, "FSDP auto_wrap")
