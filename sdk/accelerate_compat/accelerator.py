@@ -80,7 +80,9 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         deepspeed_plugin: a DeepSpeed config dict, a dict of ``DeepSpeedPlugin``'s fields (``zero_stage``,
             ``offload_optimizer_device`` ...) or ``accelerate.utils.DeepSpeedPlugin``: the ZeRO strategies.
         fsdp_plugin: a dict of Accelerate's ``fsdp_config`` keys or ``FullyShardedDataParallelPlugin``'s fields,
-            or that plugin: :class:`shardkit.FSDP`.
+            or that plugin: :class:`shardkit.FSDP`. Without either, under ``accelerate launch``, the FSDP or
+            DeepSpeed settings its variables carry (:mod:`shardkit.config.accelerate_env`), or a refusal naming
+            the variable shardkit cannot honour.
         log_with: tracker names of :data:`shardkit.tracking.TRACKERS` ("jsonl", "tensorboard", "all") or tracker
             objects.
         project_dir: where automatically named checkpoints and the trackers' files go.
