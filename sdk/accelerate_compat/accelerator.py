@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from shardkit.accelerate_compat.checkpointing import CheckpointMixin
 from shardkit.accelerate_compat.dummies import (
+    DeepSpeedConfigView,
     is_dummy_optimizer,
     is_dummy_scheduler,
     raw_deepspeed_config,
@@ -35,10 +36,12 @@ from shardkit.accelerate_compat.plugins import (
     DataLoaderConfiguration,
     ProjectConfiguration,
     apply_init_kwargs,
+    check_argument_types,
     ddp_options,
     deepspeed_config,
     default_strategy,
     fsdp_strategy,
+    launched_engine,
     precision_for,
     read_handlers,
 )
@@ -110,9 +113,9 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
                  step_scheduler_with_optimizer: bool = True, kwargs_handlers: Any = None,
                  dynamo_backend: str | None = None, **unsupported: Any) -> None:
         _refuse(unsupported, device_placement, dynamo_backend)
-        _check_types(dataloader_config=dataloader_config, project_config=project_config,
-                     gradient_accumulation_plugin=gradient_accumulation_plugin, kwargs_handlers=kwargs_handlers,
-                     deepspeed_plugin=deepspeed_plugin, fsdp_plugin=fsdp_plugin)
+        check_argument_types(dataloader_config=dataloader_config, project_config=project_config,
+                             gradient_accumulation_plugin=gradient_accumulation_plugin, kwargs_handlers=kwargs_handlers,
+                             deepspeed_plugin=deepspeed_plugin, fsdp_plugin=fsdp_plugin)
         cpu = bool(cpu) or _env_flag("ACCELERATE_USE_CPU")  # accelerate launch --cpu, as Accelerate reads it
         handlers = read_handlers(kwargs_handlers)
         if "init" in handlers:
@@ -126,7 +129,7 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         self._autocast_handler = handlers.get("autocast")
         self.runner = self._build_runner(mixed_precision, cpu, deepspeed_plugin, fsdp_plugin, handlers)
         use_strategy(self.runner.strategy)
-        remember_plugins(deepspeed_plugin, fsdp_plugin)
+        remember_plugins(self._deepspeed_for_state(deepspeed_plugin), fsdp_plugin)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = rng_types
         self._models: list[nn.Module] = []
@@ -151,7 +154,7 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         config = None
         steps: int | None = self.gradient_state.num_steps
         mixed = mixed_precision_name(precision.compute_dtype) if precision is not None else "no"
-        launched = _launched(mixed, deepspeed_plugin, fsdp_plugin)
+        launched = launched_engine(mixed, deepspeed_plugin, fsdp_plugin)
         if launched is not None and launched.kind == "FSDP":
             strategy = launched.strategy
         elif launched is not None or deepspeed_plugin is not None:
@@ -169,6 +172,16 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         self._deepspeed_config = config  # as written: DummyOptim/DummyScheduler fill its "auto" params at prepare
         self.gradient_state.num_steps = runner.gradient_accumulation_steps
         return runner
+
+    def _deepspeed_for_state(self, plugin: Any) -> Any:
+        """Accelerate's own DeepSpeedPlugin as given; for a DeepSpeed config from a dict, a file or accelerate
+        launch's variables, a view with its ``deepspeed_config``."""
+        if plugin is not None and not isinstance(plugin, Mapping):
+            return plugin
+        if self.distributed_type != DistributedType.DEEPSPEED:
+            return plugin
+        raw = raw_deepspeed_config(self._deepspeed_config, self.runner.config)
+        return DeepSpeedConfigView(raw[0]) if raw is not None else plugin
 
     # ---- facts ------------------------------------------------------------------------------------------
 
@@ -291,8 +304,9 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         for section, kind, name in (("optimizer", torch.optim.Optimizer, "DummyOptim"),
                                     ("scheduler", torch.optim.lr_scheduler.LRScheduler, "DummyScheduler")):
             if raw is not None and section in raw[0] and any(isinstance(a, kind) for a in args):
-                raise ValueError(f"{raw[1]} has a {section} section and prepare() got a torch {section} too: remove "
-                                 f"the section, or pass shardkit.accelerate_compat.{name} in place of the {section}")
+                article = "an" if section == "optimizer" else "a"
+                raise ValueError(f"{raw[1]} has {article} {section} section and prepare() got a torch {section} too: "
+                                 f"remove the section, or pass shardkit.accelerate_compat.{name} in its place")
         if not dummies:
             return args, set()
         out, real, built = list(args), {}, set()
@@ -440,27 +454,6 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
 
 # ---- helpers --------------------------------------------------------------------------------------------
 
-def _launched(mixed: str, deepspeed_plugin: Any, fsdp_plugin: Any) -> Any:
-    """What ``accelerate launch``'s variables ask for (an FSDP strategy or a DeepSpeed config), or None.
-
-    None under ``shardkit launch`` (its ranks read the YAML itself) and when a plugin argument names the same
-    engine (the argument wins, as in Accelerate); a plugin for the other engine is a contradiction, refused.
-    """
-    from shardkit.config.accelerate_env import launch_environment
-    from shardkit.config.common import CONFIG_FILE_ENV
-
-    if os.environ.get(CONFIG_FILE_ENV) is not None:
-        return None
-    launched = launch_environment(mixed)
-    given = "deepspeed_plugin" if deepspeed_plugin is not None else "fsdp_plugin" if fsdp_plugin is not None else None
-    if launched is None or given is None:
-        return launched
-    if (launched.kind == "FSDP") != (given == "fsdp_plugin"):
-        raise ValueError(f"{launched.source} asks for {launched.kind} but Accelerator({given}=...) asks for the other "
-                         f"engine; launch with the config that matches the script, or drop {given}=")
-    return None
-
-
 def _refuse(unsupported: dict[str, Any], device_placement: bool, dynamo_backend: str | None) -> None:
     for key, value in unsupported.items():
         if key == "downcast_bf16":
@@ -484,36 +477,6 @@ def _refuse(unsupported: dict[str, Any], device_placement: bool, dynamo_backend:
                                   f"model for you; call torch.compile(model) in the script")
 
 
-# Argument -> (an attribute its objects have, what to pass): Accelerate's classes and shardkit's are both read by
-# attribute, so the check is by attribute too.
-_ARGUMENT_KINDS = {
-    "dataloader_config": ("split_batches", "a DataLoaderConfiguration"),
-    "project_config": ("automatic_checkpoint_naming", "a ProjectConfiguration"),
-    "gradient_accumulation_plugin": ("num_steps", "a GradientAccumulationPlugin"),
-    "deepspeed_plugin": ("deepspeed_config", "a DeepSpeedPlugin, a DeepSpeed config dict or a dict of "
-                                             "DeepSpeedPlugin's fields"),
-    "fsdp_plugin": ("fsdp_version", "a FullyShardedDataParallelPlugin or a dict of its fields / fsdp_config keys"),
-}
-
-
-def _check_types(**arguments: Any) -> None:
-    """A TypeError naming the argument for anything that is not what Accelerate takes there (``fsdp_plugin=5``
-    would otherwise run plain FSDP defaults)."""
-    for name, value in arguments.items():
-        if value is None:
-            continue
-        if name == "kwargs_handlers":
-            if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
-                raise TypeError(f"Accelerator(kwargs_handlers={value!r}) must be a list of handlers, e.g. "
-                                f"[DistributedDataParallelKwargs(...)]")
-            continue
-        attribute, wanted = _ARGUMENT_KINDS[name]
-        if isinstance(value, Mapping) and name in ("deepspeed_plugin", "fsdp_plugin"):
-            continue
-        if not hasattr(value, attribute):
-            raise TypeError(f"Accelerator({name}={value!r}): expected {wanted}, got {type(value).__name__}")
-
-
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -527,8 +490,11 @@ def _gradient_state(steps: int, plugin: Any) -> GradientState:
     else:
         fields = {"num_steps": steps}
     if fields.get("num_steps") is None or (plugin is None and steps == 1):
-        fields["num_steps"] = int(os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", fields.get("num_steps")
-                                                 or 1))
+        text = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "").strip()
+        if text and not text.isdigit():
+            raise ValueError(f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={text!r} (set by accelerate launch) must be a "
+                             f"whole number >= 1")
+        fields["num_steps"] = int(text) if text else fields.get("num_steps") or 1
     steps = fields["num_steps"]
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"gradient_accumulation_steps={steps!r} must be a whole number >= 1")

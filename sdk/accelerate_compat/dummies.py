@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DummyOptim", "DummyScheduler", "is_dummy_optimizer", "is_dummy_scheduler", "real_optimizer",
-           "real_scheduler", "raw_deepspeed_config"]
+__all__ = ["DeepSpeedConfigView", "DummyOptim", "DummyScheduler", "is_dummy_optimizer", "is_dummy_scheduler",
+           "raw_deepspeed_config", "real_optimizer", "real_scheduler"]
 
 
 class DummyOptim:
@@ -51,6 +51,20 @@ class DummyScheduler:
         self.warmup_num_steps = warmup_num_steps
         self.lr_scheduler_callable = lr_scheduler_callable
         self.kwargs = kwargs
+
+
+class DeepSpeedConfigView:
+    """What ``AcceleratorState().deepspeed_plugin`` answers when the DeepSpeed config came as a dict, a file or
+    ``accelerate launch``'s variables: Accelerate's ``deepspeed_config`` (the config as written, so that a script's
+    ``"optimizer" in state.deepspeed_plugin.deepspeed_config`` picks DummyOptim as under Accelerate) and
+    ``zero_stage``."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        self.deepspeed_config = dict(config)
+        self.zero_stage = (config.get("zero_optimization") or {}).get("stage")
+
+    def __repr__(self) -> str:
+        return f"DeepSpeedConfigView(zero_stage={self.zero_stage!r})"
 
 
 def is_dummy_optimizer(obj: Any) -> bool:

@@ -1,7 +1,10 @@
 """Run by ``accelerate launch`` in test_accelerate_launch_env.py: a tiny shardkit.Accelerator training loop that
 writes what the job ran as (its distributed type, strategy, settings) and its losses to ``$OUT_DIR/rank<r>.json``.
 
-    accelerate launch --config_file fsdp.yaml --num_processes 2 accel_launch_script.py OUT_DIR [dummy]
+    accelerate launch --config_file fsdp.yaml --num_processes 2 accel_launch_script.py OUT_DIR
+
+With a DeepSpeed config that has optimizer/scheduler sections it passes DummyOptim/DummyScheduler, choosing them
+as Accelerate's examples do (``"optimizer" in accelerator.state.deepspeed_plugin.deepspeed_config``).
 """
 
 import json
@@ -25,13 +28,14 @@ class Block(nn.Module):
         return x + torch.tanh(self.linear(x))
 
 
-def main(out_dir: str, dummy: bool) -> None:
+def main(out_dir: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(Block(), Block(), nn.Linear(8, 1))
     x = torch.randn(64, 8)
     data = TensorDataset(x, x.sum(dim=1, keepdim=True) * 0.5)
     accelerator = Accelerator()
-    if dummy:  # the DeepSpeed config's optimizer and scheduler sections build them
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None and "optimizer" in plugin.deepspeed_config:  # as Accelerate's examples choose DummyOptim
         optimizer = DummyOptim(model.parameters(), lr=0.05)
         scheduler = DummyScheduler(optimizer, warmup_num_steps=1)
     else:
@@ -58,4 +62,4 @@ def main(out_dir: str, dummy: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], len(sys.argv) > 2 and sys.argv[2] == "dummy")
+    main(sys.argv[1])

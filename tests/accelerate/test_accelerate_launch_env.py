@@ -140,10 +140,12 @@ def test_accelerates_deepspeed_variables_build_the_config_the_yaml_gives(tmp_pat
     ({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, NotImplementedError, "ACCELERATE_DYNAMO_BACKEND=INDUCTOR"),
     ({"ACCELERATE_USE_MEGATRON_LM": "true"}, NotImplementedError, "ACCELERATE_USE_MEGATRON_LM"),
     ({"ACCELERATE_USE_PARALLELISM_CONFIG": "true"}, NotImplementedError, "ACCELERATE_USE_PARALLELISM_CONFIG"),
+    ({"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "four"}, ValueError, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS='four'"),
 ])
 def test_a_variable_that_cannot_be_honoured_is_refused_by_name(variables, error, text, monkeypatch):
-    with pytest.raises(error, match=text):
-        launch_environment("no", variables)
+    if "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" not in variables:  # read by the Accelerator itself
+        with pytest.raises(error, match=text):
+            launch_environment("no", variables)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(error, match=text):  # by the Accelerator, before any process group
@@ -200,6 +202,20 @@ def test_no_effect_notes_come_from_the_main_process_only(monkeypatch, caplog):
     assert [r for r in caplog.records if "FSDP_FORWARD_PREFETCH: true has no effect" in r.getMessage()]
 
 
+def test_a_deepspeed_configs_sections_ask_for_the_dummies_as_in_accelerate(monkeypatch, tmp_path):
+    import torch
+
+    (tmp_path / "ds.json").write_text(json.dumps(DS_JSON))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
+    accelerator = Accelerator()
+    plugin = accelerator.state.deepspeed_plugin  # what Accelerate's examples test to pick DummyOptim
+    assert accelerator.distributed_type == "DEEPSPEED" and "optimizer" in plugin.deepspeed_config
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="has an optimizer section and prepare\\(\\) got a torch optimizer"):
+        accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def test_dummy_optimizer_without_a_deepspeed_section_is_refused():
     from shardkit.accelerate_compat import DummyOptim, DummyScheduler
 
@@ -211,13 +227,13 @@ def test_dummy_optimizer_without_a_deepspeed_section_is_refused():
 
 # ---- real launches ------------------------------------------------------------------------------------------
 
-def _accelerate_launch(config: Path, cwd: Path, *script_args: str) -> list[dict]:
+def _accelerate_launch(config: Path, cwd: Path) -> list[dict]:
     out = cwd / "out"
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(_PREFIXES) and k != common.CONFIG_FILE_ENV}
     env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", SHARDKIT_COLLECTIVE_TIMEOUT="120")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
-               "2", "--main_process_port", "0", str(_SCRIPT), str(out), *script_args]
+               "2", "--main_process_port", "0", str(_SCRIPT), str(out)]
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -245,7 +261,7 @@ def test_accelerate_launch_with_a_deepspeed_yaml_trains_zero_with_the_configs_op
     config.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "DEEPSPEED",
                                       "mixed_precision": "no", "num_machines": 1, "num_processes": 2,
                                       "deepspeed_config": {"deepspeed_config_file": "ds.json"}}))
-    records = _accelerate_launch(config, tmp_path, "dummy")
+    records = _accelerate_launch(config, tmp_path)
     for record in records:
         assert record["distributed_type"] == "DEEPSPEED" and record["strategy"] == "ZeRO2"
         assert record["lr"] == 0.05  # DummyOptim's lr filled the section's "auto", the warmup reached it
