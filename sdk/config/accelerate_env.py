@@ -35,7 +35,7 @@ FSDP_ENV = {"FSDP_VERSION": "fsdp_version", "FSDP_SHARDING_STRATEGY": "fsdp_shar
             "FSDP_SYNC_MODULE_STATES": "fsdp_sync_module_states",
             "FSDP_ACTIVATION_CHECKPOINTING": "fsdp_activation_checkpointing"}
 # accelerate launch writes these two on every FSDP launch, its own defaults included; a default value is left out so
-# that the YAML translator's default (the same) applies and an option the YAML did set is not contradicted by it.
+# that the YAML translator's default (the same) applies and the option the YAML did set is read as it is there.
 _LAUNCHER_DEFAULTS = {"FSDP_SHARDING_STRATEGY": "FULL_SHARD", "FSDP_RESHARD_AFTER_FORWARD": "true"}
 # ... and the deepspeed_config key (prepare_deepspeed_cmd_env; the NVMe paths are read by DeepSpeedPlugin).
 DEEPSPEED_ENV = {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "zero_stage",
@@ -107,7 +107,11 @@ def launch_environment(mixed_precision: str = "no", environ: Mapping[str, str] |
     """
     environ = os.environ if environ is None else environ
     refuse_unsupported(environ)
-    fsdp, deepspeed = _flag(environ, "ACCELERATE_USE_FSDP"), _flag(environ, "ACCELERATE_USE_DEEPSPEED")
+    # NOTE: accelerate launch writes FSDP_VERSION with every FSDP launch. ACCELERATE_USE_FSDP alone is the hint an
+    # FSDP plugin built in this process exports for transformers' from_pretrained (shardkit's FSDP with
+    # cpu_ram_efficient_loading, Accelerate's Accelerator(fsdp_plugin=...)): it asks no later Accelerator for FSDP.
+    fsdp = _flag(environ, "ACCELERATE_USE_FSDP") and "FSDP_VERSION" in environ
+    deepspeed = _flag(environ, "ACCELERATE_USE_DEEPSPEED")
     if fsdp and deepspeed:
         raise ConfigError("ACCELERATE_USE_FSDP and ACCELERATE_USE_DEEPSPEED are both set: the job asks for two "
                           "engines; launch with one config (distributed_type: FSDP or DEEPSPEED)")
@@ -125,11 +129,6 @@ def _fsdp(environ: Mapping[str, str]) -> LaunchEnvironment:
     where = "accelerate launch's environment (ACCELERATE_USE_FSDP=true)"
     section = {key: environ[name] for name, key in FSDP_ENV.items()
                if name in environ and environ[name] != _LAUNCHER_DEFAULTS.get(name)}
-    if str(section.get("fsdp_version", "1")).strip() != "2":
-        # FSDP1's plugin reads the sharding strategy and ignores reshard-after-forward (the launcher sets both).
-        section.pop("fsdp_reshard_after_forward", None)
-    else:
-        section.pop("fsdp_sharding_strategy", None)  # FSDP2's plugin reads reshard_after_forward only
     labels = {key: name for name, key in FSDP_ENV.items()}
     spec = fsdp_spec(section, where, labels=labels)
     return LaunchEnvironment("FSDP", where, strategy=build_strategy(spec))

@@ -84,7 +84,13 @@ def _settings(strategy) -> object:
     return strategy.settings
 
 
-@pytest.mark.parametrize("config", [FSDP1_YAML, FSDP2_YAML], ids=["fsdp1", "fsdp2"])
+FSDP2_GRAD_OP_YAML = {**FSDP2_YAML, "fsdp_config": {"fsdp_version": 2, "fsdp_sharding_strategy": "SHARD_GRAD_OP",
+                                                    "fsdp_offload_params": True, "fsdp_activation_checkpointing": True,
+                                                    "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+                                                    "fsdp_min_num_params": 1000}}
+
+
+@pytest.mark.parametrize("config", [FSDP1_YAML, FSDP2_YAML, FSDP2_GRAD_OP_YAML], ids=["fsdp1", "fsdp2", "grad_op"])
 def test_accelerates_fsdp_variables_build_the_strategy_the_yaml_gives(config, tmp_path):
     path = tmp_path / "fsdp.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -122,15 +128,16 @@ def test_accelerates_deepspeed_variables_build_the_config_the_yaml_gives(tmp_pat
 
 
 @pytest.mark.parametrize("variables,error,text", [
-    ({"ACCELERATE_USE_FSDP": "true", "FSDP_SHARDING_STRATEGY": "FUL_SHARD"}, ConfigError,
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "FUL_SHARD"}, ConfigError,
      "FSDP_SHARDING_STRATEGY: 'FUL_SHARD'.*did you mean 'FULL_SHARD'"),
-    ({"ACCELERATE_USE_FSDP": "true", "FSDP_TRANSFORMER_CLS_TO_WRAP": ""}, ConfigError,
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_TRANSFORMER_CLS_TO_WRAP": ""}, ConfigError,
      "FSDP_TRANSFORMER_CLS_TO_WRAP: ''.*empty class name"),
     ({"ACCELERATE_USE_FSDP": "true", "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "true"}, NotImplementedError,
      "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD=true"),
     ({"ACCELERATE_USE_FSDP": "true", "FSDP_IGNORED_MODULES": "Embedding"}, NotImplementedError,
      "FSDP_IGNORED_MODULES"),
-    ({"ACCELERATE_USE_FSDP": "true", "ACCELERATE_USE_DEEPSPEED": "true"}, ConfigError, "two engines"),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "ACCELERATE_USE_DEEPSPEED": "true"}, ConfigError,
+     "two engines"),
     ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "two"}, ConfigError,
      "ACCELERATE_DEEPSPEED_ZERO_STAGE='two'"),
     ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_GRADIENT_CLIPPING": "-1"}, ConfigError,
@@ -164,6 +171,11 @@ def test_variables_without_an_engine_keep_the_plain_strategy(monkeypatch):
         monkeypatch.setenv(name, value)
     assert launch_environment("no") is None
     assert type(Accelerator().runner.strategy).__name__ == "SingleDevice"
+    # what an FSDP plugin with cpu_ram_efficient_loading exports in-process for from_pretrained: not a launch
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.delenv("FSDP_VERSION")
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    assert launch_environment("no") is None
 
 
 @pytest.mark.parametrize("kwargs,text", [
@@ -193,12 +205,12 @@ def test_no_effect_notes_come_from_the_main_process_only(monkeypatch, caplog):
     monkeypatch.setattr(common, "_WARNED", set())
     monkeypatch.setenv("RANK", "1")
     with caplog.at_level("WARNING", logger="shardkit.config"):
-        launch_environment("no", {"ACCELERATE_USE_FSDP": "true", "FSDP_FORWARD_PREFETCH": "true"})
+        launch_environment("no", {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_FORWARD_PREFETCH": "true"})
     assert not [r for r in caplog.records if "has no effect" in r.getMessage()]
     monkeypatch.setattr(common, "_WARNED", set())
     monkeypatch.setenv("RANK", "0")
     with caplog.at_level("WARNING", logger="shardkit.config"):
-        launch_environment("no", {"ACCELERATE_USE_FSDP": "true", "FSDP_FORWARD_PREFETCH": "true"})
+        launch_environment("no", {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_FORWARD_PREFETCH": "true"})
     assert [r for r in caplog.records if "FSDP_FORWARD_PREFETCH: true has no effect" in r.getMessage()]
 
 
