@@ -11,6 +11,7 @@ Accelerate does:
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -77,21 +78,21 @@ def is_dummy_scheduler(obj: Any) -> bool:
 
 
 def raw_deepspeed_config(config: Mapping[str, Any] | None, runner_config: Any) -> tuple[dict[str, Any], str] | None:
-    """The DeepSpeed config as written (its "auto" values still open) and its source: ``config`` when the
-    Accelerator built it, else the file the Runner read (``shardkit launch --config_file``); None without one."""
+    """The DeepSpeed config as written (its "auto" values still open) and where it came from: ``config`` when the
+    Accelerator built it, else the file ``shardkit launch --config_file`` handed the Runner; None without one."""
     if config is not None:
         return dict(config), "the DeepSpeed config"
-    source = getattr(runner_config, "source", None)
-    if runner_config is None or not source or not Path(source).is_file():
-        return None
-    from shardkit.config.common import load_mapping
+    from shardkit.config.common import CONFIG_FILE_ENV, load_mapping
 
-    path = Path(source)
+    file = os.environ.get(CONFIG_FILE_ENV)
+    if runner_config is None or not file:
+        return None
+    path = Path(file)
     if path.suffix.lower() in (".yaml", ".yml"):
         from shardkit.config.accelerate import load_accelerate_config
 
-        raw = load_accelerate_config(path).deepspeed
-        return (dict(raw), str(path)) if raw is not None else None
+        loaded = load_accelerate_config(path)
+        return (dict(loaded.deepspeed), loaded.deepspeed_source) if loaded.deepspeed is not None else None
     return load_mapping(path), str(path)
 
 

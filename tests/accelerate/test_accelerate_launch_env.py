@@ -214,12 +214,18 @@ def test_no_effect_notes_come_from_the_main_process_only(monkeypatch, caplog):
     assert [r for r in caplog.records if "FSDP_FORWARD_PREFETCH: true has no effect" in r.getMessage()]
 
 
-def test_a_deepspeed_configs_sections_ask_for_the_dummies_as_in_accelerate(monkeypatch, tmp_path):
+@pytest.mark.parametrize("launcher", ["accelerate", "shardkit"])
+def test_a_deepspeed_configs_sections_ask_for_the_dummies_as_in_accelerate(launcher, monkeypatch, tmp_path):
     import torch
 
     (tmp_path / "ds.json").write_text(json.dumps(DS_JSON))
-    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
+    if launcher == "accelerate":
+        monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
+    else:  # shardkit launch --config_file ds.yaml hands the ranks the YAML
+        (tmp_path / "ds.yaml").write_text(yaml.safe_dump({"distributed_type": "DEEPSPEED", "deepspeed_config": {
+            "deepspeed_config_file": str(tmp_path / "ds.json")}}))
+        monkeypatch.setenv(common.CONFIG_FILE_ENV, str(tmp_path / "ds.yaml"))
     accelerator = Accelerator()
     plugin = accelerator.state.deepspeed_plugin  # what Accelerate's examples test to pick DummyOptim
     assert accelerator.distributed_type == "DEEPSPEED" and "optimizer" in plugin.deepspeed_config
