@@ -304,6 +304,10 @@ def check_argument_types(**arguments: Any) -> None:
                                 f"[DistributedDataParallelKwargs(...)]")
             continue
         attribute, wanted = _ARGUMENT_KINDS[name]
+        if isinstance(value, Mapping) and name == "deepspeed_plugin" and value and \
+                all(hasattr(v, "deepspeed_config") for v in value.values()):
+            raise NotImplementedError(f"deepspeed_plugin={{{', '.join(map(repr, value))}: DeepSpeedPlugin ...}}: "
+                                      f"several DeepSpeed plugins are not supported by shardkit; pass one")
         if isinstance(value, Mapping) and name in ("deepspeed_plugin", "fsdp_plugin"):
             continue
         if not hasattr(value, attribute):

@@ -90,7 +90,7 @@ def write_flags_config(args: argparse.Namespace, base_path: Path | None, process
         config["num_processes"] = processes
     import yaml
 
-    handle, name = tempfile.mkstemp(prefix="shardkit_launch_", suffix=".yaml")
+    handle, name = tempfile.mkstemp(prefix="shardkit_launch_flags_", suffix=".yaml")  # named in the ranks' errors
     with os.fdopen(handle, "w", encoding="utf-8") as out:
         yaml.safe_dump(config, out, sort_keys=True)
     path = Path(name)

@@ -193,6 +193,12 @@ def test_plugin_and_config_arguments_of_the_wrong_type_are_named(kwargs, text):
         Accelerator(**kwargs)
 
 
+def test_several_deepspeed_plugins_in_one_dict_are_refused():
+    utils = pytest.importorskip("accelerate.utils")
+    with pytest.raises(NotImplementedError, match="several DeepSpeed plugins"):
+        Accelerator(deepspeed_plugin={"student": utils.DeepSpeedPlugin(zero_stage=2)})
+
+
 def test_downcast_bf16_is_accepted_and_ignored_as_off_tpu_in_accelerate(monkeypatch, caplog):
     monkeypatch.setattr(common, "_WARNED", set())
     with caplog.at_level("WARNING", logger="shardkit.config"):
