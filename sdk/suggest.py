@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
-__all__ = ["closest", "did_you_mean"]
+__all__ = ["by_closeness", "closest", "did_you_mean"]
 
 
 def _normalise(name: str) -> str:
@@ -37,3 +37,11 @@ def did_you_mean(name: str, candidates: Iterable[str], *, prefix: str = "") -> s
     """
     near = closest(name, candidates)
     return f"; did you mean {prefix + near!r}?" if near else ""
+
+
+def by_closeness(name: str, candidates: Iterable[str]) -> list[str]:
+    """Every distinct candidate, the nearest to ``name`` first (difflib's ratio on the normalised forms), for an error
+    that lists what there is to choose from."""
+    target = _normalise(name)
+    names = sorted({str(c) for c in candidates})
+    return sorted(names, key=lambda n: -difflib.SequenceMatcher(None, target, _normalise(n)).ratio())

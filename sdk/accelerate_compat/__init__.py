@@ -10,6 +10,7 @@ Accelerate. What is not supported is refused with the reason and what to do inst
 """
 
 from shardkit.accelerate_compat.accelerator import Accelerator, set_seed
+from shardkit.accelerate_compat.dummies import DummyOptim, DummyScheduler
 from shardkit.accelerate_compat.launch import notebook_launcher
 from shardkit.accelerate_compat.operations import (
     DistributedOperationException,
@@ -36,7 +37,8 @@ from shardkit.accelerate_compat.wrappers import AcceleratedOptimizer, Accelerate
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "Accelerator", "AcceleratorState", "AutocastKwargs",
            "DataLoaderConfiguration", "DistributedDataParallelKwargs", "DistributedOperationException",
-           "DistributedType", "GradScalerKwargs", "GradientAccumulationPlugin", "GradientState",
+           "DistributedType", "DummyOptim", "DummyScheduler", "GradScalerKwargs", "GradientAccumulationPlugin",
+           "GradientState",
            "InitProcessGroupKwargs", "PartialState", "PreparedDataLoader", "ProjectConfiguration", "broadcast",
            "gather", "gather_object", "notebook_launcher", "pad_across_processes", "recursively_apply", "reduce",
            "send_to_device", "set_seed", "synchronize_rng_states"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,14 +24,24 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from shardkit.accelerate_compat.checkpointing import CheckpointMixin
+from shardkit.accelerate_compat.dummies import (
+    DeepSpeedConfigView,
+    is_dummy_optimizer,
+    is_dummy_scheduler,
+    raw_deepspeed_config,
+    real_optimizer,
+    real_scheduler,
+)
 from shardkit.accelerate_compat.plugins import (
     DataLoaderConfiguration,
     ProjectConfiguration,
     apply_init_kwargs,
+    check_argument_types,
     ddp_options,
     deepspeed_config,
     default_strategy,
     fsdp_strategy,
+    launched_engine,
     precision_for,
     read_handlers,
 )
@@ -53,7 +64,6 @@ __all__ = ["Accelerator"]
 
 # Constructor arguments of Accelerate that shardkit does not take, and what to do instead.
 _REFUSED = {"torch_tp_plugin": "use shardkit.TensorParallel through a shardkit.Runner",
-            "downcast_bf16": "a TPU (XLA) option; on CPUs and GPUs mixed_precision='bf16' needs nothing more",
             "megatron_lm_plugin": "Megatron-LM is not supported",
             "dynamo_plugin": "call torch.compile(model) in the script",
             "deepspeed_plugins": "pass one deepspeed_plugin",
@@ -73,7 +83,9 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         deepspeed_plugin: a DeepSpeed config dict, a dict of ``DeepSpeedPlugin``'s fields (``zero_stage``,
             ``offload_optimizer_device`` ...) or ``accelerate.utils.DeepSpeedPlugin``: the ZeRO strategies.
         fsdp_plugin: a dict of Accelerate's ``fsdp_config`` keys or ``FullyShardedDataParallelPlugin``'s fields,
-            or that plugin: :class:`shardkit.FSDP`.
+            or that plugin: :class:`shardkit.FSDP`. Without either, under ``accelerate launch``, the FSDP or
+            DeepSpeed settings its variables carry (:mod:`shardkit.config.accelerate_env`), or a refusal naming
+            the variable shardkit cannot honour.
         log_with: tracker names of :data:`shardkit.tracking.TRACKERS` ("jsonl", "tensorboard", "all") or tracker
             objects.
         project_dir: where automatically named checkpoints and the trackers' files go.
@@ -101,6 +113,10 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
                  step_scheduler_with_optimizer: bool = True, kwargs_handlers: Any = None,
                  dynamo_backend: str | None = None, **unsupported: Any) -> None:
         _refuse(unsupported, device_placement, dynamo_backend)
+        check_argument_types(dataloader_config=dataloader_config, project_config=project_config,
+                             gradient_accumulation_plugin=gradient_accumulation_plugin, kwargs_handlers=kwargs_handlers,
+                             deepspeed_plugin=deepspeed_plugin, fsdp_plugin=fsdp_plugin)
+        cpu = bool(cpu) or _env_flag("ACCELERATE_USE_CPU")  # accelerate launch --cpu, as Accelerate reads it
         handlers = read_handlers(kwargs_handlers)
         if "init" in handlers:
             apply_init_kwargs(handlers["init"])
@@ -113,7 +129,7 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         self._autocast_handler = handlers.get("autocast")
         self.runner = self._build_runner(mixed_precision, cpu, deepspeed_plugin, fsdp_plugin, handlers)
         use_strategy(self.runner.strategy)
-        remember_plugins(deepspeed_plugin, fsdp_plugin)
+        remember_plugins(self._deepspeed_for_state(deepspeed_plugin), fsdp_plugin)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = rng_types
         self._models: list[nn.Module] = []
@@ -137,9 +153,12 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         strategy: Strategy | None = None
         config = None
         steps: int | None = self.gradient_state.num_steps
-        if deepspeed_plugin is not None:
-            name = mixed_precision_name(precision.compute_dtype) if precision is not None else "no"
-            config = deepspeed_config(deepspeed_plugin, name)
+        mixed = mixed_precision_name(precision.compute_dtype) if precision is not None else "no"
+        launched = launched_engine(mixed, deepspeed_plugin, fsdp_plugin)
+        if launched is not None and launched.kind == "FSDP":
+            strategy = launched.strategy
+        elif launched is not None or deepspeed_plugin is not None:
+            config = launched.deepspeed if launched is not None else deepspeed_config(deepspeed_plugin, mixed)
             if steps == 1 and config.get("gradient_accumulation_steps", "auto") != "auto":
                 steps = None  # the DeepSpeed config's count, as Accelerate takes it from the plugin
         elif fsdp_plugin is not None:
@@ -150,14 +169,19 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
             else None
         runner = Runner(strategy, precision, config=config, gradient_accumulation_steps=steps,
                         checkpoint_keep_last=keep)
+        self._deepspeed_config = config  # as written: DummyOptim/DummyScheduler fill its "auto" params at prepare
         self.gradient_state.num_steps = runner.gradient_accumulation_steps
-        resolved = runner.config
-        if resolved is not None and (resolved.optimizer is not None or resolved.scheduler is not None):
-            raise NotImplementedError(f"the DeepSpeed config ({resolved.source}) has an optimizer or scheduler "
-                                      f"section: build the optimizer and scheduler in the script and pass them to "
-                                      f"prepare() (Accelerate's DummyOptim/DummyScheduler are not supported); remove "
-                                      f"the section")
         return runner
+
+    def _deepspeed_for_state(self, plugin: Any) -> Any:
+        """Accelerate's own DeepSpeedPlugin as given; for a DeepSpeed config from a dict, a file or accelerate
+        launch's variables, a view with its ``deepspeed_config``."""
+        if plugin is not None and not isinstance(plugin, Mapping):
+            return plugin
+        if self.distributed_type != DistributedType.DEEPSPEED:
+            return plugin
+        raw = raw_deepspeed_config(self._deepspeed_config, self.runner.config)
+        return DeepSpeedConfigView(raw[0]) if raw is not None else plugin
 
     # ---- facts ------------------------------------------------------------------------------------------
 
@@ -245,8 +269,9 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         """
         if device_placement is not None and not all(device_placement):
             raise NotImplementedError("prepare(device_placement=False): shardkit always places what it prepares")
+        args, built = self._from_deepspeed_sections(args)
         out = list(args)
-        kinds = [_kind(a) for a in args]
+        kinds = ["scheduler" if id(a) in built else _kind(a) for a in args]
         for i, kind in enumerate(kinds):
             if kind == "dataloader":  # first: DeepSpeed's engine config takes the micro-batch size from it
                 out[i] = self._prepare_loader(args[i])
@@ -267,6 +292,35 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         for i, scheduler in schedulers.items():
             out[i] = self._prepare_scheduler(scheduler, list(prepared_opts.values()))
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _from_deepspeed_sections(self, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], set[int]]:
+        """``args`` with each DummyOptim / DummyScheduler replaced by what the DeepSpeed config's ``optimizer`` /
+        ``scheduler`` section describes, and the ids of the schedulers built; a torch optimizer or scheduler where
+        the config has that section is refused, as Accelerate does (two would describe one thing)."""
+        dummies = [a for a in args if is_dummy_optimizer(a) or is_dummy_scheduler(a)]
+        resolved = self.runner.config
+        sections = resolved is not None and (resolved.optimizer is not None or resolved.scheduler is not None)
+        raw = raw_deepspeed_config(self._deepspeed_config, resolved) if dummies or sections else None
+        for section, kind, name in (("optimizer", torch.optim.Optimizer, "DummyOptim"),
+                                    ("scheduler", torch.optim.lr_scheduler.LRScheduler, "DummyScheduler")):
+            if raw is not None and section in raw[0] and any(isinstance(a, kind) for a in args):
+                article = "an" if section == "optimizer" else "a"
+                raise ValueError(f"{raw[1]} has {article} {section} section and prepare() got a torch {section} too: "
+                                 f"remove the section, or pass shardkit.accelerate_compat.{name} in its place")
+        if not dummies:
+            return args, set()
+        out, real, built = list(args), {}, set()
+        for i, arg in enumerate(args):
+            if is_dummy_optimizer(arg):
+                out[i] = real[id(arg)] = real_optimizer(arg, raw)
+        for i, arg in enumerate(args):
+            if is_dummy_scheduler(arg):
+                optimizer = real.get(id(arg.optimizer))
+                if optimizer is None:
+                    raise ValueError("a DummyScheduler goes over the DummyOptim passed to the same prepare() call")
+                out[i] = real_scheduler(arg, optimizer, raw, self.num_processes, self.split_batches)
+                built.add(id(out[i]))
+        return tuple(out), built
 
     def prepare_model(self, model: nn.Module, device_placement: Any = None, evaluation_mode: bool = False) -> nn.Module:
         """Set up a model on its own (for inference, or an optimizer-free model)."""
@@ -402,11 +456,18 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
 
 def _refuse(unsupported: dict[str, Any], device_placement: bool, dynamo_backend: str | None) -> None:
     for key, value in unsupported.items():
+        if key == "downcast_bf16":
+            if value:  # Accelerate reads it on TPUs only and ignores it elsewhere; so does shardkit, with a note
+                from shardkit.config.common import warn_once
+
+                warn_once("accelerator:downcast_bf16", "Accelerator(downcast_bf16=True) has no effect: it is a TPU "
+                          "(XLA) option; on CPUs and GPUs mixed_precision='bf16' needs nothing more")
+            continue
         if key not in _REFUSED:
             from shardkit.suggest import did_you_mean
 
-            raise TypeError(f"Accelerator() got an unexpected keyword argument {key!r}"
-                            f"{did_you_mean(key, [*_REFUSED, 'mixed_precision', 'gradient_accumulation_steps'])}")
+            known = [*_REFUSED, "downcast_bf16", "mixed_precision", "gradient_accumulation_steps"]
+            raise TypeError(f"Accelerator() got an unexpected keyword argument {key!r}{did_you_mean(key, known)}")
         if value not in (None, False):
             raise NotImplementedError(f"Accelerator({key}=...) is not supported by shardkit; {_REFUSED[key]}")
     if device_placement is not True:
@@ -414,6 +475,10 @@ def _refuse(unsupported: dict[str, Any], device_placement: bool, dynamo_backend:
     if dynamo_backend is not None and str(getattr(dynamo_backend, "value", dynamo_backend)).lower() != "no":
         raise NotImplementedError(f"Accelerator(dynamo_backend={dynamo_backend!r}): shardkit does not compile the "
                                   f"model for you; call torch.compile(model) in the script")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _gradient_state(steps: int, plugin: Any) -> GradientState:
@@ -425,8 +490,11 @@ def _gradient_state(steps: int, plugin: Any) -> GradientState:
     else:
         fields = {"num_steps": steps}
     if fields.get("num_steps") is None or (plugin is None and steps == 1):
-        fields["num_steps"] = int(os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", fields.get("num_steps")
-                                                 or 1))
+        text = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "").strip()
+        if text and not text.isdigit():
+            raise ValueError(f"ACCELERATE_GRADIENT_ACCUMULATION_STEPS={text!r} (set by accelerate launch) must be a "
+                             f"whole number >= 1")
+        fields["num_steps"] = int(text) if text else fields.get("num_steps") or 1
     steps = fields["num_steps"]
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"gradient_accumulation_steps={steps!r} must be a whole number >= 1")

@@ -19,7 +19,8 @@ from shardkit.precision import Precision
 
 __all__ = ["AutocastKwargs", "DataLoaderConfiguration", "DistributedDataParallelKwargs", "GradScalerKwargs",
            "GradientAccumulationPlugin", "InitProcessGroupKwargs", "ProjectConfiguration", "apply_init_kwargs",
-           "default_strategy", "deepspeed_config", "fsdp_strategy", "precision_for", "read_handlers"]
+           "check_argument_types", "default_strategy", "deepspeed_config", "fsdp_strategy", "launched_engine",
+           "precision_for", "read_handlers"]
 
 
 class _Kwargs:
@@ -172,6 +173,9 @@ def read_handlers(handlers: Iterable[Any] | None) -> dict[str, Any]:
         if kind is None:
             why = _UNSUPPORTED_HANDLERS.get(name)
             known = ", ".join(_HANDLERS)
+            if why is None and not hasattr(handler, "to_kwargs"):
+                raise TypeError(f"kwargs_handlers holds {handler!r} ({name}), which is not a kwargs handler; "
+                                f"shardkit takes {known}")
             raise NotImplementedError(f"kwargs_handlers: {name} is not supported" + (f" ({why})" if why else "") +
                                       f"; shardkit takes {known}")
         if kind in found:
@@ -272,6 +276,42 @@ def _scaler_options(scaler: Any) -> dict[str, Any]:
         raise ValueError(f"GradScalerKwargs(init_scale={values['init_scale']}) must be a power of two (FP16 starts at "
                          f"2**initial_scale_power)")
     return {"initial_scale_power": int(power), "loss_scale_window": int(values["growth_interval"]), "hysteresis": 1}
+
+
+# ---- argument types ------------------------------------------------------------------------------------
+
+# Argument -> (an attribute its objects have, what to pass): Accelerate's classes and shardkit's are both read by
+# attribute, so the check is by attribute too.
+_ARGUMENT_KINDS = {
+    "dataloader_config": ("split_batches", "a DataLoaderConfiguration"),
+    "project_config": ("automatic_checkpoint_naming", "a ProjectConfiguration"),
+    "gradient_accumulation_plugin": ("num_steps", "a GradientAccumulationPlugin"),
+    "deepspeed_plugin": ("deepspeed_config", "a DeepSpeedPlugin, a DeepSpeed config dict or a dict of "
+                                             "DeepSpeedPlugin's fields"),
+    "fsdp_plugin": ("fsdp_version", "a FullyShardedDataParallelPlugin or a dict of its fields / fsdp_config keys"),
+}
+
+
+def check_argument_types(**arguments: Any) -> None:
+    """A TypeError naming the argument for anything that is not what Accelerate takes there (``fsdp_plugin=5``
+    would otherwise run plain FSDP defaults)."""
+    for name, value in arguments.items():
+        if value is None:
+            continue
+        if name == "kwargs_handlers":
+            if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
+                raise TypeError(f"Accelerator(kwargs_handlers={value!r}) must be a list of handlers, e.g. "
+                                f"[DistributedDataParallelKwargs(...)]")
+            continue
+        attribute, wanted = _ARGUMENT_KINDS[name]
+        if isinstance(value, Mapping) and name == "deepspeed_plugin" and value and \
+                all(hasattr(v, "deepspeed_config") for v in value.values()):
+            raise NotImplementedError(f"deepspeed_plugin={{{', '.join(map(repr, value))}: DeepSpeedPlugin ...}}: "
+                                      f"several DeepSpeed plugins are not supported by shardkit; pass one")
+        if isinstance(value, Mapping) and name in ("deepspeed_plugin", "fsdp_plugin"):
+            continue
+        if not hasattr(value, attribute):
+            raise TypeError(f"Accelerator({name}={value!r}): expected {wanted}, got {type(value).__name__}")
 
 
 # ---- strategies ----------------------------------------------------------------------------------------
@@ -379,3 +419,24 @@ def _plain(name: str, value: Any) -> Any:
     if name in ("auto_wrap_policy", "fsdp_auto_wrap_policy") and isinstance(value, str):
         return value.upper()
     return value
+
+
+def launched_engine(mixed: str, deepspeed_plugin: Any, fsdp_plugin: Any) -> Any:
+    """What ``accelerate launch``'s variables ask for (an FSDP strategy or a DeepSpeed config), or None.
+
+    None under ``shardkit launch`` (its ranks read the YAML itself) and when a plugin argument names the same
+    engine (the argument wins, as in Accelerate); a plugin for the other engine is a contradiction, refused.
+    """
+    from shardkit.config.accelerate_env import launch_environment
+    from shardkit.config.common import CONFIG_FILE_ENV
+
+    if os.environ.get(CONFIG_FILE_ENV) is not None:
+        return None
+    launched = launch_environment(mixed)
+    given = "deepspeed_plugin" if deepspeed_plugin is not None else "fsdp_plugin" if fsdp_plugin is not None else None
+    if launched is None or given is None:
+        return launched
+    if (launched.kind == "FSDP") != (given == "fsdp_plugin"):
+        raise ValueError(f"{launched.source} asks for {launched.kind} but Accelerator({given}=...) asks for the other "
+                         f"engine; launch with the config that matches the script, or drop {given}=")
+    return None

@@ -278,11 +278,16 @@ def _deepspeed_dict(section: Mapping[str, Any], mixed: str, raw: Mapping[str, An
         if not isinstance(section["deepspeed_config_file"], str):
             raise ConfigError(f"deepspeed_config.deepspeed_config_file: {section['deepspeed_config_file']!r} in "
                               f"{path} must be the path of a DeepSpeed JSON file")
+        # As accelerate launch hands it to DeepSpeedPlugin: as written, so a relative path starts at the directory
+        # the job runs in, not at the YAML's.
         file = Path(section["deepspeed_config_file"])
-        file = file if file.is_absolute() else path.parent / file
         if not file.is_file():
-            raise ConfigError(f"deepspeed_config.deepspeed_config_file: {str(file)!r} named in {path} is not a file; "
-                              f"fix the path (relative paths start at the YAML's directory)")
+            beside = path.parent / file
+            hint = f"; there is one beside the YAML: name it {str(beside)!r}" if not file.is_absolute() and \
+                beside.is_file() else ""
+            raise ConfigError(f"deepspeed_config.deepspeed_config_file: {str(file.resolve())!r} named in {path} is "
+                              f"not a file; fix the path (a relative path starts at the directory the job runs in, "
+                              f"as in accelerate launch){hint}")
         return load_mapping(file), str(file)
     return _inline_deepspeed(section, mixed, where), where
 
@@ -296,8 +301,8 @@ def _inline_deepspeed(section: Mapping[str, Any], mixed: str, where: str) -> dic
             continue
         if name == "offload_param" and isinstance(stage, int) and stage < 3:
             # Accelerate writes this key for every stage and DeepSpeed ignores it below stage 3.
-            log.warning("%s: offload_param_device: %s has no effect at zero_stage %s (parameters are partitioned "
-                        "only in stage 3); ignored", where, device, stage)
+            warn_once(f"deepspeed:offload_param_device:{where}", f"{where}: offload_param_device: {device} has no "
+                      f"effect at zero_stage {stage} (parameters are partitioned only in stage 3); ignored")
             continue
         zero[name] = {"device": device}
         if section.get(f"{prefix}_nvme_path"):
@@ -305,7 +310,8 @@ def _inline_deepspeed(section: Mapping[str, Any], mixed: str, where: str) -> dic
     if "zero3_save_16bit_model" in section and stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = bool(section["zero3_save_16bit_model"])
     if section.get("zero3_init_flag") and stage != 3:
-        log.warning("%s: zero3_init_flag applies to zero_stage 3 only; ignored at stage %s", where, stage)
+        warn_once(f"deepspeed:zero3_init_flag:{where}", f"{where}: zero3_init_flag applies to zero_stage 3 only; "
+                  f"ignored at stage {stage}")
     elif section.get("zero3_init_flag"):
         warn_once("deepspeed:zero3_init_flag", f"{where}: zero3_init_flag: true has no effect by itself: build the "
                   f"model inside runner.init_module(), where ZeRO3 partitions it as it is built (deepspeed.zero.Init)")

@@ -26,6 +26,7 @@ __all__ = [
     "check_known_keys",
     "check_number",
     "config_bool",
+    "is_main_process",
     "load_mapping",
     "precision_kind",
     "read_config_bytes",
@@ -141,10 +142,23 @@ def config_bool(value: Any, key: str, where: str) -> bool:
 
 
 def warn_once(key: str, message: str) -> None:
-    """Log `message` as a warning the first time `key` is seen in this process (a key with no effect)."""
+    """Log `message` as a warning the first time `key` is seen, on the job's main process only (every rank reads the
+    same settings, so one note per run is enough: a key with no effect)."""
     if key not in _WARNED:
         _WARNED.add(key)
-        log.warning("%s", message)
+        if is_main_process():
+            log.warning("%s", message)
+
+
+def is_main_process() -> bool:
+    """True on global rank 0: the process group's rank once it exists, else the launcher's ``RANK``."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")  # never imported here for this: the group exists only if it was
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    rank = os.environ.get("RANK", "0").strip()
+    return not rank.isdigit() or int(rank) == 0
 
 
 def check_number(value: Any, key: str, where: str, *, integer: bool = False, minimum: float | None = None,

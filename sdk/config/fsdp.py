@@ -46,8 +46,9 @@ _TRAINER_WORDS = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP", 
 class _Options:
     """A section with its keys unprefixed; errors name each key as the user wrote it."""
 
-    def __init__(self, section: Mapping[str, Any], where: str, path: str):
+    def __init__(self, section: Mapping[str, Any], where: str, path: str, labels: Mapping[str, str] | None = None):
         self.where, self.path, self.values, self.spelled = where, path, {}, {}
+        self.labels = dict(labels or {})
         self.prefix = "fsdp_" if any(str(k).startswith("fsdp_") for k in section) else ""
         check_known_keys(section, (*FSDP_OPTIONS, *FSDP_KEYS), path, where)
         for key, value in section.items():
@@ -61,7 +62,8 @@ class _Options:
         return self.spelled.get(key, self.prefix + key)
 
     def name(self, key: str) -> str:
-        return f"{self.path}.{self.key(key)}"
+        """The option as the user gave it: a flag or variable named in ``labels``, else ``<path>.<key>``."""
+        return self.labels.get(self.key(key)) or f"{self.path}.{self.key(key)}"
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.values.get(key, default)
@@ -71,13 +73,15 @@ class _Options:
 
 
 def fsdp_spec(section: Mapping[str, Any], where: str, path: str = "fsdp_config",
-              defaults: Mapping[str, Any] | None = None) -> StrategySpec:
+              defaults: Mapping[str, Any] | None = None, labels: Mapping[str, str] | None = None) -> StrategySpec:
     """``("FSDP", kwargs)`` for an FSDP options mapping (keys with or without the ``fsdp_`` prefix).
 
     Args:
         section: the options; ``defaults`` fill the keys it leaves out (Accelerate's when None).
         where: names the source in errors (a file path, "TrainingArguments.fsdp_config", ...).
         path: the section's name in errors.
+        labels: key (as spelled in ``section``) -> the name errors give it instead of ``<path>.<key>``: the
+            launch flag or environment variable the value came from.
 
     Raises:
         ConfigKeyError: an unknown key (with the closest valid one).
@@ -87,7 +91,7 @@ def fsdp_spec(section: Mapping[str, Any], where: str, path: str = "fsdp_config",
     if not isinstance(section, Mapping):
         raise ConfigError(f"{path} in {where} must be a mapping of FSDP options, not {type(section).__name__}")
     options = _Options({**{k: v for k, v in (defaults or {}).items() if not _given(section, k)}, **section}, where,
-                       path)
+                       path, labels)
     kwargs: dict[str, Any] = {}
     sharding = _sharding(options)
     if sharding == "hybrid_zero2":
@@ -175,10 +179,17 @@ def _auto_wrap(options: _Options) -> Any:
     if policy == "NO_WRAP":
         return False  # FSDP(auto_wrap=False): only the root is sharded
     names = options.get("transformer_layer_cls_to_wrap")
-    if not names:
+    if names is None or (isinstance(names, (list, tuple)) and not names):
         return None  # FSDP finds the repeated blocks itself (the role of Accelerate's _no_split_modules)
     items = names if isinstance(names, (list, tuple)) else str(names).split(",")
-    return tuple(str(n).strip() for n in items if str(n).strip())
+    wrapped = tuple(str(n).strip() for n in items)
+    if not all(wrapped):
+        # NOTE: Accelerate looks an empty name up in the model and fails; silently wrapping the blocks FSDP finds
+        # instead would run a layout nobody asked for.
+        raise ConfigError(f"{options.name('transformer_layer_cls_to_wrap')}: {names!r} in {options.where} has an "
+                          f"empty class name; name the blocks to wrap (e.g. LlamaDecoderLayer, comma-separated), or "
+                          f"leave the option out to wrap the model's repeated blocks")
+    return wrapped
 
 
 def _positive_int(options: _Options, key: str, default: int) -> int:

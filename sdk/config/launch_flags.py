@@ -80,9 +80,9 @@ def write_flags_config(args: argparse.Namespace, base_path: Path | None, process
         return None
     base = load_mapping(base_path) if base_path is not None else None
     if base is not None and base.get("deepspeed_config", {}).get("deepspeed_config_file"):
-        file = Path(str(base["deepspeed_config"]["deepspeed_config_file"]))  # relative to the base YAML's folder
-        base["deepspeed_config"]["deepspeed_config_file"] = str(file if file.is_absolute()
-                                                                else base_path.resolve().parent / file)
+        # relative to where the command runs, as accelerate launch takes it (the written YAML lives elsewhere)
+        file = Path(str(base["deepspeed_config"]["deepspeed_config_file"]))
+        base["deepspeed_config"]["deepspeed_config_file"] = str(file.resolve())
     config = config_from_flags(args, base)
     if config is None:
         return None
@@ -90,10 +90,35 @@ def write_flags_config(args: argparse.Namespace, base_path: Path | None, process
         config["num_processes"] = processes
     import yaml
 
-    handle, name = tempfile.mkstemp(prefix="shardkit_launch_", suffix=".yaml")
+    handle, name = tempfile.mkstemp(prefix="shardkit_launch_flags_", suffix=".yaml")  # named in the ranks' errors
     with os.fdopen(handle, "w", encoding="utf-8") as out:
         yaml.safe_dump(config, out, sort_keys=True)
-    return Path(name)
+    path = Path(name)
+    try:
+        _check_as_flags(path, args, base_path)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _check_as_flags(path: Path, args: argparse.Namespace, base_path: Path | None) -> None:
+    """The launcher's own checks of the written file, with errors naming the flags (and the base YAML) the values
+    came from instead of a temporary file the user never wrote."""
+    from shardkit.config.accelerate import launch_args_from_yaml
+    from shardkit.distributed.cli import LaunchUsageError
+
+    try:
+        launch_args_from_yaml(path)
+    except LaunchUsageError as err:
+        given = _given(args)
+        words = " ".join(f"--{k}" if v is True else f"--{k}={v}" for k, v in given.items())
+        origin = f"shardkit launch's flags ({words})" + (f" laid over {base_path}" if base_path else "")
+        message = str(err).removeprefix(f"--config-file {path}: ").replace(str(path), origin)
+        for key in given:
+            for section in ("fsdp_config", "deepspeed_config"):
+                message = message.replace(f"{section}.{key}", f"--{key}")
+        raise LaunchUsageError(message) from None
 
 
 def _given(args: argparse.Namespace) -> dict[str, Any]:

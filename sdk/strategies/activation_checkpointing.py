@@ -29,7 +29,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from shardkit.suggest import did_you_mean
+from shardkit.suggest import by_closeness, did_you_mean
 from shardkit.utils.operations import json_object
 
 __all__ = [
@@ -66,6 +66,9 @@ def is_module_classes(value: Any) -> bool:
     )
 
 
+_LISTED = 12  # module class names an error lists
+
+
 def resolve_module_classes(value: Any, module: nn.Module, field_name: str) -> tuple[type, ...]:
     """Turn class names into the classes found in ``module``; a name that matches nothing is an error."""
     items = value if isinstance(value, tuple) else (value,)
@@ -77,8 +80,11 @@ def resolve_module_classes(value: Any, module: nn.Module, field_name: str) -> tu
         elif item in present:
             classes.append(present[item])
         else:
+            shown = by_closeness(str(item), present)
+            more = f" and {len(shown) - _LISTED} more" if len(shown) > _LISTED else ""
             raise ValueError(f"{field_name}: no module of class {item!r} in {type(module).__name__}"
-                             f"{did_you_mean(item, present)}")
+                             f"{did_you_mean(str(item), present)}; its module classes, closest first: "
+                             f"{', '.join(shown[:_LISTED])}{more}")
     return tuple(classes)
 
 

@@ -398,7 +398,6 @@ def test_accelerates_own_plugin_objects_are_read_by_attribute():
 
 
 @pytest.mark.parametrize("kwargs,error,text", [
-    ({"downcast_bf16": True}, NotImplementedError, "TPU"),
     ({"mixed_precision": "fp8"}, NotImplementedError, "fp8"),
     ({"mixed_precision": "bf17"}, ValueError, "did you mean 'bf16'"),
     ({"gradient_acumulation_steps": 2}, TypeError, "did you mean 'gradient_accumulation_steps'"),

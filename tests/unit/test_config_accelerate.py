@@ -60,6 +60,7 @@ def test_every_fixture_is_expected():
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_fixture_parses(name, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(ACC)  # deepspeed_file.yaml names its JSON relative to the job's directory
     cfg = load_accelerate_config(ACC / name)
     kind, spec, mixed, processes, machines = EXPECTED[name]
     assert (cfg.distributed_type, cfg.strategy, cfg.mixed_precision) == (kind, spec, mixed)
@@ -71,6 +72,7 @@ def test_fixture_parses(name, monkeypatch):
 def test_deepspeed_fixtures_resolve_to_zero(monkeypatch):
     pytest.importorskip("shardkit.strategies.zero")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.chdir(ACC)  # deepspeed_config_file is relative to the job's directory, as in accelerate launch
     from_file = resolve_runner_config(ACC / "deepspeed_file.yaml")
     settings = from_file.strategy.settings
     assert type(from_file.strategy).__name__ == "ZeRO3" and isinstance(from_file.precision, FP32)
@@ -140,7 +142,8 @@ def test_unknown_key(tmp_path, change, dotted, suggestion):
     assert repr(dotted) in str(err.value) and repr(suggestion) in str(err.value)
 
 
-def test_unknown_key_in_deepspeed_file_named_by_the_file(tmp_path):
+def test_unknown_key_in_deepspeed_file_named_by_the_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2, "reduce_bucket_sise": 10}}')
     path = _write(tmp_path, {**BASE, "distributed_type": "DEEPSPEED",
                              "deepspeed_config": {"deepspeed_config_file": "ds.json"}})
