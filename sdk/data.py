@@ -40,11 +40,15 @@ class ResumableSampler(Sampler[int]):
 
     With ``with_seeds`` it yields ``(index, seed)`` pairs, ``seed`` a function of (seed, epoch,
     position in the epoch's order), for :class:`SeededDataset` to seed worker RNGs per sample.
+
+    With ``even=False`` nothing is padded: rank ``r`` takes the split's positions ``r, r + W, ...`` that exist,
+    so the first ``M % W`` ranks get one sample more (evaluation without repeats; the loop over the
+    ranks' uneven batch counts must then tolerate it, e.g. ``Accelerator.join_uneven_inputs``).
     """
 
     def __init__(
         self, length: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0,
-        drop_last: bool = False, with_seeds: bool = False,
+        drop_last: bool = False, with_seeds: bool = False, even: bool = True,
     ):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside [0, num_replicas={num_replicas})")
@@ -55,6 +59,7 @@ class ResumableSampler(Sampler[int]):
         self.seed = seed
         self.drop_last = drop_last
         self.with_seeds = with_seeds
+        self.even = even
         self.epoch = 0
         self.offset = 0  # positions of the epoch's order served before the current split began
         self._skip = 0
@@ -67,7 +72,9 @@ class ResumableSampler(Sampler[int]):
     @property
     def per_rank(self) -> int:
         m, w = self.split_length, self.num_replicas
-        return m // w if self.drop_last else math.ceil(m / w)
+        if self.drop_last:
+            return m // w
+        return math.ceil(m / w) if self.even else len(range(self.rank, m, w))
 
     def __len__(self) -> int:
         return self.per_rank - self._skip
@@ -98,7 +105,7 @@ class ResumableSampler(Sampler[int]):
         else:
             order = list(range(self.length))
         split = order[self.offset:]
-        total = self.per_rank * self.num_replicas
+        total = self.per_rank * self.num_replicas if self.even or self.drop_last else len(split)
         if total > len(split):
             split += (split * math.ceil(total / max(len(split), 1)))[: total - len(split)]
         skip, self._skip = self._skip, 0
@@ -198,7 +205,7 @@ class RunnerDataLoader:
         Returns None when the last batch holds no padding duplicates.
         """
         sampler, size = self.sampler, self._last_batch_size
-        if (self._last_batch_start + size) * sampler.num_replicas <= sampler.split_length:
+        if not sampler.even or (self._last_batch_start + size) * sampler.num_replicas <= sampler.split_length:
             return None
         k = torch.arange(self._last_batch_start, self._last_batch_start + size)
         positions = k.unsqueeze(0) * sampler.num_replicas + torch.arange(sampler.num_replicas).unsqueeze(1)
