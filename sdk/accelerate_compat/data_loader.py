@@ -140,7 +140,7 @@ class BatchSamplerShard(BatchSampler):
             seed = sample_seed(self.seed, self.epoch, 0)
             random.seed(seed)
             np.random.seed(seed % 2**32)
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # the CPU generator only: samplers draw from it
             batches = [list(batch) for batch in self.batch_sampler]
         finally:
             random.setstate(state[0])
@@ -218,7 +218,8 @@ def _check_same_everywhere(per_process: list[list[list[Any]]], processes: int) -
     if processes == 1 or not dist.is_available() or not dist.is_initialized():
         return
     digest = hashlib.sha256(repr(per_process).encode()).digest()[:7]
-    value = torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    value = torch.tensor([int.from_bytes(digest, "little")], dtype=torch.int64, device=device)
     low, high = value.clone(), value.clone()
     dist.all_reduce(low, dist.ReduceOp.MIN)
     dist.all_reduce(high, dist.ReduceOp.MAX)
