@@ -13,6 +13,7 @@ until the next ``accumulate()``; the prepared optimizer and scheduler do nothing
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import warnings
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 from typing_extensions import override
 
 from shardkit.accelerate_compat.checkpointing import CheckpointMixin
@@ -307,10 +308,13 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
             base = self.runner.setup_dataloader(loader, seed=seed)
             if isinstance(base.sampler, ResumableSampler):
                 base.sampler.even = even
+                base.sampler.order_source = _users_order(loader, self.use_seedable_sampler)
             elif not even:
                 warnings.warn("even_batches=False applies to map-style datasets only: a streamed dataset is dealt item "
                               "by item, its last round completed with repeats", UserWarning, stacklevel=3)
         prepared = PreparedDataLoader(base, self.gradient_state, self.split_batches)
+        if getattr(base.sampler, "generator", None) is not None and strategy.world_size > 1:
+            prepared.before_epoch = functools.partial(_share_generator, strategy, base.sampler.generator)
         self._dataloaders.append(prepared)
         return prepared
 
@@ -494,6 +498,23 @@ def _split_batches(loader: DataLoader, processes: int) -> DataLoader:
     if loader.num_workers > 0:
         kwargs.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
     return DataLoader(loader.dataset, **kwargs)
+
+
+def _users_order(loader: DataLoader, seedable: bool) -> RandomSampler | None:
+    """The sampler of a loader shuffled with its own generator (``DataLoader(shuffle=True, generator=g)``):
+    Accelerate draws each epoch's order from it, unless ``use_seedable_sampler`` asks for an order by (seed,
+    epoch)."""
+    sampler = loader.sampler
+    if seedable or type(sampler) is not RandomSampler or sampler.generator is None or sampler.replacement \
+            or sampler.num_samples != len(sampler.data_source):
+        return None  # shuffled by (seed, epoch), as without a generator
+    return sampler
+
+
+def _share_generator(strategy: Strategy, generator: torch.Generator) -> None:
+    """Every process takes the main process's generator state, so that they draw the same epoch order."""
+    state = strategy.broadcast(generator.get_state().tolist() if strategy.is_global_zero else None, 0)
+    generator.set_state(torch.tensor(state, dtype=torch.uint8))
 
 
 def _world_size() -> int:

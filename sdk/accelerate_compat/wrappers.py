@@ -177,6 +177,7 @@ class PreparedDataLoader:
         self.end_of_dataloader = False
         self._iterated = False  # an iteration started since the last set_epoch / restored position
         self._restored = False  # a saved position waits for the next iteration
+        self.before_epoch: Any = None  # called before each iteration (shares a DataLoader generator's state)
 
     @property
     def dataset(self) -> Any:
@@ -271,6 +272,8 @@ class PreparedDataLoader:
     def __iter__(self) -> Iterator[Any]:
         self.end_of_dataloader = False
         self._iterated, self._restored = True, False
+        if self.before_epoch is not None:
+            self.before_epoch()
         self._gradient_state._add_dataloader(self)
         try:
             yield from self._batches()

@@ -380,6 +380,11 @@ def loaders(root: str) -> dict[str, Any]:
     stream.load_state_dict(state)
     out["stream"] = {"seen": seen, "rest": rest, "resumed": [b.tolist() for b in stream]}
 
+    # A loader shuffled with its own generator, seeded differently on each process: the main process's decides.
+    mine = torch.Generator().manual_seed(int(os.environ["RANK"]))
+    shuffled = accelerator.prepare(DataLoader(list(range(10)), batch_size=5, shuffle=True, generator=mine))
+    out["generator_order"] = [b.tolist() for b in shuffled]
+
     ordered = prepare_data_loader(DataLoader(range(16), batch_size=4))
     out["prepare_data_loader"] = torch.cat([accelerator.gather(b) for b in ordered]).tolist()
     try:

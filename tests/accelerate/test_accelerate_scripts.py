@@ -36,8 +36,6 @@ EXPECTED = {
 
 
 KNOWN = {"test_script": {
-    "training_check(use_seedable_sampler=False)": "its baseline shuffles with the DataLoader's own generator; a "
-    "prepared loader shuffles by (seed, epoch), so that a resumed run sees the same order",
     "test_reinstantiated_state": "expects Accelerate's AttributeError after AcceleratorState._reset_state() (its "
     "private state); the front's Accelerator keeps working after it",
 }}

@@ -149,3 +149,26 @@ def test_seedable_random_sampler_depends_on_seed_and_epoch_only():
     assert list(sampler) == first and list(sampler) != first  # the epoch advanced after a whole pass
     sampler.set_epoch(0)
     assert list(sampler) == first
+
+
+def test_a_loaders_own_generator_draws_each_epochs_order_and_resumes_exactly():
+    def loader(seed: int) -> DataLoader:
+        return DataLoader(list(range(10)), batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(seed))
+
+    plain = loader(42)
+    expected = [[b.tolist() for b in plain] for _ in range(2)]  # what Accelerate's prepared loader gives too
+    prepared = Accelerator().prepare(loader(42))
+    assert [[b.tolist() for b in prepared] for _ in range(2)] == expected
+    again = Accelerator().prepare(loader(42))
+    batches = iter(again)
+    first = next(batches).tolist()
+    state = again.state_dict()
+    rest = [b.tolist() for b in batches]
+    resumed = Accelerator().prepare(loader(7))  # another generator state: the saved one decides the order
+    resumed.load_state_dict(state)
+    assert [first, *[b.tolist() for b in resumed]] == [first, *rest] == expected[0]
+    with pytest.raises(ValueError, match="order_state"):
+        resumed.load_state_dict({**state, "order_state": [300] * len(state["order_state"])})
+    seedable = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    with pytest.raises(ValueError, match="generator"):
+        seedable.prepare(loader(42)).load_state_dict(state)

@@ -125,6 +125,8 @@ def test_data_loaders_accelerate_users_rely_on(jobs):
     for r in (first, second):
         assert r["stream"]["resumed"] == r["stream"]["rest"]
     assert sorted(first["stream"]["seen"] + second["stream"]["seen"]) == list(range(16))
+    # A DataLoader's own generator draws the order (Accelerate's meaning), the same on every process.
+    assert sorted(i for r in (first, second) for b in r["generator_order"] for i in b) == list(range(10))
     assert first["prepare_data_loader"] == list(range(16))  # batches gathered in order: the single-process order
     assert all("different directories" in r["different_dirs"] for r in (first, second))
 
