@@ -9,8 +9,8 @@ them is copied here. Each process imports ``accelerate``, replaces the public na
 collectives of ``accelerate.utils``) by shardkit's, then loads the script as a module and runs its ``main()``.
 Every function ``main()`` calls directly is a check: a check that raises is recorded (with the last line of its
 error) and ``main()`` goes on, so one run reports every check. Names the front does not offer
-(``accelerate.data_loader.prepare_data_loader``) are replaced by a function that raises, so a check can pass
-only through shardkit. Accelerate's test helpers (``RegressionModel``, ``are_the_same_tensors`` ...) stay
+(``accelerate.utils.operations.copy_tensor_to_devices``) are replaced by a function that raises, so a check can
+pass only through shardkit. Accelerate's test helpers (``RegressionModel``, ``are_the_same_tensors`` ...) stay
 Accelerate's. A check passes when it passes on every process.
 """
 
@@ -47,10 +47,10 @@ SWAPS = {
     "accelerate.utils.operations": ("DistributedOperationException", "gather", "gather_object", "broadcast", "reduce",
                                     "pad_across_processes", "send_to_device"),
     "accelerate.utils.random": ("set_seed", "synchronize_rng_states"),
+    "accelerate.data_loader": ("prepare_data_loader", "SeedableRandomSampler", "BatchSamplerShard"),
 }
 # Public names the scripts call that shardkit's front does not offer: they raise instead of running Accelerate's.
-NOT_OFFERED = {"accelerate.data_loader": ("prepare_data_loader",),
-               "accelerate.utils.operations": ("copy_tensor_to_devices",)}
+NOT_OFFERED = {"accelerate.utils.operations": ("copy_tensor_to_devices",)}
 
 
 def scripts_dir() -> Path:

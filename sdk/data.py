@@ -40,11 +40,15 @@ class ResumableSampler(Sampler[int]):
 
     With ``with_seeds`` it yields ``(index, seed)`` pairs, ``seed`` a function of (seed, epoch,
     position in the epoch's order), for :class:`SeededDataset` to seed worker RNGs per sample.
+
+    With ``even=False`` nothing is padded: rank ``r`` takes the split's positions ``r, r + W, ...`` that exist,
+    so the first ``M % W`` ranks get one sample more (evaluation without repeats; the loop over the
+    ranks' uneven batch counts must then tolerate it, e.g. ``Accelerator.join_uneven_inputs``).
     """
 
     def __init__(
         self, length: int, num_replicas: int = 1, rank: int = 0, shuffle: bool = True, seed: int = 0,
-        drop_last: bool = False, with_seeds: bool = False,
+        drop_last: bool = False, with_seeds: bool = False, even: bool = True,
     ):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside [0, num_replicas={num_replicas})")
@@ -55,6 +59,13 @@ class ResumableSampler(Sampler[int]):
         self.seed = seed
         self.drop_last = drop_last
         self.with_seeds = with_seeds
+        self.even = even
+        # A user's RandomSampler with its own generator (a DataLoader's ``generator``, Accelerate's meaning): each
+        # epoch's order is what it yields, and the generator's state before the draw is part of the position, so
+        # that a resume draws the same order.
+        self.order_source: RandomSampler | None = None
+        self.order_state: torch.Tensor | None = None  # the generator's state before the current epoch's draw
+        self._drawn: tuple[int, list[int]] | None = None  # (epoch, order) drawn from the generator
         self.epoch = 0
         self.offset = 0  # positions of the epoch's order served before the current split began
         self._skip = 0
@@ -67,7 +78,9 @@ class ResumableSampler(Sampler[int]):
     @property
     def per_rank(self) -> int:
         m, w = self.split_length, self.num_replicas
-        return m // w if self.drop_last else math.ceil(m / w)
+        if self.drop_last:
+            return m // w
+        return math.ceil(m / w) if self.even else len(range(self.rank, m, w))
 
     def __len__(self) -> int:
         return self.per_rank - self._skip
@@ -90,15 +103,38 @@ class ResumableSampler(Sampler[int]):
         """Split positions this rank yields this epoch, in order (before skipping)."""
         return [self.rank + k * self.num_replicas for k in range(self.per_rank)]
 
+    @property
+    def generator(self) -> torch.Generator | None:
+        """The generator the order is drawn from (:attr:`order_source`'s), or None: the order is (seed, epoch)'s."""
+        return self.order_source.generator if self.order_source is not None else None
+
+    def draw_from(self, state: torch.Tensor | None) -> None:
+        """Draw the current epoch's order from :attr:`order_source`, its generator at ``state`` (None: as it is)."""
+        generator = self.generator
+        if state is not None:
+            generator.set_state(state)
+        self.order_state = generator.get_state()
+        # As a DataLoader given this generator draws from it: its iterator's worker base seed, then the sampler.
+        torch.empty((), dtype=torch.int64).random_(generator=generator)
+        order = [int(i) for i in self.order_source]
+        if sorted(order) != list(range(self.length)):
+            raise ValueError(f"the DataLoader's RandomSampler yielded {len(order)} indices, not an order of its "
+                             f"{self.length} samples: give it no num_samples (or replacement) to shard it")
+        self._drawn = (self.epoch, order)
+
     def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
+        if self.shuffle and self.generator is not None:
+            if self._drawn is None or self._drawn[0] != self.epoch:
+                self.draw_from(None)
+            order = list(self._drawn[1])
+        elif self.shuffle:
             generator = torch.Generator()
             generator.manual_seed(self.seed + self.epoch)
             order = torch.randperm(self.length, generator=generator).tolist()
         else:
             order = list(range(self.length))
         split = order[self.offset:]
-        total = self.per_rank * self.num_replicas
+        total = self.per_rank * self.num_replicas if self.even or self.drop_last else len(split)
         if total > len(split):
             split += (split * math.ceil(total / max(len(split), 1)))[: total - len(split)]
         skip, self._skip = self._skip, 0
@@ -198,7 +234,7 @@ class RunnerDataLoader:
         Returns None when the last batch holds no padding duplicates.
         """
         sampler, size = self.sampler, self._last_batch_size
-        if (self._last_batch_start + size) * sampler.num_replicas <= sampler.split_length:
+        if not sampler.even or (self._last_batch_start + size) * sampler.num_replicas <= sampler.split_length:
             return None
         k = torch.arange(self._last_batch_start, self._last_batch_start + size)
         positions = k.unsqueeze(0) * sampler.num_replicas + torch.arange(sampler.num_replicas).unsqueeze(1)
@@ -208,8 +244,11 @@ class RunnerDataLoader:
         """Where this rank is: the epoch, the split it walks (offset, world size) and its batches in it."""
         s = self.sampler
         samples = min(self.batches_seen * (self.loader.batch_size or 1), s.per_rank)
-        return {"epoch": self.epoch, "batches_seen": self.batches_seen, "seed": s.seed, "offset": s.offset,
-                "world_size": s.num_replicas, "samples_seen": samples, "length": s.length}
+        state = {"epoch": self.epoch, "batches_seen": self.batches_seen, "seed": s.seed, "offset": s.offset,
+                 "world_size": s.num_replicas, "samples_seen": samples, "length": s.length}
+        if s.generator is not None and s.order_state is not None and s._drawn is not None:
+            state["order_state"] = s.order_state.tolist()
+        return state
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Continue from a saved position: the next ``iter()`` resumes the saved epoch where it stopped.
@@ -218,11 +257,14 @@ class RunnerDataLoader:
         uninterrupted run). At another world size the samples of the epoch no rank had been served are
         dealt anew over the current ranks, each once.
         """
+        order_state = _check_order_state(state, self.sampler)
         state = _check_state(state, self.sampler)
         self.epoch, self.batches_seen = state["epoch"], state["batches_seen"]
         self._resume, self._started = True, True
         world, offset = state.get("world_size", self.sampler.num_replicas), state.get("offset", 0)
         self.sampler.set_epoch(self.epoch)
+        if order_state is not None:
+            self.sampler.draw_from(order_state)
         if world == self.sampler.num_replicas:
             self.sampler.resplit(offset)
             done = self.batches_seen >= len(self.loader)
@@ -235,6 +277,26 @@ class RunnerDataLoader:
             self.epoch, self.batches_seen, self._resume = self.epoch + 1, 0, False
             self.sampler.resplit(0)
             self._started = False
+
+
+def _check_order_state(state: Any, sampler: ResumableSampler) -> torch.Tensor | None:
+    """The saved state of the user's generator before the saved epoch's draw, checked (hostile input)."""
+    saved = state.get("order_state") if isinstance(state, Mapping) else None
+    if sampler.generator is None:
+        if saved is not None:
+            raise ValueError("data loader was saved shuffling with its DataLoader's generator, this one shuffles by "
+                             "(seed, epoch): resume with the same loader (a DataLoader given generator=...)")
+        return None
+    if saved is None:
+        if isinstance(state, Mapping) and state.get("batches_seen", 0):
+            raise ValueError("data loader state lacks the generator state its order was drawn from (saved by a loader "
+                             "without a DataLoader generator): resume with the same loader")
+        return None
+    size = sampler.generator.get_state().numel()
+    if not isinstance(saved, list) or len(saved) != size or any(
+            not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < 256 for v in saved):
+        raise ValueError(f"data loader state field 'order_state' must be a list of {size} bytes (a generator state)")
+    return torch.tensor(saved, dtype=torch.uint8)
 
 
 def _check_state(state: Mapping[str, Any], sampler: ResumableSampler) -> dict[str, int]:

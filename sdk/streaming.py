@@ -219,6 +219,7 @@ class StreamingLoader(RunnerDataLoader):
         self.stream, self.seed = stream, seed
         self.samples_seen = 0  # this rank's items consumed in the current split
         self._anchor: StreamPosition | None = None  # chunk of this rank's last consumed item
+        self.at_end = False  # the batch being used is the epoch's last
 
     @property
     def dataset(self) -> Any:
@@ -246,13 +247,21 @@ class StreamingLoader(RunnerDataLoader):
         self._started = True
         self.stream.set_epoch(self.epoch)
         fresh, count = self.view.anchor is None and self.view.offset == 0, 0
-        for batch, meta in self.loader:
+        batches = iter(self.loader)
+        pending = next(batches, None)
+        while pending is not None:
+            batch, meta = pending
+            # One batch is read ahead, so that the last one is known while it is used (``at_end``); the position
+            # counts only the batches handed out.
+            pending = next(batches, None)
+            self.at_end = pending is None
             self.samples_seen += len(meta)
             self._anchor = meta[-1][1]
             self._last_batch_size = len(meta)
             self.batches_seen += 1
             count += 1
             yield move_to_device(batch, self.device)
+        self.at_end = False
         if fresh and not count:
             raise ValueError(f"the streamed dataset gave no batch in epoch {self.epoch} (empty, or all of it dropped "
                              "by drop_last): check the data")

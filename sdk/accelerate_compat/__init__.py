@@ -10,6 +10,7 @@ Accelerate. What is not supported is refused with the reason and what to do inst
 """
 
 from shardkit.accelerate_compat.accelerator import Accelerator, set_seed
+from shardkit.accelerate_compat.data_loader import BatchSamplerShard, SeedableRandomSampler, prepare_data_loader
 from shardkit.accelerate_compat.dummies import DummyOptim, DummyScheduler
 from shardkit.accelerate_compat.launch import notebook_launcher
 from shardkit.accelerate_compat.operations import (
@@ -36,9 +37,9 @@ from shardkit.accelerate_compat.state import AcceleratorState, DistributedType, 
 from shardkit.accelerate_compat.wrappers import AcceleratedOptimizer, AcceleratedScheduler, PreparedDataLoader
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "Accelerator", "AcceleratorState", "AutocastKwargs",
-           "DataLoaderConfiguration", "DistributedDataParallelKwargs", "DistributedOperationException",
-           "DistributedType", "DummyOptim", "DummyScheduler", "GradScalerKwargs", "GradientAccumulationPlugin",
-           "GradientState",
-           "InitProcessGroupKwargs", "PartialState", "PreparedDataLoader", "ProjectConfiguration", "broadcast",
-           "gather", "gather_object", "notebook_launcher", "pad_across_processes", "recursively_apply", "reduce",
-           "send_to_device", "set_seed", "synchronize_rng_states"]
+           "BatchSamplerShard", "DataLoaderConfiguration", "DistributedDataParallelKwargs",
+           "DistributedOperationException", "DistributedType", "DummyOptim", "DummyScheduler", "GradScalerKwargs",
+           "GradientAccumulationPlugin", "GradientState", "InitProcessGroupKwargs", "PartialState",
+           "PreparedDataLoader", "ProjectConfiguration", "SeedableRandomSampler", "broadcast", "gather",
+           "gather_object", "notebook_launcher", "pad_across_processes", "prepare_data_loader", "recursively_apply",
+           "reduce", "send_to_device", "set_seed", "synchronize_rng_states"]

@@ -13,17 +13,20 @@ until the next ``accumulate()``; the prepared optimizer and scheduler do nothing
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler
 from typing_extensions import override
 
 from shardkit.accelerate_compat.checkpointing import CheckpointMixin
+from shardkit.accelerate_compat.data_loader import makes_own_batches, shard_batches
 from shardkit.accelerate_compat.dummies import (
     DeepSpeedConfigView,
     is_dummy_optimizer,
@@ -57,6 +60,7 @@ from shardkit.accelerate_compat.state import (
 from shardkit.accelerate_compat.trackers import TrackingMixin
 from shardkit.accelerate_compat.training import TrainingMixin
 from shardkit.accelerate_compat.wrappers import AcceleratedOptimizer, AcceleratedScheduler, PreparedDataLoader
+from shardkit.data import ResumableSampler
 from shardkit.runner import Runner
 from shardkit.strategies.base import Strategy
 
@@ -343,18 +347,28 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
     def _prepare_loader(self, loader: Any) -> PreparedDataLoader:
         if isinstance(loader, PreparedDataLoader):
             return loader
-        if loader.batch_size is None:
-            given = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
-            name = "batch_sampler" if loader.batch_sampler is not None else "sampler"
-            raise NotImplementedError(f"prepare(DataLoader({name}={type(given).__name__}(...), batch_size=None)): "
-                                      f"shardkit's loaders shard and resume per sample; build the DataLoader with "
-                                      f"batch_size=... (and shuffle=True or a per-sample sampler)")
-        if self.split_batches:
-            loader = _split_batches(loader, self.runner.strategy.data_parallel_size)
         seed = self.dataloader_config.data_seed
         seed = seed if seed is not None else _SEEDS.get("seed", 0)
-        prepared = PreparedDataLoader(self.runner.setup_dataloader(loader, seed=seed), self.gradient_state,
-                                      self.split_batches)
+        even = self.even_batches
+        strategy = self.runner.strategy
+        if makes_own_batches(loader):  # its batches are dealt whole (Accelerate's BatchSamplerShard)
+            base = shard_batches(loader, strategy.data_parallel_size, strategy.data_parallel_rank, self.device, seed,
+                                 self.split_batches, even)
+            if base.batch_size is not None:
+                strategy.set_runner_values(micro_batch_size=base.batch_size)
+        else:
+            if self.split_batches:
+                loader = _split_batches(loader, strategy.data_parallel_size)
+            base = self.runner.setup_dataloader(loader, seed=seed)
+            if isinstance(base.sampler, ResumableSampler):
+                base.sampler.even = even
+                base.sampler.order_source = _users_order(loader, self.use_seedable_sampler)
+            elif not even:
+                warnings.warn("even_batches=False applies to map-style datasets only: a streamed dataset is dealt item "
+                              "by item, its last round completed with repeats", UserWarning, stacklevel=3)
+        prepared = PreparedDataLoader(base, self.gradient_state, self.split_batches)
+        if getattr(base.sampler, "generator", None) is not None and strategy.world_size > 1:
+            prepared.before_epoch = functools.partial(_share_generator, strategy, base.sampler.generator)
         self._dataloaders.append(prepared)
         return prepared
 
@@ -505,10 +519,6 @@ def _dataloader_config(config: Any, split_batches: bool | None) -> Any:
     config = config if config is not None else DataLoaderConfiguration()
     if split_batches is not None:
         config.split_batches = bool(split_batches)
-    if getattr(config, "even_batches", True) is False:
-        raise NotImplementedError("DataLoaderConfiguration(even_batches=False) is not supported: shardkit's loaders "
-                                  "give every process as many batches (the last one completed with the epoch's first "
-                                  "samples) and gather_for_metrics drops those repeats; remove even_batches=False")
     return config
 
 
@@ -556,6 +566,23 @@ def _split_batches(loader: DataLoader, processes: int) -> DataLoader:
     if loader.num_workers > 0:
         kwargs.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
     return DataLoader(loader.dataset, **kwargs)
+
+
+def _users_order(loader: DataLoader, seedable: bool) -> RandomSampler | None:
+    """The sampler of a loader shuffled with its own generator (``DataLoader(shuffle=True, generator=g)``):
+    Accelerate draws each epoch's order from it, unless ``use_seedable_sampler`` asks for an order by (seed,
+    epoch)."""
+    sampler = loader.sampler
+    if seedable or type(sampler) is not RandomSampler or sampler.generator is None or sampler.replacement \
+            or sampler.num_samples != len(sampler.data_source):
+        return None  # shuffled by (seed, epoch), as without a generator
+    return sampler
+
+
+def _share_generator(strategy: Strategy, generator: torch.Generator) -> None:
+    """Every process takes the main process's generator state, so that they draw the same epoch order."""
+    state = strategy.broadcast(generator.get_state().tolist() if strategy.is_global_zero else None, 0)
+    generator.set_state(torch.tensor(state, dtype=torch.uint8))
 
 
 def _world_size() -> int:

@@ -98,6 +98,7 @@ class CheckpointMixin:
                              "True, project_dir=...)")
         else:
             path = Path(output_dir)
+        _same_directory_everywhere(self, "save_state", path)
         state = self._state()
         state[_STEP] = self.step
         self.runner.save(path, state)
@@ -118,6 +119,7 @@ class CheckpointMixin:
                                  "True, project_dir=...)")
             input_dir = Path(self._project("load_state")) / _CHECKPOINTS  # the runner follows `latest`
         path = Path(os.path.expanduser(str(input_dir)))
+        _same_directory_everywhere(self, "load_state", path)
         if not path.is_dir():
             raise ValueError(f"load_state: {str(path)!r} is not a directory; give a checkpoint save_state wrote")
         values = self.runner.load(path, self._state())
@@ -185,3 +187,17 @@ class CheckpointMixin:
             save_file({k: v.contiguous() for k, v in obj.items()}, str(f))
         else:
             torch.save(obj, f)
+
+
+def _same_directory_everywhere(accelerator: Any, what: str, path: Path) -> None:
+    """Refuse, on every process, a checkpoint directory that differs between processes: a checkpoint is one
+    directory every process writes its part into (it would otherwise wait for parts that never come)."""
+    if accelerator.num_processes == 1:
+        return
+    from shardkit.accelerate_compat.operations import gather_object
+
+    paths = gather_object([str(path.resolve())])
+    if len(set(paths)) > 1:
+        raise ValueError(f"{what} got different directories on different processes ({', '.join(paths)}): a "
+                         f"checkpoint is one directory shared by every process; pass the same path everywhere (e.g. "
+                         f"made on the main process and broadcast with gather_object/broadcast_object_list)")

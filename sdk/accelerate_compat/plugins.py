@@ -58,8 +58,9 @@ class DataLoaderConfiguration(_Kwargs):
         split_batches: the loader's ``batch_size`` is the global batch, split over the processes (it must divide
             by their number); otherwise each process takes batches of ``batch_size``.
         dispatch_batches: accepted; every process reads its own share (the batches are the same).
-        even_batches: must stay True: shardkit's loaders give every process as many batches, repeating the first
-            samples of the epoch, and ``gather_for_metrics`` drops the repeats.
+        even_batches: True: every process gets as many batches, the last round completed with the epoch's first
+            samples (``gather_for_metrics`` drops the repeats); False: nothing repeated, so the first processes may
+            get one batch more (loop under ``join_uneven_inputs``). Map-style datasets only.
         use_seedable_sampler: accepted; the order always depends only on the seed and the epoch.
         data_seed: the shuffling seed (default: drawn from torch's RNG on the main process at ``prepare``, so
             ``set_seed`` decides it).

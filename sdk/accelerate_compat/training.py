@@ -214,14 +214,14 @@ class TrainingMixin:
 
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
-        """torch's ``Join`` over DDP models, for loops whose processes run different numbers of batches.
+        """torch's ``Join`` over DDP models, for loops whose processes run different numbers of batches
+        (``even_batches=False``: evaluation without repeated samples).
 
-        Prepared loaders give every process as many batches, so it is needed only for loaders you iterate
-        yourself; ``even_batches=False`` is not supported (see :class:`DataLoaderConfiguration`).
+        Args:
+            joinables: the prepared DDP models (and other ``torch.distributed.algorithms.Joinable``).
+            even_batches: for the duration of the block, the ``even_batches`` of every prepared loader over a
+                map-style dataset (a streamed one keeps its own, with a warning).
         """
-        if even_batches is False:
-            raise NotImplementedError("join_uneven_inputs(even_batches=False): shardkit's prepared loaders always give "
-                                      "every process as many batches")
         if self.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
             warnings.warn(f"joining uneven inputs is only supported for multi-GPU and multi-CPU DDP training, not "
                           f"{self.distributed_type}; join_uneven_inputs has no effect", UserWarning, stacklevel=3)
@@ -229,8 +229,22 @@ class TrainingMixin:
             return
         from torch.distributed.algorithms.join import Join
 
-        with Join(joinables):
-            yield
+        overridden = []
+        if even_batches is not None:
+            for loader in self._dataloaders:
+                switch = loader.batch_sampler
+                if hasattr(switch, "even_batches"):
+                    overridden.append((switch, switch.even_batches))
+                    switch.even_batches = even_batches
+                else:
+                    warnings.warn("overriding even_batches is only supported for map-style datasets; a prepared "
+                                  "loader over an iterable dataset keeps its own", UserWarning, stacklevel=3)
+        try:
+            with Join(joinables):
+                yield
+        finally:
+            for switch, value in overridden:
+                switch.even_batches = value
 
     def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager:
         """The precision's autocast (prepared models' forward already runs under it)."""

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from shardkit.data import RunnerDataLoader
+from shardkit.data import ResumableSampler, RunnerDataLoader
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "PreparedDataLoader", "SkipBatches"]
 
@@ -165,16 +165,19 @@ class PreparedDataLoader:
     Accelerator which loader is being iterated and when its last batch comes (``end_of_dataloader``).
 
     Attributes:
-        base: the :class:`shardkit.data.RunnerDataLoader` underneath (what checkpoints record).
+        base: the loader underneath (what checkpoints record): :class:`shardkit.data.RunnerDataLoader` for a
+            map-style dataset dealt per sample, :class:`shardkit.streaming.StreamingLoader` for an iterable one,
+            :class:`shardkit.accelerate_compat.data_loader.BatchShardLoader` for a loader with its own batches.
     """
 
-    def __init__(self, base: RunnerDataLoader, gradient_state: Any, split_batches: bool = False) -> None:
+    def __init__(self, base: Any, gradient_state: Any, split_batches: bool = False) -> None:
         self.base = base
         self._gradient_state = gradient_state
         self.split_batches = split_batches
         self.end_of_dataloader = False
         self._iterated = False  # an iteration started since the last set_epoch / restored position
         self._restored = False  # a saved position waits for the next iteration
+        self.before_epoch: Any = None  # called before each iteration (shares a DataLoader generator's state)
 
     @property
     def dataset(self) -> Any:
@@ -185,14 +188,30 @@ class PreparedDataLoader:
         return self.base.batch_size
 
     @property
+    def num_processes(self) -> int:
+        """The processes the batches are dealt over."""
+        base = self.base
+        if isinstance(base.sampler if hasattr(base, "sampler") else None, ResumableSampler):
+            return base.sampler.num_replicas
+        return base.num_processes if hasattr(base, "num_processes") else base.view.world
+
+    @property
     def total_batch_size(self) -> int:
         """Samples per step over all processes."""
-        size = self.base.batch_size or 1
-        return size * self.base.sampler.num_replicas
+        return (self.base.batch_size or 1) * self.num_processes
 
     @property
     def sampler(self) -> Any:
-        return self.base.sampler
+        return getattr(self.base, "sampler", None)
+
+    @property
+    def batch_sampler(self) -> Any:
+        """What makes the batches; for a map-style dataset it has Accelerate's ``even_batches`` switch."""
+        if isinstance(self.sampler, ResumableSampler):
+            return _SampleBatches(self.base)
+        if hasattr(self.base, "batch_sampler"):
+            return self.base.batch_sampler
+        return self.base.loader.batch_sampler  # a stream: torch's, without even_batches
 
     @property
     def device(self) -> torch.device:
@@ -200,8 +219,14 @@ class PreparedDataLoader:
 
     @property
     def remainder(self) -> int:
-        """Real samples in the epoch's last global batch (0 when it is full), as Accelerate counts them."""
-        return self.base.sampler.split_length % self.total_batch_size
+        """Real samples in the epoch's last global batch (0 when it is full), as Accelerate counts them; -1 when
+        the length is not known (a stream)."""
+        if isinstance(self.sampler, ResumableSampler):
+            return self.base.sampler.split_length % self.total_batch_size
+        try:
+            return len(self.dataset) % self.total_batch_size
+        except TypeError:
+            return -1
 
     def __len__(self) -> int:
         return len(self.base)
@@ -211,11 +236,11 @@ class PreparedDataLoader:
         self.base.set_epoch(epoch)
         self._iterated = False
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """This process's position: epoch, batches seen (see :meth:`RunnerDataLoader.state_dict`)."""
         return self.base.state_dict()
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position at the next iteration."""
         self.base.load_state_dict(state)
         self.restored()
@@ -228,30 +253,90 @@ class PreparedDataLoader:
         """Start the next iteration at batch ``num_batches`` of the epoch it would run."""
         base = self.base
         position = base.state_dict()
+        epoch = position["epoch"] if self._restored else base.epoch + 1 if self._iterated else base.epoch
+        if not isinstance(self.sampler, ResumableSampler):
+            if "stream" in position:
+                raise NotImplementedError("skip_first_batches on a streamed dataset: save and load the loader's "
+                                          "state (accelerator.save_state / load_state) to resume it exactly")
+            position.update(epoch=epoch, batches_seen=num_batches)
+            self.load_state_dict(position)
+            return
         if not self._restored:  # the next iteration starts an epoch from its beginning
-            position["epoch"] = base.epoch + 1 if self._iterated else base.epoch
             position["offset"] = 0
         size = base.batch_size or 1
-        position.update(batches_seen=num_batches, samples_seen=min(num_batches * size, base.sampler.per_rank),
+        position.update(epoch=epoch, batches_seen=num_batches,
+                        samples_seen=min(num_batches * size, base.sampler.per_rank),
                         world_size=base.sampler.num_replicas)
         self.load_state_dict(position)
 
     def __iter__(self) -> Iterator[Any]:
         self.end_of_dataloader = False
         self._iterated, self._restored = True, False
+        if self.before_epoch is not None:
+            self.before_epoch()
         self._gradient_state._add_dataloader(self)
         try:
-            for batch in self.base:
-                # NOTE: read after the batch came: by then the sampler dealt this epoch's split, and batches_seen
-                # counts from the split's start (a resumed position included).
-                self.end_of_dataloader = self.base.batches_seen >= len(self.base.loader)
-                yield batch
+            yield from self._batches()
         finally:
             self.end_of_dataloader = False
             self._gradient_state._remove_dataloader(self)
 
+    def _batches(self) -> Iterator[Any]:
+        sized = _has_length(self.base)
+        for batch in self.base:
+            # NOTE: read after the batch came: by then the sampler dealt this epoch's split, and batches_seen
+            # counts from the split's start (a resumed position included). A stream reads one batch ahead.
+            self.end_of_dataloader = self.base.batches_seen >= len(self.base.loader) if sized else self.base.at_end
+            yield batch
+
     def __repr__(self) -> str:
-        return f"PreparedDataLoader(batch_size={self.batch_size}, batches={len(self)})"
+        try:
+            batches = str(len(self))
+        except TypeError:
+            batches = "unknown (a stream)"
+        return f"PreparedDataLoader(batch_size={self.batch_size}, batches={batches})"
+
+
+class _SampleBatches:
+    """Accelerate's ``prepared.batch_sampler`` for a loader dealt per sample: its batch size, and ``even_batches``
+    (False: the samples of the epoch's last round are not repeated, so processes may get different counts)."""
+
+    def __init__(self, base: RunnerDataLoader) -> None:
+        self._base = base
+
+    @property
+    def batch_size(self) -> int | None:
+        return self._base.batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        return self._base.sampler.drop_last
+
+    @property
+    def sampler(self) -> ResumableSampler:
+        return self._base.sampler
+
+    @property
+    def even_batches(self) -> bool:
+        return self._base.sampler.even
+
+    @even_batches.setter
+    def even_batches(self, even: bool) -> None:
+        self._base.sampler.even = bool(even)
+
+    def __len__(self) -> int:
+        return len(self._base.loader)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self._base.loader.batch_sampler)
+
+
+def _has_length(base: Any) -> bool:
+    try:
+        len(base.loader)
+    except TypeError:
+        return False
+    return True
 
 
 class SkipBatches:

@@ -338,6 +338,63 @@ def metrics(kind: str) -> dict[str, Any]:
     return {"seen": seen, "plain": plain, "objects_last": objects}
 
 
+def loaders(root: str) -> dict[str, Any]:
+    """The data loaders Accelerate users rely on, on real processes: a loader with its own batch sampler, uneven
+    evaluation under join_uneven_inputs, an iterable dataset resumed exactly, prepare_data_loader's order, and a
+    checkpoint directory that differs between processes."""
+    from torch.utils.data import BatchSampler, IterableDataset, RandomSampler
+
+    from shardkit import Accelerator
+    from shardkit.accelerate_compat import DataLoaderConfiguration, prepare_data_loader, set_seed
+
+    torch.manual_seed(int(os.environ["RANK"]))  # each process's generators differ, as under a launcher
+    set_seed(7)
+    out: dict[str, Any] = {}
+    accelerator = Accelerator()
+    own = accelerator.prepare(DataLoader(list(range(22)), batch_sampler=BatchSampler(RandomSampler(range(22)), 4,
+                                                                                     False)))
+    out["own_batches"] = [b.tolist() for b in own]
+    out["own_metrics"] = sorted(i for b in own for i in accelerator.gather_for_metrics(b).tolist())
+
+    uneven = Accelerator(dataloader_config=DataLoaderConfiguration(even_batches=False))
+    model = uneven.prepare(torch.nn.Linear(1, 1))
+    evaluation = uneven.prepare(DataLoader(torch.arange(3.0), batch_size=1))
+    out["uneven"] = []
+    with uneven.join_uneven_inputs([model]):
+        for batch in evaluation:
+            model(batch[:, None]).sum().backward()
+            out["uneven"] += batch.tolist()
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield from range(16)
+
+    stream = accelerator.prepare(DataLoader(Stream(), batch_size=2))
+    seen, rest, state = [], [], None
+    for step, batch in enumerate(stream):
+        seen += batch.tolist()
+        if step == 1:
+            state = stream.state_dict()
+        elif step > 1:
+            rest.append(batch.tolist())
+    stream.load_state_dict(state)
+    out["stream"] = {"seen": seen, "rest": rest, "resumed": [b.tolist() for b in stream]}
+
+    # A loader shuffled with its own generator, seeded differently on each process: the main process's decides.
+    mine = torch.Generator().manual_seed(int(os.environ["RANK"]))
+    shuffled = accelerator.prepare(DataLoader(list(range(10)), batch_size=5, shuffle=True, generator=mine))
+    out["generator_order"] = [b.tolist() for b in shuffled]
+
+    ordered = prepare_data_loader(DataLoader(range(16), batch_size=4))
+    out["prepare_data_loader"] = torch.cat([accelerator.gather(b) for b in ordered]).tolist()
+    try:
+        accelerator.save_state(f"{root}/own-{os.environ['RANK']}")
+        out["different_dirs"] = "saved"
+    except ValueError as err:
+        out["different_dirs"] = str(err)
+    return out
+
+
 def _guarded(fn, *args) -> Any:
     try:
         return fn(*args)
@@ -359,6 +416,8 @@ def worker(checkpoint: str, root: str, kinds: tuple[str, ...]) -> dict[str, Any]
         results[f"accumulation/{kind}"] = _guarded(accumulation_vs_runner, kind, checkpoint, root)
         results[f"resume/{kind}"] = _guarded(resume, kind, checkpoint, root)
         results[f"metrics/{kind}"] = _guarded(metrics, kind)
+    if world == 2:
+        results["loaders"] = _guarded(loaders, root)
     if dist.is_initialized():
         dist.barrier()
     return results

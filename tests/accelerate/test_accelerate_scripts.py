@@ -2,8 +2,12 @@
 (``scripts/run_accelerate_scripts.py``), on 2 processes: ``test_sync.py`` (accumulation, ``no_sync``,
 ``trigger_sync_in_backward``, the prepared optimizer and scheduler, the data loader's end) and ``test_ops.py``
 (gather, broadcast, pad, reduce, the operation checker) pass whole; ``test_script.py`` passes but for the checks in
-KNOWN, each with its reason (a check that starts passing fails here too, so that the list stays true).
-``test_distributed_data_loop.py`` and the 1-process runs are in the script's full run (docs/accelerate.md).
+KNOWN, each with its reason (a check that starts passing fails here too, so that the list stays true); its data
+loader checks (``dl_preparation_check``, ``central_dl_preparation_check``, ``custom_sampler_check``,
+``check_seedable_sampler_in_batch_sampler_shard``) run through ``shardkit.accelerate_compat.prepare_data_loader``.
+``test_distributed_data_loop.py`` (about 6 minutes here) and the 1-process runs are in the script's full run
+(docs/accelerate.md); their data loaders are covered by tests/accelerate/test_accelerator_data.py and the 2-rank
+``test_data_loaders_accelerate_users_rely_on``.
 """
 
 from __future__ import annotations
@@ -31,16 +35,9 @@ EXPECTED = {
 }
 
 
-_NO_PREPARE_DATA_LOADER = "calls accelerate.data_loader.prepare_data_loader, which the front does not offer"
 KNOWN = {"test_script": {
-    "dl_preparation_check": _NO_PREPARE_DATA_LOADER,
-    "central_dl_preparation_check": _NO_PREPARE_DATA_LOADER,
-    "custom_sampler_check": _NO_PREPARE_DATA_LOADER,
-    "check_seedable_sampler_in_batch_sampler_shard": _NO_PREPARE_DATA_LOADER,
-    "training_check(use_seedable_sampler=False)": "its baseline shuffles with the DataLoader's own generator; a "
-    "prepared loader shuffles by (seed, epoch), so that a resumed run sees the same order",
-    "test_reinstantiated_state": "expects Accelerate's AttributeError after AcceleratorState._reset_state(); the "
-    "front's Accelerator keeps working after it",
+    "test_reinstantiated_state": "expects Accelerate's AttributeError after AcceleratorState._reset_state() (its "
+    "private state); the front's Accelerator keeps working after it",
 }}
 EXPECTED["test_script"] = [
     "init_state_check", "process_execution_check", "test_split_between_processes_list",

@@ -8,6 +8,8 @@ ranks, under DDP, FSDP, ZeRO-2 and ZeRO-3, and the front's behaviour under each:
   model (however it is sharded) as safetensors;
 - ``save_state`` then ``load_state`` in a fresh Accelerator resumes exactly (losses, weights, learning rate);
 - ``gather_for_metrics`` counts every sample of an uneven eval set once;
+- on 2 ranks, the data loaders of tests/accelerate/test_accelerator_data.py: a loader with its own batch sampler,
+  ``even_batches=False`` under ``join_uneven_inputs``, an iterable dataset resumed exactly, ``prepare_data_loader``;
 - the TPU page's ``notebook_launcher(training_function, (model,))`` on 1 (as written) and 2 forked processes.
 
 One launch per world size runs every check under every strategy in one process group.
@@ -102,6 +104,31 @@ def test_gather_for_metrics_counts_every_sample_once(jobs, world, kind):
         assert sorted(r["seen"]) == list(range(7))
         assert r["plain"] == (8 if world == 2 else 7)  # gather keeps the padding repeat, gather_for_metrics drops it
         assert sorted(r["objects_last"]) == (["s4", "s5", "s6"] if world == 2 else ["s6"])
+
+
+def test_data_loaders_accelerate_users_rely_on(jobs):
+    out = jobs(2)
+    for rank, r in enumerate(out):
+        if "error" in r["loaders"]:
+            pytest.fail(f"loaders raised on rank {rank}:\n{r['loaders']['error']}", pytrace=False)
+    first, second = (r["loaders"] for r in out)
+    # A loader with its own batch sampler: whole batches dealt in turn, the same draw on both processes although
+    # their generators differ; every sample once over the epoch's batches and through gather_for_metrics.
+    own = first["own_batches"] + second["own_batches"]
+    assert all(len(b) == 4 for b in own) and len(first["own_batches"]) == len(second["own_batches"]) == 3
+    assert sorted(i for b in own for i in b) == sorted([*range(22), *own[-1][2:]])  # the completed last batch
+    assert first["own_metrics"] == second["own_metrics"] == list(range(22))
+    # even_batches=False: 2 batches and 1, no sample twice; join_uneven_inputs lets the uneven backward finish
+    # (without it, rank 0's second backward waits for a reduction rank 1 never joins).
+    assert (first["uneven"], second["uneven"]) == ([0.0, 2.0], [1.0])
+    # An iterable dataset: dealt item by item over the ranks, resumed exactly from a saved position.
+    for r in (first, second):
+        assert r["stream"]["resumed"] == r["stream"]["rest"]
+    assert sorted(first["stream"]["seen"] + second["stream"]["seen"]) == list(range(16))
+    # A DataLoader's own generator draws the order (Accelerate's meaning), the same on every process.
+    assert sorted(i for r in (first, second) for b in r["generator_order"] for i in b) == list(range(10))
+    assert first["prepare_data_loader"] == list(range(16))  # batches gathered in order: the single-process order
+    assert all("different directories" in r["different_dirs"] for r in (first, second))
 
 
 def test_notebook_launcher_runs_the_tpu_pages_function(checkpoint):

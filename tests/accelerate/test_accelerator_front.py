@@ -401,7 +401,6 @@ def test_accelerates_own_plugin_objects_are_read_by_attribute():
     ({"mixed_precision": "fp8"}, NotImplementedError, "fp8"),
     ({"mixed_precision": "bf17"}, ValueError, "did you mean 'bf16'"),
     ({"gradient_acumulation_steps": 2}, TypeError, "did you mean 'gradient_accumulation_steps'"),
-    ({"dataloader_config": DataLoaderConfiguration(even_batches=False)}, NotImplementedError, "even_batches"),
     ({"device_placement": False}, NotImplementedError, "device_placement"),
     ({"dynamo_backend": "inductor"}, NotImplementedError, "torch.compile"),
     ({"deepspeed_plugin": {"zero_stage": 2}, "fsdp_plugin": {}}, ValueError, "pass one"),
