@@ -280,10 +280,13 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
 
     def get_process_log_level(self) -> int:
         """The log level for this process: ``log_level`` on the process that logs (see :attr:`should_log`),
-        ``log_level_replica`` on the others; ``"passive"`` keeps the level the ``shardkit`` logger has."""
+        ``log_level_replica`` on the others; ``"passive"`` keeps the level the Trainer's logger has now
+        (transformers' verbosity when transformers is in use, as for Hugging Face's Trainer)."""
+        from shardkit.trainer.trainer_logging import trainer_log_level
+
         name = self.log_level if self.should_log else self.log_level_replica
         level = LOG_LEVELS[name]
-        return logging.getLogger("shardkit").getEffectiveLevel() if level == -1 else level
+        return trainer_log_level() if level == -1 else level
 
     @contextlib.contextmanager
     def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:

@@ -47,6 +47,7 @@ from shardkit.trainer.reporting import reporter_callbacks
 from shardkit.trainer.state import TrainerControl, TrainerState
 from shardkit.trainer.stopping import StopRequests
 from shardkit.trainer.train_loop import TrainLoopMixin, TrainOutput
+from shardkit.trainer.trainer_logging import follow_transformers_logging, set_trainer_log_level
 from shardkit.trainer.training_step import TrainingStepMixin
 
 __all__ = ["Trainer", "TrainOutput"]
@@ -199,8 +200,9 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         level = self.args.get_process_log_level() if self.args.log_level != "passive" or not self.args.should_log \
             else None
         if level is not None:
-            for name in ("shardkit", "shardkit.trainer"):
-                logging.getLogger(name).setLevel(level)
+            set_trainer_log_level(level)
+        else:
+            follow_transformers_logging()
 
     def _estimate_steps(self) -> tuple[int | None, int | None]:
         """Steps before the Runner exists (for DeepSpeed's "auto" total_num_steps and warmup)."""

@@ -208,3 +208,32 @@ def test_a_stream_trains_evaluates_and_resumes_with_default_arguments(tmp_path, 
     resumed = Trainer(tiny_llama(), TrainingArguments(**args), train_dataset=_stream(kind))
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
     assert _losses(resumed)[-3:] == pytest.approx(losses[3:], abs=1e-6)
+
+
+def test_trainer_lines_follow_transformers_verbosity(tmp_path):
+    """As Hugging Face's own tests look for them: "Running training" and the callback warnings on transformers'
+    library logger, shown as its verbosity (or log_level, which sets it) says."""
+    from transformers.testing_utils import CaptureLogger, LoggingLevel
+    from transformers.utils import logging as hf_logging
+
+    from shardkit.trainer import PrinterCallback
+
+    library = hf_logging.get_logger()
+
+    def train(**kw):
+        with CaptureLogger(library) as captured:
+            Trainer(Line(), _args(tmp_path, **kw), train_dataset=Regression(8)).train()
+        return captured.out
+
+    with LoggingLevel(logging.INFO):
+        assert "Running training" in train()
+        assert "Running training" not in train(log_level="error")
+    with LoggingLevel(logging.WARNING):
+        assert "Running training" not in train()
+        assert "Running training" in train(log_level="info")
+    with LoggingLevel(logging.WARNING), CaptureLogger(library) as captured:
+        Trainer(Line(), _args(tmp_path), train_dataset=Regression(8), callbacks=[PrinterCallback, PrinterCallback])
+    assert "PrinterCallback" in captured.out
+    with LoggingLevel(logging.ERROR), CaptureLogger(library) as captured:
+        Trainer(Line(), _args(tmp_path), train_dataset=Regression(8), callbacks=[PrinterCallback, PrinterCallback])
+    assert captured.out == ""
