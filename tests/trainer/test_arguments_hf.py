@@ -347,22 +347,25 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.mark.parametrize("page", ["trainer_run_glue", "deepspeed_translation"])
+@pytest.mark.parametrize("page", ["trainer_run_glue", "deepspeed_translation", "fsdp_run_glue"])
 def test_ported_page_script_trains_under_transformers_parser(tmp_path, monkeypatch, page):
-    """The Trainer page's run_glue command line and the DeepSpeed page's run_translation one (ZeRO-2 from the
-    `--deepspeed` file), as written, through transformers' HfArgumentParser in an HF-style script: the loss falls."""
+    """The Trainer page's run_glue command line (also with `--fsdp "full_shard auto_wrap"`) and the DeepSpeed
+    page's run_translation one (ZeRO-2 from the `--deepspeed` file), as written, through transformers'
+    HfArgumentParser in an HF-style script, in one process: the loss falls."""
     import json
     import runpy
 
     script = tmp_path / "run_script.py"
     script.write_text(PORTED_SCRIPT)
-    flags = _seed_flags(page, tmp_path) + ["--logging_steps", "1", "--save_strategy", "no"]
+    flags = (_seed_flags("trainer_run_glue", tmp_path) + ["--fsdp", "full_shard auto_wrap"] if page == "fsdp_run_glue"
+             else _seed_flags(page, tmp_path)) + ["--logging_steps", "1", "--save_strategy", "no"]
     monkeypatch.setattr("sys.argv", [str(script), *flags])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         runpy.run_path(str(script), run_name="__main__")
     result = json.loads((tmp_path / "run_script.py.result.json").read_text())
-    assert result["strategy"] == {"trainer_run_glue": "SingleDevice", "deepspeed_translation": "ZeRO2"}[page]
+    assert result["strategy"] == {"trainer_run_glue": "SingleDevice", "deepspeed_translation": "ZeRO2",
+                                  "fsdp_run_glue": "FSDP"}[page]
     losses = result["losses"]
     # every batch holds the same sequence: at the page's learning rate each step lowers the loss a little
     assert len(losses) >= 6 and all(b < a for a, b in zip(losses, losses[1:])), losses
