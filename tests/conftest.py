@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -22,3 +23,16 @@ if not torch.cuda.is_available():
 _TESTS = str(Path(__file__).resolve().parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
+
+@pytest.fixture(autouse=True)
+def _trainer_logs_reach_caplog():
+    """With transformers in use the Trainer logs under transformers' library logger (as Hugging Face's Trainer
+    does), which does not propagate to the root logger where caplog listens: let it, for the tests."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # a run without transformers: the Trainer logs under "shardkit"
+        hf_logging = None
+    if hf_logging is not None:
+        hf_logging.enable_propagation()
+    yield

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardkit.suggest import did_you_mean
-from shardkit.trainer.arguments import TrainingArguments
+from shardkit.trainer.arguments import TrainingArguments, optional_flag
 
 __all__ = ["DATASET_KWARGS", "PACKING_STRATEGIES", "SFTConfig"]
 
@@ -60,12 +60,12 @@ class SFTConfig(TrainingArguments):
     max_seq_length: int | None = None
     packing: bool = False
     packing_strategy: str = "bfd"
-    padding_free: bool | None = None
+    padding_free: bool | None = optional_flag()
     pad_to_multiple_of: int | None = None
-    eval_packing: bool | None = None
-    completion_only_loss: bool | None = None
+    eval_packing: bool | None = optional_flag()
+    completion_only_loss: bool | None = optional_flag()
     assistant_only_loss: bool = False
-    dataset_kwargs: dict[str, Any] | None = None
+    dataset_kwargs: dict[str, Any] | str | None = None  # a JSON object as text from a command line
     dataset_num_proc: int | None = None
     eos_token: str | None = None
     pad_token: str | None = None

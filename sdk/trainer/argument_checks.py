@@ -110,7 +110,9 @@ def _normalise(args: Any) -> None:
     if args.activation_checkpointing is None:
         args.activation_checkpointing = args.gradient_checkpointing = False
     if args.disable_tqdm is None:
-        args.disable_tqdm = logging.getLogger("shardkit.trainer").getEffectiveLevel() > logging.WARNING
+        from shardkit.trainer.trainer_logging import trainer_log_level
+
+        args.disable_tqdm = trainer_log_level() > logging.WARNING
     tokens = args.include_num_input_tokens_seen
     if isinstance(tokens, str) and tokens.lower() in ("true", "false", "1", "0"):  # from a command line
         tokens = tokens.lower() in ("true", "1")

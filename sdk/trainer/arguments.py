@@ -58,6 +58,12 @@ class _ArgumentsMeta(type):
         return super().__call__(*args, **translate_keywords(cls, kwargs))
 
 
+def optional_flag() -> Any:
+    """A ``bool | None`` field (None: not set) whose bare ``--name`` on a command line means True, under
+    transformers' ``HfArgumentParser`` as under shardkit's (transformers' own parser wants a value after it)."""
+    return field(default=None, metadata={"nargs": "?", "const": True})
+
+
 @dataclass
 class TrainingArguments(metaclass=_ArgumentsMeta):
     """The settings of a :class:`~shardkit.trainer.Trainer` run, with Hugging Face's field names and defaults.
@@ -89,7 +95,7 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
-    optim_target_modules: str | list[str] | None = None  # GaLore's nn.Linear targets (transformers' matching rules)
+    optim_target_modules: None | str | list[str] = None  # GaLore's nn.Linear targets (transformers' matching rules)
     gradient_accumulation_steps: int = 1
     average_tokens_across_devices: bool = True
     max_grad_norm: float = 1.0  # <= 0 turns clipping off
@@ -98,10 +104,11 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
     fp16: bool = False
     bf16_full_eval: bool = False  # evaluate in bf16 (a bf16 copy of the weights, not autocast)
     fp16_full_eval: bool = False
-    tf32: bool | None = None
-    activation_checkpointing: bool | None = None
+    tf32: bool | None = optional_flag()
+    activation_checkpointing: bool | None = optional_flag()
     activation_checkpointing_kwargs: dict[str, Any] | str | None = None
-    gradient_checkpointing: bool | None = None  # transformers 5's deprecated alias of activation_checkpointing
+    # transformers 5's deprecated alias of activation_checkpointing
+    gradient_checkpointing: bool | None = optional_flag()
     gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
     torch_compile: bool = False
     torch_compile_backend: str | None = None
@@ -120,8 +127,8 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
     include_num_input_tokens_seen: str | bool = "no"
     log_level: str = "passive"
     log_level_replica: str = "warning"
-    disable_tqdm: bool | None = None
-    report_to: str | list[str] | None = "none"
+    disable_tqdm: bool | None = optional_flag()
+    report_to: None | str | list[str] = "none"
     run_name: str | None = None
     project: str = "huggingface"
     trackio_space_id: str | None = None
@@ -146,14 +153,14 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
     enable_jit_checkpoint: bool = False
     push_to_hub: bool = False
     hub_token: str | None = None
-    hub_private_repo: bool | None = None
+    hub_private_repo: bool | None = optional_flag()
     hub_model_id: str | None = None
     hub_strategy: str = "every_save"
     hub_always_push: bool = False
     hub_revision: str | None = None
     load_best_model_at_end: bool = False
     metric_for_best_model: str | None = None
-    greater_is_better: bool | None = None
+    greater_is_better: bool | None = optional_flag()
     ignore_data_skip: bool = False
     restore_callback_states_from_checkpoint: bool = False
     full_determinism: bool = False
@@ -161,7 +168,7 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
     data_seed: int | None = None
     use_cpu: bool = False
     accelerator_config: dict[str, Any] | str | None = None
-    parallelism_config: Any = None
+    parallelism_config: str | None = None  # refused by name: the Trainer takes a strategy
     dataloader_drop_last: bool = False
     dataloader_num_workers: int = 0
     dataloader_pin_memory: bool = True
@@ -173,15 +180,15 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
     label_names: list[str] | None = None
     train_sampling_strategy: str = "random"
     length_column_name: str = "length"
-    ddp_find_unused_parameters: bool | None = None
+    ddp_find_unused_parameters: bool | None = optional_flag()
     ddp_bucket_cap_mb: int | None = None
-    ddp_broadcast_buffers: bool | None = None
-    ddp_static_graph: bool | None = None
+    ddp_broadcast_buffers: bool | None = optional_flag()
+    ddp_static_graph: bool | None = optional_flag()
     ddp_backend: str | None = None
     ddp_timeout: int = 1800
-    fsdp: str | list[str] | bool | None = None
+    fsdp: None | str | list[str] = None  # True/False are taken too: "full_shard" / off
     fsdp_config: dict[str, Any] | str | None = None
-    deepspeed: str | dict[str, Any] | None = None
+    deepspeed: dict[str, Any] | str | None = None
     debug: str | list[str] = ""
     skip_memory_metrics: bool = True
     do_train: bool = False
@@ -198,7 +205,7 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
     # Runner.save(blocking=False): the state is copied to host memory and written by a background thread; the
     # next save, a load and the end of train() wait for it (peft models' saves block: adapters are gathered).
     async_save: bool = False
-    profile_steps: str | int | tuple[int, int] | None = None  # Runner(profile_steps=...): (2, 4), "2-3" or 2
+    profile_steps: None | str | int | tuple[int, int] = None  # Runner(profile_steps=...): (2, 4), "2-3" or 2
 
     def __post_init__(self) -> None:
         from shardkit.trainer.argument_checks import check_arguments
@@ -273,10 +280,13 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
 
     def get_process_log_level(self) -> int:
         """The log level for this process: ``log_level`` on the process that logs (see :attr:`should_log`),
-        ``log_level_replica`` on the others; ``"passive"`` keeps the level the ``shardkit`` logger has."""
+        ``log_level_replica`` on the others; ``"passive"`` keeps the level the Trainer's logger has now
+        (transformers' verbosity when transformers is in use, as for Hugging Face's Trainer)."""
+        from shardkit.trainer.trainer_logging import trainer_log_level
+
         name = self.log_level if self.should_log else self.log_level_replica
         level = LOG_LEVELS[name]
-        return logging.getLogger("shardkit").getEffectiveLevel() if level == -1 else level
+        return trainer_log_level() if level == -1 else level
 
     @contextlib.contextmanager
     def main_process_first(self, local: bool = True, desc: str = "work") -> Iterator[None]:

@@ -59,8 +59,9 @@ ARGUMENT_NOTES: dict[str, tuple[str, str]] = {
                                             "a window of only NaN/inf repeats the last logged value"),
     "include_num_input_tokens_seen": ("different", "counted and logged; log_history carries no timing (tokens/s, "
                                                    "TFLOP/s and MFU go to the reporters only)"),
-    "log_level": ("different", "sets the 'shardkit' loggers; get_process_log_level() answers as Hugging Face's"),
-    "log_level_replica": ("different", "as log_level, on the other processes"),
+    "log_level": ("supported", "sets transformers' verbosity, which the Trainer's lines follow, when transformers is "
+                               "imported; else the 'shardkit' loggers"),
+    "log_level_replica": ("supported", "as log_level, on the other processes"),
     "report_to": ("different", "every tracker of shardkit.tracking (jsonl, tensorboard; logs tagged train/..., "
                                "eval/... as HF's) and callbacks added with shardkit.trainer.reporting."
                                "register_reporter; other names refused"),
@@ -86,7 +87,8 @@ ARGUMENT_NOTES: dict[str, tuple[str, str]] = {
                                         "refused by name"),
     "parallelism_config": ("refused", "pass strategy=TensorParallel(...) / FSDP(...) to the Trainer"),
     "dataloader_in_order": ("supported", "each rank's order is fixed by (seed, epoch)"),
-    "train_sampling_strategy": ("different", "'random' and 'sequential'; 'group_by_length' refused"),
+    "train_sampling_strategy": ("different", "'random' and 'sequential' ('random' leaves a stream in its own order, "
+                                             "as Hugging Face's does); 'group_by_length' refused"),
     "length_column_name": ("different", "accepted, unused: only group_by_length reads it, and that is refused"),
     "ddp_find_unused_parameters": ("supported", "passed to DDP under a launcher"),
     "ddp_bucket_cap_mb": ("supported", "passed to DDP under a launcher"),

@@ -9,7 +9,7 @@ batch with ``batch_eval_metrics=True`` (nothing is kept), or written to a ``.npy
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -154,10 +154,9 @@ class EvaluationMixin:
         kept = _Kept(args.include_for_metrics, getattr(self.model, "main_input_name", "input_ids"))
         limit = args.fast_dev_run or None
         batch_metrics = args.batch_eval_metrics and self.compute_metrics is not None and not prediction_loss_only
-        steps = len(loader) if limit is None else min(limit, len(loader))
-        for step, inputs in enumerate(loader):
-            if limit is not None and step >= limit:
-                break
+        steps = 0
+        for step, inputs, last in _batches_marking_the_last(loader, limit):
+            steps = step + 1
             loss, logits, label = self.prediction_step(model, inputs, prediction_loss_only, ignore_keys)
             if loss is not None:
                 size = _batch_size(inputs)
@@ -170,7 +169,7 @@ class EvaluationMixin:
                 kept.inputs.append(self._gather(inputs[kept.input_name]))
             if batch_metrics:  # tensors, as Hugging Face hands them (on the CPU, gathered from every rank)
                 kept.result = self.compute_metrics(self._prediction(logits, label, kept, last_only=True),
-                                                   compute_result=step == steps - 1)
+                                                   compute_result=last)
             if stream_to is not None and logits is not None:
                 kept.files.append(self._stream(logits, stream_to, step))
             elif not batch_metrics or description == "Prediction":  # evaluate() with batch metrics keeps nothing
@@ -309,3 +308,28 @@ def _batch_size(inputs: Any) -> int:
     if isinstance(inputs, Mapping):
         return _batch_size(next(iter(inputs.values())))
     return _batch_size(inputs[0])
+
+
+_END = object()
+
+
+def _batches_marking_the_last(loader: Any, limit: int | None) -> Iterator[tuple[int, Any, bool]]:
+    """``(step, batch, is_last)`` for the batches to evaluate (at most ``limit``). A stream's length is not known
+    ahead: its batches are read one ahead to know the last (its loader keeps no per-batch state a gather reads)."""
+    try:
+        steps = len(loader) if limit is None else min(limit, len(loader))
+    except TypeError:
+        steps = None
+    if steps is not None:
+        for step, batch in enumerate(loader):
+            if step >= steps:
+                return
+            yield step, batch, step == steps - 1
+        return
+    iterator, step = iter(loader), 0
+    pending = next(iterator, _END)
+    while pending is not _END:
+        batch = pending
+        pending = next(iterator, _END) if limit is None or step + 1 < limit else _END
+        yield step, batch, pending is _END
+        step += 1

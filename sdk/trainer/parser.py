@@ -1,4 +1,9 @@
-"""HfArgumentParser: dataclasses from ``--flags``, a dict, or a JSON/YAML file (Hugging Face's spelling)."""
+"""HfArgumentParser: dataclasses from ``--flags``, a dict, or a JSON/YAML file (Hugging Face's spelling).
+
+transformers' own ``HfArgumentParser`` reads shardkit's TrainingArguments and SFTConfig too, with the same
+values (their annotations are ones it understands), so an HF script's parser line runs unchanged. This one
+needs no transformers and names the fix for a removed or misspelt flag where transformers' lists it as unused.
+"""
 
 from __future__ import annotations
 

@@ -278,6 +278,8 @@ class TrainLoopMixin:
         loader.set_epoch(epoch)
         batches = _length(loader)
         remaining = batches - loader.batches_seen
+        # A stream's length is not known: its epoch advances by max_steps' windows, as Hugging Face counts it.
+        epoch_batches = batches if batches != sys.maxsize else state.max_steps * args.gradient_accumulation_steps
         self.control._new_epoch()
         self.control = self.callback_handler.on_epoch_begin(args, state, self.control)
         iterator = iter(loader)
@@ -289,7 +291,7 @@ class TrainLoopMixin:
             remaining -= len(window)
             self._train_window(window, num_items)
             state.global_step += 1
-            state.epoch = epoch + loader.batches_seen / max(batches, 1)
+            state.epoch = epoch + loader.batches_seen / max(epoch_batches, 1)
             self.control = self.callback_handler.on_step_end(args, state, self.control)
             reason = self.stop_requests.check()
             if reason is not None:

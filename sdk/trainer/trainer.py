@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardkit.strategies.activation_checkpointing import enable_gradient_checkpointing
+from shardkit.streaming import is_stream
 from shardkit.trainer import hub
 from shardkit.trainer.arguments import TrainingArguments, UnknownArgumentError
 from shardkit.trainer.callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
@@ -46,6 +47,7 @@ from shardkit.trainer.reporting import reporter_callbacks
 from shardkit.trainer.state import TrainerControl, TrainerState
 from shardkit.trainer.stopping import StopRequests
 from shardkit.trainer.train_loop import TrainLoopMixin, TrainOutput
+from shardkit.trainer.trainer_logging import follow_transformers_logging, set_trainer_log_level
 from shardkit.trainer.training_step import TrainingStepMixin
 
 __all__ = ["Trainer", "TrainOutput"]
@@ -198,8 +200,9 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         level = self.args.get_process_log_level() if self.args.log_level != "passive" or not self.args.should_log \
             else None
         if level is not None:
-            for name in ("shardkit", "shardkit.trainer"):
-                logging.getLogger(name).setLevel(level)
+            set_trainer_log_level(level)
+        else:
+            follow_transformers_logging()
 
     def _estimate_steps(self) -> tuple[int | None, int | None]:
         """Steps before the Runner exists (for DeepSpeed's "auto" total_num_steps and warmup)."""
@@ -234,11 +237,17 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         return kwargs
 
     def get_train_dataloader(self) -> DataLoader:
-        """A plain DataLoader over train_dataset; the Runner shards, shuffles and resumes it."""
+        """A plain DataLoader over train_dataset; the Runner shards, shuffles and resumes it. A stream (an
+        ``IterableDataset``) is read in its own order, as Hugging Face's Trainer reads it: shuffle it at the
+        source (``dataset.shuffle(buffer_size=...)``)."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset")
-        return DataLoader(self.train_dataset, batch_size=self._train_batch_size,
-                          shuffle=self.args.train_sampling_strategy == "random",
+        shuffle = self.args.train_sampling_strategy == "random"
+        if shuffle and is_stream(self.train_dataset):
+            logger.info("train_dataset is a stream: read in its own order (train_sampling_strategy='random' applies "
+                        "to datasets with random access; shuffle a stream at its source)")
+            shuffle = False
+        return DataLoader(self.train_dataset, batch_size=self._train_batch_size, shuffle=shuffle,
                           collate_fn=self._collator_for(self.train_dataset), drop_last=self.args.dataloader_drop_last,
                           **self._loader_kwargs())
 
@@ -257,6 +266,12 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         return self._eval_loader(test_dataset)
 
     def _eval_loader(self, dataset: Any):
+        if is_stream(dataset) and self.runner.strategy.data_parallel_size > 1:
+            # A stream's last round is padded with repeats where its end falls, which no rank knows ahead.
+            raise ValueError(f"evaluating a stream ({type(dataset).__name__}) on "
+                             f"{self.runner.strategy.data_parallel_size} data-parallel ranks would count the repeats "
+                             "that pad its last round: pass a dataset with random access (e.g. datasets.Dataset, "
+                             "or list(...) of the stream's rows)")
         # Set up anew for each run: gather_for_metrics drops the duplicates of the loader set up last.
         loader = DataLoader(dataset, batch_size=self.args.eval_batch_size, shuffle=False,
                             collate_fn=self._collator_for(dataset), drop_last=False, **self._loader_kwargs())

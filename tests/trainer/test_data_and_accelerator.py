@@ -159,3 +159,85 @@ def test_parallel_degrees_come_from_the_strategy_mesh():
         trainer = SimpleNamespace(runner=SimpleNamespace(strategy=strategy))
         trainer._parallel_degree = lambda name, t=trainer: Trainer._parallel_degree(t, name)
         assert (Trainer.get_tp_size(trainer), Trainer.get_cp_size(trainer)) == (tp, cp), strategy
+
+
+def _stream_rows(n=64):
+    for i in range(n):  # counting from i: learnt in a few steps, and every batch differs from the next
+        ids = [(t + i) % 13 + 1 for t in range(8)]
+        yield {"input_ids": ids, "labels": ids}
+
+
+class _TorchStream(torch.utils.data.IterableDataset):
+    """A plain torch IterableDataset: no length, no state of its own."""
+
+    def __iter__(self):
+        return _stream_rows()
+
+
+def _stream(kind):
+    import datasets
+
+    return datasets.IterableDataset.from_generator(_stream_rows) if kind == "datasets" else _TorchStream()
+
+
+def _losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("kind", ["datasets", "torch"])
+def test_a_stream_trains_evaluates_and_resumes_with_default_arguments(tmp_path, kind, monkeypatch):
+    """Default arguments (train_sampling_strategy='random') over a stream: read in its own order, as Hugging
+    Face's Trainer reads it; the epoch counts max_steps' batches; a resumed run's losses equal the whole run's."""
+    args = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=6, learning_rate=1e-2,
+                logging_steps=1, save_steps=3, disable_tqdm=True)
+    assert TrainingArguments(**args).train_sampling_strategy == "random"
+    trainer = Trainer(tiny_llama(), TrainingArguments(**args), train_dataset=_stream(kind),
+                      eval_dataset=_stream(kind))
+    trainer.train()
+    losses = _losses(trainer)
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.3, losses
+    assert [h["epoch"] for h in trainer.state.log_history if "loss" in h] == pytest.approx([k / 6 for k in range(1, 7)])
+    assert trainer.evaluate()["eval_loss"] < losses[0]
+    assert trainer.predict(_stream(kind)).predictions.shape[0] == 64
+    results = []  # batch_eval_metrics: compute_result=True on the last batch, which a stream does not announce
+    trainer.compute_metrics = lambda prediction, compute_result: results.append(compute_result) or {"n": 1.0}
+    trainer.args.batch_eval_metrics = True
+    trainer.evaluate()
+    assert results == [False] * 7 + [True]
+
+    resumed = Trainer(tiny_llama(), TrainingArguments(**args), train_dataset=_stream(kind))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+    assert _losses(resumed)[-3:] == pytest.approx(losses[3:], abs=1e-6)
+    # On several data-parallel ranks the repeats padding a stream's last round would be counted: refused by name.
+    monkeypatch.setattr(type(resumed.runner.strategy), "data_parallel_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match="2 data-parallel ranks would count the repeats"):
+        resumed.evaluate(_stream(kind))
+
+
+def test_trainer_lines_follow_transformers_verbosity(tmp_path):
+    """As Hugging Face's own tests look for them: "Running training" and the callback warnings on transformers'
+    library logger, shown as its verbosity (or log_level, which sets it) says."""
+    from transformers.testing_utils import CaptureLogger, LoggingLevel
+    from transformers.utils import logging as hf_logging
+
+    from shardkit.trainer import PrinterCallback
+
+    library = hf_logging.get_logger()
+
+    def train(**kw):
+        with CaptureLogger(library) as captured:
+            Trainer(Line(), _args(tmp_path, **kw), train_dataset=Regression(8)).train()
+        return captured.out
+
+    with LoggingLevel(logging.INFO):
+        assert "Running training" in train()
+        assert "Running training" not in train(log_level="error")
+    with LoggingLevel(logging.WARNING):
+        assert "Running training" not in train()
+        assert "Running training" in train(log_level="info")
+    with LoggingLevel(logging.WARNING), CaptureLogger(library) as captured:
+        Trainer(Line(), _args(tmp_path), train_dataset=Regression(8), callbacks=[PrinterCallback, PrinterCallback])
+    assert "PrinterCallback" in captured.out
+    with LoggingLevel(logging.ERROR), CaptureLogger(library) as captured:
+        Trainer(Line(), _args(tmp_path), train_dataset=Regression(8), callbacks=[PrinterCallback, PrinterCallback])
+    assert captured.out == ""
