@@ -187,3 +187,42 @@ def test_stream_loader_state_is_checked(tokenizer):
     for state, message in bad_states:
         with pytest.raises(ValueError, match=message):
             loader.load_state_dict(state)
+
+
+class Numbers(torch.utils.data.IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+@pytest.mark.parametrize("seekable", [False, True])
+def test_a_stream_shorter_than_the_saved_position_is_named_not_an_empty_epoch(seekable):
+    def loader(n, world=1, rank=0):
+        source = (datasets.IterableDataset.from_generator(_numbers, gen_kwargs={"n": n}) if seekable
+                  else Numbers(n))
+        stream = ChunkedStream(source, chunk_size=3)
+        return rebuild_loader(DataLoader(stream, batch_size=2, collate_fn=list), rank, world, 7, torch.device("cpu"))
+
+    first = [loader(20, 2, r) for r in range(2)]
+    iterators = [iter(x) for x in first]
+    for _ in range(3):
+        [next(it) for it in iterators]
+    state = first[0].state_dict()  # 12 items consumed by the two ranks
+    exact = loader(12)  # the source ends where the checkpoint stopped: the rest of the epoch is empty, no error
+    exact.load_state_dict(state)
+    assert list(exact) == []
+    rest = loader(20)
+    rest.load_state_dict(state)
+    assert [x["x"] if seekable else x for b in rest for x in b] == list(range(12, 20))
+    for n, words in [(10, "ended after 10 items"), (7, "has no item from 9 on")]:  # item 11's chunk starts at 9
+        shorter = loader(n)
+        shorter.load_state_dict(state)
+        with pytest.raises(ValueError, match=rf"item 12 .*{words}: the data changed since the checkpoint"):
+            list(shorter)
+
+
+def _numbers(n):
+    for i in range(n):
+        yield {"x": i}
