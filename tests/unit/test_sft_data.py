@@ -1,6 +1,8 @@
 """SFT data: loss masks on a hand-checked conversation, the config's TRL names, datasets caching, and exact
 mid-epoch resume of packed map-style and streamed data at another world size (ranks simulated in one process)."""
 
+import copy
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -226,3 +228,50 @@ def test_a_stream_shorter_than_the_saved_position_is_named_not_an_empty_epoch(se
 def _numbers(n):
     for i in range(n):
         yield {"x": i}
+
+
+# ---- hostile input: a chat template without end, rows that are not conversations --------------------------------
+
+def _with_template(tokenizer, template):
+    hostile = copy.deepcopy(tokenizer)
+    hostile.chat_template = template
+    return SFTTokenizer(hostile)
+
+
+def test_a_hostile_chat_template_is_stopped_in_time_and_in_output(tokenizer):
+    tracer = sys.gettrace()
+    # Twenty million empty loop steps (seconds when unbounded; without end with larger ranges): stopped at the limit.
+    spin = _with_template(tokenizer, "{% for i in range(100000) %}{% for j in range(200) %}{% endfor %}{% endfor %}")
+    spin.render_seconds = 0.2
+    with pytest.raises(ValueError, match=r"example 7: the chat template ran over 0.2 s"):
+        spin({"messages": CHAT}, 7)
+    # Output built piece by piece past the cap (400k characters here; gigabytes with larger ranges).
+    flood = _with_template(tokenizer, "{% for i in range(200) %}{% for j in range(200) %}{{ 'xxxxxxxxxx' }}"
+                                      "{% endfor %}{% endfor %}")
+    flood.max_render_chars = 10_000
+    with pytest.raises(ValueError, match=r"example 3: the chat template produced more than 10000 characters"):
+        flood({"messages": CHAT}, 3)
+    assert sys.gettrace() is tracer  # a debugger's or coverage's trace function is given back
+    assert tokenizer.decode(SFTTokenizer(tokenizer)({"messages": CHAT})["input_ids"]) == CHATML
+
+
+def test_rows_that_are_not_conversations_are_named_with_their_field_and_fix(tokenizer):
+    tokenize = SFTTokenizer(tokenizer)
+    no_role = [{"messages": CHAT}, {"messages": [{"content": "Who wrote it?"}]}]
+    number = [{"messages": CHAT}, {"messages": CHAT}, {"messages": [{"role": "user", "content": 1863}]}]
+    # Through datasets.Dataset.map (the row index is the dataset's) and through a list (checked before Arrow).
+    with pytest.raises(ValueError, match=r"example 1: messages\[0\] has no 'role': give every message a 'role'"):
+        prepare_dataset(datasets.Dataset.from_list(no_role), tokenize, packing=False, max_length=None)
+    with pytest.raises(ValueError, match=r"example 2: messages\[0\]\['content'\] is int \(1863\): content must be "
+                                         r"text .* convert it with str\(\)"):
+        prepare_dataset(number, tokenize, packing=False, max_length=None)
+    with pytest.raises(ValueError, match=r"example 1 field 'text' holds number where example 0 holds str"):
+        prepare_dataset([{"text": "Who wrote it?"}, {"text": 1863}], tokenize, packing=False, max_length=None)
+    stream = prepare_dataset(iter(no_role), tokenize, packing=False, max_length=None)
+    with pytest.raises(ValueError, match=r"a streamed example \(\{'messages': \[\{'content': 'Who wrote it\?'\}\]\}\)"
+                                         r": messages\[0\] has no 'role'"):
+        list(stream)
+    broken = _with_template(tokenizer, "{% for m in messages %}{{ m.content }")
+    with pytest.raises(ValueError, match=r"does not parse \(template line 1: .*\): fix tokenizer.chat_template") as err:
+        prepare_dataset(datasets.Dataset.from_list(number[:1]), broken, packing=False, max_length=None)
+    assert type(err.value).__name__ == "ChatTemplateError"  # the template's fault: no example is named
