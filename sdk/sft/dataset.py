@@ -16,23 +16,33 @@ Already-tokenized data (an ``input_ids`` column, with optional ``labels``, ``com
 ``packing_buffer_size`` examples at a time while training reads it.
 
 An example that cannot be tokenized raises a ValueError naming its index (in the dataset; a streamed one shows its
-start), the field at fault and the fix; each chat template rendering is bounded (:func:`~shardkit.sft.chat.
-bounded_render`).
+start), the field at fault and the fix; each rendering of a chat template other than shardkit's built-in ones is
+bounded (:func:`~shardkit.sft.chat.bounded_render`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
-from shardkit.sft.chat import MAX_RENDER_CHARS, RENDER_SECONDS, ChatTemplateError, bounded_render, check_messages
+from shardkit.sft.chat import (
+    CHAT_TEMPLATES,
+    MAX_RENDER_CHARS,
+    RENDER_SECONDS,
+    ChatTemplateError,
+    bounded_render,
+    check_messages,
+)
 from shardkit.sft.packing import IGNORE_INDEX, pack_examples
 from shardkit.streaming import ChunkedStream, is_stream
 
 __all__ = ["SFTTokenizer", "prepare_dataset"]
 
 logger = logging.getLogger("shardkit.sft")
+
+_BUILT_IN = frozenset(CHAT_TEMPLATES.values())
 
 try:  # transformers renders chat templates with jinja2; without it no template renders and none of these is raised
     from jinja2.exceptions import TemplateError as _TemplateError
@@ -132,8 +142,12 @@ class SFTTokenizer:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("conversational data ('messages') needs a chat template: set tokenizer.chat_template, "
                              "or SFTConfig(chat_template_path='chatml')")
+        # shardkit's own templates do work linear in the messages: they skip the guard (tracing slows the whole
+        # call, tokenizer included, by a third); any other template is code from elsewhere and is bounded.
+        template = self.tokenizer.chat_template
+        guard = nullcontext() if template in _BUILT_IN else bounded_render(self.render_seconds, self.max_render_chars)
         try:
-            with bounded_render(self.render_seconds, self.max_render_chars):
+            with guard:
                 out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
         except _TemplateSyntaxError as err:
             raise ChatTemplateError(f"the chat template does not parse (template line {err.lineno}: {err.message}): "
