@@ -15,11 +15,18 @@ main process uploads. ``hub_strategy`` decides what a save uploads, as in transf
   from the Hub resumes with ``resume_from_checkpoint=".../last-checkpoint"`` exactly where it stopped;
 - ``"all_checkpoints"``: that, plus every checkpoint folder, whole, under its own name;
 - ``"end"``: nothing until ``push_final``.
+
+Every upload sends an explicit list of files, logged: never a hidden file or folder (``.env``, ``.ssh/``, ``.git``),
+never a link whose target lies outside the folder pushed (its content would leave the machine), never a link to a
+folder; each one left out is named in a warning. ``push_final`` also takes ``allow_patterns`` / ``ignore_patterns``
+(``huggingface_hub.upload_folder``'s, matched against paths relative to the folder).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import fnmatch
+import glob
 import logging
 import os
 import shutil
@@ -29,7 +36,7 @@ from typing import Any
 
 from shardkit.suggest import did_you_mean
 
-__all__ = ["CHECKPOINT_FILES", "HUB_STRATEGIES", "MODEL_FILES", "HubPusher"]
+__all__ = ["CHECKPOINT_FILES", "HUB_STRATEGIES", "MODEL_FILES", "HubPusher", "files_to_upload"]
 
 log = logging.getLogger("shardkit.hub")
 
@@ -151,12 +158,16 @@ class HubPusher:
                 concurrent.futures.wait([future])
 
     def push_final(self, output_dir: str | Path, commit_message: str = "End of training",
-                   blocking: bool = True) -> Any:
+                   blocking: bool = True, allow_patterns: list[str] | str | None = None,
+                   ignore_patterns: list[str] | str | None = None) -> Any:
         """Upload ``output_dir`` (not its checkpoints) after the uploads still running; ``blocking=False`` returns
-        the upload's future instead of its result."""
+        the upload's future instead of its result. ``allow_patterns`` keeps only the files matching one of them;
+        ``ignore_patterns`` leaves out more than the checkpoints and the ``_*`` files (hidden files and links
+        leaving ``output_dir`` are left out whatever the patterns say)."""
         self.wait()
         self.create_repo()
-        future = self._upload(output_dir, commit_message, ignore=_OUTPUT_IGNORE)
+        future = self._upload(output_dir, commit_message, ignore=[*_OUTPUT_IGNORE, *_as_list(ignore_patterns)],
+                              allow=_as_list(allow_patterns) or None)
         if blocking:
             return future.result()
         self._pending.append(future)
@@ -170,9 +181,62 @@ class HubPusher:
 
     def _upload(self, folder: str | Path, message: str, path_in_repo: str | None = None,
                 ignore: list[str] | None = None, allow: list[str] | None = None) -> Future:
+        # upload_folder would send every file its patterns let through, hidden ones and link targets included: it is
+        # given the exact list chosen here (each name escaped, so a "[" or "*" in a name matches only itself).
+        files = files_to_upload(folder, allow, ignore)
+        log.info("shardkit: uploading %d file(s) from %s to %s%s: %s", len(files), folder, self.repo_id,
+                 f"/{path_in_repo}" if path_in_repo else "", ", ".join(files) or "(none)")
         return self.api.upload_folder(repo_id=self.repo_id, folder_path=str(folder), path_in_repo=path_in_repo,
                                       commit_message=message, token=self.token, revision=self.revision,
-                                      ignore_patterns=ignore, allow_patterns=allow, run_as_future=True)
+                                      ignore_patterns=ignore, allow_patterns=[glob.escape(f) for f in files],
+                                      run_as_future=True)
+
+
+def _as_list(patterns: list[str] | str | None) -> list[str]:
+    return [patterns] if isinstance(patterns, str) else list(patterns or [])
+
+
+def _matches(path: str, patterns: list[str]) -> bool:
+    # As huggingface_hub's filter_repo_objects: fnmatch on the relative path, a pattern ending in "/" is a folder.
+    return any(fnmatch.fnmatch(path, p + "*" if p.endswith("/") else p) for p in patterns)
+
+
+def files_to_upload(folder: str | Path, allow: list[str] | None = None, ignore: list[str] | None = None) -> list[str]:
+    """The files under ``folder`` an upload sends (paths relative to it, ``/``-separated, sorted).
+
+    Left out: what ``ignore`` matches or ``allow`` (when given) does not; every hidden file or folder (a name
+    starting with "."); every link to a folder; every link whose target resolves outside ``folder``. The hidden
+    files and the links are named in a warning, with the reason."""
+    root = Path(folder).resolve()
+    files: list[str] = []
+    left_out: list[str] = []
+    for current, dirs, names in os.walk(root, followlinks=False):
+        here = Path(current)
+        rel = here.relative_to(root).as_posix()
+        prefix = "" if rel == "." else f"{rel}/"
+        for name in list(dirs):
+            if name.startswith(".") or (here / name).is_symlink():
+                dirs.remove(name)
+                left_out.append(f"{prefix}{name}/ (a hidden folder)" if name.startswith(".") else
+                                f"{prefix}{name}/ (a link to the folder {os.path.realpath(here / name)}, not followed)")
+        for name in names:
+            path, rel_name = here / name, f"{prefix}{name}"
+            if name.startswith("."):
+                left_out.append(f"{rel_name} (a hidden file)")
+                continue
+            if path.is_symlink():
+                target = Path(os.path.realpath(path))
+                if not target.is_relative_to(root):
+                    left_out.append(f"{rel_name} (a link to {target}, outside {root})")
+                    continue
+                if any(part.startswith(".") for part in target.relative_to(root).parts):
+                    left_out.append(f"{rel_name} (a link to the hidden {target})")
+                    continue
+            if path.is_file():
+                files.append(rel_name)
+    if left_out:
+        log.warning("shardkit: not uploaded to the Hub from %s: %s", root, "; ".join(sorted(left_out)))
+    return sorted(f for f in files if not _matches(f, ignore or []) and (not allow or _matches(f, allow)))
 
 
 def _copy_model_files(checkpoint_dir: Path, output_dir: Path) -> None:

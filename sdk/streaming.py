@@ -167,11 +167,15 @@ class _RankView(IterableDataset):
         self.stream, self.rank, self.world, self.drop_last = stream, rank, world, drop_last
         self.anchor: StreamPosition | None = None  # the chunk to start reading at (index <= offset)
         self.offset = 0  # global index of the split's first item
+        self.padding = 0  # a resumed split: how many of the `offset` items consumed may be end-of-epoch repeats
 
     def __iter__(self) -> Iterator[tuple[Any, tuple[int, StreamPosition]]]:
         last_round: list[tuple[Any, tuple[int, StreamPosition]]] = []
         mine_in_round = False
+        start = self.anchor.index if self.anchor is not None else 0
+        items = start  # the source's items up to the last one read, by global index
         for index, item, position in self.stream.iter_from(self.anchor):
+            items = index + 1
             if index < self.offset:
                 continue
             slot = (index - self.offset) % self.world
@@ -181,6 +185,14 @@ class _RankView(IterableDataset):
             if slot == self.rank:
                 mine_in_round = True
                 yield item, (index, position)
+        if items < self.offset - self.padding:
+            # A resumed split starts after the items the checkpoint consumed: a source that ends before them is
+            # not the data the checkpoint was written with (the epoch would be silently empty or short).
+            raise ValueError(f"resuming a stream at item {self.offset} (the checkpoint's position in epoch "
+                             f"{self.stream.epoch}), but the source "
+                             + (f"ended after {items} items" if items > start else f"has no item from {start} on")
+                             + ": the data changed since the checkpoint was written. Resume with the same data, or "
+                             "start a fresh run (no resume_from_checkpoint)")
         if last_round and not mine_in_round and not self.drop_last:
             # The last round is short: repeat its items, as a sampler pads the end of a split.
             yield last_round[self.rank % len(last_round)]
@@ -234,8 +246,9 @@ class StreamingLoader(RunnerDataLoader):
         self.epoch, self.batches_seen, self._resume, self._started = epoch, 0, False, False
         self._new_split(None, 0)
 
-    def _new_split(self, anchor: StreamPosition | None, offset: int) -> None:
+    def _new_split(self, anchor: StreamPosition | None, offset: int, padding: int = 0) -> None:
         self.view.anchor, self.view.offset, self._anchor, self.samples_seen = anchor, offset, anchor, 0
+        self.view.padding = padding
 
     def __iter__(self) -> Iterator[Any]:
         if self._resume:
@@ -287,7 +300,9 @@ class StreamingLoader(RunnerDataLoader):
                              "the state is corrupt")
         self.epoch = checked["epoch"]
         self.batches_seen = checked["batches_seen"] if checked["world_size"] == self.view.world else 0
-        self._new_split(anchor, consumed)
+        # The saved run's last round may have been padded with repeats: up to world_size - 1 of the consumed
+        # items were not new ones.
+        self._new_split(anchor, consumed, padding=checked["world_size"] - 1)
         self._resume, self._started = True, True
 
 

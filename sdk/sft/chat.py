@@ -6,17 +6,108 @@
 The built-in templates render as the FSDP seed's (``<|im_start|>role\\ncontent<|im_end|>\\n`` for ChatML) and
 wrap each assistant turn's content and end token in ``{% generation %}``, which is how Hugging Face's
 ``apply_chat_template`` knows the tokens an assistant-only loss trains on.
+
+A template is code from wherever the tokenizer came from: jinja2's sandbox keeps it from Python's internals, and
+:func:`bounded_render` bounds each rendering in time and in output (see there for what it cannot bound).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import sys
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from shardkit.suggest import did_you_mean
 
-__all__ = ["CHAT_TEMPLATES", "SPECIAL_TOKENS", "set_chat_template", "text_conversations", "train_tokenizer"]
+__all__ = ["CHAT_TEMPLATES", "MAX_RENDER_CHARS", "RENDER_SECONDS", "SPECIAL_TOKENS", "ChatTemplateError",
+           "RenderLimitError", "bounded_render", "check_messages", "set_chat_template", "text_conversations",
+           "train_tokenizer"]
+
+# One conversation's rendering: far above any real chat (128k tokens are ~0.5M characters), far below a hang.
+RENDER_SECONDS = 10.0
+MAX_RENDER_CHARS = 1 << 26
+_TEMPLATE_FILE = "<template>"  # the file name jinja2 gives the code it compiles from a string (from_string)
+
+
+class ChatTemplateError(ValueError):
+    """The chat template itself is wrong (it does not parse): no example renders with it."""
+
+
+class RenderLimitError(ValueError):
+    """A rendering ran past :data:`RENDER_SECONDS` or produced more than :data:`MAX_RENDER_CHARS` characters."""
+
+
+@contextmanager
+def bounded_render(seconds: float = RENDER_SECONDS, max_chars: int = MAX_RENDER_CHARS) -> Iterator[None]:
+    """Bound the jinja2 template code run inside the block: raise :class:`RenderLimitError` once it has run
+    ``seconds`` or yielded more than ``max_chars`` characters.
+
+    Works in any thread and process (a trace function on the current thread, not a signal): every step of the
+    template's own code (each loop iteration, macro call, recursion, output) is checked, so loops nested to any
+    depth and output built piece by piece are stopped. What it cannot stop is one operation the template hands to
+    Python that is large by itself (``'x' * 10**9`` allocates before the next step is seen): that is bounded only by
+    Python's MemoryError, as in any in-process sandbox; the check catches it right after. The trace function that
+    was set before (a debugger, coverage) is restored on exit; template lines run meanwhile go unrecorded by it.
+    Tracing slows all Python code inside the block (about a third of a conversation's tokenization, measured).
+    """
+    deadline = time.monotonic() + seconds
+    produced = 0
+
+    def step(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal produced
+        if event == "return" and isinstance(arg, str):  # a generator's yield, a macro's result
+            produced += len(arg)
+            if produced > max_chars:
+                raise RenderLimitError(f"the chat template produced more than {max_chars} characters for one "
+                                       "conversation: it loops or repeats without end; check the template")
+        if time.monotonic() > deadline:
+            raise RenderLimitError(f"the chat template ran over {seconds:g} s for one conversation: it loops "
+                                   "without end or nearly; check the template")
+        return step
+
+    def enter(frame: Any, event: str, arg: Any) -> Any:
+        return step if frame.f_code.co_filename == _TEMPLATE_FILE else None
+
+    previous = sys.gettrace()
+    sys.settrace(enter)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+def check_messages(messages: Any, field: str = "messages") -> None:
+    """A conversation as chat templates read it: a list of ``{"role": str, "content": str}`` (``content`` may be a
+    list of content blocks, or empty beside ``tool_calls``).
+
+    Raises:
+        ValueError: naming the message and the field that is wrong, and the fix.
+    """
+    shape = "a list of {'role': ..., 'content': ...} dicts"
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, (list, tuple)):
+        raise ValueError(f"{field!r} must be {shape}, got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        where = f"{field}[{i}]"
+        if not isinstance(message, Mapping):
+            raise ValueError(f"{where} must be a dict with 'role' and 'content' ({shape}), got "
+                             f"{type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            got = "has no 'role'" if role is None else f"has role {role!r:.40}, not a name"
+            raise ValueError(f"{where} {got}: give every message a 'role' string ('system', 'user', 'assistant', "
+                             "'tool')")
+        content = message.get("content")
+        if content is None and message.get("tool_calls") is None:
+            raise ValueError(f"{where} ({role}) has no 'content': give it the message's text (an empty string if "
+                             "there is none)")
+        if not (content is None or isinstance(content, str) or
+                (isinstance(content, (list, tuple)) and all(isinstance(b, Mapping) for b in content))):
+            raise ValueError(f"{where}['content'] is {type(content).__name__} ({content!r:.40}): content must be "
+                             "text (a str) or a list of content blocks ({'type': 'text', 'text': ...}); convert "
+                             "it with str() before training")
 
 _CHATML = (
     "{%- for message in messages %}"

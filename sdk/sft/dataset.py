@@ -14,20 +14,41 @@ Already-tokenized data (an ``input_ids`` column, with optional ``labels``, ``com
 ``dataset_num_proc`` processes, cached on disk next to a dataset loaded from files); a streamed one
 (``IterableDataset``, any iterable) becomes a :class:`~shardkit.streaming.ChunkedStream` that tokenizes and packs
 ``packing_buffer_size`` examples at a time while training reads it.
+
+An example that cannot be tokenized raises a ValueError naming its index (in the dataset; a streamed one shows its
+start), the field at fault and the fix; each rendering of a chat template other than shardkit's built-in ones is
+bounded (:func:`~shardkit.sft.chat.bounded_render`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import nullcontext
 from typing import Any
 
+from shardkit.sft.chat import (
+    CHAT_TEMPLATES,
+    MAX_RENDER_CHARS,
+    RENDER_SECONDS,
+    ChatTemplateError,
+    bounded_render,
+    check_messages,
+)
 from shardkit.sft.packing import IGNORE_INDEX, pack_examples
 from shardkit.streaming import ChunkedStream, is_stream
 
 __all__ = ["SFTTokenizer", "prepare_dataset"]
 
 logger = logging.getLogger("shardkit.sft")
+
+_BUILT_IN = frozenset(CHAT_TEMPLATES.values())
+
+try:  # transformers renders chat templates with jinja2; without it no template renders and none of these is raised
+    from jinja2.exceptions import TemplateError as _TemplateError
+    from jinja2.exceptions import TemplateSyntaxError as _TemplateSyntaxError
+except ImportError:  # pragma: no cover
+    _TemplateError = _TemplateSyntaxError = type("_NoJinja", (Exception,), {})
 
 _KEEP = ("input_ids", "labels")
 
@@ -45,7 +66,13 @@ class SFTTokenizer:
         completion_only_loss: prompt/completion data trains on the completion only (None: yes).
         assistant_only_loss: conversations train on the assistant turns only.
         formatting_func: ``f(example) -> str`` giving the text of an example.
+
+    ``render_seconds`` and ``max_render_chars`` bound one chat template rendering (see
+    :func:`~shardkit.sft.chat.bounded_render`).
     """
+
+    render_seconds = RENDER_SECONDS
+    max_render_chars = MAX_RENDER_CHARS
 
     def __init__(self, tokenizer: Any, text_field: str = "text", max_length: int | None = None,
                  add_special_tokens: bool = True, append_eos: bool = True, eos_token_id: int | None = None,
@@ -58,16 +85,27 @@ class SFTTokenizer:
         self.assistant_only_loss = assistant_only_loss
         self.formatting_func = formatting_func
 
-    def __call__(self, example: Mapping[str, Any]) -> dict[str, list[int]]:
-        ids, labels = self._tokens(example)
+    def __call__(self, example: Mapping[str, Any], index: int | None = None) -> dict[str, list[int]]:
+        """Tokenize one example; ``index`` (its row in the dataset) is named in the error if it cannot be."""
+        try:
+            ids, labels = self._tokens(example)
+        except ChatTemplateError:
+            raise  # the template, not this example
+        except (ValueError, TypeError, KeyError, _TemplateError) as err:
+            where = f"example {index}" if index is not None else f"a streamed example ({_brief(example)})"
+            what = "rendering the chat template failed: " if isinstance(err, _TemplateError) else ""
+            raise ValueError(f"SFT data, {where}: {what}{err}") from err
         if self.max_length is not None:
             ids, labels = ids[: self.max_length], labels[: self.max_length]
         return {"input_ids": ids, "labels": labels}
 
-    def batch(self, examples: Mapping[str, Sequence[Any]]) -> dict[str, list[list[int]]]:
-        """``Dataset.map(batched=True)``'s form: columns in, columns out; empty results are dropped."""
+    def batch(self, examples: Mapping[str, Sequence[Any]], indices: Sequence[int] | None = None
+              ) -> dict[str, list[list[int]]]:
+        """``Dataset.map(batched=True[, with_indices=True])``'s form: columns in, columns out; empty results are
+        dropped."""
         size = len(next(iter(examples.values()))) if examples else 0
-        rows = [self({k: v[i] for k, v in examples.items()}) for i in range(size)]
+        rows = [self({k: v[i] for k, v in examples.items()}, indices[i] if indices is not None else None)
+                for i in range(size)]
         rows = [r for r in rows if r["input_ids"]]
         return {k: [r[k] for r in rows] for k in _KEEP}
 
@@ -81,13 +119,13 @@ class SFTTokenizer:
         if "input_ids" in example:
             return _pretokenized(example)
         if "messages" in example:
-            return self._conversation(example["messages"], example.get("tools"))
+            return self._conversation(example["messages"], example.get("tools"), "messages")
         if "prompt" in example and "completion" in example:
             return self._prompt_completion(example["prompt"], example["completion"])
         if self.text_field in example:
             text = example[self.text_field]
             if isinstance(text, list) and text and isinstance(text[0], Mapping):  # messages under the text field
-                return self._conversation(text, None)
+                return self._conversation(text, None, self.text_field)
             return self._text(text)
         raise ValueError(f"an example has columns {sorted(example)}: SFT data needs {self.text_field!r} (set "
                          "dataset_text_field), 'messages', 'prompt' + 'completion', 'input_ids', or a formatting_func")
@@ -104,10 +142,21 @@ class SFTTokenizer:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("conversational data ('messages') needs a chat template: set tokenizer.chat_template, "
                              "or SFTConfig(chat_template_path='chatml')")
-        out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
+        # shardkit's own templates do work linear in the messages: they skip the guard (tracing slows the whole
+        # call, tokenizer included, by a third); any other template is code from elsewhere and is bounded.
+        template = self.tokenizer.chat_template
+        guard = nullcontext() if template in _BUILT_IN else bounded_render(self.render_seconds, self.max_render_chars)
+        try:
+            with guard:
+                out = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
+        except _TemplateSyntaxError as err:
+            raise ChatTemplateError(f"the chat template does not parse (template line {err.lineno}: {err.message}): "
+                                    "fix tokenizer.chat_template, or the file given as "
+                                    "SFTConfig(chat_template_path=...)") from err
         return {k: list(v) for k, v in out.items()}
 
-    def _conversation(self, messages: list, tools: Any) -> tuple[list[int], list[int]]:
+    def _conversation(self, messages: list, tools: Any, field: str) -> tuple[list[int], list[int]]:
+        check_messages(messages, field)
         extra = {"tools": tools} if tools else {}
         out = self._chat(messages, return_assistant_tokens_mask=self.assistant_only_loss, **extra)
         ids = out["input_ids"]
@@ -122,6 +171,8 @@ class SFTTokenizer:
 
     def _prompt_completion(self, prompt: Any, completion: Any) -> tuple[list[int], list[int]]:
         if isinstance(prompt, list):
+            check_messages(prompt, "prompt")
+            check_messages(completion, "completion")
             if self.assistant_only_loss:
                 raise ValueError("assistant_only_loss is for 'messages' data; prompt/completion data takes "
                                  "completion_only_loss")
@@ -207,8 +258,8 @@ def prepare_dataset(dataset: Any, tokenize: SFTTokenizer, packing: bool, max_len
 
     if not isinstance(dataset, datasets.Dataset):
         dataset = _to_hf(dataset, name)
-    tokenized = dataset.map(tokenize.batch, batched=True, num_proc=num_proc, remove_columns=dataset.column_names,
-                            desc=f"Tokenizing the {name} dataset")
+    tokenized = dataset.map(tokenize.batch, batched=True, with_indices=True, num_proc=num_proc,
+                            remove_columns=dataset.column_names, desc=f"Tokenizing the {name} dataset")
     if pack is None:
         return tokenized
     return tokenized.map(_PackBatch(*pack), batched=True, batch_size=buffer_size, num_proc=num_proc,
@@ -217,12 +268,58 @@ def prepare_dataset(dataset: Any, tokenize: SFTTokenizer, packing: bool, max_len
 
 def _to_hf(dataset: Any, name: str) -> Any:
     import datasets
+    import pyarrow
 
     if isinstance(dataset, list):
-        return datasets.Dataset.from_list(dataset)
+        rows = dataset
+    else:
+        try:
+            rows = [dict(dataset[i]) for i in range(len(dataset))]
+        except (TypeError, KeyError) as err:
+            raise TypeError(f"the {name} dataset ({type(dataset).__name__}) is neither a datasets.Dataset, a list of "
+                            "dicts, a map-style dataset of dicts nor an iterable: pass one of those") from err
+    for i, row in enumerate(rows):  # before Arrow, whose errors name neither the row nor the field
+        if not isinstance(row, Mapping):
+            raise TypeError(f"SFT data, {name} example {i}: an example is a dict of fields, got {type(row).__name__}")
+        for field in ("messages", "prompt", "completion"):
+            if isinstance(row.get(field), (list, tuple)):
+                try:
+                    check_messages(row[field], field)
+                except ValueError as err:
+                    raise ValueError(f"SFT data, {name} example {i}: {err}") from None
     try:
-        rows = [dict(dataset[i]) for i in range(len(dataset))]
-    except (TypeError, KeyError) as err:
-        raise TypeError(f"the {name} dataset ({type(dataset).__name__}) is neither a datasets.Dataset, a list of "
-                        "dicts, a map-style dataset of dicts nor an iterable: pass one of those") from err
-    return datasets.Dataset.from_list(rows)
+        return datasets.Dataset.from_list(rows)
+    except pyarrow.ArrowException as err:
+        raise ValueError(f"SFT data, the {name} dataset does not form a table: {_first_mismatch(rows)} "
+                         f"(Arrow: {err})") from err
+
+
+def _brief(example: Any) -> str:
+    text = repr(example)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _kinds(value: Any, path: str) -> Iterator[tuple[str, str]]:
+    """(path, kind) of each leaf; list items share one path, as an Arrow column types them all alike."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _kinds(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, (list, tuple)):
+        yield path, "list"
+        for item in value:
+            yield from _kinds(item, f"{path}[]")
+    elif value is not None:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        yield path, "number" if number else type(value).__name__
+
+
+def _first_mismatch(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The first example whose field holds another kind of value than the same field of an earlier example."""
+    seen: dict[str, tuple[str, int]] = {}
+    for i, row in enumerate(rows):
+        for path, kind in _kinds(row, ""):
+            first = seen.setdefault(path, (kind, i))
+            if first[0] != kind:
+                return (f"example {i} field {path!r} holds {kind} where example {first[1]} holds {first[0]}; a field "
+                        "holds one kind of value in every example: convert it (e.g. str(...)) before training")
+    return "its fields hold different kinds of value across examples; make each field one kind"

@@ -44,7 +44,9 @@ def push_to_hub(trainer: Any, commit_message: str | None = "End of training", bl
                 token: str | None = None, revision: str | None = None, **kwargs: Any) -> Any:
     """Save the model to ``output_dir`` (every rank) and upload it (not its checkpoints) from the main process.
 
-    ``commit_message=None`` (``init_hf_repo``) only creates the repository. Other keywords go to
+    ``commit_message=None`` (``init_hf_repo``) only creates the repository. ``allow_patterns`` /
+    ``ignore_patterns`` choose what of ``output_dir`` goes up, as in ``huggingface_hub.upload_folder`` (hidden
+    files and links leaving ``output_dir`` never do; the list sent is logged). Other keywords go to
     ``create_model_card`` (the card is written into ``output_dir`` and uploaded with the model, as transformers).
     Returns the upload's result (its future with ``blocking=False``); None on other ranks.
     """
@@ -53,6 +55,7 @@ def push_to_hub(trainer: Any, commit_message: str | None = "End of training", bl
         pusher.token = token
     if revision is not None:
         pusher.revision = revision
+    patterns = {name: kwargs.pop(name, None) for name in ("allow_patterns", "ignore_patterns")}
     private = kwargs.pop("private", None)  # transformers' push_to_hub(private=...): the repository's visibility
     if private is not None:
         pusher.private = private
@@ -72,7 +75,7 @@ def push_to_hub(trainer: Any, commit_message: str | None = "End of training", bl
                                   **kwargs)
     else:
         _log.info("push_to_hub: no model card (rendering it needs transformers: pip install transformers)")
-    return pusher.push_final(trainer.args.output_dir, commit_message, blocking)
+    return pusher.push_final(trainer.args.output_dir, commit_message, blocking, **patterns)
 
 
 def push_checkpoint(trainer: Any, checkpoint_dir: str | Path) -> list[Future]:

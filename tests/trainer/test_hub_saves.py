@@ -98,6 +98,10 @@ def test_each_hub_strategy_uploads_the_checkpoints_hf_files_at_each_save(tmp_pat
     assert "- train_batch_size: 2" in card and "- training_steps: 4" in card
     assert [name for name, _ in api.calls].count("create_repo") == 1
     assert all(kw["run_as_future"] and kw["repo_id"] == "me/run" for name, kw in api.calls if name == "upload_folder")
+    # The user's patterns choose among the run's files (huggingface_hub's allow/ignore); a dotfile never goes up.
+    (tmp_path / "run" / ".env").write_text("HF_TOKEN=secret")
+    trainer.push_to_hub(allow_patterns=["*.json", ".*"], ignore_patterns=["generation_*"])
+    assert api.uploads()[-1][2] == ["config.json", "tokenizer.json", "tokenizer_config.json", "training_args.json"]
 
 
 class StopAt(TrainerCallback):

@@ -3,6 +3,7 @@ reaches the Hub. Uploads start in the background (run_as_future=True) as in tran
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -59,6 +60,7 @@ def test_each_hub_strategy_uploads_what_transformers_uploads(tmp_path, strategy,
                                                 "exist_ok": True})
         assert uploads[0]["folder_path"] == args.output_dir and uploads[0]["repo_id"] == "me/llama-sft"
         assert uploads[0]["ignore_patterns"] == ["_*", "checkpoint-*"] and uploads[0]["path_in_repo"] is None
+        assert uploads[0]["allow_patterns"] == []  # the exact list of files to send: output_dir is empty
         assert [u["path_in_repo"] for u in uploads[1:]] == ([extra] if extra else [])
         assert all(u["run_as_future"] for u in uploads)  # in the background
     pusher.push_final(args.output_dir)
@@ -119,3 +121,81 @@ def test_a_rotation_waits_for_the_upload_still_reading_the_folder_it_deletes(tmp
     pusher.wait_for_folder(tmp_path / "checkpoint-1")
     assert "checkpoint-1" in api.finished
     pusher.wait()
+
+
+class HubLikeApi:
+    """upload_folder as huggingface_hub 2.4 lists and reads a folder (its glob, its pattern filter, its default
+    ignores): records each file's path in the repository and the bytes that would be sent."""
+
+    def __init__(self):
+        self.sent: dict[str, bytes] = {}
+
+    def create_repo(self, repo_id, **kwargs):
+        pass
+
+    def upload_folder(self, folder_path, path_in_repo=None, allow_patterns=None, ignore_patterns=None, **kwargs):
+        from huggingface_hub.utils import filter_repo_objects
+        from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
+
+        root = Path(folder_path).resolve()
+        listed = {p.relative_to(root).as_posix(): p for p in sorted(root.glob("**/*")) if p.is_file()}
+        kept = filter_repo_objects(listed, allow_patterns=allow_patterns,
+                                   ignore_patterns=[*(ignore_patterns or []), *DEFAULT_IGNORE_PATTERNS])
+        prefix = f"{path_in_repo}/" if path_in_repo else ""
+        self.sent.update({prefix + name: listed[name].read_bytes() for name in kept})
+        future: Future = Future()
+        future.set_result("commit")
+        return future
+
+
+def test_only_the_runs_own_files_leave_the_machine_and_the_list_is_logged(tmp_path, caplog):
+    """Hidden files and folders, links leading out of the folder (their content would be sent) and links to folders
+    stay; a link to a file inside is sent; the list sent and each file left out are logged."""
+    secret = tmp_path / "passwd"
+    secret.write_text("root:x:0:0")
+    run = tmp_path / "run"
+    (run / ".ssh").mkdir(parents=True)
+    (run / ".ssh" / "id_rsa").write_text("PRIVATE KEY")
+    (run / ".env").write_text("HF_TOKEN=hf_secret")
+    (run / "runs" / ".cache").mkdir(parents=True)
+    (run / "runs" / ".cache" / "token").write_text("cached")
+    (run / "runs" / "events.out").write_text("scalars")
+    (run / "config.json").write_text("{}")
+    (run / "model.safetensors").write_bytes(b"weights")
+    (run / "_private.staging").write_text("staged")
+    (run / "checkpoint-2").mkdir()
+    (run / "checkpoint-2" / "model.safetensors").write_bytes(b"weights")
+    (run / "passwd.txt").symlink_to(secret)  # a link leading out of the folder
+    (run / "etc").symlink_to(tmp_path, target_is_directory=True)  # a link to a folder outside
+    (run / "key.txt").symlink_to(run / ".env")  # a link to a hidden file inside
+    (run / "weights-link.safetensors").symlink_to(run / "model.safetensors")  # a link inside: sent
+    (run / "odd[1].json").write_text("[]")  # a name with a pattern character matches only itself
+    api = HubLikeApi()
+    pusher = HubPusher("me/run", strategy="checkpoint", api=api)
+    with caplog.at_level(logging.INFO, logger="shardkit.hub"):
+        pusher.push_save(run, run / "checkpoint-2")
+        pusher.push_final(run)
+    sent = {"config.json", "model.safetensors", "odd[1].json", "runs/events.out", "weights-link.safetensors"}
+    assert set(api.sent) == sent | {"last-checkpoint/model.safetensors"}
+    assert api.sent["weights-link.safetensors"] == b"weights"
+    assert not any(b"secret" in v or b"root:" in v or b"PRIVATE" in v for v in api.sent.values())
+    text = caplog.text
+    assert "config.json, model.safetensors, odd[1].json, runs/events.out, weights-link.safetensors" in text
+    for name in (".env (a hidden file)", ".ssh/ (a hidden folder)", "runs/.cache/ (a hidden folder)",
+                 f"passwd.txt (a link to {secret.resolve()}, outside", "etc/ (a link to the folder",
+                 "key.txt (a link to the hidden"):
+        assert name in text, name
+
+
+def test_push_final_honours_allow_and_ignore_patterns_but_never_sends_hidden_files(tmp_path):
+    run = tmp_path / "run"
+    (run / "runs").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "notes.txt", "runs/events.out", ".env"):
+        (run / name).write_text(name)
+    api = HubLikeApi()
+    HubPusher("me/run", api=api).push_final(run, allow_patterns=["*.json", "*.safetensors", ".*"],
+                                            ignore_patterns="config.*")
+    assert set(api.sent) == {"model.safetensors"}
+    api.sent.clear()
+    HubPusher("me/run", api=api).push_final(run, ignore_patterns=["runs/"])
+    assert set(api.sent) == {"config.json", "model.safetensors", "notes.txt"}

@@ -1,6 +1,8 @@
 """SFT data: loss masks on a hand-checked conversation, the config's TRL names, datasets caching, and exact
 mid-epoch resume of packed map-style and streamed data at another world size (ranks simulated in one process)."""
 
+import copy
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -187,3 +189,89 @@ def test_stream_loader_state_is_checked(tokenizer):
     for state, message in bad_states:
         with pytest.raises(ValueError, match=message):
             loader.load_state_dict(state)
+
+
+class Numbers(torch.utils.data.IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+@pytest.mark.parametrize("seekable", [False, True])
+def test_a_stream_shorter_than_the_saved_position_is_named_not_an_empty_epoch(seekable):
+    def loader(n, world=1, rank=0):
+        source = (datasets.IterableDataset.from_generator(_numbers, gen_kwargs={"n": n}) if seekable
+                  else Numbers(n))
+        stream = ChunkedStream(source, chunk_size=3)
+        return rebuild_loader(DataLoader(stream, batch_size=2, collate_fn=list), rank, world, 7, torch.device("cpu"))
+
+    first = [loader(20, 2, r) for r in range(2)]
+    iterators = [iter(x) for x in first]
+    for _ in range(3):
+        [next(it) for it in iterators]
+    state = first[0].state_dict()  # 12 items consumed by the two ranks
+    exact = loader(12)  # the source ends where the checkpoint stopped: the rest of the epoch is empty, no error
+    exact.load_state_dict(state)
+    assert list(exact) == []
+    rest = loader(20)
+    rest.load_state_dict(state)
+    assert [x["x"] if seekable else x for b in rest for x in b] == list(range(12, 20))
+    for n, words in [(10, "ended after 10 items"), (7, "has no item from 9 on")]:  # item 11's chunk starts at 9
+        shorter = loader(n)
+        shorter.load_state_dict(state)
+        with pytest.raises(ValueError, match=rf"item 12 .*{words}: the data changed since the checkpoint"):
+            list(shorter)
+
+
+def _numbers(n):
+    for i in range(n):
+        yield {"x": i}
+
+
+# ---- hostile input: a chat template without end, rows that are not conversations --------------------------------
+
+def _with_template(tokenizer, template):
+    hostile = copy.deepcopy(tokenizer)
+    hostile.chat_template = template
+    return SFTTokenizer(hostile)
+
+
+def test_a_hostile_chat_template_is_stopped_in_time_and_in_output(tokenizer):
+    tracer = sys.gettrace()
+    # Twenty million empty loop steps (seconds when unbounded; without end with larger ranges): stopped at the limit.
+    spin = _with_template(tokenizer, "{% for i in range(100000) %}{% for j in range(200) %}{% endfor %}{% endfor %}")
+    spin.render_seconds = 0.2
+    with pytest.raises(ValueError, match=r"example 7: the chat template ran over 0.2 s"):
+        spin({"messages": CHAT}, 7)
+    # Output built piece by piece past the cap (400k characters here; gigabytes with larger ranges).
+    flood = _with_template(tokenizer, "{% for i in range(200) %}{% for j in range(200) %}{{ 'xxxxxxxxxx' }}"
+                                      "{% endfor %}{% endfor %}")
+    flood.max_render_chars = 10_000
+    with pytest.raises(ValueError, match=r"example 3: the chat template produced more than 10000 characters"):
+        flood({"messages": CHAT}, 3)
+    assert sys.gettrace() is tracer  # a debugger's or coverage's trace function is given back
+    assert tokenizer.decode(SFTTokenizer(tokenizer)({"messages": CHAT})["input_ids"]) == CHATML
+
+
+def test_rows_that_are_not_conversations_are_named_with_their_field_and_fix(tokenizer):
+    tokenize = SFTTokenizer(tokenizer)
+    no_role = [{"messages": CHAT}, {"messages": [{"content": "Who wrote it?"}]}]
+    number = [{"messages": CHAT}, {"messages": CHAT}, {"messages": [{"role": "user", "content": 1863}]}]
+    # Through datasets.Dataset.map (the row index is the dataset's) and through a list (checked before Arrow).
+    with pytest.raises(ValueError, match=r"example 1: messages\[0\] has no 'role': give every message a 'role'"):
+        prepare_dataset(datasets.Dataset.from_list(no_role), tokenize, packing=False, max_length=None)
+    with pytest.raises(ValueError, match=r"example 2: messages\[0\]\['content'\] is int \(1863\): content must be "
+                                         r"text .* convert it with str\(\)"):
+        prepare_dataset(number, tokenize, packing=False, max_length=None)
+    with pytest.raises(ValueError, match=r"example 1 field 'text' holds number where example 0 holds str"):
+        prepare_dataset([{"text": "Who wrote it?"}, {"text": 1863}], tokenize, packing=False, max_length=None)
+    stream = prepare_dataset(iter(no_role), tokenize, packing=False, max_length=None)
+    with pytest.raises(ValueError, match=r"a streamed example \(\{'messages': \[\{'content': 'Who wrote it\?'\}\]\}\)"
+                                         r": messages\[0\] has no 'role'"):
+        list(stream)
+    broken = _with_template(tokenizer, "{% for m in messages %}{{ m.content }")
+    with pytest.raises(ValueError, match=r"does not parse \(template line 1: .*\): fix tokenizer.chat_template") as err:
+        prepare_dataset(datasets.Dataset.from_list(number[:1]), broken, packing=False, max_length=None)
+    assert type(err.value).__name__ == "ChatTemplateError"  # the template's fault: no example is named
