@@ -73,6 +73,23 @@ def _by_name(strategy: Any, precision: Any, mixed_precision: Any) -> tuple[Strat
     return strategy, precision
 
 
+def _accelerate_launch(strategy: Strategy | None, precision: Precision | None) -> tuple[Any, Any, str | None]:
+    """(strategy, DeepSpeed config, its name) from ``accelerate launch``'s FSDP/DeepSpeed variables, for a Runner
+    given no config: the launcher's engine when ``strategy`` is None, ``strategy`` when it is of the class the
+    launcher asked for, an error naming the variable when it is another (a script must not train another way than
+    it was launched)."""
+    from shardkit.config.accelerate_env import from_accelerate_launch, reconcile_strategy
+
+    # The launcher's precision fills a DeepSpeed config's precision section unless the script gave one.
+    mixed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no") if precision is None else "no"
+    launched = from_accelerate_launch(mixed)
+    if launched is None:
+        return strategy, None, None
+    if launched.kind == "DEEPSPEED" and strategy is None:
+        return None, launched.deepspeed, launched.source
+    return reconcile_strategy(launched, strategy, "Runner(strategy=...)"), None, None
+
+
 class Runner(RunnerObservability, RunnerCheckpoints):
     """Trains a model with a pluggable :class:`Strategy` and :class:`Precision`.
 
@@ -128,12 +145,15 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         self.max_grad_norm: float | None = None
         from_launcher = config is None and os.environ.get(CONFIG_FILE_ENV) is not None
         config = config if config is not None else os.environ.get(CONFIG_FILE_ENV)
+        source = None
+        if config is None:
+            strategy, config, source = _accelerate_launch(strategy, precision)
         if config is not None:
             from shardkit.config import resolve_runner_config
 
             self.config = resolve_runner_config(
                 config, strategy=strategy, precision=precision, gradient_accumulation_steps=gradient_accumulation_steps,
-                explicit_precision_wins=from_launcher,
+                explicit_precision_wins=from_launcher, source=source,
             )
             strategy, precision = self.config.strategy, self.config.precision
             gradient_accumulation_steps = self.config.gradient_accumulation_steps

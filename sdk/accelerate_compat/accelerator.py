@@ -148,6 +148,7 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
 
     def _build_runner(self, mixed_precision: str | None, cpu: bool, deepspeed_plugin: Any, fsdp_plugin: Any,
                       handlers: dict[str, Any]) -> Runner:
+        from shardkit.config.accelerate_env import launcher_read
         from shardkit.config.common import CONFIG_FILE_ENV
 
         if deepspeed_plugin is not None and fsdp_plugin is not None:
@@ -171,8 +172,9 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
             strategy = default_strategy(cpu, ddp)
         keep = self.project_configuration.total_limit if self.project_configuration.automatic_checkpoint_naming \
             else None
-        runner = Runner(strategy, precision, config=config, gradient_accumulation_steps=steps,
-                        checkpoint_keep_last=keep)
+        with launcher_read():  # launched_engine has reconciled the launcher's variables with the arguments
+            runner = Runner(strategy, precision, config=config, gradient_accumulation_steps=steps,
+                            checkpoint_keep_last=keep)
         self._deepspeed_config = config  # as written: DummyOptim/DummyScheduler fill its "auto" params at prepare
         self.gradient_state.num_steps = runner.gradient_accumulation_steps
         return runner

@@ -428,12 +428,9 @@ def launched_engine(mixed: str, deepspeed_plugin: Any, fsdp_plugin: Any) -> Any:
     None under ``shardkit launch`` (its ranks read the YAML itself) and when a plugin argument names the same
     engine (the argument wins, as in Accelerate); a plugin for the other engine is a contradiction, refused.
     """
-    from shardkit.config.accelerate_env import launch_environment
-    from shardkit.config.common import CONFIG_FILE_ENV
+    from shardkit.config.accelerate_env import from_accelerate_launch
 
-    if os.environ.get(CONFIG_FILE_ENV) is not None:
-        return None
-    launched = launch_environment(mixed)
+    launched = from_accelerate_launch(mixed)
     given = "deepspeed_plugin" if deepspeed_plugin is not None else "fsdp_plugin" if fsdp_plugin is not None else None
     if launched is None or given is None:
         return launched

@@ -35,7 +35,7 @@ def resolve_runner_config(
     gradient_accumulation_steps: int | None = None, micro_batch_size: int | None = None,
     max_grad_norm: float | None = None, world_size: int | None = None,
     optimizer_params: Mapping[str, Any] | None = None, scheduler_params: Mapping[str, Any] | None = None,
-    explicit_precision_wins: bool = False,
+    explicit_precision_wins: bool = False, source: str | None = None,
 ) -> ResolvedConfig:
     """What a config asks of a Runner, with "auto" filled from the Runner's explicit values.
 
@@ -48,6 +48,7 @@ def resolve_runner_config(
         optimizer_params, scheduler_params: values for "auto" optimizer/scheduler params (lr, warmup_num_steps ...).
         explicit_precision_wins: the config came from the launcher (``shardkit launch --config_file``): an explicit
             ``precision`` overrides an Accelerate YAML's ``mixed_precision`` with one warning instead of disagreeing.
+        source: how errors name a DeepSpeed config given as a dict (default "the DeepSpeed config dict").
 
     Raises:
         ConfigKeyError: an unknown key (dotted path and the closest valid key).
@@ -62,7 +63,7 @@ def resolve_runner_config(
     if isinstance(config, Mapping):
         from shardkit.config.deepspeed import resolve_deepspeed
 
-        return _logged(resolve_deepspeed(config, **kwargs))
+        return _logged(resolve_deepspeed(config, source=source, **kwargs))
     suffix = Path(config).suffix.lower()
     if suffix == ".json":
         from shardkit.config.deepspeed import resolve_deepspeed

@@ -10,19 +10,33 @@ What shardkit cannot honour (Megatron-LM, torch.compile, Accelerate's ND-paralle
 
     from shardkit.config.accelerate_env import launch_environment
     launched = launch_environment()          # None outside accelerate launch's FSDP/DeepSpeed variables
+
+Every front reads them the same way: the Accelerator, the Trainer and a bare Runner take the launcher's engine when
+the script names none, keep the script's strategy when it is of the class the launcher asked for (as Accelerate lets
+a plugin argument win), and refuse a strategy of another class by name (:func:`reconcile_strategy`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.config.common import ConfigError, load_mapping
+from shardkit.config.common import (
+    CONFIG_FILE_ENV,
+    ConfigError,
+    ConfigMismatchError,
+    load_mapping,
+    warn_once,
+    world_size_from_env,
+)
 
-__all__ = ["DEEPSPEED_ENV", "FSDP_ENV", "LaunchEnvironment", "launch_environment"]
+__all__ = ["DEEPSPEED_ENV", "FSDP_ENV", "LaunchEnvironment", "from_accelerate_launch", "launch_environment",
+           "launcher_read", "reconcile_strategy", "asks_for_deepspeed"]
 
 # accelerate launch's variable -> the fsdp_config key it carries (accelerate/utils/launch.py, prepare_multi_gpu_env).
 FSDP_ENV = {"FSDP_VERSION": "fsdp_version", "FSDP_SHARDING_STRATEGY": "fsdp_sharding_strategy",
@@ -63,6 +77,8 @@ _REFUSED = {
                                          "TensorParallel",
 }
 _OFF = ("", "false", "0", "no", "none")
+# Set while a front that has already read the variables (the Trainer) builds its Runner, which must not read them again.
+_READ: ContextVar[bool] = ContextVar("accelerate_launch_read", default=False)
 
 
 @dataclass(frozen=True)
@@ -74,6 +90,15 @@ class LaunchEnvironment:
     source: str
     strategy: Any = None
     deepspeed: dict[str, Any] | None = None
+
+    def expected_strategy(self) -> Any:
+        """The strategy object the launcher asked for (under DeepSpeed, the ZeRO stage of its config)."""
+        if self.strategy is not None:
+            return self.strategy
+        from shardkit.config.deepspeed import build_strategy, strategy_spec_from_deepspeed
+
+        return build_strategy(strategy_spec_from_deepspeed(self.deepspeed or {}, self.source,
+                                                           world_size_from_env() or 1))
 
 
 def _flag(environ: Mapping[str, str], name: str) -> bool:
@@ -120,6 +145,55 @@ def launch_environment(mixed_precision: str = "no", environ: Mapping[str, str] |
     if deepspeed:
         return _deepspeed(environ, mixed_precision)
     return None
+
+
+def from_accelerate_launch(mixed_precision: str = "no") -> LaunchEnvironment | None:
+    """:func:`launch_environment` of this process, but None under ``shardkit launch`` (its ranks read the YAML file
+    itself, named by ``SHARDKIT_CONFIG_FILE``)."""
+    if os.environ.get(CONFIG_FILE_ENV) is not None or _READ.get():
+        return None
+    return launch_environment(mixed_precision)
+
+
+def asks_for_deepspeed() -> bool:
+    """Whether accelerate launch's variables ask this process for DeepSpeed (cheap: nothing is translated)."""
+    return _flag(os.environ, "ACCELERATE_USE_DEEPSPEED") and os.environ.get(CONFIG_FILE_ENV) is None
+
+
+@contextmanager
+def launcher_read() -> Iterator[None]:
+    """Inside it :func:`from_accelerate_launch` answers None: a front that has reconciled the launcher's variables
+    with its own arguments builds its Runner from the result."""
+    token = _READ.set(True)
+    try:
+        yield
+    finally:
+        _READ.reset(token)
+
+
+def reconcile_strategy(launched: LaunchEnvironment, strategy: Any, who: str) -> Any:
+    """The strategy a script runs when ``accelerate launch`` asked for ``launched``: the launcher's when ``strategy``
+    is None; ``strategy`` itself when it is of the class the launcher asked for (its settings win, as an Accelerate
+    plugin argument does, with one warning when they differ from the launcher's).
+
+    Raises:
+        ConfigMismatchError: ``strategy`` is of another class (``who`` names where it came from): the job would
+            silently train another way than it was launched.
+    """
+    expected = launched.expected_strategy()
+    if strategy is None:
+        return expected
+    name, asked = type(strategy).__name__, type(expected).__name__
+    if type(strategy) is not type(expected):
+        raise ConfigMismatchError(
+            f"{launched.source} asks for {asked} but {who} is {name}: the job would train {name}, not what it was "
+            f"launched with. Drop {who} to train {asked} as launched, or launch without the {launched.kind} config "
+            f"(an accelerate config with distributed_type: MULTI_GPU / MULTI_CPU, or unset the variable)")
+    ours, theirs = getattr(strategy, "settings", None), getattr(expected, "settings", None)
+    if ours != theirs:
+        warn_once(f"launch-env-settings:{who}", f"{who} ({ours}) is used; the {asked} settings of {launched.source} "
+                                                f"({theirs}) are not (the script's own settings win, as in Accelerate)")
+    return strategy
 
 
 def _fsdp(environ: Mapping[str, str]) -> LaunchEnvironment:

@@ -40,9 +40,60 @@ def _precision_from_args(args: TrainingArguments, precision: Any) -> Any:
         return FP16()
     if args.bf16:
         return BF16()
+    launched = _launcher_precision()
+    if launched is not None:
+        return launched
     if args.tf32:
         return FP32(tf32=True)
     return None
+
+
+def _launcher_precision() -> Any:
+    """``accelerate launch``'s ``mixed_precision`` (``ACCELERATE_MIXED_PRECISION``), which transformers'
+    TrainingArguments take when neither fp16 nor bf16 is set; None when absent or "no", and under ``shardkit launch``
+    (the Runner reads the YAML itself)."""
+    from shardkit.config.common import CONFIG_FILE_ENV
+    from shardkit.precision.registry import PRECISIONS
+
+    name = os.environ.get("ACCELERATE_MIXED_PRECISION", "").strip().lower()
+    if os.environ.get(CONFIG_FILE_ENV) is not None or name in ("", "no"):
+        return None
+    if name not in ("fp16", "bf16"):
+        raise ValueError(f"ACCELERATE_MIXED_PRECISION={name!r} (set by accelerate launch from mixed_precision): "
+                         f"shardkit's Trainer trains in 'no', 'fp16' or 'bf16'; fix mixed_precision in the config")
+    return PRECISIONS.build(name)
+
+
+def _launched_engine(args: TrainingArguments, strategy: Any, precision: Any) -> tuple[Any, Any, str | None]:
+    """(strategy, DeepSpeed config, its name) after ``accelerate launch``'s FSDP/DeepSpeed variables, read as
+    transformers' Trainer reads them: with neither ``fsdp`` nor ``deepspeed`` in the arguments the launcher's engine
+    is used (an explicit ``strategy`` must be of its class); arguments asking for the same engine win (transformers
+    builds its plugin from them), with a warning when they differ; arguments asking for the other engine are refused
+    (transformers refuses ``--fsdp`` under the launcher's DeepSpeed, and would train DeepSpeed, not the launcher's
+    FSDP, for ``--deepspeed``)."""
+    from shardkit.config.accelerate_env import from_accelerate_launch, reconcile_strategy
+    from shardkit.config.common import warn_once
+    from shardkit.precision import BF16, FP16
+
+    mixed = "bf16" if isinstance(precision, BF16) else "fp16" if isinstance(precision, FP16) else "no"
+    launched = from_accelerate_launch(mixed)
+    if launched is None:
+        return strategy, None, None
+    given = "fsdp" if args.fsdp else "deepspeed" if args.deepspeed else None
+    if given is not None and (launched.kind == "FSDP") != (given == "fsdp"):
+        raise ValueError(f"{launched.source} asks for {launched.kind} but TrainingArguments.{given}="
+                         f"{getattr(args, given)!r} asks for {'FSDP' if given == 'fsdp' else 'DeepSpeed'}: one job "
+                         f"trains with one engine; launch with the config that matches the arguments, or drop "
+                         f"--{given} to train as launched")
+    if given == "fsdp":
+        return reconcile_strategy(launched, _fsdp_strategy(args, strategy), "TrainingArguments.fsdp"), None, None
+    if given == "deepspeed":
+        warn_once(f"launch-env-deepspeed:{launched.source}", f"TrainingArguments.deepspeed is used; the DeepSpeed "
+                  f"settings of {launched.source} are not (the arguments win, as in transformers)")
+        return strategy, None, None
+    if launched.kind == "DEEPSPEED" and strategy is None:
+        return None, launched.deepspeed, launched.source
+    return reconcile_strategy(launched, strategy, "Trainer(strategy=...)"), None, None
 
 
 def _fsdp_strategy(args: TrainingArguments, strategy: Any) -> Any:
@@ -88,31 +139,41 @@ def build_runner(args: TrainingArguments, strategy: Any, precision: Any, max_ste
 
     The Runner's seed is the data seed (it orders the data); the RNGs are seeded with ``args.seed`` after.
     """
+    from shardkit.config.accelerate_env import launcher_read
     from shardkit.seeding import seed_everything
 
     precision = _precision_from_args(args, precision)
+    launched_strategy, launched_deepspeed, source = _launched_engine(args, strategy, precision)
     data_seed = args.data_seed if args.data_seed is not None else args.seed
     spec = EngineSpec()
     common = dict(gradient_accumulation_steps=args.gradient_accumulation_steps, seed=data_seed,
                   logging_dir=args.logging_dir, profile_steps=args.profile_steps)
-    if args.deepspeed:
+    deepspeed = args.deepspeed or launched_deepspeed
+    if deepspeed:
         from shardkit.config import resolve_runner_config
 
         resolved = resolve_runner_config(
-            args.deepspeed, strategy=strategy, precision=precision,
+            deepspeed, source=source, strategy=strategy, precision=precision,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
             micro_batch_size=args.per_device_train_batch_size, max_grad_norm=args.max_grad_norm or None,
             optimizer_params={"lr": args.learning_rate, "betas": [args.adam_beta1, args.adam_beta2],
                               "eps": args.adam_epsilon, "weight_decay": args.weight_decay},
-            scheduler_params=_ds_scheduler_values(args, max_steps, warmup_steps, _ds_scheduler_type(args.deepspeed)),
+            scheduler_params=_ds_scheduler_values(args, max_steps, warmup_steps, _ds_scheduler_type(deepspeed)),
         )
         spec = EngineSpec(resolved.optimizer, resolved.scheduler)
-        runner = Runner(resolved.strategy, resolved.precision,
-                        activation_checkpointing=resolved.activation_checkpointing,
-                        log_with=list(resolved.trackers) or None, **common)  # DeepSpeed's monitor sections
+        with launcher_read():
+            runner = Runner(resolved.strategy, resolved.precision,
+                            activation_checkpointing=resolved.activation_checkpointing,
+                            log_with=list(resolved.trackers) or None, **common)  # DeepSpeed's monitor sections
     else:
-        strategy = _fsdp_strategy(args, strategy) if args.fsdp else _default_strategy(args, strategy)
-        runner = Runner(strategy, precision, **common)
+        if launched_strategy is not strategy:  # the launcher's engine, or the arguments' FSDP reconciled with it
+            strategy = launched_strategy
+        elif args.fsdp:
+            strategy = _fsdp_strategy(args, strategy)
+        else:
+            strategy = _default_strategy(args, strategy)
+        with launcher_read():
+            runner = Runner(strategy, precision, **common)
     seed_everything(args.seed)
     if args.full_determinism:
         enable_full_determinism()

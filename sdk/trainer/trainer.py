@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from shardkit.config.accelerate_env import asks_for_deepspeed
 from shardkit.strategies.activation_checkpointing import enable_gradient_checkpointing
 from shardkit.streaming import is_stream
 from shardkit.trainer import hub
@@ -102,7 +103,8 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.label_names = list(args.label_names or ["labels"])
-        max_steps, warmup = self._estimate_steps() if args.deepspeed else (None, None)
+        # for a DeepSpeed config's "auto" values, from the arguments or from accelerate launch
+        max_steps, warmup = self._estimate_steps() if args.deepspeed or asks_for_deepspeed() else (None, None)
         self.runner, self._engine_spec = build_runner(args, strategy, precision, max_steps, warmup)
         self.is_deepspeed_enabled = self.runner.strategy.optimizer_parameters == "flat"  # the ZeRO engines
         self.is_fsdp_enabled = _is_fsdp(self.runner.strategy)

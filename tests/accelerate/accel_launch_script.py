@@ -1,7 +1,8 @@
-"""Run by ``accelerate launch`` in test_accelerate_launch_env.py: a tiny shardkit.Accelerator training loop that
-writes what the job ran as (its distributed type, strategy, settings) and its losses to ``$OUT_DIR/rank<r>.json``.
+"""Run by ``accelerate launch`` in test_accelerate_launch_env.py: a tiny shardkit.Accelerator training loop (or,
+with ``trainer``, the same model through shardkit's Trainer) that writes what the job ran as (its distributed type,
+strategy, settings) and its losses to ``$OUT_DIR/rank<r>.json``.
 
-    accelerate launch --config_file fsdp.yaml --num_processes 2 accel_launch_script.py OUT_DIR
+    accelerate launch --config_file fsdp.yaml --num_processes 2 accel_launch_script.py OUT_DIR [trainer]
 
 With a DeepSpeed config that has optimizer/scheduler sections it passes DummyOptim/DummyScheduler, choosing them
 as Accelerate's examples do (``"optimizer" in accelerator.state.deepspeed_plugin.deepspeed_config``).
@@ -26,6 +27,37 @@ class Block(nn.Module):
 
     def forward(self, x):
         return x + torch.tanh(self.linear(x))
+
+
+class Regression(nn.Module):
+    """The model with Hugging Face's calling convention, for the Trainer: a dict with the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(Block(), Block(), nn.Linear(8, 1))
+
+    def forward(self, inputs, labels=None):
+        prediction = self.net(inputs)
+        return {"loss": nn.functional.mse_loss(prediction, labels), "logits": prediction}
+
+
+def train_with_trainer(out_dir: str) -> None:
+    from shardkit.trainer import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 8)
+    rows = [{"inputs": a, "labels": a.sum(dim=0, keepdim=True) * 0.5} for a in x]
+    args = TrainingArguments(output_dir=str(Path(out_dir, "run")), per_device_train_batch_size=8, num_train_epochs=4,
+                             learning_rate=0.05, lr_scheduler_type="constant", logging_strategy="epoch",
+                             save_strategy="no", report_to=[], disable_tqdm=True)
+    trainer = Trainer(model=Regression(), args=args, train_dataset=rows)
+    trainer.train()
+    strategy = trainer.runner.strategy
+    record = {"distributed_type": str(trainer.accelerator.distributed_type), "strategy": type(strategy).__name__,
+              "settings": repr(getattr(strategy, "settings", None)), "is_fsdp_enabled": trainer.is_fsdp_enabled,
+              "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
+              "num_processes": trainer.runner.world_size}
+    Path(out_dir, f"rank{trainer.runner.rank}.json").write_text(json.dumps(record))
 
 
 def main(out_dir: str) -> None:
@@ -62,4 +94,7 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[2:] == ["trainer"]:
+        train_with_trainer(sys.argv[1])
+    else:
+        main(sys.argv[1])

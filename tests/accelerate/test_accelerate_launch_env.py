@@ -20,7 +20,7 @@ import yaml
 from shardkit import Accelerator
 from shardkit.config import ConfigError, common
 from shardkit.config.accelerate import load_accelerate_config
-from shardkit.config.accelerate_env import launch_environment
+from shardkit.config.accelerate_env import LaunchEnvironment, launch_environment
 from shardkit.config.deepspeed import build_strategy
 
 pytest.importorskip("accelerate")
@@ -249,15 +249,116 @@ def test_dummy_optimizer_without_a_deepspeed_section_is_refused():
         Accelerator().prepare(model, optimizer, DummyScheduler(optimizer))
 
 
+# ---- the Trainer and a bare Runner under the same variables ---------------------------------------------------
+
+def _set(monkeypatch, variables: dict[str, str]) -> None:
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
+def fsdp_launch(tmp_path, monkeypatch) -> LaunchEnvironment:
+    """accelerate launch's variables for FSDP2_YAML set in this process; what they ask for."""
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(yaml.safe_dump(FSDP2_YAML))
+    env = _accelerates_env(path)
+    _set(monkeypatch, env)
+    return launch_environment("no", env)
+
+
+def _args(tmp_path, **kwargs):
+    from shardkit.trainer import TrainingArguments
+
+    return TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[], **kwargs)
+
+
+def test_the_trainer_takes_the_launchers_fsdp_and_precision(fsdp_launch, tmp_path, monkeypatch):
+    from shardkit.precision import BF16
+    from shardkit.trainer.engine import _launched_engine, _precision_from_args
+
+    strategy, deepspeed, _ = _launched_engine(_args(tmp_path), None, None)
+    assert type(strategy).__name__ == "FSDP" and deepspeed is None
+    assert strategy.settings == fsdp_launch.strategy.settings
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # transformers' TrainingArguments read it too
+    assert isinstance(_precision_from_args(_args(tmp_path), None), BF16)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    with pytest.raises(ValueError, match="ACCELERATE_MIXED_PRECISION='fp8'"):
+        _precision_from_args(_args(tmp_path), None)
+
+
+def test_the_trainers_fsdp_arguments_win_over_the_launchers_with_a_warning(fsdp_launch, tmp_path, monkeypatch,
+                                                                          caplog):
+    from shardkit.trainer.engine import _launched_engine
+
+    monkeypatch.setattr(common, "_WARNED", set())
+    with caplog.at_level("WARNING", logger="shardkit.config"):
+        strategy, _, _ = _launched_engine(_args(tmp_path, fsdp="full_shard auto_wrap", fsdp_config={
+            "transformer_layer_cls_to_wrap": ["Linear"]}), None, None)
+    assert "auto_wrap=('Linear',)" in repr(strategy.settings)  # as transformers builds its plugin from the arguments
+    assert [r for r in caplog.records if "TrainingArguments.fsdp" in r.getMessage()
+            and "ACCELERATE_USE_FSDP=true" in r.getMessage()]
+
+
+def test_the_trainer_refuses_the_other_engine_or_strategy_by_name(fsdp_launch, tmp_path, monkeypatch):
+    from torch import nn
+
+    from shardkit import DDP
+    from shardkit.trainer import Trainer
+    from shardkit.trainer.engine import _launched_engine
+
+    with pytest.raises(ConfigError, match=r"ACCELERATE_USE_FSDP=true\) asks for FSDP but Trainer\(strategy=...\) is "
+                                          r"DDP.*Drop Trainer\(strategy=...\)"):
+        Trainer(model=nn.Linear(2, 1), args=_args(tmp_path), strategy=DDP())
+    with pytest.raises(ValueError, match="asks for FSDP but TrainingArguments.deepspeed="):
+        _launched_engine(_args(tmp_path, deepspeed={"zero_optimization": {"stage": 2}}), None, None)
+    for name in list(os.environ):
+        if name.startswith(("ACCELERATE_USE_FSDP", "FSDP_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    # transformers refuses this one too ("--fsdp xxx together with --deepspeed is not possible")
+    with pytest.raises(ValueError, match="ACCELERATE_USE_DEEPSPEED=true\\) asks for DEEPSPEED but "
+                                         "TrainingArguments.fsdp="):
+        _launched_engine(_args(tmp_path, fsdp="full_shard"), None, None)
+    strategy, deepspeed, source = _launched_engine(_args(tmp_path), None, None)
+    assert strategy is None and deepspeed["zero_optimization"] == {"stage": 2} and "ACCELERATE_USE_DEEPSPEED" in source
+
+
+def test_a_bare_runner_takes_the_launchers_engine_and_refuses_another_strategy(fsdp_launch, monkeypatch, caplog):
+    from shardkit import FSDP, Runner
+    from shardkit.runner import _accelerate_launch
+
+    strategy, config, _ = _accelerate_launch(None, None)
+    assert strategy.settings == fsdp_launch.strategy.settings and config is None
+    with pytest.raises(ConfigError, match=r"ACCELERATE_USE_FSDP=true\) asks for FSDP but Runner\(strategy=...\) is "
+                                          r"DDP: the job would train DDP"):
+        Runner(strategy="ddp")
+    mine = FSDP()  # the script's own FSDP settings win, as an Accelerate plugin argument does; said once
+    monkeypatch.setattr(common, "_WARNED", set())
+    with caplog.at_level("WARNING", logger="shardkit.config"):
+        assert _accelerate_launch(mine, None)[0] is mine
+    assert [r for r in caplog.records if "Runner(strategy=...)" in r.getMessage()]
+    for name in list(os.environ):
+        if name.startswith(("ACCELERATE_USE_FSDP", "FSDP_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    strategy, config, source = _accelerate_launch(None, None)
+    assert strategy is None and config["zero_optimization"]["stage"] == 3 and config["bf16"] == {"enabled": True}
+    with pytest.raises(ConfigError, match="ACCELERATE_USE_DEEPSPEED=true\\) asks for ZeRO3 but Runner"):
+        Runner(strategy="zero2")
+
+
 # ---- real launches ------------------------------------------------------------------------------------------
 
-def _accelerate_launch(config: Path, cwd: Path) -> list[dict]:
+def _accelerate_launch(config: Path, cwd: Path, *script_args: str) -> list[dict]:
     out = cwd / "out"
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(_PREFIXES) and k != common.CONFIG_FILE_ENV}
     env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", SHARDKIT_COLLECTIVE_TIMEOUT="120")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
-               "2", "--main_process_port", "0", str(_SCRIPT), str(out)]
+               "2", "--main_process_port", "0", str(_SCRIPT), str(out), *script_args]
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -277,6 +378,17 @@ def test_accelerate_launch_with_an_fsdp_yaml_trains_fsdp(tmp_path):
         assert record["distributed_type"] == "FSDP" and record["strategy"] == "FSDP"
         assert "auto_wrap=('Block',)" in record["settings"] and "reshard_after_forward=False" in record["settings"]
     _learned(records)
+
+
+def test_accelerate_launch_with_an_fsdp_yaml_trains_shardkits_trainer_with_fsdp(tmp_path):
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(yaml.safe_dump(FSDP2_YAML))
+    records = _accelerate_launch(config, tmp_path, "trainer")
+    for record in records:
+        assert record["strategy"] == "FSDP" and record["is_fsdp_enabled"] and record["distributed_type"] == "FSDP"
+        assert "auto_wrap=('Block',)" in record["settings"] and "reshard_after_forward=False" in record["settings"]
+        assert record["num_processes"] == 2 and len(record["losses"]) == 4
+        assert record["losses"][-1] < 0.5 * record["losses"][0], record["losses"]
 
 
 def test_accelerate_launch_with_a_deepspeed_yaml_trains_zero_with_the_configs_optimizer(tmp_path):
