@@ -135,8 +135,10 @@ def launch_environment(mixed_precision: str = "no", environ: Mapping[str, str] |
     # NOTE: accelerate launch writes FSDP_VERSION with every FSDP launch. ACCELERATE_USE_FSDP alone is the hint an
     # FSDP plugin built in this process exports for transformers' from_pretrained (shardkit's FSDP with
     # cpu_ram_efficient_loading, Accelerate's Accelerator(fsdp_plugin=...)): it asks no later Accelerator for FSDP.
+    # Likewise accelerate launch writes ACCELERATE_CONFIG_DS_FIELDS with every DeepSpeed launch, while Accelerate's
+    # Accelerator(deepspeed_plugin=...) leaves ACCELERATE_USE_DEEPSPEED=true alone behind in its process.
     fsdp = _flag(environ, "ACCELERATE_USE_FSDP") and "FSDP_VERSION" in environ
-    deepspeed = _flag(environ, "ACCELERATE_USE_DEEPSPEED")
+    deepspeed = _deepspeed_launch(environ)
     if fsdp and deepspeed:
         raise ConfigError("ACCELERATE_USE_FSDP and ACCELERATE_USE_DEEPSPEED are both set: the job asks for two "
                           "engines; launch with one config (distributed_type: FSDP or DEEPSPEED)")
@@ -157,7 +159,11 @@ def from_accelerate_launch(mixed_precision: str = "no") -> LaunchEnvironment | N
 
 def asks_for_deepspeed() -> bool:
     """Whether accelerate launch's variables ask this process for DeepSpeed (cheap: nothing is translated)."""
-    return _flag(os.environ, "ACCELERATE_USE_DEEPSPEED") and os.environ.get(CONFIG_FILE_ENV) is None
+    return _deepspeed_launch(os.environ) and os.environ.get(CONFIG_FILE_ENV) is None
+
+
+def _deepspeed_launch(environ: Mapping[str, str]) -> bool:
+    return _flag(environ, "ACCELERATE_USE_DEEPSPEED") and "ACCELERATE_CONFIG_DS_FIELDS" in environ
 
 
 @contextmanager

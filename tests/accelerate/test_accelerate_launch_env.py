@@ -127,6 +127,10 @@ def test_accelerates_deepspeed_variables_build_the_config_the_yaml_gives(tmp_pat
         launch_environment("no", env)
 
 
+# What accelerate launch writes for every DeepSpeed job (ACCELERATE_USE_DEEPSPEED alone is no launch).
+DS_LAUNCH = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_CONFIG_DS_FIELDS": ""}
+
+
 @pytest.mark.parametrize("variables,error,text", [
     ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "FUL_SHARD"}, ConfigError,
      "FSDP_SHARDING_STRATEGY: 'FUL_SHARD'.*did you mean 'FULL_SHARD'"),
@@ -136,13 +140,13 @@ def test_accelerates_deepspeed_variables_build_the_config_the_yaml_gives(tmp_pat
      "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD=true"),
     ({"ACCELERATE_USE_FSDP": "true", "FSDP_IGNORED_MODULES": "Embedding"}, NotImplementedError,
      "FSDP_IGNORED_MODULES"),
-    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", "ACCELERATE_USE_DEEPSPEED": "true"}, ConfigError,
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1", **DS_LAUNCH}, ConfigError,
      "two engines"),
-    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "two"}, ConfigError,
+    ({**DS_LAUNCH, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "two"}, ConfigError,
      "ACCELERATE_DEEPSPEED_ZERO_STAGE='two'"),
-    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_GRADIENT_CLIPPING": "-1"}, ConfigError,
+    ({**DS_LAUNCH, "ACCELERATE_GRADIENT_CLIPPING": "-1"}, ConfigError,
      "ACCELERATE_GRADIENT_CLIPPING=-1"),
-    ({"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES": "MixtralSparseMoeBlock"},
+    ({**DS_LAUNCH, "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES": "MixtralSparseMoeBlock"},
      NotImplementedError, "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"),
     ({"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR"}, NotImplementedError, "ACCELERATE_DYNAMO_BACKEND=INDUCTOR"),
     ({"ACCELERATE_USE_MEGATRON_LM": "true"}, NotImplementedError, "ACCELERATE_USE_MEGATRON_LM"),
@@ -161,6 +165,7 @@ def test_a_variable_that_cannot_be_honoured_is_refused_by_name(variables, error,
 
 def test_a_plugin_for_the_other_engine_contradicts_the_launcher(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "")
     with pytest.raises(ValueError, match="ACCELERATE_USE_DEEPSPEED=true.*fsdp_plugin"):
         Accelerator(fsdp_plugin={"fsdp_version": 2})
 
@@ -227,6 +232,7 @@ def test_a_deepspeed_configs_sections_ask_for_the_dummies_as_in_accelerate(launc
     (tmp_path / "ds.json").write_text(json.dumps(DS_JSON))
     if launcher == "accelerate":
         monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+        monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "")
         monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(tmp_path / "ds.json"))
     else:  # shardkit launch --config_file ds.yaml hands the ranks the YAML
         (tmp_path / "ds.yaml").write_text(yaml.safe_dump({"distributed_type": "DEEPSPEED", "deepspeed_config": {
@@ -315,6 +321,7 @@ def test_the_trainer_refuses_the_other_engine_or_strategy_by_name(fsdp_launch, t
         if name.startswith(("ACCELERATE_USE_FSDP", "FSDP_")):
             monkeypatch.delenv(name)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
     # transformers refuses this one too ("--fsdp xxx together with --deepspeed is not possible")
     with pytest.raises(ValueError, match="ACCELERATE_USE_DEEPSPEED=true\\) asks for DEEPSPEED but "
@@ -342,6 +349,7 @@ def test_a_bare_runner_takes_the_launchers_engine_and_refuses_another_strategy(f
         if name.startswith(("ACCELERATE_USE_FSDP", "FSDP_")):
             monkeypatch.delenv(name)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     strategy, config, source = _accelerate_launch(None, None)
@@ -444,3 +452,12 @@ def test_a_wrap_class_missing_from_the_model_lists_its_classes_closest_first():
         assert name in str(err.value)
     with pytest.raises(ValueError, match="closest first: .*LlamaDecoderLayer"):  # listed even when none is near
         resolve_module_classes("BertLayer", model, "FSDP auto_wrap")
+
+
+def test_use_deepspeed_alone_is_no_launch(monkeypatch):
+    # Accelerate's Accelerator(deepspeed_plugin=...) leaves ACCELERATE_USE_DEEPSPEED=true in its process; accelerate
+    # launch also writes ACCELERATE_CONFIG_DS_FIELDS. The first alone must not turn a later shardkit front to DeepSpeed.
+    assert launch_environment("no", {"ACCELERATE_USE_DEEPSPEED": "true"}) is None
+    launched = launch_environment("no", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_CONFIG_DS_FIELDS": "",
+                                         "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"})
+    assert launched is not None and launched.kind == "DEEPSPEED"
