@@ -141,7 +141,7 @@ def test_reading_whole_parameters_through_the_partitioned_interface_needs_no_eng
     import subprocess
     import sys
 
-    code = ("import sys, torch; from shardkit.strategies.partitioned import gathered_for_read\n"
+    code = ("import sys, torch; from shardkit.utils.partitioned import gathered_for_read\n"
             "w = torch.nn.Parameter(torch.ones(2))\n"
             "with gathered_for_read(w, None): print(bool(w.sum() == 2), 'deepspeed' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
