@@ -112,6 +112,28 @@ def test_runner_trackers_are_read_back_by_their_own_packages(tmp_path, monkeypat
     assert lines[0]["config"] == {"lr": 0.1, "model": "tiny"} and [x["step"] for x in lines[1:]] == [0, 1, 2]
 
 
+def test_wandb_dir_is_left_to_wandb(tmp_path, monkeypatch):
+    """Hugging Face's callback passes no `dir`, so wandb reads WANDB_DIR; the logging_dir is used only without it."""
+    import sys
+    import types
+
+    from shardkit.tracking import TRACKERS
+
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: calls.append(kwargs) or types.SimpleNamespace()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-here"))
+    TRACKERS.build("wandb", run_name="run", logging_dir=tmp_path / "logs")
+    assert calls[-1] == {"project": "run"} and not (tmp_path / "logs").exists()
+    monkeypatch.delenv("WANDB_DIR")
+    TRACKERS.build("wandb", run_name="run", logging_dir=tmp_path / "logs")
+    assert calls[-1] == {"project": "run", "dir": str(tmp_path / "logs")}
+    TRACKERS.build("wandb", run_name="run", logging_dir=tmp_path / "logs", dir=str(tmp_path / "mine"))
+    assert calls[-1]["dir"] == str(tmp_path / "mine")
+
+
 def test_deepspeed_monitor_sections_record_loss_and_lr_per_step(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
