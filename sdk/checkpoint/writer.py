@@ -168,7 +168,7 @@ class CheckpointWriter:
         self.update_latest = update_latest
         self.scripts = dict(scripts or {})
         for name in self.scripts:
-            if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.py", name) or name == MANIFEST:
+            if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.py", name):
                 raise CheckpointError(f"{self.path}: script name {name!r} must be a plain file name ending in .py")
         self._barrier = barrier or (lambda: None)
         self._broadcast = broadcast

@@ -65,34 +65,32 @@ def handlers() -> list[PartitionedParameters]:
     return _HANDLERS  # type: ignore[return-value]
 
 
-@contextlib.contextmanager
-def gathered_for_read(*params: Tensor | None) -> Iterator[None]:
+def gathered_for_read(*params: Tensor | None) -> contextlib.AbstractContextManager:
     """Gather, for the duration of the block and read-only, those of ``params`` an engine holds partitioned.
 
     Every rank must enter it with the same parameters (the gathers are collectives). Parameters no engine
     partitions (None, plain tensors, ones already gathered) are left as they are, and no engine is imported.
     """
-    with contextlib.ExitStack() as stack:
-        for handler in handlers():
-            parts = [p for p in params if p is not None and handler.is_partitioned(p)]
-            if parts:
-                stack.enter_context(handler.gathered_for_read(parts))
-        yield
+    return _gathered(params, "gathered_for_read")
 
 
-@contextlib.contextmanager
-def gathered_for_write(*params: Tensor | None) -> Iterator[None]:
+def gathered_for_write(*params: Tensor | None) -> contextlib.AbstractContextManager:
     """Gather, for the duration of the block, those of ``params`` an engine holds partitioned; what the first rank
     writes into them is kept on every rank when the block ends.
 
     Every rank must enter it with the same parameters and write the same values (the gathers and the scatter are
     collectives). Parameters no engine partitions are left as they are, and writes into them stay local.
     """
+    return _gathered(params, "gathered_for_write")
+
+
+@contextlib.contextmanager
+def _gathered(params: tuple[Tensor | None, ...], how: str) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for handler in handlers():
             parts = [p for p in params if p is not None and handler.is_partitioned(p)]
             if parts:
-                stack.enter_context(handler.gathered_for_write(parts))
+                stack.enter_context(getattr(handler, how)(parts))
         yield
 
 
