@@ -131,6 +131,8 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         memory_snapshot: on CUDA, record the allocator's history and write ``<logging_dir>/profile/
             oom_snapshot.rank<N>.pickle`` when an allocation fails (``profile_steps`` turns it on too). On every
             device an out-of-memory error writes ``<logging_dir>/oom_report.rank<N>.json`` (:meth:`report_oom`).
+        peak_tflops: dense TFLOP/s per device that :attr:`throughput`'s ``mfu`` divides by (default
+            ``$SHARDKIT_PEAK_TFLOPS``, else the data sheet's figure for the GPU, else one measured at start-up).
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         seed: int | None = None, checkpoint_keep_last: int | None = None, activation_checkpointing: Any = None,
         mixed_precision: str | None = None, log_with: Any = None, logging_dir: str | Path = "runs",
         deterministic: bool = False, profile_steps: Any = None, memory_snapshot: bool = False,
+        peak_tflops: float | None = None,
     ):
         strategy, precision = _by_name(strategy, precision, mixed_precision)
         self.config = None
@@ -177,7 +180,7 @@ class Runner(RunnerObservability, RunnerCheckpoints):
             self.seed = seed = enable_determinism(0 if seed is None else seed)
         elif seed is not None:
             seed_everything(seed)
-        self._observe(log_with, logging_dir, profile_steps, memory_snapshot)
+        self._observe(log_with, logging_dir, profile_steps, memory_snapshot, peak_tflops)
         self._module: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: Any | None = None

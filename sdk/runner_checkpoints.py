@@ -42,7 +42,7 @@ class RunnerCheckpoints:
         make_writer = functools.partial(
             ckpt.CheckpointWriter, path, rank=self.rank, world_size=self.world_size, broadcast=self.broadcast,
             keep_last=self.checkpoint_keep_last, info=self.strategy.checkpoint_info(),
-            update_latest=update_latest)
+            update_latest=update_latest, scripts=self.strategy.checkpoint_scripts())
         if not blocking:
             self._saves().save(path, make_writer, functools.partial(self._write_checkpoint, state=state), on_saved)
             return path

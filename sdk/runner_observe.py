@@ -24,7 +24,9 @@ _log = logging.getLogger("shardkit")
 class RunnerObservability:
     """What the run is doing: ``log_with`` trackers, ``profile_steps``, ``runner.throughput``, out-of-memory reports."""
 
-    def _observe(self, log_with: Any, logging_dir: str | Path, profile_steps: Any, memory_snapshot: bool) -> None:
+    def _observe(self, log_with: Any, logging_dir: str | Path, profile_steps: Any, memory_snapshot: bool,
+                 peak_tflops: float | None = None) -> None:
+        self._peak_tflops = peak_tflops
         specs = tuple(self.config.trackers) if self.config is not None else ()
         given = [] if log_with is None else list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
         self.logging_dir = Path(logging_dir)
@@ -115,7 +117,8 @@ class RunnerObservability:
             self._throughput = Throughput(
                 self.unwrap_model(module), self.device, self.precision.compute_dtype,
                 data_parallel_size=self.strategy.data_parallel_size, world_size=self.world_size,
-                checkpointed=bool(self.activation_checkpointing))
+                checkpointed=bool(self.activation_checkpointing), peak=self._peak_tflops,
+                numel=self.strategy.parameter_numel, announce=self.is_main_process)
         return self._throughput
 
     def log(self, values: dict[str, Any], step: int | None = None) -> None:

@@ -254,7 +254,8 @@ class CSVTracker(Tracker):
 
 
 class WandBTracker(Tracker):
-    """A Weights & Biases run (needs ``wandb``): ``wandb.init(project=run_name, dir=logging_dir, **options)``, the
+    """A Weights & Biases run (needs ``wandb``): ``wandb.init(project=run_name, dir=logging_dir, **options)`` (no
+    ``dir`` when ``WANDB_DIR`` is set: wandb reads it, as under Hugging Face's callback), the
     configuration as the run's config, each ``log`` as a history row at ``step``. ``WANDB_MODE=offline`` (or
     ``mode="offline"``) writes the run under ``<logging_dir>/wandb/offline-run-*`` with no account; ``wandb sync``
     uploads it later.
@@ -273,9 +274,11 @@ class WandBTracker(Tracker):
             import wandb
         except ImportError as err:
             raise ImportError("the wandb tracker needs the `wandb` package: pip install wandb") from err
-        self.logging_dir.mkdir(parents=True, exist_ok=True)
         project = options.pop("project", None) or os.environ.get("WANDB_PROJECT") or self.run_name
-        self.run = wandb.init(project=project, dir=str(self.logging_dir), **options)
+        if "dir" not in options and not os.environ.get("WANDB_DIR"):  # WANDB_DIR is wandb's to read, as HF leaves it
+            self.logging_dir.mkdir(parents=True, exist_ok=True)
+            options["dir"] = str(self.logging_dir)
+        self.run = wandb.init(project=project, **options)
 
     @classmethod
     @override

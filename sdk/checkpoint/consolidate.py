@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from shardkit.utils.partitioned import full_shape, gathered_for_write
+
 from .deepspeed_reader import DeepSpeedCheckpoint, ZeroFp32StateDict, find_deepspeed_checkpoint
 from .export import EXPORT_RE, copy_model_files, publish_export
 from .format import CheckpointError, dtype_tag, fsync_path, naming
@@ -216,6 +218,15 @@ class _ShardkitFp32StateDict(Mapping):
     def __iter__(self) -> Iterator[str]:
         return iter(self._specs)
 
+    def shape(self, key: str) -> torch.Size:
+        """The tensor's shape, without reading it."""
+        return torch.Size(self._specs[key][0])
+
+    def dtype(self, key: str) -> torch.dtype:
+        """The tensor's dtype as a lookup returns it (floating ones fp32), without reading it."""
+        dtype = self._specs[key][1]
+        return torch.float32 if dtype.is_floating_point else dtype
+
     def __len__(self) -> int:
         return len(self._specs)
 
@@ -250,6 +261,11 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
     dict is never built, and values are cast only between fp32 and 16-bit floats (int64 data into a
     float parameter is refused). Keys the model lacks, or that the checkpoint lacks, are an error only with
     ``strict=True`` (DeepSpeed loads with ``strict=False``).
+
+    A model whose parameters an engine still partitions (a ZeRO-3 Trainer's ``trainer.model``) is loaded
+    partition by partition: each parameter is gathered, written and partitioned again, so the model stays
+    usable where it is (a forward, ``generate``, a save). Call it on every rank then (the gathers are
+    collectives). Every shape is checked against the model before anything is written.
     """
     sd = get_fp32_state_dict(checkpoint_dir, tag)
     own = model.state_dict(keep_vars=True)
@@ -258,14 +274,15 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
     if strict and (missing or unexpected):
         raise CheckpointError(f"{checkpoint_dir}: does not match the model: missing {missing[:10]}, "
                               f"unexpected {unexpected[:10]}; pass strict=False to load what matches")
+    found = [(k, target) for k, target in own.items() if k in sd]
+    for k, target in found:  # on every rank, before any gather: a bad file fails everywhere, nothing written
+        if tuple(sd.shape(k)) != full_shape(target):
+            raise CheckpointError(f"{checkpoint_dir}: {k} has shape {list(sd.shape(k))} in the checkpoint, "
+                                  f"{list(full_shape(target))} in the model")
+        check_cast(sd.dtype(k), target.dtype, str(checkpoint_dir), k)
     with torch.no_grad():
-        for k, target in own.items():
-            if k not in sd:
-                continue
+        for k, target in found:
             value = sd[k]
-            if value.shape != target.shape:
-                raise CheckpointError(f"{checkpoint_dir}: {k} has shape {list(value.shape)} in the checkpoint, "
-                                      f"{list(target.shape)} in the model")
-            check_cast(value.dtype, target.dtype, str(checkpoint_dir), k)
-            target.copy_(value)
+            with gathered_for_write(target):
+                target.copy_(value)
     return model

@@ -5,8 +5,8 @@ when all of them are whole does the staging directory take the output's place (t
 renamed aside, the staging directory renamed in, the old copy deleted). A full disk, a killed process or
 a bad tensor half way leaves the previous export as it was. Files of the old directory that the export
 does not write (a README, tokenizer files saved earlier) are carried over as hard links. Exports never
-write into a checkpoint (``shardkit.json``, DeepSpeed rank files, or a ``latest`` naming DeepSpeed's), nor
-into the checkpoint they read.
+write a checkpoint's own files (a directory holding ``shardkit.json``, DeepSpeed rank files, or a ``latest``
+naming DeepSpeed's, or the checkpoint they read); a new directory inside a checkpoint is allowed.
 
 When the output cannot be swapped (it is the current directory or holds it, it is a mount point, its
 parent is read-only, or it holds directories: a training run's folder) the files are staged inside it and
@@ -62,8 +62,13 @@ def _checkpoint_marker(d: Path, itself: bool) -> str | None:
 
 
 def check_output_dir(out_dir: str | os.PathLike, sources: Sequence[str | os.PathLike] = ()) -> Path:
-    """The absolute output directory, after refusing one that is or lies inside a checkpoint, or inside the
-    checkpoint being read.
+    """The absolute output directory, after refusing one whose files could be taken for a checkpoint's or replace them:
+    a checkpoint directory itself (the one read included), a directory holding checkpoint files, or one inside a
+    DeepSpeed tag directory (``global_stepN/``, whose files DeepSpeed's loader globs).
+
+    A directory of its own inside a checkpoint (``cd checkpoint-N; zero-to-fp32 . fp32``, as DeepSpeed's script is
+    run) is allowed: it replaces nothing there, and no reader takes a subdirectory for checkpoint content (a
+    shardkit manifest lists plain file names; a DeepSpeed checkpoint is its ``latest`` and tag directories).
 
     Raises:
         CheckpointError: naming the output, the checkpoint file found and what to do.
@@ -71,17 +76,18 @@ def check_output_dir(out_dir: str | os.PathLike, sources: Sequence[str | os.Path
     out = Path(os.path.abspath(out_dir))
     real = out.resolve()
     for src in sources:
-        s = Path(src).resolve()
-        if real == s or s in real.parents:
-            raise CheckpointError(f"{out}: is inside the checkpoint being read ({src}); an export never writes into "
-                                  "a checkpoint: choose another output directory")
+        if real == Path(src).resolve():
+            raise CheckpointError(f"{out}: is the checkpoint being read ({src}); an export never writes into a "
+                                  "checkpoint's own files: choose another output directory (a new directory inside "
+                                  "the checkpoint will do)")
     for d in (real, *real.parents):
         marker = _checkpoint_marker(d, d == real) if d.is_dir() else None
-        if marker is not None:
-            where = "is" if d == real else "lies inside"
-            raise CheckpointError(f"{out}: {where} a checkpoint directory ({d / marker} exists); an export never "
-                                  "writes into a checkpoint (it would replace the checkpoint's own files): choose "
-                                  "another output directory")
+        if marker is None or (d != real and marker == MANIFEST):  # a directory of its own beside the manifest's files
+            continue
+        where = "is" if d == real else "lies inside"
+        raise CheckpointError(f"{out}: {where} a checkpoint directory ({d / marker} exists); an export never writes "
+                              "into a checkpoint's own files (it would replace or mix with them): choose another "
+                              "output directory (a new directory inside the checkpoint will do)")
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"{out}: exists and is not a directory; choose another output directory")
     return out

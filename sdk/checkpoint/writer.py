@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import time
 import uuid
@@ -141,12 +142,14 @@ class CheckpointWriter:
         keep_last: keep only this many newest checkpoints in ``parent`` (the new one included).
         info: JSON-able dict stored in the manifest (step, strategy, ...), returned by ``reader.info``.
         update_latest: move ``parent/latest`` to this checkpoint (default True).
+        scripts: ``{file name: bytes}`` of executable tools rank 0 puts beside the entries (a ZeRO checkpoint's
+            ``zero_to_fp32.py``); not listed in the manifest, so never read as checkpoint content.
     """
 
     def __init__(self, path: str | os.PathLike, *, rank: int = 0, world_size: int = 1,
                  barrier: Callable[[], Any] | None = None, broadcast: Callable[[Any], Any] | None = None,
                  keep_last: int | None = None, info: Mapping[str, Any] | None = None,
-                 update_latest: bool = True) -> None:
+                 update_latest: bool = True, scripts: Mapping[str, bytes] | None = None) -> None:
         self.path = Path(path)
         if not _NAME_RE.match(self.path.name):
             raise CheckpointError(f"{self.path}: checkpoint directory name must match {_NAME_RE.pattern}")
@@ -163,6 +166,10 @@ class CheckpointWriter:
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{self.path}: info must be JSON-serialisable: {e}") from None
         self.update_latest = update_latest
+        self.scripts = dict(scripts or {})
+        for name in self.scripts:
+            if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.py", name):
+                raise CheckpointError(f"{self.path}: script name {name!r} must be a plain file name ending in .py")
         self._barrier = barrier or (lambda: None)
         self._broadcast = broadcast
         self.tmp: Path | None = None
@@ -447,6 +454,12 @@ class CheckpointWriter:
                     "save_id": self._save_id, "created": created,
                     "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created)),
                     "info": self.info, "entries": entries, "files": files}
+        for name, data in self.scripts.items():
+            if name in files:
+                raise CheckpointError(f"{self.path}: script {name!r} has the name of a checkpoint file")
+            write_bytes_durable(self.tmp / name, data)
+            mode = (self.tmp / name).stat().st_mode
+            os.chmod(self.tmp / name, mode | (mode & 0o444) >> 2)  # executable by whoever may read it
         write_bytes_durable(self.tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         fault_point("manifest-written")
         for r in range(self.world_size):

@@ -36,14 +36,17 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a checkpoint directory, or its parent holding `latest` (shardkit or DeepSpeed)")
     p.add_argument("output_dir", help="where model*.safetensors (and the index, config.json and tokenizer files "
                    "found beside the checkpoint) are written; a previous export there is replaced atomically")
-    p.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument("--max-shard-size", "--max_shard_size", default="5GB",
+                   help="largest output file, e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--dtype", choices=_DTYPE_NAMES, default="fp32",
                    help="dtype of floating tensors (default fp32; keep = as saved)")
     p.add_argument("--name", default="model", help="shardkit: the checkpoint entry to convert (default model)")
     p.add_argument("-t", "--tag", default=None,
                    help="the checkpoint under CHECKPOINT to convert (e.g. global_step14); default: `latest`")
-    p.add_argument("--exclude-frozen-parameters", action="store_true",
+    p.add_argument("--exclude-frozen-parameters", "--exclude_frozen_parameters", action="store_true",
                    help="DeepSpeed: leave out parameters that were not trained (requires_grad=False)")
+    p.add_argument("--safe-serialization", "--safe_serialization", action="store_true",
+                   help="accepted as DeepSpeed's script takes it: the output is always safetensors")
 
 
 def _dtype(name: str) -> torch.dtype | None:
@@ -79,9 +82,15 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     for p in paths:
         print(p)
-    copied = [n for n in MODEL_FILES if paths and (paths[0].parent / n).is_file()]
+    out = paths[0].parent if paths else Path(args.output_dir)
+    copied = [n for n in MODEL_FILES if (out / n).is_file()]
     if copied:
         print(f"with {', '.join(copied)} from beside the checkpoint", file=sys.stderr)
+    if "config.json" not in copied:
+        print(f"note: no config.json was found beside the checkpoint, so {out} holds the weights only and "
+              f"from_pretrained({str(out)!r}) cannot build the model: copy the model's config.json there (or call "
+              f"model.config.save_pretrained({str(out)!r})); load_state_dict on a model you build also works",
+              file=sys.stderr)
     return 0
 
 
@@ -94,9 +103,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the tool; returns the exit code (0 ok, 2 on a checkpoint error)."""
-    parser = argparse.ArgumentParser(prog="python -m shardkit.checkpoint.zero_to_fp32",
+def main(argv: Sequence[str] | None = None, prog: str = "python -m shardkit.checkpoint.zero_to_fp32") -> int:
+    """Runs the tool; returns the exit code (0 ok, 2 on a checkpoint error). ``prog`` names it in usage lines."""
+    parser = argparse.ArgumentParser(prog=prog,
                                      description=__doc__.splitlines()[0])
     _add_arguments(parser)
     return _run(parser.parse_args(argv))

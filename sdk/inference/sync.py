@@ -12,7 +12,7 @@ collective timeout. The pieces here make every rank run the same number of forwa
 How a strategy holds its parameters during the call (FSDP2 keeps them gathered across the decoding steps
 when memory allows) is the strategy's business: ``Strategy.generation_context``, which
 :func:`shardkit.inference.generate` enters. Whether a module's parameters are partitioned at all is asked of
-:func:`shardkit.strategies.partitioned.params_partitioned`, which names no engine.
+:func:`shardkit.utils.partitioned.params_partitioned`, which names no engine.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.strategies.partitioned import params_partitioned
 from shardkit.utils.env import seconds_from_env
+from shardkit.utils.partitioned import params_partitioned
 
 __all__ = [
     "ENTRY_TIMEOUT_ENV_VAR",

@@ -14,6 +14,7 @@ from .model_spec import ModelSpec, parse_count, spec_from_hf_config
 __all__ = ["register"]
 
 GIB = 2**30
+_RESERVE = 0.1  # of the device's memory, kept back for the allocator, the CUDA context and buffers
 # NOTE: the largest jobs reported run ~100k accelerators; 10**6 per node or nodes refuses typos (and 10**400).
 _MAX_DEVICES = 10**6
 
@@ -176,12 +177,39 @@ def _run(args: argparse.Namespace) -> int:
     if args.device_memory:
         from shardkit.checkpoint.consolidate import parse_size
 
-        best, _ = recommend(spec, parse_size(args.device_memory), num_gpus_per_node=args.num_gpus,
-                            num_nodes=args.num_nodes, precision=args.precision, batch_size=args.batch_size,
-                            seq_len=args.seq_len, checkpointing=args.activation_checkpointing)
+        memory = parse_size(args.device_memory)
+        best, peaks = recommend(spec, memory, num_gpus_per_node=args.num_gpus, num_nodes=args.num_nodes,
+                                precision=args.precision, batch_size=args.batch_size, seq_len=args.seq_len,
+                                checkpointing=args.activation_checkpointing, reserve=_RESERVE)
         print(f"\nRecommended for {args.device_memory} per device: "
               f"{best or 'nothing fits: add devices, offload to NVMe or lower the batch'}")
+        activations = bool(args.batch_size and args.seq_len and spec.has_shape)
+        print(_why(best, peaks, args.device_memory, memory, args.strategy, activations))
     return 0
+
+
+def _why(best: str | None, peaks: dict[str, int], device_memory: str, memory: int, asked: str,
+         activations: bool) -> str:
+    """The constraint that decided the recommendation: which strategies' peaks exceed the budget, and why ``best``
+    rather than the strategy asked about."""
+    budget = memory * (1 - _RESERVE)
+    gib = {name: f"{peak / GIB:.2f} GiB" for name, peak in peaks.items()}
+    head = (f"  why: the peak per device (model states + working set{' + activations' if activations else ''}) "
+            f"must fit {device_memory} less a {_RESERVE:.0%} reserve = {budget / GIB:.2f} GiB; strategies are tried "
+            "from least sharded (least communication) to most")
+    over = [n for n in peaks if peaks[n] > budget and (best is None or list(peaks).index(n) < list(peaks).index(best))]
+    lines = [head]
+    if over:
+        lines.append("  does not fit: " + ", ".join(f"{n} ({gib[n]})" for n in over))
+    if best is not None:
+        lines.append(f"  {best} is the first that fits ({gib[best]})")
+    if asked not in ("all", best) and asked in peaks:
+        if peaks[asked] > budget:
+            lines.append(f"  {asked}, which you asked about, does not fit: {gib[asked]} per device")
+        else:
+            lines.append(f"  {asked}, which you asked about, fits too ({gib[asked]}); {best} shards less, so it "
+                         "communicates less per step")
+    return "\n".join(lines)
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

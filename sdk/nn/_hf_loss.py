@@ -62,7 +62,7 @@ def fused_causal_lm_loss(hidden: Tensor, lm_head: nn.Module, labels: Tensor | No
     # in place (ZeRO-3) and gathers them in hooks around each module's forward would not gather it: ask the
     # strategies' interface to, on every rank, read-only (a no-op for whole parameters; no engine is imported).
     # Imported here so that importing shardkit.nn does not load the strategies.
-    from ..strategies.partitioned import gathered_for_read
+    from ..utils.partitioned import gathered_for_read
 
     with gathered_for_read(weight, bias):
         loss = fused_linear_cross_entropy(hidden, weight, shift_labels.to(hidden.device), bias,

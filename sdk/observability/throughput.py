@@ -8,23 +8,35 @@ attention scores and their weighted sum. ``N`` counts the weights of the matmuls
 backward: that recompute (``2N + 4 * layers * width * seq_len``) is counted apart, as hardware FLOPs (``hfu``),
 never in the model FLOPs that MFU divides.
 
-The peak is the device's dense peak for the compute dtype from :data:`PEAK_TFLOPS` (vendors' data sheets, without
-sparsity); on a CPU (or a device the table does not know) it is measured at start-up with a matmul in that dtype.
+``N`` counts each weight whole however the strategy holds it (a ZeRO-3 partition's placeholder is empty; a DTensor's
+``numel`` is already global): the Runner passes its strategy's ``parameter_numel``.
+
+The peak is the one given (``Runner(peak_tflops=...)``, ``TrainingArguments(peak_tflops=...)`` or
+:data:`PEAK_ENV_VAR`), else the device's dense peak for the compute dtype from :data:`PEAK_TFLOPS` (vendors' data
+sheets, without sparsity); on a CPU (or a device the table does not know) it is measured at start-up with a matmul
+in that dtype, which moves with the machine's load: the log says so once, with how to fix it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["PEAK_TFLOPS", "FlopsPerToken", "Throughput", "flops_per_token", "measured_peak_tflops", "peak_tflops"]
+__all__ = ["PEAK_ENV_VAR", "PEAK_TFLOPS", "FlopsPerToken", "Throughput", "flops_per_token", "measured_peak_tflops",
+           "peak_tflops"]
 
 log = logging.getLogger("shardkit.observability")
+
+# Dense TFLOP/s per device that MFU divides by, when no peak is passed: a fixed figure instead of a measured one.
+PEAK_ENV_VAR = "SHARDKIT_PEAK_TFLOPS"
 
 # Dense TFLOP/s per device for (bf16, fp16, fp32) from the vendors' data sheets (tensor cores without sparsity; the
 # fp32 column is the non-tensor-core fp32 rate). Matched by substring of the device name, the first match wins.
@@ -76,17 +88,17 @@ class FlopsPerToken:
         return (2 * self.matmul_params + self.attention // 3) if self.checkpointed else 0
 
 
-def _matmul_params(model: nn.Module) -> int:
+def _matmul_params(model: nn.Module, numel: Callable[[torch.Tensor], int]) -> int:
     """Weights of the model's matmuls, each module once (a tied head counts: it runs its own matmul)."""
     total = 0
     for module in model.modules():
         if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D":
-            total += module.weight.numel()
+            total += numel(module.weight)
     if total:
         return total
     # A model of raw parameters (F.linear on its own): everything but the embedding tables.
     embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    return sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
+    return sum(numel(p) for p in model.parameters() if id(p) not in embeddings)
 
 
 def _attention_shape(model: nn.Module) -> tuple[int, int]:
@@ -108,7 +120,7 @@ def _first(config: Any, *names: str) -> int:
 
 
 def flops_per_token(model: nn.Module, seq_len: int, *, layers: int | None = None, attention_width: int | None = None,
-                    checkpointed: bool = False) -> FlopsPerToken:
+                    checkpointed: bool = False, numel: Callable[[torch.Tensor], int] | None = None) -> FlopsPerToken:
     """Training FLOPs per token of ``model`` at ``seq_len`` tokens a sample.
 
     Args:
@@ -117,9 +129,12 @@ def flops_per_token(model: nn.Module, seq_len: int, *, layers: int | None = None
         layers: attention layers, for a model without a config.
         attention_width: heads times head dimension, for a model without a config.
         checkpointed: activation checkpointing recomputes each block's forward.
+        numel: a weight's whole element count (``Runner.strategy.parameter_numel``: a ZeRO-3 partition counts
+            whole); default ``Tensor.numel``.
     """
     found_layers, found_width = _attention_shape(model)
-    return FlopsPerToken(_matmul_params(model), layers if layers is not None else found_layers,
+    return FlopsPerToken(_matmul_params(model, numel or torch.Tensor.numel),
+                         layers if layers is not None else found_layers,
                          attention_width if attention_width is not None else found_width, int(seq_len), checkpointed)
 
 
@@ -168,17 +183,22 @@ class Throughput:
         data_parallel_size: ranks that train different samples.
         world_size: every rank (FLOPs are shared by all of them).
         checkpointed: activation checkpointing is on.
-        peak: dense TFLOP/s per device, to use instead of the table or the measurement.
+        peak: dense TFLOP/s per device, to use instead of :data:`PEAK_ENV_VAR`, the table or the measurement.
+        numel: a weight's whole element count (see :func:`flops_per_token`).
+        announce: log the peak used once (the main process; the others stay quiet).
     """
 
     def __init__(self, model: nn.Module, device: torch.device, dtype: torch.dtype, *, data_parallel_size: int = 1,
-                 world_size: int = 1, checkpointed: bool = False, peak: float | None = None) -> None:
+                 world_size: int = 1, checkpointed: bool = False, peak: float | None = None,
+                 numel: Callable[[torch.Tensor], int] | None = None, announce: bool = True) -> None:
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.data_parallel_size, self.world_size, self.checkpointed = data_parallel_size, world_size, checkpointed
-        self._peak, self.peak_source = peak, "given" if peak is not None else ""
+        self._peak, self.peak_source = _given_peak(peak)
+        self.numel = numel or torch.Tensor.numel
+        self.peak_measured = False
         self._flops: FlopsPerToken | None = None
         self._last = time.perf_counter()
-        self._shown = False
+        self._shown = not announce
 
     @property
     def peak(self) -> float:
@@ -188,7 +208,9 @@ class Throughput:
             if self._peak is None:
                 name = self.peak_source or self.device.type
                 self._peak = measured_peak_tflops(self.device, self.dtype)
-                self.peak_source = f"{name}, measured with a {str(self.dtype).replace('torch.', '')} matmul"
+                self.peak_measured = True
+                self.peak_source = (f"{name}, measured here at start-up with a {str(self.dtype).replace('torch.', '')} "
+                                    "matmul, not a data-sheet figure")
         return self._peak
 
     def reset(self) -> None:
@@ -198,7 +220,7 @@ class Throughput:
     def flops(self, seq_len: int) -> FlopsPerToken:
         """FLOPs per token at ``seq_len`` (computed once per sequence length)."""
         if self._flops is None or self._flops.seq_len != seq_len:
-            self._flops = flops_per_token(self.model, seq_len, checkpointed=self.checkpointed)
+            self._flops = flops_per_token(self.model, seq_len, checkpointed=self.checkpointed, numel=self.numel)
         return self._flops
 
     def update(self, tokens: float, samples: float, seconds: float | None = None) -> dict[str, float]:
@@ -223,8 +245,31 @@ class Throughput:
             log.info("throughput: %s, peak %.3g TFLOP/s per device (%s); %.4g model FLOPs per token at %d tokens a "
                      "sample%s", self.device, self.peak, self.peak_source, flops.model, flops.seq_len,
                      f", +{flops.recompute:.4g} recomputed" if flops.recompute else "")
+            if self.peak_measured:
+                log.warning("shardkit: mfu divides by a peak of %.3g TFLOP/s measured on this %s at start-up (not a "
+                            "data-sheet figure), so it moves with the machine's load; pass Runner(peak_tflops=...), "
+                            "TrainingArguments(peak_tflops=...) or set %s for a fixed one", self.peak, self.device.type,
+                            PEAK_ENV_VAR)
         return out
 
     def describe(self) -> dict[str, Any]:
         """The device, the peak used and where it came from (logged once by :meth:`update`)."""
         return {"device": str(self.device), "peak_tflops": self.peak, "peak_source": self.peak_source}
+
+
+def _given_peak(peak: float | None) -> tuple[float | None, str]:
+    """The peak passed, else the one :data:`PEAK_ENV_VAR` sets, with where it came from; (None, "") for neither."""
+    source = "given"
+    if peak is None:
+        raw = os.environ.get(PEAK_ENV_VAR, "").strip()
+        if not raw:
+            return None, ""
+        try:
+            peak = float(raw)
+        except ValueError:
+            peak = math.nan
+        source = PEAK_ENV_VAR
+    if not (math.isfinite(peak) and peak > 0):
+        where = f"{PEAK_ENV_VAR}={os.environ.get(PEAK_ENV_VAR)!r}" if source != "given" else f"peak_tflops={peak!r}"
+        raise ValueError(f"{where} is not a positive number of TFLOP/s per device (e.g. 989 for an H100 in bf16)")
+    return float(peak), source

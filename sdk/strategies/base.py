@@ -306,6 +306,10 @@ class Strategy(ABC):
         """Facts written into a checkpoint's metadata (strategy name, world size, sharding)."""
         return {"strategy": type(self).__name__, "world_size": self.world_size}
 
+    def checkpoint_scripts(self) -> dict[str, bytes]:
+        """Tools a checkpoint of this strategy carries beside its files (``{name: bytes}``); none by default."""
+        return {}
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.root_device})"
 

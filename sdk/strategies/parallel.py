@@ -155,9 +155,14 @@ class ProcessGroupStrategy(Strategy):
             return tensor.unsqueeze(0)
         flat = tensor.contiguous().reshape(-1)
         out = torch.empty(self.world_size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(out, flat)
+        _all_gather_single(out, flat)
         self._held.append((flat, out))
         return out.view(self.world_size, *tensor.shape)
+
+
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns FutureWarning); older ones have
+# only the old name.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class MeshStrategy(ProcessGroupStrategy):

@@ -408,6 +408,10 @@ def _check_extensions(args: Any) -> None:
         raise TrainingArgumentsError(f"TrainingArguments.optim_target_modules={targets!r} must be a list of module "
                                      "names, a regex string or 'all-linear'")
     check_model_prep_args(args)  # neftune, fused kernels and torch_compile fields
+    peak = args.peak_tflops
+    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float)) or not 0 < peak < math.inf):
+        raise TrainingArgumentsError(f"TrainingArguments.peak_tflops={peak!r} must be a positive number of TFLOP/s "
+                                     "per device (e.g. 989 for an H100 in bf16), or None for the default")
     if args.profile_steps is not None:  # a bad range is named now, not when the Runner is built
         from shardkit.observability import parse_profile_steps
 

@@ -72,7 +72,9 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
     (a SIGTERM saves a checkpoint that resumes exactly, then stops), ``fast_dev_run`` (run that many
     training and eval batches, no saves), ``logging_dir`` (where ``report_to`` writes), ``use_fused_kernels``,
     ``async_save`` (checkpoints written by a background thread while training goes on), ``profile_steps``
-    (torch.profiler traces of those optimizer steps under ``<logging_dir>/profile``) and ``report_to="jsonl"``.
+    (torch.profiler traces of those optimizer steps under ``<logging_dir>/profile``), ``peak_tflops`` (the device's
+    dense TFLOP/s that ``mfu`` divides by; default $SHARDKIT_PEAK_TFLOPS, the GPU's data sheet, or a measurement on
+    CPU) and ``report_to="jsonl"``.
     The logs sent to ``report_to`` carry ``tokens_per_s``, ``tflops`` (model TFLOP/s per device) and ``mfu`` when
     the batches hold ``input_ids``; ``state.log_history`` keeps Hugging Face's keys only (no timing).
 
@@ -206,6 +208,7 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
     # next save, a load and the end of train() wait for it (peft models' saves block: adapters are gathered).
     async_save: bool = False
     profile_steps: None | str | int | tuple[int, int] = None  # Runner(profile_steps=...): (2, 4), "2-3" or 2
+    peak_tflops: float | None = None  # Runner(peak_tflops=...): the TFLOP/s per device that mfu divides by
 
     def __post_init__(self) -> None:
         from shardkit.trainer.argument_checks import check_arguments

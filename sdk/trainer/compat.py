@@ -28,7 +28,7 @@ HF_METHODS = (
 )
 
 SHARDKIT_ONLY = ("logging_dir", "max_time", "save_on_sigterm", "fast_dev_run", "use_fused_kernels", "async_save",
-                 "profile_steps")
+                 "profile_steps", "peak_tflops")
 
 _HUB = ("uploads through huggingface_hub (shardkit.hub) from the main process; push_to_hub=True pushes each "
         "checkpoint save in the background as hub_strategy says; 'checkpoint' and 'all_checkpoints' push the whole "

@@ -147,7 +147,7 @@ def build_runner(args: TrainingArguments, strategy: Any, precision: Any, max_ste
     data_seed = args.data_seed if args.data_seed is not None else args.seed
     spec = EngineSpec()
     common = dict(gradient_accumulation_steps=args.gradient_accumulation_steps, seed=data_seed,
-                  logging_dir=args.logging_dir, profile_steps=args.profile_steps)
+                  logging_dir=args.logging_dir, profile_steps=args.profile_steps, peak_tflops=args.peak_tflops)
     deepspeed = args.deepspeed or launched_deepspeed
     if deepspeed:
         from shardkit.config import resolve_runner_config

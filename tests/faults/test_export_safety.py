@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from ds_corpus import write_good
+from safetensors.torch import load_file
 from torch import nn
 
 from shardkit import Runner, cli
@@ -23,6 +24,7 @@ from shardkit.checkpoint import CheckpointError, CheckpointReader, CheckpointWri
 from shardkit.checkpoint.export import Export
 from shardkit.checkpoint.hf import save_pretrained
 from shardkit.checkpoint.zero_to_fp32 import main
+from shardkit.trainer.checkpointing import sorted_checkpoints
 
 HERE = Path(__file__).parent
 
@@ -74,7 +76,6 @@ def test_exports_never_write_into_a_checkpoint(tmp_path, capsys):
         save_pretrained(runner, tmp_path / "ck" / "step-1", model)
     assert main([str(tmp_path / "ck"), str(tmp_path / "ck" / "step-1")]) == 2
     assert "never writes into a checkpoint" in capsys.readouterr().err
-    assert main([str(tmp_path / "ck"), str(tmp_path / "ck" / "step-1" / "hf")]) == 2
     assert _snapshot(tmp_path / "ck") == before
     with CheckpointReader(tmp_path / "ck") as r:
         r.verify_all()
@@ -175,8 +176,10 @@ def test_zero_to_fp32_copies_a_deepspeed_runs_config_and_refuses_a_hostile_one(t
     (tmp_path / "checkpoint-1" / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(CheckpointError, match="checkpoint-1/latest exists"):  # a DeepSpeed checkpoint-N itself
         Export(tmp_path / "checkpoint-1")
-    for inside in ("checkpoint-1/hf", "checkpoint-1/global_step1"):
+    for inside in ("checkpoint-1/global_step1", "checkpoint-1/global_step1/hf"):  # DeepSpeed's tag directory
         assert main([str(tmp_path / "checkpoint-1"), str(tmp_path / inside)]) == 2
+    assert main([str(tmp_path / "checkpoint-1"), str(tmp_path / "checkpoint-1" / "hf")]) == 0  # a directory of its own
+    assert json.loads((tmp_path / "checkpoint-1" / "hf" / "config.json").read_text()) == {"model_type": "llama"}
     assert main([str(tmp_path / "checkpoint-1"), str(tmp_path / "out")]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == {"model_type": "llama"}
     (tmp_path / "checkpoint-1" / "config.json").unlink()
@@ -186,3 +189,56 @@ def test_zero_to_fp32_copies_a_deepspeed_runs_config_and_refuses_a_hostile_one(t
 
         consolidate_deepspeed(tmp_path / "checkpoint-1", tmp_path / "out2")
     assert not (tmp_path / "out2").exists()
+
+
+def test_a_new_directory_inside_a_checkpoint_replaces_nothing_and_is_not_read_as_the_checkpoint(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """DeepSpeed's page consolidates inside the checkpoint: `cd checkpoint-N; zero_to_fp32 . pytorch_model.bin`."""
+    runner = Runner(seed=0)
+    model = runner.setup(nn.Linear(4, 3))
+    ck = tmp_path / "run" / "checkpoint-2"
+    runner.save(ck, {"model": model}, update_latest=False)
+    before = _snapshot(ck)
+    monkeypatch.chdir(ck)
+    for _ in range(2):  # the second run replaces the first one's export
+        assert main([".", "pytorch_model.bin"]) == 0, capsys.readouterr().err
+    assert torch.equal(load_file(ck / "pytorch_model.bin" / "model.safetensors")["weight"], model.weight)
+    assert {k: v for k, v in _snapshot(ck).items() if not k.startswith("pytorch_model.bin/")} == before
+    with CheckpointReader(ck) as r:
+        r.verify_all()
+    fresh = nn.Linear(4, 3)
+    Runner(seed=0).load(ck, {"model": fresh})
+    assert torch.equal(fresh.weight, model.weight) and sorted_checkpoints(tmp_path / "run") == [ck]
+    capsys.readouterr()
+    own_file = next(p.name for p in ck.iterdir() if p.suffix == ".safetensors")
+    assert main([".", "."]) == 2 and "is the checkpoint being read" in capsys.readouterr().err
+    assert main([".", own_file]) == 2 and "exists and is not a directory" in capsys.readouterr().err
+    assert {k: v for k, v in _snapshot(ck).items() if not k.startswith("pytorch_model.bin/")} == before
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_checkpoint_carries_a_zero_to_fp32_script_that_consolidates_it(tmp_path):
+    """As DeepSpeed drops zero_to_fp32.py into its checkpoints: `python zero_to_fp32.py . OUT` with its arguments."""
+    from shardkit.checkpoint.checkpoint_script import SCRIPT_NAME, script_text
+
+    torch.manual_seed(0)
+    state = {"a.weight": torch.randn(5, 3), "a.bias": torch.randn(5).half()}
+    ck = tmp_path / "checkpoint-1"
+    with CheckpointWriter(ck, scripts={SCRIPT_NAME: script_text()}) as w:
+        w.write_tensors("model", state)
+    assert os.access(ck / SCRIPT_NAME, os.X_OK)
+    with CheckpointReader(ck) as r:
+        r.verify_all()
+    assert SCRIPT_NAME not in json.loads((ck / "shardkit.json").read_text())["files"]  # a tool, not content
+    run = subprocess.run([sys.executable, SCRIPT_NAME, ".", "pytorch_model.bin", "--max_shard_size", "5GB",
+                          "--safe_serialization"], cwd=ck, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = load_file(ck / "pytorch_model.bin" / "model.safetensors")
+    assert set(got) == set(state) and all(torch.equal(got[k], v.float()) for k, v in state.items())
+    fake = tmp_path / "elsewhere" / "shardkit"  # a Python where shardkit cannot be imported
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named shardkit')\n")
+    run = subprocess.run([sys.executable, SCRIPT_NAME, ".", "out"], cwd=ck, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(fake.parent)})
+    assert run.returncode == 1 and "written by shardkit, and converting it needs shardkit" in run.stderr, run.stderr
+    assert "shardkit zero-to-fp32 CHECKPOINT OUTPUT_DIR" in run.stderr and not (ck / "out").exists()

@@ -34,7 +34,7 @@ def _load_report():
 arch = _load_report()
 
 # NOTE: checkpoint/hf.py loads Hugging Face weights straight into ZeRO-3's partitions and so reads DeepSpeed's
-# partition layout (ds_tensor, ds_numel, ...). It belongs behind strategies/partitioned.py; sdk/checkpoint/ was
+# partition layout (ds_tensor, ds_numel, ...). It belongs behind utils/partitioned.py; sdk/checkpoint/ was
 # being reworked on another branch when the rule came in (issue 24), so it is the one known exception, listed
 # here so that it can only shrink: a new reference, there or anywhere, fails.
 KNOWN_ENGINE_REFERENCES = {"shardkit.checkpoint.hf": {"ds_tensor", "ds_persist", "ds_process_group", "ds_numel",
@@ -88,7 +88,7 @@ def test_engine_internals_stay_inside_strategies():
     refs = arch.engine_references(SDK)
     found = _engine_references(SDK, refs)
     assert not found, "engine internals outside sdk/strategies/ (add a Strategy hook or go through " \
-                      "strategies/partitioned.py):\n" + "\n".join(map(str, found))
+                      "utils/partitioned.py):\n" + "\n".join(map(str, found))
     stale = {m for m in KNOWN_ENGINE_REFERENCES if not any(r.module == m for r in refs)}
     assert not stale, f"{stale} no longer read DeepSpeed's attributes: remove them from KNOWN_ENGINE_REFERENCES"
 

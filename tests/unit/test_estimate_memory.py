@@ -207,3 +207,18 @@ def test_rows_are_registered_strategies_with_their_constructor_options_and_names
     assert cli_main(["estimate-memory", "--params", "1M", "--strategy", "tensor_parallel", "--precision",
                      "bf16-mixed"]) == 0
     assert "\ntp " in capsys.readouterr().out
+
+
+def test_the_recommendation_names_the_constraint_that_decided_it(capsys):
+    """Asked about zero3, recommended another: the output says which strategies do not fit the per-device budget,
+    which is the first that does, and why it wins over the one asked about."""
+    assert cli_main(["estimate-memory", "--params", "7B", "--largest-layer-params", "131M", "--num-gpus", "8",
+                     "--device-memory", "80GB", "--strategy", "zero3"]) == 0
+    out = capsys.readouterr().out
+    assert "Recommended for 80GB per device: zero1" in out
+    assert "must fit 80GB less a 10% reserve = 67.06 GiB" in out and "does not fit: ddp (" in out
+    assert "zero1 is the first that fits" in out
+    assert "zero3, which you asked about, fits too" in out and "zero1 shards less" in out
+    assert cli_main(["estimate-memory", "--params", "70B", "--largest-layer-params", "1B", "--num-gpus", "8",
+                     "--device-memory", "80GB", "--strategy", "ddp"]) == 0
+    assert "ddp, which you asked about, does not fit: 1043.08 GiB per device" in capsys.readouterr().out

@@ -112,6 +112,28 @@ def test_runner_trackers_are_read_back_by_their_own_packages(tmp_path, monkeypat
     assert lines[0]["config"] == {"lr": 0.1, "model": "tiny"} and [x["step"] for x in lines[1:]] == [0, 1, 2]
 
 
+def test_wandb_dir_is_left_to_wandb(tmp_path, monkeypatch):
+    """Hugging Face's callback passes no `dir`, so wandb reads WANDB_DIR; the logging_dir is used only without it."""
+    import sys
+    import types
+
+    from shardkit.tracking import TRACKERS
+
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: calls.append(kwargs) or types.SimpleNamespace()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-here"))
+    TRACKERS.build("wandb", run_name="run", logging_dir=tmp_path / "logs")
+    assert calls[-1] == {"project": "run"} and not (tmp_path / "logs").exists()
+    monkeypatch.delenv("WANDB_DIR")
+    TRACKERS.build("wandb", run_name="run", logging_dir=tmp_path / "logs")
+    assert calls[-1] == {"project": "run", "dir": str(tmp_path / "logs")}
+    TRACKERS.build("wandb", run_name="run", logging_dir=tmp_path / "logs", dir=str(tmp_path / "mine"))
+    assert calls[-1]["dir"] == str(tmp_path / "mine")
+
+
 def test_deepspeed_monitor_sections_record_loss_and_lr_per_step(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -177,12 +199,51 @@ def test_runner_throughput_reports_rates_and_mfu_against_a_measured_cpu_peak(cap
             rates = meter.update(tokens=4 * 8, samples=4)
     assert rates["tokens_per_s"] == pytest.approx(8 * rates["samples_per_s"])
     assert rates["tflops"] > 0 and rates["mfu"] == pytest.approx(rates["tflops"] / meter.peak)
-    assert "measured with a float32 matmul" in meter.describe()["peak_source"]
-    assert sum("peak" in r.message for r in caplog.records) == 1  # the device and the peak, shown once
+    assert "measured here at start-up with a float32 matmul, not a data-sheet figure" in meter.describe()["peak_source"]
+    assert sum("peak" in r.message and r.levelno == logging.INFO for r in caplog.records) == 1  # shown once
+    # ... and a measured peak is named as such, once, with the ways to fix it
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "measured on this cpu at start-up (not a data-sheet figure)" in warning
+    assert "Runner(peak_tflops=...)" in warning and "SHARDKIT_PEAK_TFLOPS" in warning
     given = Throughput(model, torch.device("cpu"), torch.float32, peak=2.0, checkpointed=True)
     checkpointed = given.update(32, 4)
     assert given.peak == 2.0 and checkpointed["hfu"] > checkpointed["mfu"]
     assert given.flops(8).recompute == 2 * (8 * 16 + 16)  # no config: no attention term; one more forward, 2N
+
+
+def test_a_peak_set_by_the_user_is_the_one_mfu_divides_by(monkeypatch, caplog):
+    from shardkit.trainer import TrainingArguments, TrainingArgumentsError
+
+    runner = Runner(seed=0, peak_tflops=3.0)
+    model = _train(runner, 0)
+    with caplog.at_level(logging.INFO, logger="shardkit.observability"):
+        rates = runner.throughput.update(tokens=32, samples=4)
+    assert runner.throughput.peak == 3.0 and runner.throughput.describe()["peak_source"] == "given"
+    assert rates["mfu"] == pytest.approx(rates["tflops"] / 3.0)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]  # nothing measured, nothing to warn of
+    monkeypatch.setenv("SHARDKIT_PEAK_TFLOPS", "5")
+    from_env = Throughput(model, torch.device("cpu"), torch.float32)
+    assert from_env.peak == 5.0 and from_env.describe()["peak_source"] == "SHARDKIT_PEAK_TFLOPS"
+    assert Throughput(model, torch.device("cpu"), torch.float32, peak=2.0).peak == 2.0  # the argument wins
+    monkeypatch.setenv("SHARDKIT_PEAK_TFLOPS", "fast")
+    with pytest.raises(ValueError, match="SHARDKIT_PEAK_TFLOPS='fast' is not a positive number of TFLOP/s"):
+        Throughput(model, torch.device("cpu"), torch.float32)
+    with pytest.raises(TrainingArgumentsError, match="peak_tflops=-1.0 must be a positive number"):
+        TrainingArguments(output_dir="x", peak_tflops=-1.0)
+
+
+def test_flops_count_a_partitioned_weight_whole():
+    """A weight an engine partitions in place is an empty placeholder (ZeRO-3): counted by the strategy's
+    parameter_numel it gives the FLOPs of the whole model, as under a single device."""
+    torch.manual_seed(0)
+    model = _tiny_llama()
+    whole = flops_per_token(model, 32)
+    sizes = {id(p): p.numel() for p in model.parameters()}
+    for p in model.parameters():
+        p.data = torch.empty(0)
+    assert flops_per_token(model, 32).matmul_params == 0  # what Tensor.numel counts now
+    partitioned = flops_per_token(model, 32, numel=lambda p: sizes[id(p)])
+    assert partitioned == whole
 
 
 def test_profile_steps_write_a_trace_a_memory_timeline_and_the_top_ops(tmp_path, caplog):

@@ -141,8 +141,11 @@ def test_reading_whole_parameters_through_the_partitioned_interface_needs_no_eng
     import subprocess
     import sys
 
-    code = ("import sys, torch; from shardkit.strategies.partitioned import gathered_for_read\n"
+    code = ("import sys, torch; from shardkit.utils.partitioned import full_shape, gathered_for_read, "
+            "gathered_for_write\n"
             "w = torch.nn.Parameter(torch.ones(2))\n"
-            "with gathered_for_read(w, None): print(bool(w.sum() == 2), 'deepspeed' in sys.modules)")
+            "with gathered_for_read(w, None): print(bool(w.sum() == 2), 'deepspeed' in sys.modules)\n"
+            "with torch.no_grad(), gathered_for_write(w): w.fill_(3)\n"
+            "print(bool(w.sum() == 6), full_shape(w), 'deepspeed' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.stdout.strip() == "True False", out.stderr
+    assert out.stdout.split("\n")[:2] == ["True False", "True (2,) False"], out.stderr

@@ -114,6 +114,17 @@ def test_cli_main(tmp_path, capsys):
     _assert_same(_load_hf_dir(tmp_path / "out"), _expected(torch.bfloat16))
 
 
+def test_without_a_config_json_the_tool_says_what_the_output_lacks_and_how_to_add_it(tmp_path, capsys):
+    _save_two_rank_sharded(tmp_path / "ckpt" / "step-1")
+    assert main([str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "no config.json was found beside the checkpoint" in err and "holds the weights only" in err, err
+    assert "copy the model's config.json there" in err and "model.config.save_pretrained(" in err
+    (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "llama"}')
+    assert main([str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    assert "no config.json" not in capsys.readouterr().err
+
+
 def test_cli_errors_name_the_problem(tmp_path, capsys):
     torch.save({"w": torch.ones(1)}, tmp_path / "pytorch_model.pt")
     assert main([str(tmp_path), str(tmp_path / "out")]) == 2

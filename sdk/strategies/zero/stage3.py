@@ -8,7 +8,7 @@ built already partitioned (``module_init_context``), ``gathered_parameters`` gat
 without an optimizer stays partitioned, and checkpoints and memory counts follow the
 :class:`~shardkit.strategies.zero.layout.ParameterPartitionLayout`. ``ZERO3_PARAMETERS`` lets code that
 reads a weight outside its module's forward (the fused loss) gather it without naming DeepSpeed
-(:mod:`shardkit.strategies.partitioned`). Importing this module does not import DeepSpeed.
+(:mod:`shardkit.utils.partitioned`). Importing this module does not import DeepSpeed.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def is_zero3_partitioned(param: Tensor | None) -> bool:
 
 
 class _ZeRO3Parameters:
-    """ZeRO-3 parameters for :func:`shardkit.strategies.partitioned.gathered_for_read`.
+    """ZeRO-3 parameters for :mod:`shardkit.utils.partitioned` (the fused loss's reads, loads into a partitioned model).
 
     Only parameters still partitioned when read are gathered. NOTE: inside a DeepSpeed engine's forward,
     reading a partitioned parameter from another module already gathers it and registers it as an
@@ -230,6 +230,15 @@ class _ZeRO3Parameters:
 
         # modifier_rank=None: nobody modifies the weight, so nothing is broadcast back on exit.
         return deepspeed.zero.GatheredParameters(params[0] if len(params) == 1 else params, modifier_rank=None)
+
+    def gathered_for_write(self, params: list[Tensor]) -> contextlib.AbstractContextManager:
+        import deepspeed
+
+        # modifier_rank=0: rank 0's values are broadcast and partitioned again on exit.
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+    def full_shape(self, param: Tensor) -> tuple[int, ...]:
+        return tuple(getattr(param, "ds_shape", param.shape))
 
 
 ZERO3_PARAMETERS = _ZeRO3Parameters()

@@ -299,6 +299,13 @@ class ZeROStrategy(ProcessGroupStrategy):
         return {**super().checkpoint_info(), "zero_stage": self.settings.stage,
                 "offload_optimizer": self.settings.offload_optimizer, "offload_params": self.settings.offload_params}
 
+    @override
+    def checkpoint_scripts(self) -> dict[str, bytes]:
+        """``zero_to_fp32.py``, as DeepSpeed puts in each checkpoint: ``python zero_to_fp32.py . OUT`` consolidates."""
+        from shardkit.checkpoint.checkpoint_script import SCRIPT_NAME, script_text
+
+        return {SCRIPT_NAME: script_text()}
+
     # ---- measurement ---------------------------------------------------------------------------
 
     @override

@@ -7,8 +7,12 @@ strategy that partitions supplies, as a :class:`PartitionedParameters` handler, 
 parameter and how to gather it, so that the reading code never imports or names the engine.
 
 :func:`params_partitioned` tells code outside the strategies (synced generation) whether a module's forward
-is a collective, again without naming an engine. A strategy whose engine partitions parameters adds its handler
-to ``_HANDLERS`` below ("module:attribute", imported on the first read, without importing the engine itself).
+is a collective, again without naming an engine. :func:`gathered_for_write` and :func:`full_shape` let code that
+holds only the model (``load_state_dict_from_zero_checkpoint``) write whole values into such parameters.
+
+It lives among the leaf helpers so that every package (``checkpoint`` too) can ask; it imports nothing of shardkit
+when imported. A strategy whose engine partitions parameters names its handler in ``_HANDLERS`` below
+("module:attribute"), imported on the first question about a parameter, without importing the engine itself.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from typing import Protocol
 
 from torch import Tensor, nn
 
-__all__ = ["PartitionedParameters", "gathered_for_read", "handlers", "params_partitioned"]
+__all__ = ["PartitionedParameters", "full_shape", "gathered_for_read", "gathered_for_write", "handlers",
+           "params_partitioned"]
 
 
 class PartitionedParameters(Protocol):
@@ -38,6 +43,15 @@ class PartitionedParameters(Protocol):
         """Context in which ``params`` (all partitioned) are whole on every rank; nothing is written back."""
         ...
 
+    def gathered_for_write(self, params: list[Tensor]) -> contextlib.AbstractContextManager:
+        """Context in which ``params`` (all partitioned) are whole on every rank; on leaving it what the first rank
+        holds is partitioned back on every rank."""
+        ...
+
+    def full_shape(self, param: Tensor) -> tuple[int, ...]:
+        """The shape ``param`` has when whole."""
+        ...
+
 
 _HANDLERS: list[str | PartitionedParameters] = ["shardkit.strategies.zero.stage3:ZERO3_PARAMETERS"]
 
@@ -51,19 +65,41 @@ def handlers() -> list[PartitionedParameters]:
     return _HANDLERS  # type: ignore[return-value]
 
 
-@contextlib.contextmanager
-def gathered_for_read(*params: Tensor | None) -> Iterator[None]:
+def gathered_for_read(*params: Tensor | None) -> contextlib.AbstractContextManager:
     """Gather, for the duration of the block and read-only, those of ``params`` an engine holds partitioned.
 
     Every rank must enter it with the same parameters (the gathers are collectives). Parameters no engine
     partitions (None, plain tensors, ones already gathered) are left as they are, and no engine is imported.
     """
+    return _gathered(params, "gathered_for_read")
+
+
+def gathered_for_write(*params: Tensor | None) -> contextlib.AbstractContextManager:
+    """Gather, for the duration of the block, those of ``params`` an engine holds partitioned; what the first rank
+    writes into them is kept on every rank when the block ends.
+
+    Every rank must enter it with the same parameters and write the same values (the gathers and the scatter are
+    collectives). Parameters no engine partitions are left as they are, and writes into them stay local.
+    """
+    return _gathered(params, "gathered_for_write")
+
+
+@contextlib.contextmanager
+def _gathered(params: tuple[Tensor | None, ...], how: str) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for handler in handlers():
             parts = [p for p in params if p is not None and handler.is_partitioned(p)]
             if parts:
-                stack.enter_context(handler.gathered_for_read(parts))
+                stack.enter_context(getattr(handler, how)(parts))
         yield
+
+
+def full_shape(param: Tensor) -> tuple[int, ...]:
+    """The shape of ``param`` when whole: an engine's partitioned placeholder has its own (``[0]``)."""
+    for handler in handlers():
+        if handler.owns(param):
+            return handler.full_shape(param)
+    return tuple(param.shape)
 
 
 def params_partitioned(module: nn.Module) -> bool:
