@@ -167,13 +167,15 @@ class _RankView(IterableDataset):
         self.stream, self.rank, self.world, self.drop_last = stream, rank, world, drop_last
         self.anchor: StreamPosition | None = None  # the chunk to start reading at (index <= offset)
         self.offset = 0  # global index of the split's first item
+        self.length: int | None = None  # items in the split, known once the stream has ended
 
     def __iter__(self) -> Iterator[tuple[Any, tuple[int, StreamPosition]]]:
         last_round: list[tuple[Any, tuple[int, StreamPosition]]] = []
-        mine_in_round = False
+        mine_in_round, self.length, count = False, None, 0
         for index, item, position in self.stream.iter_from(self.anchor):
             if index < self.offset:
                 continue
+            count += 1
             slot = (index - self.offset) % self.world
             if slot == 0:
                 last_round, mine_in_round = [], False
@@ -181,6 +183,7 @@ class _RankView(IterableDataset):
             if slot == self.rank:
                 mine_in_round = True
                 yield item, (index, position)
+        self.length = count
         if last_round and not mine_in_round and not self.drop_last:
             # The last round is short: repeat its items, as a sampler pads the end of a split.
             yield last_round[self.rank % len(last_round)]
@@ -255,6 +258,7 @@ class StreamingLoader(RunnerDataLoader):
             # counts only the batches handed out.
             pending = next(batches, None)
             self.at_end = pending is None
+            self._last_batch_start = self.samples_seen
             self.samples_seen += len(meta)
             self._anchor = meta[-1][1]
             self._last_batch_size = len(meta)
@@ -267,8 +271,18 @@ class StreamingLoader(RunnerDataLoader):
                              "by drop_last): check the data")
 
     def duplicate_mask(self) -> torch.Tensor | None:
-        """Streams are padded only at their very end, where the count is not known ahead: None (no mask)."""
-        return None
+        """For the rank-major gather of the epoch's last batch, a mask of the samples that are real (not the repeats
+        padding the split's last round); None for any other batch. The batch read ahead tells which is the last, and
+        by then every rank has walked the whole stream, so each counts the split's items alike."""
+        view, size = self.view, self._last_batch_size
+        if not self.at_end or view.drop_last or view.length is None:
+            return None
+        start = self._last_batch_start
+        if (start + size) * view.world <= view.length:
+            return None
+        k = torch.arange(start, start + size)
+        positions = k.unsqueeze(0) * view.world + torch.arange(view.world).unsqueeze(1)
+        return (positions < view.length).reshape(-1)
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch, the split (offset, world size), this rank's items in it, and the chunk to restart from."""
