@@ -168,16 +168,18 @@ class _RankView(IterableDataset):
         self.anchor: StreamPosition | None = None  # the chunk to start reading at (index <= offset)
         self.offset = 0  # global index of the split's first item
         self.padding = 0  # a resumed split: how many of the `offset` items consumed may be end-of-epoch repeats
+        self.length: int | None = None  # items in the split, known once the stream has ended
 
     def __iter__(self) -> Iterator[tuple[Any, tuple[int, StreamPosition]]]:
         last_round: list[tuple[Any, tuple[int, StreamPosition]]] = []
-        mine_in_round = False
+        mine_in_round, self.length, count = False, None, 0
         start = self.anchor.index if self.anchor is not None else 0
         items = start  # the source's items up to the last one read, by global index
         for index, item, position in self.stream.iter_from(self.anchor):
             items = index + 1
             if index < self.offset:
                 continue
+            count += 1
             slot = (index - self.offset) % self.world
             if slot == 0:
                 last_round, mine_in_round = [], False
@@ -193,6 +195,7 @@ class _RankView(IterableDataset):
                              + (f"ended after {items} items" if items > start else f"has no item from {start} on")
                              + ": the data changed since the checkpoint was written. Resume with the same data, or "
                              "start a fresh run (no resume_from_checkpoint)")
+        self.length = count
         if last_round and not mine_in_round and not self.drop_last:
             # The last round is short: repeat its items, as a sampler pads the end of a split.
             yield last_round[self.rank % len(last_round)]
@@ -268,6 +271,7 @@ class StreamingLoader(RunnerDataLoader):
             # counts only the batches handed out.
             pending = next(batches, None)
             self.at_end = pending is None
+            self._last_batch_start = self.samples_seen
             self.samples_seen += len(meta)
             self._anchor = meta[-1][1]
             self._last_batch_size = len(meta)
@@ -280,8 +284,18 @@ class StreamingLoader(RunnerDataLoader):
                              "by drop_last): check the data")
 
     def duplicate_mask(self) -> torch.Tensor | None:
-        """Streams are padded only at their very end, where the count is not known ahead: None (no mask)."""
-        return None
+        """For the rank-major gather of the epoch's last batch, a mask of the samples that are real (not the repeats
+        padding the split's last round); None for any other batch. The batch read ahead tells which is the last, and
+        by then every rank has walked the whole stream, so each counts the split's items alike."""
+        view, size = self.view, self._last_batch_size
+        if not self.at_end or view.drop_last or view.length is None:
+            return None
+        start = self._last_batch_start
+        if (start + size) * view.world <= view.length:
+            return None
+        k = torch.arange(start, start + size)
+        positions = k.unsqueeze(0) * view.world + torch.arange(view.world).unsqueeze(1)
+        return (positions < view.length).reshape(-1)
 
     def state_dict(self) -> dict[str, Any]:
         """The epoch, the split (offset, world size), this rank's items in it, and the chunk to restart from."""

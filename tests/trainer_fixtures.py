@@ -12,8 +12,8 @@ from torch.utils.data import Dataset, Subset
 from shardkit.models import ByteTextDataset
 from shardkit.trainer import TrainerCallback
 
-__all__ = ["TEXT", "GradCatcher", "LogitsOnly", "StopAt", "SumLossLM", "VarLen", "logged_losses", "pad_collate",
-           "text_data"]
+__all__ = ["TEXT", "FixedRows", "GradCatcher", "LogitsOnly", "StopAt", "SumLossLM", "VarLen", "logged_losses",
+           "pad_collate", "text_data"]
 
 TEXT = Path(__file__).resolve().parents[1] / "examples" / "data" / "public_domain.txt"
 
@@ -68,6 +68,17 @@ class VarLen(Dataset):
 
     def __getitem__(self, i):
         return {"input_ids": self.rows[i]}
+
+
+class FixedRows(torch.utils.data.IterableDataset):
+    """A stream (no length) of ``n`` rows of 8 tokens, each row its own: every row weighs alike in a mean loss."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield {"input_ids": torch.tensor([(3 * t + 5 * i) % 31 + 1 for t in range(8)])}
 
 
 def pad_collate(samples):

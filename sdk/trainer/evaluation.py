@@ -315,7 +315,8 @@ _END = object()
 
 def _batches_marking_the_last(loader: Any, limit: int | None) -> Iterator[tuple[int, Any, bool]]:
     """``(step, batch, is_last)`` for the batches to evaluate (at most ``limit``). A stream's length is not known
-    ahead: its batches are read one ahead to know the last (its loader keeps no per-batch state a gather reads)."""
+    ahead: the Runner's stream loader reads one batch ahead and says when the one in use is the last (``at_end``),
+    which its duplicate mask reads too, so it is not read ahead again here; any other loader without a length is."""
     try:
         steps = len(loader) if limit is None else min(limit, len(loader))
     except TypeError:
@@ -325,6 +326,12 @@ def _batches_marking_the_last(loader: Any, limit: int | None) -> Iterator[tuple[
             if step >= steps:
                 return
             yield step, batch, step == steps - 1
+        return
+    if hasattr(loader, "at_end"):
+        for step, batch in enumerate(loader):
+            yield step, batch, loader.at_end or step + 1 == limit
+            if step + 1 == limit:
+                return
         return
     iterator, step = iter(loader), 0
     pending = next(iterator, _END)

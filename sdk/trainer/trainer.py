@@ -268,13 +268,8 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         return self._eval_loader(test_dataset)
 
     def _eval_loader(self, dataset: Any):
-        if is_stream(dataset) and self.runner.strategy.data_parallel_size > 1:
-            # A stream's last round is padded with repeats where its end falls, which no rank knows ahead.
-            raise ValueError(f"evaluating a stream ({type(dataset).__name__}) on "
-                             f"{self.runner.strategy.data_parallel_size} data-parallel ranks would count the repeats "
-                             "that pad its last round: pass a dataset with random access (e.g. datasets.Dataset, "
-                             "or list(...) of the stream's rows)")
-        # Set up anew for each run: gather_for_metrics drops the duplicates of the loader set up last.
+        # Set up anew for each run: gather_for_metrics drops the duplicates of the loader set up last (a stream's
+        # too: the repeats padding its last round, known when its last batch is).
         loader = DataLoader(dataset, batch_size=self.args.eval_batch_size, shuffle=False,
                             collate_fn=self._collator_for(dataset), drop_last=False, **self._loader_kwargs())
         return self.runner.setup_dataloader(loader)

@@ -1,5 +1,6 @@
 """Trainer on 2 CPU ranks: exact loss under accumulation across ranks, loss trace equal to a hand-written
-Runner loop, uneven eval counted once, and mid-epoch resume equal to the uninterrupted run (DDP, FSDP, ZeRO-2)."""
+Runner loop, uneven eval counted once (over a stream too, as on one rank), and mid-epoch resume equal to the
+uninterrupted run (DDP, FSDP, ZeRO-2)."""
 
 from pathlib import Path
 
@@ -8,7 +9,17 @@ import torch
 from harness import run_distributed
 from torch import nn
 from torch.utils.data import DataLoader
-from trainer_fixtures import GradCatcher, LogitsOnly, StopAt, SumLossLM, VarLen, logged_losses, pad_collate, text_data
+from trainer_fixtures import (
+    FixedRows,
+    GradCatcher,
+    LogitsOnly,
+    StopAt,
+    SumLossLM,
+    VarLen,
+    logged_losses,
+    pad_collate,
+    text_data,
+)
 
 from shardkit import Runner
 from shardkit.models import Llama, LlamaConfig
@@ -99,12 +110,39 @@ def _uneven_eval(out: Path) -> tuple[int, float, float]:
     return seen["rows"], result["eval_rows"], result["eval_loss"]
 
 
+def _stream_metrics(pred):
+    hits = pred.predictions[:, :-1].argmax(-1) == pred.label_ids[:, 1:]
+    return {"rows": float(pred.label_ids.shape[0]), "accuracy": float(hits.mean()),
+            "logit_sum": float(pred.predictions.sum())}
+
+
+def _stream_eval(out: Path, strategy=None) -> dict:
+    """evaluate() and predict() over streams of 9 and 7 rows in batches of 2: on 2 ranks neither length divides
+    by 4, so each rank's last batch carries a repeat (9: a batch of that repeat alone; 7: beside a real row)."""
+    args = _args(out, per_device_eval_batch_size=2, remove_unused_columns=False)
+    trainer = Trainer(SumLossLM(), args, data_collator=pad_collate, compute_metrics=_stream_metrics, strategy=strategy)
+    result = {"eval": trainer.evaluate(FixedRows(9))}
+    for n in (9, 7):
+        predicted = trainer.predict(FixedRows(n))
+        result[f"predict{n}"] = (predicted.predictions.shape[0], predicted.label_ids.shape[0], predicted.metrics)
+    return result
+
+
 def _exactness_worker(out: str) -> dict:
     out = Path(out)
     gaps = {f.__name__: _accumulation_gap(out / f.__name__, f) for f in (SumLossLM, LogitsOnly, _llama)}
     trace = _trace_pair(out / "trace")
     rows = _uneven_eval(out / "eval")
-    return {"gaps": gaps, "trace": trace, "rows": rows}
+    stream = _stream_eval(out / "stream", strategy_from_name("ddp"))
+    return {"gaps": gaps, "trace": trace, "rows": rows, "stream": stream}
+
+
+def _same_metrics(ours: dict, one_rank: dict) -> None:
+    timed = ("_runtime", "_per_second")
+    assert {k for k in ours if not k.endswith(timed)} == {k for k in one_rank if not k.endswith(timed)}
+    for key, value in one_rank.items():
+        if not key.endswith(timed):
+            assert ours[key] == pytest.approx(value, rel=1e-5), key
 
 
 def test_exact_loss_trace_and_uneven_eval(tmp_path):
@@ -116,6 +154,19 @@ def test_exact_loss_trace_and_uneven_eval(tmp_path):
         assert trainer_losses == pytest.approx(runner_losses, rel=1e-6)
         assert same_weights
         assert result["rows"][0] == 7 and result["rows"][1] == 7.0
+    # A stream on 2 ranks gives what one rank gives: every row counted once in the loss, the metrics and the
+    # predictions (the eval loss exactly where the padded batch is the repeat alone).
+    one_rank = _stream_eval(tmp_path / "one_rank")
+    for result in results:
+        stream = result["stream"]
+        _same_metrics(stream["eval"], one_rank["eval"])
+        assert stream["eval"]["eval_rows"] == 9.0
+        assert stream["predict9"][:2] == one_rank["predict9"][:2] == (9, 9)
+        _same_metrics(stream["predict9"][2], one_rank["predict9"][2])
+        assert stream["predict7"][:2] == one_rank["predict7"][:2] == (7, 7)
+        ours, theirs = stream["predict7"][2], one_rank["predict7"][2]
+        for key in ("test_rows", "test_accuracy", "test_logit_sum"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
 
 
 def _resume_worker(strategy: str, out: str) -> dict:
