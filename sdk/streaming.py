@@ -186,7 +186,12 @@ class _RankView(IterableDataset):
             last_round.append((item, (index, position)))
             if slot == self.rank:
                 mine_in_round = True
-                yield item, (index, position)
+                if not self.drop_last:
+                    yield item, (index, position)
+            if self.drop_last and slot == self.world - 1:
+                # Only whole rounds under drop_last: a short last round would leave the ranks with different
+                # numbers of items, so some would run a step the others never join.
+                yield last_round[self.rank]
         if items < self.offset - self.padding:
             # A resumed split starts after the items the checkpoint consumed: a source that ends before them is
             # not the data the checkpoint was written with (the epoch would be silently empty or short).

@@ -275,3 +275,14 @@ def test_rows_that_are_not_conversations_are_named_with_their_field_and_fix(toke
     with pytest.raises(ValueError, match=r"does not parse \(template line 1: .*\): fix tokenizer.chat_template") as err:
         prepare_dataset(datasets.Dataset.from_list(number[:1]), broken, packing=False, max_length=None)
     assert type(err.value).__name__ == "ChatTemplateError"  # the template's fault: no example is named
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_every_rank_gets_as_many_stream_items(drop_last):
+    # 5 items on 2 ranks: padded to 3 each, or (drop_last) the short last round dropped on both: never 3 and 2,
+    # which would leave one rank stepping alone.
+    from shardkit.streaming import ChunkedStream, _RankView
+
+    views = [_RankView(ChunkedStream(list(range(5))), rank, 2, drop_last) for rank in range(2)]
+    items = [[item for item, _ in view] for view in views]
+    assert items == ([[0, 2], [1, 3]] if drop_last else [[0, 2, 4], [1, 3, 4]])
