@@ -175,7 +175,6 @@ class FSDP(MeshStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._start_private_group()  # the device mesh needs a group, also for a plain `python train.py`
         self.dims = self.settings.parallel_dims(self.world_size, self._local_world_size)
         # The one mesh every strategy builds (ParallelDims), under FSDP's public dimension names; FSDP2 shards over
         # its ("shard",) or ("replicate", "shard") part.
