@@ -4,7 +4,11 @@ torchrun ends a job whose rank failed with its own ChildFailedError traceback an
 after the rank's traceback, so the user scrolls past torch internals to find the cause). Here the same failure
 is one short summary: which ranks failed, how (exit code or signal), and that each one's traceback is above.
 
-    python -m shardkit.distributed._torchrun --nproc-per-node=2 ... train.py   # what `shardkit launch` runs
+    python -m shardkit.distributed._torchrun --nproc-per-node=2 ... train.py --lr 1e-3   # what `shardkit launch` runs
+
+Every torchrun flag is written ``--name=value`` (or ``-m``), so the first argument without a leading dash is the
+script, and everything after it is the script's: torchrun's own parser never sees those (it would read ``--num`` as
+an ambiguous abbreviation of ``--numa-binding`` and end the launch).
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["failure_summary", "main"]
+__all__ = ["failure_summary", "main", "parse", "split_at_script"]
 
 
 def failure_summary(script: str, failures: dict) -> str:
@@ -45,12 +50,28 @@ def _leave_exit_signals(failures: dict) -> None:
         write_exit_signals(folder, signals)
 
 
+def split_at_script(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(torchrun's flags and the script, the script's arguments); flags are ``--name=value`` or ``-m``."""
+    at = next((i for i, arg in enumerate(argv) if not arg.startswith("-")), len(argv))
+    return list(argv[:at + 1]), list(argv[at + 1:])
+
+
+def parse(argv: Sequence[str]) -> Any:
+    """torchrun's namespace for ``argv``: its parser reads the flags and the script, never the script's arguments."""
+    from torch.distributed.run import parse_args
+
+    head, script_args = split_at_script(argv)
+    args = parse_args(head)
+    args.training_script_args = script_args
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run torchrun with ``argv``; returns 0, or 1 when a rank failed (torchrun's own exit code)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import run
 
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = parse(list(sys.argv[1:] if argv is None else argv))
     try:
         run(args)
     except ChildFailedError as err:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Mapping
@@ -34,11 +35,13 @@ class LaunchUsageError(ValueError):
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `shardkit launch`."""
+    # NOTE: allow_abbrev=False, as accelerate launch: everything after the script is the script's, and argparse would
+    # otherwise read a script's --fsdp or --mixed as an abbreviation of a launcher flag ("ambiguous option").
     parser = subparsers.add_parser(
-        "launch", help="run a script on N processes and M machines (torchrun)",
+        "launch", help="run a script on N processes and M machines (torchrun)", allow_abbrev=False,
         description="Run SCRIPT (or -m MODULE) on --num-processes processes on each of --num-machines "
                     "machines through torchrun. The script calls shardkit.distributed.init_distributed() or builds "
-                    "a Runner. The exit code is the job's.")
+                    "a Runner. Every argument after SCRIPT is passed to it unchanged. The exit code is the job's.")
     parser.add_argument("--num-processes", "--num_processes", type=int, dest="num_processes",
                         help="processes per machine (default: one per visible CUDA device, else 1; at most 4 per "
                              "CPU core unless SHARDKIT_MAX_PROCESSES is set)")
@@ -217,7 +220,7 @@ def _run(args: argparse.Namespace) -> int:
             return 2
         command = build_command(args)
         if args.dry_run:
-            print(" ".join(command))
+            print(shlex.join(command))
             return 0
         # NOTE: imported here, not at the top: they import torch (5-8 s on a busy 2-core machine), which
         # `shardkit launch --help` and a usage error do not need (issue 30).

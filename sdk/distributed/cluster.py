@@ -44,6 +44,8 @@ class ClusterEnvironment:
         master_addr: host of rank 0's rendezvous store.
         master_port: port of that store.
         source: which launcher the values came from: "torchrun", "slurm" or "single".
+        rendezvous: the launcher named a rendezvous (torchrun's MASTER_PORT) that this process joins even when it
+            is the job's only one.
     """
 
     rank: int = 0
@@ -54,6 +56,7 @@ class ClusterEnvironment:
     master_addr: str = DEFAULT_MASTER_ADDR
     master_port: int = DEFAULT_MASTER_PORT
     source: Source = "single"
+    rendezvous: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -76,6 +79,12 @@ class ClusterEnvironment:
     def is_distributed(self) -> bool:
         """True when the job has more than one process."""
         return self.world_size > 1
+
+    @property
+    def joins_group(self) -> bool:
+        """True when this process joins the launcher's process group: a job of several processes, or one process
+        under a launcher that named a rendezvous (torchrun, ``shardkit launch``, ``shardkit.launch``)."""
+        return self.is_distributed or self.rendezvous
 
     @property
     def is_main_process(self) -> bool:
@@ -130,6 +139,10 @@ def _from_torchrun(env: Mapping[str, str]) -> ClusterEnvironment:
         master_addr=env.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
         master_port=_int(env, "MASTER_PORT", DEFAULT_MASTER_PORT),
         source="torchrun",
+        # NOTE: a lone torchrun worker must still join: with TORCHELASTIC_USE_AGENT_STORE any other rendezvous it
+        # starts is a client of a store that nobody serves, and it waits for ever. A hand-set RANK/WORLD_SIZE of 1
+        # without MASTER_PORT names no rendezvous, and stays a process of its own.
+        rendezvous=bool((env.get("MASTER_PORT") or "").strip()),
     )
 
 

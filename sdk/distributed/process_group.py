@@ -41,18 +41,23 @@ def backend_for_device(device_type: str) -> str:
     return "nccl" if torch.device(device_type).type == "cuda" else "gloo"
 
 
-def init_distributed(device_type: str = "cpu", timeout: float | None = None) -> ClusterEnvironment:
-    """Detect the environment and, for a multi-process job, create the default process group.
+def init_distributed(device_type: str = "cpu", timeout: float | None = None,
+                     private_group: bool = False) -> ClusterEnvironment:
+    """Detect the environment and join the launcher's process group, or make a private one when asked.
 
-    Nothing is created for a single process, or when a process group already exists. On CUDA the
-    current device becomes `local_rank`. On other devices, when OMP_NUM_THREADS is unset (spawn
-    does not set it; torchrun sets 1), each rank gets `cpus // local_world_size` intra-op threads
-    so that N ranks on one machine do not each start one thread per core.
+    A job started by a launcher joins its group at any size, one process included (`ClusterEnvironment.joins_group`):
+    under torchrun the workers must join the store its agent serves. A process no launcher started gets no group,
+    or with ``private_group=True`` a group of one on a free local port (a device mesh and DeepSpeed's engine need a
+    group even for one process). Nothing is created when a process group already exists. On CUDA the current device
+    becomes `local_rank`. On other devices, when OMP_NUM_THREADS is unset (spawn does not set it; torchrun sets 1),
+    each rank gets `cpus // local_world_size` intra-op threads so that N ranks on one machine do not each start one
+    thread per core.
 
     Args:
         device_type: "cuda", "cpu", ... (a device string like "cuda:1" is accepted).
         timeout: seconds any collective may wait for its peers before raising; default
             `default_timeout()`. A crashed peer raises sooner (its sockets close).
+        private_group: make a 1-rank group when no launcher started this process (``python train.py``).
 
     Returns:
         The detected `ClusterEnvironment`.
@@ -67,10 +72,19 @@ def init_distributed(device_type: str = "cpu", timeout: float | None = None) -> 
                                f"{torch.cuda.device_count()} visible (CUDA_VISIBLE_DEVICES="
                                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); start fewer processes per node")
         torch.cuda.set_device(env.local_rank)
-    if not env.is_distributed or dist.is_initialized():
+    if dist.is_available() and dist.is_initialized():
         return env
+    if env.joins_group:
+        _join_launcher_group(env, kind, seconds)
+    elif private_group:
+        _start_private_group(kind, seconds)
+    return env
+
+
+def _join_launcher_group(env: ClusterEnvironment, kind: str, seconds: float) -> None:
     if not dist.is_available():
-        raise RuntimeError(f"world_size({env.world_size}) > 1 but this torch build has no torch.distributed")
+        raise RuntimeError(f"world_size({env.world_size}) under {env.source} but this torch build has no "
+                           "torch.distributed")
     if kind != "cuda" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, cpu_budget() // env.local_world_size))
     # NOTE: env:// rather than tcp://: under torchrun the workers must join the agent's store
@@ -85,7 +99,19 @@ def init_distributed(device_type: str = "cpu", timeout: float | None = None) -> 
         timeout=timedelta(seconds=seconds),
     )
     watchdog.install_excepthook(seconds)
-    return env
+
+
+def _start_private_group(kind: str, seconds: float) -> None:
+    """A 1-rank group on a free local port, for a process no launcher started (a plain ``python train.py``)."""
+    if not dist.is_available():
+        raise RuntimeError("this strategy needs a process group, and this torch build has no torch.distributed")
+    from shardkit.distributed.launcher import find_free_port
+
+    dist.init_process_group(backend_for_device(kind), init_method=f"tcp://127.0.0.1:{find_free_port()}",
+                            rank=0, world_size=1, timeout=timedelta(seconds=seconds))
+    # DeepSpeed's zero.Init reads os.environ["LOCAL_RANK"] and fails with KeyError in a plain `python train.py`,
+    # which no launcher has given it (the only rank variable DeepSpeed requires).
+    os.environ.setdefault("LOCAL_RANK", "0")
 
 
 def destroy_distributed() -> None:

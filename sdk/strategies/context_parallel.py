@@ -70,8 +70,13 @@ class ContextParallel(_fsdp.FSDP):
             raise ValueError(f"ContextParallel sharding={sharding!r}: use 'full' or 'grad_op' (replicas across "
                              "nodes are dp_replicate=N)")
         super().__init__(sharding=sharding, state_dict_type=state_dict_type, timeout=timeout)
-        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"ContextParallel tp_size={tp_size!r} must be an int >= 1 (1: no tensor parallelism)")
+        for name, value, meaning in (("cp_size", cp_size, "None: the ranks that dp_replicate and tp leave"),
+                                     ("dp_replicate", dp_replicate, "1: no replicas"),
+                                     ("tp_size", tp_size, "1: no tensor parallelism")):
+            if value is None and name == "cp_size":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ContextParallel {name}={value!r} must be an int >= 1 ({meaning})")
         if tp_plan is not None and tp_size == 1:
             raise ValueError("ContextParallel tp_plan=... is a tensor-parallel plan: it needs tp_size > 1 "
                              "(e.g. ContextParallel(cp_size=2, tp_size=2, tp_plan=...))")

@@ -49,6 +49,8 @@ class DDP(ProcessGroupStrategy):
             or 1800).
     """
 
+    needs_group = False  # one process without a launcher runs the module as it is (see setup_module)
+
     def __init__(
         self, bucket_cap_mb: float = 25.0, find_unused_parameters: bool = False, static_graph: bool = False,
         gradient_as_bucket_view: bool = True, timeout: float | None = None,
@@ -59,8 +61,8 @@ class DDP(ProcessGroupStrategy):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         if not dist.is_initialized():
-            # NOTE: one process (an Accelerate YAML with MULTI_CPU and num_processes: 1): init_distributed makes
-            # no group, and torch's DDP cannot wrap without one. Nothing is reduced at world size 1, so the
+            # NOTE: one process that no launcher started (an Accelerate YAML with MULTI_CPU and num_processes: 1)
+            # has no group, and torch's DDP cannot wrap without one. Nothing is reduced at world size 1, so the
             # module runs as it is: the same losses and weights as SingleDevice.
             return module
         device_ids = [self._device.index] if self._device.type == "cuda" else None

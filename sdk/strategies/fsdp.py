@@ -92,8 +92,9 @@ class FSDPSettings:
             if self.sharding != "hybrid":
                 raise ValueError(f"FSDP hybrid_shard_size={self.hybrid_shard_size} only applies to sharding='hybrid', "
                                  f"not {self.sharding!r}")
-            if self.hybrid_shard_size < 1:
-                raise ValueError(f"FSDP hybrid_shard_size({self.hybrid_shard_size}) must be >= 1")
+            size = self.hybrid_shard_size
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"FSDP hybrid_shard_size={size!r} must be an int >= 1 (ranks per shard group)")
         if self.sharding == "grad_op" and self.reshard_after_forward:
             raise ValueError("FSDP sharding='grad_op' keeps parameters gathered after forward; "
                              "reshard_after_forward=True contradicts it (use sharding='full')")
@@ -175,7 +176,6 @@ class FSDP(MeshStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._start_private_group()  # the device mesh needs a group, also for a plain `python train.py`
         self.dims = self.settings.parallel_dims(self.world_size, self._local_world_size)
         # The one mesh every strategy builds (ParallelDims), under FSDP's public dimension names; FSDP2 shards over
         # its ("shard",) or ("replicate", "shard") part.

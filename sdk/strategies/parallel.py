@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 from typing import Any
 
 import torch
@@ -30,6 +29,10 @@ class ProcessGroupStrategy(Strategy):
         timeout: seconds a collective may wait before the job fails (default: SHARDKIT_COLLECTIVE_TIMEOUT
             or 1800), so that a dead rank ends the job instead of hanging it.
     """
+
+    # A device mesh and DeepSpeed's engine need a process group even for one process: a process that no launcher
+    # started (a plain ``python train.py``) then gets a private one. DDP runs unwrapped without one.
+    needs_group: bool = True
 
     def __init__(self, timeout: float | None = None):
         super().__init__()
@@ -72,27 +75,10 @@ class ProcessGroupStrategy(Strategy):
 
     @override
     def setup_environment(self) -> None:
-        env = init_distributed(self.device_type, timeout=self.timeout)
+        env = init_distributed(self.device_type, timeout=self.timeout, private_group=self.needs_group)
         self._local_rank, self._local_world_size = env.local_rank, env.local_world_size
         self._device = torch.device("cuda", env.local_rank) if self.device_type == "cuda" else torch.device("cpu")
         super().setup_environment()
-
-    def _start_private_group(self) -> None:
-        """A 1-rank process group on a free local port, for a plain ``python train.py`` (no launcher).
-
-        FSDP's device mesh and DeepSpeed's engine need a group even for one process; without one torch
-        fails with "environment variable RANK expected" after 30 lines. Under a launcher the group exists.
-        """
-        if dist.is_initialized():
-            return
-        from shardkit.distributed.launcher import find_free_port
-        from shardkit.distributed.process_group import backend_for_device
-
-        dist.init_process_group(backend_for_device(self.device_type), rank=0, world_size=1,
-                                init_method=f"tcp://127.0.0.1:{find_free_port()}")
-        # DeepSpeed's zero.Init reads os.environ["LOCAL_RANK"] and fails with KeyError in a plain
-        # `python train.py`, which no launcher has given it (the only rank variable DeepSpeed requires).
-        os.environ.setdefault("LOCAL_RANK", "0")
 
     @override
     def teardown(self) -> None:

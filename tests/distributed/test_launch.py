@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -186,3 +187,37 @@ def test_a_clean_run_leaves_no_leaked_semaphore_warning(tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "leaked semaphore" not in done.stderr, done.stderr
+
+
+SEEDS = Path(__file__).resolve().parents[1] / "seeds"
+ONE_PROCESS = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1"],
+    "shardkit launch": [sys.executable, "-m", "shardkit.cli", "launch", "--num_processes", "1"],
+}
+# The script's own flags that prefix-match launcher flags (--mixed_precision, --num_processes; torchrun's
+# --numa-binding, so only through shardkit launch, which keeps torchrun's parser off the script's arguments).
+OWN_FLAGS = {"torchrun": ["--mixed", "bf16"], "shardkit launch": ["--mixed", "bf16", "--num", "3"]}
+
+
+@pytest.mark.parametrize("launcher", list(ONE_PROCESS))
+def test_a_seed_trainer_script_trains_fsdp_then_zero3_on_one_launched_process(tmp_path, launcher):
+    # One process under a launcher hung for ever in FSDP's and ZeRO's setup (a private group's rendezvous became a
+    # client of torchrun's agent store); `shardkit launch` also refused the script's --fsdp as an ambiguous flag.
+    trainer_args = ["--output_dir", str(tmp_path / "out"), "--fsdp", "full_shard auto_wrap", "--max_steps", "4",
+                    "--per_device_train_batch_size", "2", "--learning_rate", "1e-2", "--logging_steps", "1",
+                    "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
+    script_args = ["--result", str(tmp_path / "result.json"), "--zero3_config", str(SEEDS / "ds_config_zero3.json"),
+                   *trainer_args, *OWN_FLAGS[launcher]]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "SHARDKIT_COLLECTIVE_TIMEOUT": "60"}
+    try:  # ~1 min on a loaded 2-core machine, plus DeepSpeed's cpu_adam build on the suite's first use of it
+        done = subprocess.run([*ONE_PROCESS[launcher], str(SCRIPTS / "seed_trainer.py"), *script_args],
+                              capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{launcher} with one process hung; its output:\n{err.stdout}\n{err.stderr}", pytrace=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["argv"] == script_args  # every argument after the script, unchanged
+    assert (result["mixed"], result["num"]) == ("bf16", 3 if "--num" in script_args else None)
+    for strategy in ("fsdp", "zero3"):
+        losses = result[strategy]
+        assert len(losses) == 4 and losses[-1] < losses[0], (strategy, losses)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import types
@@ -64,7 +65,7 @@ def test_no_subcommand_prints_help_and_fails(capsys):
 
 def _dry_run(capsys, *args: str) -> list[str]:
     assert cli.main(["launch", "--dry-run", *args]) == 0
-    return capsys.readouterr().out.split()
+    return shlex.split(capsys.readouterr().out)
 
 
 def test_launch_single_machine_uses_torchrun_with_a_free_port(capsys):
@@ -84,6 +85,26 @@ def test_launch_multi_machine_and_module_form(capsys):
     assert {"--nproc-per-node=4", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1",
             "--master-port=29500"} <= set(command)
     assert command[-4:] == ["-m", "mypkg.train", "--epochs", "1"]
+
+
+# A script's own arguments that look like launcher flags: abbreviations of them (--fsdp, --mixed, --num; of
+# torchrun's --numa-binding too), launcher flags themselves, help and version switches, a "--".
+SCRIPT_ARGS = ["--fsdp", "full_shard auto_wrap", "--mixed", "bf16", "--num", "3", "--mixed_precision", "fp16", "--cpu",
+               "-m", "x", "--num_processes", "4", "--config_file", "a.yaml", "--log", "-h", "--version", "--", "--z"]
+
+
+@pytest.mark.parametrize("form", [[SCRIPT], ["-m", "mypkg.train"]], ids=["script", "module"])
+def test_launch_passes_every_argument_after_the_script_through(capsys, form):
+    command = _dry_run(capsys, "--num_processes", "1", *form, *SCRIPT_ARGS)
+
+    assert command[-len(SCRIPT_ARGS) - len(form):] == [*form, *SCRIPT_ARGS]
+    assert "--nproc-per-node=1" in command
+    # `shardkit launch` runs torchrun's parser on that command: it too leaves the script's arguments alone.
+    from shardkit.distributed._torchrun import parse
+
+    args = parse(command[3:])
+    assert (args.training_script, args.module, args.nproc_per_node) == (form[-1], form[0] == "-m", "1")
+    assert args.training_script_args == SCRIPT_ARGS
 
 
 @pytest.mark.parametrize(("args", "needle"), [

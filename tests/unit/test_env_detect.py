@@ -22,8 +22,22 @@ def test_torchrun_variables():
     env = detect_environment(TORCHRUN)
 
     assert env == ClusterEnvironment(rank=5, local_rank=1, world_size=8, local_world_size=4, node_rank=1,
-                                     master_addr="10.1.2.3", master_port=29555, source="torchrun")
+                                     master_addr="10.1.2.3", master_port=29555, source="torchrun", rendezvous=True)
     assert env.is_distributed and not env.is_main_process
+
+
+@pytest.mark.parametrize(("variables", "joins"), [
+    ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555"}, True),  # torchrun, 1 process
+    ({"RANK": "0", "WORLD_SIZE": "1"}, False),  # set by hand: no rendezvous named
+    ({"RANK": "0", "WORLD_SIZE": "2"}, True),
+    ({**SLURM, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "1",
+      "SLURM_NTASKS_PER_NODE": "1"}, False),  # srun -n 1: a private group where one is needed
+    ({}, False),
+])
+def test_a_lone_process_joins_the_launchers_group_only_where_the_launcher_named_one(variables, joins):
+    # NOTE: under torchrun any other rendezvous is a client of the agent's store (TORCHELASTIC_USE_AGENT_STORE),
+    # which nobody serves for it: a lone worker must join the launcher's group or wait for ever.
+    assert detect_environment(variables).joins_group is joins
 
 
 def test_torchrun_wins_over_slurm_when_both_are_set():

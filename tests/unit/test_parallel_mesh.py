@@ -111,6 +111,22 @@ def test_pipeline_stages_schedules_and_options():
         STRATEGIES.build("cp", tp_size=0)
 
 
+@pytest.mark.parametrize(("name", "kwargs", "message"), [
+    ("cp", {"cp_size": 0}, r"ContextParallel cp_size=0 must be an int >= 1"),
+    ("cp", {"cp_size": -2}, r"ContextParallel cp_size=-2 must be an int >= 1"),
+    ("cp", {"cp_size": 2.0}, r"ContextParallel cp_size=2.0 must be an int >= 1"),
+    ("cp", {"dp_replicate": 0}, r"ContextParallel dp_replicate=0 must be an int >= 1"),
+    ("tp", {"tp_size": 0}, r"TensorParallel tp_size=0 must be an int >= 1"),
+    ("pp", {"pp_size": -1}, r"Pipeline pp_size=-1 must be an int >= 1"),
+    ("fsdp", {"sharding": "hybrid", "hybrid_shard_size": 0}, r"FSDP hybrid_shard_size=0 must be an int >= 1"),
+    ("fsdp", {"sharding": "hybrid", "hybrid_shard_size": "2"}, r"FSDP hybrid_shard_size='2' must be an int >= 1"),
+])
+def test_a_size_of_zero_or_less_is_refused_naming_the_argument(name, kwargs, message):
+    # cp_size=0 was taken as "unset" (every rank) without a word.
+    with pytest.raises(ValueError, match=message):
+        STRATEGIES.build(name, **kwargs)
+
+
 def test_memory_estimate_rows_for_context_and_pipeline_parallelism():
     from shardkit.memory.estimate import activation_bytes, estimate_model_states
     from shardkit.memory.model_spec import spec_from_llama_config

@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from typing import Any
@@ -90,7 +91,6 @@ class ZeROStrategy(ProcessGroupStrategy):
         require_deepspeed(type(self).__name__)
         _check_fp16_supported(precision_section(self.precision), torch.device(self.device_type))
         super().setup_environment()
-        self._start_private_group()  # DeepSpeed's engine needs a process group even for one process
         if self.settings.uses_nvme and not self.settings.nvme_path:
             self._choose_nvme_path()
 
@@ -109,6 +109,7 @@ class ZeROStrategy(ProcessGroupStrategy):
         if self._engine is not None and hasattr(self._engine, "destroy"):
             self._engine.destroy()
         super().teardown()
+        _forget_process_groups()
         if self._created_nvme_path is not None:
             shutil.rmtree(self._created_nvme_path, ignore_errors=True)  # ours alone: made by default_nvme_path
             self._created_nvme_path = None
@@ -466,3 +467,20 @@ def _host_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any | None) -> 
     if scheduler is not None and getattr(scheduler, "optimizer", None) is optimizer:
         scheduler.optimizer = converted  # its lr changes must reach the optimizer that steps
     return converted
+
+
+def _forget_process_groups() -> None:
+    """Drop DeepSpeed's cached groups once the process group is gone (teardown destroys it through torch).
+
+    DeepSpeed keeps a clone of the world group (and groups made from it) in ``deepspeed.utils.groups``; the next
+    engine in this process (a second Runner or Trainer after ``teardown``/``end``, with a new group) would use the
+    dead clone and fail with "Group ... is not registered". ``deepspeed.comm.destroy_process_group`` drops them too.
+    """
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is None:
+        return  # DeepSpeed never ran here
+    release = getattr(groups, "_release_process_group_references", None)  # newer DeepSpeed: every cached group
+    if release is not None:
+        release(None)
+    else:
+        groups._WORLD_GROUP = None
