@@ -1,6 +1,7 @@
 """The contract at one process under a launcher: every registered strategy, and every one registered later with no
 edit here, sets up, steps (the loss falls) and tears down its process group in a job of one process started by
-``torchrun --nproc_per_node 1`` and by ``shardkit launch --num_processes 1``.
+``torchrun --nproc_per_node 1`` (``shardkit launch --num_processes 1`` is torchrun underneath; its one-process run of
+FSDP and ZeRO-3 is tests/distributed/test_launch.py's seed-script case, which keeps this suite's time down).
 
 A lone torchrun worker's rendezvous is a client of the agent's store (TORCHELASTIC_USE_AGENT_STORE): a strategy that
 made a private group there waited for ever. Each launch runs every strategy in turn in one process
@@ -23,7 +24,6 @@ pytest.importorskip("deepspeed")  # four of the registered strategies are DeepSp
 SCRIPT = Path(__file__).resolve().parent / "one_process_launch.py"
 LAUNCHERS = {
     "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1"],
-    "shardkit launch": [sys.executable, "-m", "shardkit.cli", "launch", "--num_processes", "1"],
 }
 # Every strategy's setup and 4 steps of the tiny Llama take ~1-2 min on a loaded 2-core machine, plus DeepSpeed's
 # async_io build (ZeROInfinity's NVMe swap) if this is the suite's first use of it (~4 min); a hang never ends.
