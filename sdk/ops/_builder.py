@@ -9,9 +9,9 @@ JIT: ``torch.utils.cpp_extension.load`` with ninja, cached under ``TORCH_EXTENSI
 environment in torch's per-user cache, the folder DeepSpeed's ops use too: :func:`shardkit.ops.build_lock.
 extensions_root`). Under a launcher the process with LOCAL_RANK (else RANK) 0 builds while the others wait on a
 marker file and the shared build lock (:mod:`shardkit.ops.build_lock`: a killed build's stale baton is cleared, the
-compile runs in a supervised child under a time limit and ends with its process), so N ranks never compile N times. A failed or impossible build warns
-once with the reason and the fix, is cached for the process, and dispatch falls back to the next
-backend.
+compile runs in a supervised child under a time limit and ends with its process), so N ranks never compile N
+times. A failed or impossible build warns once with the reason and the fix, is cached for the process, and dispatch
+falls back to the next backend.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,8 +51,8 @@ _DEFAULT_TIMEOUT_S = 1800.0
 _POLL_S = 0.5
 _SUPERVISOR = Path(__file__).resolve().with_name("_build_supervisor.py")
 _EXIT_TIMEOUT = 124  # the supervisor's exit code when the build ran past its time limit
-# build folder (resolved) -> the open lock file, while this process holds that folder's build lock
-_HELD: dict[str, IO[str]] = {}
+# build folder (resolved) -> (thread, open lock file) while a thread of this process holds that folder's build lock
+_HELD: dict[str, tuple[int, IO[str]]] = {}
 
 
 class BuildTimeout(RuntimeError):
@@ -77,17 +78,15 @@ def default_extensions_root(prefix: str | None = None) -> Path:
     import hashlib
 
     import torch
-    from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.cpp_extension import get_default_build_root
 
-    saved = os.environ.pop("TORCH_EXTENSIONS_DIR", None)
-    try:
-        torch_default = Path(_get_build_directory("shardkit_C", verbose=False)).parent
-    finally:
-        if saved is not None:
-            os.environ["TORCH_EXTENSIONS_DIR"] = saved
+    # torch's folder name (cpp_extension._get_build_directory, which would also create its folder)
+    accelerator = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip else
+                   f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu")
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
     prefix = os.path.realpath(sys.prefix if prefix is None else prefix)
     key = hashlib.sha256(f"{prefix}|{torch.__version__}".encode()).hexdigest()[:10]
-    return torch_default.with_name(f"{torch_default.name}-torch{torch.__version__.split('+')[0]}-{key}")
+    return Path(get_default_build_root()) / f"{python}_{accelerator}-torch{torch.__version__.split('+')[0]}-{key}"
 
 
 def extensions_root() -> Path:
@@ -123,6 +122,12 @@ def _holder(lock_file) -> str:
         lock_file.seek(0)
         pid = lock_file.read(32).strip()
         if pid.isdigit():
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:  # its build processes hold the lock still: they end with their compile
+                return f"the build that pid {int(pid)} (now exited) started"
+            except OSError:
+                pass
             return f"pid {int(pid)}"
     return "another process"
 
@@ -148,7 +153,7 @@ def build_lock(build_dir: Path, label: str, wait_s: float | None = None) -> Iter
     if wait_s is None:
         wait_s = seconds_from_env("SHARDKIT_BUILD_WAIT_S", build_timeout_s() + 60)
     key = str(build_dir.resolve())
-    if key in _HELD:  # this process holds it already (a second flock of the file would wait for itself)
+    if _HELD.get(key, (None,))[0] == threading.get_ident():  # held here already: a second flock would wait for itself
         yield
         return
     with open(build_dir / ".lock", "a+") as lock:
@@ -169,7 +174,7 @@ def build_lock(build_dir: Path, label: str, wait_s: float | None = None) -> Iter
         lock.write(str(os.getpid()))
         lock.flush()
         clear_stale_baton(build_dir)
-        _HELD[key] = lock
+        _HELD[key] = (threading.get_ident(), lock)
         try:
             yield
         finally:
@@ -183,11 +188,12 @@ def run_build_subprocess(code: str, label: str, build_dir: Path, timeout_s: floa
     whole build when this process is killed (the supervisor sees its parent go). The child and every process of
     the build hold the lock too (the lock's file is their stdin), so the lock is free only when all of them are
     gone: a next build never shares the folder with a compile left running. A failed build raises RuntimeError with
-    the last lines of its output. Takes the lock if the caller does not hold it yet.
+    the last lines of its output, one ended by a signal BuildStopped (no verdict on the sources: a rerun may pass).
+    Takes the lock if the caller does not hold it yet.
     """
     timeout_s = build_timeout_s() if timeout_s is None else timeout_s
     with build_lock(build_dir, label):
-        lock = _HELD[str(Path(build_dir).resolve())]
+        lock = _HELD[str(Path(build_dir).resolve())][1]
         command = [sys.executable, str(_SUPERVISOR), str(os.getpid()), repr(timeout_s), sys.executable, "-c", code]
         proc = subprocess.Popen(command, stdin=lock, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 start_new_session=True, text=True, errors="replace")
