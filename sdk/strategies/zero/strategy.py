@@ -50,7 +50,12 @@ __all__ = ["ZeROStrategy", "ZeRO1", "ZeRO2", "ZeROSettingsError", "build_deepspe
 log = logging.getLogger("shardkit.strategies.zero")
 
 # DeepSpeed op builder -> what the user is told while it builds (times measured on 2 CPU cores).
-_OP_NOTES = {"ShareMemCommBuilder": "~50 s", "CPUAdamBuilder": "~90 s", "AsyncIOBuilder": "~5 min"}
+_OP_NOTES = {"ShareMemCommBuilder": "~50 s", "CPUAdamBuilder": "~90 s", "AsyncIOBuilder": "~5 min",
+             "PinMemoryBuilder": "~20 s"}
+# DeepSpeed ops whose load builds and loads another op first, in that op's own folder: built before them, under that
+# folder's lock (else a build killed there leaves torch's baton where no shardkit lock clears it, and every later
+# async_io load waits for ever).
+_OP_PREREQUISITES = {"AsyncIOBuilder": ("PinMemoryBuilder",)}
 
 
 class ZeROStrategy(ProcessGroupStrategy):
@@ -419,7 +424,8 @@ def deepspeed_op_builders(offload: bool, nvme: bool) -> list[str]:
 def build_deepspeed_op(builder_name: str) -> bool:
     """Build (first use only) and load DeepSpeed's op ``builder_name`` (e.g. "CPUAdamBuilder") under shardkit's
     build lock: one build however many ranks or processes ask, a baton left by a killed build cleared, and the
-    compile under its time limit (``SHARDKIT_BUILD_TIMEOUT_S``). ``scripts/build_ops.py`` (``make test``) uses it.
+    compile under its time limit (``SHARDKIT_BUILD_TIMEOUT_S``) and ending with this process. ``shardkit build-ops
+    --deepspeed`` (and ``make test``'s scripts/build_ops.py) uses it.
     Returns False, building nothing, for an op DeepSpeed marks incompatible with this machine."""
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
@@ -429,6 +435,8 @@ def build_deepspeed_op(builder_name: str) -> bool:
     builder = get_accelerator().create_op_builder(builder_name)
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, True):
         return False
+    for prerequisite in _OP_PREREQUISITES.get(builder_name, ()):
+        build_deepspeed_op(prerequisite)
     build_dir = extensions_root() / builder.NAME
     label = f"DeepSpeed op {builder.NAME}"
     # NOTE: every rank comes here; the shared build lock makes the others wait for the one build (no
