@@ -6,8 +6,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
-# `make demo` builds the C++ ops where a plain `python train.py` looks for them (TORCH_EXTENSIONS_DIR, else
-# torch's per-user cache, ~/.cache/torch_extensions/py*_cpu), so they are built once; the tests keep theirs apart.
+# `make demo` builds the C++ ops where a plain `python train.py` looks for them (TORCH_EXTENSIONS_DIR, else a folder
+# per environment in torch's per-user cache, ~/.cache/torch_extensions/py*_cpu-torch*-*), so they are built once;
+# the tests keep theirs apart. `make test` builds every op first (scripts/build_ops.py: shardkit build-ops --deepspeed).
 test lint: export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 

@@ -88,7 +88,8 @@ def _ops_facts() -> dict[str, str]:
         except OSError:
             state = ""
         built = (f"built ({root})" if state == "ok" else f"build failed ({state[5:].strip()})"
-                 if state.startswith("fail:") else f"not built yet: built on first use into {root}")
+                 if state.startswith("fail:") else f"not built yet: built on first use into {root} (or ahead: "
+                 "shardkit build-ops)")
     facts = {"C++ ops": built}
     try:
         forced = forced_backend()
@@ -105,6 +106,7 @@ def collect_environment() -> dict[str, str]:
     """Every fact of the report as name -> value; absent packages and tools say so."""
     from shardkit.distributed.process_group import cpu_budget
 
+    given = {name: os.environ.get(name, "unset") for name in _ENV_VARS}  # as the user set them, before shardkit does
     facts = {"shardkit": _version("shardkit"),
              "Python": f"{platform.python_version()} ({sys.executable})",
              "platform": platform.platform()}
@@ -119,7 +121,7 @@ def collect_environment() -> dict[str, str]:
     facts["CPUs"] = f"{os.cpu_count()} (usable by this process: {cpu_budget()})"
     names = sorted({*_ENV_VARS, *(k for k in os.environ if k.startswith("SHARDKIT_"))})
     for name in names:
-        facts[f"${name}"] = os.environ.get(name, "unset")
+        facts[f"${name}"] = given.get(name) or os.environ.get(name, "unset")
     return facts
 
 

@@ -5,13 +5,13 @@ every ``csrc/<op>/<op>.cpp`` is one source of ONE shared library that registers 
 torch op namespace ``shardkit_C`` (``TORCH_LIBRARY_FRAGMENT``). The library has no Python module init:
 it is loaded with ``torch.ops.load_library`` and used through ``torch.ops.shardkit_C.<kernel>``.
 
-JIT: ``torch.utils.cpp_extension.load`` with ninja, cached under ``TORCH_EXTENSIONS_DIR`` (else torch's
-per-user default, the folder DeepSpeed's ops use too: :func:`shardkit.ops.build_lock.extensions_root`). Under a
-launcher the process with LOCAL_RANK (else RANK) 0 builds while the others wait on a marker file and the
-shared build lock (:mod:`shardkit.ops.build_lock`: a killed build's stale baton is cleared, the compile runs
-in a child process under a time limit), so N ranks never compile N times. A failed or impossible build warns
-once with the reason and the fix, is cached for the process, and dispatch falls back to the next
-backend.
+JIT: ``torch.utils.cpp_extension.load`` with ninja, cached under ``TORCH_EXTENSIONS_DIR`` (else a folder per
+environment in torch's per-user cache, the folder DeepSpeed's ops use too: :func:`shardkit.ops.build_lock.
+extensions_root`). Under a launcher the process with LOCAL_RANK (else RANK) 0 builds while the others wait on a
+marker file and the shared build lock (:mod:`shardkit.ops.build_lock`: a killed build's stale baton is cleared, the
+compile runs in a supervised child under a time limit and ends with its process), so N ranks never compile N
+times. A failed or impossible build warns once with the reason and the fix, is cached for the process, and dispatch
+falls back to the next backend.
 """
 
 from __future__ import annotations
@@ -29,7 +29,15 @@ from pathlib import Path
 import torch
 
 if __package__:
-    from .build_lock import build_lock, build_timeout_s, extensions_root, run_build_subprocess, seconds_from_env
+    from .build_lock import (
+        BuildStopped,
+        BuildTimeout,
+        build_lock,
+        build_timeout_s,
+        extensions_root,
+        run_build_subprocess,
+        seconds_from_env,
+    )
 else:  # loaded by path (setup.py, scripts/check_cuda_link.py): its sibling by path too (it imports nothing of ours)
     import importlib.util as _util
 
@@ -39,6 +47,7 @@ else:  # loaded by path (setup.py, scripts/check_cuda_link.py): its sibling by p
     build_lock, extensions_root = _lock_module.build_lock, _lock_module.extensions_root
     run_build_subprocess, build_timeout_s = _lock_module.run_build_subprocess, _lock_module.build_timeout_s
     seconds_from_env = _lock_module.seconds_from_env
+    BuildStopped, BuildTimeout = _lock_module.BuildStopped, _lock_module.BuildTimeout
 
 __all__ = ["BUILDER", "CSRC_PLACES", "ExtensionBuilder", "ExtensionUnavailable", "find_csrc"]
 
@@ -75,6 +84,17 @@ def _registered_op_dirs() -> list[str]:
     from .registry import native_source_dirs  # lazily: the registry imports every op, which import this module
 
     return native_source_dirs()
+
+
+def _write_marker(marker: Path, text: str) -> None:
+    """Write the build marker whole or not at all (a kill mid-write leaves no half marker), the only one there: an
+    older marker would vouch for a library since rebuilt from other sources."""
+    for old in marker.parent.glob(".built-*"):
+        if old != marker:
+            old.unlink(missing_ok=True)
+    partial = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+    partial.write_text(text)
+    os.replace(partial, marker)
 
 
 class ExtensionBuilder:
@@ -251,8 +271,6 @@ class ExtensionBuilder:
             return self._compile_locked(build_dir, marker, verbose_rank=rank == 0)
 
     def _compile_locked(self, build_dir: Path, marker: Path, verbose_rank: bool) -> str:
-        from torch.utils.cpp_extension import load
-
         sources = self.sources()
         verbose = verbose_rank and os.environ.get("SHARDKIT_BUILD_VERBOSE") == "1"
         cuda = self.with_cuda()
@@ -260,22 +278,24 @@ class ExtensionBuilder:
                       extra_cuda_cflags=self.cuda_cflags() if cuda else None,
                       extra_include_paths=self.include_dirs(), build_directory=str(build_dir), verbose=verbose,
                       with_cuda=cuda, is_python_module=False)
+        library = build_dir / f"{self.name}.so"
         try:
-            if not marker.exists():
+            if not (library.exists() and marker.exists() and marker.read_text() == "ok"):
                 if verbose_rank:
                     _log.warning("shardkit: building C++ ops into %s (first use, ~%d s)...", build_dir,
                                  _SECONDS_PER_SOURCE * len(sources))
-                # NOTE: the compile runs in a child so that it has a time limit (a hung compiler is killed);
-                # the load below then finds it built (ninja: no work) and only loads the library.
+                # NOTE: the compile runs in a child, under the build supervisor: it has a time limit (a hung compiler
+                # is killed) and it ends with this process (a killed job leaves no compile running). Whatever a
+                # killed build left half-written, ninja redoes: an output its log does not record is out of date.
                 run_build_subprocess(f"from torch.utils.cpp_extension import load; load(**{kwargs!r})",
                                      f"shardkit's C++ ops ({self.name})", build_dir)
-            load(**kwargs)
+            torch.ops.load_library(str(library))
         except Exception as exc:
-            if verbose_rank:
-                marker.write_text(f"fail: compile error ({type(exc).__name__}); see {build_dir}")
+            if verbose_rank and not isinstance(exc, (BuildStopped, BuildTimeout)):  # a rerun may pass: no verdict
+                _write_marker(marker, f"fail: compile error ({type(exc).__name__}); see {build_dir}")
             raise
-        marker.write_text("ok")
-        return str(build_dir / f"{self.name}.so")
+        _write_marker(marker, "ok")
+        return str(library)
 
     # ---------------------------------------------------------------- ahead of time (setup.py)
     def aot_extension(self):

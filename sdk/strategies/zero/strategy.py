@@ -45,12 +45,18 @@ from shardkit.strategies.zero.config import (
 )
 from shardkit.strategies.zero.layout import FlatPartitionLayout, ZeROLayout
 
-__all__ = ["ZeROStrategy", "ZeRO1", "ZeRO2", "ZeROSettingsError", "build_deepspeed_op", "prepare_deepspeed"]
+__all__ = ["ZeROStrategy", "ZeRO1", "ZeRO2", "ZeROSettingsError", "build_deepspeed_op", "choose_deepspeed_accelerator",
+           "deepspeed_op_builders", "prepare_deepspeed"]
 
 log = logging.getLogger("shardkit.strategies.zero")
 
 # DeepSpeed op builder -> what the user is told while it builds (times measured on 2 CPU cores).
-_OP_NOTES = {"ShareMemCommBuilder": "~50 s", "CPUAdamBuilder": "~90 s", "AsyncIOBuilder": "~5 min"}
+_OP_NOTES = {"ShareMemCommBuilder": "~50 s", "CPUAdamBuilder": "~90 s", "AsyncIOBuilder": "~5 min",
+             "PinMemoryBuilder": "~20 s"}
+# DeepSpeed ops whose load builds and loads another op first, in that op's own folder: built before them, under that
+# folder's lock (else a build killed there leaves torch's baton where no shardkit lock clears it, and every later
+# async_io load waits for ever).
+_OP_PREREQUISITES = {"AsyncIOBuilder": ("PinMemoryBuilder",)}
 
 
 class ZeROStrategy(ProcessGroupStrategy):
@@ -385,9 +391,7 @@ def _set_clip(engine: Any, max_norm: float) -> None:
 
 def prepare_deepspeed(settings: ZeROSettings) -> None:
     """Quiet DeepSpeed's INFO logs and build the C++ ops this run needs, with one line per build."""
-    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    from deepspeed.accelerator import get_accelerator
+    choose_deepspeed_accelerator()
     from deepspeed.utils import logger as ds_logger
 
     if ds_logger.level < logging.WARNING:
@@ -397,19 +401,39 @@ def prepare_deepspeed(settings: ZeROSettings) -> None:
     # category and message: the user's own warnings, and torch's others, still show.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning,
                             module=r"torch\.distributed\.c10d_logger")
-    needed = ["ShareMemCommBuilder"] if get_accelerator().device_name() == "cpu" else []
-    if settings.offload_optimizer:
-        needed.append("CPUAdamBuilder")
-    if settings.uses_nvme:
-        needed.append("AsyncIOBuilder")
-    for name in needed:
+    for name in deepspeed_op_builders(offload=bool(settings.offload_optimizer), nvme=bool(settings.uses_nvme)):
         build_deepspeed_op(name)
+
+
+def choose_deepspeed_accelerator() -> None:
+    """DeepSpeed's accelerator as a run picks it (CPU where torch sees no GPU), and its ops' build folder: exported
+    as TORCH_EXTENSIONS_DIR so that every op DeepSpeed loads by itself lands where shardkit locks and builds."""
+    from shardkit.ops.build_lock import extensions_root
+
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    extensions_root()
+
+
+def deepspeed_op_builders(offload: bool, nvme: bool) -> list[str]:
+    """The DeepSpeed op builders a ZeRO run on this machine loads: shm_comm (the CPU accelerator's collectives),
+    cpu_adam (optimizer offload: shardkit converts Adam/AdamW to DeepSpeedCPUAdam, and refuses other optimizers) and
+    async_io (NVMe offload)."""
+    from deepspeed.accelerator import get_accelerator
+
+    needed = ["ShareMemCommBuilder"] if get_accelerator().device_name() == "cpu" else []
+    if offload:
+        needed.append("CPUAdamBuilder")
+    if nvme:
+        needed.append("AsyncIOBuilder")
+    return needed
 
 
 def build_deepspeed_op(builder_name: str) -> bool:
     """Build (first use only) and load DeepSpeed's op ``builder_name`` (e.g. "CPUAdamBuilder") under shardkit's
     build lock: one build however many ranks or processes ask, a baton left by a killed build cleared, and the
-    compile under its time limit (``SHARDKIT_BUILD_TIMEOUT_S``). ``scripts/build_ops.py`` (``make test``) uses it.
+    compile under its time limit (``SHARDKIT_BUILD_TIMEOUT_S``) and ending with this process. ``shardkit build-ops
+    --deepspeed`` (and ``make test``'s scripts/build_ops.py) uses it.
     Returns False, building nothing, for an op DeepSpeed marks incompatible with this machine."""
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
@@ -419,17 +443,23 @@ def build_deepspeed_op(builder_name: str) -> bool:
     builder = get_accelerator().create_op_builder(builder_name)
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, True):
         return False
+    for prerequisite in _OP_PREREQUISITES.get(builder_name, ()):
+        build_deepspeed_op(prerequisite)
     build_dir = extensions_root() / builder.NAME
     label = f"DeepSpeed op {builder.NAME}"
     # NOTE: every rank comes here; the shared build lock makes the others wait for the one build (no
     # collective, which would time out during a 5-minute build) and clears a baton a killed build left.
+    # NOTE: the marker, written after the supervised build passed, not the .so (a link killed half-way leaves one):
+    # without it the build runs in the child, which has a time limit and ends with this process.
+    marker = build_dir / f".shardkit-built-{deepspeed.__version__}-{torch.__version__}"
     with build_lock(build_dir, label):
-        if not (build_dir / f"{builder.NAME}.so").exists():
+        if not (marker.exists() and (build_dir / f"{builder.NAME}.so").exists()):
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
                 log.warning("shardkit: building DeepSpeed op %s (first use only, %s on 2 cores) into %s",
                             builder.NAME, _OP_NOTES.get(builder_name, "a few minutes"), build_dir.parent)
             run_build_subprocess("from deepspeed.accelerator import get_accelerator; get_accelerator()"
                                  f".create_op_builder({builder_name!r}).load(verbose=False)", label, build_dir)
+            marker.touch()
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
             builder.load(verbose=False)
     return True

@@ -1,0 +1,88 @@
+"""`shardkit build-ops`: builds the ops ahead into the folder runs use and says what and where; one folder per
+virtual environment when TORCH_EXTENSIONS_DIR is unset."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from shardkit import cli
+from shardkit.ops import _builder
+from shardkit.ops.build_cli import build_ops
+
+
+def test_build_ops_builds_the_shardkit_ops_into_the_given_folder_and_names_it(tmp_path, monkeypatch, capsys):
+    csrc = tmp_path / "csrc"
+    (csrc / "tiny").mkdir(parents=True)
+    (csrc / "include").mkdir()
+    (csrc / "tiny" / "tiny.cpp").write_text('extern "C" int tiny_add(int a, int b) { return a + b; }\n')
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(_builder, "BUILDER", _builder.ExtensionBuilder(csrc=csrc, name="shardkit_tiny_cli"))
+
+    assert cli.main(["build-ops"]) == 0
+    out = capsys.readouterr().out
+    library = tmp_path / "ext" / "shardkit_tiny_cli" / "shardkit_tiny_cli.so"
+    assert f"ops folder: {tmp_path / 'ext'} (TORCH_EXTENSIONS_DIR)" in out
+    built = rf"building shardkit_C \(shardkit's C\+\+ ops\) \.\.\.\n  ready in \d+ s: {re.escape(str(library))}"
+    assert re.search(built, out), out
+    assert library.is_file() and "DeepSpeed" not in out
+
+
+def test_build_ops_deepspeed_names_each_op_and_why_async_io_is_skipped(tmp_path, monkeypatch):
+    """Without libaio, async_io is skipped with the reason and the fix; the others are built (here: recorded, the
+    real builds of the same list run in `make test`'s scripts/build_ops.py and tests/faults/test_build_lock.py)."""
+    pytest.importorskip("deepspeed")
+    from shardkit.strategies.zero import config, strategy
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))
+    monkeypatch.setattr(config, "libaio_available", lambda: False)
+    built = []
+    monkeypatch.setattr(strategy, "build_deepspeed_op", lambda name: built.append(name) or True)
+    out = io.StringIO()
+
+    assert build_ops(deepspeed=True, shardkit_ops=False, out=out)
+    text = out.getvalue()
+    assert "skipping DeepSpeed async_io (NVMe offload): libaio not found" in text and "libaio-dev" in text, text
+    assert built == strategy.deepspeed_op_builders(offload=True, nvme=False) and "CPUAdamBuilder" in built
+    assert re.search(rf"building DeepSpeed cpu_adam \(optimizer offload\) \.\.\.\n  ready in \d+ s: "
+                     rf"{re.escape(str(tmp_path / 'ext' / 'cpu_adam'))}", text), text
+
+
+_WHERE = """
+from torch.utils.cpp_extension import _get_build_directory
+from shardkit.ops.build_lock import extensions_root
+print(extensions_root())
+print(_get_build_directory("cpu_adam", verbose=False))  # where DeepSpeed's loads build, through torch
+"""
+
+
+def test_two_environments_get_their_own_default_ops_folder(tmp_path):
+    """torch's default folder (~/.cache/torch_extensions/py311_cpu) is per user only: two virtual environments
+    sharing it rebuilt each other's ops. Unless TORCH_EXTENSIONS_DIR says otherwise, each has its own, and DeepSpeed's
+    builds (torch's folder lookup) follow it."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    env.update(XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join(sys.path))
+    folders = []
+    for name in ("venv_a", "venv_b"):
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / name)], check=True, timeout=120)
+        python = tmp_path / name / "bin" / "python"
+        site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              check=True, capture_output=True, text=True).stdout.strip()
+        Path(site, "lent_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        done = subprocess.run([str(python), "-c", _WHERE], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        root, deepspeed_op = done.stdout.split()[-2:]
+        assert Path(deepspeed_op) == Path(root) / "cpu_adam"
+        folders.append(Path(root))
+    assert folders[0] != folders[1], folders
+    for folder in folders:
+        assert folder.parent == (tmp_path / "cache" / "torch_extensions").resolve(), folder
+        assert re.fullmatch(r"py3\d+\w*_\w+-torch[\d.]+\w*-[0-9a-f]{10}", folder.name), folder.name
