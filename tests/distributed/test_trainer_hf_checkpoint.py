@@ -1,8 +1,8 @@
 """The Trainer's Hugging Face files under sharding strategies, 2 CPU ranks: checkpoint-N and save_model() are
 streamed from the shards into model.safetensors that from_pretrained loads, equal to the trained weights; under
 ZeRO-3 trainer.deepspeed is the engine and get_num_trainable_parameters() counts whole parameters (issue 23 item 1).
-In the same launch, a checkpoint Hugging Face's own Trainer wrote resumes under the strategy and continues HF's
-uninterrupted run: its whole-parameter optimizer state is loaded into the sharded optimizer."""
+In the same launches, a checkpoint Hugging Face's own Trainer wrote resumes under FSDP, ZeRO-2 and ZeRO-3 and
+continues HF's uninterrupted run: optimizer.pt's whole-parameter moments are loaded into the sharded optimizer."""
 
 from pathlib import Path
 
@@ -39,7 +39,9 @@ def _hf_files_worker(out: str, strategy_name: str, hf_checkpoint: str):
 
     from shardkit.strategies import strategy_from_name
 
-    resumed = _resume_hf_checkpoint(f"{out}/resumed", strategy_name, hf_checkpoint)
+    # ZeRO-2 rides in ZeRO-3's launch (before it: ZeRO-3 registers its config with transformers)
+    resumed = {name: _resume_hf_checkpoint(f"{out}/resumed-{name}", name, hf_checkpoint)
+               for name in (["zero2"] if strategy_name == "zero3" else []) + [strategy_name]}
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=2, save_steps=2,
                              optim="adamw_torch", disable_tqdm=True, report_to="none")
     trainer = Trainer(tiny_llama(), args, train_dataset=Tokens(length=8), strategy=strategy_from_name(strategy_name))
@@ -74,10 +76,13 @@ def test_checkpoint_and_save_model_stream_hf_files(tmp_path, strategy, hf_run):
     assert not result["engine"] or (tmp_path / "ds" / "latest").is_file()
     assert {"config.json", "model.safetensors", "trainer_state.json", "shardkit.json"} <= set(result["files"])
     assert result["trainable"] == sum(p.numel() for p in tiny_llama().parameters())  # whole sizes, not the shards
+    assert set(result["resumed"]) == ({"zero2", "zero3"} if strategy == "zero3" else {strategy})
 
     # HF's checkpoint resumed under the strategy: step 3 runs at the rate the schedule reached (0.005, not the
     # initial 0.01), and step 4's loss, which the step-3 update made, is HF's: its Adam moments were restored.
-    for rank in run:
-        assert [(s, lr) for s, _, lr in rank["resumed"]] == [(s, lr) for s, _, lr in hf_after] == [(3, 0.005),
-                                                                                                      (4, 0.0025)]
-        assert [loss for _, loss, _ in rank["resumed"]] == pytest.approx([loss for _, loss, _ in hf_after], abs=1e-5)
+    # Tolerance: shardkit logs losses to 6 decimals (5e-7) and the sharded gradient reduction sums in another
+    # order than HF's one process (a few fp32 ulps, 5e-7 at 4.17); measured equal to the 6 logged decimals under
+    # all three. Fresh moments (the optimizer state not restored) put step 4 at 4.1635 instead of 4.1680: 4.6e-3.
+    for resumed in (after for rank in run for after in rank["resumed"].values()):
+        assert [(s, lr) for s, _, lr in resumed] == [(s, lr) for s, _, lr in hf_after] == [(3, 0.005), (4, 0.0025)]
+        assert [loss for _, loss, _ in resumed] == pytest.approx([loss for _, loss, _ in hf_after], abs=1e-5)
