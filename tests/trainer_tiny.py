@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from unittest import mock
+
 import numpy as np
 import torch
 from torch import nn
@@ -57,3 +61,27 @@ class Tokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def hf_trainer_checkpoint(folder: Path, max_steps: int = 2, schedule: str = "linear"):
+    """``folder/hf/checkpoint-2`` written by Hugging Face's own Trainer (transformers is installed for the tests):
+    the tiny Llama from seed 0 on ``Tokens()``, batch 4, lr 1e-2, AdamW, ``max_steps`` steps each logged. Returns
+    the checkpoint's path and that Trainer (its ``state.log_history`` is the uninterrupted run)."""
+    import transformers
+
+    # A single-process ZeRO run earlier in this process leaves LOCAL_RANK=0 (DeepSpeed's zero.Init reads it);
+    # HF's arguments would take it for a launcher's and wait for a process group.
+    with mock.patch.dict(os.environ):
+        os.environ.pop("LOCAL_RANK", None)
+        args = transformers.TrainingArguments(output_dir=str(folder / "hf"), per_device_train_batch_size=4,
+                                              learning_rate=1e-2, optim="adamw_torch", max_steps=max_steps,
+                                              save_steps=2, logging_steps=1, use_cpu=True, report_to="none",
+                                              disable_tqdm=True, seed=0, lr_scheduler_type=schedule)
+        hf = transformers.Trainer(tiny_llama(), args, train_dataset=Tokens())
+        hf.train()
+    return folder / "hf" / "checkpoint-2", hf
+
+
+def logged_after(log_history: list[dict], step: int) -> list[tuple[int, float, float]]:
+    """(step, loss, learning rate) of each logged training step after ``step``."""
+    return [(h["step"], h["loss"], h["learning_rate"]) for h in log_history if "loss" in h and h["step"] > step]

@@ -34,6 +34,7 @@ from shardkit.strategies._mesh import local_tensor
 __all__ = [
     "dtensor_box",
     "is_primary_replica",
+    "load_full_optimizer_state",
     "load_module_state",
     "load_optimizer_state",
     "read_full_optimizer_state",
@@ -223,17 +224,11 @@ def _as_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def load_optimizer_state(reader: ckpt.CheckpointReader, name: str, optimizer: torch.optim.Optimizer,
                          module: nn.Module) -> None:
     """Load a saved optimizer (sharded or full, any world size) into one over DTensor parameters."""
-    params = dict(module.named_parameters())
     meta = read_optimizer_meta(reader, name)
-    if meta is None:  # a full save: slice each tensor to this rank's shard
-        nested = reader.read_state(name)
-        state = {}
-        for fqn, st in nested["state"].items():
-            like = params.get(fqn)
-            state[fqn] = {k: (slice_full(v, like) if like is not None and _is_sharded_value(v) else v)
-                          for k, v in st.items()}
-        ckpt.load_optimizer_state_by_name(optimizer, module, {"state": state, "param_groups": nested["param_groups"]})
+    if meta is None:
+        load_full_optimizer_state(optimizer, module, reader.read_state(name))
         return
+    params = dict(module.named_parameters())
     saved = reader.sharded_keys(name)
     state = {}
     for fqn, keys in meta["tensor_keys"].items():
@@ -248,6 +243,18 @@ def load_optimizer_state(reader: ckpt.CheckpointReader, name: str, optimizer: to
             st[k] = _as_like(_read_local(reader, name, key, like), like)
         state[fqn] = st
     ckpt.load_optimizer_state_by_name(optimizer, module, {"state": state, "param_groups": meta["param_groups"]})
+
+
+def load_full_optimizer_state(optimizer: torch.optim.Optimizer, module: nn.Module, nested: dict[str, Any]) -> None:
+    """Load a whole-tensor optimizer state keyed by name (``optimizer_state_by_name``'s structure) into one over
+    DTensor parameters: each tensor sliced to this rank's shard."""
+    params = dict(module.named_parameters())
+    state = {}
+    for fqn, st in nested["state"].items():
+        like = params.get(fqn)
+        state[fqn] = {k: (slice_full(v, like) if like is not None and _is_sharded_value(v) else v)
+                      for k, v in st.items()}
+    ckpt.load_optimizer_state_by_name(optimizer, module, {"state": state, "param_groups": nested["param_groups"]})
 
 
 def slice_full(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

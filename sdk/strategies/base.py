@@ -100,6 +100,11 @@ class Strategy(ABC):
         ZeRO-3 partition counts whole). A DTensor's ``numel()`` is already its global size."""
         return param.numel()
 
+    def parameter_shape(self, param: torch.Tensor) -> tuple[int, ...]:
+        """Shape of ``param`` as the model defines it, however this strategy holds it between steps (a ZeRO-3
+        partition has its whole shape). A DTensor's ``shape`` is already its global one."""
+        return tuple(param.shape)
+
     def setup_environment(self) -> None:
         """Bring up the process group and device; called once by the Runner before any setup."""
         self.precision.setup_environment(self.root_device)
@@ -298,7 +303,17 @@ class Strategy(ABC):
         from shardkit.strategies._sharded_state import read_full_optimizer_state
 
         # Full or sharded (FSDP, TP, ZeRO), whatever world size saved it.
-        state = read_full_optimizer_state(reader, name)
+        self.load_optimizer_state(optimizer, module, read_full_optimizer_state(reader, name))
+
+    def named_param_groups(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> list[dict[str, Any]]:
+        """The optimizer's param groups as this strategy steps them: each group's hyperparameters, with
+        ``params`` the names of the model's parameters in it (the structure ``load_optimizer_state`` takes)."""
+        return ckpt.optimizer_state_by_name(optimizer, self.unwrap(module))["param_groups"]
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, module: nn.Module, state: dict[str, Any]) -> None:
+        """Load a whole-tensor optimizer state keyed by parameter name (``optimizer_state_by_name``'s structure,
+        as a replicated run saves it) into ``optimizer`` at this strategy's layout: each rank takes its part.
+        The path every full save takes, and a state read from another tool's file (Hugging Face's optimizer.pt)."""
         ckpt.load_optimizer_state_by_name(optimizer, self.unwrap(module), state)
         _move_optimizer_state(optimizer, self.root_device)
 

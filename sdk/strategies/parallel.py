@@ -261,6 +261,10 @@ class MeshStrategy(ProcessGroupStrategy):
                        module: nn.Module) -> None:
         _sharded_state.load_optimizer_state(reader, name, optimizer, module)
 
+    @override
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, module: nn.Module, state: dict[str, Any]) -> None:
+        _sharded_state.load_full_optimizer_state(optimizer, module, state)
+
     @property
     def _full_state_dict(self) -> bool:
         return self.settings.state_dict_type == "full"

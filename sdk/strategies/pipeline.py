@@ -352,16 +352,16 @@ class Pipeline(ProcessGroupStrategy):
             writer.write_state(name, merged)
 
     @override
-    def load_optimizer(self, reader: ckpt.CheckpointReader, name: str, optimizer: torch.optim.Optimizer,
-                       module: nn.Module) -> None:
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, module: nn.Module, state: dict[str, Any]) -> None:
+        """The whole model's state (the base ``load_optimizer`` reads any save so): this stage keeps its own."""
         from shardkit.strategies._pipeline_stages import own_optimizer_state
-        from shardkit.strategies._sharded_state import read_full_optimizer_state, slice_full
+        from shardkit.strategies._sharded_state import slice_full
 
         params = dict(module.named_parameters())
-        full, copy = read_full_optimizer_state(reader, name), self._tied_copy()
+        copy = self._tied_copy()
         if copy is not None:  # the last stage's copy of a tied weight loads the state saved under the unsplit name
-            full = _with_alias(full, *copy)
-        state = own_optimizer_state(full, set(params))
+            state = _with_alias(state, *copy)
+        state = own_optimizer_state(state, set(params))
         if self.sharded:  # each rank keeps its FSDP shard of the whole tensors
             state["state"] = {n: {k: slice_full(v, params[n]) if isinstance(v, torch.Tensor) and v.dim() else v
                                   for k, v in st.items()} for n, st in state["state"].items()}

@@ -11,8 +11,11 @@ In: a ``checkpoint-N/`` written by Hugging Face's Trainer (``model.safetensors``
 ``optimizer.pt`` + ``scheduler.pt``) resumes here. Weights are read from safetensors into the (sharded) model;
 the optimizer and scheduler states only through shardkit's capped allowlist reader, which builds tensors and
 plain containers and never runs code, and checked against this run's optimizer and scheduler before they are
-loaded (:mod:`shardkit.trainer.hf_optimizer_state`). ``rng_state.pth`` and ``training_args.bin`` are full
-pickles: they are not read (random streams start fresh; the arguments are this run's).
+loaded (:mod:`shardkit.trainer.hf_optimizer_state`). The optimizer's whole-tensor state goes in through the
+strategy's ``load_optimizer_state``, the path a full save of shardkit's own takes: under FSDP and ZeRO each rank
+loads its shard of the moments, and the resumed run continues the one that wrote the checkpoint.
+``rng_state.pth`` and ``training_args.bin`` are full pickles: they are not read (random streams start fresh; the
+arguments are this run's).
 """
 
 from __future__ import annotations
@@ -147,19 +150,16 @@ def load_hf_checkpoint(runner: Any, model: nn.Module, optimizer: Any, scheduler:
     optimizer_state = scheduler_state = None
     optimizer_file = _pickle_file(path / "optimizer.pt")
     if optimizer_file is not None and optimizer is not None:
-        if strategy.optimizer_parameters == "whole" and not strategy.partitions_parameters:
-            optimizer_state = checked_optimizer_state(read_torch_file(optimizer_file), optimizer_file, optimizer,
-                                                      module, _hf_order(module))
-        else:
-            logger.warning(f"{optimizer_file} holds whole-parameter optimizer state, and {type(strategy).__name__} "
-                           "keeps the optimizer state partitioned: the optimizer starts fresh (weights, schedule "
-                           "and position are resumed)")
+        shapes = {n: strategy.parameter_shape(p) for n, p in module.named_parameters()}
+        optimizer_state = checked_optimizer_state(read_torch_file(optimizer_file), optimizer_file,
+                                                  strategy.named_param_groups(optimizer, model), shapes,
+                                                  _hf_order(module), type(optimizer).__name__)
     scheduler_file = _pickle_file(path / "scheduler.pt")
     if scheduler_file is not None and scheduler is not None and hasattr(scheduler, "load_state_dict"):
         scheduler_state = checked_scheduler_state(read_torch_file(scheduler_file), scheduler_file, scheduler)
     load_pretrained(runner, model, path)
-    if optimizer_state is not None:
-        optimizer.load_state_dict(optimizer_state)
+    if optimizer_state is not None:  # whole tensors by name: each rank takes its part, at this strategy's layout
+        strategy.load_optimizer_state(optimizer, model, optimizer_state)
     if scheduler_state is not None:
         scheduler.load_state_dict(scheduler_state)
         _learning_rates_from(scheduler)
@@ -169,7 +169,7 @@ def load_hf_checkpoint(runner: Any, model: nn.Module, optimizer: Any, scheduler:
 
 def _learning_rates_from(scheduler: Any) -> None:
     """The next step runs at the rate the loaded schedule reached (as after Hugging Face's resume), also where the
-    optimizer state was not loaded: a scheduler sets the groups' rates only when it steps."""
+    checkpoint has no optimizer.pt: a scheduler sets the groups' rates only when it steps."""
     last = getattr(scheduler, "_last_lr", None)
     groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", None)
     if isinstance(last, list) and groups is not None and len(last) == len(groups):

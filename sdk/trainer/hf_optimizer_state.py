@@ -10,7 +10,9 @@ the error names the file, the field and the fix.
 
 What is loaded is what Hugging Face's resume loads: the optimizer's per-parameter state and its param groups'
 hyperparameters (so the first resumed step runs at the learning rate the schedule had reached, not at the
-initial one), and the scheduler's state.
+initial one), and the scheduler's state. The file holds whole tensors indexed in Hugging Face's parameter order;
+they are re-keyed by parameter name, the form every strategy's loader takes a full save in, so under FSDP,
+TensorParallel and ZeRO each rank loads its part of the moments, as from one of shardkit's own checkpoints.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from shardkit.checkpoint.format import CheckpointError
 from shardkit.checkpoint.safe_unpickle import TorchZipFile
@@ -98,7 +99,7 @@ def _check_hyperparameter(path: Path, field: str, saved: Any, current: Any) -> N
             raise _refuse(path, field, f"is {describe(saved)}, outside [0, 1)", _FIX_OPTIMIZER)
 
 
-def _check_entry(path: Path, name: str, index: int, entry: Any, param: torch.Tensor) -> None:
+def _check_entry(path: Path, name: str, index: int, entry: Any, shape: tuple[int, ...]) -> None:
     """One parameter's state: string keys; tensors of the parameter's shape (or scalars), finite; step >= 0."""
     where = f"state[{index}] ({name})"
     if not isinstance(entry, dict):
@@ -108,8 +109,8 @@ def _check_entry(path: Path, name: str, index: int, entry: Any, param: torch.Ten
         if not isinstance(key, str):
             raise _refuse(path, field, "has a key that is not a string", _FIX_OPTIMIZER)
         if isinstance(value, torch.Tensor):
-            if value.ndim and tuple(value.shape) != tuple(param.shape):
-                raise _refuse(path, field, f"has shape {list(value.shape)}, the parameter {list(param.shape)}",
+            if value.ndim and tuple(value.shape) != shape:
+                raise _refuse(path, field, f"has shape {list(value.shape)}, the parameter {list(shape)}",
                               _FIX_OPTIMIZER)
             if value.is_complex() or not (value.is_floating_point() or value.dtype in (torch.int32, torch.int64)):
                 raise _refuse(path, field, f"holds {value.dtype}, not real numbers", _FIX_OPTIMIZER)
@@ -126,7 +127,7 @@ def _check_entry(path: Path, name: str, index: int, entry: Any, param: torch.Ten
             raise _refuse(path, field, f"is {describe(value)}, not a step count >= 0", _FIX_OPTIMIZER)
 
 
-def _check_same_optimizer(path: Path, index: int, saved: dict, current: dict, optimizer: Any) -> None:
+def _check_same_optimizer(path: Path, index: int, saved: dict, current: dict, optimizer_name: str) -> None:
     """The file's group has this optimizer's fields (AdamW's betas and eps, SGD's momentum...): state from
     another optimizer class would fail at the first step (a missing ``exp_avg``) or be read as something else."""
     missing = [k for k in current if k not in saved and k not in _VERSION_FIELDS]
@@ -135,7 +136,7 @@ def _check_same_optimizer(path: Path, index: int, saved: dict, current: dict, op
         words = [f"lacks {', '.join(map(describe, missing))}" if missing else "",
                  f"has {', '.join(map(describe, extra))}" if extra else ""]
         raise _refuse(path, f"param_groups[{index}]", f"{' and '.join(w for w in words if w)}, fields this run's "
-                      f"{type(optimizer).__name__} does not match: it was saved by another optimizer",
+                      f"{optimizer_name} does not match: it was saved by another optimizer",
                       "resume with the optimizer it was saved with (TrainingArguments.optim), or delete "
                       "optimizer.pt to resume the weights with a fresh optimizer")
 
@@ -172,48 +173,47 @@ def _saved_groups(saved: Any, path: Path, count: int) -> list[dict]:
     return groups
 
 
-def checked_optimizer_state(saved: Any, path: Path, optimizer: torch.optim.Optimizer, module: nn.Module,
-                            hf_order: list[str]) -> dict:
-    """The state dict to hand ``optimizer.load_state_dict``: the file's per-parameter state re-indexed by name
-    into this optimizer's order, and its groups' hyperparameters. ``hf_order`` is the trainable parameters' names
-    in Hugging Face's order (the file's indices). Everything is checked first; the optimizer is not touched.
+def checked_optimizer_state(saved: Any, path: Path, groups: list[dict], shapes: dict[str, tuple[int, ...]],
+                            hf_order: list[str], optimizer_name: str) -> dict:
+    """The file's state as this run's optimizer takes it, keyed by parameter name (the structure of
+    ``shardkit.checkpoint.optimizer_state_by_name``, whole tensors, which every strategy loads at its own layout):
+    each parameter's state found by name, and each of this run's groups with the file's hyperparameters.
+
+    ``groups`` is this run's param groups with parameter names (``Strategy.named_param_groups``), ``shapes`` the
+    parameters' whole shapes, ``hf_order`` the trainable parameters' names in Hugging Face's order (the file's
+    indices). Everything is checked first; nothing is loaded.
 
     Raises:
         CheckpointError: naming the file, the field and the fix.
     """
-    groups = _saved_groups(saved, path, len(hf_order))
-    group_of = {hf_order[i]: g for g, group in enumerate(groups) for i in group["params"]}
+    saved_groups = _saved_groups(saved, path, len(hf_order))
+    group_of = {hf_order[i]: g for g, group in enumerate(saved_groups) for i in group["params"]}
     position = {name: i for i, name in enumerate(hf_order)}
-    params = dict(module.named_parameters())
-    names = {id(p): n for n, p in params.items()}
-    current = optimizer.state_dict()["param_groups"]
-    state, new_groups, index = {}, [], 0
-    for g, group in enumerate(optimizer.param_groups):
+    state, new_groups = {}, []
+    for g, group in enumerate(groups):
         sources = set()
-        for p in group["params"]:
-            name = names.get(id(p))
+        for name in group["params"]:
             if name in group_of:
                 sources.add(group_of[name])
                 i = position[name]
                 if i in saved["state"]:
-                    _check_entry(path, name, i, saved["state"][i], params[name])
-                    state[index] = saved["state"][i]
-            index += 1
-        hyper = {k: v for k, v in current[g].items() if k != "params"}
+                    _check_entry(path, name, i, saved["state"][i], shapes[name])
+                    state[name] = saved["state"][i]
+        hyper = {k: v for k, v in group.items() if k != "params"}
         for s in sorted(sources):
-            _check_same_optimizer(path, s, groups[s], hyper, optimizer)
+            _check_same_optimizer(path, s, saved_groups[s], hyper, optimizer_name)
         for k in hyper:
             for s in sorted(sources):
-                if k in groups[s]:
-                    _check_hyperparameter(path, f"param_groups[{s}].{k}", groups[s][k], hyper[k])
-        if len(sources) > 1 and len({repr({k: groups[s].get(k) for k in hyper}) for s in sources}) > 1:
+                if k in saved_groups[s]:
+                    _check_hyperparameter(path, f"param_groups[{s}].{k}", saved_groups[s][k], hyper[k])
+        if len(sources) > 1 and len({repr({k: saved_groups[s].get(k) for k in hyper}) for s in sources}) > 1:
             raise _refuse(path, "param_groups", f"give different hyperparameters to parameters this run's group {g} "
                           "holds together", "build the optimizer with Hugging Face's groups (the Trainer's own: "
                           "with and without weight decay), or delete optimizer.pt to resume with a fresh optimizer")
         if sources:
-            source = groups[min(sources)]
+            source = saved_groups[min(sources)]
             hyper.update({k: source[k] for k in hyper if k in source and k not in _IMPLEMENTATION_FIELDS})
-        new_groups.append({**hyper, "params": current[g]["params"]})
+        new_groups.append({**hyper, "params": list(group["params"])})
     return {"state": state, "param_groups": new_groups}
 
 

@@ -7,11 +7,10 @@ import logging
 import os
 import shutil
 import stat
-from unittest import mock
 
 import pytest
 import torch
-from trainer_tiny import Line, Regression, Tokens, tiny_llama
+from trainer_tiny import Line, Regression, Tokens, hf_trainer_checkpoint, logged_after, tiny_llama
 
 from shardkit.checkpoint.format import CheckpointError
 from shardkit.trainer import Trainer, TrainerCallback, TrainerState, TrainerStateError, TrainingArguments
@@ -56,26 +55,8 @@ class _AtStart(TrainerCallback):
         self.last_epoch = lr_scheduler.last_epoch
 
 
-def _hf_checkpoint(tmp_path, max_steps=2, schedule="linear"):
-    """checkpoint-2 written by Hugging Face's own Trainer (transformers installed for the tests), in a run of
-    ``max_steps`` that logs every step."""
-    import transformers
-
-    # A single-process ZeRO run earlier in this process leaves LOCAL_RANK=0 (DeepSpeed's zero.Init reads it);
-    # HF's arguments would take it for a launcher's and wait for a process group.
-    with mock.patch.dict(os.environ):
-        os.environ.pop("LOCAL_RANK", None)
-        args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=4,
-                                              learning_rate=1e-2, optim="adamw_torch", max_steps=max_steps,
-                                              save_steps=2, logging_steps=1, use_cpu=True, report_to="none",
-                                              disable_tqdm=True, seed=0, lr_scheduler_type=schedule)
-        hf = transformers.Trainer(tiny_llama(), args, train_dataset=Tokens())
-        hf.train()
-    return tmp_path / "hf" / "checkpoint-2", hf
-
-
 def test_resume_from_a_checkpoint_hugging_faces_trainer_wrote(tmp_path, caplog):
-    checkpoint, hf = _hf_checkpoint(tmp_path)
+    checkpoint, hf = hf_trainer_checkpoint(tmp_path)
     start = _AtStart()
     trainer = Trainer(tiny_llama(seed=1), _args(tmp_path / "out", max_steps=4), train_dataset=Tokens(),
                       callbacks=[start])
@@ -94,27 +75,23 @@ def test_resume_from_a_checkpoint_hugging_faces_trainer_wrote(tmp_path, caplog):
     assert f"resumed from {checkpoint} at step 2" in caplog.text
 
 
-def _logged(log_history, after):
-    return [(h["step"], h["loss"], h["learning_rate"]) for h in log_history if "loss" in h and h["step"] > after]
-
-
 @pytest.mark.parametrize("schedule,rates", [("linear", [0.005, 0.0025]), ("constant", [0.01, 0.01])])
 def test_resuming_a_hugging_face_checkpoint_continues_its_run_exactly(tmp_path, schedule, rates):
     """A 4-step run resumed at checkpoint-2: under the linear schedule step 3 runs at 0.005 (the rate the schedule
     reached, from the file's param groups and the loaded scheduler), not at the initial 0.01, and the remaining
     steps' losses and rates are those of Hugging Face's uninterrupted run. (Hugging Face's constant schedule is a
     plain function, shardkit's a partial: their saved states differ in form and load alike.)"""
-    checkpoint, hf = _hf_checkpoint(tmp_path, max_steps=4, schedule=schedule)
+    checkpoint, hf = hf_trainer_checkpoint(tmp_path, max_steps=4, schedule=schedule)
     trainer = Trainer(tiny_llama(seed=1), _args(tmp_path / "out", max_steps=4, save_strategy="no",
                                                 lr_scheduler_type=schedule), train_dataset=Tokens())
     trainer.train(resume_from_checkpoint=str(checkpoint))
-    mine, theirs = _logged(trainer.state.log_history, 2), _logged(hf.state.log_history, 2)
+    mine, theirs = logged_after(trainer.state.log_history, 2), logged_after(hf.state.log_history, 2)
     assert [(s, lr) for s, _, lr in mine] == [(s, lr) for s, _, lr in theirs] == [(3, rates[0]), (4, rates[1])]
     assert [loss for _, loss, _ in mine] == pytest.approx([loss for _, loss, _ in theirs], abs=2e-6)
 
 
 def test_a_pickle_that_runs_code_is_never_loaded(tmp_path):
-    checkpoint, _ = _hf_checkpoint(tmp_path)
+    checkpoint, _ = hf_trainer_checkpoint(tmp_path)
     marker = tmp_path / "ran"
 
     class Payload:
@@ -142,7 +119,7 @@ def test_trainer_state_is_checked(tmp_path, content, field):
 
 
 def test_a_tampered_state_in_a_checkpoint_is_refused_naming_it(tmp_path):
-    checkpoint, _ = _hf_checkpoint(tmp_path)
+    checkpoint, _ = hf_trainer_checkpoint(tmp_path)
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     state["global_step"] = "abc"
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
@@ -198,7 +175,7 @@ def test_rotation_orders_by_age_and_keeps_the_newest_and_the_best(tmp_path, limi
 
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory):
-    checkpoint, _ = _hf_checkpoint(tmp_path_factory.mktemp("hf"))
+    checkpoint, _ = hf_trainer_checkpoint(tmp_path_factory.mktemp("hf"))
     return checkpoint
 
 

@@ -30,7 +30,7 @@ from torch import nn
 from shardkit import checkpoint as ckpt
 from shardkit.strategies.zero.layout import ZeROLayout, inner_optimizer, param_shape
 
-__all__ = ["save_module", "load_module", "save_optimizer", "load_optimizer"]
+__all__ = ["load_full_optimizer", "load_module", "load_optimizer", "named_groups", "save_module", "save_optimizer"]
 
 _META = "{}.meta"
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "scale_factor", "scale_window")
@@ -121,7 +121,7 @@ def save_optimizer(writer: ckpt.CheckpointWriter, name: str, optimizer: Any, mod
                 pieces[f"{pname}/{key}"] = _piece(found[0], param_shape(param), found[1])
     writer.write_shard(name, pieces)
     if rank == 0:
-        groups = _named_groups(optimizer, module, layout)
+        groups = named_groups(optimizer, module, layout)
         step = _step_count(optimizer)
         scaler = getattr(optimizer, "loss_scaler", None)
         scaler_state = {f: getattr(scaler, f) for f in _SCALER_FIELDS if hasattr(scaler, f)}
@@ -134,7 +134,7 @@ def save_optimizer(writer: ckpt.CheckpointWriter, name: str, optimizer: Any, mod
         writer.write_state(_META.format(name), meta)
 
 
-def _named_groups(optimizer: Any, module: nn.Module, layout: ZeROLayout) -> list[dict[str, Any]]:
+def named_groups(optimizer: Any, module: nn.Module, layout: ZeROLayout) -> list[dict[str, Any]]:
     """The param groups' hyperparameters with ``params`` as the names of the model parameters in each group."""
     names = {id(p): n for n, p in module.named_parameters()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in optimizer.param_groups]
@@ -144,11 +144,14 @@ def _named_groups(optimizer: Any, module: nn.Module, layout: ZeROLayout) -> list
 
 
 class _FullOptimizerState:
-    """Reads a full by-name optimizer state (saved by DDP/SingleDevice) like a sharded entry."""
+    """Reads a full by-name optimizer state (saved by DDP/SingleDevice, or read from another tool's file) like a
+    sharded entry."""
 
     def __init__(self, nested: dict[str, Any]):
         self.state = nested["state"]
-        self.meta = {"param_groups": nested["param_groups"], "loss_scaler": {},
+        keys = sorted({k for st in self.state.values() for k, v in st.items()
+                       if isinstance(v, torch.Tensor) and v.dim() > 0})
+        self.meta = {"param_groups": nested["param_groups"], "loss_scaler": {}, "state_keys": keys or None,
                      "step": next((int(s["step"]) for s in self.state.values() if "step" in s), 0)}
 
     def has(self, pname: str, key: str) -> bool:
@@ -176,17 +179,27 @@ def load_optimizer(reader: ckpt.CheckpointReader, name: str, optimizer: Any, mod
     """Fill each rank's optimizer-state fragments, then the step count, the groups and the loss scaler."""
     kind = reader.entries().get(name)
     source = _ShardedOptimizerState(reader, name) if kind == "sharded" else _FullOptimizerState(reader.read_state(name))
+    _load_optimizer_from(source, f"{reader.path}: optimizer entry {name!r}", optimizer, module, layout)
+
+
+def load_full_optimizer(nested: dict[str, Any], optimizer: Any, module: nn.Module, layout: ZeROLayout) -> None:
+    """A whole-tensor optimizer state keyed by parameter name (``optimizer_state_by_name``'s structure) into each
+    rank's fragments, as a full save loads."""
+    _load_optimizer_from(_FullOptimizerState(nested), "the optimizer state", optimizer, module, layout)
+
+
+def _load_optimizer_from(source: Any, where: str, optimizer: Any, module: nn.Module, layout: ZeROLayout) -> None:
     if not inner_optimizer(optimizer).state:
-        _create_state(optimizer, layout, source.meta.get("state_keys", ["exp_avg", "exp_avg_sq"]))
+        _create_state(optimizer, layout, source.meta.get("state_keys") or ["exp_avg", "exp_avg_sq"])
     keys = _state_keys(optimizer)
     trainable = [(n, p) for n, p in module.named_parameters() if layout.trainable(p)]
     missing = [f"{n}/{k}" for n, _ in trainable for k in keys if not source.has(n, k)]
     if missing:
-        raise ckpt.CheckpointError(f"{reader.path}: optimizer entry {name!r} has no state {missing[0]!r} "
-                                   f"({len(missing)} missing); it was saved for another model or optimizer")
+        raise ckpt.CheckpointError(f"{where} has no state {missing[0]!r} ({len(missing)} missing); it was saved "
+                                   "for another model or optimizer")
     if len(source.meta["param_groups"]) != len(optimizer.param_groups):
-        raise ckpt.CheckpointError(f"{reader.path}: {name} has {len(source.meta['param_groups'])} param groups, "
-                                   f"this optimizer has {len(optimizer.param_groups)}")
+        raise ckpt.CheckpointError(f"{where} has {len(source.meta['param_groups'])} param groups, this optimizer "
+                                   f"has {len(optimizer.param_groups)}")
     for pname, param in trainable:
         for key in keys:
             layout.load_state(source, pname, param, key, optimizer)

@@ -25,7 +25,7 @@ from typing_extensions import override
 from shardkit.strategies.base import param_list
 from shardkit.strategies.zero.config import ZeROSettings
 from shardkit.strategies.zero.init import ZeroInitInterceptor
-from shardkit.strategies.zero.layout import ParameterPartitionLayout, ZeROLayout
+from shardkit.strategies.zero.layout import ParameterPartitionLayout, ZeROLayout, param_shape
 from shardkit.strategies.zero.strategy import ZeROStrategy, prepare_deepspeed
 from shardkit.strategies.zero.transformers_link import TransformersLink
 
@@ -121,6 +121,10 @@ class ZeRO3(ZeROStrategy):
     def parameter_numel(self, param: torch.Tensor) -> int:
         """A partitioned parameter is an empty placeholder (``numel() == 0``); DeepSpeed records its full size."""
         return int(getattr(param, "ds_numel", param.numel()))
+
+    @override
+    def parameter_shape(self, param: torch.Tensor) -> tuple[int, ...]:
+        return param_shape(param)
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:

@@ -302,6 +302,14 @@ class ZeROStrategy(ProcessGroupStrategy):
         zero_checkpoint.load_optimizer(reader, name, module.optimizer, self.unwrap(module), self.layout)
 
     @override
+    def named_param_groups(self, optimizer: Any, module: nn.Module) -> list[dict[str, Any]]:
+        return zero_checkpoint.named_groups(module.optimizer, self.unwrap(module), self.layout)
+
+    @override
+    def load_optimizer_state(self, optimizer: Any, module: nn.Module, state: dict[str, Any]) -> None:
+        zero_checkpoint.load_full_optimizer(state, module.optimizer, self.unwrap(module), self.layout)
+
+    @override
     def checkpoint_info(self) -> dict[str, Any]:
         return {**super().checkpoint_info(), "zero_stage": self.settings.stage,
                 "offload_optimizer": self.settings.offload_optimizer, "offload_params": self.settings.offload_params}
