@@ -24,7 +24,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("config", "shardkit.config.cli", "write a launch config (Accelerate-style YAML) by answering questions"),
     ("zero-to-fp32", "shardkit.checkpoint.zero_to_fp32", "consolidate a checkpoint into fp32 safetensors"),
     ("estimate-memory", "shardkit.memory.cli", "per-device memory of each strategy for a model; what fits"),
-    ("build-ops", "shardkit.ops.build_cli", "build the C++ ops ahead (--deepspeed: and DeepSpeed's, for ZeRO)"),
+    ("build-ops", "shardkit.build_ops_cli", "build the C++ ops ahead (--deepspeed: and DeepSpeed's, for ZeRO)"),
 ]
 
 

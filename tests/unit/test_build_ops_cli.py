@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+import shardkit.ops
 from shardkit import cli
+from shardkit.build_ops_cli import build_ops
 from shardkit.ops import _builder
-from shardkit.ops.build_cli import build_ops
 
 
 def test_build_ops_builds_the_shardkit_ops_into_the_given_folder_and_names_it(tmp_path, monkeypatch, capsys):
@@ -24,7 +25,7 @@ def test_build_ops_builds_the_shardkit_ops_into_the_given_folder_and_names_it(tm
     (csrc / "include").mkdir()
     (csrc / "tiny" / "tiny.cpp").write_text('extern "C" int tiny_add(int a, int b) { return a + b; }\n')
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    monkeypatch.setattr(_builder, "BUILDER", _builder.ExtensionBuilder(csrc=csrc, name="shardkit_tiny_cli"))
+    monkeypatch.setattr(shardkit.ops, "BUILDER", _builder.ExtensionBuilder(csrc=csrc, name="shardkit_tiny_cli"))
 
     assert cli.main(["build-ops"]) == 0
     out = capsys.readouterr().out
@@ -76,7 +77,9 @@ def test_two_environments_get_their_own_default_ops_folder(tmp_path):
         python = tmp_path / name / "bin" / "python"
         site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                               check=True, capture_output=True, text=True).stdout.strip()
-        Path(site, "lent_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        # addsitedir, not a bare path: the lent site's own .pth files run too (shardkit's editable-install finder)
+        lent = sysconfig.get_paths()["purelib"]
+        Path(site, "lent_packages.pth").write_text(f"import site; site.addsitedir({lent!r})\n")
         done = subprocess.run([str(python), "-c", _WHERE], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
         root, deepspeed_op = done.stdout.split()[-2:]

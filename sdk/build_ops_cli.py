@@ -22,14 +22,6 @@ from pathlib import Path
 
 __all__ = ["build_ops", "register"]
 
-# DeepSpeed builder -> (op name, when a ZeRO run loads it)
-_DEEPSPEED_OPS = {
-    "ShareMemCommBuilder": ("shm_comm", "collectives of the CPU accelerator"),
-    "CPUAdamBuilder": ("cpu_adam", "optimizer offload"),
-    "AsyncIOBuilder": ("async_io", "NVMe offload"),
-}
-
-
 def _build(label: str, build: Callable[[], Path | None], out) -> bool:
     """Run one build, printing what was built and where (or why not); False when it failed."""
     start = time.perf_counter()
@@ -49,20 +41,9 @@ def _build(label: str, build: Callable[[], Path | None], out) -> bool:
 
 
 def _shardkit_op() -> Path:
-    from shardkit.ops._builder import BUILDER
+    from shardkit.ops import BUILDER
 
     return Path(BUILDER.load())
-
-
-def _deepspeed_op(builder_name: str) -> Path | None:
-    from deepspeed.accelerator import get_accelerator
-
-    from shardkit.ops.build_lock import extensions_root
-    from shardkit.strategies.zero.strategy import build_deepspeed_op
-
-    if not build_deepspeed_op(builder_name):
-        return None
-    return extensions_root() / get_accelerator().create_op_builder(builder_name).NAME
 
 
 def build_ops(deepspeed: bool = False, shardkit_ops: bool = True, out=None) -> bool:
@@ -76,32 +57,9 @@ def build_ops(deepspeed: bool = False, shardkit_ops: bool = True, out=None) -> b
     ok = _build("shardkit_C (shardkit's C++ ops)", _shardkit_op, out) if shardkit_ops else True
     if not deepspeed:
         return ok
-    try:
-        from shardkit.strategies.zero.config import libaio_available
-        from shardkit.strategies.zero.strategy import choose_deepspeed_accelerator
+    from shardkit.strategies.zero.prebuild import build_deepspeed_ops
 
-        choose_deepspeed_accelerator()
-        from deepspeed.accelerator import get_accelerator
-    except ImportError as err:
-        print(f"DeepSpeed ops: cannot import deepspeed ({err}); `pip install deepspeed` to use the ZeRO strategies",
-              file=out, flush=True)
-        return False
-    from shardkit.strategies.zero.strategy import deepspeed_op_builders
-
-    with_aio = libaio_available()
-    for builder_name in deepspeed_op_builders(offload=True, nvme=True):
-        name, use = _DEEPSPEED_OPS[builder_name]
-        label = f"DeepSpeed {name} ({use})"
-        if builder_name == "AsyncIOBuilder" and not with_aio:
-            print(f"skipping {label}: libaio not found (header libaio.h and library libaio); install it "
-                  "(apt-get install libaio-dev) and run this again to use NVMe offload", file=out, flush=True)
-            continue
-        if get_accelerator().create_op_builder(builder_name) is None:
-            print(f"skipping {label}: DeepSpeed's {get_accelerator()._name} accelerator has no {builder_name}",
-                  file=out, flush=True)
-            continue
-        ok &= _build(label, lambda builder=builder_name: _deepspeed_op(builder), out)
-    return ok
+    return build_deepspeed_ops(lambda label, build: _build(label, build, out), out) and ok
 
 
 def _run(args: argparse.Namespace) -> int:
