@@ -107,6 +107,11 @@ class Precision:
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients by the loss scale, once per step (before clipping or the step)."""
 
+    def follow_engine_step(self, scale: float | None, skipped: bool) -> None:
+        """Where an engine scales the loss itself (DeepSpeed), the step it just took: ``scale`` its loss scale now
+        (None: it has none), ``skipped`` whether it skipped the step. Keeps ``current_loss_scale`` (what the Runner
+        logs) and the saved scaler state true to the engine's; a no-op for precisions that do not scale."""
+
     def optimizer_step(
         self, optimizer: torch.optim.Optimizer, found_inf: Callable[[torch.Tensor], torch.Tensor] | None = None
     ) -> bool:

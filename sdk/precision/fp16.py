@@ -169,6 +169,13 @@ class FP16(Precision):
         if "loss_scaler" in state:
             self._scaler.load_state_dict(state["loss_scaler"])
 
+    @override
+    def follow_engine_step(self, scale: float | None, skipped: bool) -> None:
+        if scale is not None:
+            self._scaler.scale = float(scale)
+        if skipped:
+            self._scaler.skipped_steps += 1
+
     @property
     def skipped_steps(self) -> int:
         """How many optimizer steps were skipped for overflow so far."""

@@ -276,7 +276,12 @@ class ZeROStrategy(ProcessGroupStrategy):
             self._pending_norm = None
             _set_clip(module, base_clip)
         module.set_gradient_accumulation_boundary(self._sync_next)
-        return module.skipped_steps == skipped_before
+        skipped = module.skipped_steps != skipped_before
+        # DeepSpeed keeps its own loss scaler under fp16: the precision mirrors it, or the scale the Runner logs
+        # (and saves) would stay at its initial value while the engine halves and doubles its own.
+        scaler = getattr(getattr(module, "optimizer", None), "loss_scaler", None)
+        self.precision.follow_engine_step(getattr(scaler, "cur_scale", None), skipped)
+        return not skipped
 
     @override
     def zero_grad(self, optimizer: Any, module: nn.Module) -> None:
