@@ -112,7 +112,10 @@ def _first_half(kind: str, out: Path, steps: int) -> list:
                          train_dataset=data, processing_class=tokenizer, strategy=strategy_from_name("ddp"))
     recorder = trainer.data_collator = Recorder(trainer.data_collator)
     trainer.train()
-    return [s for b in recorder.batches for s in split_sequences(b)]
+    # The batches trained, not all those collated: a stream's loader reads one batch ahead (to know its last), and
+    # the batch read ahead of the save is the resumed run's first.
+    trained = recorder.batches[:trainer.state.global_step * trainer.args.gradient_accumulation_steps]
+    return [s for b in trained for s in split_sequences(b)]
 
 
 def _resume(kind: str, out: Path, steps: int, world: int) -> list:
