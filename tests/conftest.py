@@ -36,3 +36,18 @@ def _trainer_logs_reach_caplog():
     if hf_logging is not None:
         hf_logging.enable_propagation()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A front built in the test process (FSDP, ZeRO, TP or CP in a plain process) starts a private 1-rank group;
+    one left behind makes the next forked workers refuse the parent ("already has a process group"). A group that
+    existed before the test (a wider fixture's) is left alone."""
+    import torch.distributed as dist
+
+    had_group = dist.is_available() and dist.is_initialized()
+    yield
+    if not had_group and dist.is_available() and dist.is_initialized():
+        from shardkit.distributed.process_group import destroy_distributed
+
+        destroy_distributed()

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 import yaml
 
 from shardkit import Accelerator
@@ -23,7 +22,6 @@ from shardkit.config import ConfigError, common
 from shardkit.config.accelerate import load_accelerate_config
 from shardkit.config.accelerate_env import LaunchEnvironment, launch_environment
 from shardkit.config.deepspeed import build_strategy
-from shardkit.distributed.process_group import destroy_distributed
 
 pytest.importorskip("accelerate")
 
@@ -57,15 +55,6 @@ DS_JSON = {"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 
            "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
                                                         "warmup_num_steps": "auto"}}}
 
-
-@pytest.fixture(autouse=True)
-def _no_process_group_left_behind():
-    """The fronts built here in-process (a Runner under the launcher's FSDP) start a private 1-rank group; the next
-    test file forks workers, which refuse a parent that holds one."""
-    had_group = dist.is_available() and dist.is_initialized()
-    yield
-    if not had_group and dist.is_available() and dist.is_initialized():
-        destroy_distributed()
 
 
 @pytest.fixture(autouse=True)
