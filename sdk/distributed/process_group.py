@@ -34,6 +34,8 @@ __all__ = [
 
 # Seconds a process group's worker threads get to drop their last finished work before it is destroyed.
 _WORKER_RELEASE_GRACE_S = 0.05
+# Variables _start_private_group exported, taken back when the group is destroyed.
+_ENV_SET_FOR_PRIVATE_GROUP: set[str] = set()
 
 
 def backend_for_device(device_type: str) -> str:
@@ -110,8 +112,12 @@ def _start_private_group(kind: str, seconds: float) -> None:
     dist.init_process_group(backend_for_device(kind), init_method=f"tcp://127.0.0.1:{find_free_port()}",
                             rank=0, world_size=1, timeout=timedelta(seconds=seconds))
     # DeepSpeed's zero.Init reads os.environ["LOCAL_RANK"] and fails with KeyError in a plain `python train.py`,
-    # which no launcher has given it (the only rank variable DeepSpeed requires).
-    os.environ.setdefault("LOCAL_RANK", "0")
+    # which no launcher has given it (the only rank variable DeepSpeed requires). Taken back with the group: left
+    # set, it tells the next library in this process (Accelerate's PartialState, which transformers'
+    # TrainingArguments builds) that a launcher started it, and that one then waits for a RANK no one gave.
+    if "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = "0"
+        _ENV_SET_FOR_PRIVATE_GROUP.add("LOCAL_RANK")
 
 
 def destroy_distributed() -> None:
@@ -149,3 +155,5 @@ def destroy_distributed() -> None:
         # to process exit: this rank ends on the error, and its closing sockets end the peer's next collective.
         raise timed_out
     dist.destroy_process_group()
+    while _ENV_SET_FOR_PRIVATE_GROUP:
+        os.environ.pop(_ENV_SET_FOR_PRIVATE_GROUP.pop(), None)

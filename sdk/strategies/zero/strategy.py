@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+import types
 import warnings
 from typing import Any
 
@@ -81,6 +82,7 @@ class ZeROStrategy(ProcessGroupStrategy):
         self.settings = settings
         self.layout: ZeROLayout = self._make_layout(settings.stage)
         self._engine: Any | None = None
+        self._engine_stepping = False  # True only inside the engine's step: see _refuse_steps_outside_the_engine
         self._runner_values: dict[str, int] = {}
         self._sync_next = True
         self._pending_norm: torch.Tensor | None = None
@@ -179,7 +181,31 @@ class ZeROStrategy(ProcessGroupStrategy):
         inner = getattr(ds_optimizer, "optimizer", ds_optimizer)
         if is_schedule_free(inner):
             self._follow_mode_switches(ds_optimizer, inner)
-        return engine, inner if isinstance(inner, torch.optim.Optimizer) else ds_optimizer, scheduler
+        returned = inner if isinstance(inner, torch.optim.Optimizer) else ds_optimizer
+        self._refuse_steps_outside_the_engine(returned)
+        return engine, returned, scheduler
+
+    def _refuse_steps_outside_the_engine(self, optimizer: Any) -> None:
+        """Make ``optimizer.step()`` called by hand fail loudly instead of doing nothing.
+
+        The optimizer holds DeepSpeed's fp32 partitions (under ZeRO-3 its groups are even empty between steps), so a
+        step of its own would leave the model's weights as they were while the loop ran on without a word. Only the
+        engine's step (``runner.step()``, the Accelerator's prepared optimizer, the Trainer) may call it.
+        """
+        original = optimizer.step
+        strategy = self
+
+        def step(_optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if not strategy._engine_stepping:
+                raise RuntimeError(
+                    f"{type(strategy).__name__}: optimizer.step() was called directly, which under DeepSpeed "
+                    "would leave the model's weights unchanged; call runner.step() after runner.backward(loss) "
+                    "(it steps DeepSpeed's engine, and the optimizer through it)")
+            return original(*args, **kwargs)
+
+        # NOTE: an instance attribute shadows the class's method, for this object only. A bound method, as torch's
+        # LR schedulers expect when they wrap optimizer.step to count its calls (a scheduler made after setup).
+        optimizer.step = types.MethodType(step, optimizer)
 
     def _follow_mode_switches(self, ds_optimizer: Any, optimizer: torch.optim.Optimizer) -> None:
         """Make a schedule-free optimizer's ``train()``/``eval()`` reach the model, as they do without DeepSpeed.
@@ -269,7 +295,11 @@ class ZeROStrategy(ProcessGroupStrategy):
         skipped_before = module.skipped_steps
         base_clip = float(module.config.get("gradient_clipping", 0.0) or 0.0) if hasattr(module, "config") else 0.0
         module.set_gradient_accumulation_boundary(True)
-        module.step()
+        self._engine_stepping = True
+        try:
+            module.step()
+        finally:
+            self._engine_stepping = False
         if self._pending_norm is not None:
             norm = module.get_global_grad_norm()
             self._pending_norm.fill_(float("nan") if norm is None else float(norm))
@@ -416,6 +446,7 @@ def prepare_deepspeed(settings: ZeROSettings) -> None:
                             module=r"torch\.distributed\.c10d_logger")
     for name in deepspeed_op_builders(offload=bool(settings.offload_optimizer), nvme=bool(settings.uses_nvme)):
         build_deepspeed_op(name)
+    _forget_stale_process_groups()
 
 
 def choose_deepspeed_accelerator() -> None:
@@ -510,6 +541,27 @@ def _host_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any | None) -> 
     if scheduler is not None and getattr(scheduler, "optimizer", None) is optimizer:
         scheduler.optimizer = converted  # its lr changes must reach the optimizer that steps
     return converted
+
+
+def _forget_stale_process_groups() -> None:
+    """Drop DeepSpeed's cached groups when the process group they were cloned from is gone.
+
+    ``teardown`` drops them, but a group can also end without it: an engine never torn down whose process group
+    ended some other way (``destroy_distributed`` at the end of a script or test). The next engine would then use
+    the dead clone and fail in its constructor with "Group ... is not registered".
+    """
+    groups = sys.modules.get("deepspeed.utils.groups")
+    cached = getattr(groups, "_WORLD_GROUP", None) if groups is not None else None
+    if cached is None:
+        return
+    import torch.distributed as dist
+
+    try:
+        live = dist.is_initialized() and dist.get_rank(group=cached) >= 0
+    except (ValueError, RuntimeError):  # not registered in the current world: it died with an earlier group
+        live = False
+    if not live:
+        _forget_process_groups()
 
 
 def _forget_process_groups() -> None:
