@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-_BEFORE = ("import shardkit.runner, shardkit.strategies.fsdp, shardkit.strategies.tensor_parallel, "
+_BEFORE = ("import shardkit.runner.core, shardkit.strategies.fsdp, shardkit.strategies.tensor_parallel, "
            "shardkit.distributed\nfrom shardkit import cli\ncli.build_parser().parse_args(['--help'])")
 # What each subcommand's --help imported before issue 30's lazy package __init__s.
 _SUBCOMMAND_BEFORE = {

@@ -36,7 +36,7 @@ CONFIG = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num
 
 
 def _saved_bytes(fn) -> tuple[int, torch.Tensor]:
-    from shardkit.strategies._mesh import local_tensor
+    from shardkit.strategies._dtensor import local_tensor
 
     seen: dict[int, int] = {}
 

@@ -53,7 +53,7 @@ class Import:
     """One import statement's target, seen from the module that makes it."""
 
     source: str  # dotted module name, "shardkit.inference.sync"
-    target: str  # dotted module imported from, "shardkit.strategies._mesh"
+    target: str  # dotted module imported from, "shardkit.strategies._dtensor"
     names: tuple[str, ...]  # the names taken (empty for ``import x.y``)
     line: int
 

@@ -4,8 +4,9 @@
     runner = Runner(strategy=DDP(), precision=BF16())
 """
 
-import importlib
-import importlib.util
+import contextlib
+
+from shardkit.utils.lazy import install_moved_modules, lazy_exports
 
 __version__ = "0.1.0"
 
@@ -13,26 +14,20 @@ __all__ = ["Runner", "Strategy", "SingleDevice", "DDP", "FSDP", "TensorParallel"
            "launch", "seed_everything", "Accelerator", "notebook_launcher", "__version__"]
 
 # NOTE: every name loads on first use, so that `import shardkit` (and `shardkit --help`, whose console script
-# imports shardkit.cli) does not import torch: 8-12 s on a busy 2-core machine, ~0.05 s without (issue 30).
-_LAZY = {
-    "launch": "shardkit.distributed", "BF16": "shardkit.precision", "FP16": "shardkit.precision",
-    "FP32": "shardkit.precision", "Precision": "shardkit.precision", "Runner": "shardkit.runner",
-    "seed_everything": "shardkit.seeding", "DDP": "shardkit.strategies", "SingleDevice": "shardkit.strategies",
-    "Strategy": "shardkit.strategies", "FSDP": "shardkit.strategies.fsdp",
-    "TensorParallel": "shardkit.strategies.tensor_parallel",
-    "Accelerator": "shardkit.accelerate_compat", "notebook_launcher": "shardkit.accelerate_compat",
-    "Trainer": "shardkit.trainer", "TrainingArguments": "shardkit.trainer",
-    "SFTTrainer": "shardkit.sft", "SFTConfig": "shardkit.sft",
-}
+# imports shardkit.cli) does not import torch: 8-12 s on a busy 2-core machine, ~0.05 s without.
+_load, _names = lazy_exports(__name__, {
+    "launch": "distributed", "BF16": "precision", "FP16": "precision", "FP32": "precision", "Precision": "precision",
+    "Runner": "runner", "seed_everything": "utils.seeding", "DDP": "strategies", "SingleDevice": "strategies",
+    "Strategy": "strategies", "FSDP": "strategies.fsdp", "TensorParallel": "strategies.tensor_parallel",
+    "Accelerator": "accelerate_compat", "notebook_launcher": "accelerate_compat", "Trainer": "trainer",
+    "TrainingArguments": "trainer", "SFTTrainer": "sft", "SFTConfig": "sft",
+})
+install_moved_modules()
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("_") and importlib.util.find_spec(f"shardkit.{name}") is not None:
-        return importlib.import_module(f"shardkit.{name}")  # a subpackage, as `import shardkit` gave before
+    with contextlib.suppress(AttributeError):
+        return _load(name)  # a name above, or a subpackage as `import shardkit` gave before
     # Registered strategies not named above (the ZeRO family) load on first use too, so that `import shardkit`
     # does not import DeepSpeed; the registry is the one list of them.
     from shardkit.strategies.registry import STRATEGIES
@@ -42,5 +37,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
 
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__dir__ = _names

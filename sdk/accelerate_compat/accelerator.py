@@ -57,11 +57,11 @@ from shardkit.accelerate_compat.state import (
     remember_plugins,
     use_strategy,
 )
-from shardkit.accelerate_compat.trackers import TrackingMixin
+from shardkit.accelerate_compat.tracking import TrackingMixin
 from shardkit.accelerate_compat.training import TrainingMixin
 from shardkit.accelerate_compat.wrappers import AcceleratedOptimizer, AcceleratedScheduler, PreparedDataLoader
-from shardkit.data import ResumableSampler
-from shardkit.runner import Runner
+from shardkit.data.loader import ResumableSampler
+from shardkit.runner.core import Runner
 from shardkit.strategies.base import Strategy
 
 __all__ = ["Accelerator"]
@@ -90,7 +90,7 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
             or that plugin: :class:`shardkit.FSDP`. Without either, under ``accelerate launch``, the FSDP or
             DeepSpeed settings its variables carry (:mod:`shardkit.config.accelerate_env`), or a refusal naming
             the variable shardkit cannot honour.
-        log_with: tracker names of :data:`shardkit.tracking.TRACKERS` ("jsonl", "tensorboard", "all") or tracker
+        log_with: tracker names of :data:`~shardkit.observability.trackers.TRACKERS` ("jsonl", "tensorboard", "all") or
             objects.
         project_dir: where automatically named checkpoints and the trackers' files go.
         project_config: a :class:`ProjectConfiguration` (automatic checkpoint naming, total_limit ...).
@@ -456,7 +456,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
         device_specific: add the process index, so that each process draws differently.
         deterministic: use torch's deterministic algorithms.
     """
-    from shardkit.seeding import seed_everything
+    from shardkit.utils.seeding import seed_everything
 
     _SEEDS["seed"] = seed
     if device_specific:
@@ -480,7 +480,7 @@ def _refuse(unsupported: dict[str, Any], device_placement: bool, dynamo_backend:
                           "(XLA) option; on CPUs and GPUs mixed_precision='bf16' needs nothing more")
             continue
         if key not in _REFUSED:
-            from shardkit.suggest import did_you_mean
+            from shardkit.utils.suggest import did_you_mean
 
             known = [*_REFUSED, "downcast_bf16", "mixed_precision", "gradient_accumulation_steps"]
             raise TypeError(f"Accelerator() got an unexpected keyword argument {key!r}{did_you_mean(key, known)}")

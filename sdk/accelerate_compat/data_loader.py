@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
 
-from shardkit.data import RunnerDataLoader, sample_seed
+from shardkit.data.loader import RunnerDataLoader, sample_seed
 from shardkit.utils.operations import move_to_device
 
 __all__ = ["BatchSamplerShard", "BatchShardLoader", "SeedableRandomSampler", "makes_own_batches",
@@ -360,7 +360,7 @@ def prepare_data_loader(dataloader: DataLoader, device: Any = None, num_processe
     from shardkit.accelerate_compat.accelerator import _SEEDS
     from shardkit.accelerate_compat.state import GradientState, PartialState
     from shardkit.accelerate_compat.wrappers import PreparedDataLoader
-    from shardkit.streaming import StreamingLoader, is_stream
+    from shardkit.data.streaming import StreamingLoader, is_stream
 
     for name, value in (("slice_fn_for_dispatch", slice_fn_for_dispatch), ("torch_device_mesh", torch_device_mesh)):
         if value is not None:

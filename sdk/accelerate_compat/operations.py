@@ -93,7 +93,7 @@ def reduce(tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
     """Each tensor reduced over the processes ("sum", "mean", "max", "min" or "none"), as a new tensor, times
     ``scale``."""
     if reduction not in _REDUCTIONS:
-        from shardkit.suggest import did_you_mean
+        from shardkit.utils.suggest import did_you_mean
 
         raise ValueError(f"reduction={reduction!r} is not one of {list(_REDUCTIONS)}"
                          f"{did_you_mean(str(reduction), _REDUCTIONS)}")

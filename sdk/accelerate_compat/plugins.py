@@ -239,7 +239,7 @@ def precision_for(mixed_precision: str | None, scaler: Any = None) -> Precision 
     or the Runner's config decides). fp16 scales the loss as torch's GradScaler does (2**16, doubled after 2000
     good steps, halved on each overflow) unless a ``GradScalerKwargs`` says otherwise."""
     from shardkit.precision.registry import PRECISIONS
-    from shardkit.suggest import did_you_mean
+    from shardkit.utils.suggest import did_you_mean
 
     name = mixed_precision if mixed_precision is not None else os.environ.get("ACCELERATE_MIXED_PRECISION")
     if name is None:

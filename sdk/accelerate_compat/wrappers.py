@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from shardkit.data import ResumableSampler, RunnerDataLoader
+from shardkit.data.loader import ResumableSampler, RunnerDataLoader
 
 __all__ = ["AcceleratedOptimizer", "AcceleratedScheduler", "PreparedDataLoader", "SkipBatches"]
 
@@ -165,8 +165,8 @@ class PreparedDataLoader:
     Accelerator which loader is being iterated and when its last batch comes (``end_of_dataloader``).
 
     Attributes:
-        base: the loader underneath (what checkpoints record): :class:`shardkit.data.RunnerDataLoader` for a
-            map-style dataset dealt per sample, :class:`shardkit.streaming.StreamingLoader` for an iterable one,
+        base: the loader underneath (what checkpoints record): :class:`shardkit.data.loader.RunnerDataLoader` for a
+            map-style dataset dealt per sample, :class:`shardkit.data.streaming.StreamingLoader` for an iterable one,
             :class:`shardkit.accelerate_compat.data_loader.BatchShardLoader` for a loader with its own batches.
     """
 

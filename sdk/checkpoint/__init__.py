@@ -8,7 +8,7 @@ A checkpoint is a directory (``runs/ckpt/step-000100``) whose parent holds a ``l
     r = CheckpointReader("runs/ckpt")          # follows `latest`
 """
 
-from shardkit._lazy import lazy_exports
+from shardkit.utils.lazy import lazy_exports
 
 __all__ = [
     "FORMAT_NAME",
@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 # NOTE: each name imports its module on first use, so that `shardkit <command> --help` does not import torch
-# (issue 30; see shardkit._lazy).
+# (issue 30; see shardkit.utils.lazy).
 _EXPORTS = {
     "consolidate": "consolidate", "consolidate_deepspeed": "consolidate", "get_fp32_state_dict": "consolidate",
     "load_state_dict_from_zero_checkpoint": "consolidate", "parse_size": "consolidate",

@@ -72,7 +72,7 @@ class CheckpointError(RuntimeError):
 def dtype_tag(dtype: torch.dtype, where: str = "") -> str:
     """Returns the safetensors tag of ``dtype`` (``"BF16"``), or raises naming ``where``.
 
-    Not :func:`shardkit.dtypes.dtype_name` (``"bf16"``, the config spelling): this is the file format's tag.
+    Not :func:`shardkit.utils.dtypes.dtype_name` (``"bf16"``, the config spelling): this is the file format's tag.
     """
     try:
         return _DTYPES[dtype]

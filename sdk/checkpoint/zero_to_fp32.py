@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shardkit._lazy import lazy_exports
+from shardkit.utils.lazy import lazy_exports
 
 if TYPE_CHECKING:
     import torch

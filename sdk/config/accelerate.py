@@ -32,7 +32,7 @@ from shardkit.config.common import (
 )
 from shardkit.config.deepspeed import StrategySpec, build_strategy, resolve_deepspeed
 from shardkit.config.fsdp import fsdp_spec
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["AccelerateConfig", "CONFIG_FILE_ENV", "check_resources", "deepspeed_config_from_section",
            "fsdp_strategy_from_section", "launch_args_from_yaml", "load_accelerate_config", "resolve_accelerate"]
@@ -226,7 +226,7 @@ def _strategy(raw: Mapping[str, Any], kind: str, mixed: str, processes: int,
     where = str(path)
     section = raw.get("parallelism_config")
     if section:  # Accelerate's ND-parallel sizes (dp_replicate, dp_shard, cp, tp): one validated mesh
-        from shardkit.strategies.mesh import strategy_spec_from_accelerate
+        from shardkit.strategies.parallel_dims import strategy_spec_from_accelerate
 
         return strategy_spec_from_accelerate(section, world_size_from_env() or processes, kind, where), None, ""
     if kind == "NO":

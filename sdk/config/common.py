@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = [
     "AUTO",
@@ -86,7 +86,7 @@ class ResolvedConfig:
     source: str
     ignored_keys: tuple[str, ...] = ()
     activation_checkpointing: Any = None  # shardkit.strategies.ActivationCheckpointing from a DeepSpeed section
-    trackers: tuple[Any, ...] = ()  # shardkit.tracking.TrackerSpec per enabled DeepSpeed monitor section
+    trackers: tuple[Any, ...] = ()  # shardkit.observability.trackers.TrackerSpec per enabled DeepSpeed monitor section
 
 
 def precision_kind(precision: Any) -> str:

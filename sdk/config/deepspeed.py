@@ -30,8 +30,8 @@ from shardkit.config.common import (
 from shardkit.config.deepspeed_schema import walk
 from shardkit.config.monitors import trackers_from_deepspeed
 from shardkit.config.optim import resolve_optimizer, resolve_scheduler
-from shardkit.dtypes import dtype_name
-from shardkit.suggest import did_you_mean
+from shardkit.utils.dtypes import dtype_name
+from shardkit.utils.suggest import did_you_mean
 
 if TYPE_CHECKING:
     from shardkit.strategies.activation_checkpointing import ActivationCheckpointing

@@ -165,7 +165,7 @@ SCHEMA: dict[str, Key] = {
         "use_node_local_storage": Key("ignore", no_effect=(
             "checkpoint.use_node_local_storage has no effect: shardkit checkpoints are written by Runner.save to one "
             "directory every rank reaches; give Runner.save a node-local path only on a single machine"))}),
-    # DeepSpeed's monitors: trackers of shardkit.tracking that the Runner writes to (config/monitors.py).
+    # DeepSpeed's monitors: trackers of shardkit.observability.trackers that the Runner writes to (config/monitors.py).
     "tensorboard": Key("use", section={k: USE for k in ("enabled", "output_path", "job_name")}),
     "csv_monitor": Key("use", section={k: USE for k in ("enabled", "output_path", "job_name")}),
     "wandb": Key("use", section={k: USE for k in ("enabled", "group", "team", "project")}),

@@ -16,7 +16,7 @@ from typing import Any
 
 from shardkit.config.common import ConfigError, check_known_keys, config_bool, warn_once
 from shardkit.config.deepspeed import StrategySpec
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["FSDP_KEYS", "FSDP_OPTIONS", "TRAINER_FSDP_DEFAULTS", "fsdp_spec", "trainer_fsdp_spec"]
 

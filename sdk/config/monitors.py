@@ -1,7 +1,8 @@
 """A DeepSpeed config's monitor sections (``tensorboard``, ``csv_monitor``, ``wandb``) as shardkit trackers.
 
 DeepSpeed's engine writes its monitor's records itself; here the sections become trackers of
-:data:`shardkit.tracking.TRACKERS` that the Runner builds on its main process and writes the same records to
+:data:`~shardkit.observability.trackers.TRACKERS`
+that the Runner builds on its main process and writes the same records to
 (the loss, learning rate and loss scale at each optimizer step, with the samples trained as the step). Paths
 follow DeepSpeed's: ``<output_path>/<job_name>`` (``output_path`` defaults to the working directory, ``job_name``
 to ``DeepSpeedJobName``). The CSV files differ in layout: one ``metrics.csv`` with a column per record instead of
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardkit.config.common import ConfigError
-from shardkit.tracking import TrackerSpec
+from shardkit.observability.trackers import TrackerSpec
 
 __all__ = ["trackers_from_deepspeed"]
 

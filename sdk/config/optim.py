@@ -12,7 +12,7 @@ from typing import Any
 
 from shardkit.config.common import ConfigError, check_known_keys, check_number, reconcile
 from shardkit.config.deepspeed_schema import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, UNSUPPORTED_OPTIMIZERS
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["build_optimizer", "build_scheduler", "resolve_optimizer", "resolve_scheduler"]
 

@@ -11,7 +11,7 @@ job the environment variables describe: torchrun, SLURM, MPI), `watchdog` (namin
 
 from __future__ import annotations
 
-from shardkit._lazy import lazy_exports
+from shardkit.utils.lazy import lazy_exports
 
 __all__ = [
     "ClusterEnvironment",
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 # NOTE: each name imports its module on first use, so that `shardkit <command> --help` does not import torch
-# (issue 30; see shardkit._lazy).
+# (issue 30; see shardkit.utils.lazy).
 _EXPORTS = {
     "ClusterEnvironment": "cluster", "ClusterEnvironmentError": "cluster", "detect_environment": "cluster",
     "expand_nodelist": "cluster",

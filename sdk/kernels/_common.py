@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["Launch", "LaunchConfig", "dtype_label", "empty_out", "finish_out", "meta", "round_like"]
 

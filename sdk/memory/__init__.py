@@ -8,7 +8,7 @@
 ``shardkit estimate-memory`` is the command-line form.
 """
 
-from shardkit._lazy import lazy_exports
+from shardkit.utils.lazy import lazy_exports
 
 __all__ = [
     "LAYOUTS",
@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 # NOTE: each name imports its module on first use, so that `shardkit <command> --help` does not import torch
-# (issue 30; see shardkit._lazy).
+# (issue 30; see shardkit.utils.lazy).
 _EXPORTS = {
     "LAYOUTS": "estimate", "Layout": "estimate", "ModelStates": "estimate", "activation_bytes": "estimate",
     "deepspeed_table": "estimate", "estimate_model_states": "estimate", "find_layout": "estimate", "recommend":

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardkit.cli_args import float_range, int_range
 from shardkit.precision.registry import add_precision_argument
+from shardkit.utils.parsing import float_range, int_range
 
 from .estimate import LAYOUTS, activation_bytes, deepspeed_table, estimate_model_states, find_layout, recommend
 from .model_spec import ModelSpec, parse_count, spec_from_hf_config
@@ -122,7 +122,7 @@ def _cp_size(args: argparse.Namespace) -> int:
 
 def _check_layout(spec: ModelSpec, args: argparse.Namespace) -> None:
     """--cp-size x --tp-size must divide the devices, and tp the heads (the mesh's own checks)."""
-    from shardkit.strategies.mesh import ParallelDims
+    from shardkit.strategies.parallel_dims import ParallelDims
 
     if args.cp_size == 1 and args.tp_size == 1:
         return

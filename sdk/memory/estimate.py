@@ -39,7 +39,7 @@ from typing import Any
 
 from shardkit.precision.registry import PRECISIONS
 from shardkit.strategies.registry import STRATEGIES
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 from .model_spec import ModelSpec
 

@@ -1,6 +1,7 @@
 """The Runner's experiment trackers: ``Runner(log_with=...)``, ``runner.log(...)``, ``runner.log_hyperparams(...)``.
 
-Trackers come from :data:`shardkit.tracking.TRACKERS` (the registry every front shares) and are built on the main
+Trackers come from :data:`~shardkit.observability.trackers.TRACKERS` (the registry every front shares) and are
+built on the main
 process only, at the first record, so that the other ranks never import a tracker's package. A DeepSpeed config's
 ``tensorboard`` / ``wandb`` / ``csv_monitor`` sections become the same trackers, and then, as DeepSpeed's monitor
 does, the Runner records the training loss, the learning rate and (FP16) the loss scale at every optimizer step
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from shardkit.tracking import Tracker, TrackerSpec, build_trackers
+from shardkit.observability.trackers import Tracker, TrackerSpec, build_trackers
 
 __all__ = ["RunLog"]
 
@@ -23,7 +24,8 @@ class RunLog:
     """Trackers of one run, on the main process.
 
     Args:
-        log_with: tracker names (``"all"``), :class:`~shardkit.tracking.TrackerSpec`, tracker objects, or a list.
+        log_with: tracker names (``"all"``), :class:`~shardkit.observability.trackers.TrackerSpec`, tracker objects,
+                or a list.
         logging_dir: where the trackers named by a string write.
         run_name: the run (W&B project, MLflow experiment, the TensorBoard/CSV sub-directory).
         is_main_process: only the main process builds and writes trackers.

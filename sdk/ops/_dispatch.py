@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 from ._builder import BUILDER
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 from ._dispatch import BACKENDS, select_backend
 

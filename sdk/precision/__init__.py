@@ -1,7 +1,7 @@
 """Precisions: which dtypes are used for parameters, compute and communication."""
 
-from shardkit._lazy import lazy_exports
 from shardkit.precision.registry import PRECISIONS
+from shardkit.utils.lazy import lazy_exports
 
 __all__ = ["Precision", "FP32", "FP16", "BF16", "FP8", "PRECISIONS", "precision_from_name"]
 

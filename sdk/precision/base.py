@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from shardkit.dtypes import dtype_name  # re-exported: the one definition lives in shardkit.dtypes
+from shardkit.utils.dtypes import dtype_name  # re-exported: the one definition lives in shardkit.utils.dtypes
 
 __all__ = ["Precision", "LossScaling", "dtype_name", "parse_dtype"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardkit.registry import Registry
+from shardkit.utils.registry import Registry
 
 __all__ = ["PRECISIONS", "add_precision_argument"]
 

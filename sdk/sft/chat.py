@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["CHAT_TEMPLATES", "MAX_RENDER_CHARS", "RENDER_SECONDS", "SPECIAL_TOKENS", "ChatTemplateError",
            "RenderLimitError", "bounded_render", "check_messages", "set_chat_template", "text_conversations",

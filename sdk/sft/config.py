@@ -7,8 +7,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from shardkit.suggest import did_you_mean
 from shardkit.trainer.arguments import TrainingArguments, optional_flag
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["DATASET_KWARGS", "PACKING_STRATEGIES", "SFTConfig"]
 

@@ -12,7 +12,7 @@ Three kinds of data, recognised per example as TRL does:
 Already-tokenized data (an ``input_ids`` column, with optional ``labels``, ``completion_mask`` or
 ``assistant_masks``) is taken as it is. A Hugging Face ``Dataset`` is processed with ``Dataset.map`` (batched,
 ``dataset_num_proc`` processes, cached on disk next to a dataset loaded from files); a streamed one
-(``IterableDataset``, any iterable) becomes a :class:`~shardkit.streaming.ChunkedStream` that tokenizes and packs
+(``IterableDataset``, any iterable) becomes a :class:`~shardkit.data.streaming.ChunkedStream` that tokenizes and packs
 ``packing_buffer_size`` examples at a time while training reads it.
 
 An example that cannot be tokenized raises a ValueError naming its index (in the dataset; a streamed one shows its
@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
 
+from shardkit.data.streaming import ChunkedStream, is_stream
 from shardkit.sft.chat import (
     CHAT_TEMPLATES,
     MAX_RENDER_CHARS,
@@ -36,7 +37,6 @@ from shardkit.sft.chat import (
     check_messages,
 )
 from shardkit.sft.packing import IGNORE_INDEX, pack_examples
-from shardkit.streaming import ChunkedStream, is_stream
 
 __all__ = ["SFTTokenizer", "prepare_dataset"]
 

@@ -24,10 +24,10 @@ from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from shardkit.data.streaming import ChunkedStream
 from shardkit.sft.collator import DataCollatorForLanguageModeling
 from shardkit.sft.config import SFTConfig
 from shardkit.sft.dataset import SFTTokenizer, prepare_dataset
-from shardkit.streaming import ChunkedStream
 from shardkit.trainer.arguments import TrainingArguments
 from shardkit.trainer.peft_support import base_model_of, is_peft_model
 from shardkit.trainer.trainer import Trainer

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 
-from shardkit._lazy import lazy_exports
 from shardkit.strategies.registry import STRATEGIES
+from shardkit.utils.lazy import lazy_exports
 
 __all__ = ["ActivationCheckpointing", "Strategy", "SingleDevice", "DDP", "FSDP", "STRATEGIES", "strategy_from_name"]
 

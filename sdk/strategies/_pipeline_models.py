@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["HF_MODEL_TYPES", "HFStageModule", "ModelLayout", "StageModule", "UnsplittableModelError", "model_layout"]
 

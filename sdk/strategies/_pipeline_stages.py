@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from typing_extensions import override
 
-from shardkit.strategies._mesh import local_tensor
+from shardkit.strategies._dtensor import local_tensor
 from shardkit.strategies._pipeline_models import ModelLayout, StageModule, model_layout
 from shardkit.strategies.pipeline import SCHEDULES, PipelineSettings, stage_layers
 
@@ -29,7 +29,7 @@ _AT_LEAST_ONE_PER_STAGE = ("dualpipev",)  # torch's DualPipeV refuses fewer micr
 
 
 def _check_model(module: nn.Module, stages: int, split: tuple[int, ...] | None) -> ModelLayout:
-    from shardkit.strategies.mesh import ParallelDims
+    from shardkit.strategies.parallel_dims import ParallelDims
 
     layout = model_layout(module)
     ParallelDims(pp=stages, dp_shard=1).validate(num_layers=len(layout.body.layers), layer_split=split)

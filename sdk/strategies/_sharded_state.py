@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardkit import checkpoint as ckpt
-from shardkit.strategies._mesh import local_tensor
+from shardkit.strategies._dtensor import local_tensor
 
 __all__ = [
     "dtensor_box",

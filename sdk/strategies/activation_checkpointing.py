@@ -29,8 +29,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from shardkit.suggest import by_closeness, did_you_mean
 from shardkit.utils.operations import json_object
+from shardkit.utils.suggest import by_closeness, did_you_mean
 
 __all__ = [
     "ActivationCheckpointing",
@@ -243,7 +243,7 @@ def _block_classes(module: nn.Module, blocks: Any, default_blocks: tuple[type, .
                    owner: str) -> tuple[type, ...]:
     if blocks is True:
         if default_blocks is None:
-            from shardkit.strategies._mesh import repeated_blocks
+            from shardkit.strategies._dtensor import repeated_blocks
 
             default_blocks = repeated_blocks(module)
         if not default_blocks:

@@ -1,6 +1,6 @@
 """Context parallelism: each sequence split across the ``cp`` ranks of the mesh, composed with FSDP2.
 
-The mesh is :class:`~shardkit.strategies.mesh.ParallelDims` ``(dp_replicate, dp_shard, cp)``. Parameters are
+The mesh is :class:`~shardkit.strategies.parallel_dims.ParallelDims` ``(dp_replicate, dp_shard, cp)``. Parameters are
 sharded by FSDP2 over ``dp_shard x cp`` flattened (cp peers hold the same weights, so they may as well
 share the shards, as torchtitan does) and replicated over ``dp_replicate``. Every cp peer gets the same
 batch from the loader (:attr:`data_parallel_rank`); the model's forward takes its two load-balanced
@@ -35,10 +35,10 @@ from typing_extensions import override
 
 from shardkit.strategies import fsdp as _fsdp
 from shardkit.strategies.cp_attention import RingAttention, UlyssesAttention, load_balanced_positions, shard_sequence
-from shardkit.strategies.mesh import CP_MODES, ParallelDims
 from shardkit.strategies.parallel import ProcessGroupStrategy
+from shardkit.strategies.parallel_dims import CP_MODES, ParallelDims
 from shardkit.strategies.tensor_parallel import resolve_plan
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["ContextParallel", "context_parallel_forward"]
 

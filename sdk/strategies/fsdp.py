@@ -16,12 +16,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from shardkit.strategies import _init, _mesh, _sharded_state
+from shardkit.strategies import _dtensor, _sharded_init, _sharded_state
 from shardkit.strategies import activation_checkpointing as checkpointing
-from shardkit.strategies.mesh import ParallelDims
 from shardkit.strategies.parallel import MeshStrategy
+from shardkit.strategies.parallel_dims import ParallelDims
 from shardkit.strategies.quant_storage import check_quant_storage
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["FSDP", "FSDPSettings", "MESH_DIM_NAMES"]
 
@@ -167,7 +167,7 @@ class FSDP(MeshStrategy):
         self.settings = FSDPSettings(sharding, auto_wrap, cpu_offload, activation_checkpointing,
                                      reshard_after_forward, sync_module_states, hybrid_shard_size, state_dict_type,
                                      cpu_ram_efficient_loading)
-        self._recorders: list[_init.MetaInitRecorder] = []
+        self._recorders: list[_sharded_init.MetaInitRecorder] = []
         self.dims: ParallelDims | None = None  # set with the mesh in setup_environment
         self.world_mesh: Any = None
 
@@ -210,12 +210,12 @@ class FSDP(MeshStrategy):
         stack = contextlib.ExitStack()
         stack.enter_context(super().module_init_context(empty_init))
         if empty_init is None:
-            stack.enter_context(_init.rank0_rng(self.root_device))
-            recorder = _init.MetaInitRecorder()
+            stack.enter_context(_sharded_init.rank0_rng(self.root_device))
+            recorder = _sharded_init.MetaInitRecorder()
             self._recorders.append(recorder)
             stack.enter_context(recorder)
         elif empty_init and not (self.settings.sync_module_states and self.is_global_zero):
-            stack.enter_context(_mesh.meta_parameters())
+            stack.enter_context(_dtensor.meta_parameters())
         return stack
 
     @override
@@ -231,7 +231,7 @@ class FSDP(MeshStrategy):
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        check_quant_storage(module, _mesh.mp_policy(self.precision).param_dtype)  # QLoRA: packed 4-bit weights
+        check_quant_storage(module, _dtensor.mp_policy(self.precision).param_dtype)  # QLoRA: packed 4-bit weights
         records = self._init_records(module)
         if records:
             return self._setup_recorded(module, records)
@@ -240,12 +240,12 @@ class FSDP(MeshStrategy):
             # Rank 0's weights are what every shard starts from: free this copy. NOTE: parameter subclasses (QLoRA's
             # packed 4-bit weights and their quant state) cannot be rebuilt from the meta device; they are sent whole.
             if all(type(p) is nn.Parameter for p in module.parameters()):
-                _mesh.parameters_to_meta(module)
-        meta = self._any_rank(_mesh.has_meta_parameters(module))
+                _dtensor.parameters_to_meta(module)
+        meta = self._any_rank(_dtensor.has_meta_parameters(module))
         if sync and not meta:
-            _mesh.broadcast_from_rank0(module)
+            _dtensor.broadcast_from_rank0(module)
         rank0_state = None
-        if meta and sync and self._any_rank(self.is_global_zero and _mesh.has_meta_parameters(module)):
+        if meta and sync and self._any_rank(self.is_global_zero and _dtensor.has_meta_parameters(module)):
             # Raised on every rank (the flag is reduced), so that none waits for rank 0's broadcast.
             raise ValueError("FSDP sync_module_states: rank 0's model has parameters on the meta device, so there are "
                              "no weights to send the other ranks; build or load the model with real weights on rank 0 "
@@ -254,15 +254,15 @@ class FSDP(MeshStrategy):
             rank0_state = {k: v.detach() for k, v in module.state_dict().items()}
         self._shard(module)
         if meta:
-            if _mesh.has_meta_parameters(module):
-                _mesh.materialize(module, self.root_device if not self.settings.cpu_offload else torch.device("cpu"))
+            if _dtensor.has_meta_parameters(module):
+                _dtensor.materialize(module, self.root_device if not self.settings.cpu_offload else torch.device("cpu"))
                 if not sync:
-                    _mesh.initialize_parameters(module)
+                    _dtensor.initialize_parameters(module)
             if sync:
                 _scatter_from_rank0(module, rank0_state)
         return module
 
-    def _init_records(self, module: nn.Module) -> dict[str, _init.ParamRecord]:
+    def _init_records(self, module: nn.Module) -> dict[str, _sharded_init.ParamRecord]:
         """Parameter name -> its init record, for a module built under ``init_module()``."""
         records, used = {}, set()
         for name, p in module.named_parameters():
@@ -274,19 +274,19 @@ class FSDP(MeshStrategy):
         self._recorders = [r for i, r in enumerate(self._recorders) if i not in used]
         return records
 
-    def _setup_recorded(self, module: nn.Module, records: dict[str, _init.ParamRecord]) -> nn.Module:
+    def _setup_recorded(self, module: nn.Module, records: dict[str, _sharded_init.ParamRecord]) -> nn.Module:
         missing = [n for n, p in module.named_parameters() if p.is_meta and n not in records]
         if missing:
             raise ValueError(f"FSDP: parameters {missing[:5]} are on the meta device but were not built under "
                              "runner.init_module(); build the whole model inside it")
         self._shard(module)
         device = self.root_device if not self.settings.cpu_offload else torch.device("cpu")
-        _mesh.materialize(module, device)
-        _init.replay_into(module, records, device)
+        _dtensor.materialize(module, device)
+        _sharded_init.replay_into(module, records, device)
         return module
 
     def _any_rank(self, flag: bool) -> bool:
-        return bool(_mesh.reduce_max(torch.tensor(float(flag))).item())
+        return bool(_dtensor.reduce_max(torch.tensor(float(flag))).item())
 
     def _shard(self, module: nn.Module) -> None:
         """Activation checkpointing on the chosen blocks, then fully_shard each unit bottom-up and the root."""
@@ -298,8 +298,8 @@ class FSDP(MeshStrategy):
         if self.settings.cpu_offload:
             # NOTE: pinned memory needs an accelerator; on a CPU-only machine pinning crashes.
             offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
-        _mesh.shard_bottom_up(module, self._wrap_targets(module, blocks), mesh=self.mesh,
-                              reshard_after_forward=self.settings.reshard, mp_policy=_mesh.mp_policy(self.precision),
+        _dtensor.shard_bottom_up(module, self._wrap_targets(module, blocks), mesh=self.mesh,
+                              reshard_after_forward=self.settings.reshard, mp_policy=_dtensor.mp_policy(self.precision),
                               offload_policy=offload)
 
     def _block_classes(self, module: nn.Module) -> tuple[type, ...]:
@@ -308,13 +308,13 @@ class FSDP(MeshStrategy):
             return ()
         if _is_classes(wrap):
             return _resolve_classes(wrap, module, "auto_wrap")
-        return _mesh.repeated_blocks(module)
+        return _dtensor.repeated_blocks(module)
 
     def _wrap_targets(self, module: nn.Module, blocks: tuple[type, ...]) -> list[nn.Module]:
         """Submodules to shard as their own units, children before parents (FSDP2 needs bottom-up)."""
         if isinstance(self.settings.auto_wrap, int) and not isinstance(self.settings.auto_wrap, bool):
             return _size_targets(module, self.settings.auto_wrap)
-        return _mesh.blocks_bottom_up(module, blocks)
+        return _dtensor.blocks_bottom_up(module, blocks)
 
     # ---- checkpoints -------------------------------------------------------------------------------
 
@@ -361,10 +361,10 @@ def _scatter_from_rank0(module: nn.Module, rank0_state: dict[str, torch.Tensor] 
         if not isinstance(t, DTensor):
             continue
         full = rank0_state[key] if rank0_state is not None else torch.empty(t.shape, dtype=t.dtype)
-        full = full.to(device=_mesh.local_tensor(t).device, dtype=t.dtype).contiguous()
+        full = full.to(device=_dtensor.local_tensor(t).device, dtype=t.dtype).contiguous()
         dist.broadcast(full, src=0)
         offsets, shape = _sharded_state.dtensor_box(t)
         box = full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
-        _mesh.local_tensor(t).copy_(box)
+        _dtensor.local_tensor(t).copy_(box)
     for b in module.buffers():
         dist.broadcast(b.data, src=0)

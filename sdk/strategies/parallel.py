@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from shardkit import checkpoint as ckpt
 from shardkit.distributed.process_group import destroy_distributed, init_distributed
-from shardkit.strategies import _mesh, _sharded_state
+from shardkit.strategies import _dtensor, _sharded_state
 from shardkit.strategies.base import Strategy, param_list, replicated_gathered
 
 __all__ = ["ProcessGroupStrategy", "MeshStrategy"]
@@ -157,7 +157,7 @@ class MeshStrategy(ProcessGroupStrategy):
     A subclass builds ``self.mesh`` in ``setup_environment`` and shards the module in ``setup_module``;
     setup (optimizer rebinding included), whole parameters on demand, clipping, the FP16 overflow vote,
     memory reports and checkpoints are shared here. The pieces both engines use (block detection,
-    the mixed-precision policy, the rank-0 broadcast) are in :mod:`shardkit.strategies._mesh`.
+    the mixed-precision policy, the rank-0 broadcast) are in :mod:`shardkit.strategies._dtensor`.
     """
 
     mesh: DeviceMesh | None = None
@@ -174,13 +174,13 @@ class MeshStrategy(ProcessGroupStrategy):
 
     @override
     def setup(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None):
-        names = _mesh.parameter_names(module)
+        names = _dtensor.parameter_names(module)
         module = self.precision.convert_module(module)
-        if not _mesh.has_meta_parameters(module):  # meta parameters are allocated shard by shard in setup_module
+        if not _dtensor.has_meta_parameters(module):  # meta parameters are allocated shard by shard in setup_module
             module = module.to(self.root_device)
         module = self.setup_module(module)
         if optimizer is not None:
-            _mesh.rebind_optimizer(optimizer, names, module)
+            _dtensor.rebind_optimizer(optimizer, names, module)
             optimizer = self.setup_optimizer(optimizer)
         return module, optimizer, scheduler
 
@@ -195,7 +195,7 @@ class MeshStrategy(ProcessGroupStrategy):
 
         See :meth:`Strategy.gathered_parameters`; with ``modifier_rank=r`` rank r's writes are kept.
         """
-        return _mesh.gathered_parameters(param_list(params), modifier_rank, module)
+        return _dtensor.gathered_parameters(param_list(params), modifier_rank, module)
 
     @override
     def generation_context(self, module: nn.Module,
@@ -220,24 +220,24 @@ class MeshStrategy(ProcessGroupStrategy):
                        norm_type: float = 2.0) -> torch.Tensor:
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        return _mesh.clip_grad_norm(params, max_norm, norm_type)
+        return _dtensor.clip_grad_norm(params, max_norm, norm_type)
 
     @override
     def zero_grad(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> None:
         """The sharded gradients, and those of an abandoned window that FSDP2 units (FSDP, TP's dp="fsdp",
         ContextParallel) still hold unsharded."""
         super().zero_grad(optimizer, module)
-        _mesh.drop_unreduced_gradients(module)
+        _dtensor.drop_unreduced_gradients(module)
 
     @override
     def _reduce_found_inf(self, flag: torch.Tensor) -> torch.Tensor:
         # Each rank sees only its gradient shards: an inf anywhere must skip the step on every rank.
-        return _mesh.reduce_max(flag)
+        return _dtensor.reduce_max(flag)
 
     @override
     def model_state_bytes(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds (its shards)."""
-        return _mesh.model_state_bytes(module, optimizer)
+        return _dtensor.model_state_bytes(module, optimizer)
 
     # Checkpoints: each rank writes its own shards (or rank 0 the gathered tensors, with
     # state_dict_type="full"); loading reads exactly the region each local shard covers, so a save

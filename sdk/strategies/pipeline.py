@@ -36,11 +36,11 @@ from torch import nn
 from typing_extensions import override
 
 from shardkit import checkpoint as ckpt
-from shardkit.cli_args import parse_int_list
-from shardkit.strategies import _mesh
-from shardkit.strategies.mesh import ParallelDims
+from shardkit.strategies import _dtensor
 from shardkit.strategies.parallel import ProcessGroupStrategy
-from shardkit.suggest import did_you_mean
+from shardkit.strategies.parallel_dims import ParallelDims
+from shardkit.utils.parsing import parse_int_list
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["DATA_PARALLEL", "SCHEDULES", "Pipeline", "PipelineSettings", "bubble_fraction", "stage_layers"]
 
@@ -216,7 +216,7 @@ class Pipeline(ProcessGroupStrategy):
         if self.sharded and self.settings.pp_size == 1:
             raise ValueError("Pipeline(pp_size=1, dp='fsdp') is FSDP without a pipeline: use the FSDP strategy "
                              "(--strategy fsdp), or a pp_size over 1")
-        _mesh.broadcast_from_rank0(module)
+        _dtensor.broadcast_from_rank0(module)
         self._runner = PipelineRunner(module, self.settings, self.mesh, self.root_device, self._loss_scale,
                                       self.precision.scale_loss, self._shard_stage if self.sharded else None)
         module._shardkit_pipeline = self._runner
@@ -225,7 +225,7 @@ class Pipeline(ProcessGroupStrategy):
     def _shard_stage(self, stage: nn.Module) -> None:
         """FSDP2 over dp_shard: each decoder layer, the output head (its loss runs outside the stage's forward,
         so it gathers its own weight) and the stage (embedding, norm) as units."""
-        policy = _mesh.mp_policy(self.precision)
+        policy = _dtensor.mp_policy(self.precision)
         mesh = self.mesh["dp_shard"]
         units = [*stage.layers, *([stage.head] if stage.head is not None else [])]
         # Units kept whole from the first forward to the step's reduction (torchtitan's default under pipeline
@@ -234,7 +234,7 @@ class Pipeline(ProcessGroupStrategy):
         # micro-batches (benchmarks/pipeline.py --dp-size 2 --dp fsdp): 1f1b 1.15x and interleaved_1f1b 1.11x the
         # step time of torch's stages kept whole. Zero-bubble's W pass needs them whole too (WindowStage): 48
         # all-gathers instead of 212 on pp rank 0 of its bubble benchmark runs (m 4 and 8, 4 steps each).
-        _mesh.shard_bottom_up(stage, units, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        _dtensor.shard_bottom_up(stage, units, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
 
     def _loss_scale(self) -> tuple[int, bool]:
         return self._window, self._sync
@@ -258,7 +258,7 @@ class Pipeline(ProcessGroupStrategy):
         super().zero_grad(optimizer, module)
         if self.sharded:
             for stage in self._runner.stages:
-                _mesh.drop_unreduced_gradients(stage.submod)
+                _dtensor.drop_unreduced_gradients(stage.submod)
 
     @override
     def clip_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float,
@@ -274,7 +274,7 @@ class Pipeline(ProcessGroupStrategy):
         norm = _stage_norm(counted, norm_type, self.mesh["pp"].get_group())
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in params:
-            _mesh.local_tensor(p.grad).mul_(scale)
+            _dtensor.local_tensor(p.grad).mul_(scale)
         return norm
 
     def _tied_copy(self) -> tuple[str, str] | None:
@@ -333,7 +333,7 @@ class Pipeline(ProcessGroupStrategy):
                                        "stage's tensors missing); the model changed since the save")
         with torch.no_grad():
             for key, t in own.items():  # each rank keeps its FSDP shard of the whole tensor
-                _mesh.local_tensor(t).copy_(_mesh.local_tensor(slice_full(tensors[key], t)))
+                _dtensor.local_tensor(t).copy_(_dtensor.local_tensor(slice_full(tensors[key], t)))
 
     @override
     def save_optimizer(self, writer: ckpt.CheckpointWriter, name: str, optimizer: torch.optim.Optimizer,
@@ -392,7 +392,7 @@ def _with_alias(state: dict[str, Any], alias: str, key: str) -> dict[str, Any]:
 def _stage_norm(params: list[torch.Tensor], norm_type: float, group: Any) -> torch.Tensor:
     """The gradient norm over the whole model: each stage's norm (over its FSDP shards too) combined over the
     pipeline group."""
-    local = _mesh.total_grad_norm([p.grad for p in params], norm_type)
+    local = _dtensor.total_grad_norm([p.grad for p in params], norm_type)
     if norm_type == float("inf"):
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         return local

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shardkit.registry import Entry, Option, Registry
+from shardkit.utils.registry import Entry, Option, Registry
 
 __all__ = ["STRATEGIES", "Entry", "Option", "Registry", "add_strategy_arguments", "strategy_from_args",
            "strategy_options"]

@@ -1,7 +1,7 @@
 """Tensor parallel on DTensor ``parallelize_module``, alone or composed with FSDP2 as 2-D (data x tensor).
 
 The mesh is ``("dp_replicate", "dp_shard", "tp")``, cut from the one validated
-:class:`~shardkit.strategies.mesh.ParallelDims` mesh (``strategy.dims``, ``strategy.world_mesh``): TP runs
+:class:`~shardkit.strategies.parallel_dims.ParallelDims` mesh (``strategy.dims``, ``strategy.world_mesh``): TP runs
 inside each group of ``tp_size`` consecutive ranks; across groups the model is either sharded by FSDP2
 (``dp="fsdp"``) or replicated with gradients all-reduced (``dp="replicate"``, FSDP2 with shard groups of one rank).
 
@@ -23,10 +23,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from typing_extensions import override
 
-from shardkit.strategies import _mesh
-from shardkit.strategies.mesh import ParallelDims
+from shardkit.strategies import _dtensor
 from shardkit.strategies.parallel import MeshStrategy
-from shardkit.suggest import did_you_mean
+from shardkit.strategies.parallel_dims import ParallelDims
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["TensorParallel", "TensorParallelSettings", "hugging_face_plan", "resolve_plan"]
 
@@ -210,15 +210,15 @@ class TensorParallel(MeshStrategy):
         s = self.settings
         _validate_heads(module, self.dims)
         plan = resolve_plan(module, s.plan, s.tp_size, s.sequence_parallel)
-        if _mesh.has_meta_parameters(module):
+        if _dtensor.has_meta_parameters(module):
             raise ValueError(f"TensorParallel: {type(module).__name__} has parameters on the meta device; TP splits "
                              "whole weights, so build the model with real ones (runner.init_module() does)")
-        _mesh.broadcast_from_rank0(module)  # every rank starts from rank 0's weights, the replicated ones included
+        _dtensor.broadcast_from_rank0(module)  # every rank starts from rank 0's weights, the replicated ones included
         parallelize_module(module, self.tp_mesh, plan)
         if self.data_parallel_size > 1:
-            blocks = _mesh.blocks_bottom_up(module, _mesh.repeated_blocks(module))
-            _mesh.shard_bottom_up(module, blocks, mesh=self.mesh["dp_replicate", "dp_shard"],
-                                  mp_policy=_mesh.mp_policy(self.precision), reshard_after_forward=s.dp == "fsdp")
+            blocks = _dtensor.blocks_bottom_up(module, _dtensor.repeated_blocks(module))
+            _dtensor.shard_bottom_up(module, blocks, mesh=self.mesh["dp_replicate", "dp_shard"],
+                                  mp_policy=_dtensor.mp_policy(self.precision), reshard_after_forward=s.dp == "fsdp")
         return module
 
     # ---- checkpoints -------------------------------------------------------------------------------

@@ -16,10 +16,10 @@ import os
 import warnings
 from typing import Any
 
-from shardkit.suggest import did_you_mean
 from shardkit.trainer.arguments import LOG_LEVELS, TrainingArgumentsError, UnknownArgumentError
 from shardkit.trainer.enums import DebugOption, HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType, coerce
 from shardkit.utils.operations import json_object
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["OBSOLETE_ARGUMENTS", "check_arguments", "translate_keywords"]
 

@@ -7,8 +7,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from shardkit.suggest import did_you_mean
 from shardkit.trainer.state import ExportableState, TrainerControl, TrainerState
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["TrainerCallback", "CallbackHandler", "DefaultFlowCallback", "ProgressCallback", "PrinterCallback",
            "EarlyStoppingCallback", "ExportableState", "EVENTS"]

@@ -30,7 +30,7 @@ HF_METHODS = (
 SHARDKIT_ONLY = ("logging_dir", "max_time", "save_on_sigterm", "fast_dev_run", "use_fused_kernels", "async_save",
                  "profile_steps", "peak_tflops")
 
-_HUB = ("uploads through huggingface_hub (shardkit.hub) from the main process; push_to_hub=True pushes each "
+_HUB = ("uploads through huggingface_hub (trainer.hub_pusher) from the main process; push_to_hub=True pushes each "
         "checkpoint save in the background as hub_strategy says; 'checkpoint' and 'all_checkpoints' push the whole "
         "checkpoint folder (shardkit's sharded resume state included: resume from a downloaded last-checkpoint)")
 ARGUMENT_NOTES: dict[str, tuple[str, str]] = {
@@ -62,7 +62,7 @@ ARGUMENT_NOTES: dict[str, tuple[str, str]] = {
     "log_level": ("supported", "sets transformers' verbosity, which the Trainer's lines follow, when transformers is "
                                "imported; else the 'shardkit' loggers"),
     "log_level_replica": ("supported", "as log_level, on the other processes"),
-    "report_to": ("different", "every tracker of shardkit.tracking (jsonl, tensorboard; logs tagged train/..., "
+    "report_to": ("different", "every tracker of observability.trackers (jsonl, tensorboard; logs tagged train/..., "
                                "eval/... as HF's) and callbacks added with shardkit.trainer.reporting."
                                "register_reporter; other names refused"),
     "project": ("different", "accepted; read by reporters that use it (no trackio reporter)"),

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardkit.runner import Runner
+from shardkit.runner.core import Runner
 from shardkit.trainer.arguments import TrainingArguments
 from shardkit.trainer.schedulers import get_scheduler
 
@@ -140,7 +140,7 @@ def build_runner(args: TrainingArguments, strategy: Any, precision: Any, max_ste
     The Runner's seed is the data seed (it orders the data); the RNGs are seeded with ``args.seed`` after.
     """
     from shardkit.config.accelerate_env import launcher_read
-    from shardkit.seeding import seed_everything
+    from shardkit.utils.seeding import seed_everything
 
     precision = _precision_from_args(args, precision)
     launched_strategy, launched_deepspeed, source = _launched_engine(args, strategy, precision)

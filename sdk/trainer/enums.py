@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import Enum, StrEnum
 from typing import Any, TypeVar
 
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["DebugOption", "HubStrategy", "IntervalStrategy", "SaveStrategy", "SchedulerType", "coerce"]
 

@@ -2,7 +2,8 @@
 
 ``Trainer.push_to_hub()`` and the saves under ``push_to_hub=True`` (``hub_strategy``) call
 :func:`push_to_hub` and :func:`push_checkpoint` and nothing else; the uploads go through
-:class:`shardkit.hub.HubPusher` (``huggingface_hub``'s API, in the background as Hugging Face's Trainer does),
+:class:`~shardkit.trainer.hub_pusher.HubPusher`
+(``huggingface_hub``'s API, in the background as Hugging Face's Trainer does),
 from the main process only. ``trainer.push_to_hub()`` uploads ``output_dir``; under ``push_to_hub=True`` each
 checkpoint save, once the checkpoint is complete on every rank, calls :func:`push_checkpoint` (the model files,
 and under ``hub_strategy="checkpoint"``/``"all_checkpoints"`` the whole checkpoint folder, resumable), and the end
@@ -17,7 +18,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from shardkit.hub import HubPusher
+from shardkit.trainer.hub_pusher import HubPusher
 
 _log = logging.getLogger("shardkit.trainer")
 

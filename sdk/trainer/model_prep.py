@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["LIGER_KEYS", "NonFiniteOutputError", "apply_fused_kernels_for", "apply_model_prep", "check_model_prep_args",
            "compile_model", "fused_kernel_options", "install_overflow_check", "is_compiled", "maybe_compile"]

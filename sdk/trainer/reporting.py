@@ -1,7 +1,8 @@
-"""report_to: reporters by name. Every tracker of ``shardkit.tracking`` is one, and callbacks registered here.
+"""report_to: reporters by name. Every tracker of ``observability.trackers`` is one, and callbacks registered here.
 
 ``TrainingArguments(report_to=...)`` names reporters; the Trainer adds one callback per name
-(:func:`reporter_callbacks`). A tracker registered in ``shardkit.tracking.TRACKERS`` (JSON lines and TensorBoard
+(:func:`reporter_callbacks`). A tracker registered in
+``shardkit.observability.trackers.TRACKERS`` (JSON lines and TensorBoard
 today) is a reporter here with no more code: :class:`TrackerCallback` builds it on the main process at the start of
 training, stores the arguments as its configuration, sends it every log, and finishes it at the end. A reporter that
 is a TrainerCallback of its own plugs in with :func:`register_reporter` (a class or factory, and whether its package
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from shardkit.tracking import TRACKERS, available_trackers
+from shardkit.observability.trackers import TRACKERS, available_trackers
 from shardkit.trainer.callbacks import TrainerCallback
 
 __all__ = ["JsonlCallback", "TensorBoardCallback", "TrackerCallback", "available_reporters", "register_reporter",
@@ -35,10 +36,10 @@ def _tags(logs: dict[str, Any]) -> dict[str, Any]:
 
 
 class TrackerCallback(TrainerCallback):
-    """Sends the Trainer's logs to a tracker of ``shardkit.tracking`` (main process only).
+    """Sends the Trainer's logs to a tracker of ``shardkit.observability.trackers`` (main process only).
 
     Args:
-        tracker: its name in ``shardkit.tracking.TRACKERS``.
+        tracker: its name in ``shardkit.observability.trackers.TRACKERS``.
         tags: name the values as Hugging Face's reporters do (``train/loss``, ``eval/loss``); False keeps the
             ``log_history`` keys (the JSON-lines file then holds the same records as ``log_history``).
         **options: given to the tracker's constructor.
@@ -98,7 +99,7 @@ def register_reporter(name: str, factory: Callable[[], TrainerCallback], availab
                       *, overwrite: bool = False) -> None:
     """Make ``report_to=name`` add ``factory()`` to the Trainer's callbacks; ``available()`` says whether its
     package is installed (``report_to="all"`` takes the available ones). The factory may raise ImportError
-    naming the package to install, at Trainer construction. (A tracker of ``shardkit.tracking`` needs none of
+    naming the package to install, at Trainer construction. (A tracker of ``observability.trackers`` needs none of
     this: it is a reporter already.)"""
     if (name in _REPORTERS or name in TRACKERS) and not overwrite:
         raise ValueError(f"reporter {name!r} is already registered; pass overwrite=True to replace it")

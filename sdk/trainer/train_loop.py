@@ -84,7 +84,7 @@ class TrainLoopMixin:
 
     def _reinit_model(self) -> None:
         """``model_init``: each train() starts from a fresh model seeded with ``args.seed`` (as HF does)."""
-        from shardkit.seeding import seed_everything
+        from shardkit.utils.seeding import seed_everything
 
         seed_everything(self.args.seed)
         self._set_model(self.call_model_init())

@@ -21,8 +21,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardkit.config.accelerate_env import asks_for_deepspeed
+from shardkit.data.streaming import is_stream
 from shardkit.strategies.activation_checkpointing import enable_gradient_checkpointing
-from shardkit.streaming import is_stream
 from shardkit.trainer import hub
 from shardkit.trainer.arguments import TrainingArguments, UnknownArgumentError
 from shardkit.trainer.callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
@@ -324,7 +324,7 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         loader = self.runner.setup_dataloader(loader)
         try:
             self._per_epoch = steps_per_epoch(len(loader), self.args.gradient_accumulation_steps)
-        except TypeError:  # a stream (shardkit.streaming): max_steps bounds the run, as in Hugging Face's Trainer
+        except TypeError:  # a stream (shardkit.data.streaming): max_steps bounds the run, as in Hugging Face's Trainer
             self._per_epoch = None
         return loader
 
@@ -553,7 +553,7 @@ def _refuse_removed(removed: dict[str, Any]) -> None:
     for key in removed:
         if key in _REMOVED_KEYWORDS:
             raise UnknownArgumentError(f"Trainer({key}=...): {_REMOVED_KEYWORDS[key]}")
-        from shardkit.suggest import did_you_mean
+        from shardkit.utils.suggest import did_you_mean
 
         known = [p for p in inspect.signature(Trainer.__init__).parameters if p not in ("self", "removed")]
         raise UnknownArgumentError(f"Trainer got an unknown argument {key!r}{did_you_mean(key, known)}")

@@ -21,7 +21,7 @@ def move_to_device(batch: Any, device: torch.device | str, non_blocking: bool = 
     Mappings, named tuples, lists and tuples keep their type. ``non_blocking`` suits host-to-device
     copies of a loader's (pinned) batches; leave it off for copies to the host that are read at once.
     """
-    import torch  # NOTE: here, not at the top: `shardkit.registry` imports this module for `json_object` (issue 30)
+    import torch  # NOTE: here, not at the top: `shardkit.utils.registry` imports this module for `json_object`
 
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)

@@ -334,7 +334,7 @@ def test_the_trainer_refuses_the_other_engine_or_strategy_by_name(fsdp_launch, t
 
 def test_a_bare_runner_takes_the_launchers_engine_and_refuses_another_strategy(fsdp_launch, monkeypatch, caplog):
     from shardkit import FSDP, Runner
-    from shardkit.runner import _accelerate_launch
+    from shardkit.runner.core import _accelerate_launch
 
     strategy, config, _ = _accelerate_launch(None, None)
     assert strategy.settings == fsdp_launch.strategy.settings and config is None

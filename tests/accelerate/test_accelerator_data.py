@@ -18,7 +18,7 @@ from shardkit.accelerate_compat import (
     prepare_data_loader,
     set_seed,
 )
-from shardkit.data import ResumableSampler
+from shardkit.data.loader import ResumableSampler
 
 
 def _shards(n: int, size: int, world: int, drop_last: bool = False, **kwargs) -> list[list[list[int]]]:

@@ -32,7 +32,7 @@ from shardkit.accelerate_compat import (
     set_seed,
 )
 from shardkit.accelerate_compat.plugins import deepspeed_config, fsdp_strategy
-from shardkit.tracking import TRACKERS
+from shardkit.observability.trackers import TRACKERS
 
 
 def _model(seed: int = 0) -> nn.Module:

@@ -122,10 +122,10 @@ def _reshard_after_forward() -> Any:
     whole): the stage must still find the graph's weights in its I and W passes."""
     from unittest import mock
 
-    from shardkit.strategies import _mesh
+    from shardkit.strategies import _dtensor
 
-    shard = _mesh.shard_bottom_up
-    return mock.patch.object(_mesh, "shard_bottom_up",
+    shard = _dtensor.shard_bottom_up
+    return mock.patch.object(_dtensor, "shard_bottom_up",
                              lambda *args, **kwargs: shard(*args, **{**kwargs, "reshard_after_forward": True}))
 
 

@@ -276,7 +276,7 @@ def test_bad_settings_name_the_values():
 
 def test_sharding_modes_are_parallel_dims():
     from shardkit.strategies.fsdp import FSDPSettings
-    from shardkit.strategies.mesh import ParallelDims
+    from shardkit.strategies.parallel_dims import ParallelDims
 
     expected = {("full", None): (1, 8), ("grad_op", None): (1, 8), ("hybrid", None): (2, 4), ("hybrid", 2): (4, 2),
                 ("none", None): (8, 1)}

@@ -211,7 +211,7 @@ def _one_mesh_and_heads() -> tuple:
 
 
 def test_the_mesh_is_cut_from_parallel_dims_and_heads_are_checked():
-    from shardkit.strategies.mesh import DIM_NAMES
+    from shardkit.strategies.parallel_dims import DIM_NAMES
 
     for world_names, names, sizes, error in run_distributed(_one_mesh_and_heads, world_size=2, timeout=120):
         assert world_names == DIM_NAMES and names == ("dp_replicate", "dp_shard", "tp")

@@ -60,7 +60,7 @@ def test_accelerator_answers_or_names_the_runner(tmp_path):
 def test_push_to_hub_uploads_output_dir_and_a_misspelt_hub_strategy_is_named(tmp_path, monkeypatch):
     from concurrent.futures import Future
 
-    from shardkit.hub import HubPusher
+    from shardkit.trainer.hub_pusher import HubPusher
 
     calls = []
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from trainer_tiny import Tokens, tiny_llama
 
-from shardkit.hub import HubPusher
 from shardkit.trainer import Trainer, TrainerCallback, TrainingArguments
+from shardkit.trainer.hub_pusher import HubPusher
 
 
 class RecordingApi:

@@ -1,4 +1,4 @@
-"""report_to through shardkit.tracking: every tracker registered there is a reporter, with Hugging Face's tags."""
+"""report_to through observability.trackers: every tracker registered there is a reporter, with Hugging Face's tags."""
 
 import json
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from trainer_tiny import Line, Regression
 
-from shardkit.tracking import TRACKERS, Tracker
+from shardkit.observability.trackers import TRACKERS, Tracker
 from shardkit.trainer import Trainer, TrainingArguments
 from shardkit.trainer.reporting import available_reporters, reporter_names
 

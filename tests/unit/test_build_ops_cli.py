@@ -15,7 +15,7 @@ import pytest
 
 import shardkit.ops
 from shardkit import cli
-from shardkit.build_ops_cli import build_ops
+from shardkit.cli.build_ops import build_ops
 from shardkit.ops import _builder
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardkit import cli, env_info
+from shardkit import cli
+from shardkit.cli import env_info
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "distributed" / "scripts" / "all_reduce.py")
 
@@ -47,7 +48,8 @@ def test_console_command_runs_env():
 
 
 def test_help_lists_subcommands_including_one_whose_module_is_missing(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, ("frobnicate", "no_such_module_for_shardkit", "frob")])
+    missing = ("frobnicate", "no_such_module_for_shardkit", "frob")
+    monkeypatch.setattr(cli.commands, "COMMANDS", [*cli.commands.COMMANDS, missing])
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     out = capsys.readouterr().out

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from shardkit.data import ResumableSampler, rebuild_dataloader
+from shardkit.data.loader import ResumableSampler, rebuild_dataloader
 
 
 def test_sampler_shards_cover_the_dataset_once_plus_padding():

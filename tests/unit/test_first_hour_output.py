@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardkit import Runner
-from shardkit.env_info import collect_environment
+from shardkit.cli.env_info import collect_environment
 
 _REPO = Path(__file__).resolve().parents[2]
 

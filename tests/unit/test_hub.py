@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shardkit.hub import HubPusher
+from shardkit.trainer.hub_pusher import HubPusher
 
 
 class RecordingApi:
@@ -172,7 +172,7 @@ def test_only_the_runs_own_files_leave_the_machine_and_the_list_is_logged(tmp_pa
     (run / "odd[1].json").write_text("[]")  # a name with a pattern character matches only itself
     api = HubLikeApi()
     pusher = HubPusher("me/run", strategy="checkpoint", api=api)
-    with caplog.at_level(logging.INFO, logger="shardkit.hub"):
+    with caplog.at_level(logging.INFO, logger="shardkit.trainer.hub_pusher"):
         pusher.push_save(run, run / "checkpoint-2")
         pusher.push_final(run)
     sent = {"config.json", "model.safetensors", "odd[1].json", "runs/events.out", "weights-link.safetensors"}

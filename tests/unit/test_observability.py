@@ -117,7 +117,7 @@ def test_wandb_dir_is_left_to_wandb(tmp_path, monkeypatch):
     import sys
     import types
 
-    from shardkit.tracking import TRACKERS
+    from shardkit.observability.trackers import TRACKERS
 
     calls = []
     fake = types.ModuleType("wandb")
@@ -371,7 +371,7 @@ def test_deterministic_runs_are_bitwise_equal(monkeypatch):
 
 def test_a_report_that_cannot_be_written_never_replaces_the_out_of_memory_error(tmp_path, monkeypatch, caplog):
     """A full disk (here: the writer raising OSError) is logged; the loop still gets the out-of-memory error."""
-    import shardkit.runner_observe as observe
+    import shardkit.runner.observe as observe
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")

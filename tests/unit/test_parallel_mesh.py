@@ -9,7 +9,7 @@ import yaml
 
 from shardkit.config.accelerate import load_accelerate_config
 from shardkit.strategies.cp_attention import load_balanced_positions
-from shardkit.strategies.mesh import ParallelDims
+from shardkit.strategies.parallel_dims import ParallelDims
 from shardkit.strategies.pipeline import PipelineSettings, bubble_fraction, stage_layers
 from shardkit.strategies.registry import STRATEGIES
 

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardkit.cli_args import parse_int_list
 from shardkit.strategies._pipeline_models import UnsplittableModelError, model_layout
 from shardkit.strategies._pipeline_stages import PipelineRunner
 from shardkit.strategies.pipeline import PipelineSettings
 from shardkit.strategies.registry import STRATEGIES
+from shardkit.utils.parsing import parse_int_list
 
 
 def test_layer_split_and_dp_from_strategy_opt():

@@ -16,10 +16,10 @@ import pytest  # noqa: E402
 import shardkit  # noqa: E402
 from shardkit.precision import BF16, FP16, FP32, precision_from_name  # noqa: E402
 from shardkit.precision.registry import PRECISIONS  # noqa: E402
-from shardkit.registry import Registry  # noqa: E402
 from shardkit.strategies import strategy_from_name  # noqa: E402
 from shardkit.strategies.base import Strategy  # noqa: E402
 from shardkit.strategies.registry import STRATEGIES  # noqa: E402
+from shardkit.utils.registry import Registry  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 # Sizes, not behaviour: ZeROInfinity's default swap buffers (5 x 1e8 elements) would take 2 GB when used.

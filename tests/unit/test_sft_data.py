@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from shardkit.data.streaming import ChunkedStream, rebuild_loader
 from shardkit.sft import DataCollatorForLanguageModeling, SFTConfig, SFTTokenizer, prepare_dataset, train_tokenizer
 from shardkit.sft.chat import text_conversations
 from shardkit.sft.collator import split_sequences
 from shardkit.sft.packing import IGNORE_INDEX
-from shardkit.streaming import ChunkedStream, rebuild_loader
 
 datasets = pytest.importorskip("datasets")
 
@@ -281,7 +281,7 @@ def test_rows_that_are_not_conversations_are_named_with_their_field_and_fix(toke
 def test_every_rank_gets_as_many_stream_items(drop_last):
     # 5 items on 2 ranks: padded to 3 each, or (drop_last) the short last round dropped on both: never 3 and 2,
     # which would leave one rank stepping alone.
-    from shardkit.streaming import ChunkedStream, _RankView
+    from shardkit.data.streaming import ChunkedStream, _RankView
 
     views = [_RankView(ChunkedStream(list(range(5))), rank, 2, drop_last) for rank in range(2)]
     items = [[item for item, _ in view] for view in views]

@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from shardkit.data.streaming import rebuild_loader
 from shardkit.models import Llama, LlamaConfig
 from shardkit.sft import DataCollatorForLanguageModeling, SFTConfig, SFTTrainer, train_tokenizer
 from shardkit.sft.chat import text_conversations
 from shardkit.sft.collator import split_sequences
-from shardkit.streaming import rebuild_loader
 from shardkit.trainer import TrainingArguments
 
 datasets = pytest.importorskip("datasets")

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardkit.dtypes import dtype_name
 from shardkit.precision.base import Precision
+from shardkit.utils.dtypes import dtype_name
 
 __all__ = ["ZeROSettingsError", "ZeROSettings", "model_hidden_size", "deep_merge", "libaio_available",
            "default_nvme_path", "precision_section", "require_deepspeed", "NVME_PATH_ENV_VAR"]

@@ -5,7 +5,7 @@ model's own init that runs later (``Llama.reset_parameters``, Hugging Face's ``p
 into empty partitions and draw no random numbers. :class:`ZeroInitInterceptor` runs each such write on
 the whole parameter inside ``GatheredParameters(modifier_rank=0)``, one parameter at a time, on every
 rank. The tracking of writes through ``.data`` and views is shared with FSDP's meta-device recorder
-(:class:`shardkit.strategies._init.TrackingMode`). Importing this module does not import DeepSpeed.
+(:class:`shardkit.strategies._sharded_init.TrackingMode`). Importing this module does not import DeepSpeed.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from typing_extensions import override
 
-from shardkit.strategies._init import TrackingMode, apply_chain
+from shardkit.strategies._sharded_init import TrackingMode, apply_chain
 
 __all__ = ["ZeroInitInterceptor"]
 

@@ -1,5 +1,5 @@
 """DeepSpeed's ops that the ZeRO strategies load on this machine, built ahead for ``shardkit build-ops --deepspeed``
-(the command is :mod:`shardkit.build_ops_cli`; the builds go through :func:`build_deepspeed_op`, a run's own path)."""
+(the command is :mod:`shardkit.cli.build_ops`; the builds go through :func:`build_deepspeed_op`, a run's own path)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from shardkit import checkpoint as ckpt
-from shardkit.data import RunnerDataLoader
+from shardkit.data.loader import RunnerDataLoader
 from shardkit.strategies.base import Strategy
 
 __all__ = ["StateSaver", "check_module_dtypes"]

@@ -14,15 +14,15 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from shardkit.config.common import CONFIG_FILE_ENV, precision_kind
-from shardkit.data import RunnerDataLoader
+from shardkit.data.loader import RunnerDataLoader
+from shardkit.data.streaming import rebuild_loader
 from shardkit.distributed.oom import leave_run_facts
 from shardkit.precision import FP32, Precision
-from shardkit.runner_checkpoints import RunnerCheckpoints
-from shardkit.runner_observe import RunnerObservability
-from shardkit.seeding import enable_determinism, rank_logger, seed_everything
+from shardkit.runner.checkpoints import RunnerCheckpoints
+from shardkit.runner.observe import RunnerObservability
 from shardkit.strategies.base import Strategy
 from shardkit.strategies.quant_storage import keep_4bit_layers_trainable
-from shardkit.streaming import rebuild_loader
+from shardkit.utils.seeding import enable_determinism, rank_logger, seed_everything
 
 if TYPE_CHECKING:
     from shardkit.checkpoint.async_save import AsyncCheckpointer
@@ -120,7 +120,7 @@ class Runner(RunnerObservability, RunnerCheckpoints):
             None takes a DeepSpeed config's ``activation_checkpointing`` section; False turns block checkpointing
             off (the section still configures ``deepspeed.checkpointing`` for a model that calls it).
         log_with: experiment trackers for :meth:`log` and :meth:`log_hyperparams` (main process only): names of
-            :data:`shardkit.tracking.TRACKERS` (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"csv"``,
+            :data:`shardkit.observability.trackers.TRACKERS` (``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"csv"``,
             ``"jsonl"``, ``"all"``) or tracker objects. A DeepSpeed config's ``tensorboard`` / ``wandb`` /
             ``csv_monitor`` sections add theirs, which also record the loss, learning rate and loss scale per step.
         logging_dir: where the trackers named in ``log_with`` write (and the profiler, under ``profile``).
@@ -293,7 +293,7 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         Shuffling (kept from the loader: ``shuffle=True`` stays shuffled) depends only on the seed and
         the epoch, so every rank and every resumed run sees the same order. ``seed`` is this loader's
         shuffling seed (default: the Runner's seed, else 0). A streamed (iterable) dataset is read in order
-        and dealt to the ranks item by item (:mod:`shardkit.streaming`).
+        and dealt to the ranks item by item (:mod:`shardkit.data.streaming`).
         """
         strategy = self.strategy
         strategy.set_runner_values(micro_batch_size=loader.batch_size)

@@ -1,6 +1,6 @@
 """One device mesh for every parallel dimension: sizes, validation with named errors, the DeviceMesh.
 
-    from shardkit.strategies.mesh import ParallelDims
+    from shardkit.strategies.parallel_dims import ParallelDims
     dims = ParallelDims(dp_shard=2, cp=2).resolve(world_size=4)
     dims.validate(num_heads=8, num_layers=4, seq_len=512, cp_mode="ulysses")
     mesh = dims.build("cpu")                # dims named ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["ACCELERATE_KEYS", "DIM_NAMES", "ParallelDims", "strategy_spec_from_accelerate"]
 

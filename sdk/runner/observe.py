@@ -14,7 +14,7 @@ import torch
 from shardkit.config.common import precision_kind
 from shardkit.observability import RunLog, StepProfiler, Throughput, install_oom_snapshot
 from shardkit.observability.oom_report import StepRecorder, install_oom_excepthook, is_out_of_memory, write_oom_report
-from shardkit.tracking import TrackerSpec
+from shardkit.observability.trackers import TrackerSpec
 
 __all__ = ["RunnerObservability"]
 

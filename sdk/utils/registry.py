@@ -22,8 +22,8 @@ import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
-from shardkit.suggest import did_you_mean
 from shardkit.utils.operations import json_object
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["Entry", "Option", "Registry"]
 

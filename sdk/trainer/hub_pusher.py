@@ -34,11 +34,11 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from shardkit.suggest import did_you_mean
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["CHECKPOINT_FILES", "HUB_STRATEGIES", "MODEL_FILES", "HubPusher", "files_to_upload"]
 
-log = logging.getLogger("shardkit.hub")
+log = logging.getLogger("shardkit.trainer.hub_pusher")
 
 HUB_STRATEGIES = ("end", "every_save", "checkpoint", "all_checkpoints")
 # What a push of output_dir leaves out: the checkpoints (pushed on their own per strategy) and private files.

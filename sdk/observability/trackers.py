@@ -1,6 +1,6 @@
 """Experiment trackers by name: one registry that every front of shardkit logs through.
 
-    from shardkit.tracking import TRACKERS
+    from shardkit.observability.trackers import TRACKERS
     tracker = TRACKERS.build("jsonl", run_name="my_project", logging_dir="runs/logs")
     tracker.store_init_configuration({"lr": 3e-4})
     tracker.log({"loss": 1.25}, step=10)
@@ -33,13 +33,13 @@ from typing import Any
 
 from typing_extensions import override
 
-from shardkit.registry import Registry
+from shardkit.utils.registry import Registry
 
 __all__ = ["TRACKERS", "CSVTracker", "JsonlTracker", "MLflowTracker", "TensorBoardTracker", "Tracker", "TrackerSpec",
            "WandBTracker", "available_trackers", "build_trackers"]
 
 TRACKERS = Registry("tracker")
-log = logging.getLogger("shardkit.tracking")
+log = logging.getLogger("shardkit.observability.trackers")
 
 
 @dataclass(frozen=True)
@@ -377,15 +377,15 @@ class MLflowTracker(Tracker):
         self.client.set_terminated(self.run_id)
 
 
-TRACKERS.register("jsonl", "shardkit.tracking:JsonlTracker", aliases=("json",),
+TRACKERS.register("jsonl", "shardkit.observability.trackers:JsonlTracker", aliases=("json",),
                   description="JSON lines in <logging_dir>/<run_name>.jsonl")
-TRACKERS.register("tensorboard", "shardkit.tracking:TensorBoardTracker",
+TRACKERS.register("tensorboard", "shardkit.observability.trackers:TensorBoardTracker",
                   description="TensorBoard event files (pip install tensorboard)")
-TRACKERS.register("csv", "shardkit.tracking:CSVTracker",
+TRACKERS.register("csv", "shardkit.observability.trackers:CSVTracker",
                   description="<logging_dir>/<run_name>/metrics.csv and hparams.json")
-TRACKERS.register("wandb", "shardkit.tracking:WandBTracker", aliases=("weights_and_biases",),
+TRACKERS.register("wandb", "shardkit.observability.trackers:WandBTracker", aliases=("weights_and_biases",),
                   description="a Weights & Biases run (pip install wandb; WANDB_MODE=offline needs no account)")
-TRACKERS.register("mlflow", "shardkit.tracking:MLflowTracker",
+TRACKERS.register("mlflow", "shardkit.observability.trackers:MLflowTracker",
                   description="an MLflow run, a file store under <logging_dir>/mlruns by default "
                               "(pip install mlflow-skinny)")
 

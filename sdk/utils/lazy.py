@@ -8,12 +8,35 @@ when first read, and `from package import name` keeps working.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 import types
 from collections.abc import Callable, Mapping
 
-__all__ = ["lazy_exports"]
+__all__ = ["MOVED_MODULES", "install_moved_modules", "lazy_exports"]
+
+# Public modules that moved (sdk/'s root emptied into packages, names that said too little; old path -> new): the old paths, which
+# documentation and users' scripts name, import the new module itself (one object, so a monkeypatch of either
+# name reaches the code that runs).
+MOVED_MODULES: Mapping[str, str] = {
+    "shardkit.runner_checkpoints": "shardkit.runner.checkpoints",
+    "shardkit.runner_observe": "shardkit.runner.observe",
+    "shardkit.user_state": "shardkit.runner.user_state",
+    "shardkit.seeding": "shardkit.utils.seeding",
+    "shardkit.streaming": "shardkit.data.streaming",
+    "shardkit.cli_args": "shardkit.utils.parsing",
+    "shardkit.build_ops_cli": "shardkit.cli.build_ops",
+    "shardkit.env_info": "shardkit.cli.env_info",
+    "shardkit.dtypes": "shardkit.utils.dtypes",
+    "shardkit.registry": "shardkit.utils.registry",
+    "shardkit.suggest": "shardkit.utils.suggest",
+    "shardkit.tracking": "shardkit.observability.trackers",
+    "shardkit.hub": "shardkit.trainer.hub_pusher",
+    "shardkit.strategies.mesh": "shardkit.strategies.parallel_dims",
+    "shardkit.accelerate_compat.trackers": "shardkit.accelerate_compat.tracking",
+}
 
 
 class _LazyPackage(types.ModuleType):
@@ -57,3 +80,31 @@ def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[st
         return sorted({*module.__dict__, *exports})
 
     return __getattr__, __dir__
+
+
+class _MovedModuleLoader(importlib.abc.Loader):
+    """Serves an old module path with the module at its new path (see ``MOVED_MODULES``)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return importlib.import_module(self.target)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """Nothing to run: the target module ran when it was imported."""
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: object = None,
+                  target: object = None) -> importlib.machinery.ModuleSpec | None:
+        moved_to = MOVED_MODULES.get(fullname)
+        if moved_to is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, _MovedModuleLoader(moved_to))
+
+
+def install_moved_modules() -> None:
+    """Make every old path in ``MOVED_MODULES`` importable (once per process; ``shardkit/__init__`` calls it)."""
+    if not any(isinstance(finder, _MovedModuleFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _MovedModuleFinder())  # before the path finders: an old file left behind loses

@@ -1,8 +1,8 @@
-"""Experiment tracking of :class:`shardkit.Accelerator` through :data:`shardkit.tracking.TRACKERS`.
+"""Experiment tracking of :class:`shardkit.Accelerator` through :data:`shardkit.observability.trackers.TRACKERS`.
 
 ``Accelerator(log_with="jsonl", project_dir="runs")`` then ``init_trackers("my_run", config)``, ``log(values,
 step)`` and ``end_training()``, on the main process only, as in Accelerate. Any tracker registered in
-:data:`shardkit.tracking.TRACKERS` is accepted by name; Accelerate-style tracker objects (with ``name``,
+:data:`shardkit.observability.trackers.TRACKERS` is accepted by name; Accelerate-style tracker objects (with ``name``,
 ``start``, ``store_init_configuration``, ``log``, ``finish``) are used as they are.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from shardkit.tracking import TRACKERS, Tracker, available_trackers
+from shardkit.observability.trackers import TRACKERS, Tracker, available_trackers
 
 __all__ = ["TrackingMixin"]
 

@@ -20,11 +20,11 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 # (subcommand, module exposing register(subparsers), help shown if that module cannot be imported)
 COMMANDS: list[tuple[str, str, str]] = [
     ("launch", "shardkit.distributed.cli", "run a script on N processes and M machines (torchrun)"),
-    ("env", "shardkit.env_info", "print versions and devices for a bug report"),
+    ("env", "shardkit.cli.env_info", "print versions and devices for a bug report"),
     ("config", "shardkit.config.cli", "write a launch config (Accelerate-style YAML) by answering questions"),
     ("zero-to-fp32", "shardkit.checkpoint.zero_to_fp32", "consolidate a checkpoint into fp32 safetensors"),
     ("estimate-memory", "shardkit.memory.cli", "per-device memory of each strategy for a model; what fits"),
-    ("build-ops", "shardkit.build_ops_cli", "build the C++ ops ahead (--deepspeed: and DeepSpeed's, for ZeRO)"),
+    ("build-ops", "shardkit.cli.build_ops", "build the C++ ops ahead (--deepspeed: and DeepSpeed's, for ZeRO)"),
 ]
 
 
@@ -90,7 +90,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2 if args.command is None else 1
     return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

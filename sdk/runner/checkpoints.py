@@ -12,7 +12,7 @@ from torch import nn
 
 from shardkit import checkpoint as ckpt
 from shardkit.checkpoint.async_save import AsyncCheckpointer
-from shardkit.user_state import StateSaver
+from shardkit.runner.user_state import StateSaver
 
 __all__ = ["RunnerCheckpoints"]
 

@@ -3,7 +3,7 @@
 A :class:`ChunkedStream` reads a source of examples (a Hugging Face ``datasets.IterableDataset``, a torch
 ``IterableDataset``, any re-iterable) chunk by chunk and turns each chunk into items (e.g. tokenized and packed
 rows). Items are numbered in one global order, the same on every rank, and item ``g`` of the current split goes
-to rank ``(g - offset) % world_size`` (as :class:`~shardkit.data.ResumableSampler` deals a map-style epoch), so
+to rank ``(g - offset) % world_size`` (as :class:`~shardkit.data.loader.ResumableSampler` deals a map-style epoch), so
 ranks take the same number of batches; the last round is padded with repeats of its own items.
 
 Resuming: a checkpoint holds how many items of the epoch all ranks together have consumed, and where the chunk
@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from shardkit.data import RunnerDataLoader, rebuild_dataloader
+from shardkit.data.loader import RunnerDataLoader, rebuild_dataloader
 from shardkit.utils.operations import move_to_device
 
 __all__ = ["ChunkedStream", "StreamPosition", "StreamingLoader", "is_stream", "rebuild_loader"]
@@ -327,7 +327,7 @@ class StreamingLoader(RunnerDataLoader):
 
 def rebuild_loader(loader: DataLoader, rank: int, world_size: int, seed: int, device: torch.device) -> RunnerDataLoader:
     """``loader`` rebuilt for a Runner: a :class:`StreamingLoader` for a streamed dataset, else the sampler-based
-    :func:`shardkit.data.rebuild_dataloader` (sharded, shuffled per epoch, resumable)."""
+    :func:`shardkit.data.loader.rebuild_dataloader` (sharded, shuffled per epoch, resumable)."""
     if is_stream(loader.dataset):
         return StreamingLoader(loader, rank, world_size, seed, device)
     return rebuild_dataloader(loader, rank, world_size, seed, device)
