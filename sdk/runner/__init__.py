@@ -1,5 +1,7 @@
-"""The Runner and its parts: ``core`` (set-up, the step, collectives), ``checkpoints`` (save and resume),
-``observe`` (logging, trackers, throughput, OOM reports) and ``user_state`` (what the user asks to be saved)."""
+"""The Runner and its parts: ``core`` (set-up, the step, collectives), ``assembly`` (what the Runner is built from:
+names, ``accelerate launch``'s variables, defaults), and the objects it holds: ``checkpoints``
+(``runner.checkpoints``: save and resume), ``observe`` (``runner.observability``: logging, trackers, throughput, OOM
+reports); ``user_state`` (what the user asks to be saved)."""
 
 from shardkit.utils.lazy import lazy_exports
 

@@ -6,6 +6,7 @@ import builtins
 import contextlib
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,14 @@ from shardkit.data.loader import RunnerDataLoader
 from shardkit.data.streaming import rebuild_loader
 from shardkit.distributed.oom import leave_run_facts
 from shardkit.precision import FP32, Precision
+from shardkit.runner.assembly import (
+    activation_checkpointing_of,
+    autocast_forward,
+    by_name,
+    default_strategy,
+    launched_strategy,
+    prebuild_kernels,
+)
 from shardkit.runner.checkpoints import RunnerCheckpoints
 from shardkit.runner.observe import RunnerObservability
 from shardkit.strategies.base import Strategy
@@ -25,72 +34,17 @@ from shardkit.strategies.quant_storage import keep_4bit_layers_trainable
 from shardkit.utils.seeding import enable_determinism, rank_logger, seed_everything
 
 if TYPE_CHECKING:
-    from shardkit.checkpoint.async_save import AsyncCheckpointer
-    from shardkit.observability import Throughput
+    from shardkit.observability import RunLog, StepProfiler, Throughput
+    from shardkit.observability.oom_report import StepRecorder
 
 __all__ = ["Runner"]
 
 
-def _default_strategy() -> Strategy:
-    from shardkit.strategies.ddp import DDP
-    from shardkit.strategies.single import SingleDevice
-
-    return DDP() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else SingleDevice()
 
 
-def _prebuild_kernels(model: nn.Module) -> None:
-    """Build the C++ ops now, saying so, when the model uses shardkit's fused modules: not inside step 1, where
-    the build's 30-80 s showed as a progress bar with a four-hour ETA (issue 30). Built once per machine."""
-    if not any(type(m).__module__.startswith(("shardkit.nn", "shardkit.models")) for m in model.modules()):
-        return
-    from shardkit.ops import BUILDER, forced_backend
-
-    if forced_backend() not in (None, "cpp", "cuda"):
-        return
-    BUILDER.available()  # logs the build with its folder and time; a failure warns once and ops fall back
 
 
-def _by_name(strategy: Any, precision: Any, mixed_precision: Any) -> tuple[Strategy | None, Precision | None]:
-    """``Runner("fsdp", "bf16")`` and Accelerate's ``mixed_precision="bf16"``: names built through the registries."""
-    from shardkit.precision.registry import PRECISIONS
-    from shardkit.strategies.registry import STRATEGIES
-
-    if mixed_precision is not None:
-        if precision is not None:
-            raise ValueError(f"Runner(precision={precision!r}, mixed_precision={mixed_precision!r}): pass one of "
-                             f"them (mixed_precision is Accelerate's name for precision)")
-        precision = mixed_precision
-    if isinstance(strategy, str):
-        strategy = STRATEGIES.build(strategy)
-    if isinstance(precision, str):
-        precision = PRECISIONS.build(precision)
-    if strategy is not None and not isinstance(strategy, Strategy):
-        raise TypeError(f"Runner(strategy=...) takes a strategy object such as DDP() or FSDP(), or a name among "
-                        f"{', '.join(STRATEGIES.names())}; got a {type(strategy).__name__}")
-    if precision is not None and not isinstance(precision, Precision):
-        raise TypeError(f"Runner(precision=...) takes a precision object such as BF16(), or a name among "
-                        f"{', '.join(PRECISIONS.names())}; got a {type(precision).__name__}")
-    return strategy, precision
-
-
-def _accelerate_launch(strategy: Strategy | None, precision: Precision | None) -> tuple[Any, Any, str | None]:
-    """(strategy, DeepSpeed config, its name) from ``accelerate launch``'s FSDP/DeepSpeed variables, for a Runner
-    given no config: the launcher's engine when ``strategy`` is None, ``strategy`` when it is of the class the
-    launcher asked for, an error naming the variable when it is another (a script must not train another way than
-    it was launched)."""
-    from shardkit.config.accelerate_env import from_accelerate_launch, reconcile_strategy
-
-    # The launcher's precision fills a DeepSpeed config's precision section unless the script gave one.
-    mixed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no") if precision is None else "no"
-    launched = from_accelerate_launch(mixed)
-    if launched is None:
-        return strategy, None, None
-    if launched.kind == "DEEPSPEED" and strategy is None:
-        return None, launched.deepspeed, launched.source
-    return reconcile_strategy(launched, strategy, "Runner(strategy=...)"), None, None
-
-
-class Runner(RunnerObservability, RunnerCheckpoints):
+class Runner:
     """Trains a model with a pluggable :class:`Strategy` and :class:`Precision`.
 
     Example:
@@ -143,14 +97,14 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         deterministic: bool = False, profile_steps: Any = None, memory_snapshot: bool = False,
         peak_tflops: float | None = None,
     ):
-        strategy, precision = _by_name(strategy, precision, mixed_precision)
+        strategy, precision = by_name(strategy, precision, mixed_precision)
         self.config = None
         self.max_grad_norm: float | None = None
         from_launcher = config is None and os.environ.get(CONFIG_FILE_ENV) is not None
         config = config if config is not None else os.environ.get(CONFIG_FILE_ENV)
         source = None
         if config is None:
-            strategy, config, source = _accelerate_launch(strategy, precision)
+            strategy, config, source = launched_strategy(strategy, precision)
         if config is not None:
             from shardkit.config import resolve_runner_config
 
@@ -164,12 +118,11 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         gradient_accumulation_steps = 1 if gradient_accumulation_steps is None else gradient_accumulation_steps
         if gradient_accumulation_steps < 1:
             raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1")
-        self.strategy = strategy if strategy is not None else _default_strategy()
+        self.strategy = strategy if strategy is not None else default_strategy()
         self.precision = precision if precision is not None else FP32()
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.seed = seed
-        self.checkpoint_keep_last = checkpoint_keep_last
-        self.activation_checkpointing = _activation_checkpointing(activation_checkpointing, self.config)
+        self.activation_checkpointing = activation_checkpointing_of(activation_checkpointing, self.config)
         self.strategy.connect(self.precision)
         if self.config is not None and self.config.micro_batch_size is not None:
             self.strategy.set_runner_values(micro_batch_size=self.config.micro_batch_size)
@@ -180,7 +133,13 @@ class Runner(RunnerObservability, RunnerCheckpoints):
             self.seed = seed = enable_determinism(0 if seed is None else seed)
         elif seed is not None:
             seed_everything(seed)
-        self._observe(log_with, logging_dir, profile_steps, memory_snapshot, peak_tflops)
+        self.observability = RunnerObservability(
+            self.strategy, self.precision, self.config, log_with=log_with, logging_dir=logging_dir,
+            profile_steps=profile_steps, memory_snapshot=memory_snapshot, peak_tflops=peak_tflops,
+            run_facts=self._run_facts)
+        self.checkpoints = RunnerCheckpoints(
+            self.strategy, self.precision, keep_last=checkpoint_keep_last, owner_of=self._owner_of,
+            step_state=self._step_state, restore_step_state=self._restore_step_state, logger=self.logger)
         self._module: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: Any | None = None
@@ -193,8 +152,6 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         self._stepped = False  # the last step() applied an optimizer step, and no backward came since
         self._loader: RunnerDataLoader | None = None
         self._dp_leaders: list[int] | None = None  # gather_for_metrics under model parallelism
-        self._async_saves: AsyncCheckpointer | None = None  # save(..., blocking=False), made on first use
-        self._throughput: Throughput | None = None
 
     # ---- rank facts ---------------------------------------------------------------------------
 
@@ -263,7 +220,7 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         Returns the model alone when only a model is given, else a tuple of what was given.
         """
         self.strategy.set_runner_values(gradient_accumulation_steps=self.gradient_accumulation_steps)
-        _prebuild_kernels(model)
+        prebuild_kernels(model)
         keep_4bit_layers_trainable(model)  # QLoRA: an evaluation must not switch 4-bit layers to a no-grad kernel
         if self.activation_checkpointing is not None:  # before the strategy wraps it: one mechanism for all
             from shardkit.strategies.activation_checkpointing import apply_activation_checkpointing
@@ -273,13 +230,13 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         if self.activation_checkpointing is not None:
             self.strategy.configure_activation_checkpointing(self.activation_checkpointing)
         if self.precision.uses_autocast:
-            _autocast_forward(model, functools.partial(self.precision.autocast, self.device))
+            autocast_forward(model, functools.partial(self.precision.autocast, self.device))
         self._module, self._optimizer, self._scheduler = model, optimizer, scheduler
         if optimizer is not None:
             self._owners[optimizer] = model
         self._micro_step, self._boundary = 0, False
         self._set_window(self.gradient_accumulation_steps)
-        self._throughput = None  # timed from here, for this model
+        self.observability.restart_throughput()  # timed from here, for this model
         if self.rank == 0:  # the run's size, for `shardkit launch`'s out-of-memory diagnosis
             leave_run_facts(self.unwrap_model(model), precision_kind(self.precision))
         self.strategy.set_gradient_sync(model, self.gradient_accumulation_steps == 1)
@@ -379,11 +336,8 @@ class Runner(RunnerObservability, RunnerCheckpoints):
     def backward(self, loss: torch.Tensor, model: nn.Module | None = None) -> None:
         """Backward of one micro-batch's loss, averaged over the accumulation window."""
         module = model if model is not None else self._require("_module", "backward")
-        if self.profiler is not None and self._micro_step == 0:
-            self.profiler.before_step(self.optimizer_steps)
-        self.run_log.on_backward(loss)
-        self.flight_recorder.on_backward(loss)
-        with self._reporting_oom():
+        self.observability.before_backward(loss, self._micro_step, self.optimizer_steps)
+        with self.observability.reporting_oom():
             self.strategy.backward(loss, module, self._window)
         self._stepped = False
         self._micro_step = (self._micro_step + 1) % self._window
@@ -416,7 +370,7 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         if self.max_grad_norm and not self._clipped:  # a config's gradient_clipping applies by itself
             self.strategy.clip_gradients(module, optimizer, self.max_grad_norm)
         self._clipped = False
-        with self._reporting_oom():
+        with self.observability.reporting_oom():
             stepped = self.strategy.optimizer_step(optimizer, module)
         if stepped:
             self.optimizer_steps += 1
@@ -425,7 +379,7 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         self.strategy.zero_grad(optimizer, module)
         self._boundary = False
         self._stepped = stepped
-        self._after_step(optimizer)
+        self.observability.after_step(optimizer, self.optimizer_steps, self.gradient_accumulation_steps)
         return stepped
 
     def record_step(self, scheduler: Any | None = None) -> None:
@@ -435,6 +389,132 @@ class Runner(RunnerObservability, RunnerCheckpoints):
         if scheduler is not None:
             scheduler.step()
 
+    # ---- checkpoints (RunnerCheckpoints) ------------------------------------------------------
+
+    @property
+    def checkpoint_keep_last(self) -> int | None:
+        """Keep at most this many checkpoints next to each new one (None: all)."""
+        return self.checkpoints.keep_last
+
+    @checkpoint_keep_last.setter
+    def checkpoint_keep_last(self, value: int | None) -> None:
+        self.checkpoints.keep_last = value
+
+    def save(self, path: str | Path, state: dict[str, Any], *, blocking: bool = True, update_latest: bool = True,
+             on_saved: Callable[[Path], None] | None = None) -> Path:
+        """Save a checkpoint directory atomically.
+
+        ``state`` maps names to models, optimizers, schedulers, data loaders and plain values; the
+        precision's state, the accumulation position and every rank's RNG state are added. The
+        parent directory's ``latest`` pointer moves to the new save once it is complete (unless
+        ``update_latest=False``: the Trainer finds its ``checkpoint-N`` folders by name).
+
+        With ``blocking=False`` the state is copied to host memory (pinned, from GPUs) and the call returns while
+        a background thread writes the same atomic, verified checkpoint; the strategy's gathers still run here.
+        At most one save is in flight: the next ``save``, ``load``, :meth:`wait_for_save` and :meth:`teardown`
+        wait for it, and raise a ``CheckpointError`` naming it if it failed. The host copy (the state's size) is
+        kept for the next save. ``on_saved(path)`` runs once the checkpoint is published (on this rank; on the
+        background thread for ``blocking=False``: file work only, no collectives).
+        """
+        return self.checkpoints.save(path, state, blocking=blocking, update_latest=update_latest, on_saved=on_saved)
+
+    def wait_for_save(self) -> Path | None:
+        """Wait for the background save in flight (``save(..., blocking=False)``); return its path, or None.
+
+        Raises:
+            CheckpointError: that save failed; the message names the checkpoint (the previous one is untouched).
+        """
+        return self.checkpoints.wait_for_save()
+
+    def load(self, path: str | Path, state: dict[str, Any], *, verify: bool = True,
+             runner_state: bool = True) -> dict[str, Any]:
+        """Restore the objects in ``state`` in place from a checkpoint; return its plain values.
+
+        ``path`` may be a checkpoint directory or its parent (the ``latest`` pointer is followed).
+        Every file read is checked against the manifest's sha256 in the same pass that reads it;
+        ``verify=False`` skips the hashes (sizes, schema and paths are still checked).
+        ``runner_state=False`` restores only ``state``: the precision's loss scale, the step count,
+        the accumulation position and the RNG streams stay as they are (loading the best weights).
+        """
+        return self.checkpoints.load(path, state, verify=verify, runner_state=runner_state)
+
+    def _step_state(self) -> dict[str, Any]:
+        return {"micro_step": self._micro_step, "boundary": self._boundary, "optimizer_steps": self.optimizer_steps,
+                "gradient_accumulation_steps": self.gradient_accumulation_steps}
+
+    def _restore_step_state(self, state: dict[str, Any]) -> None:
+        self._micro_step, self._boundary = state["micro_step"], state["boundary"]
+        self._set_window(self.gradient_accumulation_steps)
+        self.optimizer_steps = state["optimizer_steps"]
+        if self._module is not None:
+            last = self.gradient_accumulation_steps - 1
+            self.strategy.set_gradient_sync(self._module, self._micro_step == last)
+
+    def _owner_of(self, optimizer: torch.optim.Optimizer) -> nn.Module:
+        owner = self._owners.get(optimizer)
+        if owner is None:
+            raise ValueError("save/load an optimizer only together with the model it was set up with in runner.setup()")
+        return owner
+
+    # ---- what the run is doing (RunnerObservability) ------------------------------------------
+
+    @property
+    def logging_dir(self) -> Path:
+        return self.observability.logging_dir
+
+    @property
+    def run_log(self) -> RunLog:
+        """The ``log_with`` trackers (and a DeepSpeed config's monitor sections)."""
+        return self.observability.run_log
+
+    @property
+    def profiler(self) -> StepProfiler | None:
+        """The ``profile_steps`` profiler; None without ``profile_steps``."""
+        return self.observability.profiler
+
+    @property
+    def flight_recorder(self) -> StepRecorder:
+        """The last steps' times, losses and memory, for out-of-memory reports."""
+        return self.observability.flight_recorder
+
+    @property
+    def throughput(self) -> Throughput:
+        """Tokens/s, samples/s, TFLOP/s and MFU of the model set up: ``runner.throughput.update(tokens, samples)``
+        after each step returns them (see :class:`shardkit.observability.Throughput`); timing starts at setup()."""
+        return self.observability.throughput(
+            lambda: self.unwrap_model(self._require("_module", "throughput")), bool(self.activation_checkpointing))
+
+    def log(self, values: dict[str, Any], step: int | None = None) -> None:
+        """Record metrics with the ``log_with`` trackers on the main process (``step``: the optimizer step)."""
+        self.observability.log(values, self.optimizer_steps if step is None else step)
+
+    def log_hyperparams(self, values: dict[str, Any]) -> None:
+        """Record the run's configuration once with the ``log_with`` trackers on the main process."""
+        self.observability.log_hyperparams(values)
+
+    def report_oom(self, exc: BaseException) -> Path | None:
+        """Write ``<logging_dir>/oom_report.rank<N>.json`` for an out-of-memory error (once per error): the failing
+        allocation, the memory summary, the last steps and the ``shardkit estimate-memory`` command for this run.
+        Runs by itself for an error raised inside ``backward``/``step`` or one that ends the script; call it from
+        a loop that catches the error to retry smaller. Returns the report's path (None for another error)."""
+        return self.observability.report_oom(exc)
+
+    def retrying_oom(self) -> contextlib.AbstractContextManager:
+        """Out-of-memory errors inside are the caller's to retry smaller (the Trainer's ``auto_find_batch_size``):
+        ``backward``/``step`` write no report for them. One that escapes and ends the script is still reported."""
+        return self.observability.retrying_oom()
+
+    def _run_facts(self) -> dict[str, Any] | None:
+        """The run's size for the estimate-memory command; None before setup() (or when it cannot be counted)."""
+        if self._module is None:
+            return None
+        try:
+            params = self.num_parameters(self._module)
+        except Exception:  # noqa: BLE001 - counting must not hide the out-of-memory error being reported
+            return None
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        return {"params": params, "precision": precision_kind(self.precision), "nproc_per_node": local,
+                "nodes": max(1, self.world_size // max(local, 1))} if params > 0 else None
 
     # ---- collectives --------------------------------------------------------------------------
 
@@ -526,39 +606,11 @@ class Runner(RunnerObservability, RunnerCheckpoints):
             CheckpointError: the background save failed (the process group is released all the same).
         """
         try:
-            if self.profiler is not None:
-                self.profiler.finish()
-            self.run_log.finish()
-            if self._async_saves is not None:
-                self._async_saves.close()
+            self.observability.finish()
+            self.checkpoints.close()
         finally:
             self.strategy.teardown()
 
     def __repr__(self) -> str:
         return f"Runner(strategy={self.strategy!r}, precision={self.precision!r}, world_size={self.world_size})"
 
-
-def _activation_checkpointing(value: Any, config: Any) -> Any:
-    """The Runner's checkpointing settings: the explicit argument, else the config's section (False keeps
-    the section's deepspeed.checkpointing options with no block patched)."""
-    from shardkit.strategies.activation_checkpointing import resolve_activation_checkpointing, with_options
-
-    from_file = getattr(config, "activation_checkpointing", None)
-    if value is None or from_file is None:
-        return resolve_activation_checkpointing(value if value is not None else from_file)
-    explicit = resolve_activation_checkpointing(value)
-    if explicit is None:
-        return with_options(from_file, blocks=False)
-    return with_options(explicit, deepspeed=from_file.deepspeed)
-
-
-def _autocast_forward(model: nn.Module, context) -> None:
-    """Run ``model.forward`` under the precision's autocast, without wrapping the module (keys stay)."""
-    forward = model.forward
-
-    @functools.wraps(forward)
-    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
-        with context():
-            return forward(*args, **kwargs)
-
-    model.forward = autocast_forward

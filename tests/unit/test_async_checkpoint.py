@@ -126,7 +126,7 @@ def test_one_save_in_flight_and_latest_moves_only_when_complete(tmp_path, monkey
     monkeypatch.setattr(StagingWriter, "replay", held_replay)
     monkeypatch.setattr(writer_module.CheckpointWriter, "open", logged_open)
     runner.save(tmp_path / "step-1", _state(model, optimizer, scheduler, 1), blocking=False)
-    assert runner._async_saves.in_flight == tmp_path / "step-1"
+    assert runner.checkpoints.background.in_flight == tmp_path / "step-1"
     assert not (tmp_path / "latest").exists() and not (tmp_path / "step-1").exists()
     second = threading.Thread(target=runner.save, args=(tmp_path / "step-2", _state(model, optimizer, scheduler, 2)),
                               kwargs={"blocking": False})
@@ -148,10 +148,11 @@ def test_tied_weights_stay_tied_and_host_buffers_are_reused(tmp_path):
     model[1].weight = model[0].weight
     model = runner.setup(model)
     runner.save(tmp_path / "a", {"model": model}, blocking=False)
-    first = runner._async_saves.buffers.nbytes
+    first = runner.checkpoints.background.buffers.nbytes
     runner.save(tmp_path / "b", {"model": model}, blocking=False)
     runner.wait_for_save()
-    assert first == runner._async_saves.buffers.nbytes == runner._async_saves.last.nbytes  # reused, tied once
+    saves = runner.checkpoints.background
+    assert first == saves.buffers.nbytes == saves.last.nbytes  # reused, tied once
     with CheckpointReader(tmp_path / "b") as r:
         tensors = r.read_tensors("model")
     assert tensors["0.weight"] is tensors["1.weight"]
