@@ -25,8 +25,13 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 from typing_extensions import override
 
-from shardkit.accelerate_compat.checkpointing import CheckpointMixin
-from shardkit.accelerate_compat.data_loader import makes_own_batches, shard_batches
+from shardkit.accelerate_compat.checkpointing import AcceleratorCheckpoints
+from shardkit.accelerate_compat.data_loader import (
+    default_data_seed,
+    makes_own_batches,
+    remember_data_seed,
+    shard_batches,
+)
 from shardkit.accelerate_compat.dummies import (
     DeepSpeedConfigView,
     is_dummy_optimizer,
@@ -35,6 +40,7 @@ from shardkit.accelerate_compat.dummies import (
     real_optimizer,
     real_scheduler,
 )
+from shardkit.accelerate_compat.parts import Prepared, forward_to, part_attribute
 from shardkit.accelerate_compat.plugins import (
     DataLoaderConfiguration,
     ProjectConfiguration,
@@ -57,8 +63,8 @@ from shardkit.accelerate_compat.state import (
     remember_plugins,
     use_strategy,
 )
-from shardkit.accelerate_compat.tracking import TrackingMixin
-from shardkit.accelerate_compat.training import TrainingMixin
+from shardkit.accelerate_compat.tracking import AcceleratorTracking
+from shardkit.accelerate_compat.training import AcceleratorTraining
 from shardkit.accelerate_compat.wrappers import AcceleratedOptimizer, AcceleratedScheduler, PreparedDataLoader
 from shardkit.data.loader import ResumableSampler
 from shardkit.runner.core import Runner
@@ -72,10 +78,10 @@ _REFUSED = {"torch_tp_plugin": "use shardkit.TensorParallel through a shardkit.R
             "dynamo_plugin": "call torch.compile(model) in the script",
             "deepspeed_plugins": "pass one deepspeed_plugin",
             "parallelism_config": "use shardkit.TensorParallel(dp='fsdp') through a shardkit.Runner"}
-_SEEDS: dict[str, int] = {}  # the seed given to shardkit.accelerate_compat.set_seed (the loaders' default)
 
 
-class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
+
+class Accelerator(ProcessFacts):
     """Accelerate's ``Accelerator`` on shardkit: the same constructor, methods and meanings.
 
     Args:
@@ -107,6 +113,12 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         runner: the :class:`shardkit.Runner` underneath.
         gradient_state: the accumulation window and the data loader being iterated.
         step: micro-batches counted by :meth:`accumulate` (saved by :meth:`save_state`).
+
+    The Accelerator is composed of parts that own their state, each handed what it needs, and forwards Accelerate's
+    methods to them: ``training`` (:class:`~shardkit.accelerate_compat.training.AcceleratorTraining`: backward, the
+    window, clipping, collectives), ``checkpoints`` (:class:`~shardkit.accelerate_compat.checkpointing.
+    AcceleratorCheckpoints`: ``save_state``/``load_state``, ``save_model``), ``tracking``
+    (:class:`~shardkit.accelerate_compat.tracking.AcceleratorTracking`) and ``prepared`` (what ``prepare`` set up).
     """
 
     def __init__(self, device_placement: bool = True, split_batches: bool | None = None,
@@ -130,21 +142,17 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         self.project_configuration = project_config if project_config is not None else ProjectConfiguration()
         if project_dir is not None and self.project_configuration.project_dir is None:
             self.project_configuration.set_directories(str(project_dir))
-        self._autocast_handler = handlers.get("autocast")
         self.runner = self._build_runner(mixed_precision, cpu, deepspeed_plugin, fsdp_plugin, handlers)
         use_strategy(self.runner.strategy)
         remember_plugins(self._deepspeed_for_state(deepspeed_plugin), fsdp_plugin)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.rng_types = rng_types
-        self._models: list[nn.Module] = []
-        self._optimizers: list[AcceleratedOptimizer] = []
-        self._schedulers: list[AcceleratedScheduler] = []
-        self._dataloaders: list[PreparedDataLoader] = []
-        self._owner: dict[int, nn.Module] = {}  # id(prepared optimizer) -> its prepared model
-        self.step = 0
-        self._clipped = False  # clip_grad_norm_ ran in this window (a config's clipping then stays off)
-        self._init_tracking(log_with)
-        self._init_checkpointing()
+        self.prepared = Prepared()
+        self.training = AcceleratorTraining(self.runner, self.gradient_state, self.prepared, self,
+                                            handlers.get("autocast"))
+        self.tracking = AcceleratorTracking(log_with, self.runner, self.project_configuration, self)
+        self.checkpoints = AcceleratorCheckpoints(self.runner, self.prepared, self.project_configuration,
+                                                  self.training, self)
 
     def _build_runner(self, mixed_precision: str | None, cpu: bool, deepspeed_plugin: Any, fsdp_plugin: Any,
                       handlers: dict[str, Any]) -> Runner:
@@ -350,7 +358,7 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         if isinstance(loader, PreparedDataLoader):
             return loader
         seed = self.dataloader_config.data_seed
-        seed = seed if seed is not None else _SEEDS.get("seed", 0)
+        seed = seed if seed is not None else default_data_seed()
         even = self.even_batches
         strategy = self.runner.strategy
         if makes_own_batches(loader):  # its batches are dealt whole (Accelerate's BatchSamplerShard)
@@ -371,39 +379,39 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
         prepared = PreparedDataLoader(base, self.gradient_state, self.split_batches)
         if getattr(base.sampler, "generator", None) is not None and strategy.world_size > 1:
             prepared.before_epoch = functools.partial(_share_generator, strategy, base.sampler.generator)
-        self._dataloaders.append(prepared)
+        self.prepared.dataloaders.append(prepared)
         return prepared
 
     def _prepare_model(self, model: nn.Module, optimizer: Any, scheduler: Any) -> tuple[nn.Module, Any]:
-        if any(model is m for m in self._models):
+        models = self.prepared.models
+        if any(model is m for m in models):
             if optimizer is not None:
                 raise ValueError("the model was prepared before without this optimizer: pass the model and its "
                                  "optimizer to one prepare() call")
             return model, None
-        if self._models and self.distributed_type == DistributedType.DEEPSPEED:
+        if models and self.distributed_type == DistributedType.DEEPSPEED:
             raise NotImplementedError("one Accelerator prepares one model under DeepSpeed (ZeRO); prepared already: "
-                                      f"{type(self.unwrap_model(self._models[0])).__name__}")
+                                      f"{type(self.unwrap_model(models[0])).__name__}")
         setup = self.runner.setup(model, optimizer, scheduler)
         prepared, inner = (setup[0], setup[1]) if isinstance(setup, tuple) else (setup, None)
         # Accelerate reduces on every backward unless no_sync/accumulate say otherwise (the Runner's setup syncs
         # only at the end of its own window).
         self.runner.strategy.set_gradient_sync(prepared, True)
-        self._models.append(prepared)
+        models.append(prepared)
         if inner is None:
             return prepared, None
-        acc = AcceleratedOptimizer(inner, self)
-        self._owner[id(acc)] = prepared
-        self._optimizers.append(acc)
+        acc = AcceleratedOptimizer(inner, self.training)
+        self.prepared.add_optimizer(acc, prepared)
         return prepared, acc
 
     def _prepare_scheduler(self, scheduler: Any, prepared: list[AcceleratedOptimizer]) -> AcceleratedScheduler:
         if isinstance(scheduler, AcceleratedScheduler):
             return scheduler
         target = getattr(scheduler, "optimizer", None)
-        optimizers = [o for o in self._optimizers if o is target or o.optimizer is target] or list(prepared)
+        optimizers = [o for o in self.prepared.optimizers if o is target or o.optimizer is target] or list(prepared)
         wrapped = AcceleratedScheduler(scheduler, optimizers, self, self.step_scheduler_with_optimizer,
                                        self.split_batches)
-        self._schedulers.append(wrapped)
+        self.prepared.schedulers.append(wrapped)
         return wrapped
 
     # ---- models -----------------------------------------------------------------------------------------
@@ -428,11 +436,7 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
     def free_memory(self, *objects: Any) -> list[None]:
         """Drop every reference to what was prepared (here and in the Runner) and collect garbage, between two
         trainings in one process; returns as many ``None`` as objects were given, for ``a, b = free_memory(a, b)``."""
-        self._models.clear()
-        self._optimizers.clear()
-        self._schedulers.clear()
-        self._dataloaders.clear()
-        self._owner.clear()
+        self.prepared.clear()
         self.runner.release()
         self.step = 0
         gc.collect()
@@ -443,6 +447,47 @@ class Accelerator(TrainingMixin, CheckpointMixin, TrackingMixin, ProcessFacts):
     def clear(self, *objects: Any) -> list[None]:
         """Alias of :meth:`free_memory`."""
         return self.free_memory(*objects)
+
+    # ---- Accelerate's methods, forwarded to the parts ----------------------------------------------------
+
+    step = part_attribute("training", "step", "Micro-batches counted by :meth:`accumulate` (saved by "
+                          ":meth:`save_state`).", settable=True)
+    backward = forward_to("training", AcceleratorTraining.backward)
+    accumulate = forward_to("training", AcceleratorTraining.accumulate)
+    no_sync = forward_to("training", AcceleratorTraining.no_sync)
+    trigger_sync_in_backward = forward_to("training", AcceleratorTraining.trigger_sync_in_backward)
+    optimizer_step_was_skipped = part_attribute("training", "optimizer_step_was_skipped",
+                                                AcceleratorTraining.optimizer_step_was_skipped.__doc__)
+    unscale_gradients = forward_to("training", AcceleratorTraining.unscale_gradients)
+    clip_grad_norm_ = forward_to("training", AcceleratorTraining.clip_grad_norm_)
+    clip_grad_value_ = forward_to("training", AcceleratorTraining.clip_grad_value_)
+    gather = forward_to("training", AcceleratorTraining.gather)
+    reduce = forward_to("training", AcceleratorTraining.reduce)
+    pad_across_processes = forward_to("training", AcceleratorTraining.pad_across_processes)
+    gather_for_metrics = forward_to("training", AcceleratorTraining.gather_for_metrics)
+    set_trigger = forward_to("training", AcceleratorTraining.set_trigger)
+    check_trigger = forward_to("training", AcceleratorTraining.check_trigger)
+    join_uneven_inputs = forward_to("training", AcceleratorTraining.join_uneven_inputs)
+    autocast = forward_to("training", AcceleratorTraining.autocast)
+
+    project_dir = part_attribute("checkpoints", "project_dir")
+    logging_dir = part_attribute("checkpoints", "logging_dir")
+    save_iteration = part_attribute("checkpoints", "save_iteration", AcceleratorCheckpoints.save_iteration.__doc__)
+    register_for_checkpointing = forward_to("checkpoints", AcceleratorCheckpoints.register_for_checkpointing)
+    save_state = forward_to("checkpoints", AcceleratorCheckpoints.save_state)
+    load_state = forward_to("checkpoints", AcceleratorCheckpoints.load_state)
+    skip_first_batches = forward_to("checkpoints", AcceleratorCheckpoints.skip_first_batches)
+    get_state_dict = forward_to("checkpoints", AcceleratorCheckpoints.get_state_dict)
+    save_model = forward_to("checkpoints", AcceleratorCheckpoints.save_model)
+    save = forward_to("checkpoints", AcceleratorCheckpoints.save)
+
+    log_with = part_attribute("tracking", "log_with", "The trackers named or given in ``log_with``.")
+    trackers = part_attribute("tracking", "trackers", "The trackers started by :meth:`init_trackers` (main process).",
+                              settable=True)
+    init_trackers = forward_to("tracking", AcceleratorTracking.init_trackers)
+    get_tracker = forward_to("tracking", AcceleratorTracking.get_tracker)
+    log = forward_to("tracking", AcceleratorTracking.log)
+    end_training = forward_to("tracking", AcceleratorTracking.end_training)
 
     def __repr__(self) -> str:
         return f"Accelerator(runner={self.runner!r}, gradient_accumulation_steps={self.gradient_accumulation_steps})"
@@ -458,7 +503,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     """
     from shardkit.utils.seeding import seed_everything
 
-    _SEEDS["seed"] = seed
+    remember_data_seed(seed)
     if device_specific:
         import torch.distributed as dist
 

@@ -1,4 +1,5 @@
-"""Checkpoints of :class:`shardkit.Accelerator`: ``save_state``/``load_state`` in shardkit's format.
+"""Checkpoints of :class:`shardkit.Accelerator` (its ``checkpoints`` part): ``save_state``/``load_state`` in
+shardkit's format.
 
 ``save_state(dir)`` is ``runner.save(dir, state)``: every prepared model, optimizer and scheduler, each prepared
 data loader's position, the registered objects, the accumulation counter, the precision's loss scale and every
@@ -19,9 +20,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardkit.accelerate_compat.parts import Prepared
+from shardkit.accelerate_compat.plugins import ProjectConfiguration
+from shardkit.accelerate_compat.state import ProcessFacts
+from shardkit.accelerate_compat.training import AcceleratorTraining
 from shardkit.accelerate_compat.wrappers import PreparedDataLoader, SkipBatches
+from shardkit.runner.core import Runner
 
-__all__ = ["CheckpointMixin"]
+__all__ = ["AcceleratorCheckpoints"]
 
 _CHECKPOINTS = "checkpoints"
 _NUMBERED = re.compile(r"^checkpoint_(\d+)$")
@@ -33,11 +39,20 @@ def _entry(kind: str, index: int) -> str:
     return kind if index == 0 else f"{kind}_{index}"
 
 
-class CheckpointMixin:
-    """``save_state``/``load_state``, ``save_model`` and the project directories, for :class:`shardkit.Accelerator`."""
+class AcceleratorCheckpoints:
+    """``save_state``/``load_state``, ``save_model`` and the project directories, which :class:`shardkit.Accelerator`
+    forwards to. It owns the objects registered for checkpointing; it is handed the Runner (which writes and reads),
+    what was prepared (the checkpoint's entries), the project configuration (directories, numbering), the training
+    part (its micro-batch count is saved) and the process facts."""
 
-    def _init_checkpointing(self) -> None:
-        self._custom_objects: list[Any] = []
+    def __init__(self, runner: Runner, prepared: Prepared, project_configuration: ProjectConfiguration,
+                 training: AcceleratorTraining, facts: ProcessFacts) -> None:
+        self.runner = runner
+        self.prepared = prepared
+        self.project_configuration = project_configuration
+        self.training = training
+        self.facts = facts
+        self.custom_objects: list[Any] = []
 
     @property
     def project_dir(self) -> str | None:
@@ -59,20 +74,21 @@ class CheckpointMixin:
         if invalid:
             raise ValueError(f"register_for_checkpointing needs objects with state_dict() and load_state_dict(); "
                              f"these have not: {', '.join(invalid)}")
-        self._custom_objects.extend(objects)
+        self.custom_objects.extend(objects)
 
     def _state(self) -> dict[str, Any]:
         """What a checkpoint holds, by entry name (the same names on save and load)."""
         state: dict[str, Any] = {}
-        for i, model in enumerate(self._models):
+        prepared = self.prepared
+        for i, model in enumerate(prepared.models):
             state[_entry("model", i)] = model
-        for i, optimizer in enumerate(self._optimizers):
+        for i, optimizer in enumerate(prepared.optimizers):
             state[_entry("optimizer", i)] = optimizer.optimizer
-        for i, scheduler in enumerate(self._schedulers):
+        for i, scheduler in enumerate(prepared.schedulers):
             state[_entry("scheduler", i)] = scheduler.scheduler
-        for i, loader in enumerate(self._dataloaders):
+        for i, loader in enumerate(prepared.dataloaders):
             state[_entry("dataloader", i)] = loader.base
-        for i, obj in enumerate(self._custom_objects):
+        for i, obj in enumerate(self.custom_objects):
             state[f"custom_checkpoint_{i}"] = obj
         return state
 
@@ -98,9 +114,9 @@ class CheckpointMixin:
                              "True, project_dir=...)")
         else:
             path = Path(output_dir)
-        _same_directory_everywhere(self, "save_state", path)
+        _same_directory_everywhere(self.facts, "save_state", path)
         state = self._state()
-        state[_STEP] = self.step
+        state[_STEP] = self.training.step
         self.runner.save(path, state)
         config.iteration += 1
         return str(path)
@@ -119,14 +135,14 @@ class CheckpointMixin:
                                  "True, project_dir=...)")
             input_dir = Path(self._project("load_state")) / _CHECKPOINTS  # the runner follows `latest`
         path = Path(os.path.expanduser(str(input_dir)))
-        _same_directory_everywhere(self, "load_state", path)
+        _same_directory_everywhere(self.facts, "load_state", path)
         if not path.is_dir():
             raise ValueError(f"load_state: {str(path)!r} is not a directory; give a checkpoint save_state wrote")
         values = self.runner.load(path, self._state())
-        self.step = int(values.get(_STEP, 0))
-        for model in self._models:  # Accelerate reduces on every backward outside accumulate/no_sync
+        self.training.step = int(values.get(_STEP, 0))
+        for model in self.prepared.models:  # Accelerate reduces on every backward outside accumulate/no_sync
             self.runner.strategy.set_gradient_sync(model, True)
-        for loader in self._dataloaders:
+        for loader in self.prepared.dataloaders:
             loader.restored()
         self._continue_numbering(path)
 
@@ -179,7 +195,7 @@ class CheckpointMixin:
 
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
         """``torch.save`` (or safetensors for a dict of tensors) on the main process only."""
-        if not self.is_main_process:
+        if not self.facts.is_main_process:
             return
         if safe_serialization:
             from safetensors.torch import save_file
@@ -189,10 +205,10 @@ class CheckpointMixin:
             torch.save(obj, f)
 
 
-def _same_directory_everywhere(accelerator: Any, what: str, path: Path) -> None:
+def _same_directory_everywhere(facts: ProcessFacts, what: str, path: Path) -> None:
     """Refuse, on every process, a checkpoint directory that differs between processes: a checkpoint is one
     directory every process writes its part into (it would otherwise wait for parts that never come)."""
-    if accelerator.num_processes == 1:
+    if facts.num_processes == 1:
         return
     from shardkit.accelerate_compat.operations import gather_object
 

@@ -28,8 +28,8 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler
 from shardkit.data.loader import RunnerDataLoader, sample_seed
 from shardkit.utils.operations import move_to_device
 
-__all__ = ["BatchSamplerShard", "BatchShardLoader", "SeedableRandomSampler", "makes_own_batches",
-           "prepare_data_loader"]
+__all__ = ["BatchSamplerShard", "BatchShardLoader", "SeedableRandomSampler", "default_data_seed", "makes_own_batches",
+           "prepare_data_loader", "remember_data_seed"]
 
 
 class SeedableRandomSampler(RandomSampler):
@@ -230,6 +230,19 @@ def _check_same_everywhere(per_process: list[list[list[Any]]], processes: int) -
                            "epoch)")
 
 
+_SEEDS: dict[str, int] = {}  # the seed given to shardkit.accelerate_compat.set_seed
+
+
+def remember_data_seed(seed: int) -> None:
+    """``set_seed(seed)`` ran: loaders prepared from now on shuffle with ``seed`` unless given a ``data_seed``."""
+    _SEEDS["seed"] = seed
+
+
+def default_data_seed() -> int:
+    """The shuffling seed of a loader prepared without a ``data_seed``: the last ``set_seed``'s, else 0."""
+    return _SEEDS.get("seed", 0)
+
+
 def makes_own_batches(loader: DataLoader) -> bool:
     """The loader's batches come from a batch sampler of the user's (``batch_sampler=`` or a ``BatchSampler`` given
     as ``sampler`` with ``batch_size=None``), not from ``batch_size``."""
@@ -357,7 +370,6 @@ def prepare_data_loader(dataloader: DataLoader, device: Any = None, num_processe
     reads its own; the data must be the same on every process). The result has ``state_dict``/``load_state_dict``
     whatever ``use_stateful_dataloader`` says; batches always go to ``device`` (``put_on_device`` is accepted).
     """
-    from shardkit.accelerate_compat.accelerator import _SEEDS
     from shardkit.accelerate_compat.state import GradientState, PartialState
     from shardkit.accelerate_compat.wrappers import PreparedDataLoader
     from shardkit.data.streaming import StreamingLoader, is_stream
@@ -369,7 +381,7 @@ def prepare_data_loader(dataloader: DataLoader, device: Any = None, num_processe
     num_processes = state.num_processes if num_processes is None else num_processes
     process_index = state.process_index if process_index is None else process_index
     device = torch.device(device) if device is not None else state.device
-    seed = data_seed if data_seed is not None else _SEEDS.get("seed", 0)
+    seed = data_seed if data_seed is not None else default_data_seed()
     if is_stream(dataloader.dataset):
         if split_batches:
             raise NotImplementedError("prepare_data_loader(split_batches=True) over an iterable dataset: give the "

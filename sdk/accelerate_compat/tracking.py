@@ -12,9 +12,12 @@ from typing import Any
 
 from typing_extensions import override
 
+from shardkit.accelerate_compat.plugins import ProjectConfiguration
+from shardkit.accelerate_compat.state import ProcessFacts
 from shardkit.observability.trackers import TRACKERS, Tracker, available_trackers
+from shardkit.runner.core import Runner
 
-__all__ = ["TrackingMixin"]
+__all__ = ["AcceleratorTracking"]
 
 
 class _Blank(Tracker):
@@ -55,10 +58,16 @@ def _names(log_with: Any) -> list[Any]:
     return out
 
 
-class TrackingMixin:
-    """``init_trackers``, ``log``, ``get_tracker`` and ``end_training`` for :class:`shardkit.Accelerator`."""
+class AcceleratorTracking:
+    """``init_trackers``, ``log``, ``get_tracker`` and ``end_training``, which :class:`shardkit.Accelerator` forwards
+    to. It owns the trackers; it is handed the Runner (torn down by ``end_training``), the project configuration
+    (the trackers' directory) and the process facts (only the main process logs)."""
 
-    def _init_tracking(self, log_with: Any) -> None:
+    def __init__(self, log_with: Any, runner: Runner, project_configuration: ProjectConfiguration,
+                 facts: ProcessFacts) -> None:
+        self.runner = runner
+        self.project_configuration = project_configuration
+        self.facts = facts
         self.log_with = _names(log_with)
         self.trackers: list[Any] = []
         needs_dir = [n for n in self.log_with
@@ -66,6 +75,10 @@ class TrackingMixin:
         if needs_dir and self.logging_dir is None:
             raise ValueError(f"log_with={needs_dir} writes files: give Accelerator(project_dir=...) or "
                              f"ProjectConfiguration(logging_dir=...)")
+
+    @property
+    def logging_dir(self) -> str | None:
+        return self.project_configuration.logging_dir
 
     def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
                       init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
@@ -75,7 +88,7 @@ class TrackingMixin:
             init_kwargs: per tracker name, keyword arguments for its constructor (``{"tensorboard": {"flush_secs":
                 60}}``).
         """
-        if not self.is_main_process:
+        if not self.facts.is_main_process:
             return
         init_kwargs = dict(init_kwargs or {})
         names = {n if isinstance(n, str) else getattr(n, "name", "") for n in self.log_with}
@@ -104,7 +117,7 @@ class TrackingMixin:
 
     def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
         """Record ``values`` at ``step`` with every tracker (main process only)."""
-        if not self.is_main_process:
+        if not self.facts.is_main_process:
             return
         for tracker in self.trackers:
             tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))

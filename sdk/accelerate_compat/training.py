@@ -1,4 +1,5 @@
-"""The training step of :class:`shardkit.Accelerator`: backward, the accumulation window, clipping, the collectives.
+"""The training step of :class:`shardkit.Accelerator` (its ``training`` part): backward, the accumulation window,
+clipping, the collectives.
 
 Each method is the Strategy's or the Precision's: ``backward`` is ``strategy.backward`` (the loss averaged over
 the window and scaled by the precision), ``no_sync`` is ``strategy.set_gradient_sync``, the prepared optimizer's
@@ -17,16 +18,39 @@ import torch
 from torch import nn
 
 from shardkit.accelerate_compat import operations
-from shardkit.accelerate_compat.state import DistributedType
+from shardkit.accelerate_compat.parts import Prepared
+from shardkit.accelerate_compat.state import DistributedType, GradientState, ProcessFacts
+from shardkit.runner.core import Runner
 
-__all__ = ["TrainingMixin"]
+__all__ = ["AcceleratorTraining"]
 
 log = logging.getLogger("shardkit.accelerate")
 
 
-class TrainingMixin:
-    """Accelerate's step methods, for :class:`shardkit.Accelerator` (which provides ``runner``, ``gradient_state``,
-    ``step``, ``_models``, ``_optimizers``, ``_owner`` and ``_clipped``)."""
+class AcceleratorTraining:
+    """Accelerate's step methods, which :class:`shardkit.Accelerator` forwards to. It owns the micro-batch count
+    (``step``), whether the user clipped in this window and the trigger flag; it is handed the Runner, the
+    accumulation window's state, what was prepared and the process facts (the Accelerator's, so that an assigned
+    ``distributed_type`` counts here too). The prepared optimizers step through :meth:`optimizer_step`."""
+
+    def __init__(self, runner: Runner, gradient_state: GradientState, prepared: Prepared, facts: ProcessFacts,
+                 autocast_handler: Any = None) -> None:
+        self.runner = runner
+        self.gradient_state = gradient_state
+        self.prepared = prepared
+        self.facts = facts
+        self.autocast_handler = autocast_handler
+        self.step = 0  # micro-batches counted by accumulate() (saved by save_state)
+        self._clipped = False  # clip_grad_norm_ ran in this window (a config's clipping then stays off)
+        self._trigger = False
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
 
     # ---- backward and the window ------------------------------------------------------------------------
 
@@ -36,7 +60,8 @@ class TrainingMixin:
         if kwargs:
             raise NotImplementedError(f"accelerator.backward(loss, {', '.join(kwargs)}=...): shardkit's backward takes "
                                       f"the loss only")
-        module = self._models[0] if self._models else None
+        models = self.prepared.models
+        module = models[0] if models else None
         self.runner.strategy.backward(loss, module, self.gradient_accumulation_steps)
 
     def _do_sync(self) -> None:
@@ -60,7 +85,7 @@ class TrainingMixin:
         """
         self._do_sync()
         state = self.gradient_state
-        allow = state.sync_gradients or (self.use_distributed and state.sync_each_batch)
+        allow = state.sync_gradients or (self.facts.use_distributed and state.sync_each_batch)
         with contextlib.ExitStack() as stack:
             if not allow:
                 for model in models:
@@ -98,32 +123,33 @@ class TrainingMixin:
 
     # ---- the step (called by the prepared optimizer) ----------------------------------------------------
 
-    def _optimizer_step(self, prepared: Any) -> bool:
+    def optimizer_step(self, prepared: Any) -> bool:
         """The strategy's step for a prepared optimizer: a config's clipping if the user did not clip this window,
         then unscale, the overflow vote and the step. True when the step was taken."""
-        module = self._owner[id(prepared)]
+        module = self.prepared.owner_of(prepared)
         strategy, runner = self.runner.strategy, self.runner
         if runner.max_grad_norm and not self._clipped:
             strategy.clip_gradients(module, prepared.optimizer, runner.max_grad_norm)
         self._clipped = False
         stepped = strategy.optimizer_step(prepared.optimizer, module)
         if stepped:
-            runner.optimizer_steps += 1
+            runner.record_step()
         return stepped
 
-    def _zero_grad(self, prepared: Any) -> None:
-        self.runner.strategy.zero_grad(prepared.optimizer, self._owner[id(prepared)])
+    def zero_grad(self, prepared: Any) -> None:
+        """The strategy's ``zero_grad`` for a prepared optimizer and its model."""
+        self.runner.strategy.zero_grad(prepared.optimizer, self.prepared.owner_of(prepared))
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
         """Whether the last step of any prepared optimizer was skipped for an fp16 overflow."""
-        return any(opt.step_was_skipped for opt in self._optimizers)
+        return any(opt.step_was_skipped for opt in self.prepared.optimizers)
 
     # ---- clipping ---------------------------------------------------------------------------------------
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Divide the gradients by the fp16 loss scale (once per step; clipping does it itself)."""
-        optimizers = self._optimizers if optimizer is None else optimizer
+        optimizers = self.prepared.optimizers if optimizer is None else optimizer
         for opt in optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]:
             self.runner.precision.unscale_gradients(getattr(opt, "optimizer", opt))
 
@@ -135,12 +161,12 @@ class TrainingMixin:
         holds the norm once ``optimizer.step()`` has run.
         """
         params = list(parameters)
-        for acc in self._optimizers:
-            module = self._owner[id(acc)]
+        for acc in self.prepared.optimizers:
+            module = self.prepared.owner_of(acc)
             if _same_parameters(params, list(module.parameters())):
                 self._clipped = True
                 return self.runner.strategy.clip_gradients(module, acc.optimizer, max_norm, norm_type)
-        if self.distributed_type == DistributedType.DEEPSPEED:
+        if self.facts.distributed_type == DistributedType.DEEPSPEED:
             raise NotImplementedError("under ZeRO, DeepSpeed clips a whole model: clip_grad_norm_(model.parameters(), "
                                       "max_norm) with the prepared model")
         self.unscale_gradients()
@@ -148,8 +174,9 @@ class TrainingMixin:
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
         """Clamp every gradient to ``[-clip_value, clip_value]`` (after unscaling); not under FSDP or ZeRO."""
-        if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-            raise NotImplementedError(f"clip_grad_value_ is not supported under {self.distributed_type} (as in "
+        distributed_type = self.facts.distributed_type
+        if distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
+            raise NotImplementedError(f"clip_grad_value_ is not supported under {distributed_type} (as in "
                                       f"Accelerate); use clip_grad_norm_")
         self.unscale_gradients()
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
@@ -207,7 +234,7 @@ class TrainingMixin:
 
     def check_trigger(self) -> bool:
         """True on every process when any process called :meth:`set_trigger` since the last check (a collective)."""
-        flag = torch.tensor(1.0 if getattr(self, "_trigger", False) else 0.0, device=self.device)
+        flag = torch.tensor(1.0 if self._trigger else 0.0, device=self.runner.device)
         self.runner.strategy.all_reduce(flag, "max")
         self._trigger = False
         return bool(flag.item() > 0)
@@ -222,16 +249,17 @@ class TrainingMixin:
             even_batches: for the duration of the block, the ``even_batches`` of every prepared loader over a
                 map-style dataset (a streamed one keeps its own, with a warning).
         """
-        if self.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        distributed_type = self.facts.distributed_type
+        if distributed_type not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
             warnings.warn(f"joining uneven inputs is only supported for multi-GPU and multi-CPU DDP training, not "
-                          f"{self.distributed_type}; join_uneven_inputs has no effect", UserWarning, stacklevel=3)
+                          f"{distributed_type}; join_uneven_inputs has no effect", UserWarning, stacklevel=3)
             yield
             return
         from torch.distributed.algorithms.join import Join
 
         overridden = []
         if even_batches is not None:
-            for loader in self._dataloaders:
+            for loader in self.prepared.dataloaders:
                 switch = loader.batch_sampler
                 if hasattr(switch, "even_batches"):
                     overridden.append((switch, switch.even_batches))
@@ -250,7 +278,7 @@ class TrainingMixin:
         """The precision's autocast (prepared models' forward already runs under it)."""
         from shardkit.accelerate_compat.plugins import to_kwargs
 
-        handler = autocast_handler if autocast_handler is not None else self._autocast_handler
+        handler = autocast_handler if autocast_handler is not None else self.autocast_handler
         if handler is not None and to_kwargs(handler):
             raise NotImplementedError(f"AutocastKwargs({to_kwargs(handler)}): shardkit's autocast is the precision's; "
                                       f"only the defaults are supported")

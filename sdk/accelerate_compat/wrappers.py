@@ -33,7 +33,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, stepper: Any) -> None:
         # NOTE: torch.optim.Optimizer.__init__ is not called: every attribute it would set is the wrapped one's.
         self.optimizer = optimizer
-        self._stepper = stepper  # the Accelerator: knows the window, the model and the strategy
+        self._stepper = stepper  # the Accelerator's training part: knows the window, the model and the strategy
         self._is_overflow = False
 
     @property
@@ -79,7 +79,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             raise NotImplementedError("optimizer.step(closure) is not supported by the prepared optimizer; call "
                                       "step() after accelerator.backward(loss)")
         if self._stepper.sync_gradients:
-            self._is_overflow = not self._stepper._optimizer_step(self)
+            self._is_overflow = not self._stepper.optimizer_step(self)
 
     @override
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -90,7 +90,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             accepts = "set_to_none" in inspect.signature(self.optimizer.zero_grad).parameters
             self.optimizer.zero_grad(set_to_none=False) if accepts else self.optimizer.zero_grad()
         else:
-            self._stepper._zero_grad(self)
+            self._stepper.zero_grad(self)
 
     def train(self) -> None:
         """Training mode of an optimizer that has one (schedule-free)."""
