@@ -7,7 +7,9 @@
    so that machine noise and position hit them alike. Each timed step is one optimizer step: ``--accumulation``
    micro-batches, through ``runner.backward``/``runner.step``, through the front's ``accumulate(model)``/
    ``backward``/``optimizer.step()``/``zero_grad()``, and through ``accelerate.Accelerator`` the same way. The
-   front only translates to the Runner, so its ratio to the Runner is expected to be 1.0 within noise.
+   front only translates to the Runner, so its ratio to the Runner is expected to be 1.0 within noise. Both
+   Accelerators get ``cpu=True`` and must come back with a DDP model (the script stops otherwise): without it
+   Hugging Face Accelerate trained each process alone on a GPU-less machine (see benchmarks/RESULTS.md).
 2. The front's own cost, where nothing else hides it: one process, a 2-layer MLP of 8 units, the same two loops,
    microseconds per optimizer step.
 """
@@ -52,9 +54,17 @@ def runner_step(args: argparse.Namespace):
 
 
 def front_step(args: argparse.Namespace, accelerator_class=Accelerator):
-    accelerator = accelerator_class(gradient_accumulation_steps=args.accumulation)
+    # cpu=True: on a machine without a GPU, Hugging Face Accelerate only sees the 2 processes (MULTI_CPU, a DDP
+    # model) when told to run on the CPU (what `accelerate launch --cpu` sets); without it, it trains each process
+    # alone (DistributedType.NO: no DDP wrapper, no gradient all-reduce) and its step looked 5% faster than a
+    # real DDP step. Both fronts get the same argument.
+    accelerator = accelerator_class(gradient_accumulation_steps=args.accumulation, cpu=True)
     model = _model(args)
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise RuntimeError(f"{accelerator_class.__module__}.Accelerator prepared a {type(model).__name__}, not a DDP "
+                           f"model (distributed_type {accelerator.distributed_type}): the loops would not do the same "
+                           f"work")
     batches = _batches(args)
 
     def step():

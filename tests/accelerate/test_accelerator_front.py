@@ -409,3 +409,33 @@ def test_accelerates_own_plugin_objects_are_read_by_attribute():
 def test_what_cannot_be_honoured_is_refused_by_name(kwargs, error, text):
     with pytest.raises(error, match=text):
         Accelerator(**kwargs)
+
+
+def test_methods_forwarded_to_the_parts_keep_accelerates_signatures_and_state():
+    """The Accelerator forwards Accelerate's methods to its parts (training, checkpoints, tracking): each keeps
+    Accelerate's parameter names, and state set through the Accelerator is the part's (one owner, no copy)."""
+    import inspect
+
+    accelerate = pytest.importorskip("accelerate")
+    forwarded = ["backward", "accumulate", "no_sync", "unscale_gradients", "clip_grad_norm_", "clip_grad_value_",
+                 "gather", "reduce", "pad_across_processes", "gather_for_metrics", "set_trigger", "check_trigger",
+                 "join_uneven_inputs", "autocast", "register_for_checkpointing", "save_state", "load_state",
+                 "skip_first_batches", "get_state_dict", "save_model", "save", "get_tracker", "end_training"]
+    for name in forwarded:
+        ours = list(inspect.signature(getattr(Accelerator, name)).parameters)
+        theirs = list(inspect.signature(getattr(accelerate.Accelerator, name)).parameters)
+        assert ours == theirs, name
+        assert getattr(Accelerator, name).__doc__, name
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    net = _model()
+    model, optimizer = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    for _ in range(3):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(torch.ones(2, 3)).sum())
+            optimizer.step()
+            optimizer.zero_grad()
+    assert accelerator.step == accelerator.training.step == 3
+    assert accelerator.runner.optimizer_steps == 1
+    accelerator.step = 7
+    assert accelerator.training.step == 7
+    assert accelerator.prepared.models == [model] and accelerator.prepared.owner_of(optimizer) is model
