@@ -87,6 +87,12 @@ class Runner:
             device an out-of-memory error writes ``<logging_dir>/oom_report.rank<N>.json`` (:meth:`report_oom`).
         peak_tflops: dense TFLOP/s per device that :attr:`throughput`'s ``mfu`` divides by (default
             ``$SHARDKIT_PEAK_TFLOPS``, else the data sheet's figure for the GPU, else one measured at start-up).
+
+    Attributes:
+        checkpoints: the :class:`~shardkit.runner.checkpoints.RunnerCheckpoints` that :meth:`save`, :meth:`load` and
+            :meth:`wait_for_save` go through (it owns the background saver).
+        observability: the :class:`~shardkit.runner.observe.RunnerObservability` behind :meth:`log`,
+            :attr:`throughput`, :meth:`report_oom`, :attr:`run_log` and :attr:`profiler`.
     """
 
     def __init__(
