@@ -334,9 +334,9 @@ def test_the_trainer_refuses_the_other_engine_or_strategy_by_name(fsdp_launch, t
 
 def test_a_bare_runner_takes_the_launchers_engine_and_refuses_another_strategy(fsdp_launch, monkeypatch, caplog):
     from shardkit import FSDP, Runner
-    from shardkit.runner.core import _accelerate_launch
+    from shardkit.runner.assembly import launched_strategy
 
-    strategy, config, _ = _accelerate_launch(None, None)
+    strategy, config, _ = launched_strategy(None, None)
     assert strategy.settings == fsdp_launch.strategy.settings and config is None
     with pytest.raises(ConfigError, match=r"ACCELERATE_USE_FSDP=true\) asks for FSDP but Runner\(strategy=...\) is "
                                           r"DDP: the job would train DDP"):
@@ -344,7 +344,7 @@ def test_a_bare_runner_takes_the_launchers_engine_and_refuses_another_strategy(f
     mine = FSDP()  # the script's own FSDP settings win, as an Accelerate plugin argument does; said once
     monkeypatch.setattr(common, "_WARNED", set())
     with caplog.at_level("WARNING", logger="shardkit.config"):
-        assert _accelerate_launch(mine, None)[0] is mine
+        assert launched_strategy(mine, None)[0] is mine
     assert [r for r in caplog.records if "Runner(strategy=...)" in r.getMessage()]
     for name in list(os.environ):
         if name.startswith(("ACCELERATE_USE_FSDP", "FSDP_")):
@@ -353,7 +353,7 @@ def test_a_bare_runner_takes_the_launchers_engine_and_refuses_another_strategy(f
     monkeypatch.setenv("ACCELERATE_CONFIG_DS_FIELDS", "")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-    strategy, config, source = _accelerate_launch(None, None)
+    strategy, config, source = launched_strategy(None, None)
     assert strategy is None and config["zero_optimization"]["stage"] == 3 and config["bf16"] == {"enabled": True}
     with pytest.raises(ConfigError, match="ACCELERATE_USE_DEEPSPEED=true\\) asks for ZeRO3 but Runner"):
         Runner(strategy="zero2")
