@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping
 
 __all__ = ["MOVED_MODULES", "install_moved_modules", "lazy_exports"]
 
-# Public modules that moved (sdk/'s root emptied into packages, names that said too little; old path -> new): the old paths, which
+# Public modules that moved (sdk/'s root emptied into packages, names that said too little):
+# old path -> new.: the old paths, which
 # documentation and users' scripts name, import the new module itself (one object, so a monkeypatch of either
 # name reaches the code that runs).
 MOVED_MODULES: Mapping[str, str] = {
