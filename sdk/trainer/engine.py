@@ -15,7 +15,7 @@ from shardkit.trainer.arguments import TrainingArguments
 from shardkit.trainer.schedulers import get_scheduler
 
 __all__ = ["DeepSpeedSections", "build_runner", "create_optimizer", "create_scheduler", "decay_parameter_names",
-           "enable_full_determinism", "optimizer_param_groups", "steps_per_epoch", "total_steps"]
+           "enable_full_determinism", "estimate_steps", "optimizer_param_groups", "steps_per_epoch", "total_steps"]
 
 
 @dataclass
@@ -303,3 +303,16 @@ def total_steps(args: TrainingArguments, per_epoch: int | None) -> tuple[int, in
     if per_epoch is None:
         raise ValueError("the train dataset has no length: set TrainingArguments.max_steps")
     return math.ceil(args.num_train_epochs * per_epoch), math.ceil(args.num_train_epochs)
+
+
+def estimate_steps(args: TrainingArguments, train_dataset: Any) -> tuple[int | None, int | None]:
+    """(max steps, warmup steps) before the Runner exists, for a DeepSpeed config's "auto" total_num_steps and
+    warmup: from the dataset's length and the launcher's world size (max_steps alone for a stream)."""
+    try:
+        samples = math.ceil(len(train_dataset) / estimate_world_size())
+    except TypeError:
+        return (args.max_steps if args.max_steps > 0 else None), None
+    batch = args.per_device_train_batch_size
+    batches = samples // batch if args.dataloader_drop_last else math.ceil(samples / batch)
+    max_steps, _ = total_steps(args, steps_per_epoch(batches, args.gradient_accumulation_steps))
+    return max_steps, args.get_warmup_steps(max_steps)

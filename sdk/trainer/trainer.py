@@ -31,13 +31,13 @@ from shardkit.trainer import hub, metrics_io
 from shardkit.trainer.arguments import TrainingArguments, UnknownArgumentError
 from shardkit.trainer.callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 from shardkit.trainer.checkpointing import Checkpointer, CheckpointParts
-from shardkit.trainer.collate import ColumnFilter, check_columns, default_collator
+from shardkit.trainer.collate import ColumnFilter, check_columns, default_collator, loader_kwargs
 from shardkit.trainer.engine import (
     build_runner,
     create_optimizer,
     create_scheduler,
     decay_parameter_names,
-    estimate_world_size,
+    estimate_steps,
     steps_per_epoch,
     total_steps,
 )
@@ -126,7 +126,8 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin):
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.label_names = list(args.label_names or ["labels"])
         # for a DeepSpeed config's "auto" values, from the arguments or from accelerate launch
-        max_steps, warmup = self._estimate_steps() if args.deepspeed or asks_for_deepspeed() else (None, None)
+        deepspeed = args.deepspeed or asks_for_deepspeed()
+        max_steps, warmup = estimate_steps(args, train_dataset) if deepspeed else (None, None)
         self.runner, self._deepspeed_sections = build_runner(args, strategy, precision, max_steps, warmup)
         # A subclass's compute_loss with HF's old signature returns a micro-batch mean (checked once, not per step).
         self.loss_settings = LossSettings(self.runner, args.average_tokens_across_devices,
@@ -225,19 +226,6 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin):
         else:
             follow_transformers_logging()
 
-    def _estimate_steps(self) -> tuple[int | None, int | None]:
-        """Steps before the Runner exists (for DeepSpeed's "auto" total_num_steps and warmup)."""
-        import math
-
-        try:
-            samples = math.ceil(len(self.train_dataset) / estimate_world_size())
-        except TypeError:
-            return (self.args.max_steps if self.args.max_steps > 0 else None), None
-        batch = self.args.per_device_train_batch_size
-        batches = samples // batch if self.args.dataloader_drop_last else math.ceil(samples / batch)
-        max_steps, _ = total_steps(self.args, steps_per_epoch(batches, self.args.gradient_accumulation_steps))
-        return max_steps, self.args.get_warmup_steps(max_steps)
-
     def _collator_for(self, dataset: Any):
         base = self.data_collator or default_collator(self.processing_class)
         if not self.args.remove_unused_columns:
@@ -245,17 +233,6 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin):
         model = self.runner.unwrap_model(self.model) if self.prepared.done else self._user_model
         check_columns(dataset, base_model_of(model), self.label_names)
         return ColumnFilter(base, base_model_of(model), self.label_names)
-
-    def _loader_kwargs(self) -> dict[str, Any]:
-        args = self.args
-        kwargs: dict[str, Any] = {"num_workers": args.dataloader_num_workers, "pin_memory": args.dataloader_pin_memory}
-        if args.dataloader_num_workers > 0:
-            kwargs.update(persistent_workers=args.dataloader_persistent_workers)
-            if args.dataloader_prefetch_factor is not None:
-                kwargs["prefetch_factor"] = args.dataloader_prefetch_factor
-            if args.dataloader_multiprocessing_context is not None:
-                kwargs["multiprocessing_context"] = args.dataloader_multiprocessing_context
-        return kwargs
 
     def get_train_dataloader(self) -> DataLoader:
         """A plain DataLoader over train_dataset; the Runner shards, shuffles and resumes it. A stream (an
@@ -270,7 +247,7 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin):
             shuffle = False
         return DataLoader(self.train_dataset, batch_size=self._train_batch_size, shuffle=shuffle,
                           collate_fn=self._collator_for(self.train_dataset), drop_last=self.args.dataloader_drop_last,
-                          **self._loader_kwargs())
+                          **loader_kwargs(self.args))
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         """The evaluation loader for ``eval_dataset`` (default: ``self.eval_dataset``; a key of it when it is a
@@ -290,7 +267,7 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin):
         # Set up anew for each run: gather_for_metrics drops the duplicates of the loader set up last (a stream's
         # too: the repeats padding its last round, known when its last batch is).
         loader = DataLoader(dataset, batch_size=self.args.eval_batch_size, shuffle=False,
-                            collate_fn=self._collator_for(dataset), drop_last=False, **self._loader_kwargs())
+                            collate_fn=self._collator_for(dataset), drop_last=False, **loader_kwargs(self.args))
         return self.runner.setup_dataloader(loader)
 
     def ensure_setup(self) -> None:
