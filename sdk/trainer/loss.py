@@ -3,7 +3,7 @@
 The loss of an optimizer step is the sum of every token's loss in the window (all micro-batches on
 all ranks) divided by the number of label tokens in that whole window. A model forward that returns
 the *mean* over its own micro-batch weights a short micro-batch's tokens more than a long one's
-(Hugging Face issue #34242). Three ways to get it right, in order of preference:
+(github.com/huggingface/transformers/issues/34242). Three ways to get it right, in order of preference:
 
 1. the Trainer owns the loss (``compute_loss_func``, label smoothing): it computes ``sum / N`` from
    the logits itself;
