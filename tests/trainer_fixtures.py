@@ -12,8 +12,8 @@ from torch.utils.data import Dataset, Subset
 from shardkit.models import ByteTextDataset
 from shardkit.trainer import TrainerCallback
 
-__all__ = ["TEXT", "FixedRows", "GradCatcher", "LogitsOnly", "StopAt", "SumLossLM", "VarLen", "logged_losses",
-           "pad_collate", "text_data"]
+__all__ = ["TEXT", "FixedRows", "GradCatcher", "LogitsOnly", "StopAt", "SumLossLM", "VarLen", "full_state_dict",
+           "logged_losses", "pad_collate", "text_data"]
 
 TEXT = Path(__file__).resolve().parents[1] / "examples" / "data" / "public_domain.txt"
 
@@ -110,3 +110,17 @@ class StopAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             control.should_training_stop = True
+
+
+def full_state_dict(runner, model) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU tensors of ``model``'s state dict on every rank; a collective. It holds the whole model
+    on each rank at once, which suits comparisons of tiny models (``save_model`` streams instead)."""
+    module = runner.unwrap_model(model)
+    out = {}
+    # ZeRO-3 partitions parameters outside this context; FSDP2 holds DTensors (full_tensor gathers).
+    with runner.gathered_parameters(list(module.parameters())):
+        for key, value in module.state_dict().items():
+            if hasattr(value, "full_tensor"):
+                value = value.full_tensor()
+            out[key] = value.detach().cpu().clone()
+    return out

@@ -2,22 +2,23 @@
 from shardkit's Runner.
 
 There is no Accelerate ``Accelerator`` inside shardkit's Trainer: the Runner holds the strategy and precision.
-This view answers the common questions (``is_main_process``, ``num_processes``, ``device``, ``unwrap_model``,
-``state.fsdp_plugin``, ``print``, ``wait_for_everyone``, ``gather_for_metrics`` ...) and names the shardkit
-equivalent for anything else instead of failing with a bare AttributeError.
+This view is a thin adapter over shardkit's Accelerate front (:mod:`shardkit.accelerate_compat`): the process
+facts (``is_main_process``, ``num_processes``, ``device``, ``distributed_type``, ``print``,
+``wait_for_everyone``, ``main_process_first`` ...) are its :class:`~shardkit.accelerate_compat.state.ProcessFacts`
+read from the Trainer's strategy, so both fronts give one answer. What only a Trainer has (``unwrap_model``,
+``state.fsdp_plugin``, ``gather_for_metrics`` on the Runner ...) is here; anything else is refused naming the
+shardkit equivalent instead of failing with a bare AttributeError.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from torch import nn
 
+from shardkit.accelerate_compat.state import ProcessFacts, mixed_precision_name
+
 __all__ = ["AcceleratorView", "FSDPPluginView"]
-
-logger = logging.getLogger("shardkit.trainer")
-
 
 class FSDPPluginView:
     """``accelerator.state.fsdp_plugin`` under FSDP: the settings scripts read or set.
@@ -64,14 +65,15 @@ class _StateView:
 
     @property
     def fsdp_plugin(self) -> FSDPPluginView | None:
-        return self._owner._plugin_view
+        return self._owner.fsdp_plugin
 
     @property
     def deepspeed_plugin(self) -> Any:
-        return self._owner._trainer.deepspeed_config if self._owner._trainer.is_deepspeed_enabled else None
+        trainer = self._owner.trainer
+        return trainer.deepspeed_config if trainer.is_deepspeed_enabled else None
 
     @property
-    def distributed_type(self) -> str:
+    def distributed_type(self) -> Any:
         return self._owner.distributed_type
 
     @property
@@ -91,57 +93,26 @@ class _StateView:
                              "(trainer.runner), whose strategy and precision hold the settings")
 
 
-class AcceleratorView:
+class AcceleratorView(ProcessFacts):
     """The ``trainer.accelerator`` of a shardkit Trainer (see the module docstring)."""
 
     def __init__(self, trainer: Any):
-        self._trainer = trainer
-        self._plugin_view = FSDPPluginView(trainer.runner.strategy) if trainer.is_fsdp_enabled else None
+        self.trainer = trainer
+        self.fsdp_plugin = FSDPPluginView(trainer.runner.strategy) if trainer.is_fsdp_enabled else None
         self.state = _StateView(self)
 
     @property
+    def _strategy(self) -> Any:  # what ProcessFacts reads every fact from
+        return self.trainer.runner.strategy
+
+    @property
     def _runner(self) -> Any:
-        return self._trainer.runner
-
-    @property
-    def is_main_process(self) -> bool:
-        return self._runner.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self._runner.local_rank == 0
-
-    @property
-    def num_processes(self) -> int:
-        return self._runner.world_size
-
-    @property
-    def process_index(self) -> int:
-        return self._runner.rank
-
-    @property
-    def local_process_index(self) -> int:
-        return self._runner.local_rank
-
-    @property
-    def device(self) -> Any:
-        return self._runner.device
-
-    @property
-    def distributed_type(self) -> str:
-        """Accelerate's name for the strategy: NO, MULTI_GPU/MULTI_CPU (DDP), FSDP or DEEPSPEED."""
-        if self._trainer.is_deepspeed_enabled:
-            return "DEEPSPEED"
-        if self._trainer.is_fsdp_enabled:
-            return "FSDP"
-        if self._runner.world_size > 1:
-            return "MULTI_GPU" if self._runner.device.type == "cuda" else "MULTI_CPU"
-        return "NO"
+        return self.trainer.runner
 
     @property
     def mixed_precision(self) -> str:
-        args = self._trainer.args
-        return "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+        """Accelerate's word for the Runner's precision: "no", "fp16" or "bf16"."""
+        return mixed_precision_name(self._runner.precision.compute_dtype)
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -155,14 +126,6 @@ class AcceleratorView:
         """The user's module inside the strategy's wrapper (``runner.unwrap_model``); DataParallel too."""
         inner = self._runner.unwrap_model(model)
         return inner.module if isinstance(inner, nn.DataParallel) else inner
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the main process only."""
-        self._runner.print(*args, **kwargs)
-
-    def wait_for_everyone(self) -> None:
-        """A barrier across every rank."""
-        self._runner.barrier("accelerator.wait_for_everyone")
 
     def gather(self, tensor: Any) -> Any:
         """Every rank's tensor, stacked on a new first dimension then flattened into it (Accelerate's gather)."""

@@ -16,39 +16,20 @@ import os
 import warnings
 from typing import Any
 
-from shardkit.trainer.arguments import LOG_LEVELS, TrainingArgumentsError, UnknownArgumentError
+from shardkit.trainer.argument_errors import (
+    LOG_LEVELS,
+    OBSOLETE_ARGUMENTS,
+    TrainingArgumentsError,
+    UnknownArgumentError,
+)
 from shardkit.trainer.enums import DebugOption, HubStrategy, IntervalStrategy, SaveStrategy, SchedulerType, coerce
+from shardkit.trainer.fsdp_config import read_fsdp_config_file
 from shardkit.utils.operations import json_object
 from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["OBSOLETE_ARGUMENTS", "check_arguments", "translate_keywords"]
 
 logger = logging.getLogger("shardkit.trainer")
-
-# Names transformers removed (or never had under that spelling) -> what replaced them.
-OBSOLETE_ARGUMENTS = {
-    "evaluation_strategy": "it was renamed eval_strategy (transformers 4.46, removed in 5): use eval_strategy=...",
-    "overwrite_output_dir": "transformers 5 removed it: output_dir is written whatever it holds (its checkpoint-N "
-                            "folders are resumed with resume_from_checkpoint=True); drop the flag",
-    "warmup_ratio": "transformers 5 folded it into warmup_steps: a value below 1 is a fraction of the training "
-                    "steps (warmup_ratio=0.1 -> warmup_steps=0.1)",
-    "no_cuda": "it was renamed use_cpu: use use_cpu=True",
-    "use_mps_device": "transformers 5 removed it: the device is chosen for you (use_cpu=True forces the CPU)",
-    "per_gpu_train_batch_size": "it was renamed per_device_train_batch_size",
-    "per_gpu_eval_batch_size": "it was renamed per_device_eval_batch_size",
-    "push_to_hub_model_id": "it was replaced by hub_model_id",
-    "push_to_hub_organization": "it was replaced by hub_model_id='organization/name'",
-    "push_to_hub_token": "it was replaced by hub_token",
-    "include_inputs_for_metrics": "it was replaced by include_for_metrics=['inputs']",
-    "save_safetensors": "transformers 5 removed it: weights are always written as safetensors",
-    "fp16_backend": "transformers 5 removed it (and apex): fp16=True uses torch's mixed precision",
-    "half_precision_backend": "transformers 5 removed it: fp16=True / bf16=True use torch's mixed precision",
-    "fp16_opt_level": "transformers 5 removed apex: fp16=True uses torch's mixed precision",
-    "torchdynamo": "it was replaced by torch_compile_backend",
-    "tpu_num_cores": "transformers 5 removed it; shardkit does not run on TPUs",
-    "dispatch_batches": "it moved into accelerator_config; shardkit's Runner shards every batch per rank",
-    "split_batches": "it moved into accelerator_config; shardkit's Runner shards every batch per rank",
-}
 
 _DICT_FIELDS = ("lr_scheduler_kwargs", "accelerator_config", "fsdp_config", "deepspeed", "liger_kernel_config",
                 "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
@@ -344,7 +325,6 @@ def _check_precision_and_engines(args: Any) -> None:
             raise TrainingArgumentsError(f"TrainingArguments.fsdp option {option!r} is not valid"
                                          f"{did_you_mean(option, valid)} Use any of {list(valid)}")
     if isinstance(args.fsdp_config, str):
-        from shardkit.trainer.fsdp_config import read_fsdp_config_file
 
         args.fsdp_config = read_fsdp_config_file(args.fsdp_config)
 

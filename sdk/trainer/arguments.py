@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import math
 import os
 from collections.abc import Iterator
@@ -22,6 +21,12 @@ from typing import Any
 
 import torch
 
+from shardkit.trainer.argument_checks import check_arguments, translate_keywords
+from shardkit.trainer.argument_errors import (
+    LOG_LEVELS,
+    TrainingArgumentsError,
+    UnknownArgumentError,
+)
 from shardkit.trainer.enums import (
     DebugOption,
     HubStrategy,
@@ -29,23 +34,13 @@ from shardkit.trainer.enums import (
     SaveStrategy,
     SchedulerType,
 )
+from shardkit.trainer.parser import HfArgumentParser
 
 __all__ = ["TrainingArguments", "TrainingArgumentsError", "UnknownArgumentError", "IntervalStrategy", "SaveStrategy",
            "HubStrategy", "SchedulerType", "DebugOption", "SCHEDULER_TYPES", "LOG_LEVELS"]
 
 SCHEDULER_TYPES = tuple(s.value for s in SchedulerType)
-LOG_LEVELS = {"passive": -1, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-              "error": logging.ERROR, "critical": logging.CRITICAL}
 
-
-class TrainingArgumentsError(ValueError):
-    """A TrainingArguments value is out of range, of the wrong type or contradicts another; the message says
-    which field, which value and what to set instead."""
-
-
-class UnknownArgumentError(TypeError, ValueError):
-    """A keyword TrainingArguments does not take: a typo (the closest field is named) or a name transformers
-    removed (what replaced it is named). A TypeError, as Python's own, and a ValueError, as the other checks."""
 
 
 class _ArgumentsMeta(type):
@@ -53,8 +48,6 @@ class _ArgumentsMeta(type):
     keywords get a message naming the fix instead of Python's bare "unexpected keyword argument"."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        from shardkit.trainer.argument_checks import translate_keywords
-
         return super().__call__(*args, **translate_keywords(cls, kwargs))
 
 
@@ -211,8 +204,6 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
     peak_tflops: float | None = None  # Runner(peak_tflops=...): the TFLOP/s per device that mfu divides by
 
     def __post_init__(self) -> None:
-        from shardkit.trainer.argument_checks import check_arguments
-
         check_arguments(self)
 
     # ---- facts about this process (known before the Runner exists: the launcher's environment) --------
@@ -340,15 +331,11 @@ class TrainingArguments(metaclass=_ArgumentsMeta):
     @classmethod
     def from_file(cls, path: str) -> TrainingArguments:
         """Build from a JSON or YAML file of field names to values (unknown keys are an error)."""
-        from shardkit.trainer.parser import HfArgumentParser
-
         return HfArgumentParser(cls).parse_file(path)[0]
 
     @classmethod
     def from_cli(cls, argv: list[str] | None = None) -> TrainingArguments:
         """Build from ``--field value`` flags (``sys.argv[1:]`` by default)."""
-        from shardkit.trainer.parser import HfArgumentParser
-
         return HfArgumentParser(cls).parse_args_into_dataclasses(argv)[0]
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["ColumnFilter", "check_columns", "default_collator", "default_data_collator"]
+__all__ = ["ColumnFilter", "check_columns", "default_collator", "default_data_collator", "loader_kwargs"]
 
 logger = logging.getLogger("shardkit.trainer")
 
@@ -133,3 +133,15 @@ class ColumnFilter:
             logger.warning(f"remove_unused_columns: dropping {dropped}, which {self.model_name}.forward does not "
                            "take (set remove_unused_columns=False to keep them)")
         return {k: v for k, v in sample.items() if k in self.allowed}
+
+
+def loader_kwargs(args: Any) -> dict[str, Any]:
+    """The DataLoader keywords TrainingArguments set: workers, pinning, and the worker options when there are."""
+    kwargs: dict[str, Any] = {"num_workers": args.dataloader_num_workers, "pin_memory": args.dataloader_pin_memory}
+    if args.dataloader_num_workers > 0:
+        kwargs.update(persistent_workers=args.dataloader_persistent_workers)
+        if args.dataloader_prefetch_factor is not None:
+            kwargs["prefetch_factor"] = args.dataloader_prefetch_factor
+        if args.dataloader_multiprocessing_context is not None:
+            kwargs["multiprocessing_context"] = args.dataloader_multiprocessing_context
+    return kwargs

@@ -143,7 +143,7 @@ METHOD_NOTES: dict[str, tuple[str, str]] = {
 def compat_rows() -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str]]]:
     """(argument rows, method rows) of (name, status, note)."""
     from shardkit.trainer import Trainer, TrainingArguments
-    from shardkit.trainer.argument_checks import OBSOLETE_ARGUMENTS
+    from shardkit.trainer.argument_errors import OBSOLETE_ARGUMENTS
 
     fields = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
     args = [(n, *ARGUMENT_NOTES.get(n, ("supported", ""))) for n in fields if n not in SHARDKIT_ONLY]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,13 +14,14 @@ from shardkit.runner.core import Runner
 from shardkit.trainer.arguments import TrainingArguments
 from shardkit.trainer.schedulers import get_scheduler
 
-__all__ = ["EngineSpec", "build_runner", "create_optimizer", "create_scheduler", "decay_parameter_names",
-           "enable_full_determinism", "optimizer_param_groups", "steps_per_epoch", "total_steps"]
+__all__ = ["DeepSpeedSections", "build_runner", "create_optimizer", "create_scheduler", "decay_parameter_names",
+           "enable_full_determinism", "estimate_steps", "optimizer_param_groups", "steps_per_epoch", "total_steps"]
 
 
 @dataclass
-class EngineSpec:
-    """What the DeepSpeed config asked for beyond strategy and precision (optimizer/scheduler sections)."""
+class DeepSpeedSections:
+    """The DeepSpeed config's optimizer and scheduler sections (resolved): what it asked for beyond strategy and
+    precision, which the Trainer builds its optimizer and schedule from. Both None without a DeepSpeed config."""
 
     optimizer: dict[str, Any] | None = None
     scheduler: dict[str, Any] | None = None
@@ -134,7 +134,7 @@ def _default_strategy(args: TrainingArguments, strategy: Any) -> Any:
 
 
 def build_runner(args: TrainingArguments, strategy: Any, precision: Any, max_steps: int | None,
-                 warmup_steps: int | None) -> tuple[Runner, EngineSpec]:
+                 warmup_steps: int | None) -> tuple[Runner, DeepSpeedSections]:
     """A Runner for ``args``: ``deepspeed=`` (its "auto" values filled from ``args``), ``fsdp=``, or the objects.
 
     The Runner's seed is the data seed (it orders the data); the RNGs are seeded with ``args.seed`` after.
@@ -145,7 +145,7 @@ def build_runner(args: TrainingArguments, strategy: Any, precision: Any, max_ste
     precision = _precision_from_args(args, precision)
     launched_strategy, launched_deepspeed, source = _launched_engine(args, strategy, precision)
     data_seed = args.data_seed if args.data_seed is not None else args.seed
-    spec = EngineSpec()
+    sections = DeepSpeedSections()
     common = dict(gradient_accumulation_steps=args.gradient_accumulation_steps, seed=data_seed,
                   logging_dir=args.logging_dir, profile_steps=args.profile_steps, peak_tflops=args.peak_tflops)
     deepspeed = args.deepspeed or launched_deepspeed
@@ -160,7 +160,7 @@ def build_runner(args: TrainingArguments, strategy: Any, precision: Any, max_ste
                               "eps": args.adam_epsilon, "weight_decay": args.weight_decay},
             scheduler_params=_ds_scheduler_values(args, max_steps, warmup_steps, _ds_scheduler_type(deepspeed)),
         )
-        spec = EngineSpec(resolved.optimizer, resolved.scheduler)
+        sections = DeepSpeedSections(resolved.optimizer, resolved.scheduler)
         with launcher_read():
             runner = Runner(resolved.strategy, resolved.precision,
                             activation_checkpointing=resolved.activation_checkpointing,
@@ -177,20 +177,20 @@ def build_runner(args: TrainingArguments, strategy: Any, precision: Any, max_ste
     seed_everything(args.seed)
     if args.full_determinism:
         enable_full_determinism()
-    return runner, spec
+    return runner, sections
 
 
 def _ds_scheduler_type(config: Any) -> str | None:
     if isinstance(config, dict):
         raw = config
     else:
-        import json
+        from shardkit.config.common import ConfigError, load_mapping
 
         try:
-            raw = json.loads(Path(config).read_text())
-        except (OSError, ValueError):
+            raw = load_mapping(config)
+        except ConfigError:
             return None  # resolve_runner_config reports the unreadable file with its own message
-    section = raw.get("scheduler") if isinstance(raw, dict) else None
+    section = raw.get("scheduler")
     return section.get("type") if isinstance(section, dict) else None
 
 
@@ -241,7 +241,7 @@ def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[s
     return [g for g in groups if g["params"]]
 
 
-def create_optimizer(model: nn.Module, args: TrainingArguments, spec: EngineSpec,
+def create_optimizer(model: nn.Module, args: TrainingArguments, sections: DeepSpeedSections,
                      cls_and_kwargs: tuple[Any, dict[str, Any]] | None = None) -> torch.optim.Optimizer:
     """The optimizer ``args.optim`` names (or ``optimizer_cls_and_kwargs``, or the DeepSpeed config's)."""
     if cls_and_kwargs is not None:
@@ -257,13 +257,13 @@ def create_optimizer(model: nn.Module, args: TrainingArguments, spec: EngineSpec
         # other weights than under DDP (measured: eval loss 4.53 against 4.42). Without weight decay the two
         # groups are the same maths: one group keeps the count right under every strategy.
         groups = [{"params": [p for g in groups for p in g["params"]], "weight_decay": 0.0}]
-    if spec.optimizer is not None:
+    if sections.optimizer is not None:
         from shardkit.config.optim import build_optimizer
 
-        ds_params = dict(spec.optimizer["params"])
+        ds_params = dict(sections.optimizer["params"])
         for group in groups:
             group["weight_decay"] = ds_params.get("weight_decay", 0.0) if group["weight_decay"] else 0.0
-        return build_optimizer(spec.optimizer, groups)
+        return build_optimizer(sections.optimizer, groups)
     from shardkit.optim import create_optimizer as by_name
 
     kwargs = {"lr": args.learning_rate}
@@ -274,13 +274,13 @@ def create_optimizer(model: nn.Module, args: TrainingArguments, spec: EngineSpec
     return by_name(args.optim, groups, context=context, **kwargs)
 
 
-def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, spec: EngineSpec,
+def create_scheduler(optimizer: torch.optim.Optimizer, args: TrainingArguments, sections: DeepSpeedSections,
                      max_steps: int) -> Any:
     """``lr_scheduler_type`` with warmup (or the DeepSpeed config's scheduler section)."""
-    if spec.scheduler is not None:
+    if sections.scheduler is not None:
         from shardkit.config.optim import build_scheduler
 
-        return build_scheduler(spec.scheduler, optimizer)
+        return build_scheduler(sections.scheduler, optimizer)
     kwargs = dict(args.lr_scheduler_kwargs)
     if args.lr_scheduler_type in ("reduce_lr_on_plateau", "greedy"):
         kwargs.setdefault("mode", "max" if args.greater_is_better else "min")
@@ -303,3 +303,16 @@ def total_steps(args: TrainingArguments, per_epoch: int | None) -> tuple[int, in
     if per_epoch is None:
         raise ValueError("the train dataset has no length: set TrainingArguments.max_steps")
     return math.ceil(args.num_train_epochs * per_epoch), math.ceil(args.num_train_epochs)
+
+
+def estimate_steps(args: TrainingArguments, train_dataset: Any) -> tuple[int | None, int | None]:
+    """(max steps, warmup steps) before the Runner exists, for a DeepSpeed config's "auto" total_num_steps and
+    warmup: from the dataset's length and the launcher's world size (max_steps alone for a stream)."""
+    try:
+        samples = math.ceil(len(train_dataset) / estimate_world_size())
+    except TypeError:
+        return (args.max_steps if args.max_steps > 0 else None), None
+    batch = args.per_device_train_batch_size
+    batches = samples // batch if args.dataloader_drop_last else math.ceil(samples / batch)
+    max_steps, _ = total_steps(args, steps_per_epoch(batches, args.gradient_accumulation_steps))
+    return max_steps, args.get_warmup_steps(max_steps)

@@ -3,7 +3,8 @@
 Each batch's predictions are gathered from every rank (the padding duplicates of an uneven split
 dropped) and moved to the CPU at once, or fed to ``compute_metrics(..., compute_result=...)`` batch by
 batch with ``batch_eval_metrics=True`` (nothing is kept), or written to a ``.npy`` file per output by
-``predict(..., output_dir=...)``.
+``predict(..., output_dir=...)``. The Trainer's methods here are Hugging Face's override seams and keep no
+state: an evaluation's is an :class:`EvalAccumulator`, made for each run.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from shardkit.trainer.loss import LossMode, count_label_items, loss_from_logits
+from shardkit.trainer.loss import LossMode, count_label_items, logits_of, loss_from_logits, loss_of
 from shardkit.trainer.optim_modes import to_eval
+from shardkit.utils.operations import batch_size
 
-__all__ = ["EvalPrediction", "EvalLoopOutput", "PredictionOutput", "EvaluationMixin"]
+__all__ = ["EvalAccumulator", "EvalLoopOutput", "EvalPrediction", "EvaluationMixin", "PredictionOutput",
+           "cast_for_full_eval", "gather_padded", "stream_predictions", "timed_metrics"]
 
 
 class EvalPrediction:
@@ -87,16 +90,16 @@ class EvaluationMixin:
             for name, part in dataset.items():
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
-        self._memory.start("eval")
-        self._ensure_setup()
-        self._prepare_full_eval()
+        self.memory_tracker.start("eval")
+        self.ensure_setup()
+        cast_for_full_eval(self.args, self.runner, self.model_wrapped, self.is_in_train)
         to_eval(self)  # schedule-free: evaluate the averaged weights
         start = time.perf_counter()
         output = self.evaluation_loop(self.get_eval_dataloader(dataset), "Evaluation", self.compute_metrics is None
                                       or self.args.prediction_loss_only, ignore_keys, metric_key_prefix)
-        metrics = self._finish_metrics(output, metric_key_prefix, start)
-        self._memory.stop("eval")
-        self._memory.update_metrics("eval", metrics)
+        metrics = timed_metrics(output, metric_key_prefix, start)
+        self.memory_tracker.stop("eval")
+        self.memory_tracker.update_metrics("eval", metrics)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
         return metrics
@@ -109,40 +112,18 @@ class EvaluationMixin:
         ``<output_dir>/predictions-<batch>.npy`` as they come, nothing is kept in memory, and
         ``predictions`` in the result is the list of those files.
         """
-        self._memory.start("test")
-        self._ensure_setup()
-        self._prepare_full_eval()
+        self.memory_tracker.start("test")
+        self.ensure_setup()
+        cast_for_full_eval(self.args, self.runner, self.model_wrapped, self.is_in_train)
         to_eval(self)  # schedule-free: evaluate the averaged weights
         start = time.perf_counter()
         output = self.evaluation_loop(self.get_test_dataloader(test_dataset), "Prediction", False, ignore_keys,
                                       metric_key_prefix, stream_to=output_dir)
-        metrics = self._finish_metrics(output, metric_key_prefix, start)
-        self._memory.stop("test")
-        self._memory.update_metrics("test", metrics)
+        metrics = timed_metrics(output, metric_key_prefix, start)
+        self.memory_tracker.stop("test")
+        self.memory_tracker.update_metrics("test", metrics)
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics=metrics)
         return PredictionOutput(output.predictions, output.label_ids, metrics)
-
-    def _prepare_full_eval(self) -> None:
-        """``fp16_full_eval``/``bf16_full_eval`` outside training: the model itself is cast (half the memory),
-        as Hugging Face does; during training evaluation keeps the training dtypes."""
-        args = self.args
-        dtype = torch.float16 if args.fp16_full_eval else torch.bfloat16 if args.bf16_full_eval else None
-        if dtype is None or self.is_in_train:
-            return
-        strategy = self.runner.strategy
-        if strategy.partitions_parameters or strategy.optimizer_parameters != "whole":
-            raise ValueError(f"{'fp16' if args.fp16_full_eval else 'bf16'}_full_eval casts the whole model, which "
-                             f"{type(strategy).__name__} keeps partitioned: use bf16=True / fp16=True (mixed "
-                             "precision) for evaluation under this strategy")
-        self.runner.unwrap_model(self.model_wrapped).to(dtype)
-
-    def _finish_metrics(self, output: EvalLoopOutput, prefix: str, start: float) -> dict[str, float]:
-        runtime = time.perf_counter() - start
-        metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in output.metrics.items()}
-        metrics[f"{prefix}_runtime"] = round(runtime, 4)
-        metrics[f"{prefix}_samples_per_second"] = round(output.num_samples / max(runtime, 1e-9), 3)
-        metrics[f"{prefix}_steps_per_second"] = round(output.num_steps / max(runtime, 1e-9), 3)
-        return metrics
 
     def evaluation_loop(self, loader, description: str, prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval",
@@ -151,7 +132,8 @@ class EvaluationMixin:
         model, args = self.model_wrapped, self.args
         model.eval()
         self.callback_handler.eval_dataloader = loader
-        kept = _Kept(args.include_for_metrics, getattr(self.model, "main_input_name", "input_ids"))
+        kept = EvalAccumulator(args.include_for_metrics, getattr(self.model, "main_input_name", "input_ids"))
+        runner = self.runner
         limit = args.fast_dev_run or None
         batch_metrics = args.batch_eval_metrics and self.compute_metrics is not None and not prediction_loss_only
         steps = 0
@@ -159,71 +141,23 @@ class EvaluationMixin:
             steps = step + 1
             loss, logits, label = self.prediction_step(model, inputs, prediction_loss_only, ignore_keys)
             if loss is not None:
-                size = _batch_size(inputs)
-                kept.losses.append(self.runner.gather_for_metrics(loss.detach().float().reshape(1).repeat(size)).cpu())
-            logits = self._gather(logits) if logits is not None else None
-            label = self._gather(label) if label is not None else None
+                size = batch_size(inputs)
+                kept.losses.append(runner.gather_for_metrics(loss.detach().float().reshape(1).repeat(size)).cpu())
+            logits = gather_padded(runner, logits) if logits is not None else None
+            label = gather_padded(runner, label) if label is not None else None
             if logits is not None and self.preprocess_logits_for_metrics is not None:
                 logits = self.preprocess_logits_for_metrics(logits, label)
             if kept.want_inputs and isinstance(inputs.get(kept.input_name), torch.Tensor):
-                kept.inputs.append(self._gather(inputs[kept.input_name]))
+                kept.inputs.append(gather_padded(runner, inputs[kept.input_name]))
             if batch_metrics:  # tensors, as Hugging Face hands them (on the CPU, gathered from every rank)
-                kept.result = self.compute_metrics(self._prediction(logits, label, kept, last_only=True),
-                                                   compute_result=last)
+                kept.result = self.compute_metrics(kept.prediction(logits, label, last_only=True), compute_result=last)
             if stream_to is not None and logits is not None:
-                kept.files.append(self._stream(logits, stream_to, step))
+                kept.files.append(stream_predictions(runner, logits, stream_to, step))
             elif not batch_metrics or description == "Prediction":  # evaluate() with batch metrics keeps nothing
                 kept.add(logits, label)
             self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
         model.train()
-        return self._loop_output(kept, batch_metrics, steps, loader)
-
-    def _prediction(self, predictions: Any, label_ids: Any, kept: _Kept, last_only: bool = False) -> EvalPrediction:
-        """EvalPrediction with the inputs and per-sample losses ``include_for_metrics`` asks for."""
-        inputs = losses = None
-        if kept.want_inputs and kept.inputs:
-            inputs = kept.inputs[-1] if last_only else _to_numpy(_concat(kept.inputs))
-        if kept.want_loss and kept.losses:
-            losses = kept.losses[-1] if last_only else _to_numpy(torch.cat(kept.losses))
-        return EvalPrediction(predictions, label_ids, inputs=inputs, losses=losses)
-
-    def _loop_output(self, kept: _Kept, batch_metrics: bool, steps: int, loader) -> EvalLoopOutput:
-        concat = self.args.eval_do_concat_batches
-        predictions = kept.files or kept.joined(kept.preds, concat)
-        label_ids = kept.joined(kept.labels, concat)
-        metrics: dict[str, float] = {}
-        if batch_metrics and kept.result is not None:  # compute_result=True on the last batch gave the metrics
-            metrics = dict(kept.result)
-        elif self.compute_metrics is not None and predictions is not None and label_ids is not None \
-                and not kept.files:
-            metrics = dict(self.compute_metrics(self._prediction(predictions, label_ids, kept)))
-        all_losses = torch.cat(kept.losses) if kept.losses else None
-        if all_losses is not None:
-            metrics["loss"] = float(all_losses.mean())
-        num = len(all_losses) if all_losses is not None else steps * (loader.batch_size or 1)
-        metrics = {k: (float(v) if isinstance(v, (np.floating, np.integer, torch.Tensor)) else v)
-                   for k, v in metrics.items()}
-        return EvalLoopOutput(predictions, label_ids, metrics, num, steps)
-
-    def _gather(self, value: Any) -> Any:
-        """gather_for_metrics for a tensor (or tuple of them) whose dims after the first may differ by rank."""
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._gather(v) for v in value)
-        value = value.detach()
-        if value.ndim >= 2 and self.runner.world_size > 1:
-            width = self.runner.all_reduce(torch.tensor([value.shape[1]], device=value.device), "max")
-            extra = int(width.item()) - value.shape[1]
-            if extra:
-                pad = [0, 0] * (value.ndim - 2) + [0, extra]
-                value = torch.nn.functional.pad(value, pad, value=-100)
-        return self.runner.gather_for_metrics(value).cpu()
-
-    def _stream(self, logits: Any, directory: str | Path, step: int) -> str:
-        path = Path(directory) / f"predictions-{step:06d}.npy"
-        if self.runner.is_main_process:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            np.save(path, _to_numpy(logits[0] if isinstance(logits, (list, tuple)) else logits))
-        return str(path)
+        return kept.output(self.compute_metrics, args.eval_do_concat_batches, batch_metrics, steps, loader)
 
     def prediction_step(self, model, inputs: dict[str, Any], prediction_loss_only: bool,
                         ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
@@ -233,40 +167,29 @@ class EvaluationMixin:
         has_labels = all(inputs.get(k) is not None for k in label_names)
         labels = tuple(inputs[k] for k in label_names) if has_labels else None
         labels = labels[0] if labels is not None and len(labels) == 1 else labels
+        settings = self.loss_settings
         with torch.no_grad():
-            if has_labels and self._loss_mode in (LossMode.OWN, LossMode.RESCALE) and len(label_names) == 1:
+            if has_labels and settings.mode in (LossMode.OWN, LossMode.RESCALE) and len(label_names) == 1:
                 # Logits first, then the mean loss from them: one forward gives both, for any model we own the loss of.
                 features = {k: v for k, v in inputs.items() if k not in label_names}
-                logits = self._logits_of(model(**features), ignore_keys)
-                count = count_label_items(labels, self._shift_labels)
-                loss = loss_from_logits(logits, labels, max(count, 1), self._shift_labels,
+                logits = logits_of(model(**features), ignore_keys)
+                count = count_label_items(labels, settings.shift_labels)
+                loss = loss_from_logits(logits, labels, max(count, 1), settings.shift_labels,
                                         self.args.label_smoothing_factor) if count else None
             else:
                 outputs = model(**inputs)
-                loss = _loss_of(outputs) if has_labels else None
-                logits = None if prediction_loss_only else self._logits_of(outputs, ignore_keys, has_labels)
+                loss = loss_of(outputs) if has_labels else None
+                logits = None if prediction_loss_only else logits_of(outputs, ignore_keys, has_labels)
                 if logits is None and not prediction_loss_only and has_labels:
                     features = {k: v for k, v in inputs.items() if k not in label_names}
-                    logits = self._logits_of(model(**features), ignore_keys)
+                    logits = logits_of(model(**features), ignore_keys)
         if prediction_loss_only:
             return loss, None, None
         return loss, logits, labels
 
-    def _logits_of(self, outputs: Any, ignore_keys: list[str] | None, has_loss: bool = False) -> Any:
-        if isinstance(outputs, torch.Tensor):
-            return None if outputs.ndim == 0 else outputs
-        if isinstance(outputs, Mapping):
-            skip = set(ignore_keys or []) | {"loss", "past_key_values", "hidden_states", "attentions"}
-            values = tuple(v for k, v in outputs.items() if k not in skip and isinstance(v, torch.Tensor))
-        else:
-            values = tuple(outputs[1:] if has_loss else outputs)
-        if not values:
-            return None
-        return values[0] if len(values) == 1 else values
 
-
-class _Kept:
-    """What an evaluation keeps across batches (gathered, on the CPU)."""
+class EvalAccumulator:
+    """What one evaluation keeps across batches (gathered, on the CPU) and the output it makes of them."""
 
     def __init__(self, include_for_metrics: list[str], input_name: str):
         self.want_inputs, self.want_loss = "inputs" in include_for_metrics, "loss" in include_for_metrics
@@ -291,23 +214,80 @@ class _Kept:
             return None
         return _to_numpy(_concat(parts)) if concat else [_to_numpy(p) for p in parts]
 
+    def prediction(self, predictions: Any, label_ids: Any, last_only: bool = False) -> EvalPrediction:
+        """EvalPrediction with the inputs and per-sample losses ``include_for_metrics`` asks for."""
+        inputs = losses = None
+        if self.want_inputs and self.inputs:
+            inputs = self.inputs[-1] if last_only else _to_numpy(_concat(self.inputs))
+        if self.want_loss and self.losses:
+            losses = self.losses[-1] if last_only else _to_numpy(torch.cat(self.losses))
+        return EvalPrediction(predictions, label_ids, inputs=inputs, losses=losses)
 
-def _loss_of(outputs: Any) -> torch.Tensor:
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    if isinstance(outputs, Mapping):
-        if outputs.get("loss") is None:
-            raise ValueError(f"the model returned no loss (keys {list(outputs)}); pass labels or compute_loss_func")
-        return outputs["loss"]
-    return outputs[0]
+    def output(self, compute_metrics: Any, concat: bool, batch_metrics: bool, steps: int, loader: Any
+               ) -> EvalLoopOutput:
+        """The loop's output: predictions, labels, and the metrics (``compute_metrics``' and the mean loss)."""
+        predictions = self.files or self.joined(self.preds, concat)
+        label_ids = self.joined(self.labels, concat)
+        metrics: dict[str, float] = {}
+        if batch_metrics and self.result is not None:  # compute_result=True on the last batch gave the metrics
+            metrics = dict(self.result)
+        elif compute_metrics is not None and predictions is not None and label_ids is not None and not self.files:
+            metrics = dict(compute_metrics(self.prediction(predictions, label_ids)))
+        all_losses = torch.cat(self.losses) if self.losses else None
+        if all_losses is not None:
+            metrics["loss"] = float(all_losses.mean())
+        num = len(all_losses) if all_losses is not None else steps * (loader.batch_size or 1)
+        metrics = {k: (float(v) if isinstance(v, (np.floating, np.integer, torch.Tensor)) else v)
+                   for k, v in metrics.items()}
+        return EvalLoopOutput(predictions, label_ids, metrics, num, steps)
 
 
-def _batch_size(inputs: Any) -> int:
-    if isinstance(inputs, torch.Tensor):
-        return inputs.shape[0]
-    if isinstance(inputs, Mapping):
-        return _batch_size(next(iter(inputs.values())))
-    return _batch_size(inputs[0])
+def cast_for_full_eval(args: Any, runner: Any, model: Any, in_train: bool) -> None:
+    """``fp16_full_eval``/``bf16_full_eval`` outside training: the model itself is cast (half the memory),
+    as Hugging Face does; during training evaluation keeps the training dtypes."""
+    dtype = torch.float16 if args.fp16_full_eval else torch.bfloat16 if args.bf16_full_eval else None
+    if dtype is None or in_train:
+        return
+    strategy = runner.strategy
+    if strategy.partitions_parameters or strategy.optimizer_parameters != "whole":
+        raise ValueError(f"{'fp16' if args.fp16_full_eval else 'bf16'}_full_eval casts the whole model, which "
+                         f"{type(strategy).__name__} keeps partitioned: use bf16=True / fp16=True (mixed "
+                         "precision) for evaluation under this strategy")
+    runner.unwrap_model(model).to(dtype)
+
+
+def timed_metrics(output: EvalLoopOutput, prefix: str, start: float) -> dict[str, float]:
+    """The loop's metrics named ``<prefix>_<name>``, with the runtime and rates since ``start``."""
+    runtime = time.perf_counter() - start
+    metrics = {k if k.startswith(f"{prefix}_") else f"{prefix}_{k}": v for k, v in output.metrics.items()}
+    metrics[f"{prefix}_runtime"] = round(runtime, 4)
+    metrics[f"{prefix}_samples_per_second"] = round(output.num_samples / max(runtime, 1e-9), 3)
+    metrics[f"{prefix}_steps_per_second"] = round(output.num_steps / max(runtime, 1e-9), 3)
+    return metrics
+
+
+def gather_padded(runner: Any, value: Any) -> Any:
+    """gather_for_metrics for a tensor (or tuple of them) whose dims after the first may differ by rank: padded
+    with -100 to the widest rank's second dimension first; on the CPU."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(gather_padded(runner, v) for v in value)
+    value = value.detach()
+    if value.ndim >= 2 and runner.world_size > 1:
+        width = runner.all_reduce(torch.tensor([value.shape[1]], device=value.device), "max")
+        extra = int(width.item()) - value.shape[1]
+        if extra:
+            pad = [0, 0] * (value.ndim - 2) + [0, extra]
+            value = torch.nn.functional.pad(value, pad, value=-100)
+    return runner.gather_for_metrics(value).cpu()
+
+
+def stream_predictions(runner: Any, logits: Any, directory: str | Path, step: int) -> str:
+    """Write one batch's gathered predictions to ``<directory>/predictions-<step>.npy`` (main process)."""
+    path = Path(directory) / f"predictions-{step:06d}.npy"
+    if runner.is_main_process:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, _to_numpy(logits[0] if isinstance(logits, (list, tuple)) else logits))
+    return str(path)
 
 
 _END = object()

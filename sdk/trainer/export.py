@@ -11,23 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
-__all__ = ["full_state_dict", "save_full_model"]
-
-
-def full_state_dict(runner, model) -> dict[str, torch.Tensor]:
-    """Full (unsharded) CPU tensors of ``model``'s state dict on every rank; a collective. It holds the whole model
-    on each rank at once (for tests and small models): save_model streams instead."""
-    module = runner.unwrap_model(model)
-    out = {}
-    # ZeRO-3 partitions parameters outside this context; FSDP2 holds DTensors (full_tensor gathers).
-    with runner.gathered_parameters(list(module.parameters())):
-        for key, value in module.state_dict().items():
-            if hasattr(value, "full_tensor"):
-                value = value.full_tensor()
-            out[key] = value.detach().cpu().clone()
-    return out
+__all__ = ["save_full_model"]
 
 
 def save_full_model(runner, model, output_dir: str | Path, processing_class: Any = None, args: Any = None,

@@ -7,43 +7,29 @@ nothing else reads ``fsdp_config``. Its body is the translator shared with the A
 
 from __future__ import annotations
 
-import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
+from shardkit.trainer.argument_errors import TrainingArgumentsError
+
 __all__ = ["fsdp_strategy_kwargs", "read_fsdp_config_file"]
 
-_MAX_BYTES = 1 << 20  # an fsdp_config JSON is a few hundred bytes; a larger file is not one
-
-
 def read_fsdp_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """``fsdp_config`` given as a path: a regular JSON file of at most 1 MiB holding an object.
+    """``fsdp_config`` given as a path, read as every config file is (``config.common.load_mapping``): a regular
+    file of at most ``MAX_CONFIG_BYTES`` holding a JSON (or YAML) object.
 
     Raises:
-        ValueError: missing, not a regular file, too large, not JSON, or not an object (the path is named).
+        TrainingArgumentsError: missing, not a regular file, too large, not UTF-8, not JSON, a key written twice,
+            or not an object (the path is named).
     """
-    from shardkit.trainer.arguments import TrainingArgumentsError
+    from shardkit.config.common import ConfigError, load_mapping
 
-    file = Path(path).expanduser()
     try:
-        info = os.stat(file)
-    except OSError as err:
-        raise TrainingArgumentsError(f"TrainingArguments.fsdp_config={str(path)!r} cannot be read ({err.strerror}):"
-                                     " pass a JSON file path or a dict") from None
-    if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_BYTES:
-        raise TrainingArgumentsError(f"TrainingArguments.fsdp_config={str(path)!r} must be a regular JSON file of at "
-                                     f"most {_MAX_BYTES} bytes")
-    try:
-        value = json.loads(file.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise TrainingArgumentsError(f"TrainingArguments.fsdp_config file {str(path)!r} is not valid JSON ({err})"
-                                     ) from None
-    if not isinstance(value, dict):
-        raise TrainingArgumentsError(f"TrainingArguments.fsdp_config file {str(path)!r} must hold a JSON object, "
-                                     f"not a {type(value).__name__}")
-    return value
+        return load_mapping(Path(path).expanduser())
+    except ConfigError as err:
+        raise TrainingArgumentsError(f"TrainingArguments.fsdp_config={str(path)!r}: {err} (pass a JSON file path or "
+                                     "a dict)") from None
 
 
 def fsdp_strategy_kwargs(args: Any) -> dict[str, Any]:

@@ -32,7 +32,8 @@ __all__ = ["check_optimizer_strategy", "pass_eval_loss", "pass_training_loss", "
 
 
 def _optimizer(trainer: Any) -> Any:
-    return getattr(trainer, "optimizer", None) if getattr(trainer, "_setup_done", False) else None
+    prepared = getattr(trainer, "prepared", None)  # a Trainer once set up with the Runner
+    return getattr(trainer, "optimizer", None) if getattr(prepared, "done", False) else None
 
 
 def _swap(trainer: Any, train: bool) -> None:
@@ -117,7 +118,8 @@ def check_optimizer_strategy(optimizer: Any, strategy: Any) -> None:
 
 
 def _check_dtensor_steps(optimizer: Any, name: str, sharded: bool) -> None:
-    """Optimizers whose step cannot take FSDP/TP's DTensor parameters (found by running them, issue 14)."""
+    """Optimizers whose step cannot take FSDP/TP's DTensor parameters: each was run on DTensor shards and failed
+    in torch's operators, so it is refused before the first step instead of failing inside it."""
     if not sharded:
         return
     if isinstance(optimizer, torch.optim.Adafactor):

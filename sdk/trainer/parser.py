@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from shardkit.trainer.argument_errors import OBSOLETE_ARGUMENTS
 from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["HfArgumentParser"]
@@ -123,7 +124,6 @@ class HfArgumentParser(argparse.ArgumentParser):
         known = {f.name for dtype in self.dataclass_types for f in dataclasses.fields(dtype)}
         unknown = sorted(set(values) - known)
         if unknown and not allow_extra_keys:
-            from shardkit.trainer.argument_checks import OBSOLETE_ARGUMENTS
 
             # One line per key, as the config readers do, so each hint sits beside its own key.
             lines = [f"argument {k!r}: {OBSOLETE_ARGUMENTS[k]}" if k in OBSOLETE_ARGUMENTS else
@@ -132,10 +132,10 @@ class HfArgumentParser(argparse.ArgumentParser):
         return tuple(self._build(values, defaults=False))
 
     def parse_json_file(self, path: str | Path, allow_extra_keys: bool = False) -> tuple[Any, ...]:
-        return self.parse_dict(_read_mapping(Path(path), "json"), allow_extra_keys)
+        return self.parse_dict(_read_mapping(Path(path)), allow_extra_keys)
 
     def parse_yaml_file(self, path: str | Path, allow_extra_keys: bool = False) -> tuple[Any, ...]:
-        return self.parse_dict(_read_mapping(Path(path), "yaml"), allow_extra_keys)
+        return self.parse_dict(_read_mapping(Path(path)), allow_extra_keys)
 
     def parse_file(self, path: str | Path, allow_extra_keys: bool = False) -> tuple[Any, ...]:
         """A JSON (``.json``) or YAML (``.yaml``/``.yml``) file of field values."""
@@ -160,7 +160,6 @@ class HfArgumentParser(argparse.ArgumentParser):
 
 def _unknown_flags(remaining: list[str], known: list[str]) -> ValueError:
     """The first unknown flag, with what replaced it (a name transformers removed) or the closest flag."""
-    from shardkit.trainer.argument_checks import OBSOLETE_ARGUMENTS
 
     flags = [r for r in remaining if r.startswith("--")]
     if not flags:
@@ -175,19 +174,11 @@ def _unknown_flags(remaining: list[str], known: list[str]) -> ValueError:
     return ValueError("\n".join(lines) + "\n(run with --help for the valid flags)")
 
 
-def _read_mapping(path: Path, kind: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise FileNotFoundError(f"arguments file {path} does not exist")
-    text = path.read_text()
-    try:
-        if kind == "json":
-            data = json.loads(text)
-        else:
-            import yaml
+def _read_mapping(path: Path) -> dict[str, Any]:
+    """An arguments file through the config files' reader: a regular file of at most ``MAX_CONFIG_BYTES``, UTF-8,
+    JSON (``.json``) or YAML (a superset of JSON), no key written twice, a mapping (ConfigError names the file)."""
+    from shardkit.config.common import load_mapping
 
-            data = yaml.safe_load(text)
-    except Exception as err:  # JSONDecodeError / yaml.YAMLError: both name the line
-        raise ValueError(f"{path} is not valid {kind.upper()}: {err}") from err
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a mapping of argument names to values, not {type(data).__name__}")
-    return data
+    if not path.exists():
+        raise FileNotFoundError(f"arguments file {path} does not exist")
+    return load_mapping(path)

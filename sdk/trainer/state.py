@@ -110,14 +110,14 @@ class TrainerState:
         Raises:
             TrainerStateError: not a regular file, too large, not JSON, or a field of the wrong type or range.
         """
+        from shardkit.checkpoint.format import CheckpointError
+        from shardkit.checkpoint.trust import read_json_file
+
         file = Path(path)
-        if not file.is_file() or file.stat().st_size > _MAX_STATE_BYTES:
-            raise TrainerStateError(f"{file} must be a regular file of at most {_MAX_STATE_BYTES} bytes")
-        try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise TrainerStateError(f"{file} is not valid JSON ({err}); the checkpoint is damaged: resume from "
-                                    "another") from None
+        try:  # a regular file (no symlink, FIFO or device), at most _MAX_STATE_BYTES, UTF-8 JSON
+            data = read_json_file(file, _MAX_STATE_BYTES, "trainer state")
+        except CheckpointError as err:
+            raise TrainerStateError(f"{err}; the checkpoint is damaged: resume from another") from None
         return cls.from_dict(data, str(file))
 
     @classmethod

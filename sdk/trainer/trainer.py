@@ -4,9 +4,12 @@
                       train_dataset=train, eval_dataset=val, compute_metrics=accuracy)
     trainer.train(resume_from_checkpoint=True)
 
-This module holds the object and its public methods; the training loop is in ``train_loop``, evaluation in
-``evaluation``, and the parts that save their own state are objects: :class:`LossTracker`,
-:class:`StopRequests`, :class:`Checkpointer` (the files) and :class:`MemoryTracker` (memory metrics).
+The Trainer is composed of objects that own their state, each handed what it needs: the loop
+(:class:`TrainLoop`: epochs, windows, logging and saving between steps), the loss settings
+(:class:`LossSettings`), :class:`LossTracker`, :class:`StopRequests`, :class:`Checkpointer` (the files),
+:class:`MemoryTracker` (memory metrics) and :class:`Prepared` (what setup made). Hugging Face's method names stay
+on the Trainer, where subclasses override them: this module's, and those of ``train_loop``, ``training_step`` and
+``evaluation`` (mixins that keep no state of their own); the metrics files are ``metrics_io``'s functions.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,35 +27,34 @@ from torch.utils.data import DataLoader
 from shardkit.config.accelerate_env import asks_for_deepspeed
 from shardkit.data.streaming import is_stream
 from shardkit.strategies.activation_checkpointing import enable_gradient_checkpointing
-from shardkit.trainer import hub
+from shardkit.trainer import hub, metrics_io
 from shardkit.trainer.arguments import TrainingArguments, UnknownArgumentError
 from shardkit.trainer.callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 from shardkit.trainer.checkpointing import Checkpointer, CheckpointParts
-from shardkit.trainer.collate import ColumnFilter, check_columns, default_collator
+from shardkit.trainer.collate import ColumnFilter, check_columns, default_collator, loader_kwargs
 from shardkit.trainer.engine import (
     build_runner,
     create_optimizer,
     create_scheduler,
     decay_parameter_names,
-    estimate_world_size,
+    estimate_steps,
     steps_per_epoch,
     total_steps,
 )
 from shardkit.trainer.evaluation import EvaluationMixin
-from shardkit.trainer.loss import LossMode, accepts, is_causal_lm, loss_mode
+from shardkit.trainer.loss import LossMode, LossSettings, accepts
 from shardkit.trainer.loss_tracker import LossTracker
 from shardkit.trainer.memory import MemoryTracker
-from shardkit.trainer.metrics_io import MetricsIOMixin
 from shardkit.trainer.model_prep import apply_model_prep
 from shardkit.trainer.peft_support import base_model_of, is_peft_model, save_peft_model
 from shardkit.trainer.reporting import reporter_callbacks
 from shardkit.trainer.state import TrainerControl, TrainerState
 from shardkit.trainer.stopping import StopRequests
-from shardkit.trainer.train_loop import TrainLoopMixin, TrainOutput
+from shardkit.trainer.train_loop import TrainLoop, TrainLoopMixin, TrainOutput
 from shardkit.trainer.trainer_logging import follow_transformers_logging, set_trainer_log_level
 from shardkit.trainer.training_step import TrainingStepMixin
 
-__all__ = ["Trainer", "TrainOutput"]
+__all__ = ["Prepared", "Trainer", "TrainOutput"]
 
 logger = logging.getLogger("shardkit.trainer")
 
@@ -62,7 +65,26 @@ _REMOVED_KEYWORDS = {
 }
 
 
-class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin):
+@dataclass
+class Prepared:
+    """What :meth:`Trainer.ensure_setup` made with the Runner (once; again after ``model_init`` or a smaller batch).
+
+    Attributes:
+        done: the model, optimizer and schedule are set up with the Runner.
+        train_loader: the Runner's loader over ``train_dataset`` (it shards, shuffles and resumes).
+        per_epoch: optimizer steps per epoch (None for a stream until the run counts max_steps' windows).
+        backward_stepper: LOMO, AdaLomo or layer-wise optimizers, which update inside backward; else None.
+        metric_scheduler: the schedule steps on an evaluation metric (ReduceLROnPlateau), not per step.
+    """
+
+    done: bool = False
+    train_loader: Any = None
+    per_epoch: int | None = None
+    backward_stepper: Any = None
+    metric_scheduler: bool = False
+
+
+class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin):
     """Runs training, evaluation, checkpointing, logging and callbacks for a model (HF's Trainer API).
 
     Args:
@@ -88,8 +110,8 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
                  preprocess_logits_for_metrics=None, *, strategy=None, precision=None, **removed):
         _refuse_removed(removed)
         self.args = args = args if args is not None else TrainingArguments()
-        self._memory = MemoryTracker(args.skip_memory_metrics)
-        self._memory.start("init")
+        self.memory_tracker = MemoryTracker(args.skip_memory_metrics)
+        self.memory_tracker.start("init")
         _check_init(args, optimizers, optimizer_cls_and_kwargs)
         self.model_init = model_init
         if model is None:
@@ -104,11 +126,16 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.label_names = list(args.label_names or ["labels"])
         # for a DeepSpeed config's "auto" values, from the arguments or from accelerate launch
-        max_steps, warmup = self._estimate_steps() if args.deepspeed or asks_for_deepspeed() else (None, None)
-        self.runner, self._engine_spec = build_runner(args, strategy, precision, max_steps, warmup)
+        deepspeed = args.deepspeed or asks_for_deepspeed()
+        max_steps, warmup = estimate_steps(args, train_dataset) if deepspeed else (None, None)
+        self.runner, self._deepspeed_sections = build_runner(args, strategy, precision, max_steps, warmup)
+        # A subclass's compute_loss with HF's old signature returns a micro-batch mean (checked once, not per step).
+        self.loss_settings = LossSettings(self.runner, args.average_tokens_across_devices,
+                                          "num_items_in_batch" in inspect.signature(self.compute_loss).parameters)
+        self.prepared = Prepared()
         self.is_deepspeed_enabled = self.runner.strategy.optimizer_parameters == "flat"  # the ZeRO engines
         self.is_fsdp_enabled = _is_fsdp(self.runner.strategy)
-        self._set_model(model)
+        self.set_model(model)
         self._configure_logging()
         self._train_batch_size = args.train_batch_size
         self.state = TrainerState(is_world_process_zero=self.runner.is_main_process,
@@ -127,29 +154,21 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         self.is_in_train = False
         self.hp_name = None
         self._accelerator = None
-        self._setup_done = False
-        self._train_loader = None
-        self._window_len = args.gradient_accumulation_steps
-        self._window_items = 1
-        self._grad_norm = None
-        self._backward_stepper = None  # set at setup for optimizers that update inside backward
-        self._metric_scheduler = False
-        self._last_logged_step = 0
-        # A subclass's compute_loss with HF's old signature returns a micro-batch mean (checked once, not per step).
-        self._compute_loss_takes_items = "num_items_in_batch" in inspect.signature(self.compute_loss).parameters
+        self.loss_settings.window_len = args.gradient_accumulation_steps
+        self.loop = TrainLoop(self)
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
-        self._memory.stop("init")
+        self.memory_tracker.stop("init")
 
     # ---- the model -----------------------------------------------------------------------------
 
-    def _set_model(self, model) -> None:
+    def set_model(self, model) -> None:
+        """Train ``model`` (before setup, or from ``model_init``): the loss settings are read from it."""
         apply_model_prep(model, self.args)  # fused kernels, before anything reads the model's forward
         self._user_model = self.model = self.model_wrapped = model
         owns = self.compute_loss_func is not None or self.args.label_smoothing_factor > 0 or \
             not accepts(model, "labels")
-        probe = base_model_of(model)  # a PeftModel forwards **kwargs: its base model says what the loss takes
-        self._loss_mode = loss_mode(probe, owns)
-        self._shift_labels = is_causal_lm(probe)
+        # A PeftModel forwards **kwargs: its base model says what the loss takes.
+        self.loss_settings.set_model(base_model_of(model), owns)
         enable_gradient_checkpointing(model, self.args, self.runner)  # an HF model's own, else the Runner's switch
 
     def call_model_init(self, trial: Any = None):
@@ -164,20 +183,21 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
     def model_accepts_loss_kwargs(self) -> bool:
         """Whether the model's forward gets ``num_items_in_batch`` (set False for a forward that takes **kwargs
         but ignores it: its loss is then taken as a micro-batch mean)."""
-        return self._loss_mode == LossMode.NUM_ITEMS
+        return self.loss_settings.mode == LossMode.NUM_ITEMS
 
     @model_accepts_loss_kwargs.setter
     def model_accepts_loss_kwargs(self, value: bool) -> None:
-        if not value and self._loss_mode == LossMode.NUM_ITEMS:
-            self._loss_mode = LossMode.MEAN
-        elif value and self._loss_mode == LossMode.MEAN and accepts(self._user_model, "num_items_in_batch"):
-            self._loss_mode = LossMode.NUM_ITEMS
+        settings = self.loss_settings
+        if not value and settings.mode == LossMode.NUM_ITEMS:
+            settings.mode = LossMode.MEAN
+        elif value and settings.mode == LossMode.MEAN and accepts(self._user_model, "num_items_in_batch"):
+            settings.mode = LossMode.NUM_ITEMS
 
     @property
     def deepspeed(self) -> Any:
         """The DeepSpeed engine under a ZeRO strategy once set up (``trainer.deepspeed.save_checkpoint(dir)``);
         None otherwise."""
-        if self.is_deepspeed_enabled and self._setup_done:
+        if self.is_deepspeed_enabled and self.prepared.done:
             return self.model_wrapped
         return None
 
@@ -206,37 +226,13 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         else:
             follow_transformers_logging()
 
-    def _estimate_steps(self) -> tuple[int | None, int | None]:
-        """Steps before the Runner exists (for DeepSpeed's "auto" total_num_steps and warmup)."""
-        import math
-
-        try:
-            samples = math.ceil(len(self.train_dataset) / estimate_world_size())
-        except TypeError:
-            return (self.args.max_steps if self.args.max_steps > 0 else None), None
-        batch = self.args.per_device_train_batch_size
-        batches = samples // batch if self.args.dataloader_drop_last else math.ceil(samples / batch)
-        max_steps, _ = total_steps(self.args, steps_per_epoch(batches, self.args.gradient_accumulation_steps))
-        return max_steps, self.args.get_warmup_steps(max_steps)
-
     def _collator_for(self, dataset: Any):
         base = self.data_collator or default_collator(self.processing_class)
         if not self.args.remove_unused_columns:
             return base
-        model = self.runner.unwrap_model(self.model) if self._setup_done else self._user_model
+        model = self.runner.unwrap_model(self.model) if self.prepared.done else self._user_model
         check_columns(dataset, base_model_of(model), self.label_names)
         return ColumnFilter(base, base_model_of(model), self.label_names)
-
-    def _loader_kwargs(self) -> dict[str, Any]:
-        args = self.args
-        kwargs: dict[str, Any] = {"num_workers": args.dataloader_num_workers, "pin_memory": args.dataloader_pin_memory}
-        if args.dataloader_num_workers > 0:
-            kwargs.update(persistent_workers=args.dataloader_persistent_workers)
-            if args.dataloader_prefetch_factor is not None:
-                kwargs["prefetch_factor"] = args.dataloader_prefetch_factor
-            if args.dataloader_multiprocessing_context is not None:
-                kwargs["multiprocessing_context"] = args.dataloader_multiprocessing_context
-        return kwargs
 
     def get_train_dataloader(self) -> DataLoader:
         """A plain DataLoader over train_dataset; the Runner shards, shuffles and resumes it. A stream (an
@@ -251,7 +247,7 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
             shuffle = False
         return DataLoader(self.train_dataset, batch_size=self._train_batch_size, shuffle=shuffle,
                           collate_fn=self._collator_for(self.train_dataset), drop_last=self.args.dataloader_drop_last,
-                          **self._loader_kwargs())
+                          **loader_kwargs(self.args))
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         """The evaluation loader for ``eval_dataset`` (default: ``self.eval_dataset``; a key of it when it is a
@@ -271,12 +267,13 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         # Set up anew for each run: gather_for_metrics drops the duplicates of the loader set up last (a stream's
         # too: the repeats padding its last round, known when its last batch is).
         loader = DataLoader(dataset, batch_size=self.args.eval_batch_size, shuffle=False,
-                            collate_fn=self._collator_for(dataset), drop_last=False, **self._loader_kwargs())
+                            collate_fn=self._collator_for(dataset), drop_last=False, **loader_kwargs(self.args))
         return self.runner.setup_dataloader(loader)
 
-    def _ensure_setup(self) -> None:
+    def ensure_setup(self) -> None:
         """Set up loader, model, optimizer and schedule with the Runner, once (train() or evaluate() first)."""
-        if self._setup_done:
+        prepared = self.prepared
+        if prepared.done:
             return
         from shardkit.trainer.backward_step import backward_stepper
         from shardkit.trainer.model_prep import maybe_compile
@@ -287,22 +284,22 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         max_steps = args.max_steps if args.max_steps > 0 else 0
         if self.train_dataset is not None:
             # The train loader first: DeepSpeed's engine needs the micro-batch size at setup.
-            self._train_loader = self._setup_train_loader()
-            max_steps = total_steps(args, self._per_epoch)[0]
+            prepared.train_loader = self._setup_train_loader()
+            max_steps = total_steps(args, prepared.per_epoch)[0]
         model = maybe_compile(self._user_model, args)  # in place, the last change before setup
         if self.train_dataset is not None or self.optimizer is not None:
             optimizer = self.create_optimizer()
-            self._backward_stepper = backward_stepper(optimizer, runner, args)  # LOMO, AdaLomo, layer-wise
+            prepared.backward_stepper = backward_stepper(optimizer, runner, args)  # LOMO, AdaLomo, layer-wise
             check_optimizer_strategy(optimizer, runner.strategy)
             scheduler = self.create_scheduler(max(max_steps, 1), optimizer)
-            self._metric_scheduler = is_metric_driven(scheduler)
-            if self._metric_scheduler:  # stepped on an eval metric by the Trainer, not per step by the Runner
+            prepared.metric_scheduler = is_metric_driven(scheduler)
+            if prepared.metric_scheduler:  # stepped on an eval metric by the Trainer, not per step by the Runner
                 self.model, self.optimizer = runner.setup(model, optimizer)
             else:
                 self.model, self.optimizer, scheduler = runner.setup(model, optimizer, scheduler)
             self.lr_scheduler = scheduler
-            if self._backward_stepper is not None:  # under DDP: the hooks average gradients, not DDP
-                self._backward_stepper.setup(self.model)
+            if prepared.backward_stepper is not None:  # under DDP: the hooks average gradients, not DDP
+                prepared.backward_stepper.setup(self.model)
         else:
             self.model = runner.setup(model)
         self.model_wrapped = self.model
@@ -313,8 +310,8 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
             install_overflow_check(self.model)
         handler = self.callback_handler
         handler.model, handler.optimizer, handler.lr_scheduler = self.model, self.optimizer, self.lr_scheduler
-        handler.train_dataloader = self._train_loader
-        self._setup_done = True
+        handler.train_dataloader = prepared.train_loader
+        prepared.done = True
 
     def _setup_train_loader(self):
         loader = self.get_train_dataloader()
@@ -323,10 +320,16 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
                             "and resumes a torch DataLoader (built with batch_size=...); return one")
         loader = self.runner.setup_dataloader(loader)
         try:
-            self._per_epoch = steps_per_epoch(len(loader), self.args.gradient_accumulation_steps)
+            self.prepared.per_epoch = steps_per_epoch(len(loader), self.args.gradient_accumulation_steps)
         except TypeError:  # a stream (shardkit.data.streaming): max_steps bounds the run, as in Hugging Face's Trainer
-            self._per_epoch = None
+            self.prepared.per_epoch = None
         return loader
+
+    def refresh_train_loader(self) -> None:
+        """Build the train loader again once set up (a new ``_train_batch_size``); the callbacks see the new one."""
+        if self.prepared.done and self.train_dataset is not None:
+            self.prepared.train_loader = self._setup_train_loader()
+            self.callback_handler.train_dataloader = self.prepared.train_loader
 
     # ---- optimizer and schedule ---------------------------------------------------------------
 
@@ -334,8 +337,8 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         """The optimizer (``optimizers=``, ``optimizer_cls_and_kwargs``, ``args.optim`` or the DeepSpeed config's),
         built once over the model's trainable parameters in Hugging Face's two weight-decay groups."""
         if self.optimizer is None:
-            model = self._user_model if not self._setup_done else self.model
-            self.optimizer = create_optimizer(model, self.args, self._engine_spec, self.optimizer_cls_and_kwargs)
+            model = self._user_model if not self.prepared.done else self.model
+            self.optimizer = create_optimizer(model, self.args, self._deepspeed_sections, self.optimizer_cls_and_kwargs)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
@@ -344,7 +347,7 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
             target = optimizer if optimizer is not None else self.optimizer
             if target is None:
                 raise ValueError("create_scheduler() needs the optimizer: call create_optimizer() first")
-            self.lr_scheduler = create_scheduler(target, self.args, self._engine_spec, num_training_steps)
+            self.lr_scheduler = create_scheduler(target, self.args, self._deepspeed_sections, num_training_steps)
         return self.lr_scheduler
 
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
@@ -490,7 +493,7 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         from shardkit.trainer.export import save_full_model
         from shardkit.trainer.optim_modes import to_eval
 
-        self._ensure_setup()
+        self.ensure_setup()
         to_eval(self)  # schedule-free: export the averaged weights
         output_dir = output_dir or self.args.output_dir
         if is_peft_model(self.runner.unwrap_model(self.model_wrapped)):
@@ -527,8 +530,31 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
                          finetuned_from=finetuned_from, tasks=tasks, dataset_tags=dataset_tags, dataset=dataset,
                          dataset_args=dataset_args)
 
-    def _parts(self) -> CheckpointParts:
-        return CheckpointParts(self.model_wrapped, self.optimizer, self.lr_scheduler, self._train_loader, self.state,
+    # ---- metrics files (Hugging Face's helpers; see metrics_io) --------------------------------------------
+
+    def metrics_format(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """The metrics as people read them: runtimes rounded, memory in MB, flos in GF."""
+        return metrics_io.format_metrics(metrics)
+
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """Print ``metrics`` under a ``***** <split> metrics *****`` header, on the main process."""
+        if self.is_world_process_zero():
+            metrics_io.print_metrics(split, self.metrics_format(metrics))
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """Write ``<output_dir>/<split>_results.json`` (and merge into ``all_results.json``), on the main process."""
+        if self.is_world_process_zero():
+            metrics_io.write_metrics(self.args.output_dir, split, metrics, combined)
+
+    def save_state(self) -> None:
+        """Write the TrainerState to ``<output_dir>/trainer_state.json``, on the main process."""
+        if self.is_world_process_zero():
+            metrics_io.write_state(self.args.output_dir, self.state)
+
+    def checkpoint_parts(self) -> CheckpointParts:
+        """What a checkpoint saves and a resume loads (the Checkpointer's view of this Trainer)."""
+        return CheckpointParts(self.model_wrapped, self.optimizer, self.lr_scheduler, self.prepared.train_loader,
+                               self.state,
                                self.control, self.callback_handler.callbacks, self.losses, self.processing_class,
                                self.data_collator)
 

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from harness import run_distributed, transformers_without_zero3
-from trainer_fixtures import StopAt, logged_losses, text_data
+from trainer_fixtures import StopAt, full_state_dict, logged_losses, text_data
 
 from shardkit.strategies import strategy_from_name
 from shardkit.trainer import Trainer, TrainerCallback, TrainingArguments
-from shardkit.trainer.export import full_state_dict
 
 peft = pytest.importorskip("peft", reason="LoRA needs the peft extra: pip install shardkit[peft]")
 transformers = pytest.importorskip("transformers")

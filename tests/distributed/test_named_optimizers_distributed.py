@@ -41,7 +41,8 @@ def _losses(trainer) -> list[float]:
 
 def _average_weights(out: str) -> dict:
     """Per strategy: eval loss and full weights after training (x); DDP's y too; the files are compared outside."""
-    from shardkit.trainer.export import full_state_dict
+    from trainer_fixtures import full_state_dict
+
     from shardkit.trainer.optim_modes import to_train
 
     result = {}
@@ -91,10 +92,10 @@ def _user_loop() -> dict:
     """A user's own Runner loop (no Trainer) with schedulefree's documented train()/eval() calls: after eval() the
     model holds x and after train() y, under ZeRO as under DDP (the swaps change DeepSpeed's masters there)."""
     import schedulefree
+    from trainer_fixtures import full_state_dict
 
     from shardkit import FP32, Runner
     from shardkit.strategies import strategy_from_name
-    from shardkit.trainer.export import full_state_dict
 
     tokens = torch.randint(0, TINY.vocab_size, (3, 2, 16), generator=torch.Generator().manual_seed(3))
     result = {}

@@ -16,6 +16,7 @@ from trainer_fixtures import (
     StopAt,
     SumLossLM,
     VarLen,
+    full_state_dict,
     logged_losses,
     pad_collate,
     text_data,
@@ -25,7 +26,6 @@ from shardkit import Runner
 from shardkit.models import Llama, LlamaConfig
 from shardkit.strategies import strategy_from_name
 from shardkit.trainer import Trainer, TrainingArguments
-from shardkit.trainer.export import full_state_dict
 
 TINY = LlamaConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, max_position=16)
 

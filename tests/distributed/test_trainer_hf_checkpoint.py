@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 from harness import run_distributed, transformers_without_zero3
+from trainer_fixtures import full_state_dict
 from trainer_tiny import Tokens, hf_trainer_checkpoint, logged_after, tiny_llama
 
 from shardkit.trainer import Trainer, TrainingArguments
-from shardkit.trainer.export import full_state_dict
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,12 @@ def test_accelerator_answers_or_names_the_runner(tmp_path):
     assert not trainer.is_deepspeed_enabled and not trainer.is_fsdp_enabled and trainer.deepspeed is None
     with pytest.raises(AttributeError, match="trainer.runner"):
         accelerator.prepare(model)
+    # The process facts are shardkit.Accelerator's own (accelerate_compat), read from the Trainer's strategy.
+    from shardkit.accelerate_compat.state import ProcessFacts, distributed_type_of
+
+    assert isinstance(accelerator, ProcessFacts)
+    assert accelerator.distributed_type == distributed_type_of(trainer.runner.strategy)
+    assert accelerator.on_main_process(lambda: "ran")() == "ran" and accelerator.is_last_process
 
 
 def test_push_to_hub_uploads_output_dir_and_a_misspelt_hub_strategy_is_named(tmp_path, monkeypatch):

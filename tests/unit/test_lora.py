@@ -153,7 +153,7 @@ def test_shardkit_llama_takes_lora_and_trains(tmp_path):
     model = peft.get_peft_model(base, peft.LoraConfig(**{**LORA, "target_modules": ["q_proj", "v_proj", "up_proj"]}))
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     trainer = Trainer(model, _args(tmp_path), train_dataset=_data())
-    assert trainer._shift_labels  # read from the Llama under the PeftModel: its loss shifts labels inside
+    assert trainer.loss_settings.shift_labels  # read from the Llama under the PeftModel: its loss shifts labels inside
     trainer.train()
     losses = _losses(trainer)
     assert losses[-1] < losses[0] - 0.05

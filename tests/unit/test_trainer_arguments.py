@@ -1,11 +1,12 @@
 """TrainingArguments: HF names and defaults, validation that names the fix, --flags and JSON/YAML files."""
 
 import json
+import os
 
 import pytest
 import torch
 
-from shardkit.trainer import HfArgumentParser, TrainingArguments, get_scheduler
+from shardkit.trainer import HfArgumentParser, TrainingArguments, TrainingArgumentsError, get_scheduler
 
 
 def test_defaults_follow_hugging_face():
@@ -114,3 +115,35 @@ def test_deepspeed_auto_values_come_from_the_arguments(tmp_path):
         assert resolved.scheduler["params"]["warmup_num_steps"] == 5
         assert resolved.scheduler["params"].get("total_num_steps", 100) == 100
         assert (resolved.gradient_accumulation_steps, resolved.micro_batch_size) == (2, 8)
+
+
+def test_the_trainers_file_readers_refuse_oversized_and_garbage_files_by_name(tmp_path):
+    """Arguments files, fsdp_config files, all_results.json and trainer_state.json go through the hostile-input-safe
+    readers: a file over the cap is refused before it is read, and garbage names the file."""
+    from shardkit.config.common import MAX_CONFIG_BYTES, ConfigError
+    from shardkit.trainer.fsdp_config import read_fsdp_config_file
+    from shardkit.trainer.metrics_io import write_metrics
+    from shardkit.trainer.state import TrainerState, TrainerStateError
+
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:  # sparse: over the cap without writing it
+        f.truncate(MAX_CONFIG_BYTES + 1)
+    garbage = tmp_path / "garbage.json"
+    garbage.write_bytes(b'{"output_dir": "o", \xff\xfe')
+    for path in (huge, garbage):
+        with pytest.raises(ConfigError, match=str(path.name)):
+            HfArgumentParser(TrainingArguments).parse_json_file(path)
+        with pytest.raises(TrainingArgumentsError, match=f"fsdp_config.*{path.name}"):
+            read_fsdp_config_file(path)
+    with pytest.raises(TrainingArgumentsError, match="fsdp_config"):
+        TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", fsdp_config=str(garbage))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "all_results.json").write_text("[1, 2]")  # not an object: refused, not silently replaced
+    with pytest.raises(ConfigError, match="all_results.json"):
+        write_metrics(out, "eval", {"eval_loss": 1.0})
+    assert (out / "all_results.json").read_text() == "[1, 2]"
+    fifo = tmp_path / "trainer_state.json"
+    os.mkfifo(fifo)  # would block a plain open(); refused without reading
+    with pytest.raises(TrainerStateError, match="not a regular file"):
+        TrainerState.load_from_json(fifo)
