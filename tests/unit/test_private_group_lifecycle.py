@@ -78,6 +78,25 @@ def test_a_zero3_engine_after_one_whose_group_ended_without_teardown():
 
 
 @pytest.mark.timeout(300)
+def test_a_scheduler_made_before_setup_sees_no_override_under_zero(recwarn):
+    """torch's schedulers wrap optimizer.step to count its calls; the ZeRO guard around it keeps their mark."""
+    pytest.importorskip("deepspeed")
+    runner = Runner(strategy="zero2")
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+        model, optimizer, scheduler = runner.setup(model, optimizer, scheduler)
+        for _ in range(2):
+            runner.backward(model(torch.randn(4, 8)).square().mean())
+            assert runner.step()
+        assert not [w for w in recwarn if "overridden after learning rate scheduler" in str(w.message)]
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 / 3)
+    finally:
+        runner.teardown()
+
+
+@pytest.mark.timeout(300)
 def test_a_hand_called_optimizer_step_under_zero_fails_loudly():
     """Under ZeRO the optimizer holds DeepSpeed's partitions: a step of its own changed no weight, silently."""
     pytest.importorskip("deepspeed")

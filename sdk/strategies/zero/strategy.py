@@ -203,6 +203,10 @@ class ZeROStrategy(ProcessGroupStrategy):
                     "(it steps DeepSpeed's engine, and the optimizer through it)")
             return original(*args, **kwargs)
 
+        # A scheduler made before setup wrapped the step to count its calls: this guard calls that wrapper, so it
+        # says so too, or the scheduler warns that optimizer.step was overridden after it was made.
+        if getattr(original, "_wrapped_by_lr_sched", False):
+            step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         # NOTE: an instance attribute shadows the class's method, for this object only. A bound method, as torch's
         # LR schedulers expect when they wrap optimizer.step to count its calls (a scheduler made after setup).
         optimizer.step = types.MethodType(step, optimizer)
