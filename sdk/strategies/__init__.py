@@ -25,7 +25,7 @@ def _registered_class(name: str) -> type:
     if name in STRATEGIES.class_names():
         return STRATEGIES.get_class(name)
     if name in _REMOVED:
-        raise AttributeError(f"shardkit.strategies.{name} was removed: {_REMOVED[name]}")
+        raise AttributeError(f"shardkit.strategies.{name} was removed for the registry: {_REMOVED[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

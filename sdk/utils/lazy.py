@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable, Mapping
 
 __all__ = ["MOVED_MODULES", "install_moved_modules", "lazy_exports"]
 
-# Public modules that moved (sdk/'s root emptied into packages, names that said too little; old path -> new): the
-# old paths, which documentation and users' scripts name, import the new module itself (one object, so a
-# monkeypatch of either name reaches the code that runs).
+# Public modules that moved (sdk/'s root emptied into packages, names that said too little or that another package
+# used for its own module of the same concept; old path -> new): the old paths, which documentation and users'
+# scripts name, import the new module itself (one object, so a monkeypatch of either name reaches the code that runs).
 MOVED_MODULES: Mapping[str, str] = {
     "shardkit.runner_checkpoints": "shardkit.runner.checkpoints",
     "shardkit.runner_observe": "shardkit.runner.observe",
@@ -36,6 +36,8 @@ MOVED_MODULES: Mapping[str, str] = {
     "shardkit.hub": "shardkit.trainer.hub_pusher",
     "shardkit.strategies.mesh": "shardkit.strategies.parallel_dims",
     "shardkit.accelerate_compat.trackers": "shardkit.accelerate_compat.tracking",
+    "shardkit.config.fsdp": "shardkit.config.fsdp_options",
+    "shardkit.checkpoint.deepspeed_schema": "shardkit.checkpoint.deepspeed_file_schema",
 }
 
 
