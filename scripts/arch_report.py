@@ -7,8 +7,12 @@ second without torch) and prints these counts:
 
 * import cycles between the top-level units of ``sdk/`` (its packages and its top-level modules), counting
   every import: module level, inside functions, and under ``TYPE_CHECKING``;
-* private names (``_x``) or private modules (``_mod``) imported from another top-level unit (and, for
-  information, private names imported from another module of the same unit);
+* import cycles between modules (each group of modules that import one another counted once), counting the same
+  imports, except one inside a function whose line says why it waits for the call:
+  ``# deferred: start-up time (torch)`` (the form ``DEFERRED_MARK`` reads; the report lists them all);
+* private names (``_x``) or private modules (``_mod``) imported from another top-level unit, and private names
+  imported from another module of any unit;
+* modules writing their own ``__getattr__`` instead of taking it from ``utils.lazy.lazy_exports``;
 * engine references outside ``sdk/strategies/``: DeepSpeed imports, FSDP2's private state
   (``_get_fsdp_state()``, ``_fsdp_param_groups``, torch's ``fsdp._*`` modules, ...) and DeepSpeed's
   parameter attributes (``ds_tensor``, ``ds_id``, ... read as attributes or named in ``getattr``/``hasattr``).
@@ -20,17 +24,22 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
     "Import",
     "Reference",
-        "engine_references",
+    "engine_references",
     "import_cycles",
+    "closed_path",
+    "module_cycles",
+    "module_graph",
+    "own_module_getattrs",
     "package_graph",
     "parse_imports",
     "private_imports",
@@ -43,6 +52,9 @@ ENGINE_HOME = "strategies"  # the only top-level unit that may name an engine's 
 FSDP2_PRIVATE = re.compile(r"^_(get_)?fsdp|^_auto_reshard_after_forward$|^_reshard_after_forward$")
 FSDP2_PRIVATE_MODULE = re.compile(r"^torch\.distributed\.fsdp\._")
 # The attributes DeepSpeed's ZeRO-3 puts on each partitioned parameter.
+# The one form of comment that exempts an import inside a function from the module cycle count: the import is
+# deferred so that importing its module stays cheap (``# deferred: start-up time (torch)``), not to hide a cycle.
+DEFERRED_MARK = re.compile(r"#\s*deferred: start-up time \(([^()]+)\)")
 DEEPSPEED_PARAM_ATTRS = frozenset({
     "ds_id", "ds_numel", "ds_persist", "ds_process_group", "ds_shape", "ds_status", "ds_tensor",
 })
@@ -56,6 +68,10 @@ class Import:
     target: str  # dotted module imported from, "shardkit.strategies._dtensor"
     names: tuple[str, ...]  # the names taken (empty for ``import x.y``)
     line: int
+    in_function: bool = False  # made when a function runs, not when its module loads
+    # what the import is deferred to keep out of start-up (``torch``), from its ``DEFERRED_MARK`` comment; only an
+    # import inside a function can be deferred
+    deferred_for: str | None = None
 
 
 @dataclass(frozen=True)
@@ -88,19 +104,50 @@ def _resolve(source: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _imports_in(tree: ast.Module) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement of ``tree`` and whether it sits inside a function (runs only when called)."""
+    def walk(node: ast.AST, in_function: bool) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                yield child, in_function
+            else:
+                yield from walk(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                           ast.Lambda)))
+    yield from walk(tree, False)
+
+
+def _deferred_for(lines: list[str], node: ast.stmt, in_function: bool) -> str | None:
+    """The reason in a ``DEFERRED_MARK`` comment on the import's lines, if the import is inside a function."""
+    if not in_function:
+        return None
+    for text in lines[node.lineno - 1: node.end_lineno or node.lineno]:
+        found = DEFERRED_MARK.search(text)
+        if found:
+            return found.group(1).strip()
+    return None
+
+
+@functools.lru_cache(maxsize=4)
 def parse_imports(root: Path) -> tuple[list[Import], dict[str, ast.Module]]:
-    """Every import in the package (module level, in functions, under TYPE_CHECKING) and each module's tree."""
+    """Every import in the package (module level, in functions, under TYPE_CHECKING) and each module's tree.
+
+    Parsed once per ``root`` in a process (every count reads it; callers must not change what it returns).
+    """
     imports: list[Import] = []
     trees: dict[str, ast.Module] = {}
     for name, path in iter_modules(root):
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        text = path.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        tree = ast.parse(text, filename=str(path))
         trees[name] = tree
-        for node in ast.walk(tree):
+        for node, in_function in _imports_in(tree):
+            deferred_for = _deferred_for(lines, node, in_function)
             if isinstance(node, ast.Import):
-                imports.extend(Import(name, a.name, (), node.lineno) for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
+                imports.extend(Import(name, a.name, (), node.lineno, in_function, deferred_for) for a in node.names)
+            else:
                 target = _resolve(name, path.name == "__init__.py", node)
-                imports.append(Import(name, target, tuple(a.name for a in node.names), node.lineno))
+                imports.append(Import(name, target, tuple(a.name for a in node.names), node.lineno, in_function,
+                                      deferred_for))
     return imports, trees
 
 
@@ -159,6 +206,145 @@ def import_cycles(graph: dict[str, dict[str, list[Import]]]) -> list[list[str]]:
     return cycles
 
 
+def _lazy_tables(trees: dict[str, ast.Module]) -> dict[str, dict[str, str]]:
+    """``{package: {name: dotted module defining it}}`` from each ``lazy_exports(__name__, {...})`` call."""
+    tables: dict[str, dict[str, str]] = {}
+    for module, tree in trees.items():
+        assigned = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+                    for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "lazy_exports"
+                    and len(node.args) >= 2):
+                continue
+            table = node.args[1]
+            table = assigned.get(table.id, table) if isinstance(table, ast.Name) else table
+            if isinstance(table, ast.Dict):
+                # the modules are named relative to the package holding ``module`` (utils.lazy.lazy_exports)
+                parent = module if _is_package(module, trees) else module.rpartition(".")[0]
+                tables[module] = {k.value: f"{parent}.{v.value}" for k, v in zip(table.keys, table.values)
+                                  if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)}
+    return tables
+
+
+def _is_package(module: str, modules: Mapping[str, object]) -> bool:
+    return any(other.startswith(module + ".") for other in modules)
+
+
+def _module_targets(imp: Import, modules: set[str], lazy: dict[str, dict[str, str]]) -> Iterator[str]:
+    """The shardkit modules an import runs: the most specific module it names, and for ``from package import
+    name`` the module that defines ``name`` when the package serves it lazily (utils/lazy.py)."""
+    target = imp.target
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    if not target:
+        return
+    if not imp.names:
+        yield target
+    for name in imp.names:
+        if f"{target}.{name}" in modules:
+            yield f"{target}.{name}"
+            continue
+        yield target
+        where, seen = target, set()
+        while name in lazy.get(where, {}) and where not in seen:  # shardkit.Runner -> runner -> runner.core
+            seen.add(where)
+            where = lazy[where][name]
+            if where in modules:
+                yield where
+
+
+def module_graph(root: Path) -> dict[str, dict[str, list[Import]]]:
+    """``{module: {module it imports: [the imports]}}`` between shardkit's modules.
+
+    Every import counts, at module level, inside functions and under TYPE_CHECKING, except an import inside a
+    function marked as deferred for start-up time (``DEFERRED_MARK``). The package a module sits in, which Python
+    runs first, is not an edge of its own; a lazily exported name is an edge to the module defining it.
+    """
+    imports, trees = parse_imports(root)
+    modules = set(trees)
+    lazy = _lazy_tables(trees)
+    graph: dict[str, dict[str, list[Import]]] = {m: {} for m in sorted(modules)}
+    for imp in imports:
+        if imp.deferred_for is not None:
+            continue
+        for dst in _module_targets(imp, modules, lazy):
+            if dst != imp.source:
+                graph[imp.source].setdefault(dst, []).append(imp)
+    return graph
+
+
+def module_cycles(graph: dict[str, dict[str, list[Import]]]) -> list[list[str]]:
+    """The import cycles between modules, one per group of modules that reach each other (a strongly connected
+    component of more than one module), each the group's sorted module names (:func:`closed_path` gives one cycle
+    through it).
+
+    A group is counted once however many elementary cycles run through it: breaking it is one change of layering.
+    """
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+    counter = 0
+    for start in sorted(graph):  # Tarjan's algorithm, iterative: a long import chain must not hit the recursion limit
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, {})))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.add(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    groups.append(group)
+    return sorted(sorted(group) for group in groups)
+
+
+def closed_path(graph: dict[str, dict[str, list[Import]]], group: list[str]) -> list[str]:
+    """A shortest path from the group's smallest module back to itself, inside the group (breadth first)."""
+    members = set(group)
+    start = min(group)
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph[node]):
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return path[::-1]
+                if nxt in members and nxt not in came_from:
+                    came_from[nxt] = node
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"{sorted(group)} is not strongly connected")
+
+
 def _is_private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
@@ -188,6 +374,15 @@ def private_imports(root: Path, across: str = "package") -> list[Reference]:
             names = [n for n in taken if f"{imp.target}.{n}" not in modules]
             found.append(Reference(imp.source, imp.line, f"imports {', '.join(names)} from {imp.target}"))
     return found
+
+
+def own_module_getattrs(root: Path) -> list[Reference]:
+    """Modules that write their own ``__getattr__`` (PEP 562) instead of taking it from ``utils.lazy.lazy_exports``,
+    the one mechanism for names loaded on first use (its ``fallback`` serves names a registry knows)."""
+    _, trees = parse_imports(root)
+    return [Reference(module, node.lineno, "defines its own module __getattr__ (use utils.lazy.lazy_exports)")
+            for module, tree in trees.items() for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == "__getattr__"]
 
 
 def _attribute_names(tree: ast.Module) -> Iterator[tuple[int, str]]:
@@ -241,12 +436,29 @@ def main(argv: list[str] | None = None) -> int:
             hops = [f"{a} -> {b} ({graph[a][b][0].source}:{graph[a][b][0].line})"
                     for a, b in zip(cycle, cycle[1:] + cycle[:1])]
             print("  " + "; ".join(hops))
+    modules = module_graph(args.root)
+    cycles = module_cycles(modules)
+    print(f"import cycles between modules of {args.root.name}/: {len(cycles)}")
+    if args.verbose:
+        for group in cycles:
+            path = closed_path(modules, group)
+            hops = [f"{a.removeprefix(PACKAGE + '.')} -> {b.removeprefix(PACKAGE + '.')} ({modules[a][b][0].line})"
+                    for a, b in zip(path, path[1:] + path[:1])]
+            print(f"  {', '.join(m.removeprefix(PACKAGE + '.') for m in group)}: " + "; ".join(hops))
+    deferred = [imp for imp in parse_imports(args.root)[0] if imp.deferred_for is not None]
+    print(f"imports deferred for start-up time (not in the module count): {len(deferred)}")
+    if args.verbose:
+        print("".join(f"  {i.source}:{i.line}: {i.target} ({i.deferred_for})\n" for i in deferred), end="")
     print(f"cross-package private imports: {len(private)}")
     if args.verbose:
         print("".join(f"  {r}\n" for r in private), end="")
     print(f"private names imported from another module: {len(private_names)}")
     if args.verbose:
         print("".join(f"  {r}\n" for r in private_names), end="")
+    getattrs = own_module_getattrs(args.root)
+    print(f"module __getattr__ written beside utils.lazy.lazy_exports: {len(getattrs)}")
+    if args.verbose:
+        print("".join(f"  {r}\n" for r in getattrs), end="")
     print(f"engine references outside {ENGINE_HOME}/: {len(engine)}")
     if args.verbose:
         print("".join(f"  {r}\n" for r in engine), end="")

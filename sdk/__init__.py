@@ -4,8 +4,6 @@
     runner = Runner(strategy=DDP(), precision=BF16())
 """
 
-import contextlib
-
 from shardkit.utils.lazy import install_moved_modules, lazy_exports
 
 __version__ = "0.1.0"
@@ -13,23 +11,10 @@ __version__ = "0.1.0"
 __all__ = ["Runner", "Strategy", "SingleDevice", "DDP", "FSDP", "TensorParallel", "Precision", "FP32", "FP16", "BF16",
            "launch", "seed_everything", "Accelerator", "notebook_launcher", "__version__"]
 
-# NOTE: every name loads on first use, so that `import shardkit` (and `shardkit --help`, whose console script
-# imports shardkit.cli) does not import torch: 8-12 s on a busy 2-core machine, ~0.05 s without.
-_load, _names = lazy_exports(__name__, {
-    "launch": "distributed", "BF16": "precision", "FP16": "precision", "FP32": "precision", "Precision": "precision",
-    "Runner": "runner", "seed_everything": "utils.seeding", "DDP": "strategies", "SingleDevice": "strategies",
-    "Strategy": "strategies", "FSDP": "strategies.fsdp", "TensorParallel": "strategies.tensor_parallel",
-    "Accelerator": "accelerate_compat", "notebook_launcher": "accelerate_compat", "Trainer": "trainer",
-    "TrainingArguments": "trainer", "SFTTrainer": "sft", "SFTConfig": "sft",
-})
-install_moved_modules()
 
-
-def __getattr__(name: str):
-    with contextlib.suppress(AttributeError):
-        return _load(name)  # a name above, or a subpackage as `import shardkit` gave before
-    # Registered strategies not named above (the ZeRO family) load on first use too, so that `import shardkit`
-    # does not import DeepSpeed; the registry is the one list of them.
+def _registered_strategy(name: str) -> type:
+    """Registered strategies not named below (the ZeRO family), loaded on first use too, so that `import shardkit`
+    does not import DeepSpeed; the registry is the one list of them."""
     from shardkit.strategies.registry import STRATEGIES
 
     if name in STRATEGIES.class_names():
@@ -37,4 +22,14 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
 
 
-__dir__ = _names
+# NOTE: every name loads on first use, so that `import shardkit` (and `shardkit --help`, whose console script
+# imports shardkit.cli) does not import torch: 8-12 s on a busy 2-core machine, ~0.05 s without. Any other
+# subpackage loads on first use too (`shardkit.checkpoint`), as `import shardkit` gave before.
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "launch": "distributed", "BF16": "precision", "FP16": "precision", "FP32": "precision", "Precision": "precision",
+    "Runner": "runner", "seed_everything": "utils.seeding", "DDP": "strategies", "SingleDevice": "strategies",
+    "Strategy": "strategies", "FSDP": "strategies.fsdp", "TensorParallel": "strategies.tensor_parallel",
+    "Accelerator": "accelerate_compat", "notebook_launcher": "accelerate_compat", "Trainer": "trainer",
+    "TrainingArguments": "trainer", "SFTTrainer": "sft", "SFTConfig": "sft",
+}, fallback=_registered_strategy)
+install_moved_modules()

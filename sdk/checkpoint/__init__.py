@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 # NOTE: each name imports its module on first use, so that `shardkit <command> --help` does not import torch
-# (issue 30; see shardkit.utils.lazy).
+# (see shardkit.utils.lazy).
 _EXPORTS = {
     "consolidate": "consolidate", "consolidate_deepspeed": "consolidate", "get_fp32_state_dict": "consolidate",
     "load_state_dict_from_zero_checkpoint": "consolidate", "parse_size": "consolidate",

@@ -23,7 +23,7 @@ from .reader import CheckpointReader
 from .trust import check_cast, check_child_dir
 
 __all__ = ["consolidate", "consolidate_deepspeed", "get_fp32_state_dict", "load_state_dict_from_zero_checkpoint",
-           "parse_size", "write_hf_shards"]
+           "parse_size", "write_hf_shards", "write_safetensors_file"]
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -55,8 +55,8 @@ def _plan(keys: dict, dtype: torch.dtype | None, limit: int) -> list[list[tuple[
     return shards
 
 
-def _write_file(path: Path, specs: list[tuple[str, torch.dtype, tuple]], meta: dict[str, str],
-                fetch: Callable[[str], torch.Tensor], sync: bool = True) -> None:
+def write_safetensors_file(path: Path, specs: list[tuple[str, torch.dtype, tuple]], meta: dict[str, str],
+                           fetch: Callable[[str], torch.Tensor], sync: bool = True) -> None:
     """One safetensors file, tensor by tensor (header first: the specs fix every offset), then fsync.
 
     Unlike the checkpoint writer it does not hash: an export is verified by loading it, and hashing
@@ -109,7 +109,7 @@ def write_hf_shards(out_dir: Path, keys: dict[str, tuple[tuple, torch.dtype]], f
         pending = []
         try:
             for file, specs in zip(names, shards):
-                _write_file(out_dir / file, specs, meta, fetch, sync=False)
+                write_safetensors_file(out_dir / file, specs, meta, fetch, sync=False)
                 pending.append(syncer.submit(fsync_path, out_dir / file))
         finally:
             wait(pending)

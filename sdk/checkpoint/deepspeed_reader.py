@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .deepspeed_schema import check_model_states, check_optimizer_states
+from .deepspeed_file_schema import check_model_states, check_optimizer_states
 from .format import CheckpointError
 from .safe_unpickle import TorchZipFile
 from .schema import read_latest

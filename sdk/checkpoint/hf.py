@@ -28,7 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .consolidate import _write_file, parse_size
+from shardkit.utils.partitioned import full_shape, own_slice
+
+from .consolidate import parse_size, write_safetensors_file
 from .export import EXPORT_RE, Export, export_error
 from .format import CheckpointError, naming
 from .hf_reader import INDEX, SINGLE, HFWeights
@@ -70,7 +72,7 @@ class _ShardBuffer:
             return
         tmp = self.out_dir / f"model-{len(self.files) + 1:05d}.safetensors.partial"  # renamed once N is known
         specs = [(k, t.dtype, tuple(t.shape)) for k, t in self.pending.items()]
-        _write_file(tmp, specs, self.meta, self.pending.pop)
+        write_safetensors_file(tmp, specs, self.meta, self.pending.pop)
         self.files.append((tmp, [k for k, _, _ in specs], self.size))
         self.pending, self.size = {}, 0
 
@@ -193,30 +195,16 @@ def _copy_checked(key: str, target: torch.Tensor, value: torch.Tensor, where: Pa
         target.copy_(value)
 
 
-def _zero3_partition(p: torch.Tensor) -> tuple[int, int] | None:
-    """(first element, count) of this rank's part of a DeepSpeed ZeRO-3 partitioned parameter, else None.
-
-    NOTE: DeepSpeed's layout: the flattened parameter, padded to a multiple of the partition group's
-    size, is cut into equal runs in rank order; ``ds_tensor`` holds this rank's run. Parameters kept whole
-    (``ds_persist``) or swapped out (empty ``ds_tensor``) take the gather path instead.
-    """
-    ds = getattr(p, "ds_tensor", None)
-    if ds is None or getattr(p, "ds_persist", False) or p.data.numel() != 0 or ds.numel() == 0:
-        return None
-    import torch.distributed as dist
-
-    start = dist.get_rank(group=p.ds_process_group) * ds.numel()
-    return start, max(0, min(p.ds_numel, start + ds.numel()) - start)
-
-
-def _load_partition(key: str, p: torch.Tensor, weights: HFWeights) -> None:
-    if weights.shape(key) != tuple(p.ds_shape):
+def _load_own_slice(key: str, p: torch.Tensor, piece: tuple[int, torch.Tensor], weights: HFWeights) -> None:
+    """Reads this rank's run of ``key`` (``utils.partitioned.own_slice``) from the file into its partition."""
+    shape = full_shape(p)
+    if weights.shape(key) != shape:
         raise CheckpointError(f"{weights.path}: {key} has shape {list(weights.shape(key))} in the checkpoint, "
-                              f"{list(p.ds_shape)} in the model")
-    start, count = _zero3_partition(p)
-    if count:
+                              f"{list(shape)} in the model")
+    start, values = piece
+    if values.numel():
         with torch.no_grad():
-            p.ds_tensor.view(-1)[:count].copy_(weights.read_flat(key, start, count))
+            values.copy_(weights.read_flat(key, start, values.numel()))
 
 
 def _check_all(weights: HFWeights, module: nn.Module, tied: dict[str, str]) -> None:
@@ -227,7 +215,7 @@ def _check_all(weights: HFWeights, module: nn.Module, tied: dict[str, str]) -> N
             key = prefix + k
             if t is None or key in tied or key not in weights.weight_map:
                 continue
-            shape = tuple(t.ds_shape) if hasattr(t, "ds_shape") else tuple(t.shape)  # DTensors: the global shape
+            shape = full_shape(t)  # a DTensor's global shape, a partitioned parameter's whole one
             if weights.shape(key) != shape:
                 raise CheckpointError(f"{weights.file_path(key)}: {key} has shape {list(weights.shape(key))} in the "
                                       f"checkpoint, {list(shape)} in the model")
@@ -267,10 +255,11 @@ def load_pretrained(runner: Any, model: nn.Module, path: str | os.PathLike, *, s
     for prefix, sub in _modules(module):
         named = [(prefix + n, p) for n, p in sub._parameters.items() if p is not None and prefix + n not in tied]
         named = [(k, p) for k, p in named if k in weights.weight_map]
-        local = [(k, p) for k, p in named if _zero3_partition(p) is not None]
-        for k, p in local:  # each rank reads its own partition: nothing gathered, nothing scattered
-            _load_partition(k, p, weights)
-        named = [(k, p) for k, p in named if _zero3_partition(p) is None]
+        pieces = {k: own_slice(p) for k, p in named}
+        for k, p in named:  # each rank reads its own partition: nothing gathered, nothing scattered
+            if pieces[k] is not None:
+                _load_own_slice(k, p, pieces[k], weights)
+        named = [(k, p) for k, p in named if pieces[k] is None]
         if named:
             with runner.gathered_parameters([p for _, p in named], modifier_rank=0) as whole:
                 if main:

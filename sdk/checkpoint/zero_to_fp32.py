@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["get_fp32_state_dict", "load_state_dict_from_zero_checkpoint", "main", "register"]
 
 # NOTE: the Python API loads on first use and the tool imports it when it runs, so that `shardkit zero-to-fp32
-# --help` does not import torch (5 s on a busy 2-core machine; issue 30).
+# --help` does not import torch (5 s on a busy 2-core machine).
 __getattr__, __dir__ = lazy_exports(__name__, {"get_fp32_state_dict": "consolidate",
                                                "load_state_dict_from_zero_checkpoint": "consolidate"})
 

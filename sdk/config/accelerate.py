@@ -31,7 +31,7 @@ from shardkit.config.common import (
     world_size_from_env,
 )
 from shardkit.config.deepspeed import StrategySpec, build_strategy, resolve_deepspeed
-from shardkit.config.fsdp import fsdp_spec
+from shardkit.config.fsdp_options import fsdp_spec
 from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["AccelerateConfig", "CONFIG_FILE_ENV", "check_resources", "deepspeed_config_from_section",

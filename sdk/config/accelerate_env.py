@@ -4,8 +4,8 @@
 ``ACCELERATE_USE_FSDP=true`` and one ``FSDP_*`` variable per option (``ACCELERATE_USE_DEEPSPEED`` and
 ``ACCELERATE_DEEPSPEED_*`` for DeepSpeed), and Accelerate's plugins read them back. Here each variable becomes the
 Accelerate YAML key it was written from, and the section goes through the same translator as a file
-(:func:`shardkit.config.fsdp.fsdp_spec`, :func:`shardkit.config.accelerate.deepspeed_config_from_section`), so
-that ``accelerate launch`` and ``shardkit launch`` with one YAML build one strategy. Errors name the variable.
+(:func:`shardkit.config.fsdp_options.fsdp_spec`, :func:`shardkit.config.accelerate.deepspeed_config_from_section`),
+so that ``accelerate launch`` and ``shardkit launch`` with one YAML build one strategy. Errors name the variable.
 What shardkit cannot honour (Megatron-LM, torch.compile, Accelerate's ND-parallelism variables) is refused by name.
 
     from shardkit.config.accelerate_env import launch_environment
@@ -204,7 +204,7 @@ def reconcile_strategy(launched: LaunchEnvironment, strategy: Any, who: str) -> 
 
 def _fsdp(environ: Mapping[str, str]) -> LaunchEnvironment:
     from shardkit.config.deepspeed import build_strategy
-    from shardkit.config.fsdp import fsdp_spec
+    from shardkit.config.fsdp_options import fsdp_spec
 
     where = "accelerate launch's environment (ACCELERATE_USE_FSDP=true)"
     section = {key: environ[name] for name, key in FSDP_ENV.items()

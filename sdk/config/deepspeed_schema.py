@@ -141,7 +141,7 @@ SCHEMA: dict[str, Key] = {
     "train_batch_size": _num(auto=True, **POSITIVE_INT),
     "train_micro_batch_size_per_gpu": _num(auto=True, **POSITIVE_INT),
     "gradient_accumulation_steps": _num(auto=True, **POSITIVE_INT),
-    # A negative clip norm reverses the gradients (issue 13: loss 4.65 -> 26.9 in 30 steps); 0 means no clipping.
+    # A negative clip norm reverses the gradients (a run's loss rose from 4.65 to 26.9 in 30 steps); 0: no clipping.
     "gradient_clipping": _num(auto=True, minimum=0), "communication_data_type": USE,
     "optimizer": Key("use", section={"type": USE, "params": Key("use", opaque=True), "legacy_fusion": IGNORE}),
     "scheduler": Key("use", section={"type": USE, "params": Key("use", opaque=True)}),

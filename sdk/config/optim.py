@@ -22,7 +22,8 @@ _CANONICAL = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "adagrad": "Adagra
 _OPTIMIZER_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "momentum": 0.0}
 _NONNEG, _POSITIVE, _FRACTION = dict(minimum=0), dict(above=0), dict(minimum=0, maximum=1)
 _STEPS, _POSITIVE_STEPS = dict(integer=True, minimum=0), dict(integer=True, minimum=1)
-# The range of every numeric param (issue 13, N): "abc" or -1 for lr failed only when the optimizer was built.
+# The range of every numeric param, checked as the config is read: unchecked, "abc" or -1 for lr failed only when
+# the optimizer was built, after the model had been set up.
 _PARAM_RANGES: dict[str, dict[str, Any]] = {
     "lr": _NONNEG, "eps": _POSITIVE, "weight_decay": _NONNEG, "momentum": _NONNEG, "dampening": _NONNEG,
     "lr_decay": _NONNEG, "initial_accumulator_value": _NONNEG,

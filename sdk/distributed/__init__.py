@@ -32,12 +32,11 @@ __all__ = [
 ]
 
 # NOTE: each name imports its module on first use, so that `shardkit <command> --help` does not import torch
-# (issue 30; see shardkit.utils.lazy).
+# (see shardkit.utils.lazy).
 _EXPORTS = {
     "ClusterEnvironment": "cluster", "ClusterEnvironmentError": "cluster", "detect_environment": "cluster",
-    "expand_nodelist": "cluster",
-    "GRACE_PERIOD_S": "launcher", "LaunchError": "launcher", "LaunchTimeout": "launcher", "find_free_port":
-    "launcher", "launch": "launcher",
+    "expand_nodelist": "cluster", "find_free_port": "cluster",
+    "GRACE_PERIOD_S": "launcher", "LaunchError": "launcher", "LaunchTimeout": "launcher", "launch": "launcher",
     "DEFAULT_COLLECTIVE_TIMEOUT_S": "process_group", "TIMEOUT_ENV_VAR": "process_group", "backend_for_device":
     "process_group", "default_timeout": "process_group", "destroy_distributed": "process_group", "init_distributed":
     "process_group",

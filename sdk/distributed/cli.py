@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from shardkit.distributed.cluster import find_free_port
 from shardkit.distributed.signals import STOP_GRACE_S
 from shardkit.distributed.timeouts import TIMEOUT_ENV_VAR, check_timeout, cpu_budget, default_timeout
 
@@ -99,7 +100,7 @@ def _apply_config_file(args: argparse.Namespace) -> dict[str, str]:
         values: Mapping[str, Any] = accelerate.launch_args_from_yaml(args.config_file)
     except LaunchUsageError:
         raise
-    except Exception as err:  # noqa: BLE001 - one line naming the file, never a traceback (issue 13, O)
+    except Exception as err:  # noqa: BLE001 - one line naming the file, never a traceback
         raise LaunchUsageError(f"--config-file {args.config_file}: {type(err).__name__}: {err}") from None
     unknown = sorted(set(values) - set(CONFIG_FIELDS))
     if unknown:
@@ -133,8 +134,6 @@ def _resolve(args: argparse.Namespace) -> None:
     if args.main_process_ip is None:
         args.main_process_ip = "127.0.0.1"
     if args.main_process_port is None:
-        from shardkit.distributed.launcher import find_free_port  # imports torch: not on the `--help` path
-
         single = args.num_machines == 1
         args.main_process_port = find_free_port() if single else DEFAULT_MAIN_PROCESS_PORT
     if not 0 < args.main_process_port < 65536:
@@ -223,7 +222,7 @@ def _run(args: argparse.Namespace) -> int:
             print(shlex.join(command))
             return 0
         # NOTE: imported here, not at the top: they import torch (5-8 s on a busy 2-core machine), which
-        # `shardkit launch --help` and a usage error do not need (issue 30).
+        # `shardkit launch --help` and a usage error do not need.
         from shardkit.distributed.launcher import GRACE_PERIOD_S
         from shardkit.distributed.supervise import run_supervised
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
-__all__ = ["ClusterEnvironment", "ClusterEnvironmentError", "detect_environment", "expand_nodelist"]
+__all__ = ["ClusterEnvironment", "ClusterEnvironmentError", "detect_environment", "expand_nodelist", "find_free_port"]
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -90,6 +91,13 @@ class ClusterEnvironment:
     def is_main_process(self) -> bool:
         """True on global rank 0."""
         return self.rank == 0
+
+
+def find_free_port(host: str = DEFAULT_MASTER_ADDR) -> int:
+    """A TCP port free on `host` right now (the OS picks it; a race with another process is possible)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def detect_environment(environ: Mapping[str, str] | None = None) -> ClusterEnvironment:

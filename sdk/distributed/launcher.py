@@ -29,7 +29,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import time
@@ -39,6 +38,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from shardkit.distributed import watchdog
+from shardkit.distributed.cluster import find_free_port
 from shardkit.distributed.process_group import (
     check_timeout,
     cpu_budget,
@@ -88,13 +88,6 @@ class LaunchError(RuntimeError):
 
 class LaunchTimeout(LaunchError):
     """The overall `timeout` of `launch` ran out; `still_running` names the ranks that were killed."""
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (the OS picks it; a race with another process is possible)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def launch(fn: Callable[..., Any], args: Sequence[Any] = (), num_processes: int | None = None,

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit.distributed import watchdog
-from shardkit.distributed.cluster import ClusterEnvironment, detect_environment
+from shardkit.distributed.cluster import ClusterEnvironment, detect_environment, find_free_port
 from shardkit.distributed.timeouts import (
     DEFAULT_COLLECTIVE_TIMEOUT_S,
     MAX_COLLECTIVE_TIMEOUT_S,
@@ -107,8 +107,6 @@ def _start_private_group(kind: str, seconds: float) -> None:
     """A 1-rank group on a free local port, for a process no launcher started (a plain ``python train.py``)."""
     if not dist.is_available():
         raise RuntimeError("this strategy needs a process group, and this torch build has no torch.distributed")
-    from shardkit.distributed.launcher import find_free_port
-
     dist.init_process_group(backend_for_device(kind), init_method=f"tcp://127.0.0.1:{find_free_port()}",
                             rank=0, world_size=1, timeout=timedelta(seconds=seconds))
     # DeepSpeed's zero.Init reads os.environ["LOCAL_RANK"] and fails with KeyError in a plain `python train.py`,
@@ -151,7 +149,7 @@ def destroy_distributed() -> None:
         # exit deadlock seen on the loaded 2-core CI machine.
         time.sleep(_WORKER_RELEASE_GRACE_S)
     if timed_out is not None:
-        # NOTE: swallowed, this let a rank exit 0 while its peer hung for ever (issue 13, L). The group is left
+        # NOTE: swallowed, this would let a rank exit 0 while its peer hangs for ever. The group is left
         # to process exit: this rank ends on the error, and its closing sockets end the peer's next collective.
         raise timed_out
     dist.destroy_process_group()

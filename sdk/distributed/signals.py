@@ -1,6 +1,6 @@
 """SIGTERM and SIGINT reaching a launcher: caught, so that the launcher can pass them on to its job.
 
-A launcher killed outright orphans its ranks (issue 13, M). While `catch_stop_signals()` is active, the two
+A launcher killed outright orphans its ranks. While `catch_stop_signals()` is active, the two
 signals are recorded instead of acting; the launcher's loop sees them, sends SIGTERM to every rank, gives
 them a grace to save (the Trainer saves a checkpoint on SIGTERM), kills what is left, and finally
 `redeliver()`s the signal so that the launcher ends the way it would have without the job.

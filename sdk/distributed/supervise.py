@@ -1,6 +1,6 @@
 """What `shardkit launch` does around torchrun so that every job ends and nothing outlives it.
 
-torchrun stops all ranks when one fails, but two cases hung for ever or orphaned processes (issue 13):
+torchrun stops all ranks when one fails, but in two cases a job would hang for ever or orphan its processes:
 
 * a rank that hangs after its last collective while the others exit 0: torchrun waits for it. Here, once
   a rank of this machine has exited, the others get the collective timeout plus a grace; then the ranks

@@ -1,7 +1,7 @@
 """Collective timeouts and the cores local ranks share: the settings `shardkit launch` checks before torch loads.
 
-Kept apart from `process_group` (which re-exports them) so that `shardkit launch --help` does not import torch
-(issue 30).
+Kept apart from `process_group` (which re-exports them) so that `shardkit launch --help` does not import torch,
+and below both `process_group` and its `watchdog`, which read the timeout.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from shardkit.distributed.timeouts import default_timeout
+
 __all__ = ["CollectiveTimeoutError", "REPORT_DIR_ENV", "TimeoutReport", "explain", "install_excepthook",
            "is_collective_timeout", "missing_ranks", "read_reports"]
 
@@ -89,8 +91,6 @@ def missing_ranks(wait_s: float | None = None) -> list[int] | None:
 
 
 def _group_timeout_s() -> float:
-    from shardkit.distributed.process_group import default_timeout
-
     if _state["timeout_s"] is not None:
         return _state["timeout_s"]
     try:

@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 # NOTE: each name imports its module on first use, so that `shardkit <command> --help` does not import torch
-# (issue 30; see shardkit.utils.lazy).
+# (see shardkit.utils.lazy).
 _EXPORTS = {
     "LAYOUTS": "estimate", "Layout": "estimate", "ModelStates": "estimate", "activation_bytes": "estimate",
     "deepspeed_table": "estimate", "estimate_model_states": "estimate", "find_layout": "estimate", "recommend":

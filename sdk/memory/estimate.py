@@ -199,9 +199,9 @@ def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: 
         held = _div(split, t) + (psi - split)
         return ModelStates(strategy, held * p, held * g, held * s)
     # An offloaded DeepSpeed optimizer steps on the host from an fp32 copy of the rank's gradient partition (4
-    # bytes a parameter): measured with benchmarks/scale.py, 2 ranks, BF16 (issue 15). Under ZeRO-2 the reduced
-    # 16-bit gradients are not kept: each bucket is copied into that fp32 partition (measured at 0.4B: the
-    # grads counted were exactly 4 bytes a parameter over N).
+    # bytes a parameter): measured with benchmarks/scale.py, 2 ranks, BF16 (benchmarks/RESULTS.md, "scale on one
+    # machine"). Under ZeRO-2 the reduced 16-bit gradients are not kept: each bucket is copied into that fp32
+    # partition (measured at 0.4B: the grads counted were exactly 4 bytes a parameter over N).
     if strategy == "zero2_offload":
         return ModelStates(strategy, psi * p, bucket, 0, host=_div(psi * (m + s + 4), n))
     if strategy == "fsdp_offload":
@@ -211,8 +211,9 @@ def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: 
                            host=_div(psi * (m + s + 4), n))
     # zero_infinity: the device holds the layers being computed; the host holds the 16-bit gradient partition
     # and the first ``params_in_cpu`` parameter elements; the other parameters go to NVMe, and so do the master,
-    # the optimizer states and the fp32 gradient partition the optimizer steps from (measured, issue 15: 18
-    # bytes a parameter on NVMe at 0.8B parameters with params_in_cpu=1e8; smaller tensors than 1 MiB stay in memory)
+    # the optimizer states and the fp32 gradient partition the optimizer steps from (measured, benchmarks/RESULTS.md,
+    # "scale on one machine": 18 bytes a parameter on NVMe at 0.8B parameters with params_in_cpu=1e8; smaller
+    # tensors than 1 MiB stay in memory)
     local = _div(psi, n)
     in_cpu = min(local, params_in_cpu)
     return ModelStates(strategy, 0, 0, 0, working=layer, host=local * g + in_cpu * p,

@@ -1,6 +1,7 @@
 """One builder for the C++/CUDA extension ``shardkit_C``: JIT on first use and ahead of time in setup.py.
 
-The folders compiled are the ones the registered ops name (``OpSpec.csrc``, see ``shardkit.ops.registry``);
+The folders compiled are the ones the registered ops name (``OpSpec.csrc``: ``shardkit.ops.registry.register``
+hands each to :func:`add_op_dir`);
 every ``csrc/<op>/<op>.cpp`` is one source of ONE shared library that registers its raw kernels in the
 torch op namespace ``shardkit_C`` (``TORCH_LIBRARY_FRAGMENT``). The library has no Python module init:
 it is loaded with ``torch.ops.load_library`` and used through ``torch.ops.shardkit_C.<kernel>``.
@@ -49,7 +50,7 @@ else:  # loaded by path (setup.py, scripts/check_cuda_link.py): its sibling by p
     seconds_from_env = _lock_module.seconds_from_env
     BuildStopped, BuildTimeout = _lock_module.BuildStopped, _lock_module.BuildTimeout
 
-__all__ = ["BUILDER", "CSRC_PLACES", "ExtensionBuilder", "ExtensionUnavailable", "find_csrc"]
+__all__ = ["BUILDER", "CSRC_PLACES", "ExtensionBuilder", "ExtensionUnavailable", "add_op_dir", "find_csrc"]
 
 _log = logging.getLogger("shardkit.ops")
 
@@ -80,10 +81,16 @@ def _rank() -> int:
     return 0
 
 
-def _registered_op_dirs() -> list[str]:
-    from .registry import native_source_dirs  # lazily: the registry imports every op, which import this module
+# The csrc/ folders of the registered ops, in registration order: `shardkit.ops.registry.register` adds each op's
+# folder here, so that this module, below the registry and dispatch, needs no import of them. Importing any module of
+# shardkit.ops runs the package first, which registers the built-in ops before anything can build.
+_REGISTERED_OP_DIRS: list[str] = []
 
-    return native_source_dirs()
+
+def add_op_dir(name: str) -> None:
+    """Compile ``csrc/<name>/`` into :data:`BUILDER`'s library (``OpSpec.csrc`` of an op being registered)."""
+    if name not in _REGISTERED_OP_DIRS:
+        _REGISTERED_OP_DIRS.append(name)
 
 
 def _write_marker(marker: Path, text: str) -> None:
@@ -314,7 +321,7 @@ class ExtensionBuilder:
 
 # NOTE: loaded by path (setup.py, scripts/check_cuda_link.py) this file has no package, hence no registry: those
 # build every folder of csrc/ (tests/kernels/test_builder.py checks that the folders are exactly the registered ones).
-BUILDER = ExtensionBuilder(op_dirs=_registered_op_dirs if __package__ else None)
+BUILDER = ExtensionBuilder(op_dirs=_REGISTERED_OP_DIRS.copy if __package__ else None)
 
 if __name__ == "__main__":  # `python -m shardkit.ops._builder` builds (or explains why not) and exits
     logging.basicConfig(level=logging.INFO)

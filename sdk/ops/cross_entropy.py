@@ -130,7 +130,8 @@ def _scale_rows_(grad: Tensor, dloss: Tensor) -> None:
 class _EagerCrossEntropy(torch.autograd.Function):
     """Plain eager: the gradient buffer is kept on ``ctx`` (not saved), so that once backward hands it on nothing
     else holds it and a leaf's ``AccumulateGrad`` takes it as ``.grad`` instead of copying it (the custom op's
-    saved output was copied: 2x the logits' size at the H200 run's peak, RESULTS.md issue 28)."""
+    saved output was copied: 2x the logits' size at the H200 run's peak; benchmarks/RESULTS.md, "why GeGLU/SwiGLU
+    measured 3x Liger on the H200, and cross-entropy over its logits")."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float, softcap: float,

@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from shardkit.utils.suggest import did_you_mean
 
+from ._builder import add_op_dir
 from ._dispatch import BACKENDS, select_backend
 
 __all__ = ["Impl", "OpSpec", "direct_call_ok", "get_op", "native", "native_source_dirs", "register", "registered_ops"]
@@ -171,6 +172,8 @@ def register(spec: OpSpec) -> OpSpec:
             raise ValueError(f"op {spec.name!r}: kernels {sorted(shared)} already belong to op {other.name!r}; "
                              "kernel names must be unique across ops (they share the shardkit_C namespace)")
     _OPS[spec.name] = spec
+    if spec.csrc is not None:
+        add_op_dir(spec.csrc)
     return spec
 
 

@@ -6,8 +6,6 @@ registered class by name (``from shardkit.strategies import ZeRO3``), importing 
 
 from __future__ import annotations
 
-import contextlib
-
 from shardkit.strategies.registry import STRATEGIES
 from shardkit.utils.lazy import lazy_exports
 
@@ -21,22 +19,19 @@ _REMOVED = {"STRATEGY_NAMES": "use STRATEGIES.names() / STRATEGIES.aliases() for
                               "STRATEGIES.entry(name).target for the class behind one (shardkit.strategies.registry)"}
 
 
-# NOTE: these load on first use too, so that the registry (`shardkit estimate-memory --help`'s --strategy choices)
-# does not import torch (issue 30).
-_load, _ = lazy_exports(__name__, {"ActivationCheckpointing": "activation_checkpointing", "Strategy": "base",
-                                   "DDP": "ddp", "FSDP": "fsdp", "SingleDevice": "single"})
-
-
-def __getattr__(name: str):
-    with contextlib.suppress(AttributeError):
-        return _load(name)
-    # Registered classes not named above load on first use, so `import shardkit` does not import DeepSpeed.
+def _registered_class(name: str) -> type:
+    """A registered strategy class not exported above (the ZeRO family), imported on first use so that `import
+    shardkit` does not import DeepSpeed."""
     if name in STRATEGIES.class_names():
         return STRATEGIES.get_class(name)
     if name in _REMOVED:
-        raise AttributeError(f"shardkit.strategies.{name} was removed (issue 24): {_REMOVED[name]}")
+        raise AttributeError(f"shardkit.strategies.{name} was removed for the registry: {_REMOVED[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__, *STRATEGIES.class_names()})
+# NOTE: these load on first use too, so that the registry (`shardkit estimate-memory --help`'s --strategy choices)
+# does not import torch.
+__getattr__, __dir__ = lazy_exports(__name__, {"ActivationCheckpointing": "activation_checkpointing",
+                                               "Strategy": "base", "DDP": "ddp", "FSDP": "fsdp",
+                                               "SingleDevice": "single"},
+                                    fallback=_registered_class, fallback_names=STRATEGIES.class_names)

@@ -220,7 +220,7 @@ class FSDP(MeshStrategy):
 
     @override
     def setup(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None):
-        if self.is_global_zero:  # issue 13: the effective settings, once per setup, on the main process
+        if self.is_global_zero:  # the settings in effect, once per setup, on the main process: the log says what ran
             logging.getLogger("shardkit.strategies.fsdp").info("shardkit: FSDP2 settings: %s, precision %r",
                                                                self.settings, self.precision)
         module, optimizer, scheduler = super().setup(module, optimizer, scheduler)

@@ -2,7 +2,7 @@
 
 :func:`fsdp_strategy_kwargs` is the seam: the Trainer builds ``FSDP(**fsdp_strategy_kwargs(args))`` and
 nothing else reads ``fsdp_config``. Its body is the translator shared with the Accelerate YAML reader
-(:mod:`shardkit.config.fsdp`: every key honoured or refused by name); the file reading below stays.
+(:mod:`shardkit.config.fsdp_options`: every key honoured or refused by name); the file reading below stays.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def read_fsdp_config_file(path: str | os.PathLike) -> dict[str, Any]:
 
 def fsdp_strategy_kwargs(args: Any) -> dict[str, Any]:
     """``FSDP(...)`` keywords for ``args.fsdp`` (``"full_shard offload"`` ...) and ``args.fsdp_config``."""
-    from shardkit.config.fsdp import trainer_fsdp_spec
+    from shardkit.config.fsdp_options import trainer_fsdp_spec
 
     _, kwargs = trainer_fsdp_spec(args.fsdp, args.fsdp_config)  # every key honoured or refused by name
     return kwargs

@@ -1,8 +1,8 @@
 """Package attributes that import their module on first use (PEP 562), so that importing a package is cheap.
 
 `shardkit launch --help` imported torch through `shardkit.distributed`'s eager re-exports: 8 s on a busy 2-core
-machine for a help text (issue 30). A package lists its public names and the submodule defining each; they load
-when first read, and `from package import name` keeps working.
+machine for a help text (benchmarks/RESULTS.md, "`shardkit --help` without torch"). A package lists its public
+names and the submodule defining each; they load when first read, and `from package import name` keeps working.
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 __all__ = ["MOVED_MODULES", "install_moved_modules", "lazy_exports"]
 
-# Public modules that moved (sdk/'s root emptied into packages, names that said too little):
-# old path -> new.: the old paths, which
-# documentation and users' scripts name, import the new module itself (one object, so a monkeypatch of either
-# name reaches the code that runs).
+# Public modules that moved (sdk/'s root emptied into packages, names that said too little or that another package
+# used for its own module of the same concept; old path -> new): the old paths, which documentation and users'
+# scripts name, import the new module itself (one object, so a monkeypatch of either name reaches the code that runs).
 MOVED_MODULES: Mapping[str, str] = {
     "shardkit.runner_checkpoints": "shardkit.runner.checkpoints",
     "shardkit.runner_observe": "shardkit.runner.observe",
@@ -37,6 +36,8 @@ MOVED_MODULES: Mapping[str, str] = {
     "shardkit.hub": "shardkit.trainer.hub_pusher",
     "shardkit.strategies.mesh": "shardkit.strategies.parallel_dims",
     "shardkit.accelerate_compat.trackers": "shardkit.accelerate_compat.tracking",
+    "shardkit.config.fsdp": "shardkit.config.fsdp_options",
+    "shardkit.checkpoint.deepspeed_schema": "shardkit.checkpoint.deepspeed_file_schema",
 }
 
 
@@ -55,12 +56,19 @@ class _LazyPackage(types.ModuleType):
         super().__setattr__(name, value)
 
 
-def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+def lazy_exports(package: str, exports: Mapping[str, str], fallback: Callable[[str], object] | None = None,
+                 fallback_names: Callable[[], Iterable[str]] = tuple,
+                 ) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
     """The ``__getattr__`` and ``__dir__`` of module ``package`` serving each of ``exports`` (name -> module).
 
     The modules are named relative to ``package``'s package (``"consolidate"`` in ``shardkit.checkpoint`` or in
     ``shardkit.checkpoint.zero_to_fp32`` is ``shardkit.checkpoint.consolidate``). Any other name that is a
     submodule of a package is imported too, as the eager imports made ``shardkit.checkpoint.format`` work before.
+
+    Args:
+        fallback: asked for any other name, last: returns its value or raises AttributeError (names a registry
+            serves, such as the strategies registered under ``shardkit.strategies``, loaded on first use too).
+        fallback_names: the names ``fallback`` serves, for ``dir()``.
     """
     module = sys.modules[package]
     parent = module.__package__
@@ -75,10 +83,12 @@ def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[st
         is_package = "__path__" in module.__dict__
         if is_package and not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is not None:
             return importlib.import_module(f"{package}.{name}")
+        if fallback is not None and not name.startswith("__"):
+            return fallback(name)
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
     def __dir__() -> list[str]:
-        return sorted({*module.__dict__, *exports})
+        return sorted({*module.__dict__, *exports, *fallback_names()})
 
     return __getattr__, __dir__
 

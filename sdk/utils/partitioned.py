@@ -8,7 +8,9 @@ parameter and how to gather it, so that the reading code never imports or names 
 
 :func:`params_partitioned` tells code outside the strategies (synced generation) whether a module's forward
 is a collective, again without naming an engine. :func:`gathered_for_write` and :func:`full_shape` let code that
-holds only the model (``load_state_dict_from_zero_checkpoint``) write whole values into such parameters.
+holds only the model (``load_state_dict_from_zero_checkpoint``) write whole values into such parameters, and
+:func:`own_slice` lets a reader of weight files (``checkpoint/hf.py``) write each rank's own part straight into
+its partition, with no gather.
 
 It lives among the leaf helpers so that every package (``checkpoint`` too) can ask; it imports nothing of shardkit
 when imported. A strategy whose engine partitions parameters names its handler in ``_HANDLERS`` below
@@ -25,7 +27,7 @@ from typing import Protocol
 from torch import Tensor, nn
 
 __all__ = ["PartitionedParameters", "full_shape", "gathered_for_read", "gathered_for_write", "handlers",
-           "params_partitioned"]
+           "own_slice", "params_partitioned"]
 
 
 class PartitionedParameters(Protocol):
@@ -50,6 +52,14 @@ class PartitionedParameters(Protocol):
 
     def full_shape(self, param: Tensor) -> tuple[int, ...]:
         """The shape ``param`` has when whole."""
+        ...
+
+    def own_slice(self, param: Tensor) -> tuple[int, Tensor] | None:
+        """This rank's own run of ``param``'s flattened whole values, when the engine keeps one run per rank and
+        ``param`` is partitioned right now: ``(offset of the run's first element in the flattened whole, a flat
+        view of the run, padding left out)``, writes into the view landing in the partition. None when this
+        rank holds no such run (a parameter kept whole, gathered now, or held elsewhere, such as on NVMe): the
+        caller gathers it instead."""
         ...
 
 
@@ -100,6 +110,16 @@ def full_shape(param: Tensor) -> tuple[int, ...]:
         if handler.owns(param):
             return handler.full_shape(param)
     return tuple(param.shape)
+
+
+def own_slice(param: Tensor) -> tuple[int, Tensor] | None:
+    """``(offset, flat view)`` of this rank's own run of a parameter an engine partitions (see
+    :meth:`PartitionedParameters.own_slice`); None for any other parameter, or one whose run this rank cannot
+    write into directly. Local: no collective."""
+    for handler in handlers():
+        if handler.owns(param):
+            return handler.own_slice(param)
+    return None
 
 
 def params_partitioned(module: nn.Module) -> bool:

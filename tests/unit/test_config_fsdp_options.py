@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardkit.config import ConfigError, ConfigKeyError, common, resolve_runner_config
-from shardkit.config.fsdp import fsdp_spec, trainer_fsdp_spec
+from shardkit.config.fsdp_options import fsdp_spec, trainer_fsdp_spec
 from shardkit.config.optim import build_scheduler
 
 SEEDS = Path(__file__).resolve().parents[1] / "seeds"

@@ -244,5 +244,15 @@ class _ZeRO3Parameters:
     def full_shape(self, param: Tensor) -> tuple[int, ...]:
         return tuple(getattr(param, "ds_shape", param.shape))
 
+    def own_slice(self, param: Tensor) -> tuple[int, Tensor] | None:
+        # DeepSpeed's layout: the flattened parameter, padded to a multiple of the partition group's size, is cut
+        # into equal runs in rank order, and ds_tensor holds this rank's run. A parameter kept whole (ds_persist),
+        # gathered now (its data is not the empty placeholder) or swapped out (an empty ds_tensor) has none here.
+        local = getattr(param, "ds_tensor", None)
+        if local is None or getattr(param, "ds_persist", False) or param.data.numel() != 0 or local.numel() == 0:
+            return None
+        start = dist.get_rank(group=param.ds_process_group) * local.numel()
+        return start, local.view(-1)[: max(0, min(param.ds_numel, start + local.numel()) - start)]
+
 
 ZERO3_PARAMETERS = _ZeRO3Parameters()

@@ -168,7 +168,7 @@ class ZeROStrategy(ProcessGroupStrategy):
             config = self._inference_config(config)
         if self.settings.offload_optimizer and _is_fused_adamw(optimizer):
             config["zero_force_ds_cpu_optimizer"] = False  # DeepSpeed accepts only its CPU Adam unless told
-        if self.is_global_zero:  # issue 13: the effective engine config, once, every "auto" settled
+        if self.is_global_zero:  # the config the engine ran with, once, every "auto" settled: the log says what ran
             log.info("shardkit: DeepSpeed engine config: %s", config)
         engine, ds_optimizer, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
                                                           dist_init_required=False)
@@ -444,7 +444,7 @@ def prepare_deepspeed(settings: ZeROSettings) -> None:
     if ds_logger.level < logging.WARNING:
         ds_logger.setLevel(logging.WARNING)
     # NOTE: DeepSpeed's engine calls torch's deprecated collective names on every step; torch warns from
-    # c10d_logger each time: 856 FutureWarning lines in a 10-step ZeRO-3 run (issue 30). Only those, by module,
+    # c10d_logger each time: 856 FutureWarning lines in a 10-step ZeRO-3 run. Only those, by module,
     # category and message: the user's own warnings, and torch's others, still show.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning,
                             module=r"torch\.distributed\.c10d_logger")

@@ -5,7 +5,7 @@ Three sources read through here: an Accelerate YAML's ``fsdp_config:`` section (
 with or without the prefix, as transformers strips it; FSDP1 and FSDP2 spellings alike). Every key is honoured,
 or has no effect under torch FSDP2 and says so once by name, or is refused by name with the closest valid key.
 
-    from shardkit.config.fsdp import fsdp_spec
+    from shardkit.config.fsdp_options import fsdp_spec
     name, kwargs = fsdp_spec({"fsdp_sharding_strategy": "FULL_SHARD"}, "fsdp.yaml")   # ("FSDP", {...})
 """
 
