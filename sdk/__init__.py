@@ -30,10 +30,11 @@ def __getattr__(name: str):
         return _load(name)  # a name above, or a subpackage as `import shardkit` gave before
     # Registered strategies not named above (the ZeRO family) load on first use too, so that `import shardkit`
     # does not import DeepSpeed; the registry is the one list of them.
-    from shardkit.strategies.registry import STRATEGIES
+    from shardkit.strategies.registry import exported_strategy_class
 
-    if name in STRATEGIES.class_names():
-        return STRATEGIES.get_class(name)
+    found = exported_strategy_class(name)
+    if found is not None:
+        return found
     raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
 
 

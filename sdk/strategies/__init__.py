@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 
-from shardkit.strategies.registry import STRATEGIES
+from shardkit.strategies.registry import STRATEGIES, exported_strategy_class
 from shardkit.utils.lazy import lazy_exports
 
-__all__ = ["ActivationCheckpointing", "Strategy", "SingleDevice", "DDP", "FSDP", "STRATEGIES", "strategy_from_name"]
+__all__ = ["ActivationCheckpointing", "Strategy", "StrategyFamily", "SingleDevice", "DDP", "FSDP", "STRATEGIES",
+           "strategy_from_name"]
 
 # A strategy from its name or alias ("single", "ddp", "tp", "zero3", ...) with the registry's defaults, then the
 # keyword arguments: strategy_from_name("zero3", offload="cpu"). It IS the registry's builder, not a copy.
@@ -24,15 +25,17 @@ _REMOVED = {"STRATEGY_NAMES": "use STRATEGIES.names() / STRATEGIES.aliases() for
 # NOTE: these load on first use too, so that the registry (`shardkit estimate-memory --help`'s --strategy choices)
 # does not import torch (issue 30).
 _load, _ = lazy_exports(__name__, {"ActivationCheckpointing": "activation_checkpointing", "Strategy": "base",
-                                   "DDP": "ddp", "FSDP": "fsdp", "SingleDevice": "single"})
+                                   "DDP": "ddp", "FSDP": "fsdp", "SingleDevice": "single",
+                                   "StrategyFamily": "facts"})
 
 
 def __getattr__(name: str):
     with contextlib.suppress(AttributeError):
         return _load(name)
     # Registered classes not named above load on first use, so `import shardkit` does not import DeepSpeed.
-    if name in STRATEGIES.class_names():
-        return STRATEGIES.get_class(name)
+    found = exported_strategy_class(name)
+    if found is not None:
+        return found
     if name in _REMOVED:
         raise AttributeError(f"shardkit.strategies.{name} was removed (issue 24): {_REMOVED[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

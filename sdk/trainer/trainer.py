@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from shardkit.config.accelerate_env import asks_for_deepspeed
 from shardkit.data.streaming import is_stream
 from shardkit.strategies.activation_checkpointing import enable_gradient_checkpointing
+from shardkit.strategies.facts import StrategyFamily
 from shardkit.trainer import hub
 from shardkit.trainer.arguments import TrainingArguments, UnknownArgumentError
 from shardkit.trainer.callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
@@ -106,8 +107,8 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         # for a DeepSpeed config's "auto" values, from the arguments or from accelerate launch
         max_steps, warmup = self._estimate_steps() if args.deepspeed or asks_for_deepspeed() else (None, None)
         self.runner, self._engine_spec = build_runner(args, strategy, precision, max_steps, warmup)
-        self.is_deepspeed_enabled = self.runner.strategy.optimizer_parameters == "flat"  # the ZeRO engines
-        self.is_fsdp_enabled = _is_fsdp(self.runner.strategy)
+        self.is_deepspeed_enabled = self.runner.strategy.family is StrategyFamily.DEEPSPEED
+        self.is_fsdp_enabled = self.runner.strategy.family is StrategyFamily.FSDP
         self._set_model(model)
         self._configure_logging()
         self._train_batch_size = args.train_batch_size
@@ -531,12 +532,6 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin, MetricsIOMixin
         return CheckpointParts(self.model_wrapped, self.optimizer, self.lr_scheduler, self._train_loader, self.state,
                                self.control, self.callback_handler.callbacks, self.losses, self.processing_class,
                                self.data_collator)
-
-
-def _is_fsdp(strategy: Any) -> bool:
-    from shardkit.strategies.registry import STRATEGIES
-
-    return isinstance(strategy, STRATEGIES.get_class("fsdp"))
 
 
 def _check_init(args: TrainingArguments, optimizers: tuple[Any, Any], cls_and_kwargs: Any) -> None:

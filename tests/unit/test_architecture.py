@@ -4,7 +4,9 @@
   inside functions and under TYPE_CHECKING too;
 - engine internals stay inside sdk/strategies/: no DeepSpeed import, no FSDP2 private state, no DeepSpeed
   parameter attribute (``ds_tensor``, ...) anywhere else;
-- no private name or private module of one unit imported from another.
+- no private name or private module of one unit imported from another;
+- no strategy class checks outside sdk/strategies/: no ``STRATEGIES.get_class``/``class_names`` and no
+  ``isinstance``/``type(x) is`` against a strategy class; fronts and tools ask the strategy's declared facts.
 
 Each rule is also shown to fail: a violation planted in a copy of sdk/ is found and named.
 The counts and every place: ``python scripts/arch_report.py -v``.
@@ -62,6 +64,11 @@ PLANTED = {
     "nn/rotary.py": "def _g(p):\n    return hasattr(p, 'ds_tensor')",
     "models/text.py": "from shardkit.strategies._dtensor import local_tensor\n"
                       "from shardkit.config.deepspeed import _activation_checkpointing",
+    # which strategy is this, by its class: four ways
+    "data/loader.py": "def _which(s):\n    from shardkit.strategies.registry import STRATEGIES\n"
+                      "    from shardkit.strategies.fsdp import FSDP\n"
+                      "    return (isinstance(s, (FSDP, int)) or isinstance(s, STRATEGIES.get_class('zero3'))\n"
+                      "            or type(s).__name__ == 'ContextParallel' or STRATEGIES.class_names())",
 }
 
 
@@ -73,7 +80,7 @@ def planted(tmp_path_factory) -> Path:
     for relative, code in PLANTED.items():
         target = copy / relative
         target.write_text(target.read_text() + "\n" + code + "\n")
-    engine = [code for rel, code in PLANTED.items() if rel.startswith(("inference/", "nn/rotary"))]
+    engine = [code for rel, code in PLANTED.items() if rel.startswith(("inference/", "nn/rotary", "data/loader"))]
     (copy / "strategies" / "planted.py").write_text("\n".join(engine) + "\n")  # allowed there
     return copy
 
@@ -117,6 +124,21 @@ def test_planted_private_imports_across_packages_are_found(planted):
     found = {r.what for r in arch.private_imports(planted)}
     assert found == {"imports from the private module shardkit.strategies._dtensor",
                      "imports _activation_checkpointing from shardkit.config.deepspeed"}, found
+
+
+def test_no_strategy_class_checks_outside_strategies():
+    found = arch.strategy_class_checks(SDK)
+    assert not found, "strategy class checks outside sdk/strategies/ (ask the strategy's declared facts: family, " \
+                      "dims, model_state_memory, ...; see strategies/README.md):\n" + "\n".join(map(str, found))
+
+
+def test_planted_strategy_class_checks_are_found_outside_strategies_only(planted):
+    found = {(r.module.removeprefix("shardkit."), r.what) for r in arch.strategy_class_checks(planted)}
+    assert found == {("data.loader", "isinstance() against FSDP"),
+                     ("data.loader", "isinstance() against a registry class"),
+                     ("data.loader", "asks the strategy registry get_class()"),
+                     ("data.loader", "compares a class with ContextParallel"),
+                     ("data.loader", "asks the strategy registry class_names()")}, found
 
 
 def test_the_package_root_holds_only_its_init_and_packages():
