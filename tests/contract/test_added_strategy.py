@@ -40,8 +40,9 @@ def strategy_name():
 
 
 def test_the_registry_line_gives_the_class_and_unregistering_takes_it_back(strategy_name):
-    import shardkit
     from added_strategy import AddedFSDP
+
+    import shardkit
 
     assert shardkit.AddedFSDP is AddedFSDP and STRATEGIES.build(strategy_name).family.value == "fsdp"
     STRATEGIES.unregister(strategy_name)
