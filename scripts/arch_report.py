@@ -15,7 +15,11 @@ second without torch) and prints these counts:
 * modules writing their own ``__getattr__`` instead of taking it from ``utils.lazy.lazy_exports``;
 * engine references outside ``sdk/strategies/``: DeepSpeed imports, FSDP2's private state
   (``_get_fsdp_state()``, ``_fsdp_param_groups``, torch's ``fsdp._*`` modules, ...) and DeepSpeed's
-  parameter attributes (``ds_tensor``, ``ds_id``, ... read as attributes or named in ``getattr``/``hasattr``).
+  parameter attributes (``ds_tensor``, ``ds_id``, ... read as attributes or named in ``getattr``/``hasattr``);
+* strategy class checks outside ``sdk/strategies/``: the strategy registry's ``STRATEGIES.get_class(...)`` and
+  ``STRATEGIES.class_names()``, and ``isinstance``/``issubclass``/``type(x) is``/``type(x).__name__ ==`` against a
+  strategy class (any subclass of ``Strategy`` defined there; ``Strategy`` itself, the contract's type, is fine).
+  Code elsewhere asks the strategy's declared facts (``family``, ``dims``, ``model_state_memory``, ...).
 
 ``tests/unit/test_architecture.py`` enforces the same rules with these functions.
 """
@@ -40,6 +44,7 @@ __all__ = [
     "module_cycles",
     "module_graph",
     "own_module_getattrs",
+    "strategy_class_checks",
     "package_graph",
     "parse_imports",
     "private_imports",
@@ -419,8 +424,81 @@ def engine_references(root: Path) -> list[Reference]:
     return sorted(found, key=lambda r: (r.module, r.line))
 
 
+def strategy_classes(trees: dict[str, ast.Module], units: set[str]) -> set[str]:
+    """Names of the classes defined in ``strategies/`` that derive from ``Strategy`` (by their bases' names), less
+    ``Strategy`` itself."""
+    bases: dict[str, set[str]] = {}
+    for module, tree in trees.items():
+        if unit_of(module, units) != ENGINE_HOME:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                named = (b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
+                         if isinstance(b, (ast.Name, ast.Attribute)))
+                bases.setdefault(node.name, set()).update(named)
+    found = {"Strategy"}
+    grown = True
+    while grown:
+        new = {name for name, parents in bases.items() if parents & found} - found
+        found |= new
+        grown = bool(new)
+    return found - {"Strategy"}
+
+
+def _named(node: ast.AST) -> list[str]:
+    """The class names an isinstance target, ``type(x) is`` operand or string names (tuples flattened)."""
+    if isinstance(node, ast.Tuple):
+        return [n for elt in node.elts for n in _named(elt)]
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        return [node.attr]
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    return []
+
+
+def _is_type_of(node: ast.AST) -> bool:
+    """``type(x)`` or ``x.__class__``; with ``.__name__`` after it as well."""
+    if isinstance(node, ast.Attribute) and node.attr == "__name__":
+        node = node.value
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "type") or (
+        isinstance(node, ast.Attribute) and node.attr == "__class__")
+
+
+def strategy_class_checks(root: Path) -> list[Reference]:
+    """Places outside ``strategies/`` that ask which strategy an object is by its class (see the module docstring)."""
+    units = top_level_units(root)
+    _, trees = parse_imports(root)
+    classes = strategy_classes(trees, units)
+    found = []
+    for module, tree in trees.items():
+        if unit_of(module, units) == ENGINE_HOME:
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("get_class", "class_names")
+                    and _named(node.func.value)[-1:] == ["STRATEGIES"]):
+                found.append(Reference(module, node.lineno, f"asks the strategy registry {node.func.attr}()"))
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2):
+                named = sorted(set(_named(node.args[1])) & classes)
+                if named or any(isinstance(n, ast.Call) and _named(n.func)[-1:] == ["get_class"]
+                                for n in ast.walk(node.args[1])):
+                    what = ", ".join(named) or "a registry class"
+                    found.append(Reference(module, node.lineno, f"{node.func.id}() against {what}"))
+            elif isinstance(node, ast.Compare) and len(node.comparators) == 1:
+                left, right = node.left, node.comparators[0]
+                for a, b in ((left, right), (right, left)):
+                    named = sorted(set(_named(b)) & classes)
+                    if _is_type_of(a) and named:
+                        found.append(Reference(module, node.lineno, f"compares a class with {', '.join(named)}"))
+                        break
+    return sorted(found, key=lambda r: (r.module, r.line))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print the three counts (and, with --verbose, each place)."""
+    """Print the counts (and, with --verbose, each place)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", nargs="?", type=Path, default=Path(__file__).resolve().parents[1] / "sdk")
     parser.add_argument("--verbose", "-v", action="store_true", help="list every cycle and reference")
@@ -430,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     private = private_imports(args.root)
     private_names = private_imports(args.root, across="module")
     engine = engine_references(args.root)
+    class_checks = strategy_class_checks(args.root)
     print(f"import cycles between top-level units of {args.root.name}/: {len(cycles)}")
     if args.verbose:
         for cycle in cycles:
@@ -462,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine references outside {ENGINE_HOME}/: {len(engine)}")
     if args.verbose:
         print("".join(f"  {r}\n" for r in engine), end="")
+    print(f"strategy class checks outside {ENGINE_HOME}/: {len(class_checks)}")
+    if args.verbose:
+        print("".join(f"  {r}\n" for r in class_checks), end="")
     return 0
 
 

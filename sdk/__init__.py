@@ -15,10 +15,11 @@ __all__ = ["Runner", "Strategy", "SingleDevice", "DDP", "FSDP", "TensorParallel"
 def _registered_strategy(name: str) -> type:
     """Registered strategies not named below (the ZeRO family), loaded on first use too, so that `import shardkit`
     does not import DeepSpeed; the registry is the one list of them."""
-    from shardkit.strategies.registry import STRATEGIES
+    from shardkit.strategies.registry import exported_strategy_class
 
-    if name in STRATEGIES.class_names():
-        return STRATEGIES.get_class(name)
+    found = exported_strategy_class(name)
+    if found is not None:
+        return found
     raise AttributeError(f"module 'shardkit' has no attribute {name!r}")
 
 

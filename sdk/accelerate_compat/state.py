@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from shardkit.strategies.base import Strategy
+from shardkit.strategies.base import Strategy, StrategyFamily
 
 __all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState", "distributed_type_of",
            "forget_state", "shared_strategy", "use_strategy"]
@@ -41,22 +41,16 @@ class DistributedType(str, enum.Enum):
         return self.value
 
 
-# Registry name of a strategy -> Accelerate's distributed type; "data" is MULTI_GPU or MULTI_CPU by device.
-_KINDS = {"single": "NO", "ddp": "data", "tp": "data", "fsdp": "FSDP", "zero1": "DEEPSPEED", "zero2": "DEEPSPEED",
-          "zero3": "DEEPSPEED", "zero_infinity": "DEEPSPEED"}
-
-
 def distributed_type_of(strategy: Strategy) -> DistributedType:
-    """Accelerate's ``DistributedType`` for a strategy (found through the strategy registry, by class)."""
-    from shardkit.strategies.registry import STRATEGIES
-
-    names = STRATEGIES.class_names()
-    kind = next((_KINDS.get(names[c.__name__]) for c in type(strategy).__mro__ if c.__name__ in names), "data")
-    if kind == "data":
-        if strategy.world_size == 1:
-            return DistributedType.NO
-        return DistributedType.MULTI_GPU if strategy.root_device.type == "cuda" else DistributedType.MULTI_CPU
-    return DistributedType(kind)
+    """Accelerate's ``DistributedType`` for a strategy, from the family it declares (``Strategy.family``)."""
+    family = strategy.family
+    if family is StrategyFamily.FSDP:
+        return DistributedType.FSDP
+    if family is StrategyFamily.DEEPSPEED:
+        return DistributedType.DEEPSPEED
+    if family is StrategyFamily.SINGLE or strategy.world_size == 1:
+        return DistributedType.NO
+    return DistributedType.MULTI_GPU if strategy.root_device.type == "cuda" else DistributedType.MULTI_CPU
 
 
 def use_strategy(strategy: Strategy) -> None:

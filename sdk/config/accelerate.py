@@ -32,6 +32,7 @@ from shardkit.config.common import (
 )
 from shardkit.config.deepspeed import StrategySpec, build_strategy, resolve_deepspeed
 from shardkit.config.fsdp_options import fsdp_spec
+from shardkit.strategies.registry import is_registered_as
 from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["AccelerateConfig", "CONFIG_FILE_ENV", "check_resources", "deepspeed_config_from_section",
@@ -400,7 +401,7 @@ def _runner_strategy(cfg: AccelerateConfig, strategy: Any) -> Any:
     name, kwargs = cfg.strategy
     if strategy is None:
         return build_strategy((name, kwargs))
-    if type(strategy).__name__ == name and not kwargs:
+    if is_registered_as(strategy, name) and not kwargs:
         return strategy  # DDP / SingleDevice: the file sets nothing the object could disagree with
     raise ConfigMismatchError(f"strategy: {name} (distributed_type: {cfg.distributed_type}) in {cfg.path} but "
                               f"{type(strategy).__name__} from Runner(strategy=...); set it in one place")

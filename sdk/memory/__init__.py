@@ -19,6 +19,8 @@ __all__ = [
     "deepspeed_table",
     "estimate_model_states",
     "find_layout",
+    "layouts",
+    "listed_layouts",
     "parse_count",
     "recommend",
     "spec_from_hf_config",
@@ -31,7 +33,8 @@ __all__ = [
 # NOTE: each name imports its module on first use, so that `shardkit <command> --help` does not import torch
 # (see shardkit.utils.lazy).
 _EXPORTS = {
-    "LAYOUTS": "estimate", "Layout": "estimate", "ModelStates": "estimate", "activation_bytes": "estimate",
+    "LAYOUTS": "estimate", "Layout": "estimate", "layouts": "estimate", "listed_layouts": "estimate",
+    "ModelStates": "estimate", "activation_bytes": "estimate",
     "deepspeed_table": "estimate", "estimate_model_states": "estimate", "find_layout": "estimate", "recommend":
     "estimate", "zero2_mem_needs": "estimate", "zero3_mem_needs": "estimate",
     "ModelSpec": "model_spec", "parse_count": "model_spec", "spec_from_hf_config": "model_spec",

@@ -8,7 +8,15 @@ import sys
 from shardkit.precision.registry import add_precision_argument
 from shardkit.utils.parsing import float_range, int_range
 
-from .estimate import LAYOUTS, activation_bytes, deepspeed_table, estimate_model_states, find_layout, recommend
+from .estimate import (
+    activation_bytes,
+    deepspeed_table,
+    estimate_model_states,
+    find_layout,
+    layouts,
+    listed_layouts,
+    recommend,
+)
 from .model_spec import ModelSpec, parse_count, spec_from_hf_config
 
 __all__ = ["register"]
@@ -26,7 +34,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--largest-layer-params", help="parameters of the largest layer (ZeRO-3), e.g. 131M")
     p.add_argument("--num-gpus", type=int_range(1, _MAX_DEVICES), default=1, help="GPUs per node (default 1)")
     p.add_argument("--num-nodes", type=int_range(1, _MAX_DEVICES), default=1, help="nodes (default 1)")
-    p.add_argument("--strategy", default="all", type=_layout_name, choices=["all", *(x.name for x in LAYOUTS)],
+    p.add_argument("--strategy", default="all", type=_layout_name, choices=["all", *(x.name for x in layouts())],
                    help="one strategy (a registered name or alias, or a variant such as zero3_offload), or all "
                         "(default; includes DeepSpeed's ZeRO-2 and ZeRO-3 tables)")
     add_precision_argument(p, default="bf16")
@@ -73,7 +81,7 @@ def _spec(args: argparse.Namespace) -> ModelSpec:
 
 
 def _strategy_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
-    names = [x.name for x in LAYOUTS] if args.strategy == "all" else [args.strategy]
+    names = [x.name for x in listed_layouts()] if args.strategy == "all" else [args.strategy]
     cols = "".join(f"{c:>9}" for c in ("params", "grads", "optim", "states", "+working", "host", "nvme"))
     rows = [f"{'strategy':<16}{cols}  (GiB per device, {args.precision})"]
     for name in names:

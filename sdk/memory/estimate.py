@@ -2,7 +2,10 @@
 
 Model states per rank, with Ψ parameters on N ranks (G per node) and Adam (two fp32 states). Each row is a
 :class:`Layout`: a strategy from the registry (``shardkit.strategies.registry.STRATEGIES``) and the constructor
-arguments that give it; a registry name or alias (``tensor_parallel``, ``zero-3``) means its plain row.
+arguments that give it; a registry name or alias (``tensor_parallel``, ``zero-3``) means its plain row, and a
+registered strategy without a row here gets its plain row after these (:func:`layouts`). The bytes come from the
+strategy built for the row (``Strategy.model_state_memory``, from its settings): this module names no strategy's
+formula, so the table below describes what the registered strategies declare.
 
 ==================  ==============================  ==========================================
 layout              on each device                  notes
@@ -32,19 +35,19 @@ master (p=4, g=4, m=4, s=8; see ``shardkit.strategies.zero.memory``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardkit.precision.registry import PRECISIONS
+from shardkit.strategies.facts import MemoryJob, StrategyFamily
 from shardkit.strategies.registry import STRATEGIES
 from shardkit.utils.suggest import did_you_mean
 
 from .model_spec import ModelSpec
 
 __all__ = ["LAYOUTS", "Layout", "ModelStates", "activation_bytes", "deepspeed_table", "estimate_model_states",
-           "find_layout", "recommend", "zero2_mem_needs", "zero3_mem_needs"]
+           "find_layout", "layouts", "listed_layouts", "recommend", "zero2_mem_needs", "zero3_mem_needs"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,6 @@ LAYOUTS = (
     Layout("zero3_offload", "zero3", {"offload_optimizer": "cpu"}),
     Layout("zero_infinity", "zero_infinity"),
 )
-_BY_NAME = {layout.name: layout for layout in LAYOUTS}
 # DeepSpeed's offload_param.max_in_cpu: parameter elements ZeRO-Infinity keeps in host memory.
 DEEPSPEED_MAX_PARAMS_IN_CPU = 1_000_000_000
 
@@ -118,28 +120,40 @@ class ModelStates:
         return self.device_total + self.working
 
 
+def layouts() -> tuple[Layout, ...]:
+    """:data:`LAYOUTS`, then a plain row for every registered strategy that has none there: a strategy
+    registered later is estimated (by the formula it declares) with no edit here."""
+    covered = {layout.strategy for layout in LAYOUTS}
+    return LAYOUTS + tuple(Layout(name, name) for name in STRATEGIES.names() if name not in covered)
+
+
+def listed_layouts() -> tuple[Layout, ...]:
+    """The rows ``--strategy all`` prints and :func:`recommend` tries: :func:`layouts` less a one-process strategy
+    (``StrategyFamily.SINGLE``: one device, whose states are DDP's per device), which has no place among ways of
+    using N devices (``--strategy single`` still estimates it)."""
+    return tuple(layout for layout in layouts() if layout.build().family is not StrategyFamily.SINGLE)
+
+
 def find_layout(name: str) -> Layout:
     """The row called ``name``, or the plain row of the registry's strategy ``name`` names (any alias).
 
     Raises:
         ValueError: neither (with the closest row or strategy name and the list of rows).
     """
-    if name in _BY_NAME:
-        return _BY_NAME[name]
+    rows = {layout.name: layout for layout in layouts()}
+    if name in rows:
+        return rows[name]
     if name not in STRATEGIES:
-        hint = did_you_mean(str(name), [*_BY_NAME, *STRATEGIES.aliases()])
-        raise ValueError(f"strategy {name!r} has no memory estimate{hint or '.'} Rows: {', '.join(_BY_NAME)}")
-    canonical = STRATEGIES.canonical(name)
-    if canonical not in _BY_NAME:
-        raise ValueError(f"strategy {name!r} ({canonical}) has no memory estimate; rows: {', '.join(_BY_NAME)}")
-    return _BY_NAME[canonical]
+        hint = did_you_mean(str(name), [*rows, *STRATEGIES.aliases()])
+        raise ValueError(f"strategy {name!r} has no memory estimate{hint or '.'} Rows: {', '.join(rows)}")
+    return rows[STRATEGIES.canonical(name)]
 
 
-def _bytes_per_param(layout: Layout, precision: Any) -> tuple[int, int, int, int]:
-    """(p, g, m, s) bytes per parameter for ``layout`` under ``precision`` (a Precision, or its name)."""
+def _bytes_per_param(strategy: Any, precision: Any) -> tuple[int, int, int, int]:
+    """(p, g, m, s) bytes per parameter under ``strategy`` and ``precision`` (a Precision, or its name)."""
     if not hasattr(precision, "param_dtype"):
         precision = PRECISIONS.build(precision)
-    if STRATEGIES.get_class(layout.strategy).keeps_master_copy:
+    if strategy.keeps_master_copy:
         p = precision.compute_dtype.itemsize
         return p, p, 4, 8
     p = precision.param_dtype.itemsize
@@ -152,76 +166,33 @@ def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: 
                           params_in_cpu: int = DEEPSPEED_MAX_PARAMS_IN_CPU) -> ModelStates:
     """Bytes of parameters, gradients and optimizer state per rank under ``strategy`` (see the module table).
 
+    The strategy built for the row says where each byte lives (``Strategy.model_state_memory``, from its own
+    settings); this function only describes the job to it.
+
     Args:
         spec: the model's sizes.
-        strategy: a row of :data:`LAYOUTS`, or a registered strategy name or alias (its plain row).
+        strategy: a row of :func:`layouts`, or a registered strategy name or alias (its plain row).
         num_gpus_per_node, num_nodes: the job's shape (N = their product).
         precision: a Precision, or any name or alias in ``PRECISIONS`` ("bf16" and "fp16" are mixed).
-        tp_size: ranks per tensor-parallel group (default: a node).
-        pp_size: pipeline stages (default: a node); the rest of the ranks replicate each stage.
+        tp_size: ranks per tensor-parallel group (default: the strategy's, else a node).
+        pp_size: pipeline stages (default: the strategy's, else a node); the rest of the ranks replicate each stage.
         reduce_bucket_size: ZeRO-1/2 gradient bucket elements (shardkit's "auto" is hidden^2; default
             from ``spec.hidden_size``, else none counted).
         params_in_cpu: zero_infinity: parameter elements per rank DeepSpeed keeps in host memory rather
             than on NVMe (``offload_param.max_in_cpu``, 1e9 by default).
     """
     layout = find_layout(strategy)
-    strategy = layout.name
-    n, psi = num_gpus_per_node * num_nodes, spec.total_params
-    p, g, m, s = _bytes_per_param(layout, precision)
+    built = layout.build()
+    p, g, m, s = _bytes_per_param(built, precision)
     if reduce_bucket_size is None and spec.hidden_size:
         reduce_bucket_size = spec.hidden_size**2
-    bucket = min(reduce_bucket_size or 0, psi) * g
-    layer = spec.largest_layer_params * p
-    if strategy == "ddp":
-        return ModelStates(strategy, psi * p, psi * g, psi * s)
-    if strategy == "zero1":
-        # DeepSpeed's stage 1 is stage 2's code: once reduced, a rank keeps only its gradient partition
-        # (measured equal to stage 2 after a backward); the full gradients live until the reduction.
-        return ModelStates(strategy, psi * p, _div(psi * g, n) + bucket, _div(psi * (m + s), n),
-                           working=psi * g - _div(psi * g, n))
-    if strategy == "zero2":
-        return ModelStates(strategy, psi * p, _div(psi * g, n) + bucket, _div(psi * (m + s), n))
-    if strategy == "pp":
-        # Each pipeline rank holds its stages' layers whole (replicated over the rest, as DDP): 1/pp of them.
-        held = _div(psi, pp_size or num_gpus_per_node)
-        return ModelStates(strategy, held * p, held * g, held * s)
-    if strategy in ("zero3", "fsdp", "cp"):  # cp: FSDP2 over dp_shard x cp, i.e. every rank
-        return ModelStates(strategy, _div(psi * p, n), _div(psi * g, n), _div(psi * (m + s), n), working=layer)
-    if strategy == "fsdp_grad_op":
-        return ModelStates(strategy, _div(psi * p, n), _div(psi * g, n), _div(psi * s, n),
-                           working=psi * p - _div(psi * p, n))
-    if strategy == "fsdp_hybrid":
-        k = num_gpus_per_node
-        return ModelStates(strategy, _div(psi * p, k), _div(psi * g, k), _div(psi * s, k), working=layer)
-    if strategy == "tp":
-        t = tp_size or num_gpus_per_node
-        split = spec.tp_params if spec.tp_params is not None else psi
-        held = _div(split, t) + (psi - split)
-        return ModelStates(strategy, held * p, held * g, held * s)
-    # An offloaded DeepSpeed optimizer steps on the host from an fp32 copy of the rank's gradient partition (4
-    # bytes a parameter): measured with benchmarks/scale.py, 2 ranks, BF16 (benchmarks/RESULTS.md, "scale on one
-    # machine"). Under ZeRO-2 the reduced 16-bit gradients are not kept: each bucket is copied into that fp32
-    # partition (measured at 0.4B: the grads counted were exactly 4 bytes a parameter over N).
-    if strategy == "zero2_offload":
-        return ModelStates(strategy, psi * p, bucket, 0, host=_div(psi * (m + s + 4), n))
-    if strategy == "fsdp_offload":
-        return ModelStates(strategy, 0, 0, 0, working=layer, host=_div(psi * (p + g + s), n))
-    if strategy == "zero3_offload":
-        return ModelStates(strategy, _div(psi * p, n), _div(psi * g, n), 0, working=layer,
-                           host=_div(psi * (m + s + 4), n))
-    # zero_infinity: the device holds the layers being computed; the host holds the 16-bit gradient partition
-    # and the first ``params_in_cpu`` parameter elements; the other parameters go to NVMe, and so do the master,
-    # the optimizer states and the fp32 gradient partition the optimizer steps from (measured, benchmarks/RESULTS.md,
-    # "scale on one machine": 18 bytes a parameter on NVMe at 0.8B parameters with params_in_cpu=1e8; smaller
-    # tensors than 1 MiB stay in memory)
-    local = _div(psi, n)
-    in_cpu = min(local, params_in_cpu)
-    return ModelStates(strategy, 0, 0, 0, working=layer, host=local * g + in_cpu * p,
-                       nvme=(local - in_cpu) * p + local * (m + s + 4))
-
-
-def _div(x: int, n: int) -> int:
-    return math.ceil(x / n)
+    job = MemoryJob(params=spec.total_params, largest_layer=spec.largest_layer_params,
+                    ranks=num_gpus_per_node * num_nodes, ranks_per_node=num_gpus_per_node, param_bytes=p,
+                    grad_bytes=g, master_bytes=m, state_bytes=s, tp_params=spec.tp_params, tp_size=tp_size,
+                    pp_size=pp_size, bucket=reduce_bucket_size or 0, params_in_cpu=params_in_cpu)
+    held = built.model_state_memory(job)
+    return ModelStates(layout.name, held.params, held.grads, held.optimizer, working=held.working, host=held.host,
+                       nvme=held.nvme)
 
 
 def zero2_mem_needs(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1, cpu_offload: bool = True,
@@ -338,7 +309,7 @@ def activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, *, checkpoi
 def recommend(spec: ModelSpec, device_memory: int, *, num_gpus_per_node: int = 1, num_nodes: int = 1,
               precision: Any = "bf16", batch_size: int | None = None, seq_len: int | None = None,
               checkpointing: bool = False, reserve: float = 0.1) -> tuple[str | None, dict[str, int]]:
-    """The first row of :data:`LAYOUTS` whose peak per-device bytes fit ``device_memory``.
+    """The first row of :func:`listed_layouts` whose peak per-device bytes fit ``device_memory``.
 
     Peak = model states + working set + activations (when batch and sequence are given and the shape
     is known). ``reserve`` keeps that fraction back for the allocator, the CUDA context and buffers.
@@ -351,7 +322,7 @@ def recommend(spec: ModelSpec, device_memory: int, *, num_gpus_per_node: int = 1
     if batch_size and seq_len and spec.has_shape:
         act = activation_bytes(spec, batch_size, seq_len, checkpointing=checkpointing)
     peaks = {}
-    for name in (layout.name for layout in LAYOUTS):
+    for name in (layout.name for layout in listed_layouts()):
         if name == "fsdp_hybrid" and num_nodes == 1:
             continue  # the same as fsdp on one node
         if name == "pp":

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardkit.precision import Precision
 
@@ -24,6 +25,7 @@ __all__ = [
     "broadcast_from_rank0",
     "clip_grad_norm",
     "drop_unreduced_gradients",
+    "dtensor_box",
     "gathered_parameters",
     "local_tensor",
     "meta_parameters",
@@ -199,10 +201,14 @@ def _swap_in(module: nn.Module, params: list[torch.Tensor], whole: dict[int, tor
     return swapped
 
 
+def dtensor_box(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, shape)`` of this rank's local shard of ``t`` in the global tensor."""
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple(offsets), tuple(shape)
+
+
 @torch.no_grad()
 def _keep_writes(params: list[torch.Tensor], whole: dict[int, torch.Tensor], src: int) -> None:
-    from shardkit.strategies._sharded_state import dtensor_box
-
     done: set[int] = set()
     for p in params:
         if id(p) in done:

@@ -19,7 +19,8 @@ from typing_extensions import override
 
 from shardkit.strategies._dtensor import local_tensor
 from shardkit.strategies._pipeline_models import ModelLayout, StageModule, model_layout
-from shardkit.strategies.pipeline import SCHEDULES, PipelineSettings, stage_layers
+from shardkit.strategies.parallel_dims import ParallelDims
+from shardkit.strategies.pipeline_settings import SCHEDULES, PipelineSettings, stage_layers
 
 __all__ = ["PipelineRunner", "StageModule", "WindowStage", "gather_optimizer_state", "iter_full_state",
            "own_optimizer_state"]
@@ -29,8 +30,6 @@ _AT_LEAST_ONE_PER_STAGE = ("dualpipev",)  # torch's DualPipeV refuses fewer micr
 
 
 def _check_model(module: nn.Module, stages: int, split: tuple[int, ...] | None) -> ModelLayout:
-    from shardkit.strategies.parallel_dims import ParallelDims
-
     layout = model_layout(module)
     ParallelDims(pp=stages, dp_shard=1).validate(num_layers=len(layout.body.layers), layer_split=split)
     return layout

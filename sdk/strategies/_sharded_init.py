@@ -375,8 +375,7 @@ def replay_into(module: nn.Module, records: dict[str, ParamRecord], device: torc
     Each parameter is rebuilt whole on ``device``, its local shard copied in, and the whole freed
     before the next; the RNG state is left as it was.
     """
-    from shardkit.strategies._dtensor import local_tensor
-    from shardkit.strategies._sharded_state import dtensor_box
+    from shardkit.strategies._dtensor import dtensor_box, local_tensor
 
     cpu_state = torch.get_rng_state()
     cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None

@@ -26,13 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardkit import checkpoint as ckpt
-from shardkit.strategies._dtensor import local_tensor
+from shardkit.strategies._dtensor import dtensor_box, local_tensor
 
 __all__ = [
-    "dtensor_box",
     "is_primary_replica",
     "load_full_optimizer_state",
     "load_module_state",
@@ -51,12 +49,6 @@ _META = ".meta"
 
 
 # ---- pieces -----------------------------------------------------------------------------------------
-
-
-def dtensor_box(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(offsets, shape)`` of this rank's local shard of ``t`` in the global tensor."""
-    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(offsets), tuple(shape)
 
 
 def is_primary_replica(t: DTensor) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,19 +20,31 @@ from torch import nn
 
 from shardkit import checkpoint as ckpt
 from shardkit.precision import FP32, Precision
+from shardkit.strategies.facts import MemoryJob, StateBytes, StrategyFamily
 
-__all__ = ["Strategy", "param_list", "replicated_gathered"]
+if TYPE_CHECKING:
+    from shardkit.strategies.parallel_dims import ParallelDims
+
+__all__ = ["Strategy", "StrategyFamily", "param_list", "replicated_gathered"]
 
 
 class Strategy(ABC):
     """Base class of every strategy. The Runner holds one and delegates to it.
 
     Attributes:
+        family: the engine family the fronts report (see :class:`StrategyFamily`); a class declaration that
+            subclasses inherit, or a property where a setting picks the engine (TensorParallel's and Pipeline's
+            ``dp="fsdp"``).
+        dims: the sizes of every parallel dimension (:class:`~shardkit.strategies.parallel_dims.ParallelDims`)
+            where the strategy builds a device mesh from them, resolved against the world in
+            ``setup_environment``; None where it has none (SingleDevice, DDP, ZeRO).
         keeps_master_copy: the engine holds parameters and gradients in the compute dtype beside a separate
             fp32 master copy it steps on (DeepSpeed, even in fp32); False: the parameters, in the precision's
             parameter dtype, are what the optimizer steps (torch engines). The memory estimate reads it.
     """
 
+    family: StrategyFamily = StrategyFamily.SINGLE
+    dims: ParallelDims | None = None
     keeps_master_copy: bool = False
 
     def __init__(self) -> None:
@@ -104,6 +116,12 @@ class Strategy(ABC):
         """Shape of ``param`` as the model defines it, however this strategy holds it between steps (a ZeRO-3
         partition has its whole shape). A DTensor's ``shape`` is already its global one."""
         return tuple(param.shape)
+
+    def model_state_memory(self, job: MemoryJob) -> StateBytes:
+        """Bytes of parameters, gradients and optimizer state one rank holds under this strategy, with its
+        settings, for ``job`` (what ``shardkit estimate-memory`` prints). The default: every rank holds the whole
+        model with its gradients and states (SingleDevice, DDP). A strategy that places them otherwise overrides it."""
+        return StateBytes.replicated(job)
 
     def setup_environment(self) -> None:
         """Bring up the process group and device; called once by the Runner before any setup."""

@@ -16,8 +16,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from shardkit.strategies import _dtensor, _sharded_init, _sharded_state
+from shardkit.strategies import _dtensor, _sharded_init
 from shardkit.strategies import activation_checkpointing as checkpointing
+from shardkit.strategies.facts import MemoryJob, StateBytes, StrategyFamily
 from shardkit.strategies.parallel import MeshStrategy
 from shardkit.strategies.parallel_dims import ParallelDims
 from shardkit.strategies.quant_storage import check_quant_storage
@@ -157,6 +158,8 @@ class FSDP(MeshStrategy):
             or 1800).
     """
 
+    family = StrategyFamily.FSDP
+
     def __init__(
         self, sharding: str = "full", auto_wrap: ModuleClasses | int | None = None, cpu_offload: bool = False,
         activation_checkpointing: bool | ModuleClasses = False, reshard_after_forward: bool | None = None,
@@ -170,6 +173,25 @@ class FSDP(MeshStrategy):
         self._recorders: list[_sharded_init.MetaInitRecorder] = []
         self.dims: ParallelDims | None = None  # set with the mesh in setup_environment
         self.world_mesh: Any = None
+
+    @override
+    def model_state_memory(self, job: MemoryJob) -> StateBytes:
+        """full: everything over every rank, the largest layer gathered; grad_op: parameters gathered whole from
+        forward to backward; hybrid: sharded within a node, replicated across nodes; none: replicated;
+        cpu_offload: the sharded states in host memory, only the layer being computed on the device."""
+        psi, p, g = job.params, job.param_bytes, job.grad_bytes
+        sharding = self.settings.sharding
+        if self.settings.cpu_offload:
+            return StateBytes(0, 0, 0, working=job.largest_layer * p,
+                              host=job.share(psi * (p + g + job.optimizer_bytes)))
+        if sharding == "grad_op":
+            shard = job.share(psi * p)
+            return StateBytes(shard, job.share(psi * g), job.share(psi * job.optimizer_bytes), working=psi * p - shard)
+        if sharding == "hybrid":
+            return StateBytes.sharded(job, self.settings.hybrid_shard_size or job.ranks_per_node)
+        if sharding == "none":
+            return StateBytes.replicated(job)
+        return StateBytes.sharded(job)
 
     # ---- environment -------------------------------------------------------------------------------
 
@@ -363,7 +385,7 @@ def _scatter_from_rank0(module: nn.Module, rank0_state: dict[str, torch.Tensor] 
         full = rank0_state[key] if rank0_state is not None else torch.empty(t.shape, dtype=t.dtype)
         full = full.to(device=_dtensor.local_tensor(t).device, dtype=t.dtype).contiguous()
         dist.broadcast(full, src=0)
-        offsets, shape = _sharded_state.dtensor_box(t)
+        offsets, shape = _dtensor.dtensor_box(t)
         box = full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
         _dtensor.local_tensor(t).copy_(box)
     for b in module.buffers():

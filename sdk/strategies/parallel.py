@@ -18,6 +18,7 @@ from shardkit import checkpoint as ckpt
 from shardkit.distributed.process_group import destroy_distributed, init_distributed
 from shardkit.strategies import _dtensor, _sharded_state
 from shardkit.strategies.base import Strategy, param_list, replicated_gathered
+from shardkit.strategies.facts import StrategyFamily
 
 __all__ = ["ProcessGroupStrategy", "MeshStrategy"]
 
@@ -30,6 +31,7 @@ class ProcessGroupStrategy(Strategy):
             or 1800), so that a dead rank ends the job instead of hanging it.
     """
 
+    family = StrategyFamily.DATA_PARALLEL
     # A device mesh and DeepSpeed's engine need a process group even for one process: a process that no launcher
     # started (a plain ``python train.py``) then gets a private one. DDP runs unwrapped without one.
     needs_group: bool = True

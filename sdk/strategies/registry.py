@@ -16,8 +16,8 @@ from typing import Any
 
 from shardkit.utils.registry import Entry, Option, Registry
 
-__all__ = ["STRATEGIES", "Entry", "Option", "Registry", "add_strategy_arguments", "strategy_from_args",
-           "strategy_options"]
+__all__ = ["STRATEGIES", "Entry", "Option", "Registry", "add_strategy_arguments", "exported_strategy_class",
+           "is_registered_as", "strategy_from_args", "strategy_options"]
 
 STRATEGIES = Registry("strategy")
 
@@ -45,6 +45,20 @@ STRATEGIES.register("zero3", f"{_S}.zero:ZeRO3", aliases=("zero_3", "deepspeed_s
                     description="DeepSpeed ZeRO stage 3: parameters, gradients and optimizer state partitioned")
 STRATEGIES.register("zero_infinity", f"{_S}.zero:ZeROInfinity", aliases=("zero-infinity", "infinity"),
                     description="ZeRO-3 with parameters and optimizer state on NVMe (default path: see ZeRO3)")
+
+
+def exported_strategy_class(name: str) -> type | None:
+    """The class registered under the class name ``name`` (``"ZeRO3"``), imported now; None if no entry's class has
+    that name. What ``shardkit.X`` and ``shardkit.strategies.X`` serve lazily."""
+    names = STRATEGIES.class_names()
+    return STRATEGIES.get_class(names[name]) if name in names else None
+
+
+def is_registered_as(strategy: Any, name: str) -> bool:
+    """Whether ``strategy`` is an instance of exactly the class registered under ``name`` (a name, alias or class
+    name; a subclass registered under its own name is not): how a config that names a strategy checks the object a
+    user gave. Code outside this package asks a strategy's facts (``family``, ``dims``, ...) instead of its class."""
+    return name in STRATEGIES and type(strategy) is STRATEGIES.get_class(name)
 
 
 def add_strategy_arguments(parser: argparse.ArgumentParser, default: str = "auto", auto_help: str = "") -> None:

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from typing_extensions import override
 
 from shardkit.strategies import _dtensor
+from shardkit.strategies.facts import MemoryJob, StateBytes, StrategyFamily
 from shardkit.strategies.parallel import MeshStrategy
 from shardkit.strategies.parallel_dims import ParallelDims
 from shardkit.utils.suggest import did_you_mean
@@ -180,6 +181,26 @@ class TensorParallel(MeshStrategy):
         self.settings = TensorParallelSettings(tp_size, plan, sequence_parallel, dp, state_dict_type)
         self.dims = ParallelDims(dp_shard=1, tp=tp_size or 1)  # resolved against the world in setup_environment
         self.world_mesh: Any = None
+
+    @property
+    def family(self) -> StrategyFamily:  # type: ignore[override]
+        """FSDP with ``dp="fsdp"`` (FSDP2 shards the data-parallel ranks, as Accelerate's tp x dp_shard runs under
+        FSDP); else the TP groups replicate, as torch collectives do under Accelerate's MULTI_GPU / MULTI_CPU."""
+        return StrategyFamily.FSDP if self.settings.dp == "fsdp" else StrategyFamily.DATA_PARALLEL
+
+    @override
+    def model_state_memory(self, job: MemoryJob) -> StateBytes:
+        """Each rank holds its 1/tp of the split weights and the rest whole; ``dp="fsdp"`` shards that over the
+        data-parallel ranks too."""
+        tp = job.tp_size or self.settings.tp_size or job.ranks_per_node
+        split = job.tp_params if job.tp_params is not None else job.params
+        held = job.share(split, tp) + (job.params - split)
+        if self.settings.dp != "fsdp":
+            return StateBytes.replicated(job, held)
+        ways = max(1, job.ranks // tp)
+        return StateBytes(job.share(held * job.param_bytes, ways), job.share(held * job.grad_bytes, ways),
+                          job.share(held * job.optimizer_bytes, ways),
+                          working=job.share(job.largest_layer, tp) * job.param_bytes)
 
     @property
     def data_parallel_size(self) -> int:

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from shardkit.config.accelerate_env import asks_for_deepspeed
 from shardkit.data.streaming import is_stream
 from shardkit.strategies.activation_checkpointing import enable_gradient_checkpointing
+from shardkit.strategies.facts import StrategyFamily
 from shardkit.trainer import hub, metrics_io
 from shardkit.trainer.arguments import TrainingArguments, UnknownArgumentError
 from shardkit.trainer.callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
@@ -133,8 +134,8 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin):
         self.loss_settings = LossSettings(self.runner, args.average_tokens_across_devices,
                                           "num_items_in_batch" in inspect.signature(self.compute_loss).parameters)
         self.prepared = Prepared()
-        self.is_deepspeed_enabled = self.runner.strategy.optimizer_parameters == "flat"  # the ZeRO engines
-        self.is_fsdp_enabled = _is_fsdp(self.runner.strategy)
+        self.is_deepspeed_enabled = self.runner.strategy.family is StrategyFamily.DEEPSPEED
+        self.is_fsdp_enabled = self.runner.strategy.family is StrategyFamily.FSDP
         self.set_model(model)
         self._configure_logging()
         self._train_batch_size = args.train_batch_size
@@ -557,12 +558,6 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin):
                                self.state,
                                self.control, self.callback_handler.callbacks, self.losses, self.processing_class,
                                self.data_collator)
-
-
-def _is_fsdp(strategy: Any) -> bool:
-    from shardkit.strategies.registry import STRATEGIES
-
-    return isinstance(strategy, STRATEGIES.get_class("fsdp"))
 
 
 def _check_init(args: TrainingArguments, optimizers: tuple[Any, Any], cls_and_kwargs: Any) -> None:

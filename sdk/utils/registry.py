@@ -168,6 +168,20 @@ class Registry:
         self._keys.setdefault(_key(cls), name)  # "ZeRO3", "TensorParallel": as config readers and users spell it
         return entry
 
+    def unregister(self, name: str) -> Entry:
+        """Remove the entry ``name`` (any of its spellings) and every spelling of it; returns the entry.
+
+        Raises:
+            ValueError: unknown name (as :meth:`canonical`).
+        """
+        canonical = self.canonical(name)
+        entry = self._entries.pop(canonical)
+        for key in [k for k, v in self._keys.items() if v == canonical]:
+            del self._keys[key]
+        for other in self._entries.values():  # a class name another entry shares now points at that entry
+            self._keys.setdefault(_key(other.class_name), other.name)
+        return entry
+
     # ---- lookup ------------------------------------------------------------------------------------
 
     def names(self) -> list[str]:

@@ -27,7 +27,8 @@ from workloads import full_state
 from shardkit import FP16, Runner
 from shardkit.models import ByteTextDataset, Llama, LlamaConfig
 
-__all__ = ["CHECKS", "contract_worker", "reload_worker", "strategy_names", "build_strategy", "whole_weights"]
+__all__ = ["CHECKS", "contract_worker", "registrations", "reload_worker", "replay", "strategy_names", "build_strategy",
+           "whole_weights"]
 
 TEXT = Path(__file__).resolve().parents[2] / "examples" / "data" / "public_domain.txt"
 # Tiny on purpose (37k parameters): every check is about agreement, not scale. 4 heads so that TP splits them.
@@ -39,7 +40,8 @@ RESUME_STEPS = 2  # optimizer steps before the save and after it (accumulation 2
 # Sizes for the tiny model, not behaviour: ZeROInfinity's default swap buffers (5 x 1e8 elements) take 2 GB
 # per rank; the largest tensor here has 8192 elements.
 TEST_SIZE_KWARGS: dict[str, dict[str, Any]] = {"zero_infinity": {"buffer_size": 100_000}}
-CHECKS = ("init", "gathered", "fp32_losses", "accumulation_clipping", "fp16_overflow", "resume", "generation")
+CHECKS = ("init", "gathered", "facts", "fp32_losses", "accumulation_clipping", "fp16_overflow", "resume",
+          "generation")
 
 
 # ---- the registry ---------------------------------------------------------------------------------------
@@ -50,6 +52,24 @@ def strategy_names() -> list[str]:
     from shardkit.strategies.registry import STRATEGIES
 
     return list(STRATEGIES.names())
+
+
+def registrations() -> tuple:
+    """Every registered strategy's entry, for the spawned ranks: a strategy a test registers in this process (see
+    test_added_strategy.py) is then built there by its name too."""
+    from shardkit.strategies.registry import STRATEGIES
+
+    return tuple(STRATEGIES.entry(name) for name in STRATEGIES.names())
+
+
+def replay(entries: tuple) -> None:
+    """Register in this (spawned) rank the entries of :func:`registrations` it does not have."""
+    from shardkit.strategies.registry import STRATEGIES
+
+    for e in entries:
+        if e.name not in STRATEGIES:
+            STRATEGIES.register(e.name, e.target, aliases=e.aliases, description=e.description, defaults=e.defaults,
+                                options=e.options)
 
 
 def build_strategy(name: str):
@@ -138,7 +158,22 @@ def init_and_gathered(name: str, reference: dict[str, torch.Tensor], seconds: di
         state = dict(runner.iter_full_state_dict(model))
     init = {"state": state, "main": runner.is_main_process, "stream_peak": probe.peak,
             "stream_new_peak": probe.new_peak, "model_bytes": 4 * _numel()}
-    return {"init": init, "gathered": _guarded(lambda: _gathered(runner, model, reference), seconds, "gathered")}
+    return {"init": init, "gathered": _guarded(lambda: _gathered(runner, model, reference), seconds, "gathered"),
+            "facts": _guarded(lambda: _facts(runner), seconds, "facts")}
+
+
+def _facts(runner: Runner) -> dict:
+    """What the set-up strategy declares (family, dims) and what Accelerate's front says of it on these ranks."""
+    from shardkit.accelerate_compat.state import AcceleratorState, forget_state, use_strategy
+
+    s = runner.strategy
+    use_strategy(s)
+    try:
+        accelerate = str(AcceleratorState().distributed_type)
+    finally:
+        forget_state()
+    dims = None if s.dims is None else {"sizes": s.dims.sizes, "world_size": s.dims.world_size}
+    return {"family": s.family.value, "dims": dims, "world_size": s.world_size, "accelerate": accelerate}
 
 
 def _stream_probe(module: torch.nn.Module):
@@ -365,16 +400,19 @@ def generation(name: str, reference: dict[str, torch.Tensor]) -> dict:
 # ---- the workers ----------------------------------------------------------------------------------------
 
 
-def contract_worker(name: str, root: str) -> dict:
+def contract_worker(name: str, root: str, entries: tuple = ()) -> dict:
     """Every check for strategy ``name`` in this process group, then DDP's references on the same data.
 
     The strategy runs first: a one-process strategy must see no process group (DDP's setup creates it).
+    ``entries``: the parent's registrations (:func:`registrations`), replayed here first.
     """
+    replay(entries)
     seconds: dict[str, float] = {}
     reference = single_device_reference()
     out: dict = {"name": name, "reference": reference, "seconds": seconds}
     first = _guarded(lambda: init_and_gathered(name, reference, seconds), seconds, "init+gathered")
-    out["init"], out["gathered"] = (first, first) if "error" in first else (first["init"], first["gathered"])
+    out["init"], out["gathered"], out["facts"] = (first, first, first) if "error" in first else (
+        first["init"], first["gathered"], first["facts"])
     out["fp32_losses"] = _guarded(lambda: train_parity(build_strategy(name)), seconds, "fp32_losses")
     out["accumulation_clipping"] = _guarded(lambda: train_accumulate_clip(build_strategy(name)), seconds,
                                             "accumulation_clipping")
@@ -413,9 +451,10 @@ def checkpoint_contents(path: str | Path, kinds: tuple[str, ...] | None = None) 
         return out
 
 
-def reload_worker(name: str, path: str) -> dict:
+def reload_worker(name: str, path: str, entries: tuple = ()) -> dict:
     """On 1 rank: the strategy loads the 2-rank save at ``path`` (a different init first), saves again, and
     takes one more step; or the error it raises, for the test to match against the documented one."""
+    replay(entries)
     runner = Runner(build_strategy(name), gradient_accumulation_steps=2, seed=123)
     model, optimizer = setup_training(runner, dropout=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)

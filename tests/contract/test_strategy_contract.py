@@ -11,7 +11,13 @@ ranks (gloo) in ONE process group per strategy (plus one 1-rank launch for the r
 - save then exact resume: losses, weights and the whole next checkpoint equal the uninterrupted run's;
 - a 2-rank save loads on 1 rank (the same strategy), saves the same state again and steps;
 - greedy generation gives SingleDevice's tokens, with different requests per data-parallel rank (or, for a
-  strategy in ``REFUSALS``, refuses by name).
+  strategy in ``REFUSALS``, refuses by name);
+- it declares the facts fronts and tools ask (no launch): its ``family``, its ``dims`` (a ParallelDims or None) and
+  its memory (``model_state_memory`` answers the estimator); on the 2 ranks the family and dims stay declared after
+  setup (dims resolved to the world) and Accelerate's front reports the family (``FRONTS`` for the built-in ones).
+
+A strategy registered in this process, by a test, runs here too: its entry reaches the spawned ranks
+(``contract_workers.registrations``), as test_added_strategy.py shows.
 
 Weights are compared whole: on every rank where the strategy gathers parameters, else (it refuses
 ``gathered_parameters``: Pipeline, whose ranks hold only their stages) on the main rank, from the state dict
@@ -36,8 +42,10 @@ from contract_workers import (
     ACCUM_MICRO_STEPS,
     CLIP,
     RESUME_STEPS,
+    build_strategy,
     checkpoint_contents,
     contract_worker,
+    registrations,
     reload_worker,
     strategy_names,
 )
@@ -88,21 +96,35 @@ RESUME_TO_ROUNDING: dict[str, tuple[tuple[float, float], str]] = {
 # documented limitation. Empty today: every registered strategy reshards.
 NO_RESHARD: dict[str, tuple[str, str]] = {}
 
+# What Accelerate's front reports on 2 CPU ranks for each built-in strategy, as Accelerate itself would: NO for one
+# process, MULTI_CPU for torch collectives without FSDP2 sharding over the data-parallel ranks (DDP, TP's and
+# Pipeline's defaults), FSDP where FSDP2 shards them (CP: FSDP over dp_shard x cp, as Accelerate's cp_size runs
+# under its FSDP), DEEPSPEED for the ZeRO engines. A strategy not listed is held to its declared family.
+FRONTS = {"single": "NO", "ddp": "MULTI_CPU", "fsdp": "FSDP", "tp": "MULTI_CPU", "cp": "FSDP", "pp": "MULTI_CPU",
+          "zero1": "DEEPSPEED", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED", "zero_infinity": "DEEPSPEED"}
+_BY_FAMILY = {"single": "NO", "data_parallel": "MULTI_CPU", "fsdp": "FSDP", "deepspeed": "DEEPSPEED"}
+
 NAMES = strategy_names()
 
 
 @pytest.fixture(scope="module", params=NAMES)
-def contract(request, tmp_path_factory):
+def strategy_name(request):
+    """The registered strategy under test (test_added_strategy.py overrides it with one it registers)."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def contract(strategy_name, tmp_path_factory):
     """One 2-rank launch running every check for the strategy, and one 1-rank launch loading its save."""
-    name = request.param
+    name, entries = strategy_name, registrations()
     root = tmp_path_factory.mktemp(f"contract-{name}")
     env = {"SHARDKIT_NVME_PATH": str(root / "nvme")}
-    results = run_distributed(contract_worker, world_size=2, args=(name, str(root)), timeout=900, env=env)
+    results = run_distributed(contract_worker, world_size=2, args=(name, str(root), entries), timeout=900, env=env)
     resume = results[0]["resume"]
     reload = None
     if "error" not in resume and resume["saved_world_size"] > 1:
-        reload = run_distributed(reload_worker, world_size=1, args=(name, f"{resume['dir']}/mid"), timeout=600,
-                                 env=env)[0]
+        reload = run_distributed(reload_worker, world_size=1, args=(name, f"{resume['dir']}/mid", entries),
+                                 timeout=600, env=env)[0]
     return {"name": name, "ranks": results, "reload": reload}
 
 
@@ -317,3 +339,33 @@ def test_greedy_generation_equals_single_device(contract, request):
     assert first["plain"][1].shape == (2, 11) and not torch.equal(first["plain"][1], first["eos"][1])
     if first["dp_size"] > 1:  # the requests really differ per data-parallel rank
         assert results[1]["plain"][1].shape == (1, 6)
+
+
+def test_declares_the_facts_fronts_and_tools_ask(strategy_name):
+    """No launch: the built strategy (registry defaults) declares its family, its dims and its memory."""
+    from shardkit.strategies.facts import MemoryJob, StateBytes, StrategyFamily
+    from shardkit.strategies.parallel_dims import ParallelDims
+
+    strategy = build_strategy(strategy_name)
+    assert isinstance(strategy.family, StrategyFamily), f"{strategy_name}: family {strategy.family!r}"
+    assert strategy.dims is None or isinstance(strategy.dims, ParallelDims), f"{strategy_name}: dims {strategy.dims!r}"
+    job = MemoryJob(params=10_000, largest_layer=1_000, ranks=4, ranks_per_node=4, param_bytes=4, grad_bytes=4,
+                    master_bytes=4 if strategy.keeps_master_copy else 0, state_bytes=8)
+    held = strategy.model_state_memory(job)
+    assert isinstance(held, StateBytes), f"{strategy_name}: model_state_memory returned {held!r}"
+    # states are somewhere (device, host or NVMe), and no rank holds more than the whole model's
+    total = held.params + held.grads + held.optimizer + held.host + held.nvme
+    assert 0 < total <= job.params * (4 + 4 + 4 + 8), (strategy_name, held)
+    assert min(held.params, held.grads, held.optimizer, held.working, held.host, held.nvme) >= 0, held
+
+
+def test_set_up_strategy_keeps_its_facts_and_accelerate_reports_its_family(contract, request):
+    name, results = contract["name"], _check(contract, request, "facts")
+    for rank, r in enumerate(results):
+        assert r["world_size"] == 2 or name == "single", (name, rank, r)
+        if r["dims"] is not None:  # resolved against the world: the mesh's sizes multiply to it
+            assert r["dims"]["world_size"] == r["world_size"], (name, rank, r["dims"])
+        assert r["accelerate"] == FRONTS.get(name, _BY_FAMILY[r["family"]]), (name, rank, r)
+        if r["world_size"] > 1:
+            assert r["accelerate"] == _BY_FAMILY[r["family"]], (name, rank, r)
+    assert len({r["family"] for r in results}) == 1, f"{name}: ranks disagree on the family"

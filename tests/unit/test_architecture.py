@@ -8,7 +8,9 @@
   parameter attribute (``ds_tensor``, ...) anywhere else;
 - no private name or private module of one unit imported from another, and no private name imported from
   another module at all;
-- one lazy-export mechanism: no module writes its own ``__getattr__`` beside ``utils.lazy.lazy_exports``.
+- one lazy-export mechanism: no module writes its own ``__getattr__`` beside ``utils.lazy.lazy_exports``;
+- no strategy class checks outside sdk/strategies/: no ``STRATEGIES.get_class``/``class_names`` and no
+  ``isinstance``/``type(x) is`` against a strategy class; fronts and tools ask the strategy's declared facts.
 
 Each rule is also shown to fail: a violation planted in a copy of sdk/ is found and named.
 The counts and every place: ``python scripts/arch_report.py -v``.
@@ -50,6 +52,11 @@ PLANTED = {
                       "from shardkit.config.deepspeed import _activation_checkpointing",
     "models/llama.py": "from shardkit.models.text import _planted_private",  # inside one package, still private
     "optim/named.py": "def __getattr__(name):\n    raise AttributeError(name)",  # a second lazy mechanism
+    # which strategy is this, by its class: four ways
+    "data/loader.py": "def _which(s):\n    from shardkit.strategies.registry import STRATEGIES\n"
+                      "    from shardkit.strategies.fsdp import FSDP\n"
+                      "    return (isinstance(s, (FSDP, int)) or isinstance(s, STRATEGIES.get_class('zero3'))\n"
+                      "            or type(s).__name__ == 'ContextParallel' or STRATEGIES.class_names())",
 }
 # Cycles between modules inside one package, planted in a copy of their own: the package cycles above join most
 # modules into one cycle, which would hide these.
@@ -80,7 +87,7 @@ def _planted_copy(tmp_path_factory, plants: dict[str, str]) -> Path:
 def planted(tmp_path_factory) -> Path:
     """A copy of sdk/ with PLANTED appended, and every engine snippet again inside strategies/."""
     copy = _planted_copy(tmp_path_factory, PLANTED)
-    engine = [code for rel, code in PLANTED.items() if rel.startswith(("inference/", "nn/rotary"))]
+    engine = [code for rel, code in PLANTED.items() if rel.startswith(("inference/", "nn/rotary", "data/loader"))]
     (copy / "strategies" / "planted.py").write_text("\n".join(engine) + "\n")  # allowed there
     return copy
 
@@ -164,6 +171,21 @@ def test_planted_private_imports_across_packages_are_found(planted):
     assert {("shardkit.models.llama", "imports _planted_private from shardkit.models.text"),
             ("shardkit.models.text", "imports _activation_checkpointing from shardkit.config.deepspeed")} <= within
     assert not any("_dtensor" in what for _, what in within), within  # a private module is no private name
+
+
+def test_no_strategy_class_checks_outside_strategies():
+    found = arch.strategy_class_checks(SDK)
+    assert not found, "strategy class checks outside sdk/strategies/ (ask the strategy's declared facts: family, " \
+                      "dims, model_state_memory, ...; see strategies/README.md):\n" + "\n".join(map(str, found))
+
+
+def test_planted_strategy_class_checks_are_found_outside_strategies_only(planted):
+    found = {(r.module.removeprefix("shardkit."), r.what) for r in arch.strategy_class_checks(planted)}
+    assert found == {("data.loader", "isinstance() against FSDP"),
+                     ("data.loader", "isinstance() against a registry class"),
+                     ("data.loader", "asks the strategy registry get_class()"),
+                     ("data.loader", "compares a class with ContextParallel"),
+                     ("data.loader", "asks the strategy registry class_names()")}, found
 
 
 def test_the_package_root_holds_only_its_init_and_packages():

@@ -13,6 +13,7 @@ from shardkit.memory import (
     deepspeed_table,
     estimate_model_states,
     find_layout,
+    listed_layouts,
     parse_count,
     recommend,
     spec_from_hf_config,
@@ -200,8 +201,13 @@ def test_rows_are_registered_strategies_with_their_constructor_options_and_names
                                                                                                    precision="bf16")
     with pytest.raises(ValueError, match="'zero4' has no memory estimate; did you mean 'zero3'"):
         estimate_model_states(spec, "zero4")
-    with pytest.raises(ValueError, match="'single' \\(single\\) has no memory estimate"):
-        estimate_model_states(spec, "single")
+    # every registered strategy is estimated by what it declares: SingleDevice holds everything, as DDP does per
+    # device; it is left out of the rows of N devices (--strategy all, recommend)
+    single, ddp = estimate_model_states(spec, "single"), estimate_model_states(spec, "ddp")
+    assert single.strategy == "single" and (single.params, single.grads, single.optimizer) == (
+        ddp.params, ddp.grads, ddp.optimizer) and single.device_total > 0
+    assert "single" not in [layout.name for layout in listed_layouts()]
+    assert [layout.name for layout in listed_layouts()] == [layout.name for layout in LAYOUTS]
     with pytest.raises(ValueError, match="unknown precision 'bf61'"):
         estimate_model_states(spec, "ddp", precision="bf61")
     assert cli_main(["estimate-memory", "--params", "1M", "--strategy", "tensor_parallel", "--precision",
