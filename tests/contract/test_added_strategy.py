@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 from added_strategy import NAME, TARGET
+
 # NOTE: the contract's checks that a subclass could break by its registration alone (facts, training, resume);
 # the rest run on FSDP itself in test_strategy_contract.py, and each costs a 2-rank FSDP job in CI.
 from test_strategy_contract import (  # noqa: F401  (the contract's tests and fixture, run here on NAME)
