@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.nn.log_probs import shift_labels as next_token_labels
 from shardkit.nn.varlen import Segments, varlen_attention
 
 __all__ = ["KVCache", "LlamaConfig", "Llama", "LlamaBlock", "llama_plan"]
@@ -321,7 +322,8 @@ class Llama(nn.Module):
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                cache: KVCache | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
+                return_log_probs: bool = False) -> torch.Tensor:
         """The mean cross-entropy of predicting ``labels[t+1]`` from position t (labels of -100 are
         ignored), or the logits when no labels are given; ``cache`` (inference) holds earlier positions.
 
@@ -329,13 +331,30 @@ class Llama(nn.Module):
         (wherever a position is not the previous one plus one) and attention never crosses a restart. Label the
         first token of each sequence -100 so that no loss is taken across the boundary (the collators of
         :mod:`shardkit.sft` do).
+
+        ``return_log_probs=True`` (with labels) returns instead the (B, T) log-probabilities of ``labels[t+1]`` at
+        each position t (0 at the last one and where the label is -100), from the chunked
+        :func:`shardkit.nn.causal_lm_log_probs`: no logits. Computed here, inside the model's forward, so that
+        an engine that shards the head (FSDP, ZeRO-3) has it whole, as for the loss.
         """
         hidden = self.hidden_states(input_ids, cache, position_ids)
+        if return_log_probs:
+            if labels is None:
+                raise ValueError("Llama: return_log_probs=True needs labels (the tokens to score)")
+            return self.label_log_probs(hidden, next_token_labels(labels))
         if labels is None:
             return self.lm_head(hidden)
         shift_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         shift_labels = labels[:, 1:].reshape(-1)
         return self.lm_head(shift_hidden, shift_labels)
+
+    def label_log_probs(self, hidden: torch.Tensor, shifted_labels: torch.Tensor) -> torch.Tensor:
+        """(B, T) log-probabilities of ``shifted_labels`` (-100: 0) from the final hidden states, chunked (no logits;
+        :func:`shardkit.nn.causal_lm_log_probs`). Called inside a forward (this one, or ContextParallel's on its
+        chunk of the sequence), where a sharding engine has the head whole."""
+        from shardkit.nn.log_probs import causal_lm_log_probs
+
+        return causal_lm_log_probs(hidden, self.lm_head, shifted_labels=shifted_labels)
 
     @torch.no_grad()
     def generate(

@@ -79,6 +79,8 @@ REFUSALS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("pp", "gathered"): ("NotImplementedError", ("Pipeline", "runner.iter_full_state_dict(model)")),
     # A pipeline-split model runs only model(input_ids, labels=...) (the schedule's forward and backward).
     ("pp", "generation"): ("NotImplementedError", ("Pipeline", "generation", "single-device or FSDP strategy")),
+    # Per-token log-probs for a preference loss are not a loss the pipeline schedule runs.
+    ("pp", "preference"): ("NotImplementedError", ("Pipeline", "return_log_probs")),
 }
 # (strategy, test: a check of contract_workers.CHECKS or "reload") -> reason: a real bug (or engine limitation)
 # reported to the lead, marked as a strict xfail of that one case so that its fix shows up as an XPASS failure.
@@ -369,3 +371,23 @@ def test_set_up_strategy_keeps_its_facts_and_accelerate_reports_its_family(contr
         if r["world_size"] > 1:
             assert r["accelerate"] == _BY_FAMILY[r["family"]], (name, rank, r)
     assert len({r["family"] for r in results}) == 1, f"{name}: ranks disagree on the family"
+
+
+def test_preference_loss_on_chunked_log_probs_equals_one_device(contract, request):
+    """A DPO-sigmoid step on sequence log-probs from the chunked op (policy + frozen reference set up under the
+    strategy, the reference sharded alike; TP with the head split on the vocabulary, CP with the sequences split):
+    the loss and the updated policy weights equal one process's plain computation."""
+    name, results = contract["name"], _check(contract, request, "preference")
+    if results is None:  # refused by name (REFUSALS), which _check asserted
+        return
+    one = contract["ranks"][0]["ddp"]["preference"]
+    for rank, r in enumerate(results):
+        _close(r["loss"], one["loss"], _tol(name, "losses") or COMMON["losses"], f"{name} rank {rank}: DPO loss")
+        want = list(one["weights"]) if rank in _holders(contract) else []
+        assert sorted(r["weights"]) == sorted(want), f"{name} rank {rank}: weights held {sorted(r['weights'])[:5]}"
+        for key, w in r["weights"].items():
+            _close(w, one["weights"][key], _tol(name, "weights") or COMMON["weights"], f"{name} rank {rank}: {key}")
+    if name == "tp":
+        assert all("Shard(dim=0)" in r["head_placements"] for r in results), results[0]["head_placements"]
+        for r in results:  # bias, softcap, temperature, entropy and ignored rows on the vocab-parallel path too
+            assert max(r["vocab_parallel"].values()) < 1e-5, r["vocab_parallel"]
