@@ -1,7 +1,7 @@
 """DPO training step: shardkit's DPOTrainer against TRL's, same tiny HF Llama, same rows, at vocabularies 32k and 128k.
 
     python benchmarks/dpo.py [--vocab 32000 128000] [--hidden 64] [--layers 2] [--pairs 8] [--steps 4] [--warmup 2]
-                             [--completion 96]
+                             [--completion 96] [--parallel]
 
 Each (contender, vocabulary) runs in a child process of its own, with glibc's mmap threshold at 1 MiB so that freed
 blocks leave the resident set (see benchmarks/_timing.py); both contenders run under the same setting.
@@ -92,7 +92,7 @@ def child(contender: str, opts: argparse.Namespace) -> dict:
         from shardkit.preference import DPOConfig, DPOTrainer
         from shardkit.trainer.callbacks import TrainerCallback as OurCallback
 
-        class OurClock(OurCallback, Clock):
+        class OurClock(Clock, OurCallback):  # Clock's on_step_end first (the base's is a no-op)
             pass
 
         trainer = DPOTrainer(model, args=DPOConfig(**settings), train_dataset=data, processing_class=tokenizer,
@@ -113,6 +113,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--child", choices=("shardkit", "trl"))
+    parser.add_argument("--parallel", action="store_true",
+                        help="run the four children at once (peak memory is per process; step times then share the "
+                             "CPUs, each contender as much as the other)")
     opts = parser.parse_args()
     if opts.child:
         print("RESULT " + json.dumps(child(opts.child, opts)), flush=True)
@@ -121,17 +124,24 @@ def main() -> None:
            "PYTHONPATH": os.pathsep.join([str(ROOT / ".pp"), os.environ.get("PYTHONPATH", "")])}
     print(f"machine: {machine_description()}; load average at start: {os.getloadavg()}", flush=True)
     table = []
+    runs = {}
     for vocab in opts.vocab:
-        results = {}
         for contender in ("trl", "shardkit"):
             args = [sys.executable, __file__, "--child", contender, "--vocab", str(vocab)] + \
                 [f"--{k}={getattr(opts, k)}" for k in ("hidden", "layers", "pairs", "completion", "steps", "warmup")]
-            out = subprocess.run(args, env=env, capture_output=True, text=True, check=False)
-            line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                sys.exit(f"{contender} at vocab {vocab} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-            results[contender] = json.loads(line[len("RESULT "):])
-        trl_r, ours = results["trl"], results["shardkit"]
+            runs[vocab, contender] = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                      text=True)
+            if not opts.parallel:
+                runs[vocab, contender].wait()
+    results = {}
+    for (vocab, contender), proc in runs.items():
+        stdout, stderr = proc.communicate()
+        line = next((x for x in stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            sys.exit(f"{contender} at vocab {vocab} failed:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+        results[vocab, contender] = json.loads(line[len("RESULT "):])
+    for vocab in opts.vocab:
+        trl_r, ours = results[vocab, "trl"], results[vocab, "shardkit"]
         table.append([f"{vocab:,}", f"{trl_r['step_s']:.3f}", f"{ours['step_s']:.3f}",
                       f"{trl_r['step_s'] / ours['step_s']:.2f}x", fmt_bytes(trl_r["peak"]), fmt_bytes(ours["peak"]),
                       f"{ours['peak'] / trl_r['peak']:.2f}", f"{trl_r['losses'][0]:.4f} / {ours['losses'][0]:.4f}"])
