@@ -32,5 +32,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "Strategy": "strategies", "FSDP": "strategies.fsdp", "TensorParallel": "strategies.tensor_parallel",
     "Accelerator": "accelerate_compat", "notebook_launcher": "accelerate_compat", "Trainer": "trainer",
     "TrainingArguments": "trainer", "SFTTrainer": "sft", "SFTConfig": "sft",
+    "DPOTrainer": "preference", "DPOConfig": "preference",
 }, fallback=_registered_strategy)
 install_moved_modules()
