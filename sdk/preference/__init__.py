@@ -1,0 +1,1 @@
+"""Preference fine-tuning on shardkit's Trainer, with TRL's names."""
