@@ -12,6 +12,7 @@ from .cross_entropy import cross_entropy, cross_entropy_reference
 from .fused_linear_cross_entropy import fused_linear_cross_entropy, linear_cross_entropy_reference
 from .geglu import geglu, geglu_reference
 from .layer_norm import layer_norm, layer_norm_reference
+from .linear_log_probs import linear_log_probs, linear_log_probs_reference
 from .registry import OpSpec, get_op, registered_ops
 from .rms_norm import rms_norm, rms_norm_reference
 from .rope import rope, rope_reference
@@ -36,6 +37,8 @@ __all__ = [
     "layer_norm",
     "layer_norm_reference",
     "linear_cross_entropy_reference",
+    "linear_log_probs",
+    "linear_log_probs_reference",
     "registered_ops",
     "rms_norm",
     "rms_norm_reference",

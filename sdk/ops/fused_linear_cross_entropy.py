@@ -37,12 +37,15 @@ from .registry import OpSpec, native, register
 
 __all__ = [
     "SPEC",
+    "accumulate_dtype",
     "check_label_range",
     "check_loss_options",
     "chunk_rows_for",
     "flce_compute_dtype",
     "flce_rows_reference",
+    "fold_chunk_grads",
     "fused_linear_cross_entropy",
+    "grad_weight_block_rows",
     "linear_cross_entropy_reference",
     "rows_triton",
 ]
@@ -60,7 +63,7 @@ _GRAD_WEIGHT_BLOCK_BYTES = 32 * 2**20
 RowsFn = Callable[[Tensor, Tensor, Tensor, int, float, float, bool], Tensor]
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the row pass, the loss and the accumulators: fp32, or float64 for the float64 oracle."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -98,7 +101,7 @@ def _saved_weight_dtype(compute_dtype: torch.dtype, weight_dtype: torch.dtype) -
     overflow. bf16 has fp32's exponent range, and measured against the naive path with a 1/k upstream its
     second rounding stays within the 2x rule (1.0-1.4x of naive's error), so it keeps its own dtype.
     """
-    acc = _acc(compute_dtype)
+    acc = accumulate_dtype(compute_dtype)
     return weight_dtype if weight_dtype in (acc, torch.bfloat16) else acc
 
 
@@ -194,7 +197,7 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
     caller picks what to keep them in.
     """
     n, vocab = hidden.shape[0], weight.shape[0]
-    acc = _acc(hidden.dtype)
+    acc = accumulate_dtype(hidden.dtype)
     need_h, need_w, need_b = need
     write_grad = any(need)
     loss = hidden.new_empty(n, dtype=acc)
@@ -206,7 +209,7 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
     gw = weight.new_zeros(weight.shape, dtype=gw_dtype) if need_w else weight.new_empty(0, dtype=acc)
     gb = weight.new_zeros(vocab, dtype=acc) if need_b else weight.new_empty(0, dtype=acc)
     wt = weight.t()
-    block = max(1, _GRAD_WEIGHT_BLOCK_BYTES // (weight.element_size() * max(1, weight.shape[1])))  # vocab rows
+    block = grad_weight_block_rows(weight)
     for s in range(0, n, chunk_rows):
         e = min(n, s + chunk_rows)
         hc = hidden[s:e]
@@ -219,13 +222,19 @@ def _chunked(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
         z = torch.addmm(bias, hc, wt) if bias is not None else hc @ wt  # chunk_rows x V
         loss[s:e] = rows_fn(z, labels[s:e], row_scale[s:e], ignore_index, label_smoothing, softcap, write_grad)
         if write_grad:
-            _fold_chunk(z, hc, weight, (gh[s:e] if need_h else None, gw if need_w else None, gb if need_b else None),
-                        fold_bf16, block)
+            fold_chunk_grads(z, hc, weight,
+                             (gh[s:e] if need_h else None, gw if need_w else None, gb if need_b else None),
+                             fold_bf16, block)
         del z  # before the next chunk's logits exist
     return loss, gh, gw, gb
 
 
-def _fold_chunk(g: Tensor, hc: Tensor, weight: Tensor, outs: tuple[Tensor | None, Tensor | None, Tensor | None],
+def grad_weight_block_rows(weight: Tensor) -> int:
+    """Vocab rows of one 16-bit grad_weight product in the fp16 fold (bounded by ``_GRAD_WEIGHT_BLOCK_BYTES``)."""
+    return max(1, _GRAD_WEIGHT_BLOCK_BYTES // (weight.element_size() * max(1, weight.shape[1])))
+
+
+def fold_chunk_grads(g: Tensor, hc: Tensor, weight: Tensor, outs: tuple[Tensor | None, Tensor | None, Tensor | None],
                 fold_bf16: bool, block: int) -> None:
     """Adds one chunk's logits gradient ``g`` (rows, V; the input dtype) into grad_hidden rows, grad_weight and
     grad_bias (``outs``, None where not needed)."""
@@ -302,7 +311,7 @@ def _flce_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
     """Loss (fp32) and the gradients backward will scale: grad_hidden in ``compute_dtype``, grad_weight in
     :func:`_saved_weight_dtype`, grad_bias in fp32 (empty where not needed)."""
     valid = labels != ignore_index
-    acc = _acc(compute_dtype)
+    acc = accumulate_dtype(compute_dtype)
     row_scale = valid.to(acc)
     if reduction == "mean" and not _defers_mean(compute_dtype, reduction):
         row_scale = row_scale / valid.sum().clamp(min=1).to(acc)
@@ -317,7 +326,7 @@ def _flce_op(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None
 def _(hidden, weight, labels, bias, ignore_index, reduction, label_smoothing, softcap, chunk_rows, compute_dtype,
       need_hidden, need_weight, need_bias):
     grads = reduction != "none"
-    acc = _acc(compute_dtype)
+    acc = accumulate_dtype(compute_dtype)
     loss = hidden.new_empty((hidden.shape[0],) if reduction == "none" else (), dtype=acc)
     gh = hidden.new_empty(hidden.shape if grads and need_hidden else (0,), dtype=compute_dtype)
     gw = weight.new_empty(weight.shape if grads and need_weight else (0,),
@@ -333,7 +342,7 @@ def _flce_backward_rows_op(grad_loss: Tensor, hidden: Tensor, weight: Tensor, la
                            need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """reduction="none" backward: recompute each chunk with row scale ``grad_loss[i]`` (ignored rows: 0)."""
     valid = labels != ignore_index
-    acc = _acc(compute_dtype)
+    acc = accumulate_dtype(compute_dtype)
     row_scale = torch.where(valid, grad_loss.to(acc), torch.zeros((), dtype=acc, device=grad_loss.device))
     need = (need_hidden, need_weight, need_bias)
     # labels were checked by the forward pass
