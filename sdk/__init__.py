@@ -21,6 +21,7 @@ _load, _names = lazy_exports(__name__, {
     "Strategy": "strategies", "FSDP": "strategies.fsdp", "TensorParallel": "strategies.tensor_parallel",
     "Accelerator": "accelerate_compat", "notebook_launcher": "accelerate_compat", "Trainer": "trainer",
     "TrainingArguments": "trainer", "SFTTrainer": "sft", "SFTConfig": "sft",
+    "DPOTrainer": "preference", "DPOConfig": "preference",
 })
 install_moved_modules()
 

@@ -321,7 +321,8 @@ class Llama(nn.Module):
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                cache: KVCache | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
+                return_hidden: bool = False) -> torch.Tensor:
         """The mean cross-entropy of predicting ``labels[t+1]`` from position t (labels of -100 are
         ignored), or the logits when no labels are given; ``cache`` (inference) holds earlier positions.
 
@@ -329,8 +330,15 @@ class Llama(nn.Module):
         (wherever a position is not the previous one plus one) and attention never crosses a restart. Label the
         first token of each sequence -100 so that no loss is taken across the boundary (the collators of
         :mod:`shardkit.sft` do).
+
+        ``return_hidden=True`` returns the final hidden states instead (no head): a loss of its own, such as the
+        preference trainers' log-probs, then runs through the set-up model's forward (and its strategy's hooks).
         """
         hidden = self.hidden_states(input_ids, cache, position_ids)
+        if return_hidden:
+            if labels is not None:
+                raise ValueError("Llama.forward: return_hidden=True returns hidden states, not a loss: drop labels")
+            return hidden
         if labels is None:
             return self.lm_head(hidden)
         shift_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
