@@ -22,6 +22,8 @@ _load, _names = lazy_exports(__name__, {
     "Accelerator": "accelerate_compat", "notebook_launcher": "accelerate_compat", "Trainer": "trainer",
     "TrainingArguments": "trainer", "SFTTrainer": "sft", "SFTConfig": "sft",
     "DPOTrainer": "preference", "DPOConfig": "preference",
+    "KTOTrainer": "preference", "KTOConfig": "preference", "ORPOTrainer": "preference", "ORPOConfig": "preference",
+    "CPOTrainer": "preference", "CPOConfig": "preference",
 })
 install_moved_modules()
 

@@ -86,6 +86,11 @@ class CPOConfig(TrainingArguments):
         max_completion_length, is_encoder_decoder, generate_during_eval: not supported (must stay unset).
     """
 
+    # Not settings (no annotation, so no dataclass field): what the shared PreferenceTrainer reads of DPO's data
+    # options. These trainers cut and pad their rows as TRL's do (see max_length), never padding-free.
+    truncation_mode = "keep_start"
+    padding_free = False
+
     learning_rate: float = 1e-6  # TRL's default for CPO
     max_length: int | None = 1024
     max_completion_length: int | None = None

@@ -81,11 +81,6 @@ def kto_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
     return losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
 
 
-def kto_mean_loss(losses: torch.Tensor) -> torch.Tensor:
-    """The micro-batch's loss: the mean of the rows' losses (NaN rows left out, as TRL)."""
-    return losses.nanmean()
-
-
 @dataclass
 class KTOConfig(TrainingArguments):
     """Settings of a :class:`~shardkit.preference.KTOTrainer` run: every TrainingArguments field plus TRL's KTO ones.
@@ -117,6 +112,11 @@ class KTOConfig(TrainingArguments):
     ``train_sampling_strategy`` defaults to ``"sequential"`` as in TRL; here the KL pairs are built inside each
     micro-batch, so ``"random"`` keeps them right as well.
     """
+
+    # Not settings (no annotation, so no dataclass field): what the shared PreferenceTrainer reads of DPO's data
+    # options. These trainers cut and pad their rows as TRL's do (see max_length), never padding-free.
+    truncation_mode = "keep_start"
+    padding_free = False
 
     learning_rate: float = 1e-6  # TRL's default for KTO
     train_sampling_strategy: str = "sequential"

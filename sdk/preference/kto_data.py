@@ -71,13 +71,20 @@ def unpair_rows(rows: Sequence[Mapping[str, Any]], name: str = "train") -> list[
     Raises:
         ValueError: a row with neither ``completion`` nor ``chosen``/``rejected``, or missing one of them.
     """
-    out: list[dict[str, Any]] = []
+    return [row for _, row in _unpair_with_sources(rows, name)]
+
+
+def _unpair_with_sources(rows: Sequence[Mapping[str, Any]], name: str) -> list[tuple[int, dict[str, Any]]]:
+    """:func:`unpair_rows`, each row with the index of the row it came from (for error messages)."""
+    out: list[tuple[int, dict[str, Any]]] = []
     for start in range(0, len(rows), _UNPAIR_BLOCK):
-        block = rows[start:start + _UNPAIR_BLOCK]
-        paired = [(start + i, r) for i, r in enumerate(block) if "completion" not in r]
-        out.extend(dict(r) for r in block if "completion" in r)
+        block = list(enumerate(rows[start:start + _UNPAIR_BLOCK], start))
+        for index, row in block:
+            if not isinstance(row, Mapping):
+                raise ValueError(f"KTO data, {name} row {index}: a row is a dict of fields, got {type(row).__name__}")
+        out.extend((i, dict(r)) for i, r in block if "completion" in r)
         chosen, rejected = [], []
-        for index, row in paired:
+        for index, row in ((i, r) for i, r in block if "completion" not in r):
             for field in ("chosen", "rejected"):
                 if field not in row or row[field] is None:
                     raise ValueError(f"{_where(name, index, field)}: the row has no {field!r}. KTO rows are "
@@ -93,8 +100,8 @@ def unpair_rows(rows: Sequence[Mapping[str, Any]], name: str = "train") -> list[
             else:
                 raise ValueError(f"{_where(name, index, 'rejected')}: 'chosen' and 'rejected' must both be text or "
                                  "both message lists")
-            chosen.append({**extra, "prompt": prompt, "completion": good, "label": True})
-            rejected.append({**extra, "prompt": prompt, "completion": bad, "label": False})
+            chosen.append((index, {**extra, "prompt": prompt, "completion": good, "label": True}))
+            rejected.append((index, {**extra, "prompt": prompt, "completion": bad, "label": False}))
         out.extend(chosen + rejected)
     return out
 
@@ -188,22 +195,21 @@ def prepare_unpaired_dataset(dataset: Any, tokenizer: Any, max_length: int | Non
         raise ValueError(f"the {name} dataset is streamed: KTOTrainer reads a sized dataset (a datasets.Dataset "
                          "or a list of rows); take a part of the stream, e.g. "
                          "datasets.Dataset.from_list(list(ds.take(n)))")
+    tokenize = UnpairedTokenizer(tokenizer, max_length, name)
     if isinstance(dataset, datasets.Dataset):
         if "prompt_ids" in dataset.column_names:
             return dataset
-        if "completion" not in dataset.column_names:
-            dataset = datasets.Dataset.from_list(unpair_rows(dataset.to_list(), name))
+        if "completion" in dataset.column_names:
+            return dataset.map(tokenize.batch, batched=True, with_indices=True, num_proc=num_proc,
+                               remove_columns=dataset.column_names, desc=f"Tokenizing the {name} dataset")
+        rows: list[Any] = dataset.to_list()
     else:
-        rows = list(dataset) if not isinstance(dataset, list) else dataset
-        for i, row in enumerate(rows):
-            if not isinstance(row, Mapping):
-                raise ValueError(f"KTO data, {name} row {i}: a row is a dict of fields, got {type(row).__name__}")
-        if rows and all("prompt_ids" in r for r in rows):
-            return datasets.Dataset.from_list(rows)
-        dataset = datasets.Dataset.from_list(unpair_rows(rows, name))
-    tokenize = UnpairedTokenizer(tokenizer, max_length, name)
-    return dataset.map(tokenize.batch, batched=True, with_indices=True, num_proc=num_proc,
-                       remove_columns=dataset.column_names, desc=f"Tokenizing the {name} dataset")
+        rows = list(dataset)
+    if rows and all(isinstance(r, Mapping) and "prompt_ids" in r for r in rows):
+        return datasets.Dataset.from_list(rows)
+    # Rows as Python objects (mixed text and messages would not form an Arrow table): each error names the row
+    # the user gave.
+    return datasets.Dataset.from_list([tokenize(row, index) for index, row in _unpair_with_sources(rows, name)])
 
 
 def rotate_completions(completions: list[list[int]]) -> list[list[int]]:

@@ -37,21 +37,16 @@ def odds_ratio_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, *,
         beta: the weight of the odds-ratio term (the paper's lambda).
 
     Returns:
-        ``(losses, chosen_rewards, rejected_rewards, log_odds_ratio, log_odds_chosen)``: ``losses`` is
-        ``-beta * log sigmoid(log odds ratio)`` per pair (the trainer adds its mean to the chosen NLL); the
-        rewards are ``beta * logps`` (detached); ``log_odds_ratio`` is the mean of ``log sigmoid(log odds)`` and
-        ``log_odds_chosen`` the mean log odds, both logged as TRL does.
+        ``(losses, chosen_rewards, rejected_rewards, log_odds_ratio, log_odds_chosen)``, each ``[pairs]``:
+        ``losses`` is ``-beta * log sigmoid(log odds ratio)`` (the trainer adds its mean to the chosen NLL); the
+        rewards are ``beta * logps`` (detached); ``log_odds_ratio`` is ``log sigmoid(log odds)`` and
+        ``log_odds_chosen`` the log odds (detached; TRL logs their means under these names).
     """
     chosen_logps, rejected_logps = chosen_logps.float(), rejected_logps.float()
     log_odds = (chosen_logps - rejected_logps) - (log1mexp(chosen_logps) - log1mexp(rejected_logps))
     ratio = F.logsigmoid(log_odds)
     losses = -(beta * ratio)
-    return (losses, beta * chosen_logps.detach(), beta * rejected_logps.detach(), ratio.mean(), log_odds.mean())
-
-
-def orpo_total_loss(nll: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
-    """The micro-batch's ORPO loss: the chosen NLL plus the mean odds-ratio loss."""
-    return nll + losses.mean()
+    return (losses, beta * chosen_logps.detach(), beta * rejected_logps.detach(), ratio.detach(), log_odds.detach())
 
 
 @dataclass
@@ -72,6 +67,11 @@ class ORPOConfig(TrainingArguments):
         max_completion_length, is_encoder_decoder: encoder-decoder settings (not supported: decoder-only models).
         generate_during_eval: samples logged to W&B/Comet during evaluation (not supported: must stay False).
     """
+
+    # Not settings (no annotation, so no dataclass field): what the shared PreferenceTrainer reads of DPO's data
+    # options. These trainers cut and pad their rows as TRL's do (see max_length), never padding-free.
+    truncation_mode = "keep_start"
+    padding_free = False
 
     learning_rate: float = 1e-6  # TRL's default for ORPO
     max_length: int | None = 1024

@@ -177,18 +177,20 @@ def prepare_pair_dataset(dataset: Any, tokenizer: Any, max_length: int, trainer:
         raise ValueError(f"the {name} dataset is streamed: {trainer}Trainer reads a sized dataset (a "
                          "datasets.Dataset or a list of rows); take a part of the stream, e.g. "
                          "datasets.Dataset.from_list(list(ds.take(n)))")
-    if not isinstance(dataset, datasets.Dataset):
-        rows = list(dataset)
-        for i, row in enumerate(rows):
-            if not isinstance(row, Mapping):
-                raise ValueError(f"{trainer} data, {name} row {i}: a row is a dict of fields, got "
-                                 f"{type(row).__name__}")
-        dataset = datasets.Dataset.from_list(rows)
-    if "chosen_input_ids" in dataset.column_names:
-        return dataset
     tokenize = PairTokenizer(tokenizer, max_length, trainer, name)
-    return dataset.map(tokenize.batch, batched=True, with_indices=True, num_proc=num_proc,
-                       remove_columns=dataset.column_names, desc=f"Tokenizing the {name} dataset")
+    if isinstance(dataset, datasets.Dataset):
+        if "chosen_input_ids" in dataset.column_names:
+            return dataset
+        return dataset.map(tokenize.batch, batched=True, with_indices=True, num_proc=num_proc,
+                           remove_columns=dataset.column_names, desc=f"Tokenizing the {name} dataset")
+    rows = list(dataset)
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise ValueError(f"{trainer} data, {name} row {i}: a row is a dict of fields, got {type(row).__name__}")
+    if rows and all("chosen_input_ids" in r for r in rows):
+        return datasets.Dataset.from_list(rows)
+    # Rows as Python objects (mixed text and messages would not form an Arrow table): each error names its row.
+    return datasets.Dataset.from_list([tokenize(row, i) for i, row in enumerate(rows)])
 
 
 def _pad_rows(rows: list[list[int]], width: int, value: int) -> torch.Tensor:
@@ -199,8 +201,9 @@ def _pad_rows(rows: list[list[int]], width: int, value: int) -> torch.Tensor:
 
 
 class DataCollatorForPairs:
-    """Chosen and rejected sequences of a batch as one right-padded batch (the chosen rows first): ``input_ids``,
-    ``attention_mask``, ``labels`` (-100 on prompts and padding) and ``chosen_rows`` (how many rows are chosen).
+    """Chosen and rejected sequences of a batch as one right-padded batch, the chosen rows first (the shared
+    preference base's layout): ``input_ids``, ``attention_mask`` and ``completion_mask`` (1 on the answers' tokens:
+    the positions TRL's labels keep).
 
     Padding as TRL's: each side is padded to its own longest row with ``pad_token_id``, then both to the longer
     side with ``padding_value`` (the two differ only when ORPOConfig.padding_value is set).
@@ -219,9 +222,10 @@ class DataCollatorForPairs:
             grown = torch.full((len(rows), width), self.padding_value, dtype=torch.long)
             grown[:, :own.shape[1]] = own
             ids.append(grown)
-        out = {"input_ids": torch.cat(ids)}
-        for field, value in (("attention_mask", 0), ("labels", IGNORE_INDEX)):
-            out[field] = torch.cat([_pad_rows([list(e[f"{k}_{field}"]) for e in examples], width, value)
-                                    for k in ("chosen", "rejected")])
-        out["chosen_rows"] = torch.tensor(len(examples))
-        return out
+        sides_of = ("chosen", "rejected")
+        attention = torch.cat([_pad_rows([list(e[f"{k}_attention_mask"]) for e in examples], width, 0)
+                               for k in sides_of])
+        labels = torch.cat([_pad_rows([list(e[f"{k}_labels"]) for e in examples], width, IGNORE_INDEX)
+                            for k in sides_of])
+        return {"input_ids": torch.cat(ids), "attention_mask": attention,
+                "completion_mask": (labels != IGNORE_INDEX).long()}
