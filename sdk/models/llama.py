@@ -322,7 +322,7 @@ class Llama(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
-                return_hidden: bool = False) -> torch.Tensor:
+                return_log_probs: bool = False, return_hidden: bool = False) -> torch.Tensor:
         """The mean cross-entropy of predicting ``labels[t+1]`` from position t (labels of -100 are
         ignored), or the logits when no labels are given; ``cache`` (inference) holds earlier positions.
 
@@ -331,14 +331,26 @@ class Llama(nn.Module):
         first token of each sequence -100 so that no loss is taken across the boundary (the collators of
         :mod:`shardkit.sft` do).
 
+        ``return_log_probs=True`` (with labels) returns instead the (B, T) log-probabilities of ``labels[t+1]`` at
+        each position t (0 at the last one and where the label is -100), from the chunked
+        :func:`shardkit.nn.causal_lm_log_probs`: no logits. Computed here, inside the model's forward, so that
+        an engine that shards the head (FSDP, ZeRO-3) has it whole, as for the loss.
+
         ``return_hidden=True`` returns the final hidden states instead (no head): a loss of its own, such as the
         preference trainers' log-probs, then runs through the set-up model's forward (and its strategy's hooks).
         """
         hidden = self.hidden_states(input_ids, cache, position_ids)
         if return_hidden:
-            if labels is not None:
-                raise ValueError("Llama.forward: return_hidden=True returns hidden states, not a loss: drop labels")
+            if labels is not None or return_log_probs:
+                raise ValueError("Llama.forward: return_hidden=True returns hidden states, not a loss nor log-probs: "
+                                 "drop labels and return_log_probs")
             return hidden
+        if return_log_probs:
+            if labels is None:
+                raise ValueError("Llama: return_log_probs=True needs labels (the tokens to score)")
+            from shardkit.nn.log_probs import causal_lm_log_probs
+
+            return causal_lm_log_probs(hidden, self.lm_head, labels)
         if labels is None:
             return self.lm_head(hidden)
         shift_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])

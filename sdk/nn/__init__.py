@@ -2,6 +2,7 @@
 
 from shardkit.strategies.activation_checkpointing import ActivationCheckpointing
 
+from .log_probs import causal_lm_log_probs, head_log_probs
 from .loss import FusedLinearCrossEntropyLoss
 from .patching import apply_fused_kernels
 from .rms_norm import RMSNorm
@@ -17,4 +18,6 @@ __all__ = [
     "RotaryEmbedding",
     "SwiGLUMLP",
     "apply_fused_kernels",
+    "causal_lm_log_probs",
+    "head_log_probs",
 ]

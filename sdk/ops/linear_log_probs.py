@@ -96,13 +96,14 @@ def rows_backward_reference(z: Tensor, labels: Tensor, grad_lp: Tensor, grad_ent
 
 
 def _blocks(z: Tensor) -> range:
-    """Row starts of fp32 blocks of a 16-bit chunk (1/32 of it: the row math's fp32 temporaries stay small)."""
+    """Row starts of blocks of 1/32 of a chunk: the row math's fp32 temporaries stay at a fraction of the chunk."""
     return range(0, z.shape[0], max(1, z.shape[0] // 32))
 
 
 def _rows_forward_any(z: Tensor, labels: Tensor, softcap: float, inv_temp: float,
                       want_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
-    if z.dtype not in _HALF:
+    """:func:`rows_forward_reference` on logits of any float dtype, fp32 blocks at a time (float64 whole)."""
+    if z.dtype == torch.float64:
         return rows_forward_reference(z, labels, softcap, inv_temp, want_entropy)
     step = max(1, z.shape[0] // 32)
     parts = [rows_forward_reference(z[s:s + step].float(), labels[s:s + step], softcap, inv_temp, want_entropy)
@@ -112,16 +113,19 @@ def _rows_forward_any(z: Tensor, labels: Tensor, softcap: float, inv_temp: float
 
 def _rows_backward_any(z: Tensor, labels: Tensor, grad_lp: Tensor, grad_ent: Tensor, lse: Tensor, m: Tensor,
                        softcap: float, inv_temp: float) -> None:
-    if z.dtype not in _HALF:
+    """:func:`rows_backward_reference` on logits of any float dtype, blocks at a time: an fp32 block is written in
+    place, a 16-bit one through an fp32 copy rounded back (as the Triton row pass does)."""
+    if z.dtype == torch.float64:
         rows_backward_reference(z, labels, grad_lp, grad_ent, lse, m, softcap, inv_temp)
         return
     step = max(1, z.shape[0] // 32)
     for s in _blocks(z):
-        block = z[s:s + step].float()
+        block = z[s:s + step].float()  # a view of fp32 logits: written in place
         rows_backward_reference(block, labels[s:s + step], grad_lp[s:s + step],
                                 grad_ent[s:s + step] if grad_ent.numel() else grad_ent, lse[s:s + step],
                                 m[s:s + step] if m.numel() else m, softcap, inv_temp)
-        z[s:s + step].copy_(block)
+        if z.dtype != torch.float32:
+            z[s:s + step].copy_(block)
 
 
 def rows_forward_triton(z: Tensor, labels: Tensor, softcap: float, inv_temp: float,

@@ -94,8 +94,9 @@ class PreferenceTrainer(Trainer):
             _disable_dropout(model)
         if args.padding_free:
             _packed_attention(model)
+        # precompute_ref_log_probs without a ref_model: a copy is made and freed around the precomputation.
         wants_reference = self.uses_reference and ref_model is None and peft_config is None and \
-            not is_peft_model(model)
+            not is_peft_model(model) and not getattr(args, "precompute_ref_log_probs", False)
         if wants_reference:  # copied before adapters are added or the strategy takes the model
             ref_model = copy.deepcopy(model)
         elif ref_model is not None and args.padding_free:

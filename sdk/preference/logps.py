@@ -3,10 +3,11 @@
 The model runs to its last hidden states only (a Hugging Face model with ``output_hidden_states`` and
 ``logits_to_keep=1``, so its head projects one position per row; shardkit's Llama with ``return_hidden=True``),
 always through the set-up (wrapped) model so that the strategy's hooks run. The completion positions are then
-scored against the LM head weight by :func:`shardkit.ops.linear_log_probs`, chunked over rows, and summed per
-sequence. The mean logit (TRL's ``logits/*`` metrics) is ``hidden . mean(W) + mean(b)`` (the mean of a linear map),
-exact and ``O(tokens x hidden)``; with a softcap, and for WPO's ``log sum p^2``, the logits are rebuilt under
-``no_grad`` a bounded block of rows at a time.
+scored against the LM head weight by :func:`shardkit.ops.linear_log_probs` (through
+:func:`shardkit.nn.head_log_probs`), chunked over rows, and summed per sequence. The mean logit (TRL's
+``logits/*`` metrics) is ``hidden . mean(W) + mean(b)`` (the mean of a linear map), exact and
+``O(tokens x hidden)``; with a softcap, and for WPO's ``log sum p^2``, the logits are rebuilt under ``no_grad``
+a bounded block of rows at a time.
 """
 
 from __future__ import annotations
@@ -81,36 +82,14 @@ def last_hidden_states(model: nn.Module, unwrapped: nn.Module, batch: dict[str, 
     return states[-1]
 
 
-def _fallback_log_probs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
-                        softcap: float | None, chunk_rows: int) -> Tensor:
-    """Row-chunked log-probs, each chunk's logits recomputed in backward (used where the op is not available)."""
-    from torch.utils.checkpoint import checkpoint
-
-    def block(h: Tensor, y: Tensor) -> Tensor:
-        logits = (h @ weight.t()).float()
-        if bias is not None:
-            logits = logits + bias.float()
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
-        return logits.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(logits, dim=1)
-
-    parts = [checkpoint(block, hidden[i:i + chunk_rows], labels[i:i + chunk_rows], use_reentrant=False)
-             for i in range(0, hidden.shape[0], chunk_rows)]
-    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
-
-
 def token_log_probs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None,
                     softcap: float | None = None) -> Tensor:
     """``log softmax(hidden @ weight.T + bias)[labels]`` per row of ``hidden [N, H]`` without the ``[N, V]``
-    logits (fp32)."""
-    try:
-        from shardkit.ops import linear_log_probs
-    except ImportError:
-        linear_log_probs = None
-    if linear_log_probs is not None:
-        return linear_log_probs(hidden, weight, labels, bias=bias, softcap=softcap).float()
-    rows = max(1, _BLOCK_ELEMENTS // max(weight.shape[0], 1))
-    return _fallback_log_probs(hidden, weight, labels, bias, softcap, rows)
+    logits (fp32): :func:`shardkit.nn.head_log_probs`, which gathers a ZeRO-3 head and combines a TensorParallel
+    vocabulary split (and refuses an FSDP2 shard read outside the forward)."""
+    from shardkit.nn.log_probs import head_log_probs
+
+    return head_log_probs(hidden, weight, labels, bias=bias, softcap=softcap).float()
 
 
 @torch.no_grad()

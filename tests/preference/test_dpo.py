@@ -1,0 +1,169 @@
+"""DPOTrainer's own behaviour: precomputed reference = on the fly, a PEFT model's disabled adapter = a frozen copy
+of its base, padding-free = padded, shardkit's Llama trains, bad rows and unsupported settings are named."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from shardkit.preference import DPOConfig, DPOTrainer
+from shardkit.trainer.callbacks import TrainerCallback
+from tests.preference.conftest import rows
+
+datasets = pytest.importorskip("datasets")
+
+
+class Grads(TrainerCallback):
+    def __init__(self):
+        self.grads = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+
+def _args(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2,
+                lr_scheduler_type="constant", logging_steps=1, report_to="none", max_grad_norm=0.0, seed=0,
+                max_length=64, beta=0.5, save_strategy="no", disable_tqdm=True, use_cpu=True,
+                train_sampling_strategy="sequential")
+    return DPOConfig(**{**base, **kw})
+
+
+def _train(model, tokenizer, args, data=None, **kw):
+    grads = Grads()
+    trainer = DPOTrainer(model, args=args, train_dataset=data if data is not None else rows(),
+                         processing_class=tokenizer, callbacks=[grads], **kw)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return losses, grads.grads, trainer
+
+
+def _assert_same(a, b, atol=1e-6):
+    (la, ga, _), (lb, gb, _) = a, b
+    assert la == pytest.approx(lb, abs=atol)
+    assert len(ga) == len(gb) and ga
+    for x, y in zip(ga, gb):
+        assert set(x) == set(y)
+        for name in x:
+            torch.testing.assert_close(x[name], y[name], atol=atol, rtol=1e-5, msg=name)
+
+
+def test_precomputed_reference_equals_on_the_fly(model, tokenizer, tmp_path):
+    live = _train(copy.deepcopy(model), tokenizer, _args(tmp_path / "live"))
+    pre = _train(copy.deepcopy(model), tokenizer, _args(tmp_path / "pre", precompute_ref_log_probs=True,
+                                                         precompute_ref_batch_size=3))
+    assert pre[2].ref_model is None  # nothing kept in memory during training
+    assert all("ref_chosen_logps" in row for row in pre[2].train_dataset)
+    _assert_same(live, pre)
+
+
+def test_peft_disabled_adapter_reference_equals_frozen_base_copy(model, tokenizer, tmp_path):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                             init_lora_weights=False)  # non-zero adapters: policy and reference differ from step 0
+    torch.manual_seed(1)
+    adapter = _train(copy.deepcopy(model), tokenizer, _args(tmp_path / "adapter"), peft_config=config)
+    assert adapter[2].ref_model is None  # no second copy
+    torch.manual_seed(1)
+    frozen = _train(copy.deepcopy(model), tokenizer, _args(tmp_path / "copy"), peft_config=config,
+                    ref_model=copy.deepcopy(model))
+    _assert_same(adapter, frozen)
+    rewards = [h["rewards/margins"] for h in adapter[2].state.log_history if "rewards/margins" in h]
+    assert rewards and any(abs(r) > 1e-6 for r in rewards)  # the reference is not the policy
+
+
+def test_padding_free_equals_padded(model, tokenizer, tmp_path):
+    padded = _train(copy.deepcopy(model), tokenizer, _args(tmp_path / "padded"))
+    flat = _train(copy.deepcopy(model), tokenizer, _args(tmp_path / "flat", padding_free=True))
+    batch = flat[2].data_collator([flat[2].train_dataset[i] for i in range(2)])
+    assert batch["input_ids"].shape[0] == 1 and "attention_mask" not in batch  # one row, no padding
+    _assert_same(padded, flat, atol=1e-5)
+
+
+def test_shardkit_llama_loss_falls_with_ld_alpha_and_sft(tokenizer, tmp_path):
+    from shardkit.models import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
+                              num_heads=4, num_kv_heads=2, max_position=128, fused=False))
+    losses, _, trainer = _train(model, tokenizer, _args(tmp_path, max_steps=8, loss_type=["sigmoid", "sft"],
+                                                        loss_weights=[1.0, 0.1], ld_alpha=0.5, padding_free=True,
+                                                        per_device_train_batch_size=8))
+    assert losses[-1] < losses[0]
+    accuracies = [h["rewards/accuracies"] for h in trainer.state.log_history if "rewards/accuracies" in h]
+    assert accuracies[-1] == 1.0
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "Hello", "chosen": " there."}, r"row 2: field 'rejected' is missing"),
+    ({"prompt": "Hello", "chosen": "", "rejected": " no."}, r"row 2, field 'chosen': the completion is empty"),
+    ({"prompt": "word " * 80, "chosen": " a.", "rejected": " b."}, r"row 2, field 'prompt': the prompt is \d+ tokens"),
+    ({"prompt": [{"role": "user", "content": "hi"}], "chosen": [{"role": "assistant", "content": "hello"}],
+      "rejected": [{"role": "assistant"}]}, r"row 2: .*rejected"),
+])
+def test_bad_rows_are_named(model, tokenizer, tmp_path, row, message):
+    data = rows(2) + [row]
+    with pytest.raises(ValueError, match=message):
+        DPOTrainer(model, args=_args(tmp_path), train_dataset=data, processing_class=tokenizer)
+
+
+def test_conversational_rows_use_the_chat_template(model, tokenizer, tmp_path):
+    convo = [{"prompt": [{"role": "user", "content": p}], "chosen": [{"role": "assistant", "content": c}],
+              "rejected": [{"role": "assistant", "content": r}]} for p, c, r in
+             ((r["prompt"], r["chosen"], r["rejected"]) for r in rows(4))]
+    trainer = DPOTrainer(model, args=_args(tmp_path, max_steps=1), train_dataset=datasets.Dataset.from_list(convo),
+                         processing_class=tokenizer)
+    row = trainer.train_dataset[0]
+    prompt = tokenizer.apply_chat_template(convo[0]["prompt"], tokenize=True, add_generation_prompt=True,
+                                           return_dict=True)["input_ids"]
+    assert list(row["prompt_ids"]) == list(prompt)
+    assert tokenizer.decode(row["chosen_ids"]).startswith(convo[0]["chosen"][0]["content"])
+    trainer.train()
+
+
+@pytest.mark.parametrize("field, value", [("f_divergence_type", "js_divergence"), ("router_aux_loss_coef", 0.1),
+                                          ("activation_offloading", True), ("trust_remote_code", True)])
+def test_unsupported_trl_fields_are_refused(tmp_path, field, value):
+    with pytest.raises(NotImplementedError, match=field):
+        _args(tmp_path, **{field: value})
+
+
+def test_config_checks(tmp_path):
+    with pytest.raises(ValueError, match="did you mean 'sigmoid'"):
+        _args(tmp_path, loss_type="sigmoud")
+    with pytest.raises(ValueError, match="loss_weights has 1 weights for 2 loss types"):
+        _args(tmp_path, loss_type=["sigmoid", "sft"], loss_weights=[1.0])
+    with pytest.raises(ValueError, match="exo_pair"):
+        _args(tmp_path, loss_type="exo_pair")
+    assert _args(tmp_path, loss_type="ipo").loss_type == ["ipo"]
+
+
+def test_trl_config_fields_are_all_known():
+    """Every field of TRL 1.16's DPOConfig exists here (supported, or refused when set)."""
+    trl = pytest.importorskip("trl")
+    import dataclasses
+
+    ours = {f.name for f in dataclasses.fields(DPOConfig)}
+    theirs = {f.name for f in dataclasses.fields(trl.DPOConfig)}
+    from transformers import TrainingArguments
+
+    trl_own = theirs - {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert trl_own - ours == set()
+
+
+def test_model_and_reference_must_differ(model, tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="same object"):
+        DPOTrainer(model, ref_model=model, args=_args(tmp_path), train_dataset=rows(), processing_class=tokenizer)
+
+
+def test_token_log_probs_equal_full_logits():
+    """The log-probs equal log_softmax of the full logits (the op path against the plain computation)."""
+    from shardkit.preference.logps import token_log_probs
+
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(7, 16, dtype=torch.float64), torch.randn(300, 16, dtype=torch.float64)
+    labels = torch.randint(0, 300, (7,))
+    expected = torch.log_softmax(hidden @ weight.t(), -1).gather(1, labels[:, None]).squeeze(1)
+    torch.testing.assert_close(token_log_probs(hidden, weight, labels).double(), expected, atol=1e-6, rtol=1e-6)
