@@ -217,6 +217,8 @@ def context_parallel_forward(self: nn.Module, input_ids: torch.Tensor, labels: t
                                                        kwargs.pop("attention_mask", None), **kwargs)
         out.loss = _group_loss(local_sum, count, attention)
         return out
+    if labels is not None and kwargs == {"return_log_probs": True}:
+        return _split_log_probs(self, input_ids, labels, attention)
     if labels is None or kwargs:
         cores = _attention_modules(self)
         for attn in cores:
@@ -237,6 +239,27 @@ def context_parallel_forward(self: nn.Module, input_ids: torch.Tensor, labels: t
     else:  # every local label ignored: no loss here, but the graph (and FSDP's hooks) still run
         local_sum = hidden.sum() * 0.0
     return _group_loss(local_sum, count, attention)
+
+
+def _split_log_probs(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, attention: Any) -> torch.Tensor:
+    """shardkit Llama's ``return_log_probs=True`` on this rank's chunks: the per-token log-probs are local (each
+    rank scores its own positions, no logits), then gathered into the whole (B, T) on every rank for the caller's
+    per-sequence sums. The value is the whole sequence's; the gradient reaches this rank's positions only, times
+    the cp size (FSDP2's mean over dp_shard * cp takes it back out, as in :func:`_group_loss`)."""
+    from shardkit.nn.log_probs import causal_lm_log_probs
+
+    seq = input_ids.shape[1]
+    attention.seq_len = seq
+    positions = load_balanced_positions(seq, attention.size, attention.rank, input_ids.device)
+    hidden = self.hidden_states(shard_sequence(input_ids, positions), position_ids=positions)
+    local = causal_lm_log_probs(hidden, self.lm_head, shifted_labels=shard_sequence(_shift(labels), positions))
+    parts = [torch.empty_like(local) for _ in range(attention.size)]
+    dist.all_gather(parts, local.detach().contiguous(), group=attention.group)
+    whole = local.new_zeros(local.shape[0], seq)
+    for rank, part in enumerate(parts):
+        whole[:, load_balanced_positions(seq, attention.size, rank, input_ids.device)] = part
+    mine = torch.zeros_like(whole).index_copy(1, positions, local * attention.size)
+    return whole + (mine - mine.detach())
 
 
 def _shift(labels: torch.Tensor) -> torch.Tensor:

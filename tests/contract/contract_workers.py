@@ -39,7 +39,8 @@ RESUME_STEPS = 2  # optimizer steps before the save and after it (accumulation 2
 # Sizes for the tiny model, not behaviour: ZeROInfinity's default swap buffers (5 x 1e8 elements) take 2 GB
 # per rank; the largest tensor here has 8192 elements.
 TEST_SIZE_KWARGS: dict[str, dict[str, Any]] = {"zero_infinity": {"buffer_size": 100_000}}
-CHECKS = ("init", "gathered", "fp32_losses", "accumulation_clipping", "fp16_overflow", "resume", "generation")
+CHECKS = ("init", "gathered", "fp32_losses", "accumulation_clipping", "fp16_overflow", "resume", "generation",
+          "preference")
 
 
 # ---- the registry ---------------------------------------------------------------------------------------
@@ -362,6 +363,94 @@ def generation(name: str, reference: dict[str, torch.Tensor]) -> dict:
     return out
 
 
+# ---- a preference loss on chunked log-probs --------------------------------------------------------------
+
+# An untied head, so that TensorParallel can split it on the vocabulary (a tied one stays replicated).
+PREFERENCE_CONFIG = LlamaConfig(**{**CONFIG.to_dict(), "tie_embeddings": False})
+PROMPT, BETA, PREFERENCE_LR = 4, 0.5, 0.5
+
+
+def preference_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GLOBAL_BATCH (chosen, rejected) pairs sharing a PROMPT-token prompt, and their labels (prompt: -100)."""
+    chosen, rejected = batches(2)
+    rejected[:, :PROMPT] = chosen[:, :PROMPT]
+    ids = torch.cat([chosen, rejected])
+    labels = ids.clone()
+    labels[:, :PROMPT] = -100
+    return ids, labels, torch.arange(GLOBAL_BATCH)
+
+
+def preference_models() -> tuple[Llama, Llama]:
+    """The policy and a different reference (frozen by running it under no_grad), plain CPU models from fixed
+    seeds."""
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        models.append(Llama(PREFERENCE_CONFIG))
+    return models[0], models[1]
+
+
+def dpo_sigmoid(policy_logps: torch.Tensor, reference_logps: torch.Tensor, pairs: int) -> torch.Tensor:
+    """DPO's sigmoid loss from per-token log-probs of [chosen; rejected] rows: mean of -logsigmoid(beta * margin)."""
+    policy, reference = policy_logps.sum(-1), reference_logps.sum(-1)
+    margin = (policy[:pairs] - reference[:pairs]) - (policy[pairs:] - reference[pairs:])
+    return -torch.nn.functional.logsigmoid(BETA * margin).mean()
+
+
+def preference_one_device() -> dict:
+    """The same step on one process, plain models and plain SGD: the loss and the updated policy weights."""
+    policy, reference = preference_models()
+    ids, labels, _ = preference_data()
+    optimizer = torch.optim.SGD(policy.parameters(), lr=PREFERENCE_LR)
+    with torch.no_grad():
+        ref_logps = reference(ids, labels, return_log_probs=True)
+    loss = dpo_sigmoid(policy(ids, labels, return_log_probs=True), ref_logps, GLOBAL_BATCH)
+    loss.backward()
+    optimizer.step()
+    return {"loss": loss.item(), "weights": {k: v.detach().clone() for k, v in policy.state_dict().items()}}
+
+
+def preference_strategy(name: str):
+    """The strategy under test; TensorParallel with the head split on the vocabulary (the model's own plan keeps
+    it replicated), so that the log-probs run the vocab-parallel path."""
+    if name != "tp":
+        return build_strategy(name)
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from shardkit.models.llama import llama_plan
+    from shardkit.strategies import TensorParallel
+
+    with torch.device("meta"):
+        shape = Llama(PREFERENCE_CONFIG)
+    return TensorParallel(plan={**llama_plan(shape, 2), "lm_head": ColwiseParallel(output_layouts=Replicate())})
+
+
+def preference_step(name: str) -> dict:
+    """One DPO-sigmoid step under the strategy: the policy and the frozen reference model set up the same way
+    (sharded alike under ZeRO-3/FSDP), sequence log-probs from the chunked op inside each model's forward
+    (chosen and rejected in one forward), SGD. Returns the global loss, the whole updated policy weights, and
+    whether the head was split on the vocabulary."""
+    runner = Runner(preference_strategy(name), seed=0)
+    policy, reference = preference_models()
+    policy, _ = runner.setup(policy, torch.optim.SGD(policy.parameters(), lr=PREFERENCE_LR))
+    # A runner holds one trained model: the reference gets a runner of its own on the same strategy (and process
+    # group), set up without an optimizer and only ever run under no_grad.
+    reference = Runner(preference_strategy(name), seed=0).setup(reference)
+    ids, labels, pairs = preference_data()
+    mine = local_slice(runner, pairs).cpu()
+    rows = torch.cat([mine, mine + GLOBAL_BATCH])
+    ids, labels = ids[rows].to(runner.device), labels[rows].to(runner.device)
+    with torch.no_grad():
+        ref_logps = reference(ids, labels, return_log_probs=True)
+    loss = dpo_sigmoid(policy(ids, labels, return_log_probs=True), ref_logps, len(mine))
+    runner.backward(loss)
+    runner.step()
+    head = runner.unwrap_model(policy).lm_head.weight
+    return {"loss": global_mean(runner, loss), "weights": whole_weights(runner, policy),
+            "head_placements": str(getattr(head, "placements", None))}
+
+
 # ---- the workers ----------------------------------------------------------------------------------------
 
 
@@ -381,9 +470,11 @@ def contract_worker(name: str, root: str) -> dict:
     out["fp16_overflow"] = _guarded(lambda: fp16_overflow(name), seconds, "fp16_overflow")
     out["resume"] = _guarded(lambda: exact_resume(name, root), seconds, "resume")
     out["generation"] = _guarded(lambda: generation(name, reference), seconds, "generation")
+    out["preference"] = _guarded(lambda: preference_step(name), seconds, "preference")
     start = time.perf_counter()
     out["ddp"] = {"fp32_losses": train_parity(build_strategy("ddp")),
                   "accumulation_clipping": train_accumulate_clip(build_strategy("ddp"))}
+    out["ddp"]["preference"] = preference_one_device()
     seconds["ddp_reference"] = round(time.perf_counter() - start, 2)
     return out
 

@@ -71,6 +71,8 @@ REFUSALS: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("pp", "gathered"): ("NotImplementedError", ("Pipeline", "runner.iter_full_state_dict(model)")),
     # A pipeline-split model runs only model(input_ids, labels=...) (the schedule's forward and backward).
     ("pp", "generation"): ("NotImplementedError", ("Pipeline", "generation", "single-device or FSDP strategy")),
+    # Per-token log-probs for a preference loss are not a loss the pipeline schedule runs.
+    ("pp", "preference"): ("NotImplementedError", ("Pipeline", "return_log_probs")),
 }
 # (strategy, test: a check of contract_workers.CHECKS or "reload") -> reason: a real bug (or engine limitation)
 # reported to the lead, marked as a strict xfail of that one case so that its fix shows up as an XPASS failure.
@@ -317,3 +319,21 @@ def test_greedy_generation_equals_single_device(contract, request):
     assert first["plain"][1].shape == (2, 11) and not torch.equal(first["plain"][1], first["eos"][1])
     if first["dp_size"] > 1:  # the requests really differ per data-parallel rank
         assert results[1]["plain"][1].shape == (1, 6)
+
+
+def test_preference_loss_on_chunked_log_probs_equals_one_device(contract, request):
+    """A DPO-sigmoid step on sequence log-probs from the chunked op (policy + frozen reference set up under the
+    strategy, the reference sharded alike; TP with the head split on the vocabulary, CP with the sequences split):
+    the loss and the updated policy weights equal one process's plain computation."""
+    name, results = contract["name"], _check(contract, request, "preference")
+    if results is None:  # refused by name (REFUSALS), which _check asserted
+        return
+    one = contract["ranks"][0]["ddp"]["preference"]
+    for rank, r in enumerate(results):
+        _close(r["loss"], one["loss"], _tol(name, "losses") or COMMON["losses"], f"{name} rank {rank}: DPO loss")
+        want = list(one["weights"]) if rank in _holders(contract) else []
+        assert sorted(r["weights"]) == sorted(want), f"{name} rank {rank}: weights held {sorted(r['weights'])[:5]}"
+        for key, w in r["weights"].items():
+            _close(w, one["weights"][key], _tol(name, "weights") or COMMON["weights"], f"{name} rank {rank}: {key}")
+    if name == "tp":
+        assert all("Shard(dim=0)" in r["head_placements"] for r in results), results[0]["head_placements"]
