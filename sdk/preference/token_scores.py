@@ -4,8 +4,9 @@ positions of their choosing.
 
 The model runs to its final hidden states through :func:`shardkit.preference.logps.last_hidden_states` (the set-up
 model, so the strategy's hooks run), and the chosen positions are scored against the LM head weight by the chunked
-op :func:`shardkit.ops.linear_log_probs` (the ``[tokens, vocab]`` logits never exist). The mean logit over the
-vocabulary is ``hidden . mean(W) + mean(b)``, the mean of a linear map, exact and ``O(positions x hidden)``.
+op through :func:`shardkit.nn.head_log_probs` (which gathers a ZeRO-3 head and combines a TensorParallel vocabulary
+split; the ``[tokens, vocab]`` logits never exist). The mean logit over the vocabulary is
+``hidden . mean(W) + mean(b)``, the mean of a linear map, exact and ``O(positions x hidden)``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from shardkit.ops import linear_log_probs
+from shardkit.nn.log_probs import head_log_probs
 from shardkit.preference.logps import last_hidden_states, lm_head_of
 from shardkit.trainer.peft_support import base_model_of
+from shardkit.utils.partitioned import gathered_for_read
 
 __all__ = ["TokenScores", "check_no_softcap", "mean_logits", "score_tokens"]
 
@@ -69,8 +71,8 @@ def score_tokens(model: nn.Module, unwrapped: nn.Module, batch: dict[str, Tensor
     mask = mask.bool()
     head = lm_head_of(unwrapped)
     labels = batch["input_ids"][:, 1:][mask]
-    out = linear_log_probs(hidden[:, :-1][mask], head.weight, labels, bias=getattr(head, "bias", None),
-                           return_entropy=entropy)
+    out = head_log_probs(hidden[:, :-1][mask], head.weight, labels, bias=getattr(head, "bias", None),
+                         return_entropy=entropy)
     token_logps, token_entropy = out if entropy else (out, None)
     logps = token_logps.float().new_zeros(mask.shape).masked_scatter(mask, token_logps.float())
     dense_entropy = None
@@ -82,8 +84,19 @@ def score_tokens(model: nn.Module, unwrapped: nn.Module, batch: dict[str, Tensor
 
 @torch.no_grad()
 def mean_logits(hidden: Tensor, unwrapped: nn.Module) -> Tensor:
-    """The mean logit over the vocabulary at each position of ``hidden [..., H]`` (fp32, no gradient)."""
+    """The mean logit over the vocabulary at each position of ``hidden [..., H]`` (fp32, no gradient).
+
+    Every rank calls it together under ZeRO-3 and TensorParallel (the head's mean row is gathered)."""
     head = lm_head_of(unwrapped)
-    mean = hidden.float() @ head.weight.detach().float().mean(0)
     bias = getattr(head, "bias", None)
-    return mean + bias.detach().float().mean() if bias is not None else mean
+    with gathered_for_read(head.weight, bias):
+        row = _whole(head.weight.detach().float().mean(0))
+        shift = None if bias is None else _whole(bias.detach().float().mean())
+    mean = hidden.float() @ row.to(hidden.device)
+    return mean if shift is None else mean + shift.to(hidden.device)
+
+
+def _whole(value: Tensor) -> Tensor:
+    """A DTensor's value as a plain tensor (a vocabulary-sharded head's mean is a small reduction)."""
+    full = getattr(value, "full_tensor", None)
+    return full() if callable(full) else value
