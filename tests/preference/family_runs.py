@@ -82,5 +82,7 @@ def assert_same_runs(ours, theirs, metrics, model):
             torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=1e-4, msg=f"step {step} {name}")
     moved = max((p - q).abs().max().item() for p, q in zip(my_model.parameters(), model.parameters()))
     assert moved > 1e-4  # the steps did train
+    # The last update: Adam moves a weight by about the learning rate (1e-2) whatever its gradient's size, so a
+    # gradient near 0 that the two sides round apart (compared at 1e-5 above) can move a weight 1e-5..1e-4 apart.
     for (name, p), q in zip(my_model.named_parameters(), their_model.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4, msg=name)
