@@ -283,8 +283,9 @@ class PreferenceTrainer(Trainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the metrics gathered since the last log (averaged over every item and rank), TRL's names."""
-        mode = "train" if self.model.training else "eval"
-        prefix = "eval_" if mode == "eval" else ""
+        # An evaluation's log holds "<prefix>_loss" (eval_loss, test_loss...); the model may be back in train mode.
+        evaluated = [k for k in logs if k.endswith("_loss") and k not in ("train_loss", "loss")]
+        mode, prefix = ("eval", evaluated[0][:-len("loss")]) if evaluated else ("train", "")
         for name, (total, count) in self._metrics[mode].items():
             if count > 0:
                 logs[f"{prefix}{name}"] = total / count

@@ -51,12 +51,17 @@ def _assert_same(a, b, atol=1e-6):
 
 
 def test_precomputed_reference_equals_on_the_fly(model, tokenizer, tmp_path):
-    live = _train(copy.deepcopy(model), tokenizer, _args(tmp_path / "live"))
+    live = _train(copy.deepcopy(model), tokenizer, _args(tmp_path / "live"), eval_dataset=rows(3))
     pre = _train(copy.deepcopy(model), tokenizer, _args(tmp_path / "pre", precompute_ref_log_probs=True,
-                                                         precompute_ref_batch_size=3))
+                                                         precompute_ref_batch_size=3), eval_dataset=rows(3))
     assert pre[2].ref_model is None  # nothing kept in memory during training
     assert all("ref_chosen_logps" in row for row in pre[2].train_dataset)
+    assert all("ref_chosen_logps" in row for row in pre[2].eval_dataset)
     _assert_same(live, pre)
+    live_eval, pre_eval = live[2].evaluate(), pre[2].evaluate()
+    assert pre_eval["eval_loss"] == pytest.approx(live_eval["eval_loss"], abs=1e-6)
+    assert pre_eval["eval_rewards/margins"] == pytest.approx(live_eval["eval_rewards/margins"], abs=1e-6)
+    assert live_eval["eval_rewards/margins"] != 0.0  # after training, the policy differs from the reference
 
 
 def test_peft_disabled_adapter_reference_equals_frozen_base_copy(model, tokenizer, tmp_path):
@@ -167,3 +172,16 @@ def test_token_log_probs_equal_full_logits():
     labels = torch.randint(0, 300, (7,))
     expected = torch.log_softmax(hidden @ weight.t(), -1).gather(1, labels[:, None]).squeeze(1)
     torch.testing.assert_close(token_log_probs(hidden, weight, labels).double(), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference(model, tokenizer, tmp_path):
+    """TR-DPO with alpha=1 every step: each step starts with reference = policy, so every reward is 0; without it
+    the second step's rewards are not."""
+    synced = _train(copy.deepcopy(model), tokenizer, _args(tmp_path / "sync", sync_ref_model=True,
+                                                            ref_model_mixup_alpha=1.0, ref_model_sync_steps=1))[2]
+    plain = _train(copy.deepcopy(model), tokenizer, _args(tmp_path / "plain"))[2]
+    margins = [h["rewards/margins"] for h in synced.state.log_history if "rewards/margins" in h]
+    assert len(margins) == 2 and all(m == 0.0 for m in margins)
+    assert [h["rewards/margins"] for h in plain.state.log_history if "rewards/margins" in h][1] != 0.0
+    for p, q in zip(synced.model.parameters(), synced.ref_model.parameters()):
+        torch.testing.assert_close(p, q)
