@@ -11,7 +11,7 @@ import triton.language as tl
 
 from shardkit.utils.suggest import did_you_mean
 
-__all__ = ["Launch", "LaunchConfig", "dtype_label", "empty_out", "finish_out", "meta", "round_like"]
+__all__ = ["Launch", "LaunchConfig", "dtype_label", "empty_out", "finish_out", "meta", "round_like", "softcap_tanh"]
 
 Launch = tuple[str, Callable[[], object]]
 """(label, call): one launch of a Triton kernel for scripts/check_triton.py (see ``OpSpec.triton_checks``)."""
@@ -113,3 +113,15 @@ class LaunchConfig:
             yield
         finally:
             self._values = previous
+
+
+@triton.jit
+def softcap_tanh(x, cap, HAS_SOFTCAP: tl.constexpr):
+    """``cap * tanh(x / cap)`` when HAS_SOFTCAP (Gemma 2's logit softcap), else ``x``."""
+    if HAS_SOFTCAP:
+        # tanh(a) = sign(a) * (1 - e) / (1 + e), e = exp(-2|a|): no overflow for any a
+        a = x / cap
+        e = tl.exp(-2.0 * tl.abs(a))
+        t = (1.0 - e) / (1.0 + e)
+        x = cap * tl.where(a < 0, -t, t)
+    return x

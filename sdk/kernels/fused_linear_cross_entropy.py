@@ -16,22 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import Launch, dtype_label, meta, round_like
+from ._common import Launch, dtype_label, meta, round_like, softcap_tanh
 
 __all__ = ["compile_checks", "flce_rows_"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@triton.jit
-def _softcap(x, cap, HAS_SOFTCAP: tl.constexpr):
-    if HAS_SOFTCAP:
-        # tanh(a) = sign(a) * (1 - e) / (1 + e), e = exp(-2|a|): no overflow for any a
-        a = x / cap
-        e = tl.exp(-2.0 * tl.abs(a))
-        t = (1.0 - e) / (1.0 + e)
-        x = cap * tl.where(a < 0, -t, t)
-    return x
 
 
 @triton.jit
@@ -57,14 +46,14 @@ def _flce_rows_kernel(z_ptr, z_stride, labels_ptr, scale_ptr, loss_ptr, V, ignor
     for off in range(0, V, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         mask = cols < V
-        y = _softcap(tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32), cap, HAS_SOFTCAP)
+        y = softcap_tanh(tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32), cap, HAS_SOFTCAP)
         y_m = tl.where(mask, y, float("-inf"))
         m_new = tl.maximum(m, tl.max(y_m, axis=0))
         d = d * tl.exp(m - m_new) + tl.sum(tl.exp(y_m - m_new), axis=0)
         m = m_new
         sum_y += tl.sum(tl.where(mask, y, 0.0), axis=0)
     lse = m + tl.log(d)
-    y_t = _softcap(tl.load(z_row + label).to(tl.float32), cap, HAS_SOFTCAP)
+    y_t = softcap_tanh(tl.load(z_row + label).to(tl.float32), cap, HAS_SOFTCAP)
     tl.store(loss_ptr + row, lse - (1.0 - eps) * y_t - eps * (sum_y / V))
 
     if WRITE_GRAD:
@@ -73,7 +62,7 @@ def _flce_rows_kernel(z_ptr, z_stride, labels_ptr, scale_ptr, loss_ptr, V, ignor
         for off in range(0, V, BLOCK):
             cols = off + tl.arange(0, BLOCK)
             mask = cols < V
-            y = _softcap(tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32), cap, HAS_SOFTCAP)
+            y = softcap_tanh(tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32), cap, HAS_SOFTCAP)
             g = tl.exp(y - lse) - eps / V
             g = tl.where(cols == label, g - (1.0 - eps), g)
             if HAS_SOFTCAP:

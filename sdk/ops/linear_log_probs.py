@@ -409,6 +409,7 @@ def _example(device: str, dtype: torch.dtype, size: str) -> tuple:
 SPEC = register(OpSpec(
     name="linear_log_probs", function=linear_log_probs, reference=linear_log_probs_reference,
     csrc=None,
-    kernels={"llp_fwd": {"reference": _forward_loop(_rows_forward_any)},
-             "llp_bwd": {"reference": _backward_loop(_rows_backward_any)}},
-    triton_checks=None, example=_example))
+    kernels={"llp_fwd": {"reference": _forward_loop(_rows_forward_any), "triton": _forward_loop(rows_forward_triton)},
+             "llp_bwd": {"reference": _backward_loop(_rows_backward_any),
+                         "triton": _backward_loop(rows_backward_triton)}},
+    triton_checks="shardkit.kernels.linear_log_probs:compile_checks", example=_example))

@@ -448,7 +448,37 @@ def preference_step(name: str) -> dict:
     runner.step()
     head = runner.unwrap_model(policy).lm_head.weight
     return {"loss": global_mean(runner, loss), "weights": whole_weights(runner, policy),
-            "head_placements": str(getattr(head, "placements", None))}
+            "head_placements": str(getattr(head, "placements", None)),
+            "vocab_parallel": vocab_parallel_errors(head) if name == "tp" else None}
+
+
+def vocab_parallel_errors(head) -> dict[str, float]:
+    """The vocab-parallel path with every option (bias, softcap, temperature, entropy, ignored rows) on the tp
+    group against the op on the whole weight in this process: the largest difference per output and gradient."""
+    from torch.distributed.tensor import distribute_tensor
+
+    from shardkit.nn import head_log_probs
+    from shardkit.ops import linear_log_probs
+
+    gen = torch.Generator().manual_seed(5)
+    vocab, hidden_size = head.shape
+    whole = torch.randn(vocab, hidden_size, generator=gen)
+    bias = torch.randn(vocab, generator=gen)
+    hidden = torch.randn(3, 5, hidden_size, generator=gen)
+    labels = torch.randint(0, vocab, (3, 5), generator=gen)
+    labels[:, 0] = -100
+    opts = dict(softcap=4.0, temperature=0.8, return_entropy=True, chunk_size=4)
+    up = torch.randn(2, 3, 5, generator=gen)
+    got_in = [t.clone().requires_grad_() for t in (hidden, whole, bias)]
+    shards = [distribute_tensor(t, head.device_mesh, head.placements) for t in got_in[1:]]
+    got = head_log_probs(got_in[0], shards[0], labels, bias=shards[1], **opts)
+    got_grads = torch.autograd.grad(sum((o * u).sum() for o, u in zip(got, up)), [got_in[0], *shards])
+    want_in = [t.clone().requires_grad_() for t in (hidden, whole, bias)]
+    want = linear_log_probs(want_in[0], want_in[1], labels, bias=want_in[2], **opts)
+    want_grads = torch.autograd.grad(sum((o * u).sum() for o, u in zip(want, up)), want_in)
+    got_grads = [got_grads[0]] + [g.full_tensor() for g in got_grads[1:]]
+    names = ("logp", "entropy", "grad_hidden", "grad_weight", "grad_bias")
+    return {n: float((a - b).detach().abs().max()) for n, a, b in zip(names, [*got, *got_grads], [*want, *want_grads])}
 
 
 # ---- the workers ----------------------------------------------------------------------------------------

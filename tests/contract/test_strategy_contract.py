@@ -337,3 +337,5 @@ def test_preference_loss_on_chunked_log_probs_equals_one_device(contract, reques
             _close(w, one["weights"][key], _tol(name, "weights") or COMMON["weights"], f"{name} rank {rank}: {key}")
     if name == "tp":
         assert all("Shard(dim=0)" in r["head_placements"] for r in results), results[0]["head_placements"]
+        for r in results:  # bias, softcap, temperature, entropy and ignored rows on the vocab-parallel path too
+            assert max(r["vocab_parallel"].values()) < 1e-5, r["vocab_parallel"]
