@@ -83,3 +83,17 @@ def test_bad_rows_are_named(model, tokenizer, tmp_path):
     with pytest.raises(ValueError, match="at least 2 rows"):
         KTOTrainer(model, args=KTOConfig(str(tmp_path), per_device_train_batch_size=1), train_dataset=good,
                    processing_class=tokenizer)
+
+
+def test_evaluate_logs_the_metrics_under_the_eval_prefix(model, tokenizer, tmp_path):
+    from shardkit.preference import KTOConfig, KTOTrainer
+
+    args = KTOConfig(str(tmp_path), use_cpu=True, report_to="none", max_length=40, per_device_train_batch_size=4,
+                     per_device_eval_batch_size=4, max_steps=1, learning_rate=1e-2)
+    trainer = KTOTrainer(model, args=args, train_dataset=unpaired(), eval_dataset=unpaired()[:4],
+                         processing_class=tokenizer)
+    trainer.train()
+    metrics = trainer.evaluate()
+    for key in ("eval_loss", "eval_kl", "eval_rewards/chosen", "eval_logps/rejected", "eval_entropy"):
+        assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
+    assert metrics["eval_kl"] >= 0
