@@ -114,7 +114,7 @@ class KTOTrainer(FamilyTrainer):
         rows = inputs["input_ids"].shape[0]
         unwrapped = self.runner.unwrap_model(model)
         scores = score_tokens(model, unwrapped, inputs, inputs["completion_mask"][:, 1:], entropy=True)
-        logps = scores.sums()
+        logps = scores.sums_token_by_token()
         reference = self.reference_logps(model, inputs, rows)
         kl = torch.zeros((), device=logps.device)
         if uses_kl(args.loss_type):

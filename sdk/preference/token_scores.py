@@ -45,6 +45,12 @@ class TokenScores:
         """Per row, the summed log-probs over ``mask`` (a subset of the scored positions; default all)."""
         return (self.logps * (self.mask if mask is None else mask)).sum(1)
 
+    def sums_token_by_token(self) -> Tensor:
+        """Per row, the summed log-probs added token after token, as the shared base sums the reference's: a policy
+        equal to its reference then has exactly its sums (float addition depends on the order)."""
+        rows = torch.arange(self.mask.shape[0], device=self.mask.device)[:, None].expand_as(self.mask)[self.mask]
+        return self.logps.new_zeros(self.mask.shape[0]).index_add(0, rows, self.logps[self.mask])
+
 
 def check_no_softcap(model: nn.Module, trainer: str) -> None:
     """The shared reference scoring has no final-logit softcap: a model that softcaps its logits is refused

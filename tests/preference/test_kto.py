@@ -97,3 +97,18 @@ def test_evaluate_logs_the_metrics_under_the_eval_prefix(model, tokenizer, tmp_p
     for key in ("eval_loss", "eval_kl", "eval_rewards/chosen", "eval_logps/rejected", "eval_entropy"):
         assert key in metrics and metrics[key] == metrics[key], key  # present and not NaN
     assert metrics["eval_kl"] >= 0
+
+
+def test_a_peft_model_is_its_own_reference_with_the_adapter_disabled(model, tokenizer, tmp_path):
+    peft = pytest.importorskip("peft")
+    from shardkit.preference import KTOConfig, KTOTrainer
+
+    args = KTOConfig(str(tmp_path), use_cpu=True, report_to="none", max_length=40, per_device_train_batch_size=4,
+                     max_steps=2, learning_rate=1e-2, logging_steps=1)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=True)
+    trainer = KTOTrainer(model, args=args, train_dataset=unpaired(), processing_class=tokenizer, peft_config=lora)
+    assert trainer.ref_model is None  # no copy: the base with the adapter disabled
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "rewards/chosen" in h]
+    assert logs[0]["rewards/chosen"] == 0.0 and logs[0]["kl"] == 0.0  # a fresh adapter changes nothing yet
+    assert logs[1]["rewards/chosen"] != 0.0  # ... and the policy moved away from its reference after a step
