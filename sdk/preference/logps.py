@@ -24,6 +24,7 @@ __all__ = ["SequenceLogps", "lm_head_of", "sequence_log_probs", "token_log_probs
 
 # Rows x vocab elements of one no-grad block (metrics only): 2^22 floats, 16 MiB in fp32.
 _BLOCK_ELEMENTS = 1 << 22
+_CHUNK_BYTES = 32 << 20
 
 
 @dataclass
@@ -89,7 +90,10 @@ def token_log_probs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor
     vocabulary split (and refuses an FSDP2 shard read outside the forward)."""
     from shardkit.nn.log_probs import head_log_probs
 
-    return head_log_probs(hidden, weight, labels, bias=bias, softcap=softcap).float()
+    # Rows per chunk so that one chunk's fp32 logits stay near 32 MiB whatever the vocabulary (the op's default
+    # budget is 256 MiB): the logits are what preference training would otherwise spend its memory on.
+    rows = max(16, _CHUNK_BYTES // (4 * max(weight.shape[0], 1)))
+    return head_log_probs(hidden, weight, labels, bias=bias, softcap=softcap, chunk_size=rows).float()
 
 
 @torch.no_grad()
