@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.nn.log_probs import shift_labels as next_token_labels
 from shardkit.nn.varlen import Segments, varlen_attention
 
 __all__ = ["KVCache", "LlamaConfig", "Llama", "LlamaBlock", "llama_plan"]
@@ -348,14 +349,20 @@ class Llama(nn.Module):
         if return_log_probs:
             if labels is None:
                 raise ValueError("Llama: return_log_probs=True needs labels (the tokens to score)")
-            from shardkit.nn.log_probs import causal_lm_log_probs
-
-            return causal_lm_log_probs(hidden, self.lm_head, labels)
+            return self.label_log_probs(hidden, next_token_labels(labels))
         if labels is None:
             return self.lm_head(hidden)
         shift_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         shift_labels = labels[:, 1:].reshape(-1)
         return self.lm_head(shift_hidden, shift_labels)
+
+    def label_log_probs(self, hidden: torch.Tensor, shifted_labels: torch.Tensor) -> torch.Tensor:
+        """(B, T) log-probabilities of ``shifted_labels`` (-100: 0) from the final hidden states, chunked (no logits;
+        :func:`shardkit.nn.causal_lm_log_probs`). Called inside a forward (this one, or ContextParallel's on its
+        chunk of the sequence), where a sharding engine has the head whole."""
+        from shardkit.nn.log_probs import causal_lm_log_probs
+
+        return causal_lm_log_probs(hidden, self.lm_head, shifted_labels=shifted_labels)
 
     @torch.no_grad()
     def generate(

@@ -95,9 +95,18 @@ def rows_backward_reference(z: Tensor, labels: Tensor, grad_lp: Tensor, grad_ent
     z.copy_(g)
 
 
+_BLOCK_BYTES = 2**20
+
+
+def _block_rows(z: Tensor) -> int:
+    """Rows of one block of the row math: 1/32 of the chunk (its fp32 temporaries stay a fraction of it), but at
+    least 1 MiB of fp32 logits: every op costs a thread synchronisation, and on a busy CPU 2-row blocks at V=32000
+    made the loop 20x slower than the full logits (each tiny op waiting on a descheduled OpenMP thread)."""
+    return max(1, z.shape[0] // 32, _BLOCK_BYTES // (4 * max(1, z.shape[1])))
+
+
 def _blocks(z: Tensor) -> range:
-    """Row starts of blocks of 1/32 of a chunk: the row math's fp32 temporaries stay at a fraction of the chunk."""
-    return range(0, z.shape[0], max(1, z.shape[0] // 32))
+    return range(0, z.shape[0], _block_rows(z))
 
 
 def _rows_forward_any(z: Tensor, labels: Tensor, softcap: float, inv_temp: float,
@@ -105,7 +114,7 @@ def _rows_forward_any(z: Tensor, labels: Tensor, softcap: float, inv_temp: float
     """:func:`rows_forward_reference` on logits of any float dtype, fp32 blocks at a time (float64 whole)."""
     if z.dtype == torch.float64:
         return rows_forward_reference(z, labels, softcap, inv_temp, want_entropy)
-    step = max(1, z.shape[0] // 32)
+    step = _block_rows(z)
     parts = [rows_forward_reference(z[s:s + step].float(), labels[s:s + step], softcap, inv_temp, want_entropy)
              for s in _blocks(z)]
     return tuple(torch.cat(p) for p in zip(*parts))  # type: ignore[return-value]
@@ -118,7 +127,7 @@ def _rows_backward_any(z: Tensor, labels: Tensor, grad_lp: Tensor, grad_ent: Ten
     if z.dtype == torch.float64:
         rows_backward_reference(z, labels, grad_lp, grad_ent, lse, m, softcap, inv_temp)
         return
-    step = max(1, z.shape[0] // 32)
+    step = _block_rows(z)
     for s in _blocks(z):
         block = z[s:s + step].float()  # a view of fp32 logits: written in place
         rows_backward_reference(block, labels[s:s + step], grad_lp[s:s + step],

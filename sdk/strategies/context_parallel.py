@@ -246,13 +246,14 @@ def _split_log_probs(self: nn.Module, input_ids: torch.Tensor, labels: torch.Ten
     rank scores its own positions, no logits), then gathered into the whole (B, T) on every rank for the caller's
     per-sequence sums. The value is the whole sequence's; the gradient reaches this rank's positions only, times
     the cp size (FSDP2's mean over dp_shard * cp takes it back out, as in :func:`_group_loss`)."""
-    from shardkit.nn.log_probs import causal_lm_log_probs
-
+    if not callable(getattr(self, "label_log_probs", None)):
+        raise NotImplementedError(f"ContextParallel: return_log_probs=True needs the model's label_log_probs(hidden, "
+                                  f"shifted_labels) (shardkit's Llama has it); {type(self).__name__} has none")
     seq = input_ids.shape[1]
     attention.seq_len = seq
     positions = load_balanced_positions(seq, attention.size, attention.rank, input_ids.device)
     hidden = self.hidden_states(shard_sequence(input_ids, positions), position_ids=positions)
-    local = causal_lm_log_probs(hidden, self.lm_head, shifted_labels=shard_sequence(_shift(labels), positions))
+    local = self.label_log_probs(hidden, shard_sequence(_shift(labels), positions))
     parts = [torch.empty_like(local) for _ in range(attention.size)]
     dist.all_gather(parts, local.detach().contiguous(), group=attention.group)
     whole = local.new_zeros(local.shape[0], seq)
