@@ -23,6 +23,10 @@ from shardkit.utils.partitioned import gathered_for_read
 
 __all__ = ["TokenScores", "check_no_softcap", "mean_logits", "score_tokens"]
 
+# One chunk's fp32 logits near 32 MiB whatever the vocabulary, the budget the base scores the reference with (the
+# logits are what preference training would otherwise spend its memory on).
+_CHUNK_BYTES = 32 << 20
+
 
 @dataclass
 class TokenScores:
@@ -77,8 +81,9 @@ def score_tokens(model: nn.Module, unwrapped: nn.Module, batch: dict[str, Tensor
     mask = mask.bool()
     head = lm_head_of(unwrapped)
     labels = batch["input_ids"][:, 1:][mask]
+    chunk = max(16, _CHUNK_BYTES // (4 * max(head.weight.shape[0], 1)))
     out = head_log_probs(hidden[:, :-1][mask], head.weight, labels, bias=getattr(head, "bias", None),
-                         return_entropy=entropy)
+                         return_entropy=entropy, chunk_size=chunk)
     token_logps, token_entropy = out if entropy else (out, None)
     logps = token_logps.float().new_zeros(mask.shape).masked_scatter(mask, token_logps.float())
     dense_entropy = None
