@@ -33,5 +33,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "Accelerator": "accelerate_compat", "notebook_launcher": "accelerate_compat", "Trainer": "trainer",
     "TrainingArguments": "trainer", "SFTTrainer": "sft", "SFTConfig": "sft",
     "DPOTrainer": "preference", "DPOConfig": "preference",
+    "KTOTrainer": "preference", "KTOConfig": "preference", "ORPOTrainer": "preference", "ORPOConfig": "preference",
+    "CPOTrainer": "preference", "CPOConfig": "preference",
 }, fallback=_registered_strategy)
 install_moved_modules()
