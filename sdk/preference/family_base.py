@@ -80,11 +80,9 @@ class FamilyTrainer(PreferenceTrainer):
             check_no_softcap(self.model, name)
         self.train_dataset, self.eval_dataset = self._prepared_train, prepared_eval
 
-    def _estimate_steps(self) -> tuple[int | None, int | None]:
-        # The Trainer estimates the run's steps for DeepSpeed's "auto" values from train_dataset, which the base
-        # was given empty: the family's prepared rows are the ones trained on.
-        self.train_dataset = self._prepared_train
-        return super()._estimate_steps()
+    def estimate_run_steps(self, args: Any, train_dataset: Any) -> tuple[int | None, int | None]:
+        # The base was handed no rows (it would tokenize DPO's): the family's prepared ones are those trained on.
+        return super().estimate_run_steps(args, self._prepared_train)
 
     def prepare_dataset(self, dataset: Any, tokenizer: Any, args: Any, name: str) -> Any:
         """Rows in, tokenized rows out (errors name the row and the field)."""

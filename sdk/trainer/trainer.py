@@ -128,7 +128,7 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin):
         self.label_names = list(args.label_names or ["labels"])
         # for a DeepSpeed config's "auto" values, from the arguments or from accelerate launch
         deepspeed = args.deepspeed or asks_for_deepspeed()
-        max_steps, warmup = estimate_steps(args, train_dataset) if deepspeed else (None, None)
+        max_steps, warmup = self.estimate_run_steps(args, train_dataset) if deepspeed else (None, None)
         self.runner, self._deepspeed_sections = build_runner(args, strategy, precision, max_steps, warmup)
         # A subclass's compute_loss with HF's old signature returns a micro-batch mean (checked once, not per step).
         self.loss_settings = LossSettings(self.runner, args.average_tokens_across_devices,
@@ -270,6 +270,11 @@ class Trainer(TrainLoopMixin, TrainingStepMixin, EvaluationMixin):
         loader = DataLoader(dataset, batch_size=self.args.eval_batch_size, shuffle=False,
                             collate_fn=self._collator_for(dataset), drop_last=False, **loader_kwargs(self.args))
         return self.runner.setup_dataloader(loader)
+
+    def estimate_run_steps(self, args: TrainingArguments, train_dataset: Any) -> tuple[int | None, int | None]:
+        """(max steps, warmup steps) before the Runner exists, for a DeepSpeed config's "auto" values. A subclass
+        that prepares its rows itself (and hands this class none) answers from the rows it trains on."""
+        return estimate_steps(args, train_dataset)
 
     def ensure_setup(self) -> None:
         """Set up loader, model, optimizer and schedule with the Runner, once (train() or evaluate() first)."""

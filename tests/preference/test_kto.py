@@ -5,6 +5,8 @@ completions."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -112,3 +114,15 @@ def test_a_peft_model_is_its_own_reference_with_the_adapter_disabled(model, toke
     logs = [h for h in trainer.state.log_history if "rewards/chosen" in h]
     assert logs[0]["rewards/chosen"] == 0.0 and logs[0]["kl"] == 0.0  # a fresh adapter changes nothing yet
     assert logs[1]["rewards/chosen"] != 0.0  # ... and the policy moved away from its reference after a step
+
+
+def test_deepspeeds_auto_steps_count_the_rows_the_family_prepared(model, tokenizer, tmp_path):
+    """The base Trainer is handed no rows (the family prepares its own): a DeepSpeed config's "auto" step counts must
+    still come from the rows trained on, not from an empty dataset (None: DeepSpeed's schedule would go unbounded)."""
+    from shardkit.preference import KTOConfig, KTOTrainer
+
+    args = KTOConfig(str(tmp_path), use_cpu=True, report_to="none", max_length=40, per_device_train_batch_size=2,
+                     num_train_epochs=3, warmup_steps=2)
+    trainer = KTOTrainer(model, args=args, train_dataset=unpaired(), processing_class=tokenizer)
+    max_steps, warmup = trainer.estimate_run_steps(args, None)
+    assert max_steps == 3 * math.ceil(len(unpaired()) / 2) and warmup == 2
