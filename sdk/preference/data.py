@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from shardkit.sft.chat import CHAT_TEMPLATES, bounded_render, check_messages
+from shardkit.sft.dataset import common_prefix
 
 __all__ = ["DataCollatorForPreference", "PreferenceTokenizer", "tokenize_preference_dataset"]
 
@@ -29,15 +30,6 @@ TOKENIZED = ("prompt_ids", "chosen_ids", "rejected_ids")
 REFERENCE = ("ref_chosen_logps", "ref_rejected_logps")
 TRUNCATION_MODES = ("keep_start", "keep_end")
 _BUILT_IN = frozenset(CHAT_TEMPLATES.values())
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _empty(value: Any) -> bool:
@@ -115,7 +107,7 @@ class PreferenceTokenizer:
                 chosen_full, rejected_full = self._text(prompt + chosen), self._text(prompt + rejected)
         except (ValueError, TypeError) as err:
             raise ValueError(f"preference data, row {index}: {err}") from err
-        start = min(_common_prefix(prompt_ids, chosen_full), _common_prefix(prompt_ids, rejected_full))
+        start = min(common_prefix(prompt_ids, chosen_full), common_prefix(prompt_ids, rejected_full))
         if start < len(prompt_ids):
             logger.warning("preference data, row %d: the prompt tokenizes differently alone and followed by its "
                            "completion; the completion starts at token %d (the common prefix)", index, start)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from shardkit.sft.chat import CHAT_TEMPLATES, bounded_render, check_messages
+from shardkit.sft.dataset import common_prefix
 
 __all__ = ["DataCollatorForUnpairedPreference", "UnpairedTokenizer", "prepare_unpaired_dataset",
            "rotate_completions", "split_implicit_prompt", "unpair_rows"]
@@ -39,15 +40,6 @@ def _is_messages(value: Any) -> bool:
 
 def _where(name: str, index: int, field: str) -> str:
     return f"KTO data, {name} row {index}, field {field!r}"
-
-
-def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def split_implicit_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
@@ -139,7 +131,7 @@ class UnpairedTokenizer:
             prompt_ids, full_ids = self._text(prompt, completion)
         else:
             prompt_ids, full_ids = self._chat(row, index)
-        n = _common_prefix(prompt_ids, full_ids)
+        n = common_prefix(prompt_ids, full_ids)
         prompt_ids, completion_ids = prompt_ids[:n], full_ids[n:]
         if not completion_ids:
             raise ValueError(f"{_where(self.name, index, 'completion')}: the completion has no tokens of its own")

@@ -38,7 +38,7 @@ from shardkit.sft.chat import (
 )
 from shardkit.sft.packing import IGNORE_INDEX, pack_examples
 
-__all__ = ["SFTTokenizer", "prepare_dataset"]
+__all__ = ["SFTTokenizer", "common_prefix", "prepare_dataset"]
 
 logger = logging.getLogger("shardkit.sft")
 
@@ -183,7 +183,7 @@ class SFTTokenizer:
             ids = list(self.tokenizer(prompt + completion, add_special_tokens=self.add_special_tokens)["input_ids"])
             if self.append_eos and self.eos_token_id is not None and (not ids or ids[-1] != self.eos_token_id):
                 ids.append(self.eos_token_id)
-        shared = _common_prefix(prompt_ids, ids)
+        shared = common_prefix(prompt_ids, ids)
         if shared != len(prompt_ids):
             logger.warning("a prompt tokenizes differently alone and followed by its completion; the completion is "
                            "taken from token %d (the common prefix)", shared)
@@ -192,7 +192,9 @@ class SFTTokenizer:
         return ids, [IGNORE_INDEX] * shared + ids[shared:]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items ``a`` and ``b`` share: where a rendered prompt's tokens stop matching the rendered
+    conversation's (a chat template may render the prompt alone differently at its end)."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
