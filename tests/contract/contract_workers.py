@@ -402,6 +402,18 @@ def generation(name: str, reference: dict[str, torch.Tensor]) -> dict:
 # An untied head, so that TensorParallel can split it on the vocabulary (a tied one stays replicated).
 PREFERENCE_CONFIG = LlamaConfig(**{**CONFIG.to_dict(), "tie_embeddings": False})
 PROMPT, BETA, PREFERENCE_LR = 4, 0.5, 0.5
+# Strategies whose optimizer steps on the host, which takes Adam-type optimizers only (SGD is refused by name): their
+# step, and the one-process step they are compared with, use AdamW.
+PREFERENCE_ADAMW = {"zero_infinity"}
+
+
+def preference_optimizer(params, kind: str) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        # eps=1: the first step is lr * g / (|g| + 1), smooth in the gradient, so that rounding-level gradient
+        # differences stay rounding-level in the weights (with a tiny eps it is lr * sign(g) for any |g| >> eps, and
+        # a gradient near 0 flips a weight by the whole step).
+        return torch.optim.AdamW(params, lr=PREFERENCE_LR, eps=1.0, weight_decay=0.0)
+    return torch.optim.SGD(params, lr=PREFERENCE_LR)
 
 
 def preference_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -431,11 +443,11 @@ def dpo_sigmoid(policy_logps: torch.Tensor, reference_logps: torch.Tensor, pairs
     return -torch.nn.functional.logsigmoid(BETA * margin).mean()
 
 
-def preference_one_device() -> dict:
-    """The same step on one process, plain models and plain SGD: the loss and the updated policy weights."""
+def preference_one_device(kind: str = "sgd") -> dict:
+    """The same step on one process, plain models and plain SGD (or AdamW): the loss and the updated weights."""
     policy, reference = preference_models()
     ids, labels, _ = preference_data()
-    optimizer = torch.optim.SGD(policy.parameters(), lr=PREFERENCE_LR)
+    optimizer = preference_optimizer(policy.parameters(), kind)
     with torch.no_grad():
         ref_logps = reference(ids, labels, return_log_probs=True)
     loss = dpo_sigmoid(policy(ids, labels, return_log_probs=True), ref_logps, GLOBAL_BATCH)
@@ -467,7 +479,8 @@ def preference_step(name: str) -> dict:
     whether the head was split on the vocabulary."""
     runner = Runner(preference_strategy(name), seed=0)
     policy, reference = preference_models()
-    policy, _ = runner.setup(policy, torch.optim.SGD(policy.parameters(), lr=PREFERENCE_LR))
+    kind = "adamw" if name in PREFERENCE_ADAMW else "sgd"
+    policy, _ = runner.setup(policy, preference_optimizer(policy.parameters(), kind))
     # A runner holds one trained model: the reference gets a runner of its own on the same strategy (and process
     # group), set up without an optimizer and only ever run under no_grad.
     reference = Runner(preference_strategy(name), seed=0).setup(reference)
@@ -481,7 +494,7 @@ def preference_step(name: str) -> dict:
     runner.backward(loss)
     runner.step()
     head = runner.unwrap_model(policy).lm_head.weight
-    return {"loss": global_mean(runner, loss), "weights": whole_weights(runner, policy),
+    return {"loss": global_mean(runner, loss), "weights": whole_weights(runner, policy), "optimizer": kind,
             "head_placements": str(getattr(head, "placements", None)),
             "vocab_parallel": vocab_parallel_errors(head) if name == "tp" else None}
 
@@ -541,7 +554,7 @@ def contract_worker(name: str, root: str, entries: tuple = ()) -> dict:
     start = time.perf_counter()
     out["ddp"] = {"fp32_losses": train_parity(build_strategy("ddp")),
                   "accumulation_clipping": train_accumulate_clip(build_strategy("ddp"))}
-    out["ddp"]["preference"] = preference_one_device()
+    out["ddp"]["preference"] = preference_one_device("adamw" if name in PREFERENCE_ADAMW else "sgd")
     seconds["ddp_reference"] = round(time.perf_counter() - start, 2)
     return out
 
