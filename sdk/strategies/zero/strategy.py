@@ -20,7 +20,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import sys
 import tempfile
 import types
 import warnings
@@ -45,6 +44,7 @@ from shardkit.strategies.zero.config import (
     precision_section,
     require_deepspeed,
 )
+from shardkit.strategies.zero.groups import forget_process_groups, forget_stale_process_groups
 from shardkit.strategies.zero.layout import FlatPartitionLayout, ZeROLayout
 
 __all__ = ["ZeROStrategy", "ZeRO1", "ZeRO2", "ZeROSettingsError", "build_deepspeed_op", "choose_deepspeed_accelerator",
@@ -125,7 +125,7 @@ class ZeROStrategy(ProcessGroupStrategy):
         if self._engine is not None and hasattr(self._engine, "destroy"):
             self._engine.destroy()
         super().teardown()
-        _forget_process_groups()
+        forget_process_groups()
         if self._created_nvme_path is not None:
             shutil.rmtree(self._created_nvme_path, ignore_errors=True)  # ours alone: made by default_nvme_path
             self._created_nvme_path = None
@@ -493,7 +493,7 @@ def prepare_deepspeed(settings: ZeROSettings) -> None:
                             module=r"torch\.distributed\.c10d_logger")
     for name in deepspeed_op_builders(offload=bool(settings.offload_optimizer), nvme=bool(settings.uses_nvme)):
         build_deepspeed_op(name)
-    _forget_stale_process_groups()
+    forget_stale_process_groups()
 
 
 def choose_deepspeed_accelerator() -> None:
@@ -588,41 +588,3 @@ def _host_optimizer(optimizer: torch.optim.Optimizer, scheduler: Any | None) -> 
     if scheduler is not None and getattr(scheduler, "optimizer", None) is optimizer:
         scheduler.optimizer = converted  # its lr changes must reach the optimizer that steps
     return converted
-
-
-def _forget_stale_process_groups() -> None:
-    """Drop DeepSpeed's cached groups when the process group they were cloned from is gone.
-
-    ``teardown`` drops them, but a group can also end without it: an engine never torn down whose process group
-    ended some other way (``destroy_distributed`` at the end of a script or test). The next engine would then use
-    the dead clone and fail in its constructor with "Group ... is not registered".
-    """
-    groups = sys.modules.get("deepspeed.utils.groups")
-    cached = getattr(groups, "_WORLD_GROUP", None) if groups is not None else None
-    if cached is None:
-        return
-    import torch.distributed as dist
-
-    try:
-        live = dist.is_initialized() and dist.get_rank(group=cached) >= 0
-    except (ValueError, RuntimeError):  # not registered in the current world: it died with an earlier group
-        live = False
-    if not live:
-        _forget_process_groups()
-
-
-def _forget_process_groups() -> None:
-    """Drop DeepSpeed's cached groups once the process group is gone (teardown destroys it through torch).
-
-    DeepSpeed keeps a clone of the world group (and groups made from it) in ``deepspeed.utils.groups``; the next
-    engine in this process (a second Runner or Trainer after ``teardown``/``end``, with a new group) would use the
-    dead clone and fail with "Group ... is not registered". ``deepspeed.comm.destroy_process_group`` drops them too.
-    """
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is None:
-        return  # DeepSpeed never ran here
-    release = getattr(groups, "_release_process_group_references", None)  # newer DeepSpeed: every cached group
-    if release is not None:
-        release(None)
-    else:
-        groups._WORLD_GROUP = None
