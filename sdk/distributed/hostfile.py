@@ -34,6 +34,8 @@ DEFAULT_ENV_FILE_NAME = ".deepspeed_env"
 _MAX_FILE_BYTES = 1 << 20
 _LINE = re.compile(r"(\S+)\s+slots=(\S+)\s*(?:#.*)?")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# What ssh takes as a destination: [user@]name, an IPv4 or a bracketless IPv6 address; never a leading "-" (an option).
+_HOST = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.-]*@)?[A-Za-z0-9_:][A-Za-z0-9_.:%-]*")
 
 
 class HostfileError(ValueError):
@@ -69,6 +71,8 @@ def parse_hostfile(text: str, source: str = "hostfile") -> dict[str, int]:
         if match is None:
             raise HostfileError(f"{source} line {number}: {line[:200]!r} is not 'HOST slots=N'")
         host, slots = match.group(1), match.group(2)
+        if not _HOST.fullmatch(host):
+            raise HostfileError(f"{source} line {number}: {host[:100]!r} is not a host name ([user@]name or address)")
         if not slots.isdigit() or int(slots) < 1:
             raise HostfileError(f"{source} line {number}: slots={slots[:50]} must be a whole number >= 1")
         if host in hosts:

@@ -91,7 +91,8 @@ def _master(args: argparse.Namespace, plans: Sequence[HostPlan]) -> tuple[str, i
     if args.master_addr and args.main_process_ip and args.master_addr != args.main_process_ip:
         raise HostfileError(f"--master_addr({args.master_addr}) and --main-process-ip({args.main_process_ip}) differ; "
                             "give one")
-    address = args.master_addr or args.main_process_ip or plans[0].host
+    # ssh's "user@" is no part of the address the ranks connect to
+    address = args.master_addr or args.main_process_ip or plans[0].host.rpartition("@")[2]
     port = DEFAULT_MASTER_PORT if args.main_process_port is None else args.main_process_port
     if not 0 < port < 65536:
         raise HostfileError(f"--main-process-port({port}) must be in [1, 65535]")

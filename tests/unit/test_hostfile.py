@@ -35,6 +35,7 @@ worker-2 slots=2
 
 def test_hostfile_keeps_order_and_skips_comments_and_blank_lines():
     assert parse_hostfile(HOSTFILE) == {"worker-0": 4, "worker-1": 4, "worker-2": 2}
+    assert parse_hostfile("me@10.0.0.1 slots=1\nfe80::1 slots=2") == {"me@10.0.0.1": 1, "fe80::1": 2}
 
 
 @pytest.mark.parametrize("text, fragment", [
@@ -43,6 +44,8 @@ def test_hostfile_keeps_order_and_skips_comments_and_blank_lines():
     ("worker-0 slots=four", "slots=four must be a whole number"),
     ("worker-0 slots=0", "slots=0 must be a whole number >= 1"),
     ("worker-0 slots=2 gpus=2", "is not 'HOST slots=N'"),
+    ("-oProxyCommand=x slots=2", "is not a host name"),
+    ("a;b slots=2", "is not a host name"),
     ("# only a comment\n\n", "names no host"),
 ])
 def test_bad_hostfiles_are_refused_by_line(text, fragment):
@@ -124,6 +127,9 @@ def test_each_host_gets_its_machine_rank_devices_and_the_variables(tmp_path):
     assert agent[agent.index("--main-process-port") + 1] == "29500"
     assert agent[-4:] == ["train.py", "--lr", "1e-3", "a b"]  # the script's arguments as given
     assert "CUDA_VISIBLE_DEVICES" not in remote_command(plans[0], plans, args, {}, "/shared/job")
+    hostfile.write_text("me@node-a slots=1\nnode-b slots=1\n")
+    plans = plan_hosts(_args(hostfile))
+    assert "--main-process-ip node-a " in remote_command(plans[1], plans, _args(hostfile), {}, "/job")
     assert ssh_command("worker-1", line, args) == ["ssh", "-o", "BatchMode=yes", "-p", "2222", "-F", "my cfg", "--",
                                                    "worker-1", line]
 
