@@ -105,7 +105,12 @@ def remote_command(plan: HostPlan, plans: Sequence[HostPlan], args: argparse.Nam
     address, port = _master(args, plans)
     variables = dict(env)
     if list(plan.slots) != list(range(len(plan.slots))):
-        variables["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, plan.slots))
+        chosen = variables.get("CUDA_VISIBLE_DEVICES")
+        if chosen:  # the config's gpu_ids ("" is its use_cpu, where slots pick no device)
+            raise HostfileError(f"the filter keeps slots {list(plan.slots)} of {plan.host}, but the config already "
+                                f"sets CUDA_VISIBLE_DEVICES={chosen} (gpu_ids); keep one of the two")
+        if chosen is None:
+            variables["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, plan.slots))
     agent = [python, "-u", "-m", "shardkit.distributed.ssh_agent", "--num-processes", str(len(plan.slots)),
              "--num-machines", str(len(plans)), "--machine-rank", str(plan.machine_rank),
              "--main-process-ip", address, "--main-process-port", str(port), "--stop-grace", f"{args.stop_grace:g}"]

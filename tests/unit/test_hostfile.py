@@ -127,6 +127,9 @@ def test_each_host_gets_its_machine_rank_devices_and_the_variables(tmp_path):
     assert agent[agent.index("--main-process-port") + 1] == "29500"
     assert agent[-4:] == ["train.py", "--lr", "1e-3", "a b"]  # the script's arguments as given
     assert "CUDA_VISIBLE_DEVICES" not in remote_command(plans[0], plans, args, {}, "/shared/job")
+    assert "CUDA_VISIBLE_DEVICES= " in remote_command(plans[1], plans, args, {"CUDA_VISIBLE_DEVICES": ""}, "/j")
+    with pytest.raises(HostfileError, match=r"keeps slots \[1, 3\] of worker-1, but the config already sets"):
+        remote_command(plans[1], plans, args, {"CUDA_VISIBLE_DEVICES": "0,1"}, "/job")  # gpu_ids: 0,1
     hostfile.write_text("me@node-a slots=1\nnode-b slots=1\n")
     plans = plan_hosts(_args(hostfile))
     assert "--main-process-ip node-a " in remote_command(plans[1], plans, _args(hostfile), {}, "/job")
