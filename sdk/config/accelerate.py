@@ -61,6 +61,7 @@ _OTHER_TYPES = {"MULTI_NPU": "Ascend NPUs", "MULTI_MLU": "Cambricon MLUs", "MULT
                 "MULTI_XPU": "Intel XPUs", "MULTI_HPU": "Gaudi HPUs", "MULTI_SDAA": "SDAA devices",
                 "XLA": "TPUs (XLA)", "TPU": "TPUs (XLA)", "MEGATRON_LM": "Megatron-LM"}
 _MIXED = ("no", "fp16", "bf16")
+MULTINODE_LAUNCHERS = ("pdsh", "standard", "nossh")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ class AccelerateConfig:
     deepspeed: dict[str, Any] | None = None
     deepspeed_source: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    hostfile: str | None = None
+    include: str | None = None
+    exclude: str | None = None
 
     @property
     def processes_per_machine(self) -> int:
@@ -123,14 +127,47 @@ def load_accelerate_config(path: str | os.PathLike) -> AccelerateConfig:
     use_cpu = bool(raw.get("use_cpu", False)) or kind == "MULTI_CPU"
     spec, ds, ds_where = _strategy(raw, kind, mixed, processes, path)
     port = raw.get("main_process_port")
+    hostfile, include, exclude = _multinode_launch(raw.get("deepspeed_config") or {}, machines, where)
     return AccelerateConfig(
         path=path, distributed_type=kind, mixed_precision=mixed, num_processes=processes, num_machines=machines,
         machine_rank=rank, main_process_ip=raw.get("main_process_ip") or None,
         main_process_port=None if port is None else _int(raw, "main_process_port", where, 0, minimum=1,
                                                          maximum=65535),
         use_cpu=use_cpu, gpu_ids=_gpu_ids(raw.get("gpu_ids"), where), strategy=spec, deepspeed=ds,
-        deepspeed_source=ds_where, env=_env(raw, use_cpu, path, spec),
+        deepspeed_source=ds_where, env=_env(raw, use_cpu, path, spec), hostfile=hostfile, include=include,
+        exclude=exclude,
     )
+
+
+def _multinode_launch(section: Mapping[str, Any], machines: int, where: str) -> tuple[str | None, ...]:
+    """(hostfile, include, exclude) of a DeepSpeed section's multi-machine launcher, as ``accelerate launch`` reads
+    them: with several machines, "pdsh" (its default when a hostfile is named) starts every host over ssh from here
+    (``shardkit launch --hostfile``); "standard" and "nossh" are started on each machine by hand."""
+    launcher = section.get("deepspeed_multinode_launcher")
+    hostfile = section.get("deepspeed_hostfile")
+    key = "deepspeed_config.deepspeed_multinode_launcher"
+    if launcher is not None and launcher not in MULTINODE_LAUNCHERS:
+        if launcher in ("openmpi", "mvapich", "mpich", "slurm"):
+            raise NotImplementedError(f"{key}: {launcher} in {where}: shardkit launches over ssh ('pdsh', with a "
+                                      f"deepspeed_hostfile) or on each machine ('standard'); under SLURM use srun")
+        raise ConfigError(f"{key}: {launcher!r} in {where}{did_you_mean(str(launcher), MULTINODE_LAUNCHERS)}; use "
+                          f"one of {list(MULTINODE_LAUNCHERS)}")
+    if machines == 1 or launcher in ("standard", "nossh") or (launcher is None and not hostfile):
+        return None, None, None  # as accelerate launch: one machine, or every machine started by hand
+    if not hostfile or not isinstance(hostfile, str):
+        raise ConfigError(f"{key}: pdsh in {where} starts every machine over ssh and needs deepspeed_config."
+                          f"deepspeed_hostfile (DeepSpeed's 'HOST slots=N' file), not {hostfile!r}")
+    filters = {}
+    for name in ("deepspeed_inclusion_filter", "deepspeed_exclusion_filter"):
+        value = section.get(name)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"deepspeed_config.{name}: {value!r} in {where} must be DeepSpeed's "
+                              "'HOST[:SLOT,...]@HOST...' string")
+        filters[name] = value or None
+    # As accelerate launch: the exclusion filter when both are given.
+    include = None if filters["deepspeed_exclusion_filter"] else filters["deepspeed_inclusion_filter"]
+    # Relative to the directory the job runs in, as accelerate launch hands it to DeepSpeed's runner.
+    return str(Path(hostfile).resolve()), include, filters["deepspeed_exclusion_filter"]
 
 
 def _distributed_type(raw: Mapping[str, Any], where: str) -> str:
@@ -264,11 +301,6 @@ def _deepspeed_dict(section: Mapping[str, Any], mixed: str, raw: Mapping[str, An
     """The DeepSpeed config the deepspeed_config section stands for: its file, or one built from inline keys."""
     where = f"{path} (deepspeed_config)"
     check_known_keys(section, DEEPSPEED_KEYS, "deepspeed_config", str(path))
-    machines = raw.get("num_machines", 1) or 1
-    launcher = section.get("deepspeed_multinode_launcher", "standard")
-    if machines > 1 and (launcher not in ("standard", "nossh") or section.get("deepspeed_hostfile")):
-        raise NotImplementedError(f"deepspeed_config.deepspeed_multinode_launcher: {launcher} in {path}: shardkit "
-                                  f"launch runs on every machine (torchrun); use 'standard' and start it on each")
     if section.get("deepspeed_config_file"):
         inline = sorted(set(section) & {"zero_stage", "offload_optimizer_device", "offload_param_device",
                                         "offload_optimizer_nvme_path", "offload_param_nvme_path",
@@ -474,7 +506,8 @@ def launch_args_from_yaml(path: str | os.PathLike) -> dict[str, Any]:
 
     try:
         cfg = load_accelerate_config(path)
-        check_resources(cfg)
+        if cfg.hostfile is None:  # else each host's agent checks its own devices
+            check_resources(cfg)
         if cfg.deepspeed is not None:
             _check_deepspeed(cfg)
     except (ConfigError, NotImplementedError) as err:
@@ -485,4 +518,7 @@ def launch_args_from_yaml(path: str | os.PathLike) -> dict[str, Any]:
         args["main_process_ip"] = cfg.main_process_ip
     if cfg.main_process_port is not None:
         args["main_process_port"] = cfg.main_process_port
+    for key in ("hostfile", "include", "exclude"):
+        if getattr(cfg, key) is not None:
+            args[key] = getattr(cfg, key)
     return args

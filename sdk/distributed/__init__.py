@@ -5,7 +5,8 @@ a function on N local processes; `shardkit launch script.py` runs a script throu
 `init_distributed()` joins whichever job the environment describes.
 
 Modules: `launcher` (local ranks from Python or a notebook), `cli`/`supervise`/`signals` (the
-`shardkit launch` command), `process_group` (init/destroy, collective timeouts), `cluster` (which
+`shardkit launch` command), `hostfile`/`ssh_launch`/`ssh_agent` (`shardkit launch --hostfile`: every host over
+ssh), `process_group` (init/destroy, collective timeouts), `cluster` (which
 job the environment variables describe: torchrun, SLURM, MPI), `watchdog` (naming a hung rank).
 """
 

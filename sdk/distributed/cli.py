@@ -2,6 +2,7 @@
 
     shardkit launch --num-processes 4 train.py --lr 1e-3
     shardkit launch --num-machines 2 --machine-rank 0 --main-process-ip 10.0.0.1 -m mypkg.train
+    shardkit launch --hostfile hosts.txt train.py          # every host of a DeepSpeed hostfile, over ssh
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Mapping
 
 from shardkit.distributed.cluster import find_free_port
 from shardkit.distributed.signals import STOP_GRACE_S
+from shardkit.distributed.ssh_launch import add_hostfile_flags, run_hostfile_launch
 from shardkit.distributed.timeouts import TIMEOUT_ENV_VAR, check_timeout, cpu_budget, default_timeout
 
 __all__ = ["CONFIG_FIELDS", "DEFAULT_CONFIG_FILE", "LaunchUsageError", "build_command", "register"]
@@ -27,7 +29,7 @@ DEFAULT_CONFIG_FILE = "shardkit_config.yaml"
 # The keys `shardkit.config.accelerate.launch_args_from_yaml(path)` may return; values given on the
 # command line win over the file's. "env" is a dict of extra variables for every rank.
 CONFIG_FIELDS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
-                 "timeout", "env")
+                 "timeout", "env", "hostfile", "include", "exclude")
 
 
 class LaunchUsageError(ValueError):
@@ -64,6 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="an Accelerate-style YAML file supplying the options above (default: "
                              "./shardkit_config.yaml, what `shardkit config` writes, when it exists)")
     _config_flags().add_config_flags(parser)
+    add_hostfile_flags(parser)
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     parser.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
     parser.add_argument("script", help="the training script (or module name with -m)")
@@ -210,6 +213,8 @@ def _run(args: argparse.Namespace) -> int:
                 args.config_file = _default_config_file()
             written = _flags_to_config_file(args)
             extra = _apply_config_file(args) if args.config_file else {}
+            if args.hostfile and not getattr(args, "on_host", False):  # on_host: one host's agent of that launch
+                return run_hostfile_launch(args, extra, flags_file=written)
             _resolve(args)
             env = _child_env(args, extra)
             collective = default_timeout(env)
