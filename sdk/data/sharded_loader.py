@@ -112,6 +112,7 @@ class ShardedLoader(RunnerDataLoader):
         self.collate_fn, self.rank, self.world_size, self.seed = loader.collate_fn, rank, world_size, seed
         self.gather = all_gather
         self.progress: dict[int, UnitProgress] = {}
+        self.split_base: frozenset[int] | None = None  # units finished when the current split began
         self._steps: list[tuple[int, int]] = []  # the last step's (has a batch, batch size) per rank
         self._last_batch: Any = None
         self.repeated = False  # the latest batch repeats this rank's last one (its files ended before another's)
@@ -127,28 +128,34 @@ class ShardedLoader(RunnerDataLoader):
         if self._resume and epoch == self.epoch:
             return
         self.epoch, self.batches_seen, self._resume, self._started = epoch, 0, False, False
-        self.progress = {}
+        self.progress, self.split_base = {}, None
 
     def plan(self) -> list[list[Task]]:
-        """Each reader's tasks for the rest of this epoch: the unfinished units dealt in the epoch's order."""
+        """Each reader's tasks for the rest of this epoch. The split deals the units in the epoch's order less those
+        finished when it began (``split_base``: none for a fresh epoch; a resume at the saved world size and worker
+        count keeps the saved split, so each reader continues its own files; another one starts a split over the
+        unfinished files); a reader skips the units finished since."""
         order = epoch_order(self.files.num_units, self.seed, self.epoch, self.files.shuffle)
-        remaining = [u for u in order if u not in self.progress or not self.progress[u].finished]
+        if self.split_base is None:
+            self.split_base = frozenset(u for u, p in self.progress.items() if p.finished)
+        dealt = [u for u in order if u not in self.split_base]
         readers = self.world_size * self.workers
-        if not self.progress and len(remaining) < readers:
-            raise ValueError(f"ShardedFiles has {len(remaining)} files for {readers} readers ({self.world_size} ranks x "
-                             f"{self.workers} DataLoader workers): some readers would have no file. Use fewer workers "
-                             "(num_workers), or split the data into at least as many files as readers")
-        empty = UnitProgress()
-        return [[(u, self.progress.get(u, empty).done, self.progress.get(u, empty).offset,
-                  frozenset(self.progress.get(u, empty).extra)) for u in units]
-                for units in deal_units(remaining, self.world_size, self.workers)]
+        if not self.progress and len(dealt) < readers:
+            raise ValueError(f"ShardedFiles has {len(dealt)} files for {readers} readers ({self.world_size} ranks "
+                             f"x {self.workers} DataLoader workers): some readers would have no file. Use fewer "
+                             "workers (num_workers), or split the data into at least as many files as readers")
+        tasks = []
+        for units in deal_units(dealt, self.world_size, self.workers):
+            mine = [(u, self.progress.get(u) or UnitProgress()) for u in units]
+            tasks.append([(u, p.done, p.offset, frozenset(p.extra)) for u, p in mine if not p.finished])
+        return tasks
 
     def __iter__(self) -> Iterator[Any]:
         if self._resume:
             self._resume = False
         elif self._started:
             self.epoch += 1
-            self.batches_seen, self.progress = 0, {}
+            self.batches_seen, self.progress, self.split_base = 0, {}, None
         self._started = True
         self.files.set_epoch(self.epoch)
         fresh = not self.progress
@@ -211,7 +218,8 @@ class ShardedLoader(RunnerDataLoader):
             progress = merged
         return {"kind": _KIND, "epoch": self.epoch, "batches_seen": self.batches_seen, "seed": self.seed,
                 "world_size": self.world_size, "readers": self.workers, "units": self.files.num_units,
-                "fingerprint": self.files.fingerprint, "progress": progress}
+                "fingerprint": self.files.fingerprint, "progress": progress,
+                "split_base": sorted(self.split_base or ())}
 
     def _gather_json(self, obj: Any) -> list[Any]:
         data = json.dumps(obj, separators=(",", ":")).encode()
@@ -233,11 +241,12 @@ class ShardedLoader(RunnerDataLoader):
         self.progress = checked["progress"]
         same = checked["world_size"] == self.world_size and checked["readers"] == self.workers
         self.batches_seen = checked["batches_seen"] if same else 0
+        self.split_base = checked["split_base"] if same else None
         self._resume, self._started = True, True
         if self.progress and all(p.finished for p in self.progress.values()) and \
                 len(self.progress) == self.files.num_units:  # saved at the very end of an epoch
-            self.epoch, self.batches_seen, self.progress, self._resume, self._started = self.epoch + 1, 0, {}, False, \
-                False
+            self.epoch, self.batches_seen, self._resume, self._started = self.epoch + 1, 0, False, False
+            self.progress, self.split_base = {}, None
 
 
 def _check_state(state: Any, loader: ShardedLoader) -> dict[str, Any]:
@@ -273,4 +282,9 @@ def _check_state(state: Any, loader: ShardedLoader) -> dict[str, Any]:
         progress[int(key)] = UnitProgress.from_json(value, f"ShardedFiles loader state: progress of file {key} "
                                                            f"({files.urls[int(key)]})")
     out["progress"] = progress
+    base = state.get("split_base", [])
+    if not isinstance(base, list) or any(not isinstance(u, int) or isinstance(u, bool) or u not in progress
+                                         or not progress[u].finished for u in base):
+        raise ValueError("ShardedFiles loader state field 'split_base' must list finished file numbers")
+    out["split_base"] = frozenset(base)
     return out

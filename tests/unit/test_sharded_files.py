@@ -178,7 +178,8 @@ def test_fewer_files_than_readers_is_named(data):
     url, _, _ = data
     files = ShardedFiles([f"{url}/part-00.jsonl", f"{url}/part-01.jsonl"])
     loader = ShardedLoader(DataLoader(files, batch_size=2, num_workers=2), 0, 1, 0, CPU)
-    with pytest.raises(ValueError, match=r"10 files for 12 readers \(6 ranks x 2 DataLoader workers\): some readers would have no file") as err:
+    named = r"10 files for 12 readers \(6 ranks x 2 DataLoader workers\): some readers would have no file"
+    with pytest.raises(ValueError, match=named) as err:
         _take(_loader(url, 0, 6, lambda t: torch.stack([t] * 6), workers=2))
     assert "num_workers" in str(err.value)
     assert sorted(_take(loader)[0]) == list(range(5)) + list(range(100, 106))
@@ -211,7 +212,7 @@ def _fs():
 
 def test_parquet_arrow_and_tar_read_from_any_position():
     pa = pytest.importorskip("pyarrow")
-    import pyarrow.ipc
+    import pyarrow.ipc  # noqa: F401  (pa.ipc below)
     import pyarrow.parquet as pq
 
     root, fs = f"/formats-{uuid.uuid4().hex[:8]}", _fs()
@@ -292,3 +293,62 @@ def test_runner_saves_and_resumes_the_position(data, tmp_path):
     runner, loader = setup()
     runner.load(tmp_path / "ckpt", {"loader": loader})
     assert sorted(first + _take(loader)[0]) == ids
+
+
+def test_trainer_resumes_a_sharded_dataset_with_the_uninterrupted_losses(tmp_path):
+    from trainer_fixtures import StopAt, logged_losses
+
+    from shardkit.models import Llama, LlamaConfig
+    from shardkit.trainer import Trainer, TrainingArguments
+
+    root, fs = f"/trainer-{uuid.uuid4().hex[:8]}", _fs()
+    g = torch.Generator().manual_seed(0)
+    for f in range(4):
+        rows = [{"input_ids": torch.randint(0, 64, (8,), generator=g).tolist()} for _ in range(7 + f)]
+        fs.pipe(f"{root}/{f}.jsonl", b"".join(json.dumps({**r, "labels": r["input_ids"]}).encode() + b"\n"
+                                              for r in rows))
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                         max_position=16)
+
+    def trainer(out, *callbacks):
+        torch.manual_seed(1)
+        args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=3, learning_rate=1e-2, max_steps=8,
+                                 logging_steps=1, save_strategy="steps", save_steps=5, disable_tqdm=True, seed=0,
+                                 remove_unused_columns=False, report_to=[])
+        data = ShardedFiles(f"memory://{root}/*.jsonl", shuffle=True)
+        return Trainer(Llama(config), args, train_dataset=data, callbacks=list(callbacks))
+
+    full = trainer(tmp_path / "full")
+    full.train()
+    trainer(tmp_path / "cut", StopAt(5)).train()
+    resumed = trainer(tmp_path / "cut")
+    resumed.train(resume_from_checkpoint=True)
+    assert isinstance(resumed.prepared.train_loader, ShardedLoader)
+    assert logged_losses(resumed) == logged_losses(full)  # the history up to step 5 comes from the checkpoint
+    for (name, a), b in zip(resumed.model.named_parameters(), full.model.parameters()):
+        assert torch.equal(a, b), name
+    fs.rm(root, recursive=True)
+
+
+def test_a_resume_at_the_same_world_size_continues_with_the_same_batches(data):
+    url, ids, _ = data
+
+    def epoch(rank, gather, stop=None, state=None):
+        loader = _loader(url, rank, 2, gather, shuffle=True)
+        if state is not None:
+            loader.load_state_dict(state)
+        batches = []
+        for batch in loader:
+            batches.append(batch["id"].tolist())
+            if len(batches) == stop:
+                return batches, loader.state_dict()
+        return batches, None
+
+    full = _on_ranks(2, lambda rank, gather: epoch(rank, gather)[0])
+    # At batch 6 the ranks have finished different numbers of files: a fresh deal of the unfinished ones would hand
+    # a rank the other's files (the same samples in another order); the saved split keeps each rank's own.
+    cut = _on_ranks(2, lambda rank, gather: epoch(rank, gather, stop=6))
+    state = json.loads(json.dumps(cut[0][1]))
+    assert state["split_base"] == [] and any(v[2] != v[0] for v in state["progress"].values())  # mid-file
+    rest = _on_ranks(2, lambda rank, gather: epoch(rank, gather, state=state)[0])
+    assert [cut[r][0] + rest[r] for r in range(2)] == full
