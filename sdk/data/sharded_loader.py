@@ -116,6 +116,7 @@ class ShardedLoader(RunnerDataLoader):
         self._steps: list[tuple[int, int]] = []  # the last step's (has a batch, batch size) per rank
         self._last_batch: Any = None
         self.repeated = False  # the latest batch repeats this rank's last one (its files ended before another's)
+        self.at_end = False  # the latest batch is the epoch's last step
 
     @property
     def dataset(self) -> ShardedFiles:
@@ -162,12 +163,8 @@ class ShardedLoader(RunnerDataLoader):
         self.view.plan, self.view.epoch = self.plan(), self.epoch
         self._last_batch = None
         batches = iter(self.loader)
-        while True:
-            item = next(batches, None)
-            size = len(item[1]) if item is not None else 0
-            self._steps = self._agree(item is not None, size)
-            if not any(has for has, _ in self._steps):
-                break
+        item, steps = self._next_step(batches)
+        while any(has for has, _ in steps):
             if item is not None:
                 batch, metas = item
                 for unit, index, end, last in metas:
@@ -176,11 +173,21 @@ class ShardedLoader(RunnerDataLoader):
             else:  # this rank's files have ended, another's have not: repeat, as a sampler pads the last round
                 batch = self._last_batch if self._last_batch is not None else self._padding_batch()
                 self.repeated = True
+            # One step is read (and agreed) ahead, so that the last one is known while it is used (``at_end``:
+            # the Accelerator ends its accumulation window there); the position counts only the batches handed out.
+            self._steps = steps
+            item, steps = self._next_step(batches)
+            self.at_end = not any(has for has, _ in steps)
             self.batches_seen += 1
             yield move_to_device(batch, self.device)
+        self.at_end = False
         self._steps = []
         if fresh and not self.batches_seen:
             raise ValueError(f"the ShardedFiles dataset gave no sample in epoch {self.epoch}: its files are empty")
+
+    def _next_step(self, batches: Iterator[Any]) -> tuple[Any, list[tuple[int, int]]]:
+        item = next(batches, None)
+        return item, self._agree(item is not None, len(item[1]) if item is not None else 0)
 
     def _padding_batch(self) -> Any:
         """A batch for a rank that has no unit left in a resumed split: the epoch's first unit's head (a repeat)."""

@@ -352,3 +352,25 @@ def test_a_resume_at_the_same_world_size_continues_with_the_same_batches(data):
     assert state["split_base"] == [] and any(v[2] != v[0] for v in state["progress"].values())  # mid-file
     rest = _on_ranks(2, lambda rank, gather: epoch(rank, gather, state=state)[0])
     assert [cut[r][0] + rest[r] for r in range(2)] == full
+
+
+def test_the_accelerator_prepares_it_ends_its_window_on_the_last_batch_and_resumes(data, tmp_path):
+    from shardkit import Accelerator
+
+    url, ids, _ = data
+
+    def prepared():
+        accelerator = Accelerator(cpu=True)
+        return accelerator, accelerator.prepare(DataLoader(ShardedFiles(f"{url}/*.jsonl"), batch_size=4))
+
+    accelerator, loader = prepared()
+    seen, ends = [], []
+    for batch in loader:
+        seen += batch["id"].tolist()
+        ends.append(loader.end_of_dataloader)
+        if len(ends) == 5:
+            accelerator.save_state(str(tmp_path / "state"))
+    assert sorted(seen) == ids and ends[-1] and not any(ends[:-1])
+    accelerator, loader = prepared()
+    accelerator.load_state(str(tmp_path / "state"))
+    assert sorted(seen[:20] + [i for batch in loader for i in batch["id"].tolist()]) == ids
