@@ -14,7 +14,8 @@ position are not opened, and at most one chunk is read again); a source without 
 and the consumed examples are skipped without being transformed.
 
 Every rank reads the whole stream and keeps its share of it (as Accelerate's ``IterableDatasetShard`` does), in the
-main process: DataLoader workers would each read a part and change the global order.
+main process: DataLoader workers would each read a part and change the global order. Data kept in many files reads
+only each rank's part instead: :class:`~shardkit.data.sharded_files.ShardedFiles`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from shardkit.data.loader import RunnerDataLoader, rebuild_dataloader
+from shardkit.data.sharded_files import ShardedFiles
+from shardkit.data.sharded_loader import ShardedLoader
 from shardkit.utils.operations import move_to_device
 
 __all__ = ["ChunkedStream", "StreamPosition", "StreamingLoader", "is_stream", "rebuild_loader"]
@@ -325,9 +328,14 @@ class StreamingLoader(RunnerDataLoader):
         self._resume, self._started = True, True
 
 
-def rebuild_loader(loader: DataLoader, rank: int, world_size: int, seed: int, device: torch.device) -> RunnerDataLoader:
-    """``loader`` rebuilt for a Runner: a :class:`StreamingLoader` for a streamed dataset, else the sampler-based
+def rebuild_loader(loader: DataLoader, rank: int, world_size: int, seed: int, device: torch.device,
+                   all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> RunnerDataLoader:
+    """``loader`` rebuilt for a Runner: a :class:`~shardkit.data.sharded_loader.ShardedLoader` for a
+    :class:`~shardkit.data.sharded_files.ShardedFiles` dataset (each rank reads only its files; ``all_gather`` is the
+    Runner's, for the ranks to agree), a :class:`StreamingLoader` for another streamed dataset, else the sampler-based
     :func:`shardkit.data.loader.rebuild_dataloader` (sharded, shuffled per epoch, resumable)."""
+    if isinstance(loader.dataset, ShardedFiles):
+        return ShardedLoader(loader, rank, world_size, seed, device, all_gather)
     if is_stream(loader.dataset):
         return StreamingLoader(loader, rank, world_size, seed, device)
     return rebuild_dataloader(loader, rank, world_size, seed, device)

@@ -262,7 +262,7 @@ class Runner:
         strategy.set_runner_values(micro_batch_size=loader.batch_size)
         seed = seed if seed is not None else self.seed or 0
         self._loader = rebuild_loader(loader, strategy.data_parallel_rank, strategy.data_parallel_size, seed,
-                                      self.device)
+                                      self.device, self.all_gather)
         return self._loader
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
