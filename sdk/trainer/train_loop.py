@@ -311,14 +311,32 @@ class TrainLoop:
 
     def _position_from_step(self) -> None:
         """Where the data resumes when the exact position is not known (a checkpoint Hugging Face's Trainer
-        wrote, or another dataset): the epoch and window the step count gives, as Hugging Face resumes."""
+        wrote, or another dataset): the epoch and window the step count gives, as Hugging Face resumes. A stream
+        has no epochs to count: the batches the run trained are skipped from its start, as Hugging Face skips
+        them."""
         trainer = self.trainer
-        loader, per_epoch, step = trainer.prepared.train_loader, trainer.prepared.per_epoch, trainer.state.global_step
+        loader, step, args = trainer.prepared.train_loader, trainer.state.global_step, trainer.args
+        per_epoch = trainer.prepared.per_epoch or trainer.state.max_steps or 1
+        try:
+            length = len(loader)
+        except TypeError:  # a stream
+            length = None
         state = loader.state_dict()
+        if length is None and "stream" not in state:  # a sharded-files loader: its position is per file
+            if args.ignore_data_skip:
+                return  # the stream starts from its beginning, as asked
+            raise ValueError(f"the data position could not be restored exactly, and a {type(loader).__name__} cannot "
+                             f"be positioned from the step count ({step}): resume over the dataset the checkpoint "
+                             "was written with, or set ignore_data_skip=True to start it from its beginning")
+        batches = 0 if args.ignore_data_skip else (step % per_epoch) * args.gradient_accumulation_steps
         state["epoch"] = step // per_epoch
-        batches = 0 if trainer.args.ignore_data_skip else (step % per_epoch) * trainer.args.gradient_accumulation_steps
-        state["batches_seen"] = min(batches, len(loader))
-        state["samples_seen"] = min(state["batches_seen"] * (loader.batch_size or 1), state.get("length", 0))
+        if length is None:  # consumed items = samples_seen x world size, from the stream's start
+            state["batches_seen"] = batches
+            state["samples_seen"] = batches * (loader.batch_size or 1)
+            state["stream"] = {"state": None, "index": 0}
+        else:
+            state["batches_seen"] = min(batches, length)
+            state["samples_seen"] = min(state["batches_seen"] * (loader.batch_size or 1), state.get("length", 0))
         state["offset"], state["world_size"] = 0, trainer.runner.strategy.data_parallel_size
         loader.load_state_dict(state)
 

@@ -243,3 +243,19 @@ def test_trainer_lines_follow_transformers_verbosity(tmp_path):
     with LoggingLevel(logging.ERROR), CaptureLogger(library) as captured:
         Trainer(Line(), _args(tmp_path), train_dataset=Regression(8), callbacks=[PrinterCallback, PrinterCallback])
     assert captured.out == ""
+
+
+def test_a_stream_whose_saved_position_is_refused_skips_the_trained_batches(tmp_path, caplog):
+    """A checkpoint whose stream position does not fit this run (another data seed here) falls back to the
+    position the step count gives, as for a map-style dataset: the batches trained are skipped from the stream's
+    start, as Hugging Face skips them, and the resumed run's losses are the whole run's."""
+    args = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=6, learning_rate=1e-2,
+                logging_steps=1, save_steps=3, disable_tqdm=True, data_seed=1)
+    trainer = Trainer(tiny_llama(), TrainingArguments(**args), train_dataset=_stream("torch"))
+    trainer.train()
+    losses = _losses(trainer)
+    resumed = Trainer(tiny_llama(), TrainingArguments(**{**args, "data_seed": 2}), train_dataset=_stream("torch"))
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-3"))
+    assert "cannot be restored exactly" in caplog.text
+    assert _losses(resumed)[-3:] == pytest.approx(losses[3:], abs=1e-6)
