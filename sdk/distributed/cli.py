@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from shardkit.distributed.cluster import find_free_port
+from shardkit.distributed.restart import add_restart_flags, check_restart_flags, run_with_restarts
 from shardkit.distributed.signals import STOP_GRACE_S
 from shardkit.distributed.timeouts import TIMEOUT_ENV_VAR, check_timeout, cpu_budget, default_timeout
 
@@ -63,6 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config-file", "--config_file", dest="config_file",
                         help="an Accelerate-style YAML file supplying the options above (default: "
                              "./shardkit_config.yaml, what `shardkit config` writes, when it exists)")
+    add_restart_flags(parser)
     _config_flags().add_config_flags(parser)
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
     parser.add_argument("--dry-run", action="store_true", help="print the torchrun command instead of running it")
@@ -211,6 +213,7 @@ def _run(args: argparse.Namespace) -> int:
             written = _flags_to_config_file(args)
             extra = _apply_config_file(args) if args.config_file else {}
             _resolve(args)
+            check_restart_flags(args)
             env = _child_env(args, extra)
             collective = default_timeout(env)
         except (LaunchUsageError, ValueError, NotImplementedError) as err:
@@ -226,6 +229,9 @@ def _run(args: argparse.Namespace) -> int:
         from shardkit.distributed.launcher import GRACE_PERIOD_S
         from shardkit.distributed.supervise import run_supervised
 
+        if args.max_restarts:
+            return run_with_restarts(command, env, max_restarts=args.max_restarts,
+                                     straggle_s=collective + GRACE_PERIOD_S, stop_grace=args.stop_grace)
         return run_supervised(command, env, straggle_s=collective + GRACE_PERIOD_S, stop_grace=args.stop_grace)
     finally:
         if written is not None:
