@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from shardkit.distributed.restart_records import (
     DETECTED_AT_ENV,
@@ -37,9 +37,11 @@ from shardkit.distributed.restart_records import (
     read_errors,
     read_progress,
     read_recovery,
+    write_error,
 )
 
-__all__ = ["Attempt", "add_restart_flags", "check_restart_flags", "run_with_restarts", "should_stop"]
+__all__ = ["Attempt", "Restarts", "add_restart_flags", "check_restart_flags", "describe_attempt",
+           "launch_with_restarts", "run_with_restarts", "should_stop"]
 
 
 def add_restart_flags(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +116,8 @@ def describe_attempt(folder: str, attempt: int, code: int, outcome: object, ende
     if not lines:  # only consequences, or nothing the job recorded: the exit status is all there is
         lines = [f"{line} (ranks {', '.join(map(str, ranks))})" for line, ranks in by_line.items()] or \
                 [f"the job exited with code {code} (no rank left a Python error; see the output above)"]
-        signature = list(by_line) or [f"exit code {code}"]
+        # a lost peer's message names ports that change every attempt: the failure is the same all the same
+        signature = ["a peer closed its connection"] if by_line else [f"exit code {code}"]
     times = [t for _, t in errors.values()] + [getattr(outcome, "first_exit", None) or ended_at]
     progress = read_progress(folder, attempt)
     step, resumed, saved = progress["step"], progress["resumed"], progress["saved"]
@@ -124,61 +127,133 @@ def describe_attempt(folder: str, attempt: int, code: int, outcome: object, ende
                    progressed)
 
 
+class Restarts:
+    """The restart loop's state, shared by both launchers: the records folder, the failed attempts, the decisions.
+
+    ``variables(attempt)`` are the environment variables of an attempt; ``failed(...)`` records a failed attempt and
+    says whether to start another (printing why, or why not); ``close()`` prints the time lost and removes the folder.
+    """
+
+    def __init__(self, max_restarts: int, who: str = "shardkit launch"):
+        self.max_restarts = max_restarts
+        self.who = who
+        self.folder = tempfile.mkdtemp(prefix="shardkit-restarts-")
+        self.history: list[Attempt] = []
+        self.succeeded = False
+
+    def _best(self) -> int | None:
+        return max((a.step for a in self.history if a.step is not None), default=None)
+
+    def variables(self, attempt: int) -> dict[str, str]:
+        variables = {RESTART_DIR_ENV: self.folder, RESTART_COUNT_ENV: str(attempt)}
+        if self.history:
+            best = self._best()
+            variables.update({FAILED_AT_ENV: repr(self.history[-1].failed_at),
+                              DETECTED_AT_ENV: repr(self.history[-1].ended_at),
+                              LAST_STEP_ENV: "" if best is None else str(best)})
+        return variables
+
+    def failed(self, attempt: int, code: int, outcome: object, ended: float) -> bool:
+        """Record the failed ``attempt``; True when another one should start."""
+        self.history.append(describe_attempt(self.folder, attempt, code, outcome, ended, self._best()))
+        failed = self.history[-1]
+        reason = "; ".join(failed.causes)
+        if should_stop(self.history):
+            where = f"step {failed.step}" if failed.step is not None else "its first step"
+            self.say(f"stopping: attempt {attempt + 1} failed the same way as attempt {attempt} and made no progress "
+                     f"(no step beyond {where}, no new checkpoint): {reason}. Restarting again would loop; fix the "
+                     f"cause and launch again (the checkpoints are kept)")
+            return False
+        if attempt >= self.max_restarts:
+            self.say(f"giving up: attempt {attempt + 1} failed and the {self.max_restarts} restart(s) of "
+                     f"max_restarts are used up: {reason}")
+            return False
+        at = f" at step {failed.step}" if failed.step is not None else ""
+        self.say(f"attempt {attempt + 1} failed{at}: {reason}; restarting ({attempt + 1} of {self.max_restarts}), "
+                 f"resuming from the newest complete checkpoint")
+        return True
+
+    def say(self, text: str) -> None:
+        print(f"{self.who}: {text}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        try:
+            lines = _time_lost(self.folder, self.history, last_restarted=self.succeeded)
+            if lines:
+                self.say("\n".join(lines))
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
 def run_with_restarts(command: Sequence[str], env: Mapping[str, str], *, max_restarts: int, straggle_s: float,
                       stop_grace: float) -> int:
     """Run torchrun's ``command`` under the supervisor, restarting it as the module docstring says; the exit code."""
     # deferred: start-up time (torch)
     from shardkit.distributed.supervise import SupervisedOutcome, run_supervised
 
-    folder = tempfile.mkdtemp(prefix="shardkit-restarts-")
-    history: list[Attempt] = []
+    restarts = Restarts(max_restarts)
     try:
         for attempt in range(max_restarts + 1):
-            variables = {**env, RESTART_DIR_ENV: folder, RESTART_COUNT_ENV: str(attempt)}
-            if history:
-                best = max((a.step for a in history if a.step is not None), default=None)
-                variables.update({FAILED_AT_ENV: repr(history[-1].failed_at),
-                                  DETECTED_AT_ENV: repr(history[-1].ended_at),
-                                  LAST_STEP_ENV: "" if best is None else str(best)})
             outcome = SupervisedOutcome()
-            code = run_supervised(command, variables, straggle_s, stop_grace, outcome=outcome)
-            ended = time.time()
+            code = run_supervised(command, {**env, **restarts.variables(attempt)}, straggle_s, stop_grace,
+                                  outcome=outcome)
             if code == 0:
-                _report_time_lost(folder, history, last_restarted=True)
+                restarts.succeeded = True
                 return 0
-            best = max((a.step for a in history if a.step is not None), default=None)
-            history.append(describe_attempt(folder, attempt, code, outcome, ended, best))
-            failed = history[-1]
-            reason = "; ".join(failed.causes)
-            if should_stop(history):
-                where = f"step {failed.step}" if failed.step is not None else "its first step"
-                _say(f"stopping: attempt {attempt + 1} failed the same way as attempt {attempt} and made no progress "
-                     f"(no step beyond {where}, no new checkpoint): {reason}. Restarting again would loop; fix the "
-                     f"cause and launch again (the checkpoints are kept)")
-                _report_time_lost(folder, history)
+            if not restarts.failed(attempt, code, outcome, time.time()):
                 return code
-            if attempt == max_restarts:
-                _say(f"giving up: attempt {attempt + 1} failed and the {max_restarts} restart(s) of --max-restarts "
-                     f"are used up: {reason}")
-                _report_time_lost(folder, history)
-                return code
-            at = f" at step {failed.step}" if failed.step is not None else ""
-            _say(f"attempt {attempt + 1} failed{at}: {reason}; restarting ({attempt + 1} of {max_restarts}), "
-                 f"resuming from the newest complete checkpoint")
         raise AssertionError("unreachable")
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        restarts.close()
 
 
-def _say(text: str) -> None:
-    print(f"shardkit launch: {text}", file=sys.stderr, flush=True)
+def launch_with_restarts(fn: Callable[..., Any], args: Sequence[Any] = (), *, max_restarts: int,
+                         env: Mapping[str, str] | None = None, **kwargs: Any) -> list[Any]:
+    """:func:`shardkit.launch` restarted as ``shardkit launch --max-restarts`` restarts a script: ``fn`` runs again on
+    every rank after a failure, told it is a restart (its Runner resumes), until it succeeds, fails the same way
+    twice without progress, or ``max_restarts`` are used up; then the last ``LaunchError`` is raised. Always in
+    child processes (a failure in this process could not be restarted). ``kwargs`` go to ``launch``."""
+    # deferred: start-up time (torch)
+    from shardkit.distributed.launcher import LaunchError, launch
+
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts({max_restarts!r}) must be a whole number >= 0")
+    restarts = Restarts(max_restarts, who="shardkit.launch")
+    try:
+        for attempt in range(max_restarts + 1):
+            try:
+                result = launch(fn, args, env={**(env or {}), **restarts.variables(attempt)}, in_process=False,
+                                **kwargs)
+            except LaunchError as err:
+                ended = time.time()
+                # the ranks' errors came back through the launcher, not through an excepthook: record them here
+                for rank, text in err.tracebacks.items():
+                    lines = [line for line in text.strip().splitlines() if line and not line.startswith(" ")]
+                    write_error(restarts.folder, attempt, rank, lines[-1] if lines else "unknown error", ended)
+                signals = {rank: -code for rank, code in err.exitcodes.items() if code is not None and code < 0}
+                outcome = _Outcome(signals, list(err.hung_ranks))
+                if not restarts.failed(attempt, 1, outcome, ended):
+                    raise
+                continue
+            restarts.succeeded = True
+            return result
+        raise AssertionError("unreachable")
+    finally:
+        restarts.close()
 
 
-def _report_time_lost(folder: str, history: Sequence[Attempt], last_restarted: bool = False) -> None:
+@dataclass
+class _Outcome:
+    signals: dict[int, int]
+    hung: list[int]
+    first_exit: float | None = None
+
+
+def _time_lost(folder: str, history: Sequence[Attempt], last_restarted: bool) -> list[str]:
     """One line per failure that was restarted: detection + restart + load + replayed steps, as the job measured
-    them (the Runner logs the same figures to its trackers)."""
-    if not history:
-        return
+    them (the Runner logs the same figures to its trackers); none when nothing was restarted."""
+    if not history or (len(history) == 1 and not last_restarted):
+        return []
     lines = ["time lost per failure (detection + restart + load + replayed steps):"]
     for index, failed in enumerate(history, start=1):
         record = read_recovery(folder, index)
@@ -191,5 +266,4 @@ def _report_time_lost(folder: str, history: Sequence[Attempt], last_restarted: b
         lines.append(f"  failure {index}: {record['detect_s']:.2f} + {record['restart_s']:.2f} + "
                      f"{record['load_s']:.2f} + {record['replay_s']:.2f} s ({record.get('replayed_steps', 0)} "
                      f"step(s)) = {record['lost_s']:.2f} s; resumed from step {record.get('from_step')}")
-    if len(lines) > 1:
-        _say("\n".join(lines))
+    return lines

@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 __all__ = ["DETECTED_AT_ENV", "FAILED_AT_ENV", "LAST_STEP_ENV", "RESTART_COUNT_ENV", "RESTART_DIR_ENV",
            "ProgressRecord", "RestartFacts", "install_failure_record", "read_errors", "read_progress",
-           "read_recovery", "restart_count", "restart_facts", "write_recovery"]
+           "read_recovery", "restart_count", "restart_facts", "write_error", "write_recovery"]
 
 RESTART_COUNT_ENV = "SHARDKIT_RESTART_COUNT"
 RESTART_DIR_ENV = "SHARDKIT_RESTART_DIR"
@@ -160,11 +160,16 @@ def install_failure_record(facts: RestartFacts, rank: int) -> None:
 
     def hook(kind, value, tb):
         line = traceback.format_exception_only(kind, value)[-1].strip() if kind is not None else "unknown error"
-        _write(facts.folder / f"error.{facts.attempt}.rank{rank}.json", {"error": line[:2000], "time": time.time()})
+        write_error(facts.folder, facts.attempt, rank, line, time.time())
         previous(kind, value, tb)
 
     hook._shardkit_restart = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def write_error(folder: str | os.PathLike, attempt: int, rank: int, line: str, when: float) -> None:
+    """``error.<attempt>.rank<r>.json``: the last line of the error that ended rank ``rank``, and when."""
+    _write(Path(folder, f"error.{attempt}.rank{rank}.json"), {"error": line[:2000], "time": when})
 
 
 def read_errors(folder: str | os.PathLike, attempt: int) -> dict[int, tuple[str, float]]:

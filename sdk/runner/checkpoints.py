@@ -133,8 +133,11 @@ class RunnerCheckpoints:
                              f"restarted the job), True (the newest complete checkpoint, which must exist) or False")
         if mode is False:
             return None
-        # Every rank looks for itself: the folder is shared (the checkpoint was written there by every rank).
-        path = newest_complete_checkpoint(directory)
+        # Rank 0 chooses for all: ranks that chose apart could load different steps (a folder not shared by every
+        # machine then fails loudly at the load instead).
+        found = newest_complete_checkpoint(directory) if self.strategy.is_global_zero else None
+        chosen = self.strategy.broadcast(None if found is None else str(found), 0)
+        path = None if chosen is None else Path(chosen)
         if mode == "auto" and not self._recovery.is_restart:
             if path is not None:
                 self._logger.info("resume: %s holds checkpoints, but this is a first start, not a restart: training "

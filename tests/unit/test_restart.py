@@ -144,3 +144,28 @@ def test_max_restarts_is_checked(capsys, tmp_path):
     script.write_text("")
     assert cli_main(["launch", "--max_restarts", "-1", str(script)]) == 2
     assert "--max-restarts(-1) must be >= 0" in capsys.readouterr().err
+
+
+def test_notebook_launcher_restarts_a_failed_function(monkeypatch, capsys):
+    """notebook_launcher(max_restarts=N) over shardkit.launch: a fake launch here (the loop is what is tested)."""
+    from shardkit.accelerate_compat import notebook_launcher
+    from shardkit.distributed import launcher
+
+    calls = []
+
+    def fake_launch(fn, args, env, in_process, **kwargs):
+        calls.append(env[RESTART_COUNT_ENV])
+        if fail[len(calls) - 1]:
+            trace = f"Traceback (most recent call last):\n  File \"x.py\", line 1\n{fail[len(calls) - 1]}\n"
+            raise launcher.LaunchError("failed", failed_ranks=[0], exitcodes={0: 1}, tracebacks={0: trace})
+        return ["done"]
+
+    monkeypatch.setattr(launcher, "launch", fake_launch)
+    fail = ["OSError: flaky disk", "ValueError: bad row 3", None]
+    assert notebook_launcher(print, num_processes=2, max_restarts=3) == ["done"] and calls == ["0", "1", "2"]
+    calls.clear()
+    fail = ["ValueError: bad row 3"] * 4
+    with pytest.raises(launcher.LaunchError):
+        notebook_launcher(print, num_processes=2, max_restarts=3)
+    assert calls == ["0", "1"]  # the same error twice without progress: no third attempt
+    assert "failed the same way as attempt 1 and made no progress" in capsys.readouterr().err

@@ -24,13 +24,10 @@ from shardkit import Runner
 from shardkit.distributed.restart_records import restart_facts
 from shardkit.utils.seeding import seed_everything
 
-KILLS = 3
-
-
-def kill_plan(seed: int, steps: int, world: int) -> list[tuple[int, int, float]]:
+def kill_plan(seed: int, steps: int, world: int, kills: int) -> list[tuple[int, int, float]]:
     """Per attempt: the step after which, the rank that, and the delay (s) after which it SIGKILLs itself."""
     rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(2, steps - 6), KILLS))
+    cuts = sorted(rng.sample(range(2, steps - 6), kills))
     return [(cut, rng.randrange(world), rng.uniform(0.0, 0.02)) for cut in cuts]
 
 
@@ -75,6 +72,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--kill-seed", type=int, default=None)
+    parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--crash", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
@@ -84,7 +82,7 @@ def main() -> None:
     rank = runner.rank
     (out / f"started.{attempt}.rank{rank}").touch()
     log = open(out / f"losses.{attempt}.rank{rank}.jsonl", "a", buffering=1)
-    plan = kill_plan(args.kill_seed, args.steps, runner.world_size) if args.kill_seed is not None else []
+    plan = kill_plan(args.kill_seed, args.steps, runner.world_size, args.kills) if args.kill_seed is not None else []
     cut, victim, delay = plan[attempt] if attempt < len(plan) else (None, None, 0.0)
     # never before this attempt has gone beyond every earlier one: each kill then follows progress
     last = facts.last_step if facts is not None else -1
