@@ -155,13 +155,14 @@ class Restarts:
 
     def failed(self, attempt: int, code: int, outcome: object, ended: float) -> bool:
         """Record the failed ``attempt``; True when another one should start."""
-        self.history.append(describe_attempt(self.folder, attempt, code, outcome, ended, self._best()))
+        before = self._best()
+        self.history.append(describe_attempt(self.folder, attempt, code, outcome, ended, before))
         failed = self.history[-1]
         reason = "; ".join(failed.causes)
         if should_stop(self.history):
-            where = f"step {failed.step}" if failed.step is not None else "its first step"
+            where = f"no step beyond step {before}" if before is not None else "no optimizer step"
             self.say(f"stopping: attempt {attempt + 1} failed the same way as attempt {attempt} and made no progress "
-                     f"(no step beyond {where}, no new checkpoint): {reason}. Restarting again would loop; fix the "
+                     f"({where}, no new checkpoint): {reason}. Restarting again would loop; fix the "
                      f"cause and launch again (the checkpoints are kept)")
             return False
         if attempt >= self.max_restarts:

@@ -87,8 +87,9 @@ def restart_facts(environ: Mapping[str, str] | None = None) -> RestartFacts | No
     folder = env.get(RESTART_DIR_ENV, "").strip()
     if not folder:
         return None
+    last = _float(env, LAST_STEP_ENV)
     return RestartFacts(restart_count(env), Path(folder), _float(env, FAILED_AT_ENV), _float(env, DETECTED_AT_ENV),
-                        int(_float(env, LAST_STEP_ENV) or -1))
+                        -1 if last is None else int(last))
 
 
 def _float(env: Mapping[str, str], name: str) -> float | None:

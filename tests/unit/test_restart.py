@@ -17,7 +17,13 @@ from shardkit import Runner
 from shardkit.checkpoint import CheckpointError, CheckpointWriter, newest_complete_checkpoint
 from shardkit.cli import main as cli_main
 from shardkit.distributed.restart import describe_attempt, should_stop
-from shardkit.distributed.restart_records import RESTART_COUNT_ENV, RESTART_DIR_ENV, read_progress
+from shardkit.distributed.restart_records import (
+    LAST_STEP_ENV,
+    RESTART_COUNT_ENV,
+    RESTART_DIR_ENV,
+    read_progress,
+    restart_facts,
+)
 from shardkit.trainer.checkpointing import Checkpointer, get_last_checkpoint
 
 
@@ -137,6 +143,14 @@ def test_the_same_failure_twice_without_progress_stops(tmp_path):
     assert killed[0].causes == ["rank 1 killed by SIGKILL"] and not should_stop(killed)
     stuck = _attempt(tmp_path, 5, {}, {"step": 7, "resumed": 6, "saved": None}, {1: signal.SIGKILL}, 7)
     assert should_stop([killed[1], stuck])
+
+
+def test_the_launchers_variables_are_read_exactly():
+    assert restart_facts({}) is None
+    facts = restart_facts({RESTART_DIR_ENV: "/r", RESTART_COUNT_ENV: "2", LAST_STEP_ENV: "0"})
+    assert (facts.attempt, facts.last_step, facts.is_restart) == (2, 0, True)  # step 0 is a step, not "none"
+    with pytest.raises(ValueError, match=f"{RESTART_COUNT_ENV}='two'"):
+        restart_facts({RESTART_DIR_ENV: "/r", RESTART_COUNT_ENV: "two"})
 
 
 def test_max_restarts_is_checked(capsys, tmp_path):

@@ -24,6 +24,7 @@ from shardkit import Runner
 from shardkit.distributed.restart_records import restart_facts
 from shardkit.utils.seeding import seed_everything
 
+
 def kill_plan(seed: int, steps: int, world: int, kills: int) -> list[tuple[int, int, float]]:
     """Per attempt: the step after which, the rank that, and the delay (s) after which it SIGKILLs itself."""
     rng = random.Random(seed)
