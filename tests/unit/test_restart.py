@@ -118,6 +118,42 @@ def test_trainer_resumes_the_newest_complete_checkpoint_on_a_restart(tmp_path):
     assert resolve(True, False) is None  # an explicit "train from the start" stays explicit
 
 
+def test_a_restarted_trainer_resumes_the_newest_complete_checkpoint_by_itself(monkeypatch, tmp_path):
+    from trainer_fixtures import StopAt, logged_losses, text_data
+
+    from shardkit.models import Llama, LlamaConfig
+    from shardkit.trainer import Trainer, TrainerCallback, TrainingArguments
+
+    class Steps(TrainerCallback):
+        done: list[int] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.done.append(state.global_step)
+
+    def trainer(out: Path, *callbacks):
+        torch.manual_seed(1)
+        model = Llama(LlamaConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, max_position=16,
+                                  dropout=0.1))
+        args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, learning_rate=1e-2, max_steps=8,
+                                 logging_steps=1, save_strategy="steps", save_steps=2, disable_tqdm=True, seed=0,
+                                 optim="adamw_torch", report_to="none")
+        return Trainer(model, args, train_dataset=text_data(), callbacks=list(callbacks))
+
+    full = trainer(tmp_path / "full")
+    full.train()
+    _restarted(monkeypatch, tmp_path, 0)
+    trainer(tmp_path / "out", StopAt(5)).train()  # killed after step 5: checkpoints 2 and 4
+    _cut_short(tmp_path / "out" / "checkpoint-4")
+    monkeypatch.setenv(RESTART_COUNT_ENV, "1")
+    torch.manual_seed(7)  # a new process: the checkpoint restores the RNG streams
+    again = trainer(tmp_path / "out", Steps())
+    again.train()  # no resume_from_checkpoint: the restart resumes from checkpoint-2 by itself
+    assert Steps.done == [3, 4, 5, 6, 7, 8]  # not from the start, not from the cut checkpoint-4
+    assert logged_losses(again)[2:] == logged_losses(full)[2:]
+    for (name, a), b in zip(again.model.named_parameters(), full.model.parameters()):
+        assert torch.equal(a, b), name
+
+
 def _attempt(folder: Path, attempt: int, errors: dict[int, str], progress: dict | None = None,
              signals: dict[int, int] | None = None, best: int | None = None):
     for rank, line in errors.items():
