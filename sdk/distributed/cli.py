@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from shardkit.distributed.cluster import find_free_port
+from shardkit.distributed.restart import add_restart_flags, check_restart_flags, run_with_restarts
 from shardkit.distributed.signals import STOP_GRACE_S
 from shardkit.distributed.ssh_launch import add_hostfile_flags, run_hostfile_launch
 from shardkit.distributed.timeouts import TIMEOUT_ENV_VAR, check_timeout, cpu_budget, default_timeout
@@ -65,6 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config-file", "--config_file", dest="config_file",
                         help="an Accelerate-style YAML file supplying the options above (default: "
                              "./shardkit_config.yaml, what `shardkit config` writes, when it exists)")
+    add_restart_flags(parser)
     _config_flags().add_config_flags(parser)
     add_hostfile_flags(parser)
     parser.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module, like python -m")
@@ -216,6 +218,7 @@ def _run(args: argparse.Namespace) -> int:
             if args.hostfile and not getattr(args, "on_host", False):  # on_host: one host's agent of that launch
                 return run_hostfile_launch(args, extra, flags_file=written)
             _resolve(args)
+            check_restart_flags(args)
             env = _child_env(args, extra)
             collective = default_timeout(env)
         except (LaunchUsageError, ValueError, NotImplementedError) as err:
@@ -231,6 +234,9 @@ def _run(args: argparse.Namespace) -> int:
         from shardkit.distributed.launcher import GRACE_PERIOD_S
         from shardkit.distributed.supervise import run_supervised
 
+        if args.max_restarts:
+            return run_with_restarts(command, env, max_restarts=args.max_restarts,
+                                     straggle_s=collective + GRACE_PERIOD_S, stop_grace=args.stop_grace)
         return run_supervised(command, env, straggle_s=collective + GRACE_PERIOD_S, stop_grace=args.stop_grace)
     finally:
         if written is not None:

@@ -38,7 +38,7 @@ from shardkit.distributed.oom import (
 from shardkit.distributed.signals import catch_stop_signals, redeliver
 from shardkit.distributed.watchdog import REPORT_DIR_ENV, read_reports
 
-__all__ = ["run_supervised"]
+__all__ = ["SupervisedOutcome", "run_supervised"]
 
 _POLL_S = 0.2
 
@@ -55,8 +55,25 @@ class _Job:
     oom_kills: int | None = None  # the kernel's OOM-kill counters at the start
 
 
-def run_supervised(command: Sequence[str], env: Mapping[str, str], straggle_s: float, stop_grace: float) -> int:
-    """Run torchrun's `command`, enforce the two rules above, print the summary; the exit code to return."""
+@dataclass
+class SupervisedOutcome:
+    """What `run_supervised` saw of a job that ended, for a launcher that restarts it.
+
+    Attributes:
+        first_exit: Unix time the first rank was seen gone (None: none was).
+        signals: rank -> the signal that ended it.
+        hung: ranks named as hung (peers timed out waiting for them, or they outlived the others).
+    """
+
+    first_exit: float | None = None
+    signals: dict[int, int] = field(default_factory=dict)
+    hung: list[int] = field(default_factory=list)
+
+
+def run_supervised(command: Sequence[str], env: Mapping[str, str], straggle_s: float, stop_grace: float,
+                   outcome: SupervisedOutcome | None = None) -> int:
+    """Run torchrun's `command`, enforce the two rules above, print the summary; the exit code to return.
+    `outcome`, when given, is filled with what was seen of the ranks' ends."""
     report_dir = tempfile.mkdtemp(prefix="shardkit-launch-")
     try:
         with catch_stop_signals() as received:
@@ -67,6 +84,8 @@ def run_supervised(command: Sequence[str], env: Mapping[str, str], straggle_s: f
             finally:
                 _kill_everything(job)
         _summarise(job, report_dir, code)
+        if outcome is not None:
+            _fill(outcome, job, report_dir)
     finally:
         shutil.rmtree(report_dir, ignore_errors=True)
     if received:
@@ -189,6 +208,14 @@ def _killed(job: _Job, report_dir: str, code: int) -> str:
     first = min(job.exited, key=lambda rank: (rank not in job.signals, job.signals.get(rank) == signal.SIGTERM,
                                               job.exited[rank]))
     return describe_kill(first, job.signals.get(first), job.rss.get(first), rose, read_run_facts(report_dir))
+
+
+def _fill(outcome: SupervisedOutcome, job: _Job, report_dir: str) -> None:
+    if job.exited:
+        outcome.first_exit = time.time() - (time.monotonic() - min(job.exited.values()))
+    outcome.signals = {**job.signals, **read_exit_signals(report_dir)}
+    reports = read_reports(report_dir)
+    outcome.hung = sorted({rank for report in reports for rank in report.missing or ()} | set(job.stragglers))
 
 
 def _summarise(job: _Job, report_dir: str, code: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,9 @@ from torch import nn
 
 from shardkit import checkpoint as ckpt
 from shardkit.checkpoint.async_save import AsyncCheckpointer
+from shardkit.checkpoint.discovery import newest_complete_checkpoint
 from shardkit.precision import Precision
+from shardkit.runner.recovery import RunRecovery
 from shardkit.runner.user_state import StateSaver
 from shardkit.strategies.base import Strategy
 
@@ -27,7 +30,8 @@ class RunnerCheckpoints:
 
     It owns the background saver and is handed the rest: the strategy (ranks, collectives, how state is gathered),
     the precision (its loss scale is saved), ``owner_of`` (the model an optimizer was set up with) and the two
-    halves of the Runner's step position (``step_state`` reads it, ``restore_step_state`` sets it back).
+    halves of the Runner's step position (``step_state`` reads it, ``restore_step_state`` sets it back), and the
+    ``recovery`` that a restarted job's loads and saves are reported to.
 
     Args:
         keep_last: keep at most this many checkpoints next to each new one (None: all).
@@ -35,7 +39,8 @@ class RunnerCheckpoints:
 
     def __init__(self, strategy: Strategy, precision: Precision, *, keep_last: int | None,
                  owner_of: Callable[[torch.optim.Optimizer], nn.Module], step_state: Callable[[], dict[str, Any]],
-                 restore_step_state: Callable[[dict[str, Any]], None], logger: logging.Logger | logging.LoggerAdapter):
+                 restore_step_state: Callable[[dict[str, Any]], None], logger: logging.Logger | logging.LoggerAdapter,
+                 recovery: RunRecovery):
         self.strategy = strategy
         self.precision = precision
         self.keep_last = keep_last
@@ -43,6 +48,7 @@ class RunnerCheckpoints:
         self._step_state = step_state
         self._restore_step_state = restore_step_state
         self._logger = logger
+        self._recovery = recovery
         self._background: AsyncCheckpointer | None = None  # save(..., blocking=False), made on first use
 
     @property
@@ -55,6 +61,7 @@ class RunnerCheckpoints:
         """See :meth:`shardkit.Runner.save`."""
         path = Path(path)
         strategy = self.strategy
+        on_saved = self._reporting_save(on_saved)
         make_writer = functools.partial(
             ckpt.CheckpointWriter, path, rank=strategy.rank, world_size=strategy.world_size,
             broadcast=strategy.broadcast, keep_last=self.keep_last, info=strategy.checkpoint_info(),
@@ -68,6 +75,16 @@ class RunnerCheckpoints:
         if on_saved is not None:
             on_saved(path)
         return path
+
+    def _reporting_save(self, on_saved: Callable[[Path], None] | None) -> Callable[[Path], None]:
+        step = self._step_state()["optimizer_steps"]
+
+        def published(path: Path) -> None:
+            self._recovery.saved(step)
+            if on_saved is not None:
+                on_saved(path)
+
+        return published
 
     def _write(self, writer: Any, state: dict[str, Any]) -> None:
         StateSaver(self.strategy, self._owner_of).save(writer, state)
@@ -91,6 +108,7 @@ class RunnerCheckpoints:
              runner_state: bool = True) -> dict[str, Any]:
         """See :meth:`shardkit.Runner.load`."""
         self.wait_for_save()
+        started = time.time()
         rank = self.strategy.rank
         with ckpt.CheckpointReader(path, verify=verify) as reader:
             values = StateSaver(self.strategy, self._owner_of).load(reader, state)
@@ -104,7 +122,36 @@ class RunnerCheckpoints:
             else:
                 self._logger.warning("checkpoint %s has no RNG state for rank %d (saved with %d ranks); "
                                      "random streams start fresh", reader.path, rank, reader.world_size)
+        self._recovery.loaded(started, self._step_state()["optimizer_steps"])
         return values
+
+    def resume(self, directory: str | Path, state: dict[str, Any], *, mode: bool | str = "auto",
+               verify: bool = True) -> dict[str, Any] | None:
+        """See :meth:`shardkit.Runner.resume`."""
+        if mode not in (True, False, "auto"):
+            raise ValueError(f"resume(mode={mode!r}): use 'auto' (the newest complete checkpoint when the launcher "
+                             f"restarted the job), True (the newest complete checkpoint, which must exist) or False")
+        if mode is False:
+            return None
+        # Rank 0 chooses for all: ranks that chose apart could load different steps (a folder not shared by every
+        # machine then fails loudly at the load instead).
+        found = newest_complete_checkpoint(directory) if self.strategy.is_global_zero else None
+        chosen = self.strategy.broadcast(None if found is None else str(found), 0)
+        path = None if chosen is None else Path(chosen)
+        if mode == "auto" and not self._recovery.is_restart:
+            if path is not None:
+                self._logger.info("resume: %s holds checkpoints, but this is a first start, not a restart: training "
+                                  "from the start (mode=True resumes from %s)", directory, path)
+            return None
+        if path is None:
+            if mode is True:
+                raise ckpt.CheckpointError(f"{directory}: no complete checkpoint to resume from (resume(mode=True)); "
+                                           f"train from the start with mode='auto' or False, or name another folder")
+            self._logger.info("resume: restarted, but %s holds no complete checkpoint yet: training from the start",
+                              directory)
+            return None
+        self._logger.info("resume: loading %s, the newest complete checkpoint in %s", path, directory)
+        return self.load(path, state, verify=verify)
 
     def close(self) -> None:
         """Finish the background save in flight (raising its error, if it failed) and stop its thread."""

@@ -40,10 +40,6 @@ if TYPE_CHECKING:
 __all__ = ["Runner"]
 
 
-
-
-
-
 class Runner:
     """Trains a model with a pluggable :class:`Strategy` and :class:`Precision`.
 
@@ -145,7 +141,8 @@ class Runner:
             run_facts=self._run_facts)
         self.checkpoints = RunnerCheckpoints(
             self.strategy, self.precision, keep_last=checkpoint_keep_last, owner_of=self._owner_of,
-            step_state=self._step_state, restore_step_state=self._restore_step_state, logger=self.logger)
+            step_state=self._step_state, restore_step_state=self._restore_step_state, logger=self.logger,
+            recovery=self.observability.recovery)
         self._module: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: Any | None = None
@@ -443,6 +440,15 @@ class Runner:
         the accumulation position and the RNG streams stay as they are (loading the best weights).
         """
         return self.checkpoints.load(path, state, verify=verify, runner_state=runner_state)
+
+    def resume(self, directory: str | Path, state: dict[str, Any], *, mode: bool | str = "auto",
+               verify: bool = True) -> dict[str, Any] | None:
+        """Load ``state`` from the newest complete checkpoint in ``directory`` (the folder ``save`` fills); return its
+        plain values, or None when nothing was loaded. Incomplete checkpoints (a killed save, missing or cut files)
+        are skipped. ``mode="auto"``: only when ``shardkit launch --max-restarts`` restarted the job (a first start
+        trains from the start; so does a restart that finds no checkpoint yet); ``True``: always, and one must exist.
+        """
+        return self.checkpoints.resume(directory, state, mode=mode, verify=verify)
 
     def _step_state(self) -> dict[str, Any]:
         return {"micro_step": self._micro_step, "boundary": self._boundary, "optimizer_steps": self.optimizer_steps,

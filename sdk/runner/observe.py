@@ -16,6 +16,7 @@ from shardkit.observability import RunLog, StepProfiler, Throughput, install_oom
 from shardkit.observability.oom_report import StepRecorder, install_oom_excepthook, is_out_of_memory, write_oom_report
 from shardkit.observability.trackers import TrackerSpec
 from shardkit.precision import Precision
+from shardkit.runner.recovery import RunRecovery
 from shardkit.strategies.base import Strategy
 
 __all__ = ["RunnerObservability"]
@@ -58,6 +59,8 @@ class RunnerObservability:
             if install_oom_snapshot(self.logging_dir / "profile", rank) is not None:
                 self._oom_snapshot = self.logging_dir / "profile" / f"oom_snapshot.rank{rank}.pickle"
         install_oom_excepthook(self.report_oom)
+        # under `shardkit launch --max-restarts`: progress for the launcher, the time each failure cost
+        self.recovery = RunRecovery(rank, strategy.local_rank == 0, self.log, _log)
 
     # ---- out-of-memory reports ----------------------------------------------------------------
 
@@ -114,6 +117,7 @@ class RunnerObservability:
         samples = optimizer_steps * accumulation_steps * micro * self.strategy.data_parallel_size
         self.run_log.on_step(optimizer, scale, samples)
         self.flight_recorder.on_step(optimizer_steps)
+        self.recovery.after_step(optimizer_steps)
         if self.profiler is not None:
             self.profiler.after_step(optimizer_steps - 1)
 

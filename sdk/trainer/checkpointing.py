@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardkit.checkpoint.discovery import complete_checkpoint_time
 from shardkit.checkpoint.format import MANIFEST
 from shardkit.trainer.hf_checkpoint import is_hf_checkpoint, load_hf_checkpoint, write_hf_files
 from shardkit.trainer.peft_support import checkpoint_module, is_peft_model, save_adapters
@@ -72,9 +73,13 @@ def _step(path: Path) -> int:
 
 
 def get_last_checkpoint(output_dir: str | Path) -> str | None:
-    """The newest complete ``checkpoint-N`` in ``output_dir``, or None."""
-    found = sorted_checkpoints(output_dir)
-    return str(found[-1]) if found else None
+    """The newest complete ``checkpoint-N`` in ``output_dir``, or None. A shardkit checkpoint whose manifest fails its
+    schema or whose files are missing or cut short is skipped (the one before it is taken)."""
+    for path in reversed(sorted_checkpoints(output_dir)):
+        if not (path / MANIFEST).is_file() or complete_checkpoint_time(path) is not None:
+            return str(path)
+        logger.warning(f"{path} is not a complete checkpoint (a file it lists is missing or cut short): skipped")
+    return None
 
 
 @dataclass
@@ -218,9 +223,21 @@ class Checkpointer:
 
     def resolve(self, resume: bool | str | None) -> Path | None:
         """The checkpoint ``resume_from_checkpoint`` names: True is the newest in output_dir, a path is that
-        checkpoint (or the newest inside it), None/False is none."""
+        checkpoint (or the newest inside it), None/False is none. When ``shardkit launch --max-restarts`` restarted the
+        job, None is the newest in output_dir when there is one (the job picks up where it failed)."""
+        restarted = self.runner.observability.recovery.is_restart
+        if resume is None and restarted:
+            last = get_last_checkpoint(self.args.output_dir)
+            logger.info(f"restarted by the launcher: resuming from {last}" if last else
+                        f"restarted by the launcher, but {self.args.output_dir} holds no complete checkpoint yet: "
+                        "training from the start")
+            return Path(last) if last else None
         if resume is None or resume is False:
             return None
+        if restarted and resume is not True:
+            logger.warning(f"restarted by the launcher: resuming from {resume} as train() names it, not from the "
+                           "newest checkpoint in output_dir; pass resume_from_checkpoint=True (or nothing) to pick up "
+                           "where the job failed")
         if resume is True:
             last = get_last_checkpoint(self.args.output_dir)
             if last is None:
