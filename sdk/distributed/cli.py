@@ -216,6 +216,11 @@ def _run(args: argparse.Namespace) -> int:
             written = _flags_to_config_file(args)
             extra = _apply_config_file(args) if args.config_file else {}
             if args.hostfile and not getattr(args, "on_host", False):  # on_host: one host's agent of that launch
+                if getattr(args, "max_restarts", 0):
+                    # Each host's launcher would restart its own ranks on its own: untested across hosts.
+                    raise LaunchUsageError("--max-restarts is not supported with --hostfile yet: restart a hostfile "
+                                           "job by relaunching it (Runner.resume(mode=True) / the Trainer's "
+                                           "resume_from_checkpoint=True continue from the newest checkpoint)")
                 return run_hostfile_launch(args, extra, flags_file=written)
             _resolve(args)
             check_restart_flags(args)

@@ -188,3 +188,8 @@ def test_dry_run_prints_one_ssh_line_per_host(tmp_path):
     result = subprocess.run([sys.executable, "-m", "shardkit.cli", "launch", "--hostfile", "hosts", "train.py"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "line 2: 'broken line' is not 'HOST slots=N'" in result.stderr
+    # restarts across hosts are not built: refused by name rather than a hostfile job that never restarts
+    (tmp_path / "hosts").write_text("127.0.0.1 slots=1\n127.0.0.2 slots=1\n")
+    result = subprocess.run([sys.executable, "-m", "shardkit.cli", "launch", "--hostfile", "hosts", "--max-restarts",
+                             "2", "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--max-restarts is not supported with --hostfile" in result.stderr
