@@ -23,6 +23,7 @@ from .format import (
     LATEST,
     MANIFEST,
     CheckpointError,
+    SafetensorsStreamWriter,
     dtype_tag,
     fsync_dir,
     rank_entry,
@@ -394,6 +395,31 @@ class CheckpointWriter:
         self._record(file, write_safetensors(self.tmp / file, items))
         for desc in (d for e in index.values() for d in e["pieces"]):
             desc["file"] = file
+        self._entries[name] = {"kind": "sharded", "index": index}
+
+    @_named_write_errors
+    def write_shard_streamed(self, name: str, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+                             read: Callable[[str], torch.Tensor]) -> None:
+        """Writes whole tensors into the sharded entry ``name`` one at a time, for more tensors than fit in memory
+        together (a conversion from another format): ``read(key)`` is called once per ``(key, dtype, shape)`` of
+        ``specs``, in order, and each result is dropped once written, so memory stays near the largest tensor.
+
+        The entry reads as a ``write_shard`` of whole pieces from this rank, so every strategy loads it.
+        """
+        self._new_entry(name)
+        file = f"{rank_entry(name, self.rank)}.safetensors"
+        specs = [(key, dtype, tuple(int(n) for n in shape)) for key, dtype, shape in specs]
+        stream = SafetensorsStreamWriter(self.tmp / file, specs)
+        index: dict[str, dict[str, Any]] = {}
+        try:
+            for key, dtype, shape in specs:
+                stream.write(key, read(key))
+                piece = {"offsets": [0] * len(shape), "shape": list(shape), "tensor": key, "file": file}
+                index[key] = {"shape": list(shape), "dtype": dtype_tag(dtype, f"{name}: {key}"), "pieces": [piece]}
+        except BaseException:
+            stream.abort()
+            raise
+        self._record(file, stream.close())
         self._entries[name] = {"kind": "sharded", "index": index}
 
     # ---------------------------------------------------------------- internals
