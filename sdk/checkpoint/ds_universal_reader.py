@@ -147,6 +147,8 @@ class UniversalCheckpoint:
         names = set(model["buffer_names"])
         self.buffers = {k: v.clone() for k, v in model["module"].items() if k in names}
         self.frozen = {k: s for k, s in (model["frozen_param_shapes"] or {}).items() if k not in self.params}
+        for pname in (*self.params, *self.frozen):  # every name a plain child directory before anything is read
+            self._param_dir(pname)
         optim_file = member_path(self.zero, OPTIMIZER_STATE_FILE, str(self.zero))
         self._plan_groups(self._load(optim_file), optim_file)
 
