@@ -262,13 +262,17 @@ def shardkit_to_universal(src: str | os.PathLike, dst: str | os.PathLike, *, pro
         with _staged(dst) as tmp:
             zero = tmp / UNIVERSAL_DIR
             zero.mkdir()
-            for g in source.groups:
-                for name in g["params"]:
-                    d = member_path(zero, name, f"{reader.path}: parameter {describe(name, 120)}")
-                    d.mkdir()
-                    for key in ("fp32", *STATE_KEYS):
+            dirs = {n: member_path(zero, n, f"{reader.path}: parameter {describe(n, 120)}") for n in source.trained}
+            for d in dirs.values():
+                d.mkdir()
+                _save(step.clone(), d / "step.pt")
+            # one entry's files mapped at a time (the reader maps and hashes a file whole): the model's, then the
+            # optimizer's
+            for keys in (("fp32",), STATE_KEYS):
+                for name, d in dirs.items():
+                    for key in keys:
                         _save({"param": tick(source.read(name, key)), "cat_dim": 0}, d / f"{key}.pt")
-                    _save(step.clone(), d / "step.pt")
+                reader.close()
             for name, t in others.items():  # as ds_to_universal writes the weights no optimizer holds
                 d = member_path(zero, name, f"{reader.path}: tensor {describe(name, 120)}")
                 d.mkdir()
