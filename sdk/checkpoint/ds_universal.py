@@ -54,7 +54,7 @@ from .writer import CheckpointWriter
 
 __all__ = ["is_universal_checkpoint", "shardkit_to_universal", "universal_to_shardkit"]
 
-Progress = Callable[[int, int], None] | None
+Progress = Callable[[int, int], None] | Any
 # The optimizer entry's groups and step, in the layout the strategies' loaders read (``<optimizer>.meta``).
 _META = "{}.meta"
 _MODEL, _OPTIMIZER = "model", "optimizer"
@@ -86,13 +86,17 @@ def _check_destination(dst: str | os.PathLike, src: str | os.PathLike) -> Path:
 
 
 class _Ticker:
-    def __init__(self, total: int, progress: Progress) -> None:
+    """Counts tensors written for ``progress``: a ``callable(done, total)``, or a bar with ``tick(tensor)``."""
+
+    def __init__(self, total: int, progress: Any) -> None:
         self.done, self.total, self.progress = 0, total, progress
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         self.done += 1
-        if self.progress is not None:
+        if callable(self.progress):
             self.progress(self.done, self.total)
+        elif self.progress is not None:
+            self.progress.tick(t)
         return t
 
 
@@ -110,7 +114,7 @@ def universal_to_shardkit(src: str | os.PathLike, dst: str | os.PathLike, *, pro
     Args:
         src: the universal tag directory (``global_step100_universal``) or its parent holding ``latest_universal``.
         dst: the new checkpoint directory (must not exist; its parent's ``latest`` is left alone).
-        progress: called as ``progress(done, total)`` after each tensor written.
+        progress: called as ``progress(done, total)`` after each tensor written (or a bar's ``tick(tensor)``).
 
     Raises:
         CheckpointError: naming the file and field of the source that is wrong, or the destination's problem;
@@ -233,7 +237,8 @@ def _plain_group(group: Mapping[str, Any], index: int) -> dict[str, Any]:
     return {**{k: v for k, v in group.items() if k != "params"}, "params": [index]}
 
 
-def shardkit_to_universal(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progress = None) -> Path:
+def shardkit_to_universal(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progress = None,
+                          point_latest: bool = True) -> Path:
     """Writes a shardkit checkpoint (any strategy, any world size) as a DeepSpeed universal tag directory ``dst``.
 
     DeepSpeed resumes it with ``{"checkpoint": {"load_universal": true}}`` and ``engine.load_checkpoint(parent)``
@@ -246,7 +251,8 @@ def shardkit_to_universal(src: str | os.PathLike, dst: str | os.PathLike, *, pro
     Args:
         src: a shardkit checkpoint directory, or its parent holding ``latest``.
         dst: the new tag directory (must not exist), e.g. ``ds_ckpt/global_step100_universal``.
-        progress: called as ``progress(done, total)`` after each tensor written.
+        progress: called as ``progress(done, total)`` after each tensor written (or a bar's ``tick(tensor)``).
+        point_latest: write ``latest_universal`` beside ``dst`` naming it (False for a caller that moves ``dst``).
 
     Raises:
         CheckpointError: the source is not a shardkit checkpoint of one model and an Adam-like optimizer, a
@@ -290,7 +296,8 @@ def shardkit_to_universal(src: str | os.PathLike, dst: str | os.PathLike, *, pro
                 "mp_world_size": 1, "ds_version": _DS_VERSION, "universal_checkpoint_info": dict(_UC_INFO)}
             for name in MODEL_STATE_FILES:  # ZeRO-1/2's and ZeRO-3's loaders each look for their own name
                 _save(model_state, tmp / name)
-    _point_latest(dst)
+    if point_latest:
+        _point_latest(dst)
     return dst
 
 

@@ -399,28 +399,24 @@ class CheckpointWriter:
 
     @_named_write_errors
     def write_shard_streamed(self, name: str, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]],
-                             read: Callable[[str], torch.Tensor]) -> None:
-        """Writes whole tensors into the sharded entry ``name`` one at a time, for more tensors than fit in memory
-        together (a conversion from another format): ``read(key)`` is called once per ``(key, dtype, shape)`` of
-        ``specs``, in order, and each result is dropped once written, so memory stays near the largest tensor.
-
-        The entry reads as a ``write_shard`` of whole pieces from this rank, so every strategy loads it.
-        """
+                             fetch: Callable[[str], torch.Tensor]) -> None:
+        """Like :meth:`write_shard` with one whole-tensor piece per key, fetched one at a time (``fetch(key)``
+        is called in ``specs`` order and dropped once written), so a conversion holds one tensor, not the
+        entry."""
         self._new_entry(name)
         file = f"{rank_entry(name, self.rank)}.safetensors"
-        specs = [(key, dtype, tuple(int(n) for n in shape)) for key, dtype, shape in specs]
-        stream = SafetensorsStreamWriter(self.tmp / file, specs)
-        index: dict[str, dict[str, Any]] = {}
+        w = SafetensorsStreamWriter(self.tmp / file, [(k, d, tuple(s)) for k, d, s in specs])
         try:
-            for key, dtype, shape in specs:
-                stream.write(key, read(key))
-                piece = {"offsets": [0] * len(shape), "shape": list(shape), "tensor": key, "file": file}
-                index[key] = {"shape": list(shape), "dtype": dtype_tag(dtype, f"{name}: {key}"), "pieces": [piece]}
+            for key, _, _ in specs:
+                w.write(key, fetch(key))
         except BaseException:
-            stream.abort()
+            w.abort()
             raise
-        self._record(file, stream.close())
-        self._entries[name] = {"kind": "sharded", "index": index}
+        self._record(file, w.close())
+        self._entries[name] = {"kind": "sharded", "index": {
+            k: {"shape": [int(x) for x in s], "dtype": dtype_tag(d, f"{name}: {k}"),
+                "pieces": [{"offsets": [0] * len(s), "shape": [int(x) for x in s], "tensor": k, "file": file}]}
+            for k, d, s in specs}}
 
     # ---------------------------------------------------------------- internals
     def _check_open(self) -> None:

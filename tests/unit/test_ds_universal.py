@@ -205,3 +205,5 @@ def test_shardkit_to_universal_failures_leave_no_destination(source, tmp_path):
         shardkit_to_universal(source / "sk", tmp_path / "taken")
     with pytest.raises(CheckpointError, match="lies inside the checkpoint"):
         shardkit_to_universal(source / "sk", source / "sk" / "step-2" / "inside")
+    out = shardkit_to_universal(source / "sk", tmp_path / "plain" / "tag", point_latest=False)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tag"] and is_universal_checkpoint(out)
