@@ -1,6 +1,6 @@
 """DeepSpeed universal checkpoints without DeepSpeed: shardkit -> universal -> shardkit keeps every tensor bit for bit
 (in ZeRO-1/2's file layout and in ZeRO-3's), and crafted universal folders are refused by name, leaving nothing at
-the destination. Against DeepSpeed's own engine and ds_to_universal: tests/distributed/test_ds_universal.py."""
+the destination. Against DeepSpeed's own engine and ds_to_universal: tests/distributed/test_ds_universal_engine.py."""
 
 import os
 import shutil
