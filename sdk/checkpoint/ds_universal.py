@@ -124,6 +124,7 @@ def universal_to_shardkit(src: str | os.PathLike, dst: str | os.PathLike, *, pro
     dst = _check_destination(dst, ckpt.path)
     model = [(n, b.dtype, tuple(b.shape)) for n, b in ckpt.buffers.items()]
     model += [(n, torch.float32, tuple(s)) for n, s in (*ckpt.frozen.items(), *ckpt.params.items())]
+    model += [(a, torch.float32, tuple(ckpt.shape(a))) for a in ckpt.aliases]  # as FSDP's saves hold tied names
     moments = [(f"{n}/{k}", torch.float32, tuple(s)) for n, s in ckpt.params.items() for k in STATE_KEYS]
     tick = _Ticker(len(model) + len(moments), progress)
     trained = list(ckpt.params)

@@ -102,6 +102,7 @@ class UniversalCheckpoint:
         groups: the param groups' hyperparameters, ``params`` holding the parameter names.
         buffers: persistent buffers from the model states file, whole.
         frozen: parameters outside the optimizer (ZeRO-1/2 writes their weight to ``zero/<name>/fp32.pt``).
+        aliases: tied names mapped to the parameter whose weight they share.
         step: the optimizer's step count; ``global_steps``: the engine's.
 
     Raises:
@@ -149,6 +150,9 @@ class UniversalCheckpoint:
         self.frozen = {k: s for k, s in (model["frozen_param_shapes"] or {}).items() if k not in self.params}
         for pname in (*self.params, *self.frozen):  # every name a plain child directory before anything is read
             self._param_dir(pname)
+        # tied weights: DeepSpeed keeps one copy and names the others (a strategy's loader may ask for every name)
+        self.aliases = {a: t for a, t in model["shared_params"].items()
+                        if (t in self.params or t in self.frozen) and a not in self.params and a not in self.buffers}
         optim_file = member_path(self.zero, OPTIMIZER_STATE_FILE, str(self.zero))
         self._plan_groups(self._load(optim_file), optim_file)
 
@@ -223,7 +227,8 @@ class UniversalCheckpoint:
         return d
 
     def shape(self, pname: str) -> torch.Size:
-        """The shape of a trained or frozen parameter, or of a buffer."""
+        """The shape of a trained or frozen parameter, of a tied alias, or of a buffer."""
+        pname = self.aliases.get(pname, pname)
         if pname in self.buffers:
             return self.buffers[pname].shape
         return self.params[pname] if pname in self.params else self.frozen[pname]
@@ -235,6 +240,7 @@ class UniversalCheckpoint:
             CheckpointError: the file is missing, not a torch.save zip, holds no tensor, or a tensor whose element
                 count is not the parameter's (checked before any byte is copied).
         """
+        pname = self.aliases.get(pname, pname)
         if pname in self.buffers:
             return self.buffers[pname].clone()
         shape = self.shape(pname)

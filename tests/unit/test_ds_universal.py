@@ -102,6 +102,14 @@ def test_round_trip_keeps_every_tensor_the_groups_and_the_step(source, tmp_path,
                                                                                    (0.003, 0.0, (0.9, 0.999))]
 
 
+def test_tied_names_read_their_parameter(source, tmp_path):
+    ds = _copy(source, tmp_path)
+    _edit_model_states(ds, lambda s: s.update(shared_params={"head.weight": "embed.weight", "gone": "missing"}))
+    with CheckpointReader(universal_to_shardkit(ds, tmp_path / "back")) as r:
+        assert torch.equal(r.read_full("model", "head.weight"), r.read_full("model", "embed.weight"))
+        assert "gone" not in r.sharded_keys("model")
+
+
 def test_a_converted_checkpoint_resumes_a_runner(source, tmp_path):
     universal_to_shardkit(source / "ds", tmp_path / "back")
     torch.manual_seed(5)
