@@ -25,6 +25,10 @@ __all__ = [
     "FORMAT_VERSION",
     "MANIFEST",
     "LATEST",
+    "PRECISION_ENTRY",
+    "RUNNER_ENTRY",
+    "USER_KINDS_ENTRY",
+    "USER_VALUES_ENTRY",
     "SafetensorsStreamWriter",
     "describe_foreign",
     "dtype_from_tag",
@@ -43,6 +47,13 @@ FORMAT_NAME = "shardkit-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "shardkit.json"
 LATEST = "latest"
+# The entries Runner.save writes beside the user's objects: each saved name's kind ("module", "optimizer", ...),
+# the plain values, the step position and the precision's loss scale. A converter that writes a checkpoint a
+# Runner resumes writes them too.
+USER_KINDS_ENTRY = "entries"
+USER_VALUES_ENTRY = "values"
+RUNNER_ENTRY = "runner"
+PRECISION_ENTRY = "precision"
 
 # safetensors dtype tags (the spec's names) for every torch dtype it can hold.
 _DTYPES: dict[torch.dtype, str] = {

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from shardkit import checkpoint as ckpt
+from shardkit.checkpoint import format as ckpt_format
 from shardkit.checkpoint.async_save import AsyncCheckpointer
 from shardkit.checkpoint.discovery import newest_complete_checkpoint
 from shardkit.precision import Precision
@@ -22,7 +23,8 @@ from shardkit.strategies.base import Strategy
 
 __all__ = ["RunnerCheckpoints"]
 
-_RUNNER_STATE = "runner"
+_RUNNER_STATE = ckpt_format.RUNNER_ENTRY
+_PRECISION_STATE = ckpt_format.PRECISION_ENTRY
 
 
 class RunnerCheckpoints:
@@ -89,7 +91,7 @@ class RunnerCheckpoints:
     def _write(self, writer: Any, state: dict[str, Any]) -> None:
         StateSaver(self.strategy, self._owner_of).save(writer, state)
         if self.strategy.is_global_zero:
-            writer.write_json("precision", self.precision.state_dict())
+            writer.write_json(_PRECISION_STATE, self.precision.state_dict())
             writer.write_json(_RUNNER_STATE, self._step_state())
         writer.write_state(ckpt.rank_entry("rng", self.strategy.rank), ckpt.capture_rng_state())
 
@@ -114,7 +116,7 @@ class RunnerCheckpoints:
             values = StateSaver(self.strategy, self._owner_of).load(reader, state)
             if not runner_state:
                 return values
-            self.precision.load_state_dict(reader.read_json("precision", check=ckpt.check_precision_state))
+            self.precision.load_state_dict(reader.read_json(_PRECISION_STATE, check=ckpt.check_precision_state))
             self._restore_step_state(reader.read_json(_RUNNER_STATE, check=ckpt.check_runner_state))
             rng_name = ckpt.rank_entry("rng", rank)
             if reader.has(rng_name):

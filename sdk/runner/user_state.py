@@ -10,13 +10,14 @@ import torch
 from torch import nn
 
 from shardkit import checkpoint as ckpt
+from shardkit.checkpoint import format as ckpt_format
 from shardkit.data.loader import RunnerDataLoader
 from shardkit.strategies.base import Strategy
 
 __all__ = ["StateSaver", "check_module_dtypes"]
 
-_ENTRIES = "entries"
-_VALUES = "values"
+_ENTRIES = ckpt_format.USER_KINDS_ENTRY
+_VALUES = ckpt_format.USER_VALUES_ENTRY
 
 
 def _kind(obj: Any) -> str:
