@@ -185,3 +185,33 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(model, tokenizer, tm
     assert [h["rewards/margins"] for h in plain.state.log_history if "rewards/margins" in h][1] != 0.0
     for p, q in zip(synced.model.parameters(), synced.ref_model.parameters()):
         torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("kind, padding_free", [("hf", False), ("hf", True), ("llama", True), ("llama", False)])
+def test_scoring_inside_the_forward_equals_scoring_after_it(tokenizer, tmp_path, monkeypatch, kind, padding_free):
+    """The path FSDP's sharded head takes (the head's forward replaced by the scorer for one model forward), forced
+    on one process: loss, metrics (logits/*, entropy, token accuracy, WPO's weights) and gradients equal those of
+    scoring the last hidden states after the forward; the head's own forward is back afterwards."""
+    from shardkit.models import Llama, LlamaConfig
+    from shardkit.preference import logps
+    from tests.preference.conftest import tiny_llama
+
+    def build():
+        torch.manual_seed(0)
+        if kind == "hf":
+            return tiny_llama(len(tokenizer))
+        return Llama(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
+                                 num_heads=4, num_kv_heads=2, max_position=128, fused=False))
+
+    args = dict(padding_free=padding_free, use_weighting=True, max_steps=1)
+    after = _train(build(), tokenizer, _args(tmp_path / "after", **args))
+    monkeypatch.setattr(logps, "whole_only_in_forward", lambda weight: True)
+    inside = _train(build(), tokenizer, _args(tmp_path / "inside", **args))
+    _assert_same(after, inside, atol=1e-6)
+    names = ("logits/", "logps/", "rewards/", "entropy", "mean_token_accuracy", "num_tokens")
+    logged = [{k: v for k, v in h.items() if k.startswith(names)}
+              for r in (after, inside) for h in r[2].state.log_history if "loss" in h]
+    assert {"entropy", "mean_token_accuracy", "num_tokens"} <= set(logged[0])
+    assert logged[0] == pytest.approx(logged[1], abs=1e-6)
+    head = logps.lm_head_of(inside[2].model)
+    assert "forward" not in head.__dict__
