@@ -215,3 +215,32 @@ def test_scoring_inside_the_forward_equals_scoring_after_it(tokenizer, tmp_path,
     assert logged[0] == pytest.approx(logged[1], abs=1e-6)
     head = logps.lm_head_of(inside[2].model)
     assert "forward" not in head.__dict__
+
+
+def test_a_partitioned_head_is_scored_in_forward_and_refused_outside_it_with_a_gradient(monkeypatch):
+    """A head an engine partitions in place (ZeRO-3, played here by a handler that claims the weight): the trainers
+    score it inside its forward; read outside with a gradient, backward would find it partitioned again, so
+    head_log_probs refuses by name; under no_grad (a frozen reference) it is read as before."""
+    import contextlib
+
+    from shardkit.nn.log_probs import head_log_probs, whole_only_in_forward
+    from shardkit.utils import partitioned
+
+    weight = torch.randn(11, 4, requires_grad=True)
+
+    class Claims:
+        def is_partitioned(self, param):
+            return param is weight
+
+        def gathered_for_read(self, params):
+            return contextlib.nullcontext()
+
+    hidden, labels = torch.randn(3, 4), torch.tensor([1, 2, 3])
+    assert not whole_only_in_forward(weight)
+    monkeypatch.setattr(partitioned, "handlers", lambda: [Claims()])
+    assert whole_only_in_forward(weight)
+    with pytest.raises(ValueError, match="partitioned by ZeRO-3.*inside the head module's forward"):
+        head_log_probs(hidden, weight, labels)
+    with torch.no_grad():
+        got = head_log_probs(hidden, weight, labels)
+    torch.testing.assert_close(got, torch.log_softmax(hidden @ weight.T, -1)[torch.arange(3), labels])
