@@ -216,6 +216,7 @@ class _ForwardScorer:
     def __init__(self, head: nn.Module, mask: Tensor, labels: Tensor, wanted: _Wanted):
         self.head, self.mask, self.labels, self.wanted = head, mask, labels, wanted
         self.stats: dict[str, Tensor] = {}
+        self.returned: Tensor | None = None
         self.calls = 0
 
     def __call__(self, hidden: Tensor, labels: Tensor | None = None) -> Tensor:
@@ -236,7 +237,8 @@ class _ForwardScorer:
         token_logps, self.stats = _score_rows(rows, self.head, targets, self.wanted)
         # FSDP2 warns on a view returned by a module it wraps (an in-place op on it would skip its backward hook);
         # the op's output is a view of its flat result: a copy of one float per scored token
-        return token_logps.clone() if token_logps._is_view() else token_logps
+        self.returned = token_logps.clone() if token_logps._is_view() else token_logps
+        return self.returned
 
 
 @contextmanager
@@ -273,11 +275,15 @@ def _score_in_forward(model: nn.Module, unwrapped: nn.Module, batch: dict[str, T
             if position_ids is not None:
                 kwargs["position_ids"] = position_ids
             out = getattr(model(**kwargs), "logits", None)
-    if scorer.calls != 1 or not isinstance(out, Tensor) or out.shape != labels.shape:
+    # The model's output must be the head's, unchanged: an engine's hooks may hand back a new tensor of the same
+    # values, but a model that scales or softcaps its logits after the head would turn log-probs into garbage.
+    same = (scorer.calls == 1 and isinstance(out, Tensor) and out.shape == labels.shape
+            and out.dtype == scorer.returned.dtype and torch.equal(out.detach(), scorer.returned.detach()))
+    if not same:
         raise ValueError(f"{type(base_model_of(unwrapped)).__name__}: preference scoring inside the forward needs a "
                          "model whose forward returns its LM head's output as is (a Hugging Face causal LM or "
                          f"shardkit's Llama); the head ran {scorer.calls} time(s) and the model returned "
-                         f"{type(out).__name__}")
+                         f"{type(out).__name__} {tuple(getattr(out, 'shape', ()))} instead of the head's output")
     # the model's output, not the scorer's tensor: the engine's backward hooks sit on what the forward returned
     return out, scorer.stats
 

@@ -87,8 +87,8 @@ def _step(kind: str, out: Path, batch: int, accumulation: int, strategy=None) ->
                          callbacks=[grads], strategy=strategy)
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h][0]
-    return {"loss": logged["loss"], "margins": logged["rewards/margins"], "grads": grads.grads,
-            "weights": _weights(trainer)}
+    return {"loss": logged["loss"], "grads": grads.grads, "weights": _weights(trainer),
+            "metrics": {k: logged[k] for k in ("rewards/margins", "entropy", "mean_token_accuracy", "num_tokens")}}
 
 
 # (strategy, model kind, per-device pairs, accumulation): 6 pairs a step. Data-parallel ranks see 3 pairs each,
@@ -121,7 +121,8 @@ def test_two_ranks_equal_one_big_batch(runs, one_process, name, kind):
         got = rank[(name, kind)]
         if name != "tp":  # the Trainer's logged loss sums every rank's share, and TP's ranks share one batch
             assert got["loss"] == pytest.approx(big["loss"], abs=1e-5)
-        assert got["margins"] == pytest.approx(big["margins"], abs=1e-6)
+        # TRL's metrics over every rank: num_tokens counts TP's shared batch once
+        assert got["metrics"] == pytest.approx(big["metrics"], abs=1e-6)
         if name != "zero3":  # the engine holds ZeRO-3's gradients: its weights below hold them
             assert set(got["grads"]) == set(big["grads"]) and big["grads"]
             for param, grad in big["grads"].items():

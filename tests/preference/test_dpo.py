@@ -244,3 +244,39 @@ def test_a_partitioned_head_is_scored_in_forward_and_refused_outside_it_with_a_g
     with torch.no_grad():
         got = head_log_probs(hidden, weight, labels)
     torch.testing.assert_close(got, torch.log_softmax(hidden @ weight.T, -1)[torch.arange(3), labels])
+
+
+def test_scoring_inside_the_forward_refuses_a_model_that_changes_its_head_output(base_model, monkeypatch):
+    """A model that scales (or softcaps) its logits after the head would turn the scorer's log-probs into something
+    else: named, and the head's own forward is back afterwards."""
+    from shardkit.preference import logps
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def get_output_embeddings(self):
+            return self.inner.lm_head
+
+        def forward(self, **kwargs):
+            out = self.inner(**kwargs)
+            out.logits = out.logits * 2.0
+            return out
+
+    model = Scaled(copy.deepcopy(base_model))
+    ids = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "completion_mask": torch.tensor([[0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 0]])}
+    monkeypatch.setattr(logps, "whole_only_in_forward", lambda weight: True)
+    with pytest.raises(ValueError, match="Scaled: preference scoring inside the forward needs a model whose forward "
+                                         "returns its LM head's output as is"):
+        logps.sequence_log_probs(model, model, batch, 2)
+    assert "forward" not in model.inner.lm_head.__dict__
+    monkeypatch.undo()
+    model.forward = lambda **kwargs: model.inner(**kwargs)  # unchanged output: scored
+    monkeypatch.setattr(logps, "whole_only_in_forward", lambda weight: True)
+    inside = logps.sequence_log_probs(model, model, batch, 2, mean_logits=False)
+    monkeypatch.undo()
+    after = logps.sequence_log_probs(model.inner, model.inner, batch, 2, mean_logits=False)
+    torch.testing.assert_close(inside.logps, after.logps)
