@@ -6,14 +6,15 @@ states and the ``lm_head`` module through :func:`shardkit.ops.linear_log_probs`,
 
 - whole (one device, DDP, ZeRO-1/2, FSDP2 inside the model's forward, where the root unit has gathered it);
 - partitioned in place by an engine (ZeRO-3): gathered read-only for the call (:mod:`shardkit.utils.partitioned`),
-  as the fused cross-entropy loss does;
+  as the fused cross-entropy loss does, for a frozen model (no gradient: backward would find the weight
+  partitioned again, so a weight that wants one is refused; score inside the head's forward instead);
 - split on the vocabulary by TensorParallel (a DTensor sharded on dim 0 over a mesh dimension named ``"tp"``): each
   rank runs the chunked kernels on its slice, and the per-row logsumexp, the label's logit and the entropy's
   mean are combined across the tp group (a few floats per token); backward sums grad_hidden over the group.
 
 Under ContextParallel each rank holds a slice of every sequence and the result is per token, so it is local.
 A weight still sharded by FSDP2 (read outside the model's forward) is refused: its gradient would skip FSDP's
-reduction.
+reduction; :func:`whole_only_in_forward` tells a caller to score inside the forward instead.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import Tensor, nn
 from shardkit.ops.fused_linear_cross_entropy import check_label_range, flce_compute_dtype
 from shardkit.ops.linear_log_probs import check_options, linear_log_probs, log_prob_grads, log_prob_stats
 
-__all__ = ["causal_lm_log_probs", "head_log_probs", "shift_labels"]
+__all__ = ["causal_lm_log_probs", "head_log_probs", "shift_labels", "whole_only_in_forward"]
 
 
 def shift_labels(labels: Tensor, ignore_index: int = -100) -> Tensor:
@@ -36,19 +37,50 @@ def shift_labels(labels: Tensor, ignore_index: int = -100) -> Tensor:
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
-def _vocab_parallel_group(weight: Tensor) -> Any | None:
-    """The tp process group when ``weight`` is a DTensor split on the vocabulary over a mesh dim named "tp"; None
-    for a plain tensor. Raises for any other sharding (FSDP2's, read outside the forward that gathers it)."""
-    from torch.distributed.tensor import DTensor, Shard
+def _vocab_split_dim(weight: Tensor) -> int | None:
+    """The mesh dim of a DTensor ``weight`` split on the vocabulary (dim 0) over a mesh dim named "tp" and
+    replicated elsewhere; None for any other placement."""
+    from torch.distributed.tensor import Shard
 
-    if not isinstance(weight, DTensor):
-        return None
-    mesh, placements = weight.device_mesh, weight.placements
-    names = mesh.mesh_dim_names or ()
+    placements = weight.placements
+    names = weight.device_mesh.mesh_dim_names or ()
     sharded = [i for i, p in enumerate(placements) if not p.is_replicate()]
     if (len(sharded) == 1 and type(placements[sharded[0]]) is Shard and placements[sharded[0]].dim == 0
             and len(names) > sharded[0] and names[sharded[0]] == "tp"):
-        return mesh.get_group(sharded[0])
+        return sharded[0]
+    return None
+
+
+def _partitioned(weight: Tensor) -> bool:
+    from shardkit.utils.partitioned import handlers  # here: importing shardkit.nn loads no strategy
+
+    return any(handler.is_partitioned(weight) for handler in handlers())
+
+
+def whole_only_in_forward(weight: Tensor) -> bool:
+    """Whether a head's ``weight`` is sharded by an engine that has it whole only inside its module's forward (and
+    again for that module's backward): a DTensor that is not TensorParallel's vocabulary split (FSDP2's shards),
+    or a parameter partitioned in place (ZeRO-3). Such a head is scored inside its module's forward (the preference
+    trainers: :mod:`shardkit.preference.logps`), where the engine gathers it and reduces its gradient."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):
+        return _vocab_split_dim(weight) is None
+    return _partitioned(weight)
+
+
+def _vocab_parallel_group(weight: Tensor) -> Any | None:
+    """The tp process group when ``weight`` is a DTensor split on the vocabulary over a mesh dim named "tp"; None
+    for a plain tensor. Raises for any other sharding (FSDP2's, read outside the forward that gathers it)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(weight, DTensor):
+        return None
+    dim = _vocab_split_dim(weight)
+    if dim is not None:
+        return weight.device_mesh.get_group(dim)
+    mesh, placements = weight.device_mesh, weight.placements
+    names = mesh.mesh_dim_names or ()
     raise ValueError(
         f"causal_lm_log_probs: the head's weight is a DTensor with placements {tuple(placements)} on mesh dims "
         f"{names}; only a vocabulary split over the 'tp' dim (TensorParallel's ColwiseParallel head) is read here. "
@@ -123,6 +155,12 @@ def head_log_probs(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tens
     from shardkit.utils.partitioned import gathered_for_read  # here: importing shardkit.nn loads no strategy
 
     check_options(softcap, temperature, chunk_size, op="causal_lm_log_probs")
+    if torch.is_grad_enabled() and weight.requires_grad and _partitioned(weight):
+        raise ValueError(
+            "causal_lm_log_probs: the head's weight is partitioned by ZeRO-3 and would be gathered for this call only, "
+            "so backward would find it partitioned again (and its gradient would skip the engine's reduction). Score "
+            "it inside the head module's forward, where the engine gathers it for forward and backward (the "
+            "preference trainers do), or under torch.no_grad() for a frozen model")
     with gathered_for_read(weight, bias):
         group = _vocab_parallel_group(weight)
         if group is None:

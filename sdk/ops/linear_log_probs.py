@@ -38,7 +38,7 @@ from .fused_linear_cross_entropy import (
     fold_chunk_grads,
     grad_weight_block_rows,
 )
-from .registry import OpSpec, register
+from .registry import OpSpec, native, register
 
 __all__ = [
     "SPEC",
@@ -417,8 +417,11 @@ def _example(device: str, dtype: torch.dtype, size: str) -> tuple:
 
 SPEC = register(OpSpec(
     name="linear_log_probs", function=linear_log_probs, reference=linear_log_probs_reference,
-    csrc=None,
-    kernels={"llp_fwd": {"reference": _forward_loop(_rows_forward_any), "triton": _forward_loop(rows_forward_triton)},
+    csrc="linear_log_probs",
+    # cpp/cuda run the whole chunk loop in C++ (the fused cross-entropy's, matmuls through MKL/cuBLAS); the others
+    # run it here around their row pass
+    kernels={"llp_fwd": {"reference": _forward_loop(_rows_forward_any), "triton": _forward_loop(rows_forward_triton),
+                         **native("llp_fwd")},
              "llp_bwd": {"reference": _backward_loop(_rows_backward_any),
-                         "triton": _backward_loop(rows_backward_triton)}},
+                         "triton": _backward_loop(rows_backward_triton), **native("llp_bwd")}},
     triton_checks="shardkit.kernels.linear_log_probs:compile_checks", example=_example))

@@ -78,6 +78,9 @@ class PreferenceTrainer(Trainer):
     :class:`~shardkit.preference.DPOConfig` (``max_length``, ``truncation_mode``, ``padding_free``, ...).
     """
 
+    running_total_metrics: tuple[str, ...] = ()
+    """Metrics logged as a total since training started (TRL's ``num_tokens``), not as a window's mean."""
+
     loss_is_scaled_for_ga = True  # compute_loss returns this micro-batch's share of the step's loss
     uses_reference = True  # a subclass without a reference model (ORPO, SimPO) sets False
 
@@ -118,6 +121,7 @@ class PreferenceTrainer(Trainer):
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(lambda: [0.0, 0.0]),
                                                             "eval": defaultdict(lambda: [0.0, 0.0])}
         self.window_counts: dict[str, float] = {}
+        self.running_totals: dict[str, float] = {}
         self.ref_model = None
         self._ref_unwrapped = None
         if ref_model is not None and self.uses_reference:
@@ -286,10 +290,18 @@ class PreferenceTrainer(Trainer):
         # An evaluation's log holds "<prefix>_loss" (eval_loss, test_loss...); the model may be back in train mode.
         evaluated = [k for k in logs if k.endswith("_loss") and k not in ("train_loss", "loss")]
         mode, prefix = ("eval", evaluated[0][:-len("loss")]) if evaluated else ("train", "")
+        # running totals (running_total_metrics) add up the training windows since the start, summed over the
+        # data-parallel ranks (tensor-parallel ranks see the same batch: counted once)
+        repeats = self.runner.world_size / max(1, self.runner.strategy.data_parallel_size)
+        for name in self.running_total_metrics:
+            total, _ = self._metrics["train"].pop(name, (0.0, 0.0))
+            self.running_totals[name] = self.running_totals.get(name, 0.0) + total / repeats
         for name, (total, count) in self._metrics[mode].items():
             if count > 0:
                 logs[f"{prefix}{name}"] = total / count
         self._metrics[mode].clear()
+        for name, value in self.running_totals.items():
+            logs[f"{prefix}{name}"] = value
         super().log(logs, start_time)
 
     def prediction_step(self, model: nn.Module, inputs: dict[str, Tensor], prediction_loss_only: bool,

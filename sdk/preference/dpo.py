@@ -9,8 +9,11 @@ The losses are :mod:`shardkit.preference.losses`' pure functions; the forward, t
 step-wide normalisation are :class:`~shardkit.preference.base.PreferenceTrainer`'s. Logged, as TRL:
 ``rewards/chosen``, ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
 ``logps/rejected`` and ``logits/chosen``, ``logits/rejected`` (the mean logit over the vocabulary, averaged over
-the completion tokens: computed from ``hidden . mean(W)``, never from the logits). TRL's ``entropy``,
-``mean_token_accuracy`` and ``num_tokens`` are not logged.
+the completion tokens: computed from ``hidden . mean(W)``, never from the logits), ``entropy`` (of the next-token
+distribution, averaged over the completion tokens; from the chunked op), ``mean_token_accuracy`` (the chosen
+completion tokens that are their position's most likely token: the chosen rows' logits rebuilt a bounded block at
+a time without gradient) and ``num_tokens`` (the tokens trained on so far, summed over the data-parallel ranks;
+counted from this trainer's start, not kept in checkpoints, as TRL).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import Tensor, nn
 
 from shardkit.preference.base import PreferenceTrainer
 from shardkit.preference.config import DPOConfig
+from shardkit.preference.logps import SequenceLogps
 from shardkit.preference.losses import PairLogps, dpo_rewards, pair_loss
 
 __all__ = ["DPOTrainer"]
@@ -41,6 +45,8 @@ class DPOTrainer(PreferenceTrainer):
         peft_config: a ``peft`` config; the model is wrapped with ``get_peft_model``.
         Other arguments: as :class:`shardkit.trainer.Trainer`.
     """
+
+    running_total_metrics = ("num_tokens",)
 
     def __init__(self, model: Any, ref_model: nn.Module | None = None, args: DPOConfig | None = None,
                  data_collator: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
@@ -63,7 +69,8 @@ class DPOTrainer(PreferenceTrainer):
     def preference_loss(self, model: nn.Module, inputs: dict[str, Tensor]
                         ) -> tuple[dict[str, Tensor], dict[str, tuple[Tensor, float]]]:
         args = self.args
-        policy = self.concatenated_forward(model, inputs, ld_alpha=args.ld_alpha, wpo=args.use_weighting)
+        policy = self.concatenated_forward(model, inputs, ld_alpha=args.ld_alpha, wpo=args.use_weighting,
+                                           token_stats=True)
         reference = self.reference_logps(model, inputs, policy.logps.shape[0])
         half = policy.logps.shape[0] // 2
         logps = PairLogps(policy.logps[:half], policy.logps[half:], reference[:half], reference[half:],
@@ -85,11 +92,15 @@ class DPOTrainer(PreferenceTrainer):
             by_pair = by_pair + losses.sum() * weight
         if any(loss_type != "sft" for loss_type in args.loss_type):
             terms["pairs"] = by_pair
-        return terms, self._metrics_of(logps, policy.mean_logits, policy.tokens, half)
+        metrics = self._metrics_of(logps, policy, half)
+        if model.training:
+            mask = inputs.get("attention_mask")
+            metrics["num_tokens"] = (mask.sum() if mask is not None else inputs["input_ids"].numel(), 0.0)
+        return terms, metrics
 
-    def _metrics_of(self, logps: PairLogps, mean_logits: Tensor | None, tokens: Tensor,
-                    half: int) -> dict[str, tuple[Tensor, float]]:
+    def _metrics_of(self, logps: PairLogps, policy: SequenceLogps, half: int) -> dict[str, tuple[Tensor, float]]:
         chosen, rejected = dpo_rewards(logps, self.args.beta)
+        mean_logits, tokens = policy.mean_logits, policy.tokens
         pairs = float(half)
         metrics = {
             "rewards/chosen": (chosen.sum(), pairs),
@@ -102,4 +113,8 @@ class DPOTrainer(PreferenceTrainer):
         if mean_logits is not None:
             metrics["logits/chosen"] = (mean_logits[:half].sum(), float(tokens[:half].sum()))
             metrics["logits/rejected"] = (mean_logits[half:].sum(), float(tokens[half:].sum()))
+        if policy.entropy is not None:
+            metrics["entropy"] = (policy.entropy.sum(), float(tokens.sum()))
+        if policy.top1 is not None:
+            metrics["mean_token_accuracy"] = (policy.top1[:half].sum(), float(tokens[:half].sum()))
         return metrics

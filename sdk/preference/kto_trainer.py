@@ -69,6 +69,8 @@ class KTOTrainer(FamilyTrainer):
         Other arguments: as :class:`shardkit.trainer.Trainer`.
     """
 
+    running_total_metrics = ("num_tokens",)
+
     config_class = KTOConfig
 
     def __init__(self, model: Any, ref_model: nn.Module | None = None, args: KTOConfig | None = None,
@@ -92,7 +94,6 @@ class KTOTrainer(FamilyTrainer):
             raise ValueError(f"KTOConfig.per_device_train_batch_size={args.per_device_train_batch_size}: loss_type="
                              f"{args.loss_type!r} estimates the KL term from mismatched pairs within a batch, so a "
                              "batch needs at least 2 rows (with 1 the KL term equals the row's own reward)")
-        self._total_tokens = 0.0
         super().__init__(model, ref_model, args, data_collator, train_dataset, eval_dataset, processing_class,
                          compute_metrics, callbacks, optimizers, peft_config, strategy=strategy, precision=precision)
         _warn_weights(self.train_dataset, self.args)
@@ -153,14 +154,6 @@ class KTOTrainer(FamilyTrainer):
             sides = self.runner.all_reduce(sides, "sum")
         if sides[1] > 0 and sides[3] > 0:
             metrics["rewards/margins"] = (sides[0] / sides[1] - sides[2] / sides[3], 1.0)
-        if self.model.training:
-            self._count_tokens(inputs["attention_mask"].sum().double())
+        if self.model.training:  # a running total (running_total_metrics), summed over ranks with the rest
+            metrics["num_tokens"] = (inputs["attention_mask"].sum(), 0.0)
         return metrics
-
-    def _count_tokens(self, local: Tensor) -> None:
-        """``num_tokens``: the tokens trained on so far over all ranks (logged as the running total, as TRL)."""
-        if self.runner.world_size > 1:
-            local = self.runner.all_reduce(local.clone(), "sum") * (self.runner.strategy.data_parallel_size
-                                                                      / self.runner.world_size)
-        self._total_tokens += float(local)
-        self._metrics["train"]["num_tokens"] = [self._total_tokens, 1.0]

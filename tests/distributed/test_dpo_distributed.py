@@ -1,6 +1,13 @@
-"""DPOTrainer on 2 real processes (gloo on CPU) x gradient accumulation 2 over ragged pairs (micro-batches of 2 and
-1 pairs of different lengths) gives the loss and gradients of one big batch, padded (HF Llama) and padding-free
-(shardkit's Llama); both cases share one process group."""
+"""DPOTrainer on 2 real processes (gloo on CPU) gives the loss, metrics, gradients and weights after a step of one
+big batch in one process, padded (HF Llama) and padding-free (shardkit's Llama), under:
+
+- DDP, 2 ranks x gradient accumulation 2 over ragged pairs (micro-batches of 2 and 1 pairs of different lengths);
+- FSDP, the same: the completions are scored inside the model's forward, where FSDP2 has the head whole, and the
+  reference model is sharded alike;
+- ZeRO-3 (HF Llama) and TensorParallel (shardkit's Llama, the head split on the vocabulary; both ranks see every
+  pair): the reference model set up by the Runner and sharded like the policy.
+
+Every case shares one process group (one launch)."""
 
 from pathlib import Path
 
@@ -37,20 +44,40 @@ def _model(kind: str, vocab: int):
         num_key_value_heads=2, max_position_embeddings=128))
 
 
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
 class Grads(TrainerCallback):
+    """The gradients before the optimizer step, whole (FSDP's and TP's DTensor shards gathered); none under ZeRO-3,
+    whose engine holds them: the weights after the SGD step (lr 1) hold them there."""
+
     def __init__(self):
         self.grads = {}
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads = {n.removeprefix("module."): p.grad.detach().clone() for n, p in model.named_parameters()
+        self.grads = {n.removeprefix("module."): _full(p.grad) for n, p in model.named_parameters()
                       if p.grad is not None}
 
 
+def _weights(trainer) -> dict:
+    from shardkit.utils.partitioned import gathered_for_read
+
+    model = trainer.runner.unwrap_model(trainer.model_wrapped)
+    params = dict(model.named_parameters())
+    with gathered_for_read(*params.values()):  # ZeRO-3's partitions; a no-op elsewhere
+        return {n.removeprefix("module."): _full(p) for n, p in params.items()}
+
+
 def _step(kind: str, out: Path, batch: int, accumulation: int, strategy=None) -> dict:
-    """One optimizer step over all the pairs; its loss and the gradients before the optimizer step."""
+    """One SGD step (lr 1: the weights move by the gradient) over all the pairs; its loss, margins, the gradients
+    before the optimizer step and the weights after it."""
     tokenizer = train_tokenizer([TEXT], vocab_size=300)
     args = DPOConfig(output_dir=str(out / kind), per_device_train_batch_size=batch,
-                     gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1e-2, logging_steps=1,
+                     gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1.0, optim="sgd",
+                     logging_steps=1,
                      save_strategy="no", disable_tqdm=True, report_to="none", seed=0, max_grad_norm=0.0,
                      train_sampling_strategy="sequential", beta=0.5, loss_type=["sigmoid", "sft"],
                      loss_weights=[1.0, 0.5], padding_free=kind == "llama", use_cpu=True)
@@ -60,12 +87,19 @@ def _step(kind: str, out: Path, batch: int, accumulation: int, strategy=None) ->
                          callbacks=[grads], strategy=strategy)
     trainer.train()
     logged = [h for h in trainer.state.log_history if "loss" in h][0]
-    return {"loss": logged["loss"], "margins": logged["rewards/margins"], "grads": grads.grads}
+    return {"loss": logged["loss"], "grads": grads.grads, "weights": _weights(trainer),
+            "metrics": {k: logged[k] for k in ("rewards/margins", "entropy", "mean_token_accuracy", "num_tokens")}}
+
+
+# (strategy, model kind, per-device pairs, accumulation): 6 pairs a step. Data-parallel ranks see 3 pairs each,
+# micro-batches of 2 pairs and 1 pair; TP's ranks (one data-parallel rank) see every pair.
+CASES = [("ddp", "hf", 2, 2), ("ddp", "llama", 2, 2), ("fsdp", "hf", 2, 2), ("fsdp", "llama", 2, 2),
+         ("zero3", "hf", 2, 2), ("tp", "llama", 3, 2)]
 
 
 def _worker(out: str) -> dict:
-    # 3 pairs per rank: micro-batches of 2 pairs and 1 pair
-    return {kind: _step(kind, Path(out), 2, 2, strategy_from_name("ddp")) for kind in ("hf", "llama")}
+    return {(name, kind): _step(kind, Path(out) / name, batch, accumulation, strategy_from_name(name))
+            for name, kind, batch, accumulation in CASES}
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +108,25 @@ def runs(tmp_path_factory):
     return run_distributed(_worker, 2, args=(str(out),))
 
 
-@pytest.mark.parametrize("kind", ["hf", "llama"])
-def test_two_ranks_accumulating_ragged_pairs_equal_one_big_batch(runs, kind, tmp_path):
-    big = _step(kind, tmp_path, len(PAIRS), 1)
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dpo_one")
+    return {kind: _step(kind, out, len(PAIRS), 1) for kind in ("hf", "llama")}
+
+
+@pytest.mark.parametrize("name, kind", [case[:2] for case in CASES], ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_two_ranks_equal_one_big_batch(runs, one_process, name, kind):
+    big = one_process[kind]
     for rank in runs:
-        got = rank[kind]
-        assert got["loss"] == pytest.approx(big["loss"], abs=1e-5)
-        assert got["margins"] == pytest.approx(big["margins"], abs=1e-6)
-        assert set(got["grads"]) == set(big["grads"]) and big["grads"]
-        for name, grad in big["grads"].items():
-            torch.testing.assert_close(got["grads"][name], grad, atol=1e-6, rtol=1e-5, msg=name)
+        got = rank[(name, kind)]
+        if name != "tp":  # the Trainer's logged loss sums every rank's share, and TP's ranks share one batch
+            assert got["loss"] == pytest.approx(big["loss"], abs=1e-5)
+        # TRL's metrics over every rank: num_tokens counts TP's shared batch once
+        assert got["metrics"] == pytest.approx(big["metrics"], abs=1e-6)
+        if name != "zero3":  # the engine holds ZeRO-3's gradients: its weights below hold them
+            assert set(got["grads"]) == set(big["grads"]) and big["grads"]
+            for param, grad in big["grads"].items():
+                torch.testing.assert_close(got["grads"][param], grad, atol=1e-6, rtol=1e-5, msg=param)
+        assert set(got["weights"]) == set(big["weights"]) and big["weights"]
+        for param, weight in big["weights"].items():
+            torch.testing.assert_close(got["weights"][param], weight, atol=1e-6, rtol=1e-5, msg=param)

@@ -149,6 +149,38 @@ def test_entropy_alone_gets_its_gradient(make_rand):
     torch.testing.assert_close(h1.grad, h2.grad, rtol=0, atol=1e-10)
 
 
+def test_vocab_slices_combined_equal_the_whole(backend, make_rand):
+    """The kernels on two slices of the vocabulary (a label outside a slice's columns: no target, no one-hot term),
+    combined as the vocab-parallel head combines them, equal the whole vocabulary: statistics and gradients."""
+    from shardkit.ops.linear_log_probs import log_prob_grads, log_prob_stats
+
+    n, h, v, cut = 11, 12, 45 if backend.interpreted else 301, 20
+    hidden, weight, bias, labels = _problem(make_rand, n, h, v, torch.float32, bias=True)
+    labels[1::4] = -1  # ignored rows reach the kernels as a column that is nowhere
+    grad_lp, grad_ent = (u.to(hidden.device) for u in _upstreams(n, 2))
+    args = (1.5, 0.8, 4, torch.float32)  # softcap, 1/T, chunk rows, compute dtype
+
+    def stats(w, b, cols):
+        return log_prob_stats(hidden, w, cols, b, *args, want_entropy=True)
+
+    whole = stats(weight, bias, labels)
+    slices = [(weight[:cut], bias[:cut], torch.where(labels < cut, labels, -1)),
+              (weight[cut:], bias[cut:], torch.where(labels >= cut, labels - cut, -1))]
+    parts = [stats(*sl) for sl in slices]
+    lse = torch.logsumexp(torch.stack([p[0] for p in parts]), 0)
+    torch.testing.assert_close(lse, whole[0])
+    torch.testing.assert_close(parts[0][1] + parts[1][1], whole[1])
+    m = sum(torch.exp(p[0] - lse) * p[2] for p in parts)
+    torch.testing.assert_close(m, whole[2])
+    need = (True, True, True)
+    gh, gw, gb = log_prob_grads(grad_lp, grad_ent, hidden, weight, labels, bias, whole[0], whole[2], *args, need)
+    sliced = [log_prob_grads(grad_lp, grad_ent, hidden, w, cols, b, lse, m, *args, need) for w, b, cols in slices]
+    torch.testing.assert_close(sliced[0][0] + sliced[1][0], gh)
+    torch.testing.assert_close(torch.cat([sliced[0][1], sliced[1][1]]), gw)
+    torch.testing.assert_close(torch.cat([sliced[0][2], sliced[1][2]]), gb)
+    assert (gh[1::4] != 0).any(), "ignored here only as labels: the entropy term still reaches those rows"
+
+
 @pytest.mark.parametrize("bad", [-1, 21])
 def test_out_of_range_label_raises(backend, make_rand, bad):
     hidden, weight, _, labels = _problem(make_rand, 6, 8, 21, torch.float32)

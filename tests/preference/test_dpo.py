@@ -185,3 +185,98 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(model, tokenizer, tm
     assert [h["rewards/margins"] for h in plain.state.log_history if "rewards/margins" in h][1] != 0.0
     for p, q in zip(synced.model.parameters(), synced.ref_model.parameters()):
         torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("kind, padding_free", [("hf", False), ("hf", True), ("llama", True), ("llama", False)])
+def test_scoring_inside_the_forward_equals_scoring_after_it(tokenizer, tmp_path, monkeypatch, kind, padding_free):
+    """The path FSDP's sharded head takes (the head's forward replaced by the scorer for one model forward), forced
+    on one process: loss, metrics (logits/*, entropy, token accuracy, WPO's weights) and gradients equal those of
+    scoring the last hidden states after the forward; the head's own forward is back afterwards."""
+    from shardkit.models import Llama, LlamaConfig
+    from shardkit.preference import logps
+    from tests.preference.conftest import tiny_llama
+
+    def build():
+        torch.manual_seed(0)
+        if kind == "hf":
+            return tiny_llama(len(tokenizer))
+        return Llama(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
+                                 num_heads=4, num_kv_heads=2, max_position=128, fused=False))
+
+    args = dict(padding_free=padding_free, use_weighting=True, max_steps=1)
+    after = _train(build(), tokenizer, _args(tmp_path / "after", **args))
+    monkeypatch.setattr(logps, "whole_only_in_forward", lambda weight: True)
+    inside = _train(build(), tokenizer, _args(tmp_path / "inside", **args))
+    _assert_same(after, inside, atol=1e-6)
+    names = ("logits/", "logps/", "rewards/", "entropy", "mean_token_accuracy", "num_tokens")
+    logged = [{k: v for k, v in h.items() if k.startswith(names)}
+              for r in (after, inside) for h in r[2].state.log_history if "loss" in h]
+    assert {"entropy", "mean_token_accuracy", "num_tokens"} <= set(logged[0])
+    assert logged[0] == pytest.approx(logged[1], abs=1e-6)
+    head = logps.lm_head_of(inside[2].model)
+    assert "forward" not in head.__dict__
+
+
+def test_a_partitioned_head_is_scored_in_forward_and_refused_outside_it_with_a_gradient(monkeypatch):
+    """A head an engine partitions in place (ZeRO-3, played here by a handler that claims the weight): the trainers
+    score it inside its forward; read outside with a gradient, backward would find it partitioned again, so
+    head_log_probs refuses by name; under no_grad (a frozen reference) it is read as before."""
+    import contextlib
+
+    from shardkit.nn.log_probs import head_log_probs, whole_only_in_forward
+    from shardkit.utils import partitioned
+
+    weight = torch.randn(11, 4, requires_grad=True)
+
+    class Claims:
+        def is_partitioned(self, param):
+            return param is weight
+
+        def gathered_for_read(self, params):
+            return contextlib.nullcontext()
+
+    hidden, labels = torch.randn(3, 4), torch.tensor([1, 2, 3])
+    assert not whole_only_in_forward(weight)
+    monkeypatch.setattr(partitioned, "handlers", lambda: [Claims()])
+    assert whole_only_in_forward(weight)
+    with pytest.raises(ValueError, match="partitioned by ZeRO-3.*inside the head module's forward"):
+        head_log_probs(hidden, weight, labels)
+    with torch.no_grad():
+        got = head_log_probs(hidden, weight, labels)
+    torch.testing.assert_close(got, torch.log_softmax(hidden @ weight.T, -1)[torch.arange(3), labels])
+
+
+def test_scoring_inside_the_forward_refuses_a_model_that_changes_its_head_output(base_model, monkeypatch):
+    """A model that scales (or softcaps) its logits after the head would turn the scorer's log-probs into something
+    else: named, and the head's own forward is back afterwards."""
+    from shardkit.preference import logps
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def get_output_embeddings(self):
+            return self.inner.lm_head
+
+        def forward(self, **kwargs):
+            out = self.inner(**kwargs)
+            out.logits = out.logits * 2.0
+            return out
+
+    model = Scaled(copy.deepcopy(base_model))
+    ids = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "completion_mask": torch.tensor([[0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 0]])}
+    monkeypatch.setattr(logps, "whole_only_in_forward", lambda weight: True)
+    with pytest.raises(ValueError, match="Scaled: preference scoring inside the forward needs a model whose forward "
+                                         "returns its LM head's output as is"):
+        logps.sequence_log_probs(model, model, batch, 2)
+    assert "forward" not in model.inner.lm_head.__dict__
+    monkeypatch.undo()
+    model.forward = lambda **kwargs: model.inner(**kwargs)  # unchanged output: scored
+    monkeypatch.setattr(logps, "whole_only_in_forward", lambda weight: True)
+    inside = logps.sequence_log_probs(model, model, batch, 2, mean_logits=False)
+    monkeypatch.undo()
+    after = logps.sequence_log_probs(model.inner, model.inner, batch, 2, mean_logits=False)
+    torch.testing.assert_close(inside.logps, after.logps)

@@ -1,5 +1,5 @@
 """shardkit's DPOTrainer against TRL 1.x's on the same tiny Llama, rows and seed: per-step loss, rewards, logps,
-mean logits and gradients for every loss_type, three steps (CPU, fp32)."""
+mean logits, entropy, token accuracy, token count and gradients for every loss_type, three steps (CPU, fp32)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ datasets = pytest.importorskip("datasets")
 LOSS_TYPES = ["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"]
 METRICS = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected", "logits/chosen", "logits/rejected"]
+           "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy", "num_tokens"]
 STEPS = 3
 STEEP = {"sppo_hard", "discopop"}
 
