@@ -59,9 +59,15 @@ class LossTracker:
         """Every pending step's loss over all ranks (one all-reduce for the steps not yet gathered)."""
         if self._local:
             stacked = torch.stack(self._local).to(torch.float64)
-            if self.runner.world_size > 1:
-                stacked = self.runner.all_reduce(stacked.to(self.runner.device), "sum" if self.average_tokens
-                                                 else "mean")
+            world = self.runner.world_size
+            if world > 1 and self.average_tokens:
+                # Shares of the data-parallel ranks add up to the step's loss; ranks that share a batch (TP's,
+                # a pipeline's stages) hold the same share, counted once: the sum over the world divided by the
+                # world's replicas of each data-parallel rank (as the items count is).
+                replicas = world / self.runner.strategy.data_parallel_size
+                stacked = self.runner.all_reduce(stacked.to(self.runner.device), "sum") / replicas
+            elif world > 1:
+                stacked = self.runner.all_reduce(stacked.to(self.runner.device), "mean")
             self._gathered.extend(stacked.cpu().tolist())
             self._local = []
         return list(self._gathered)
