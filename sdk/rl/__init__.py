@@ -9,8 +9,15 @@ with rollouts generated on the training model under the Runner's strategy.
 
 from shardkit.rl.config import GRPOConfig, OnlineRLConfig, RLOOConfig
 from shardkit.rl.grpo import GRPOTrainer
-from shardkit.rl.losses import (GRPO_LOSS_TYPES, PolicyLossSettings, group_advantages, policy_loss,
-                                reduce_policy_loss, rloo_advantages, rloo_loss)
+from shardkit.rl.losses import (
+                                GRPO_LOSS_TYPES,
+                                PolicyLossSettings,
+                                group_advantages,
+                                policy_loss,
+                                reduce_policy_loss,
+                                rloo_advantages,
+                                rloo_loss,
+)
 from shardkit.rl.rloo import RLOOTrainer
 from shardkit.rl.trainer import OnlineRLTrainer
 

@@ -192,7 +192,8 @@ class GRPOConfig(OnlineRLConfig):
             delta=self.delta, importance_sampling_level=self.importance_sampling_level,
             use_bias_correction_kl=self.use_bias_correction_kl, sapo_temperature_pos=self.sapo_temperature_pos,
             sapo_temperature_neg=self.sapo_temperature_neg, vespo_k_pos=self.vespo_k_pos,
-            vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg, vespo_lambda_neg=self.vespo_lambda_neg)
+            vespo_lambda_pos=self.vespo_lambda_pos, vespo_k_neg=self.vespo_k_neg,
+            vespo_lambda_neg=self.vespo_lambda_neg)
 
 
 @dataclass

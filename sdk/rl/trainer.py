@@ -32,8 +32,15 @@ from torch.utils.data import DataLoader, Dataset
 
 from shardkit.rl.config import OnlineRLConfig
 from shardkit.rl.losses import nanstd
-from shardkit.rl.rollout import (Completions, RewardFunctions, generate_completions, is_conversational, left_pad,
-                                 right_pad, tokenize_prompts)
+from shardkit.rl.rollout import (
+    Completions,
+    RewardFunctions,
+    generate_completions,
+    is_conversational,
+    left_pad,
+    right_pad,
+    tokenize_prompts,
+)
 from shardkit.rl.scoring import completion_log_probs
 from shardkit.trainer.peft_support import is_peft_model
 from shardkit.trainer.trainer import Trainer

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.rl.conftest import G, PROMPTS, fixed_completions, reward_first, reward_length, tiny_llama
+from tests.rl.conftest import PROMPTS, G, fixed_completions, reward_first, reward_length, tiny_llama
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")

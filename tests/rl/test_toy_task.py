@@ -5,7 +5,6 @@ the mean reward is well above where it started (seeded, margin fixed here)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.rl.conftest import tiny_llama
 
