@@ -9,6 +9,9 @@ scored; the others hold 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -57,8 +60,13 @@ def _score(model: nn.Module, unwrapped: nn.Module, prompt_ids: Tensor, prompt_ma
     scored = hidden[:, start:start + width][mask]
     head = lm_head_of(unwrapped)
     chunk = max(16, _CHUNK_BYTES // (4 * max(head.weight.shape[0], 1)))
-    out = head_log_probs(scored, head.weight, completion_ids[mask], bias=getattr(head, "bias", None),
-                         temperature=temperature, return_entropy=entropy, chunk_size=chunk)
+    labels = completion_ids[mask]
+
+    def score(states: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        return head_log_probs(states, head.weight, labels, bias=getattr(head, "bias", None), temperature=temperature,
+                              return_entropy=entropy, chunk_size=chunk)
+
+    out = _as_head_forward(head, score, scored)
     token_logps, token_entropy = out if entropy else (out, None)
     logps = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_scatter(mask, token_logps.float())
     dense = None
@@ -66,3 +74,14 @@ def _score(model: nn.Module, unwrapped: nn.Module, prompt_ids: Tensor, prompt_ma
         dense = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         dense = dense.masked_scatter(mask, token_entropy.detach().float())
     return logps, dense
+
+
+def _as_head_forward(head: nn.Module, score: Callable[[Tensor], Any], hidden: Tensor) -> Any:
+    """``score(hidden)`` run as the head module's forward, so that an engine that gathers a module's parameters
+    around its forward and again for its backward (ZeRO-3's hooks) holds the head's weight for the op's backward
+    too: a gather for the call alone would leave the backward an empty partition."""
+    head.forward = score  # an instance attribute shadows the class's forward for this one call
+    try:
+        return head(hidden)
+    finally:
+        del head.forward
