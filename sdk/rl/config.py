@@ -44,7 +44,7 @@ class OnlineRLConfig(TrainingArguments):
 
     learning_rate: float = 1e-6
     logging_steps: float = 10
-    remove_unused_columns: bool | None = False
+    remove_unused_columns: bool = False
     model_init_kwargs: dict[str, Any] | str | None = None
     trust_remote_code: bool = False
     router_aux_loss_coef: float | None = None

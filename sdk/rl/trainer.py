@@ -189,7 +189,7 @@ class OnlineRLTrainer(Trainer):
         """The slots of every rank (see :class:`RoundSlots`), one per loader batch, in order."""
         args = self.args
         rows = self.train_dataset
-        for index, row in enumerate(rows[:1]):
+        for index, row in enumerate(rows):
             if not isinstance(row, dict) or "prompt" not in row:
                 raise ValueError(f"train_dataset row {index} has no 'prompt' field: {str(row)[:80]}")
         slots = RoundSlots(rows, self.prompts_per_round, self.runner.strategy.data_parallel_size,

@@ -4,6 +4,7 @@ rewards of both ranks are gathered for the advantages, and the mean reward of th
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def _worker(out: str) -> dict:
     from shardkit.sft import train_tokenizer
     from shardkit.strategies import strategy_from_name
 
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else int(__import__("os").environ["RANK"])
+    rank = int(os.environ["RANK"])  # set by the launcher before the process group exists
     tokenizer = train_tokenizer([TEXT], vocab_size=300)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
