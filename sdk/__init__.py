@@ -35,5 +35,6 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "DPOTrainer": "preference", "DPOConfig": "preference",
     "KTOTrainer": "preference", "KTOConfig": "preference", "ORPOTrainer": "preference", "ORPOConfig": "preference",
     "CPOTrainer": "preference", "CPOConfig": "preference",
+    "GRPOTrainer": "rl", "GRPOConfig": "rl", "RLOOTrainer": "rl", "RLOOConfig": "rl",
 }, fallback=_registered_strategy)
 install_moved_modules()

@@ -1,0 +1,385 @@
+"""OnlineRLTrainer: what GRPO and RLOO share, on shardkit's Trainer through its public seams.
+
+One *round* generates completions for a generation batch and scores them; its completions then feed
+``steps_per_generation`` micro-batches, ``num_iterations`` times over (TRL's layout):
+
+- the train loader deals *slots*: slot ``k`` of data-parallel rank ``r`` is micro-step ``k`` of that rank, and
+  names the round and the repetition it belongs to, with the round's prompt rows for rank ``r``. The Runner deals the
+  slots to ranks in order (no shuffle: the prompts are shuffled once, with the seed, when the slots are built), so a
+  resumed run restarts at its slot, and the step count is the Trainer's usual ``slots / gradient_accumulation_steps``;
+- ``_prepare_inputs`` (the Trainer's seam, called at each micro-step, as in TRL) generates and scores a round on its
+  first slot and hands out the buffered micro-batches after;
+- each rank keeps its prompts' ``num_generations`` completions together; the rewards of every rank are gathered so
+  that the advantages (group and batch statistics) and the metrics are those of the whole generation batch.
+
+A subclass implements :meth:`advantages` (from the gathered rewards) and :meth:`policy_objective` (a micro-batch's
+loss and metrics).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import random
+from collections import defaultdict
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from shardkit.rl.config import OnlineRLConfig
+from shardkit.rl.losses import nanstd
+from shardkit.rl.rollout import (
+    Completions,
+    RewardFunctions,
+    generate_completions,
+    is_conversational,
+    left_pad,
+    right_pad,
+    tokenize_prompts,
+)
+from shardkit.rl.scoring import completion_log_probs
+from shardkit.trainer.peft_support import is_peft_model
+from shardkit.trainer.trainer import Trainer
+
+__all__ = ["OnlineRLTrainer", "RoundSlots", "Round"]
+
+logger = logging.getLogger("shardkit.rl")
+
+
+class RoundSlots(Dataset):
+    """The micro-step slots of every data-parallel rank (see the module docstring): item ``k`` belongs to rank
+    ``k % ranks``; its ``j = k // ranks``-th slot is repetition ``j % repeats`` of round ``j // repeats``."""
+
+    def __init__(self, rows: list[dict[str, Any]], prompts_per_round: int, ranks: int, repeats: int, seed: int,
+                 shuffle: bool):
+        order = list(range(len(rows)))
+        if shuffle:
+            random.Random(seed).shuffle(order)
+        self.rows = [rows[i] for i in order]
+        self.per_round, self.ranks, self.repeats = prompts_per_round, ranks, repeats
+        self.rounds = len(rows) // (prompts_per_round * ranks)
+
+    def __len__(self) -> int:
+        return self.rounds * self.repeats * self.ranks
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        rank, slot = index % self.ranks, index // self.ranks
+        round_index, repeat = divmod(slot, self.repeats)
+        start = (round_index * self.ranks + rank) * self.per_round
+        return {"round": round_index, "repeat": repeat, "rows": self.rows[start:start + self.per_round]}
+
+
+def _single(items: list[Any]) -> Any:
+    return items[0]
+
+
+class Round:
+    """One round's micro-batches on this rank (dicts of tensors), handed out by repetition."""
+
+    def __init__(self, key: tuple[int, int], batches: list[dict[str, Any]]):
+        self.key, self.batches = key, batches
+
+
+class OnlineRLTrainer(Trainer):
+    """The shared base of :class:`~shardkit.rl.GRPOTrainer` and :class:`~shardkit.rl.RLOOTrainer`.
+
+    Args beyond :class:`~shardkit.trainer.Trainer`'s: ``reward_funcs`` (callables and/or sequence-classification
+    models), ``reward_processing_classes`` (the reward models' tokenizers). ``processing_class`` (the policy's
+    tokenizer) is required: nothing is downloaded.
+    """
+
+    loss_is_scaled_for_ga = False  # compute_loss returns a micro-batch's loss; the window averages them
+    config_class: type = OnlineRLConfig
+    always_old_logps = False  # RLOO's ratio always reads the log-probs at generation
+
+    def __init__(self, model: Any, reward_funcs: Any, args: Any = None, train_dataset: Any = None,
+                 eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
+                 callbacks: Any = None, optimizers: tuple = (None, None), peft_config: Any = None, *,
+                 strategy: Any = None, precision: Any = None):
+        name = type(self).__name__
+        if args is None:
+            args = self.config_class(output_dir=f"{name.lower()}_output")
+        if not isinstance(args, self.config_class):
+            raise TypeError(f"{name} takes a {self.config_class.__name__} as args, got {type(args).__name__}")
+        if args.use_vllm:
+            if importlib.util.find_spec("vllm") is None:
+                raise ImportError(f"{name}: use_vllm=True needs the 'vllm' package, which is not installed: "
+                                  "pip install vllm, or leave use_vllm=False to generate on the training model")
+            raise NotImplementedError(f"{name}: use_vllm=True (colocated vLLM with weights pushed from the sharded "
+                                      "model) is not implemented; leave use_vllm=False")
+        if eval_dataset is not None:
+            raise NotImplementedError(f"{name}: evaluation (generation on eval_dataset) is not implemented; pass "
+                                      "no eval_dataset")
+        if peft_config is not None:
+            raise NotImplementedError(f"{name}: peft_config is not supported; wrap the model with peft yourself")
+        if train_dataset is None:
+            raise ValueError(f"{name} needs a train_dataset of rows with a 'prompt'")
+        if processing_class is None:
+            raise ValueError(f"{name} needs processing_class (the policy's tokenizer): nothing is downloaded")
+        model = _load_model(model, args)
+        if processing_class.pad_token_id is None:
+            processing_class.pad_token = processing_class.eos_token
+        if args.disable_dropout:
+            _disable_dropout(model)
+        self.rewards = RewardFunctions(reward_funcs, reward_processing_classes, args.reward_weights)
+        reference = None
+        if args.beta != 0.0 and not is_peft_model(model):
+            reference = copy.deepcopy(model)  # before the strategy takes the model
+        super().__init__(model=model, args=args, data_collator=_single, train_dataset=list(train_dataset),
+                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+                         strategy=strategy, precision=precision)
+        self.args.resolve_generation_batch(self.runner.strategy.data_parallel_size)
+        self.ref_model = self._ref_unwrapped = None
+        if reference is not None:
+            self._set_reference(reference)
+        for reward_model in self.rewards.models():
+            reward_model.to(self.runner.device).eval()
+        eos = processing_class.eos_token_id
+        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        if not self.eos_token_ids:
+            raise ValueError(f"{name}: the tokenizer has no eos_token_id; completions could never end")
+        self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self._round: Round | None = None
+        self._rows_seen = 0
+
+    # ---- the reference ---------------------------------------------------------------------------
+
+    def _set_reference(self, ref_model: nn.Module) -> None:
+        """Frozen, and held as the strategy holds models: sharded like the policy where parameters are partitioned
+        (never a whole copy per rank), replicated otherwise."""
+        ref_model.eval()
+        for p in ref_model.parameters():
+            p.requires_grad_(False)
+        if self.runner.strategy.partitions_parameters:
+            self.ref_model = self.runner.setup(ref_model)
+            self._ref_unwrapped = self.runner.unwrap_model(self.ref_model)
+        else:
+            self.ref_model = self._ref_unwrapped = ref_model.to(self.runner.device)
+
+    @torch.no_grad()
+    def reference_log_probs(self, batch: dict[str, Tensor]) -> Tensor:
+        """The reference's per-token log-probs of the completions (a PEFT model's base: its adapter disabled)."""
+        if self.ref_model is not None:
+            context = nullcontext() if self.runner.strategy.partitions_parameters else self.runner.autocast()
+            with context:
+                return self._log_probs(self.ref_model, self._ref_unwrapped, batch)[0]
+        unwrapped = self.runner.unwrap_model(self.model_wrapped)
+        with unwrapped.disable_adapter():
+            return self._log_probs(self.model_wrapped, unwrapped, batch)[0]
+
+    def _log_probs(self, model: nn.Module, unwrapped: nn.Module, batch: dict[str, Tensor], entropy: bool = False,
+                   chunked: bool = True) -> tuple[Tensor, Tensor | None]:
+        return completion_log_probs(model, unwrapped, batch["prompt_ids"], batch["prompt_mask"],
+                                    batch["completion_ids"], batch["completion_mask"], self.args.temperature,
+                                    entropy=entropy,
+                                    batch_size=self.args.per_device_train_batch_size if chunked else None)
+
+    # ---- data ----------------------------------------------------------------------------------------
+
+    @property
+    def prompts_per_round(self) -> int:
+        """Prompts each rank generates for in a round."""
+        return self.args.per_device_train_batch_size * self.args.steps_per_generation // self.args.num_generations
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The slots of every rank (see :class:`RoundSlots`), one per loader batch, in order."""
+        args = self.args
+        rows = self.train_dataset
+        for index, row in enumerate(rows):
+            if not isinstance(row, dict) or "prompt" not in row:
+                raise ValueError(f"train_dataset row {index} has no 'prompt' field: {str(row)[:80]}")
+        slots = RoundSlots(rows, self.prompts_per_round, self.runner.strategy.data_parallel_size,
+                           args.steps_per_generation * args.num_iterations, args.seed, bool(args.shuffle_dataset))
+        if len(slots) == 0:
+            raise ValueError(f"train_dataset has {len(rows)} prompts, fewer than one round needs "
+                             f"({self.prompts_per_round} per rank x {self.runner.strategy.data_parallel_size} ranks)")
+        return DataLoader(slots, batch_size=1, shuffle=False, collate_fn=_single)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any = None) -> tuple[list[Any], Tensor]:
+        """The window's slots; each becomes its micro-batch in :meth:`_prepare_inputs`."""
+        import itertools
+
+        return list(itertools.islice(epoch_iterator, num_batches)), torch.tensor(1)
+
+    def _prepare_inputs(self, inputs: Any) -> dict[str, Any]:
+        """A slot's micro-batch: the round is generated and scored on its first slot (or after a resume)."""
+        if "round" not in inputs:
+            return inputs
+        key = (self.prepared.train_loader.epoch if self.prepared.done else 0, inputs["round"])
+        if self._round is None or self._round.key != key or inputs["repeat"] == 0:
+            self._round = Round(key, self.generate_and_score(inputs["rows"]))
+        batch = self._round.batches[inputs["repeat"] % self.args.steps_per_generation]
+        inputs.update(batch)  # the loop counts the window's tokens from input_ids
+        return inputs
+
+    # ---- a round ---------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: list[list[int]]) -> Completions:
+        """Sample one completion per row on the training model (every rank together)."""
+        args = self.args
+        # top_k=0 is passed as is: None would let the model's generation_config add its default top-k of 50.
+        sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                    "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
+                    **(args.generation_kwargs or {})}
+        return generate_completions(self.runner, self.model_wrapped, prompt_ids, pad_token_id=self._pad_id,
+                                    eos_token_ids=self.eos_token_ids, max_new_tokens=args.max_completion_length,
+                                    sampling=sampling)
+
+    @property
+    def _pad_id(self) -> int:
+        return int(self.processing_class.pad_token_id)
+
+    def generate_and_score(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """This rank's prompt rows -> the round's micro-batches (generation, rewards, advantages, log-probs)."""
+        g = self.args.num_generations
+        rows = [row for row in rows for _ in range(g)]
+        prompts = [row["prompt"] for row in rows]
+        prompt_ids = tokenize_prompts(self.processing_class, prompts[::g], self.args.chat_template_kwargs)
+        prompt_ids = [ids for ids in prompt_ids for _ in range(g)]
+        completions = self.generate(prompt_ids)
+        return self.micro_batches(self.score_completions(rows, prompt_ids, completions))
+
+    def micro_batches(self, batch: dict[str, Tensor]) -> list[dict[str, Any]]:
+        """A scored round shuffled (the global RNG) and split into ``steps_per_generation`` micro-batches."""
+        rows = batch["completion_ids"].shape[0]
+        order = torch.randperm(rows, device="cpu").to(batch["completion_ids"].device)
+        size = self.args.per_device_train_batch_size
+        out = []
+        for i in range(0, rows, size):
+            part = {k: v if k == "num_items_in_batch" else v[order[i:i + size]] for k, v in batch.items()}
+            part["input_ids"] = torch.cat([part["prompt_ids"], part["completion_ids"]], 1)
+            out.append(part)
+        return out
+
+    def score_completions(self, rows: list[dict[str, Any]], prompt_ids: list[list[int]], completions: Completions
+                          ) -> dict[str, Tensor]:
+        """Rewards, advantages and the no-grad log-probs of this rank's completions of a round, in order."""
+        args, runner, device = self.args, self.runner, self.runner.device
+        mode = "train" if self.model.training else "eval"
+        prompts = [row["prompt"] for row in rows]
+        texts = self.processing_class.batch_decode(completions.ids, skip_special_tokens=True)
+        decoded = [[{"role": "assistant", "content": t}] for t in texts] if is_conversational(prompts[0]) else texts
+        p_ids, p_mask = left_pad(prompt_ids, self._pad_id, device)
+        c_ids, c_mask = right_pad(completions.ids, self._pad_id, device)
+        truncated = torch.tensor(completions.truncated, dtype=torch.bool, device=device)
+        if args.mask_truncated_completions:
+            c_mask = c_mask * (~truncated).unsqueeze(1).long()
+        batch = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids, "completion_mask": c_mask}
+        tokens = self._dp_sum(c_mask.sum().double())
+        self._log_lengths(mode, prompt_ids, completions)
+        with torch.no_grad():
+            generate_every = args.steps_per_generation * args.num_iterations
+            if self.always_old_logps or args.gradient_accumulation_steps % generate_every != 0:
+                batch["old_per_token_logps"] = self._log_probs(self.model_wrapped, self.model, batch)[0]
+            if args.beta != 0.0:
+                batch["ref_per_token_logps"] = self.reference_log_probs(batch)
+        local = self.rewards(prompts, decoded, completions.ids, rows, device, {"trainer_state": self.state})
+        everyone = torch.tensor(runner.gather_object(local.tolist()), dtype=torch.float32, device=device)
+        everyone = everyone.view(-1, len(self.rewards))
+        start = runner.strategy.data_parallel_rank * len(rows)
+        advantages = self.advantages(everyone, batch, mode)[start:start + len(rows)]
+        self._log_rewards(mode, everyone)
+        batch["advantages"] = advantages
+        batch["num_items_in_batch"] = tokens
+        return batch
+
+    def advantages(self, rewards_per_func: Tensor, batch: dict[str, Tensor], mode: str) -> Tensor:
+        """Override: ``[N]`` advantages of the whole generation batch from every rank's rewards ``[N, F]``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement advantages")
+
+    def policy_objective(self, batch: dict[str, Tensor], logps: Tensor, entropy: Tensor, mode: str) -> Tensor:
+        """Override: a micro-batch's loss from the policy's per-token log-probs (with gradient)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement policy_objective")
+
+    # ---- the Trainer's seams ------------------------------------------------------------------------
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Tensor | None = None):
+        """The micro-batch's loss (TRL's value for the micro-batch; the window averages the micro-batches)."""
+        if return_outputs:
+            raise ValueError(f"{type(self).__name__} has no outputs to return")
+        mode = "train" if self.model.training else "eval"
+        logps, entropy = self._log_probs(model, self.runner.unwrap_model(model), inputs, entropy=True, chunked=False)
+        return self.policy_objective(inputs, logps, entropy, mode)
+
+    def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        raise NotImplementedError(f"{type(self).__name__}: evaluation is not implemented")
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add the metrics gathered since the last log (TRL's names), averaged over the rounds and micro-batches."""
+        mode = "train" if self.model.training else "eval"
+        for name, values in self._metrics[mode].items():
+            finite = [v for v in values if v == v]
+            if finite:
+                logs[name] = sum(finite) / len(finite)
+        self._metrics[mode].clear()
+        super().log(logs, start_time)
+
+    # ---- metrics ---------------------------------------------------------------------------------
+
+    def _dp_sum(self, value: Tensor) -> Tensor:
+        """``value`` summed over the data-parallel ranks (a tensor-parallel group counts once)."""
+        runner = self.runner
+        if runner.world_size == 1:
+            return value
+        dp = runner.strategy.data_parallel_size
+        return runner.all_reduce(value.to(runner.device), "sum") * (dp / runner.world_size)
+
+    def global_masked_mean(self, values: Tensor, mask: Tensor) -> float:
+        """The mean of ``values`` over the masked tokens of every rank."""
+        if values.shape[1] == 1:
+            total, count = values.sum(), torch.tensor(float(values.shape[0]), device=values.device)
+        else:
+            total, count = (values * mask).sum(), mask.sum().float()
+        both = self._dp_sum(torch.stack([total.double(), count.double()]))
+        return float(both[0] / both[1].clamp(min=1.0))
+
+    def _log_lengths(self, mode: str, prompt_ids: list[list[int]], completions: Completions) -> None:
+        runner, metrics = self.runner, self._metrics[mode]
+        lengths = torch.tensor(runner.gather_object([float(len(c)) for c in completions.ids]))
+        truncated = torch.tensor(runner.gather_object([bool(t) for t in completions.truncated]))
+        prompt_tokens = sum(runner.gather_object([len(p) for p in prompt_ids]))
+        if mode == "train":
+            self.state.num_input_tokens_seen += int(prompt_tokens + lengths.sum().item())
+        metrics["num_tokens"] = [float(self.state.num_input_tokens_seen)]
+        metrics["completions/mean_length"].append(lengths.mean().item())
+        metrics["completions/min_length"].append(lengths.min().item())
+        metrics["completions/max_length"].append(lengths.max().item())
+        metrics["completions/clipped_ratio"].append(truncated.float().mean().item())
+        ended = lengths[~truncated] if bool((~truncated).any()) else torch.zeros(1)
+        metrics["completions/mean_terminated_length"].append(ended.mean().item())
+        metrics["completions/min_terminated_length"].append(ended.min().item())
+        metrics["completions/max_terminated_length"].append(ended.max().item())
+
+    def _log_rewards(self, mode: str, rewards_per_func: Tensor) -> None:
+        metrics = self._metrics[mode]
+        for i, name in enumerate(self.rewards.names):
+            metrics[f"rewards/{name}/mean"].append(torch.nanmean(rewards_per_func[:, i]).item())
+            metrics[f"rewards/{name}/std"].append(nanstd(rewards_per_func[:, i]).item())
+        unscorable = torch.isnan(rewards_per_func).all(dim=1)
+        weights = self.rewards.weights.to(rewards_per_func.device)
+        total = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+        total[unscorable] = float("nan")
+        metrics["reward"].append(torch.nanmean(total).item())
+        metrics["reward_std"].append(nanstd(total).item())
+
+
+def _load_model(model: Any, args: Any) -> nn.Module:
+    if isinstance(model, str):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"an RL trainer needs a model (a torch module or a model path), got {type(model).__name__}")
+    return model
+
+
+def _disable_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0

@@ -1,0 +1,82 @@
+"""What GRPOTrainer/RLOOTrainer refuse, by name, and the seams they take: use_vllm without vLLM, settings not
+implemented, prompt groups that would straddle ranks, reward models, and rollouts on the training model."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.rl.conftest import tiny_llama
+
+
+def _config(tmp_path, **kw):
+    from shardkit.rl import GRPOConfig
+
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=3,
+                report_to="none", use_cpu=True)
+    return GRPOConfig(**{**base, **kw})
+
+
+def _reward(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_use_vllm_without_vllm_names_the_package(tokenizer, tmp_path):
+    from shardkit.rl import GRPOTrainer
+
+    with pytest.raises(ImportError, match="'vllm'"):
+        GRPOTrainer(tiny_llama(len(tokenizer)), _reward, args=_config(tmp_path, use_vllm=True),
+                    train_dataset=[{"prompt": "a"}] * 4, processing_class=tokenizer)
+
+
+def test_refusals(tokenizer, tmp_path):
+    from shardkit.rl import GRPOConfig, GRPOTrainer
+
+    with pytest.raises(ValueError, match="loss_type='dapoo'.*dapo"):
+        _config(tmp_path, loss_type="dapoo")
+    with pytest.raises(NotImplementedError, match="entropy_coef"):
+        _config(tmp_path, entropy_coef=0.1)
+    with pytest.raises(ValueError, match="num_generations"):
+        _config(tmp_path, num_generations=1)
+    assert GRPOConfig(output_dir=str(tmp_path), scale_rewards=False, report_to="none").scale_rewards == "none"
+    with pytest.raises(ValueError, match="multiple of num_generations=3"):
+        GRPOTrainer(tiny_llama(len(tokenizer)), _reward, args=_config(tmp_path, num_generations=3),
+                    train_dataset=[{"prompt": "a"}] * 4, processing_class=tokenizer)
+    with pytest.raises(NotImplementedError, match="eval_dataset"):
+        GRPOTrainer(tiny_llama(len(tokenizer)), _reward, args=_config(tmp_path), train_dataset=[{"prompt": "a"}] * 4,
+                    eval_dataset=[{"prompt": "b"}], processing_class=tokenizer)
+
+
+def test_rollout_on_the_training_model_and_a_reward_model(tokenizer, tmp_path):
+    """A round: each prompt's num_generations completions generated on the policy (ending at EOS or cut at
+    max_completion_length), scored by a callable reading a dataset column and by a sequence-classification model."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from shardkit.rl import GRPOTrainer
+
+    torch.manual_seed(0)
+    scorer = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                                                        num_hidden_layers=1, num_attention_heads=2,
+                                                        num_key_value_heads=2, num_labels=1,
+                                                        pad_token_id=tokenizer.pad_token_id))
+    seen = {}
+
+    def by_column(completions, target, **kwargs):
+        seen["target"] = list(target)
+        return [float(t) for t in target]
+
+    rows = [{"prompt": "The old house", "target": 1}, {"prompt": "She opened the letter", "target": 2}]
+    trainer = GRPOTrainer(tiny_llama(len(tokenizer)), [by_column, scorer], args=_config(tmp_path, beta=0.0,
+                          per_device_train_batch_size=8, shuffle_dataset=False), train_dataset=rows,
+                          processing_class=tokenizer, reward_processing_classes=[None, tokenizer])
+    batches = trainer.generate_and_score(rows)
+    assert len(batches) == 1 and batches[0]["completion_ids"].shape[0] == 8
+    assert seen["target"] == [1] * 4 + [2] * 4  # each prompt's row repeated for its completions
+    lengths = batches[0]["completion_mask"].sum(1)
+    assert int(lengths.max()) <= 3 and int(lengths.min()) >= 1
+    metrics = trainer._metrics["train"]
+    assert metrics["rewards/by_column/mean"][-1] == pytest.approx(1.5)
+    assert metrics["rewards/by_column/std"][-1] > 0 and "rewards/LlamaForSequenceClassification/mean" in metrics
