@@ -1,0 +1,202 @@
+"""The MoE layer against a per-expert reference loop written here, its routing rules, losses and the MoE Llama."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardkit.models import Llama, LlamaConfig
+from shardkit.models.moe import MoE, MoEConfig, expert_load, moe_aux_loss, update_router_biases
+from shardkit.models.moe_experts import grouped_mm_works
+
+H = 16
+BACKENDS = ["loop", "bmm"] + (["grouped_mm"] if grouped_mm_works("cpu", torch.float64) else [])
+
+
+def reference(layer: MoE, x: torch.Tensor, drop: set[tuple[int, int]] = frozenset()) -> torch.Tensor:
+    """The layer's function written the plain way: per token, its k chosen experts one by one (HF's loop form)."""
+    cfg = layer.config
+    logits = x @ layer.router.weight.T
+    scores = logits.softmax(-1) if cfg.score_func == "softmax" else logits.sigmoid()
+    choice = (scores + layer.router.expert_bias).detach()
+    out = torch.zeros_like(x)
+    gu, dn = layer.experts.gate_up_proj, layer.experts.down_proj
+    for t in range(x.shape[0]):
+        # highest first, ties to the lower index
+        ranked = sorted(range(cfg.num_experts), key=lambda e: (-float(choice[t, e]), e))[: cfg.top_k]
+        w = scores[t, ranked]
+        if cfg.norm_topk_prob:
+            w = w / w.sum()
+        for weight, e in zip(w * cfg.route_scale, ranked):
+            if (t, e) in drop:
+                continue
+            gate, up = (gu[e] @ x[t]).chunk(2)
+            out[t] = out[t] + weight * (dn[e] @ (F.silu(gate) * up))
+    if layer.shared_experts is not None:
+        out = out + layer.shared_experts(x)
+    return out
+
+
+def _layer(seed: int = 0, **fields) -> MoE:
+    torch.manual_seed(seed)
+    cfg = MoEConfig(**{"num_experts": 4, "top_k": 2, "intermediate_size": 8, **fields})
+    return MoE(H, cfg).double()
+
+
+def _grads(layer: MoE, out: torch.Tensor) -> dict[str, torch.Tensor]:
+    layer.zero_grad()
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    return {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("score_func,shared", [("softmax", 0), ("sigmoid", 1)])
+def test_dropless_routing_equals_a_per_expert_loop_in_fp64(backend, score_func, shared):
+    layer = _layer(experts_backend=backend, score_func=score_func, num_shared_experts=shared, aux_loss_coef=0.0,
+                   norm_topk_prob=score_func == "sigmoid", route_scale=1.5)
+    x = torch.randn(3, 5, H, dtype=torch.float64)
+    got = layer(x)
+    want = reference(layer, x.reshape(-1, H)).reshape(x.shape)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    g_got, g_want = _grads(layer, got), _grads(layer, want)
+    for name in g_want:
+        torch.testing.assert_close(g_got[name], g_want[name], rtol=1e-10, atol=1e-12, msg=name)
+    assert layer.dropped == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_expert_without_tokens_gets_a_zero_gradient_not_none(backend):
+    layer = _layer(experts_backend=backend)
+    layer.router.expert_bias[2] = -1e9  # never chosen
+    x = torch.randn(10, H, dtype=torch.float64)
+    out = layer(x)
+    assert layer.last_load[2] == 0 and layer.last_load.sum() == 10 * 2
+    torch.testing.assert_close(out, reference(layer, x), rtol=1e-12, atol=1e-12)
+    grads = _grads(layer, out)
+    assert grads["experts.gate_up_proj"][2].abs().max() == 0 and grads["experts.down_proj"][2].abs().max() == 0
+    assert grads["experts.gate_up_proj"][0].abs().max() > 0
+    # every token to one expert: the others' gradients are zero too, and the layer still equals the reference
+    layer.router.expert_bias.copy_(torch.tensor([0.0, 1e9, -1e9, -1e9]))
+    x = torch.randn(4, H, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), reference(layer, x), rtol=1e-12, atol=1e-12)
+
+
+def test_top_k_ties_pick_the_lower_expert_indices():
+    layer = _layer(num_experts=6, top_k=3)
+    with torch.no_grad():
+        layer.router.weight.zero_()  # every score equal
+    _, picked, weights = layer.router(torch.randn(7, H, dtype=torch.float64))
+    assert picked.tolist() == [[0, 1, 2]] * 7
+    torch.testing.assert_close(weights, torch.full((7, 3), 1 / 3, dtype=torch.float64))
+    # a tie between two experts further down: the lower index wins it
+    layer.router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.5, 0.5, 0.5]))
+    _, picked, _ = layer.router(torch.randn(2, H, dtype=torch.float64))
+    assert picked.tolist() == [[3, 4, 5]] * 2
+
+
+def test_capacity_overflow_is_dropped_in_token_order_and_counted():
+    layer = _layer(capacity_factor=1.0)
+    layer.router.expert_bias.copy_(torch.tensor([1e9, 1e9, 0.0, 0.0]))  # every token picks experts 0 and 1
+    x = torch.randn(6, H, dtype=torch.float64)
+    capacity = math.ceil(1.0 * 6 * 2 / 4)  # 3 per expert
+    out = layer(x)
+    assert layer.dropped == 2 * (6 - capacity)
+    dropped = {(t, e) for t in range(capacity, 6) for e in (0, 1)}
+    torch.testing.assert_close(out, reference(layer, x, dropped), rtol=1e-12, atol=1e-12)
+    assert expert_load(torch.nn.Sequential(layer))["moe/layer0/dropped"] == 2 * (6 - capacity)
+    layer.config = MoEConfig(num_experts=4, top_k=2, intermediate_size=8, capacity_factor=100.0)
+    layer(x)
+    assert layer.dropped == 0
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_aux_loss_equals_a_hand_computation(score_func):
+    layer = _layer(score_func=score_func, aux_loss_coef=0.1, num_experts=5, top_k=2)
+    x = torch.randn(9, H, dtype=torch.float64)
+    layer(x)
+    scores = (x @ layer.router.weight.T)
+    scores = scores.softmax(-1) if score_func == "softmax" else scores.sigmoid()
+    picked = scores.topk(2, dim=-1).indices
+    counts = torch.zeros(5, dtype=torch.float64)
+    for row in picked.tolist():
+        for e in row:
+            counts[e] += 1
+    probs = scores / scores.sum(-1, keepdim=True)
+    f = counts * 5 / (2 * 9)
+    want = 0.1 * (f * probs.mean(0)).sum()
+    torch.testing.assert_close(layer.aux_loss, want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(moe_aux_loss(torch.nn.Sequential(layer, _layer(1))), layer.aux_loss)
+    # uniform scores give sum f * P = 1 whatever the picks: the loss is the coefficient
+    with torch.no_grad():
+        layer.router.weight.zero_()
+    layer(torch.randn(10, H, dtype=torch.float64))
+    torch.testing.assert_close(layer.aux_loss, torch.tensor(0.1, dtype=torch.float64))
+    layer.eval()
+    layer(x)
+    assert layer.aux_loss is None
+
+
+def test_bias_update_moves_towards_the_underloaded_experts():
+    layer = _layer(bias_update_rate=0.01, aux_loss_coef=0.0)
+    layer.router.expert_bias.copy_(torch.tensor([0.5, 0.0, 0.0, -0.5]))  # experts 0 and 1,2 favoured, 3 shunned
+    for _ in range(2):
+        layer(torch.randn(8, H, dtype=torch.float64))
+    load = layer.tokens_per_expert.clone()
+    before = layer.router.expert_bias.clone()
+    assert update_router_biases(layer) == 1
+    step = layer.router.expert_bias - before
+    for e in range(4):
+        want = 0.01 * (1 if load[e] < load.mean() else -1 if load[e] > load.mean() else 0)
+        assert step[e].item() == pytest.approx(want), (e, load)
+    assert step[3] > 0 and step[0] < 0
+    assert layer.tokens_per_expert.sum() == 0  # the counts restart
+    # a sum over ranks (all_reduce) scales the counts: the direction stays
+    layer(torch.randn(8, H, dtype=torch.float64))
+    load = layer.tokens_per_expert.clone()
+    before = layer.router.expert_bias.clone()
+    update_router_biases(layer, all_reduce=lambda t: t.mul_(2))
+    want = 0.01 * torch.sign(load.mean() - load).to(before.dtype)
+    torch.testing.assert_close(layer.router.expert_bias - before, want)
+
+
+def test_config_errors_are_named():
+    with pytest.raises(ValueError, match="top_k\\(9\\) > num_experts\\(8\\)"):
+        MoEConfig(top_k=9)
+    with pytest.raises(ValueError, match="did you mean 'sigmoid'"):
+        MoEConfig(score_func="sigmoidd")
+    with pytest.raises(ValueError, match="capacity_factor"):
+        MoEConfig(capacity_factor=0)
+    with pytest.raises(ValueError, match="no field 'num_expert'"):
+        LlamaConfig(moe={"num_expert": 4})
+    with pytest.raises(ValueError, match="no tensor-parallel plan"):
+        Llama(LlamaConfig.small_moe(fused=False)).parallel_plan(2)
+
+
+def test_a_tiny_moe_llama_learns_and_reports_its_load():
+    torch.manual_seed(0)
+    cfg = LlamaConfig.small_moe(fused=False, num_layers=2, moe={"bias_update_rate": 1e-3})
+    assert LlamaConfig(**cfg.to_dict()) == cfg  # the nested config round-trips through a dict
+    model = Llama(cfg)
+    assert type(model.layers[0].mlp).__name__ != "MoE" and isinstance(model.layers[1].mlp, MoE)
+    data = torch.randint(0, 32, (2, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(12):
+        loss = model(data, labels=data)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        update_router_biases(model)
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+    model.eval()
+    eval_loss = model(data, labels=data)
+    model.train()
+    train_loss = model(data, labels=data)
+    assert train_loss.item() > eval_loss.item()  # the aux loss joins the training loss only
+    report = expert_load(model)
+    assert set(report) >= {"moe/layer0/max_over_mean_load", "moe/layer0/aux_loss", "moe/layer0/bias_abs_max"}
+    assert report["moe/layer0/bias_abs_max"] > 0
