@@ -1,0 +1,90 @@
+"""Expert parallelism on 2 ranks against one process: the MoE Llama trained on the same global batches.
+
+Each rank runs the one-device reference itself (no collectives), then the same steps under ``--strategy ep
+--strategy-opt ep_size=2`` on its half of each batch, and returns the largest differences of the loss, every whole
+gradient, the clipped gradient norm and the weights after the last AdamW step. The last batch routes every token to
+rank 0's experts (the router bias steers the choice), so rank 1's experts receive no token from anyone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardkit import Runner
+from shardkit.models import Llama, LlamaConfig
+from shardkit.models.moe import moe_layers
+
+__all__ = ["CONFIG", "ep_worker"]
+
+CONFIG = LlamaConfig.small_moe(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, max_position=32,
+                               tie_embeddings=False, fused=False,
+                               moe=dict(num_experts=4, top_k=2, intermediate_size=16, aux_loss_coef=0.05,
+                                        first_dense_layers=0))
+GLOBAL_BATCH, SEQ, STEPS, CLIP = 4, 12, 3, 0.5
+
+
+def _batches() -> torch.Tensor:
+    return torch.randint(0, CONFIG.vocab_size, (STEPS, GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(5))
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _starve_rank1(model: torch.nn.Module) -> None:
+    """Every token picks experts 0 and 1 (rank 0's): experts 2 and 3 get none."""
+    for layer in moe_layers(model):
+        layer.router.expert_bias.copy_(torch.tensor([1e4, 1e4, 0.0, 0.0]))
+
+
+def _run(runner: Runner, model: torch.nn.Module, rows: slice) -> dict:
+    out: dict = {"loss": [], "grad": [], "norm": [], "load": []}
+    for step, batch in enumerate(_batches()):
+        if step == STEPS - 1:
+            _starve_rank1(model)
+        local = batch[rows]
+        loss = model(local, labels=local)
+        runner.backward(loss)
+        out["loss"].append(runner.all_reduce(loss.detach().clone(), "mean").item())
+        out["grad"].append({n: _whole(p.grad).detach().clone() for n, p in model.named_parameters()})
+        out["norm"].append(runner.clip_gradients(CLIP).item())
+        out["load"].append([layer.last_load.tolist() for layer in moe_layers(model)])
+        runner.step()
+    out["weights"] = {n: _whole(p.detach()).clone() for n, p in model.named_parameters()}
+    return out
+
+
+def ep_worker() -> dict[str, Any]:
+    from shardkit.strategies import SingleDevice
+    from shardkit.strategies.registry import STRATEGIES
+
+    torch.manual_seed(0)
+    ref_runner = Runner(SingleDevice("cpu"), seed=0)
+    model = Llama(CONFIG)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    model, _ = ref_runner.setup(model, _adamw(model))
+    ref = _run(ref_runner, model, slice(None))
+
+    runner = Runner(STRATEGIES.build_from_cli("ep", ["ep_size=2"]), seed=0)
+    model = Llama(CONFIG)
+    model.load_state_dict(init)
+    model, _ = runner.setup(model, _adamw(model))
+    s = runner.strategy
+    per = GLOBAL_BATCH // s.data_parallel_size
+    got = _run(runner, model, slice(s.data_parallel_rank * per, (s.data_parallel_rank + 1) * per))
+    experts = model.layers[0].mlp.experts.gate_up_proj
+    return {
+        "ep": s.ep_size, "local_experts": experts.to_local().shape[0],
+        "loss": [abs(a - b) for a, b in zip(got["loss"], ref["loss"])],
+        "grad": [max((g[n] - r[n]).abs().max().item() for n in r) for g, r in zip(got["grad"], ref["grad"])],
+        "norm": [abs(a - b) for a, b in zip(got["norm"], ref["norm"])],
+        "weights": max((got["weights"][n] - ref["weights"][n]).abs().max().item() for n in ref["weights"]),
+        "moved": max((ref["weights"][n] - init[n]).abs().max().item() for n in ref["weights"]),
+        "load": got["load"], "ref_load": ref["load"],
+    }

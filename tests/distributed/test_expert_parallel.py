@@ -1,0 +1,29 @@
+"""Expert parallelism (``--strategy ep --strategy-opt ep_size=2``) on 2 CPU ranks equals one process for the MoE
+Llama: loss, whole gradients, clipped norm and weights after 3 AdamW steps, the last with rank 1's experts empty.
+One launch."""
+
+from __future__ import annotations
+
+import pytest
+from ep_workers import STEPS, ep_worker
+from harness import run_distributed
+
+TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(ep_worker, world_size=2, timeout=600)
+
+
+def test_expert_parallel_equals_one_process(results):
+    for rank, got in enumerate(results):
+        assert got["ep"] == 2 and got["local_experts"] == 2, got
+        assert max(got["loss"]) < TOL, f"rank {rank}: loss differs by {got['loss']}"
+        assert max(got["grad"]) < TOL, f"rank {rank}: gradients differ by {got['grad']}"
+        assert max(got["norm"]) < TOL, f"rank {rank}: gradient norms differ by {got['norm']}"
+        assert got["weights"] < TOL and got["moved"] > 1e-3, (rank, got["weights"], got["moved"])
+        # the routing statistics are the whole batch's, as on one device
+        assert got["load"] == got["ref_load"], (got["load"], got["ref_load"])
+        # the last step: rank 1's experts (2 and 3) got no token
+        assert all(load[2] == 0 and load[3] == 0 for load in got["load"][STEPS - 1]), got["load"]
