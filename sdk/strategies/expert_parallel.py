@@ -27,6 +27,7 @@ strategy does not do yet, so it refuses ``ep_size < world``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
@@ -175,11 +176,13 @@ class ExpertParallel(_fsdp.FSDP):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         layers = moe_modules(module)
-        if not layers:
-            raise ValueError(f"ExpertParallel: {type(module).__name__} has no MoE layer it can split (a module with a "
-                             "`dispatcher` slot and `experts` holding stacked gate_up_proj/down_proj weights, as "
-                             "shardkit.models.moe.MoE); build the model with MoE layers (LlamaConfig(moe=...)) or use "
-                             "--strategy fsdp")
+        if not layers and self.is_global_zero:
+            # A dense model has no experts to split: it trains as under FSDP (which is what its dense parts get here
+            # anyway), said once so that a model built without its MoE layers by mistake does not go unnoticed.
+            logging.getLogger("shardkit.strategies.expert_parallel").warning(
+                "shardkit: ExpertParallel found no MoE layer in %s (a module with a `dispatcher` slot and `experts` "
+                "holding stacked gate_up_proj/down_proj weights, as shardkit.models.moe.MoE): it runs as FSDP",
+                type(module).__name__)
         for layer in layers:
             self.dims.validate_experts(layer.experts.gate_up_proj.shape[0])
         if any(w.is_meta for layer in layers for w in (layer.experts.gate_up_proj, layer.experts.down_proj)):
