@@ -200,3 +200,36 @@ def test_a_tiny_moe_llama_learns_and_reports_its_load():
     report = expert_load(model)
     assert set(report) >= {"moe/layer0/max_over_mean_load", "moe/layer0/aux_loss", "moe/layer0/bias_abs_max"}
     assert report["moe/layer0/bias_abs_max"] > 0
+
+
+def test_estimate_memory_counts_total_and_active_parameters(tmp_path, capsys):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from shardkit.cli import main as cli_main
+    from shardkit.memory.model_spec import spec_from_hf_config, spec_from_llama_config, spec_from_model
+
+    cfg = LlamaConfig.small_moe(fused=False)
+    model = Llama(cfg)
+    spec = spec_from_llama_config(cfg)
+    assert spec.total_params == sum(p.numel() for p in model.parameters()) == spec_from_model(model).total_params
+    routed = 3 * cfg.hidden_size * cfg.moe.intermediate_size
+    moe_layers = cfg.num_layers - cfg.moe.first_dense_layers
+    assert spec.active_params == spec.total_params - moe_layers * (cfg.moe.num_experts - cfg.moe.top_k) * routed
+    # Hugging Face's Qwen3-MoE built from a tiny config: the same count as the model's
+    hf = Qwen3MoeConfig(vocab_size=100, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                        num_experts_per_tok=2, tie_word_embeddings=False)
+    hf_params = sum(p.numel() for p in Qwen3MoeForCausalLM(hf).parameters())
+    assert spec_from_hf_config(hf.to_dict()).total_params == hf_params
+    # the published sizes: Qwen3-30B-A3B (30.5B, 3.3B active) and Mixtral-8x7B (46.7B, 12.9B active)
+    qwen = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                moe_intermediate_size=768, model_type="qwen3_moe")
+    mixtral = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                   num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2)
+    for config, total, active in ((qwen, 30.5e9, 3.3e9), (mixtral, 46.7e9, 12.9e9)):
+        spec = spec_from_hf_config(config)
+        assert abs(spec.total_params - total) < 0.06e9 and abs(spec.active_params - active) < 0.06e9, spec
+    hf.save_pretrained(tmp_path)
+    assert cli_main(["estimate-memory", "--config", str(tmp_path / "config.json")]) == 0
+    assert "M active per token)" in capsys.readouterr().out
