@@ -233,3 +233,55 @@ def test_estimate_memory_counts_total_and_active_parameters(tmp_path, capsys):
     hf.save_pretrained(tmp_path)
     assert cli_main(["estimate-memory", "--config", str(tmp_path / "config.json")]) == 0
     assert "M active per token)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_hugging_face_expert_blocks_through_the_grouped_experts_equal_their_own(kind):
+    import copy
+
+    import transformers
+
+    from shardkit.models.moe_hf import use_grouped_experts
+
+    shape = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 num_experts_per_tok=2)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(intermediate_size=16, num_local_experts=4, **shape)
+        cls = transformers.MixtralForCausalLM
+    else:
+        config = transformers.Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                                             head_dim=8, **shape)
+        cls = transformers.Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    theirs = cls(config).double()
+    theirs.set_experts_implementation("eager")  # transformers' own loop over the experts
+    ours = copy.deepcopy(theirs)
+    assert use_grouped_experts(ours, backend="bmm") == 2
+    ids = torch.randint(0, 64, (2, 9))
+    want, got = theirs(ids, labels=ids), ours(ids, labels=ids)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-10, atol=1e-12)
+    want.loss.backward()
+    got.loss.backward()
+    mine = dict(ours.named_parameters())
+    for name, p in theirs.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(mine[name].grad, p.grad, rtol=1e-9, atol=1e-12, msg=name)
+    with pytest.raises(ValueError, match="did you mean 'loop'"):
+        use_grouped_experts(ours, backend="lop")
+    with pytest.raises(ValueError, match="has no expert block"):
+        use_grouped_experts(torch.nn.Linear(2, 2))
+
+
+def test_expert_parallel_sizes_are_checked_by_name():
+    from shardkit.strategies.expert_parallel import ExpertParallel
+    from shardkit.strategies.parallel_dims import ParallelDims
+
+    assert ParallelDims(ep=2).resolve(4).dp_shard == 4  # ep borrows from dp_shard: not a factor of the world
+    with pytest.raises(ValueError, match="dp_shard\\(4\\) % ep\\(3\\) != 0"):
+        ParallelDims(ep=3).resolve(4)
+    with pytest.raises(ValueError, match="num_experts\\(6\\) % ep\\(4\\) != 0"):
+        ParallelDims(ep=4).resolve(4).validate_experts(6)
+    with pytest.raises(ValueError, match="ep=0"):
+        ParallelDims(ep=0)
+    with pytest.raises(ValueError, match="ep_size=0 must be an int >= 1"):
+        ExpertParallel(ep_size=0)
