@@ -3,7 +3,9 @@
 Each rank runs the one-device reference itself (no collectives), then the same steps under ``--strategy ep
 --strategy-opt ep_size=2`` on its half of each batch, and returns the largest differences of the loss, every whole
 gradient, the clipped gradient norm and the weights after the last AdamW step. The last batch routes every token to
-rank 0's experts (the router bias steers the choice), so rank 1's experts receive no token from anyone.
+rank 0's experts (the router bias steers the choice), so rank 1's experts receive no token from anyone. Then the EP
+run's checkpoint (experts saved as their DTensor shards) loads into one process (EP 2 -> 1) and its next step's loss
+must be the uninterrupted one-device run's.
 """
 
 from __future__ import annotations
@@ -60,26 +62,40 @@ def _run(runner: Runner, model: torch.nn.Module, rows: slice) -> dict:
     return out
 
 
-def ep_worker() -> dict[str, Any]:
+def _next_loss(runner: Runner, model: torch.nn.Module) -> float:
+    batch = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(9))
+    loss = model(batch, labels=batch)
+    runner.backward(loss)
+    runner.step()
+    return model(batch, labels=batch).item()
+
+
+def ep_worker(root: str) -> dict[str, Any]:
     from shardkit.strategies import SingleDevice
     from shardkit.strategies.registry import STRATEGIES
 
     torch.manual_seed(0)
     ref_runner = Runner(SingleDevice("cpu"), seed=0)
-    model = Llama(CONFIG)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    model, _ = ref_runner.setup(model, _adamw(model))
-    ref = _run(ref_runner, model, slice(None))
+    ref_model = Llama(CONFIG)
+    init = {k: v.clone() for k, v in ref_model.state_dict().items()}
+    ref_model, _ = ref_runner.setup(ref_model, _adamw(ref_model))
+    ref = _run(ref_runner, ref_model, slice(None))
 
     runner = Runner(STRATEGIES.build_from_cli("ep", ["ep_size=2"]), seed=0)
     model = Llama(CONFIG)
     model.load_state_dict(init)
-    model, _ = runner.setup(model, _adamw(model))
+    model, opt = runner.setup(model, _adamw(model))
     s = runner.strategy
     per = GLOBAL_BATCH // s.data_parallel_size
     got = _run(runner, model, slice(s.data_parallel_rank * per, (s.data_parallel_rank + 1) * per))
     experts = model.layers[0].mlp.experts.gate_up_proj
+    runner.save(f"{root}/ep2", {"model": model, "optimizer": opt})
+    one = Runner(SingleDevice("cpu"), seed=0)  # every rank on its own: EP 2 -> 1
+    resumed = Llama(CONFIG)
+    resumed, resumed_opt = one.setup(resumed, _adamw(resumed))
+    one.load(f"{root}/ep2", {"model": resumed, "optimizer": resumed_opt})
     return {
+        "resumed_loss": abs(_next_loss(one, resumed) - _next_loss(ref_runner, ref_model)),
         "ep": s.ep_size, "local_experts": experts.to_local().shape[0],
         "loss": [abs(a - b) for a, b in zip(got["loss"], ref["loss"])],
         "grad": [max((g[n] - r[n]).abs().max().item() for n in r) for g, r in zip(got["grad"], ref["grad"])],

@@ -1,6 +1,6 @@
 """Expert parallelism (``--strategy ep --strategy-opt ep_size=2``) on 2 CPU ranks equals one process for the MoE
-Llama: loss, whole gradients, clipped norm and weights after 3 AdamW steps, the last with rank 1's experts empty.
-One launch."""
+Llama: loss, whole gradients, clipped norm and weights after 3 AdamW steps, the last with rank 1's experts empty;
+its checkpoint resumed in one process continues the one-device run. One launch."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ TOL = 2e-5
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_distributed(ep_worker, world_size=2, timeout=600)
+def results(tmp_path_factory):
+    return run_distributed(ep_worker, world_size=2, args=(str(tmp_path_factory.mktemp("ep")),), timeout=600)
 
 
 def test_expert_parallel_equals_one_process(results):
@@ -27,3 +27,5 @@ def test_expert_parallel_equals_one_process(results):
         assert got["load"] == got["ref_load"], (got["load"], got["ref_load"])
         # the last step: rank 1's experts (2 and 3) got no token
         assert all(load[2] == 0 and load[3] == 0 for load in got["load"][STEPS - 1]), got["load"]
+        # EP 2 -> 1: the checkpoint (experts as DTensor shards, AdamW state) resumes the one-device run
+        assert got["resumed_loss"] < TOL, (rank, got["resumed_loss"])
