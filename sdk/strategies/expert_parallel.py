@@ -185,9 +185,6 @@ class ExpertParallel(_fsdp.FSDP):
                 type(module).__name__)
         for layer in layers:
             self.dims.validate_experts(layer.experts.gate_up_proj.shape[0])
-        if any(w.is_meta for layer in layers for w in (layer.experts.gate_up_proj, layer.experts.down_proj)):
-            raise ValueError("ExpertParallel: expert weights on the meta device are not supported; build the model "
-                             "with real weights (runner.init_module(empty_init=False), or outside init_module)")
         return super().setup_module(module)
 
     @override

@@ -74,17 +74,18 @@ def ep_worker(root: str) -> dict[str, Any]:
     from shardkit.strategies import SingleDevice
     from shardkit.strategies.registry import STRATEGIES
 
-    torch.manual_seed(0)
     ref_runner = Runner(SingleDevice("cpu"), seed=0)
-    ref_model = Llama(CONFIG)
+    with ref_runner.init_module():
+        ref_model = Llama(CONFIG)
     init = {k: v.clone() for k, v in ref_model.state_dict().items()}
     ref_model, _ = ref_runner.setup(ref_model, _adamw(ref_model))
     ref = _run(ref_runner, ref_model, slice(None))
 
     runner = Runner(STRATEGIES.build_from_cli("ep", ["ep_size=2"]), seed=0)
-    model = Llama(CONFIG)
-    model.load_state_dict(init)
+    with runner.init_module():  # on the meta device, each parameter's init replayed into its shard in setup
+        model = Llama(CONFIG)
     model, opt = runner.setup(model, _adamw(model))
+    start = max((_whole(p.detach()) - init[n]).abs().max().item() for n, p in model.named_parameters())
     s = runner.strategy
     per = GLOBAL_BATCH // s.data_parallel_size
     got = _run(runner, model, slice(s.data_parallel_rank * per, (s.data_parallel_rank + 1) * per))
@@ -95,6 +96,7 @@ def ep_worker(root: str) -> dict[str, Any]:
     resumed, resumed_opt = one.setup(resumed, _adamw(resumed))
     one.load(f"{root}/ep2", {"model": resumed, "optimizer": resumed_opt})
     return {
+        "init": start,
         "resumed_loss": abs(_next_loss(one, resumed) - _next_loss(ref_runner, ref_model)),
         "ep": s.ep_size, "local_experts": experts.to_local().shape[0],
         "loss": [abs(a - b) for a, b in zip(got["loss"], ref["loss"])],

@@ -1,6 +1,7 @@
 """Expert parallelism (``--strategy ep --strategy-opt ep_size=2``) on 2 CPU ranks equals one process for the MoE
-Llama: loss, whole gradients, clipped norm and weights after 3 AdamW steps, the last with rank 1's experts empty;
-its checkpoint resumed in one process continues the one-device run. One launch."""
+Llama built under ``runner.init_module()`` (the same weights, bitwise): loss, whole gradients, clipped norm and
+weights after 3 AdamW steps, the last with rank 1's experts empty; its checkpoint resumed in one process continues
+the one-device run. One launch."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def results(tmp_path_factory):
 def test_expert_parallel_equals_one_process(results):
     for rank, got in enumerate(results):
         assert got["ep"] == 2 and got["local_experts"] == 2, got
+        assert got["init"] == 0, f"rank {rank}: init_module's weights differ from one device's by {got['init']}"
         assert max(got["loss"]) < TOL, f"rank {rank}: loss differs by {got['loss']}"
         assert max(got["grad"]) < TOL, f"rank {rank}: gradients differ by {got['grad']}"
         assert max(got["norm"]) < TOL, f"rank {rank}: gradient norms differ by {got['norm']}"
