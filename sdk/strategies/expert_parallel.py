@@ -3,7 +3,8 @@ over every rank for the rest of the model.
 
 The mesh is :class:`~shardkit.strategies.parallel_dims.ParallelDims` with ``ep`` borrowed from ``dp_shard``: every
 rank sees its own batch (as under FSDP). In each MoE layer (a module with a ``dispatcher`` slot and ``experts``
-holding stacked ``gate_up_proj``/``down_proj`` weights, as :class:`shardkit.models.moe.MoE`), the stacked weights
+holding stacked ``gate_up_proj``/``down_proj`` weights, as :class:`shardkit.models.moe.MoE`; or a Hugging Face expert
+block of transformers 5, whose forward is replaced by one that dispatches the same way), the stacked weights
 become DTensors sharded on the expert dimension over the ``ep`` group (rank r holds experts
 ``[r * E / ep, (r + 1) * E / ep)``), left out of FSDP2's units; the layer's dispatcher then
 
@@ -28,10 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from typing_extensions import override
@@ -42,9 +45,52 @@ from shardkit.strategies import fsdp as _fsdp
 from shardkit.strategies.parallel import ProcessGroupStrategy
 from shardkit.strategies.parallel_dims import ParallelDims
 
-__all__ = ["AllToAllDispatch", "ExpertParallel", "moe_modules"]
+__all__ = ["AllToAllDispatch", "ExpertParallel", "hf_expert_blocks", "moe_modules"]
 
 _EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def hf_expert_blocks(module: nn.Module) -> list[nn.Module]:
+    """Hugging Face expert blocks (transformers 5's Qwen3-MoE, Qwen2-MoE, Mixtral): stacked 3-D ``gate_up_proj``
+    (E, 2I, H) and ``down_proj`` (E, H, I) parameters and an ``act_fn``, called as ``(hidden, top_k_index,
+    top_k_weights)``; shardkit's own experts (``weight_view``) are not among them."""
+    found = []
+    for m in module.modules():
+        gu, dn = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+        if isinstance(gu, nn.Parameter) and isinstance(dn, nn.Parameter) and gu.dim() == 3 and dn.dim() == 3 \
+                and hasattr(m, "act_fn") and not hasattr(m, "weight_view"):
+            found.append(m)
+    return found
+
+
+class _HFLocalExperts:
+    """This rank's experts of a Hugging Face block, as the dispatcher calls them: ``(tokens, counts) -> outputs``."""
+
+    def __init__(self, block: nn.Module, dispatch: AllToAllDispatch):
+        self.block, self.dispatch = block, dispatch
+
+    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        gate_up = self.dispatch.weight_view(self.block.gate_up_proj).to(tokens.dtype)
+        down = self.dispatch.weight_view(self.block.down_proj).to(tokens.dtype)
+        outs = []
+        for e, chunk in enumerate(torch.split(tokens, counts.tolist())):
+            gate, up = F.linear(chunk, gate_up[e]).chunk(2, dim=-1)
+            outs.append(F.linear(self.block.act_fn(gate) * up, down[e]))
+        return torch.cat(outs)
+
+
+def _hf_expert_parallel_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                top_k_weights: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face expert block's forward under expert parallelism: the assignments sorted by expert, sent to the
+    experts' ranks and back, weighted and summed per token."""
+    top_k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    token = order // top_k
+    counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+    out = self._shardkit_dispatch.run(_HFLocalExperts(self, self._shardkit_dispatch), hidden_states[token], counts)
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+    return torch.zeros_like(hidden_states).index_add(0, token, out.to(hidden_states.dtype))
 
 
 def moe_modules(module: nn.Module) -> list[nn.Module]:
@@ -176,7 +222,9 @@ class ExpertParallel(_fsdp.FSDP):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         layers = moe_modules(module)
-        if not layers and self.is_global_zero:
+        for block in hf_expert_blocks(module):
+            self.dims.validate_experts(block.gate_up_proj.shape[0])
+        if not layers and not hf_expert_blocks(module) and self.is_global_zero:
             # A dense model has no experts to split: it trains as under FSDP (which is what its dense parts get here
             # anyway), said once so that a model built without its MoE layers by mistake does not go unnoticed.
             logging.getLogger("shardkit.strategies.expert_parallel").warning(
@@ -194,8 +242,8 @@ class ExpertParallel(_fsdp.FSDP):
         ep_mesh = self.expert_mesh["ep"]
         dispatch = AllToAllDispatch(ep_mesh.get_group(), dist.group.WORLD, 1.0 / self.dims.dp)
         ignored: set[nn.Parameter] = set()
-        for layer in moe_modules(module):
-            experts = layer.experts
+        holders = [layer.experts for layer in moe_modules(module)] + hf_expert_blocks(module)
+        for experts in holders:
             for name in _EXPERT_WEIGHTS:
                 whole = getattr(experts, name)
                 per_rank = whole.shape[0] // self.dims.ep
@@ -206,8 +254,12 @@ class ExpertParallel(_fsdp.FSDP):
                                      requires_grad=whole.requires_grad)
                 setattr(experts, name, param)
                 ignored.add(param)
-            experts.weight_view = dispatch.weight_view
+        for layer in moe_modules(module):
+            layer.experts.weight_view = dispatch.weight_view
             layer.dispatcher = dispatch
+        for block in hf_expert_blocks(module):
+            block._shardkit_dispatch = dispatch
+            block.forward = types.MethodType(_hf_expert_parallel_forward, block)
         blocks = self._block_classes(module)
         checkpointing.apply_activation_checkpointing(
             module, checkpointing.resolve_activation_checkpointing(self.settings.activation_checkpointing),

@@ -70,6 +70,46 @@ def _next_loss(runner: Runner, model: torch.nn.Module) -> float:
     return model(batch, labels=batch).item()
 
 
+def _hf_case() -> dict[str, float]:
+    """A Hugging Face Qwen3-MoE under ExpertParallel against the same model in this process (its own eager experts),
+    one SGD step: the loss, whole-gradient and weight differences."""
+    import copy
+
+    import transformers
+
+    from shardkit.strategies.expert_parallel import ExpertParallel
+
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref_model = transformers.Qwen3MoeForCausalLM(config).float()
+    ref_model.set_experts_implementation("eager")
+    model = copy.deepcopy(ref_model)
+    batch = _batches()[0]
+    ref_loss = ref_model(input_ids=batch, labels=batch).loss
+    ref_loss.backward()
+    runner = Runner(ExpertParallel(ep_size=2), seed=0)
+    model, _ = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    s = runner.strategy
+    per = GLOBAL_BATCH // s.data_parallel_size
+    local = batch[s.data_parallel_rank * per:(s.data_parallel_rank + 1) * per]
+    loss = model(input_ids=local, labels=local).loss
+    runner.backward(loss)
+    total = runner.all_reduce(loss.detach().clone(), "mean")
+    grads = dict(ref_model.named_parameters())
+    out = {"loss": abs(total.item() - ref_loss.item()),
+           "grad": max((_whole(p.grad) - grads[n].grad).abs().max().item() for n, p in model.named_parameters()),
+           "sharded": float(type(model.model.layers[0].mlp.experts.gate_up_proj.data).__name__ == "DTensor")}
+    runner.step()
+    with torch.no_grad():
+        for p in ref_model.parameters():
+            p -= 0.5 * p.grad
+    out["weights"] = max((_whole(p.detach()) - grads[n].detach()).abs().max().item()
+                         for n, p in model.named_parameters())
+    return out
+
+
 def ep_worker(root: str) -> dict[str, Any]:
     from shardkit.strategies import SingleDevice
     from shardkit.strategies.registry import STRATEGIES
@@ -96,6 +136,7 @@ def ep_worker(root: str) -> dict[str, Any]:
     resumed, resumed_opt = one.setup(resumed, _adamw(resumed))
     one.load(f"{root}/ep2", {"model": resumed, "optimizer": resumed_opt})
     return {
+        "hf": _hf_case(),
         "init": start,
         "resumed_loss": abs(_next_loss(one, resumed) - _next_loss(ref_runner, ref_model)),
         "ep": s.ep_size, "local_experts": experts.to_local().shape[0],

@@ -1,7 +1,8 @@
 """Expert parallelism (``--strategy ep --strategy-opt ep_size=2``) on 2 CPU ranks equals one process for the MoE
 Llama built under ``runner.init_module()`` (the same weights, bitwise): loss, whole gradients, clipped norm and
 weights after 3 AdamW steps, the last with rank 1's experts empty; its checkpoint resumed in one process continues
-the one-device run. One launch."""
+the one-device run; Hugging Face's Qwen3-MoE (its expert blocks dispatched the same way) equals its own one-process
+step. One launch."""
 
 from __future__ import annotations
 
@@ -29,5 +30,7 @@ def test_expert_parallel_equals_one_process(results):
         assert got["load"] == got["ref_load"], (got["load"], got["ref_load"])
         # the last step: rank 1's experts (2 and 3) got no token
         assert all(load[2] == 0 and load[3] == 0 for load in got["load"][STEPS - 1]), got["load"]
+        hf = got["hf"]  # Hugging Face's Qwen3-MoE, its expert blocks dispatched the same way
+        assert hf["sharded"] and max(hf["loss"], hf["grad"], hf["weights"]) < TOL, (rank, hf)
         # EP 2 -> 1: the checkpoint (experts as DTensor shards, AdamW state) resumes the one-device run
         assert got["resumed_loss"] < TOL, (rank, got["resumed_loss"])
