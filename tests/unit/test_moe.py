@@ -173,6 +173,10 @@ def test_config_errors_are_named():
         LlamaConfig(moe={"num_expert": 4})
     with pytest.raises(ValueError, match="no tensor-parallel plan"):
         Llama(LlamaConfig.small_moe(fused=False)).parallel_plan(2)
+    from shardkit.strategies._pipeline_models import model_layout
+
+    with pytest.raises(ValueError, match="leaves out their auxiliary loss"):  # not dropped unsaid
+        model_layout(Llama(LlamaConfig.small_moe(fused=False)))
 
 
 def test_a_tiny_moe_llama_learns_and_reports_its_load():
