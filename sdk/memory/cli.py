@@ -153,8 +153,9 @@ def _header(spec: ModelSpec, args: argparse.Namespace) -> str:
               "as 0 and show too little (the per-GPU 0.00 of offload_param=cpu). It is usually the embedding, "
               "vocab x hidden (131M for a 7B Llama with a 32000 vocabulary): pass --largest-layer-params or "
               "--config config.json", file=sys.stderr)
-    return (f"Model: {spec.total_params / 1e6:.0f}M params, {largest}; {args.num_nodes} node(s) x {args.num_gpus} "
-            f"device(s) = {n}. Sizes in GiB (2^30 bytes).")
+    active = "" if spec.active_params is None else f" ({spec.active_params / 1e6:.0f}M active per token)"
+    return (f"Model: {spec.total_params / 1e6:.0f}M params{active}, {largest}; {args.num_nodes} node(s) x "
+            f"{args.num_gpus} device(s) = {n}. Sizes in GiB (2^30 bytes).")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -80,6 +80,7 @@ LAYOUTS = (
     Layout("pp", "pp"),
     Layout("fsdp", "fsdp"),
     Layout("cp", "cp"),
+    Layout("ep", "ep"),
     Layout("zero3", "zero3"),
     Layout("zero2_offload", "zero2", {"offload_optimizer": "cpu"}),
     Layout("fsdp_offload", "fsdp", {"cpu_offload": True}),

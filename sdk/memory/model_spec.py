@@ -41,6 +41,8 @@ class ModelSpec:
             shape, for activations and for the tensor-parallel split.
         tp_params: parameters tensor parallelism splits (attention and MLP projections); the rest are
             replicated. None: assume all are split.
+        active_params: parameters one token goes through (a mixture of experts: its top-k routed experts, not all
+            of them); None: a dense model, all of them.
     """
 
     total_params: int
@@ -52,6 +54,7 @@ class ModelSpec:
     intermediate_size: int | None = None
     vocab_size: int | None = None
     tp_params: int | None = None
+    active_params: int | None = None
 
     def __post_init__(self) -> None:
         if self.total_params <= 0:
@@ -65,24 +68,71 @@ class ModelSpec:
         return None not in (self.hidden_size, self.num_layers, self.intermediate_size, self.vocab_size)
 
 
+@dataclass(frozen=True)
+class _Experts:
+    """A decoder's MoE MLPs: ``layers`` of them, each ``num`` routed experts of width ``width`` (``top_k`` per token),
+    shared experts of total width ``shared``."""
+
+    num: int
+    top_k: int
+    width: int
+    layers: int
+    shared: int = 0
+
+
 def _decoder_spec(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int, tied: bool,
-                  norm_bias: bool = False) -> ModelSpec:
-    head_dim = hidden // heads
+                  norm_bias: bool = False, head_dim: int | None = None, experts: _Experts | None = None,
+                  qk_norm: bool = False) -> ModelSpec:
+    head_dim = head_dim or hidden // heads
     attn = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o + k, v
     mlp = 3 * hidden * inter  # gate, up, down
-    norms = 2 * hidden * (2 if norm_bias else 1)
+    norms = 2 * hidden * (2 if norm_bias else 1) + (2 * head_dim if qk_norm else 0)  # Qwen3's q_norm, k_norm
     embed = vocab * hidden
     total = embed * (1 if tied else 2) + layers * (attn + mlp + norms) + hidden
     largest = max(embed, hidden * inter)  # nn.Embedding / lm_head vs one MLP projection
+    active = None
+    if experts is not None:
+        # an MoE layer: the router, the shared experts and the routed ones (all of them held, top_k of them run)
+        routed = 3 * hidden * experts.width
+        fixed = hidden * experts.num + 3 * hidden * experts.shared
+        total += experts.layers * (fixed + experts.num * routed - mlp)
+        active = total - experts.layers * (experts.num - experts.top_k) * routed
+        largest = max(embed, hidden * inter if experts.layers < layers else 0, routed * experts.num)
     return ModelSpec(total_params=total, largest_layer_params=largest, hidden_size=hidden, num_layers=layers,
                      num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter, vocab_size=vocab,
-                     tp_params=layers * (attn + mlp))
+                     tp_params=layers * (attn + mlp) if experts is None else None, active_params=active)
 
 
 def spec_from_llama_config(config: Any) -> ModelSpec:
     """From a ``shardkit.models.LlamaConfig``."""
+    moe = getattr(config, "moe", None)
+    experts = None
+    if moe is not None:
+        experts = _Experts(moe.num_experts, moe.top_k, moe.intermediate_size,
+                           max(0, config.num_layers - moe.first_dense_layers),
+                           (moe.shared_intermediate_size or moe.intermediate_size) * moe.num_shared_experts)
     return _decoder_spec(config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers,
-                         config.num_heads, config.num_kv_heads or config.num_heads, config.tie_embeddings)
+                         config.num_heads, config.num_kv_heads or config.num_heads, config.tie_embeddings,
+                         experts=experts)
+
+
+def _hf_experts(config: dict, where: str) -> _Experts | None:
+    """A Hugging Face MoE config's experts (Mixtral's num_local_experts, Qwen2/3-MoE's num_experts and
+    moe_intermediate_size, DeepSeek's n_routed_experts); None for a dense one."""
+    num = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts")
+    if not num:
+        return None
+    top_k = config.get("num_experts_per_tok")
+    width = config.get("moe_intermediate_size") or config.get("intermediate_size")
+    if not isinstance(top_k, int) or not isinstance(width, int) or not isinstance(num, int):
+        raise ValueError(f"{where}: a mixture of experts ({num} experts) needs integer num_experts_per_tok and "
+                         "moe_intermediate_size (or intermediate_size)")
+    layers = config["num_hidden_layers"]
+    dense = set(config.get("mlp_only_layers") or ())
+    dense |= set(range(config.get("first_k_dense_replace") or 0))
+    shared = config.get("shared_expert_intermediate_size") or 0
+    shared += (config.get("n_shared_experts") or 0) * width
+    return _Experts(num, top_k, width, layers - len({i for i in dense if 0 <= i < layers}), shared)
 
 
 def spec_from_hf_config(config: str | os.PathLike | dict) -> ModelSpec:
@@ -102,7 +152,9 @@ def spec_from_hf_config(config: str | os.PathLike | dict) -> ModelSpec:
     heads = config["num_attention_heads"]
     return _decoder_spec(config["vocab_size"], config["hidden_size"], config["intermediate_size"],
                          config["num_hidden_layers"], heads, config.get("num_key_value_heads") or heads,
-                         bool(config.get("tie_word_embeddings", False)))
+                         bool(config.get("tie_word_embeddings", False)), head_dim=config.get("head_dim"),
+                         experts=_hf_experts(config, where),
+                         qk_norm=str(config.get("model_type", "")).startswith("qwen3"))
 
 
 def spec_from_model(model: nn.Module) -> ModelSpec:
@@ -121,6 +173,8 @@ def spec_from_model(model: nn.Module) -> ModelSpec:
         shape = None
     if shape is None:
         return ModelSpec(total_params=total, largest_layer_params=largest)
+    active = None if shape.active_params is None else total - (shape.total_params - shape.active_params)
     return ModelSpec(total_params=total, largest_layer_params=largest, hidden_size=shape.hidden_size,
                      num_layers=shape.num_layers, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-                     intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size, tp_params=shape.tp_params)
+                     intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size, tp_params=shape.tp_params,
+                     active_params=active)

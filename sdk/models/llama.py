@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.models.moe import MoE, MoEConfig, moe_aux_loss
 from shardkit.nn.log_probs import shift_labels as next_token_labels
 from shardkit.nn.varlen import Segments, varlen_attention
 
@@ -43,8 +44,11 @@ class LlamaConfig:
     tie_embeddings: bool = True
     init_std: float = 0.02
     fused: bool = True
+    # Mixture-of-experts MLPs (a MoEConfig or a dict of its fields); None: dense SwiGLU MLPs.
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "moe", MoEConfig.from_value(self.moe))
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size({self.hidden_size}) is not divisible by num_heads({self.num_heads})")
         if self.num_heads % self.kv_heads:
@@ -62,6 +66,15 @@ class LlamaConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def small_moe(cls, **overrides) -> LlamaConfig:
+        """A ~0.3M-parameter byte-level MoE Llama for tests, examples and demos: 8 experts, top-2, one shared expert,
+        the first layer dense. ``overrides`` replace fields; ``moe={...}`` replaces MoE fields."""
+        moe = dict(num_experts=8, top_k=2, intermediate_size=64, num_shared_experts=1, first_dense_layers=1)
+        moe.update(overrides.pop("moe", None) or {})
+        fields = dict(hidden_size=64, intermediate_size=172, num_layers=3, num_heads=4, moe=MoEConfig(**moe))
+        return cls(**{**fields, **overrides})
 
 
 def _nn_parts(fused: bool):
@@ -218,15 +231,19 @@ class _LayerCache:
 
 
 class LlamaBlock(nn.Module):
-    """One pre-norm decoder layer: attention and SwiGLU MLP, each with a residual."""
+    """One pre-norm decoder layer: attention and SwiGLU MLP (or, with ``config.moe`` from layer
+    ``moe.first_dense_layers`` on, a :class:`~shardkit.models.moe.MoE`), each with a residual."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, layer_index: int = 0):
         super().__init__()
         norm, rotary, mlp = _nn_parts(config.fused)
         self.input_layernorm = norm(config.hidden_size, eps=config.rms_eps)
         self.self_attn = Attention(config, rotary(config.head_dim, config.max_position, config.rope_theta))
         self.post_attention_layernorm = norm(config.hidden_size, eps=config.rms_eps)
-        self.mlp = mlp(config.hidden_size, config.intermediate_size)
+        if config.moe is not None and layer_index >= config.moe.first_dense_layers:
+            self.mlp = MoE(config.hidden_size, config.moe)
+        else:
+            self.mlp = mlp(config.hidden_size, config.intermediate_size)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, cache: _LayerCache | None = None, position_ids: torch.Tensor | None = None,
@@ -276,7 +293,7 @@ class Llama(nn.Module):
         self.config = config = config or LlamaConfig()
         norm, _, _ = _nn_parts(config.fused)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaBlock(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaBlock(config, i) for i in range(config.num_layers))
         self.norm = norm(config.hidden_size, eps=config.rms_eps)
         self.lm_head = LMHead(config.hidden_size, config.vocab_size, fused=config.fused)
         if config.tie_embeddings:
@@ -294,6 +311,8 @@ class Llama(nn.Module):
                 nn.init.normal_(module.weight, std=self.config.init_std)
             elif hasattr(module, "weight") and module.weight is not None and module.weight.dim() == 1:
                 nn.init.ones_(module.weight)
+            elif callable(getattr(module, "init_weights", None)):  # stacked expert weights, the router
+                module.init_weights(self.config.init_std)
 
     def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None,
                       position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -354,7 +373,9 @@ class Llama(nn.Module):
             return self.lm_head(hidden)
         shift_hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         shift_labels = labels[:, 1:].reshape(-1)
-        return self.lm_head(shift_hidden, shift_labels)
+        loss = self.lm_head(shift_hidden, shift_labels)
+        aux = moe_aux_loss(self) if self.config.moe is not None and self.training else None
+        return loss if aux is None else loss + aux.to(loss.dtype)
 
     def label_log_probs(self, hidden: torch.Tensor, shifted_labels: torch.Tensor) -> torch.Tensor:
         """(B, T) log-probabilities of ``shifted_labels`` (-100: 0) from the final hidden states, chunked (no logits;
@@ -480,6 +501,10 @@ def llama_plan(model: nn.Module, tp_size: int, sequence_parallel: bool = False) 
         raise ValueError(f"llama_plan is shardkit Llama's plan; there is no built-in plan for {type(model).__name__}: "
                          "pass TensorParallel(plan={FQN pattern: ParallelStyle}), e.g. {'layers.*.mlp.up_proj': "
                          "ColwiseParallel()}, or give the model a parallel_plan(tp_size, sequence_parallel) method")
+    if getattr(cfg, "moe", None) is not None:
+        raise ValueError("llama_plan: a mixture-of-experts Llama has no tensor-parallel plan here (its experts are "
+                         "split by expert parallelism instead: --strategy ep); use a dense LlamaConfig (moe=None) "
+                         "under tensor parallelism")
     for what, heads in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.kv_heads)):
         if heads % tp_size:
             raise ValueError(f"TensorParallel: {what}({heads}) % tp_size({tp_size}) != 0; each rank needs whole "

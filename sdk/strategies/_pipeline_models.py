@@ -127,6 +127,10 @@ def model_layout(module: nn.Module) -> ModelLayout:
                                          f"model.layers, model.norm, model.rotary_emb, lm_head); {name} has no "
                                          f"{missing}: pass the ...ForCausalLM model, not its base model")
         return ModelLayout(body, module.config)
+    if getattr(getattr(module, "config", None), "moe", None) is not None:
+        # The stages compute the loss from the head alone: the MoE layers' auxiliary loss would be dropped unsaid.
+        raise UnsplittableModelError(f"Pipeline cannot split {name} with MoE layers (config.moe): its stages' loss "
+                                     "leaves out their auxiliary loss; train it with --strategy ep or fsdp")
     missing = _missing(module, ("embed_tokens", "layers", "norm", "lm_head"))
     if missing:
         raise UnsplittableModelError(f"Pipeline splits shardkit Llama-style models (embed_tokens, layers, norm, "

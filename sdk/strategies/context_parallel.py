@@ -186,6 +186,11 @@ def _install(module: nn.Module, attention: Any, dims: ParallelDims, cp_mode: str
                       num_kv_heads=getattr(cfg, "num_key_value_heads", None), cp_mode=cp_mode)
         cp_hf.install_hf(module, attention)
     else:
+        if getattr(cfg, "moe", None) is not None:
+            # The split forward computes the loss from the head alone: the MoE layers' auxiliary loss would be
+            # dropped unsaid.
+            raise ValueError(f"ContextParallel: {type(module).__name__} has MoE layers (config.moe), whose auxiliary "
+                             "loss the split-sequence forward leaves out; train it with --strategy ep or fsdp")
         attns = _attention_modules(module)
         if not attns or not callable(getattr(module, "hidden_states", None)) or not hasattr(module, "lm_head"):
             raise ValueError(f"ContextParallel needs attention it can replace: shardkit's Llama (attention modules "

@@ -5,10 +5,16 @@
     dims.validate(num_heads=8, num_layers=4, seq_len=512, cp_mode="ulysses")
     mesh = dims.build("cpu")                # dims named ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     mesh["cp"], dims.submesh(mesh, ("dp_shard", "cp"))  # one dimension, or several flattened into one
+    ParallelDims(ep=2).resolve(4).build_expert("cpu")["ep"]  # expert parallelism: groups of 2 inside dp_shard
 
 The order is pp outermost, tp innermost (torchtitan's): tensor-parallel peers are neighbouring ranks, so
 on a node their all-reduces stay on the fastest links, and each pipeline stage is a contiguous block.
 Accelerate's ``parallelism_config`` section reads into it (:meth:`ParallelDims.from_accelerate`).
+
+``ep`` (expert parallelism) is not a factor of the world: it borrows ranks from ``dp_shard`` (torchtitan's
+choice). Ranks that see different batches also hold different experts of each MoE layer, and their tokens travel
+to the experts' ranks; :meth:`ParallelDims.build_expert` gives the mesh with ``dp_shard`` split into
+``("dp_shard_mod_ep", "ep")``, ep innermost so that an expert group is neighbouring ranks.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ class ParallelDims:
         cp: ranks that split each sequence (context parallelism).
         tp: ranks that split each layer's matrices (tensor parallelism).
         pp: pipeline stages (each a block of layers).
+        ep: ranks that split each MoE layer's experts; borrowed from dp_shard (must divide it), so not a factor of
+            the world size.
     """
 
     dp_replicate: int = 1
@@ -46,9 +54,10 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in DIM_NAMES:
+        for name in (*DIM_NAMES, "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and
                                                                          not (name == "dp_shard" and value == -1)):
@@ -90,7 +99,21 @@ class ParallelDims:
         if dims.world_size != world_size:
             raise ValueError(f"ParallelDims: {dims._product()} = {dims.world_size} != world_size({world_size}); "
                              "the sizes must multiply to the number of processes (set dp_shard=-1 to fill the rest)")
+        if dims.dp_shard % dims.ep:
+            raise ValueError(f"ParallelDims: dp_shard({dims.dp_shard}) % ep({dims.ep}) != 0: expert parallelism "
+                             "splits the experts over groups of ep data-parallel (dp_shard) ranks; choose an ep that "
+                             f"divides {dims.dp_shard}")
         return dims
+
+    def validate_experts(self, num_experts: int) -> None:
+        """Each expert-parallel rank holds ``num_experts / ep`` whole experts of every MoE layer.
+
+        Raises:
+            ValueError: ep does not divide ``num_experts``.
+        """
+        if num_experts % self.ep:
+            raise ValueError(f"num_experts({num_experts}) % ep({self.ep}) != 0: each expert-parallel rank holds "
+                             "whole experts; pick an ep that divides the number of experts")
 
     def validate(self, *, num_heads: int | None = None, num_kv_heads: int | None = None,
                  num_layers: int | None = None, seq_len: int | None = None, cp_mode: str = "ring",
@@ -148,6 +171,24 @@ class ParallelDims:
         self.resolve(world)
         renamed = tuple((names or {}).get(n, n) for n in DIM_NAMES)
         return init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=renamed)
+
+    def build_expert(self, device_type: str) -> Any:
+        """The DeviceMesh of expert parallelism over every rank: :data:`DIM_NAMES` with ``dp_shard`` split into
+        ``("dp_shard_mod_ep", "ep")`` (its own process groups, beside :meth:`build`'s)."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        dims = self.resolve(world)
+        names, sizes = [], []
+        for name, size in dims.sizes.items():
+            if name == "dp_shard":
+                names += ["dp_shard_mod_ep", "ep"]
+                sizes += [size // dims.ep, dims.ep]
+            else:
+                names.append(name)
+                sizes.append(size)
+        return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
 
     @classmethod
     def data_parallel(cls, world_size: int, shard_size: int, owner: str = "ParallelDims",

@@ -35,7 +35,8 @@ def _every_spelling() -> list[str]:
 
 
 def test_canonical_names_in_registration_order():
-    assert STRATEGIES.names() == ["single", "ddp", "fsdp", "tp", "cp", "pp", "zero1", "zero2", "zero3", "zero_infinity"]
+    assert STRATEGIES.names() == ["single", "ddp", "fsdp", "tp", "cp", "ep", "pp", "zero1", "zero2", "zero3",
+                                  "zero_infinity"]
 
 
 @pytest.mark.parametrize("spelling", _every_spelling())

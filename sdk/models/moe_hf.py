@@ -1,0 +1,77 @@
+"""Hugging Face MoE expert blocks run through shardkit's grouped experts, without rewriting the model.
+
+    from shardkit.models.moe_hf import use_grouped_experts
+    use_grouped_experts(model, backend="auto")   # Qwen3-MoE, Qwen2-MoE, Mixtral (transformers 5): returns the count
+
+transformers 5 keeps a layer's experts as one module with stacked ``gate_up_proj`` (E, 2I, H) and ``down_proj``
+(E, H, I) weights, called as ``experts(hidden (N, H), top_k_index (N, k), top_k_weights (N, k))``: the layout of
+:class:`shardkit.models.moe_experts.GroupedExperts`. Its eager forward loops over the experts that were hit, with a
+one-hot mask per expert; here the assignments are sorted by expert once and the SwiGLU of every expert runs as one
+grouped GEMM (or the backend asked for). The weights stay the model's own parameters, so checkpoints, optimizers
+and ``save_pretrained`` see nothing new.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardkit.models.moe_experts import EXPERT_BACKENDS, grouped_swiglu
+from shardkit.utils.suggest import did_you_mean
+
+__all__ = ["hf_expert_modules", "use_grouped_experts"]
+
+
+def hf_expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The expert blocks of a Hugging Face MoE model: modules with stacked 3-D ``gate_up_proj`` and ``down_proj``
+    parameters and an ``act_fn``."""
+    found = []
+    for m in model.modules():
+        gu, dn = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+        if isinstance(gu, nn.Parameter) and isinstance(dn, nn.Parameter) and gu.dim() == 3 and dn.dim() == 3 \
+                and hasattr(m, "act_fn"):
+            found.append(m)
+    return found
+
+
+def _grouped_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+    experts = self.gate_up_proj.shape[0]
+    top_k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    token = order // top_k
+    counts = torch.bincount(flat, minlength=experts)
+    out = grouped_swiglu(hidden_states[token], counts, self.gate_up_proj.to(hidden_states.dtype),
+                         self.down_proj.to(hidden_states.dtype), self._shardkit_backend)
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+    return torch.zeros_like(hidden_states).index_add(0, token, out.to(hidden_states.dtype))
+
+
+def use_grouped_experts(model: nn.Module, backend: str = "auto") -> int:
+    """Route every expert block of ``model`` through :func:`~shardkit.models.moe_experts.grouped_swiglu`; returns how
+    many blocks were patched (an instance's forward; the class is untouched).
+
+    Raises:
+        ValueError: an unknown ``backend``, a model without expert blocks, or an expert activation other than SiLU
+            (the grouped experts compute SwiGLU).
+    """
+    if backend not in EXPERT_BACKENDS:
+        raise ValueError(f"use_grouped_experts backend={backend!r} is not one of {EXPERT_BACKENDS}"
+                         f"{did_you_mean(str(backend), EXPERT_BACKENDS)}")
+    blocks = hf_expert_modules(model)
+    if not blocks:
+        raise ValueError(f"use_grouped_experts: {type(model).__name__} has no expert block (a module with stacked 3-D "
+                         "gate_up_proj/down_proj parameters and an act_fn, as transformers 5's Qwen3-MoE, Qwen2-MoE "
+                         "and Mixtral have)")
+    for block in blocks:
+        act: Any = block.act_fn
+        if not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLUActivation", "SiLU"):
+            raise ValueError(f"use_grouped_experts: {type(block).__name__}'s activation is {type(act).__name__}; the "
+                             "grouped experts compute SwiGLU (SiLU): leave this model's experts as they are")
+        block._shardkit_backend = backend
+        block.forward = types.MethodType(_grouped_forward, block)
+    return len(blocks)

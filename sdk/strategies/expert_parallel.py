@@ -1,0 +1,278 @@
+"""Expert parallelism: each MoE layer's experts split over ``ep`` ranks, tokens sent to them by all-to-all, and FSDP2
+over every rank for the rest of the model.
+
+The mesh is :class:`~shardkit.strategies.parallel_dims.ParallelDims` with ``ep`` borrowed from ``dp_shard``: every
+rank sees its own batch (as under FSDP). In each MoE layer (a module with a ``dispatcher`` slot and ``experts``
+holding stacked ``gate_up_proj``/``down_proj`` weights, as :class:`shardkit.models.moe.MoE`; or a Hugging Face expert
+block of transformers 5, whose forward is replaced by one that dispatches the same way), the stacked weights
+become DTensors sharded on the expert dimension over the ``ep`` group (rank r holds experts
+``[r * E / ep, (r + 1) * E / ep)``), left out of FSDP2's units; the layer's dispatcher then
+
+1. sorts the routed tokens by expert (the layer does) and exchanges the per-expert counts (all-to-all),
+2. sends each expert's tokens to its rank (all-to-all), where they are regrouped by local expert and run through
+   the grouped GEMM,
+3. sends the outputs back (all-to-all, the reverse splits), where the layer weights and sums them per token.
+
+Why the gradients come out right: each rank's loss is its own batch's mean and FSDP2 averages the dense gradients
+over the ``dp`` ranks. An expert's weights see the tokens of every rank of its ep group, so its gradient is the
+*sum* of those ranks' losses' gradients; it is scaled by ``1 / dp`` in the backward (the weight view), which makes
+it the same mean. The routing statistics (the load and the auxiliary loss's mean scores) are summed over the
+data-parallel ranks, so the auxiliary loss is the whole batch's, as on one device, and the router bias moves the
+same way on every rank.
+
+Sizes: ``ep_size`` must be the world size here (every data-parallel rank holds a different slice of the experts);
+experts replicated over several ep groups would also need their gradients averaged across the groups, which this
+strategy does not do yet, so it refuses ``ep_size < world``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from typing_extensions import override
+
+from shardkit.strategies import _dtensor
+from shardkit.strategies import activation_checkpointing as checkpointing
+from shardkit.strategies import fsdp as _fsdp
+from shardkit.strategies.parallel import ProcessGroupStrategy
+from shardkit.strategies.parallel_dims import ParallelDims
+
+__all__ = ["AllToAllDispatch", "ExpertParallel", "hf_expert_blocks", "moe_modules"]
+
+_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def hf_expert_blocks(module: nn.Module) -> list[nn.Module]:
+    """Hugging Face expert blocks (transformers 5's Qwen3-MoE, Qwen2-MoE, Mixtral): stacked 3-D ``gate_up_proj``
+    (E, 2I, H) and ``down_proj`` (E, H, I) parameters and an ``act_fn``, called as ``(hidden, top_k_index,
+    top_k_weights)``; shardkit's own experts (``weight_view``) are not among them."""
+    found = []
+    for m in module.modules():
+        gu, dn = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+        if isinstance(gu, nn.Parameter) and isinstance(dn, nn.Parameter) and gu.dim() == 3 and dn.dim() == 3 \
+                and hasattr(m, "act_fn") and not hasattr(m, "weight_view"):
+            found.append(m)
+    return found
+
+
+class _HFLocalExperts:
+    """This rank's experts of a Hugging Face block, as the dispatcher calls them: ``(tokens, counts) -> outputs``."""
+
+    def __init__(self, block: nn.Module, dispatch: AllToAllDispatch):
+        self.block, self.dispatch = block, dispatch
+
+    def __call__(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        gate_up = self.dispatch.weight_view(self.block.gate_up_proj).to(tokens.dtype)
+        down = self.dispatch.weight_view(self.block.down_proj).to(tokens.dtype)
+        outs = []
+        for e, chunk in enumerate(torch.split(tokens, counts.tolist())):
+            gate, up = F.linear(chunk, gate_up[e]).chunk(2, dim=-1)
+            outs.append(F.linear(self.block.act_fn(gate) * up, down[e]))
+        return torch.cat(outs)
+
+
+def _hf_expert_parallel_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                top_k_weights: torch.Tensor) -> torch.Tensor:
+    """A Hugging Face expert block's forward under expert parallelism: the assignments sorted by expert, sent to the
+    experts' ranks and back, weighted and summed per token."""
+    top_k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    token = order // top_k
+    counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+    out = self._shardkit_dispatch.run(_HFLocalExperts(self, self._shardkit_dispatch), hidden_states[token], counts)
+    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+    return torch.zeros_like(hidden_states).index_add(0, token, out.to(hidden_states.dtype))
+
+
+def moe_modules(module: nn.Module) -> list[nn.Module]:
+    """The MoE layers of ``module`` expert parallelism can split: a ``dispatcher`` slot and ``experts`` whose stacked
+    weights (``gate_up_proj``, ``down_proj``) have the experts on dimension 0."""
+    found = []
+    for m in module.modules():
+        experts = getattr(m, "experts", None)
+        if hasattr(m, "dispatcher") and experts is not None and hasattr(experts, "weight_view") and all(
+                isinstance(getattr(experts, w, None), nn.Parameter) for w in _EXPERT_WEIGHTS):
+            found.append(m)
+    return found
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with its backward: the same exchange with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+class AllToAllDispatch:
+    """What an MoE layer's ``dispatcher`` slot holds under expert parallelism (see the module docstring).
+
+    Args:
+        group: the ep group (ranks holding the layer's experts between them, in expert order).
+        stats_group: the data-parallel ranks the routing statistics are summed over.
+        grad_scale: the factor on the local experts' weight gradients (1 / the data-parallel size).
+    """
+
+    def __init__(self, group: Any, stats_group: Any, grad_scale: float):
+        self.group, self.stats_group, self.grad_scale = group, stats_group, grad_scale
+        self.size = dist.get_world_size(group)
+        self.stats_size = dist.get_world_size(stats_group)
+
+    def weight_view(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of a stacked weight, with the gradient scaling above."""
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        return _ScaleGrad.apply(local, self.grad_scale)
+
+    def run(self, experts: nn.Module, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Outputs for ``tokens`` (sorted by global expert, ``counts`` per expert), computed on the experts' ranks."""
+        ranks = self.size
+        per_rank = counts.numel() // ranks
+        send = counts.reshape(ranks, per_rank)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send.contiguous(), group=self.group)  # recv[s, j]: source s, local expert j
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        received = _AllToAll.apply(tokens, out_splits, in_splits, self.group)  # grouped by source, then expert
+        block = torch.repeat_interleave(torch.arange(ranks * per_rank, device=tokens.device), recv.reshape(-1))
+        by_expert = torch.sort((block % per_rank) * ranks + block // per_rank, stable=True).indices
+        out = experts(received[by_expert], recv.sum(0))
+        restored = out[torch.argsort(by_expert)]
+        return _AllToAll.apply(restored, in_splits, out_splits, self.group)
+
+    def global_sum(self, local: torch.Tensor) -> torch.Tensor:
+        """The sum over the data-parallel ranks; the gradient reaches ``local`` times their number (their gradients
+        are averaged afterwards, which leaves the one-device gradient)."""
+        total = local.detach().clone()
+        dist.all_reduce(total, group=self.stats_group)
+        scaled = local * self.stats_size
+        return scaled + (total - scaled).detach()
+
+    def global_counts(self, local: torch.Tensor) -> torch.Tensor:
+        total = local.clone()
+        dist.all_reduce(total, group=self.stats_group)
+        return total
+
+
+class ExpertParallel(_fsdp.FSDP):
+    """MoE experts split over ``ep_size`` ranks with all-to-all token dispatch; FSDP2 over every rank for the rest.
+
+    Args:
+        ep_size: ranks that split each MoE layer's experts; None: every rank (the only size supported now: see
+            the module docstring). It must divide each layer's number of experts.
+        sharding, state_dict_type, timeout: as :class:`~shardkit.strategies.FSDP` ("full" or "grad_op").
+    """
+
+    def __init__(self, ep_size: int | None = None, sharding: str = "full", state_dict_type: str = "sharded",
+                 timeout: float | None = None):
+        if ep_size is not None and (isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1):
+            raise ValueError(f"ExpertParallel ep_size={ep_size!r} must be an int >= 1 (None: every rank)")
+        if sharding not in ("full", "grad_op"):
+            raise ValueError(f"ExpertParallel sharding={sharding!r}: use 'full' or 'grad_op'")
+        super().__init__(sharding=sharding, state_dict_type=state_dict_type, timeout=timeout)
+        self._ep_size = ep_size
+        self.dims = ParallelDims(ep=ep_size or 1)
+        self.expert_mesh: Any = None
+
+    @property
+    def ep_size(self) -> int:
+        return self.dims.ep
+
+    @override
+    def setup_environment(self) -> None:
+        ProcessGroupStrategy.setup_environment(self)
+        ep = self._ep_size or self.world_size
+        self.dims = dataclasses.replace(self.dims, dp_shard=-1, ep=ep).resolve(self.world_size)
+        if ep != self.dims.dp:
+            raise ValueError(f"ExpertParallel ep_size({ep}) != the data-parallel size({self.dims.dp}): experts "
+                             "replicated over several expert-parallel groups are not supported yet; use "
+                             f"ep_size={self.dims.dp} (every rank) or a world of {ep} processes")
+        self.world_mesh = self.dims.build(self.device_type, names=_fsdp.MESH_DIM_NAMES)
+        self.mesh = self.world_mesh["shard"]
+        self.expert_mesh = self.dims.build_expert(self.device_type)
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        layers = moe_modules(module)
+        for block in hf_expert_blocks(module):
+            self.dims.validate_experts(block.gate_up_proj.shape[0])
+        if not layers and not hf_expert_blocks(module) and self.is_global_zero:
+            # A dense model has no experts to split: it trains as under FSDP (which is what its dense parts get here
+            # anyway), said once so that a model built without its MoE layers by mistake does not go unnoticed.
+            logging.getLogger("shardkit.strategies.expert_parallel").warning(
+                "shardkit: ExpertParallel found no MoE layer in %s (a module with a `dispatcher` slot and `experts` "
+                "holding stacked gate_up_proj/down_proj weights, as shardkit.models.moe.MoE): it runs as FSDP",
+                type(module).__name__)
+        for layer in layers:
+            self.dims.validate_experts(layer.experts.gate_up_proj.shape[0])
+        return super().setup_module(module)
+
+    @override
+    def _shard(self, module: nn.Module) -> None:
+        """The experts' stacked weights become DTensors sharded over ep (each rank keeps its slice of the copy rank
+        0 broadcast), then FSDP2's units over every rank leave them out."""
+        ep_mesh = self.expert_mesh["ep"]
+        dispatch = AllToAllDispatch(ep_mesh.get_group(), dist.group.WORLD, 1.0 / self.dims.dp)
+        ignored: set[nn.Parameter] = set()
+        holders = [layer.experts for layer in moe_modules(module)] + hf_expert_blocks(module)
+        for experts in holders:
+            for name in _EXPERT_WEIGHTS:
+                whole = getattr(experts, name)
+                per_rank = whole.shape[0] // self.dims.ep
+                start = ep_mesh.get_local_rank() * per_rank
+                local = whole.detach()[start:start + per_rank].clone()
+                param = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
+                                                        shape=whole.shape, stride=whole.stride()),
+                                     requires_grad=whole.requires_grad)
+                setattr(experts, name, param)
+                ignored.add(param)
+        for layer in moe_modules(module):
+            layer.experts.weight_view = dispatch.weight_view
+            layer.dispatcher = dispatch
+        for block in hf_expert_blocks(module):
+            block._shardkit_dispatch = dispatch
+            block.forward = types.MethodType(_hf_expert_parallel_forward, block)
+        blocks = self._block_classes(module)
+        checkpointing.apply_activation_checkpointing(
+            module, checkpointing.resolve_activation_checkpointing(self.settings.activation_checkpointing),
+            default_blocks=blocks or None, owner="ExpertParallel activation_checkpointing")
+        _dtensor.shard_bottom_up(module, self._wrap_targets(module, blocks), mesh=self.mesh,
+                                 reshard_after_forward=self.settings.reshard,
+                                 mp_policy=_dtensor.mp_policy(self.precision), ignored_params=ignored)
+
+    @override
+    def checkpoint_info(self) -> dict[str, Any]:
+        info = super().checkpoint_info()
+        info.update(ep_size=self.dims.ep)
+        return info
+
+    def __repr__(self) -> str:
+        return f"ExpertParallel(ep_size={self.dims.ep}, device={self._device})"

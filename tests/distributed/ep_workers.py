@@ -1,0 +1,149 @@
+"""Expert parallelism on 2 ranks against one process: the MoE Llama trained on the same global batches.
+
+Each rank runs the one-device reference itself (no collectives), then the same steps under ``--strategy ep
+--strategy-opt ep_size=2`` on its half of each batch, and returns the largest differences of the loss, every whole
+gradient, the clipped gradient norm and the weights after the last AdamW step. The last batch routes every token to
+rank 0's experts (the router bias steers the choice), so rank 1's experts receive no token from anyone. Then the EP
+run's checkpoint (experts saved as their DTensor shards) loads into one process (EP 2 -> 1) and its next step's loss
+must be the uninterrupted one-device run's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardkit import Runner
+from shardkit.models import Llama, LlamaConfig
+from shardkit.models.moe import moe_layers
+
+__all__ = ["CONFIG", "ep_worker"]
+
+CONFIG = LlamaConfig.small_moe(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, max_position=32,
+                               tie_embeddings=False, fused=False,
+                               moe=dict(num_experts=4, top_k=2, intermediate_size=16, aux_loss_coef=0.05,
+                                        first_dense_layers=0))
+GLOBAL_BATCH, SEQ, STEPS, CLIP = 4, 12, 3, 0.5
+
+
+def _batches() -> torch.Tensor:
+    return torch.randint(0, CONFIG.vocab_size, (STEPS, GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(5))
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _starve_rank1(model: torch.nn.Module) -> None:
+    """Every token picks experts 0 and 1 (rank 0's): experts 2 and 3 get none."""
+    for layer in moe_layers(model):
+        layer.router.expert_bias.copy_(torch.tensor([1e4, 1e4, 0.0, 0.0]))
+
+
+def _run(runner: Runner, model: torch.nn.Module, rows: slice) -> dict:
+    out: dict = {"loss": [], "grad": [], "norm": [], "load": []}
+    for step, batch in enumerate(_batches()):
+        if step == STEPS - 1:
+            _starve_rank1(model)
+        local = batch[rows]
+        loss = model(local, labels=local)
+        runner.backward(loss)
+        out["loss"].append(runner.all_reduce(loss.detach().clone(), "mean").item())
+        out["grad"].append({n: _whole(p.grad).detach().clone() for n, p in model.named_parameters()})
+        out["norm"].append(runner.clip_gradients(CLIP).item())
+        out["load"].append([layer.last_load.tolist() for layer in moe_layers(model)])
+        runner.step()
+    out["weights"] = {n: _whole(p.detach()).clone() for n, p in model.named_parameters()}
+    return out
+
+
+def _next_loss(runner: Runner, model: torch.nn.Module) -> float:
+    batch = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(9))
+    loss = model(batch, labels=batch)
+    runner.backward(loss)
+    runner.step()
+    return model(batch, labels=batch).item()
+
+
+def _hf_case() -> dict[str, float]:
+    """A Hugging Face Qwen3-MoE under ExpertParallel against the same model in this process (its own eager experts),
+    one SGD step: the loss, whole-gradient and weight differences."""
+    import copy
+
+    import transformers
+
+    from shardkit.strategies.expert_parallel import ExpertParallel
+
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    ref_model = transformers.Qwen3MoeForCausalLM(config).float()
+    ref_model.set_experts_implementation("eager")
+    model = copy.deepcopy(ref_model)
+    batch = _batches()[0]
+    ref_loss = ref_model(input_ids=batch, labels=batch).loss
+    ref_loss.backward()
+    runner = Runner(ExpertParallel(ep_size=2), seed=0)
+    model, _ = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    s = runner.strategy
+    per = GLOBAL_BATCH // s.data_parallel_size
+    local = batch[s.data_parallel_rank * per:(s.data_parallel_rank + 1) * per]
+    loss = model(input_ids=local, labels=local).loss
+    runner.backward(loss)
+    total = runner.all_reduce(loss.detach().clone(), "mean")
+    grads = dict(ref_model.named_parameters())
+    out = {"loss": abs(total.item() - ref_loss.item()),
+           "grad": max((_whole(p.grad) - grads[n].grad).abs().max().item() for n, p in model.named_parameters()),
+           "sharded": float(type(model.model.layers[0].mlp.experts.gate_up_proj.data).__name__ == "DTensor")}
+    runner.step()
+    with torch.no_grad():
+        for p in ref_model.parameters():
+            p -= 0.5 * p.grad
+    out["weights"] = max((_whole(p.detach()) - grads[n].detach()).abs().max().item()
+                         for n, p in model.named_parameters())
+    return out
+
+
+def ep_worker(root: str) -> dict[str, Any]:
+    from shardkit.strategies import SingleDevice
+    from shardkit.strategies.registry import STRATEGIES
+
+    ref_runner = Runner(SingleDevice("cpu"), seed=0)
+    with ref_runner.init_module():
+        ref_model = Llama(CONFIG)
+    init = {k: v.clone() for k, v in ref_model.state_dict().items()}
+    ref_model, _ = ref_runner.setup(ref_model, _adamw(ref_model))
+    ref = _run(ref_runner, ref_model, slice(None))
+
+    runner = Runner(STRATEGIES.build_from_cli("ep", ["ep_size=2"]), seed=0)
+    with runner.init_module():  # on the meta device, each parameter's init replayed into its shard in setup
+        model = Llama(CONFIG)
+    model, opt = runner.setup(model, _adamw(model))
+    start = max((_whole(p.detach()) - init[n]).abs().max().item() for n, p in model.named_parameters())
+    s = runner.strategy
+    per = GLOBAL_BATCH // s.data_parallel_size
+    got = _run(runner, model, slice(s.data_parallel_rank * per, (s.data_parallel_rank + 1) * per))
+    experts = model.layers[0].mlp.experts.gate_up_proj
+    runner.save(f"{root}/ep2", {"model": model, "optimizer": opt})
+    one = Runner(SingleDevice("cpu"), seed=0)  # every rank on its own: EP 2 -> 1
+    resumed = Llama(CONFIG)
+    resumed, resumed_opt = one.setup(resumed, _adamw(resumed))
+    one.load(f"{root}/ep2", {"model": resumed, "optimizer": resumed_opt})
+    return {
+        "hf": _hf_case(),
+        "init": start,
+        "resumed_loss": abs(_next_loss(one, resumed) - _next_loss(ref_runner, ref_model)),
+        "ep": s.ep_size, "local_experts": experts.to_local().shape[0],
+        "loss": [abs(a - b) for a, b in zip(got["loss"], ref["loss"])],
+        "grad": [max((g[n] - r[n]).abs().max().item() for n in r) for g, r in zip(got["grad"], ref["grad"])],
+        "norm": [abs(a - b) for a, b in zip(got["norm"], ref["norm"])],
+        "weights": max((got["weights"][n] - ref["weights"][n]).abs().max().item() for n in ref["weights"]),
+        "moved": max((ref["weights"][n] - init[n]).abs().max().item() for n in ref["weights"]),
+        "load": got["load"], "ref_load": ref["load"],
+    }

@@ -1,0 +1,36 @@
+"""Expert parallelism (``--strategy ep --strategy-opt ep_size=2``) on 2 CPU ranks equals one process for the MoE
+Llama built under ``runner.init_module()`` (the same weights, bitwise): loss, whole gradients, clipped norm and
+weights after 3 AdamW steps, the last with rank 1's experts empty; its checkpoint resumed in one process continues
+the one-device run; Hugging Face's Qwen3-MoE (its expert blocks dispatched the same way) equals its own one-process
+step. One launch."""
+
+from __future__ import annotations
+
+import pytest
+from ep_workers import STEPS, ep_worker
+from harness import run_distributed
+
+TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_distributed(ep_worker, world_size=2, args=(str(tmp_path_factory.mktemp("ep")),), timeout=600)
+
+
+def test_expert_parallel_equals_one_process(results):
+    for rank, got in enumerate(results):
+        assert got["ep"] == 2 and got["local_experts"] == 2, got
+        assert got["init"] == 0, f"rank {rank}: init_module's weights differ from one device's by {got['init']}"
+        assert max(got["loss"]) < TOL, f"rank {rank}: loss differs by {got['loss']}"
+        assert max(got["grad"]) < TOL, f"rank {rank}: gradients differ by {got['grad']}"
+        assert max(got["norm"]) < TOL, f"rank {rank}: gradient norms differ by {got['norm']}"
+        assert got["weights"] < TOL and got["moved"] > 1e-3, (rank, got["weights"], got["moved"])
+        # the routing statistics are the whole batch's, as on one device
+        assert got["load"] == got["ref_load"], (got["load"], got["ref_load"])
+        # the last step: rank 1's experts (2 and 3) got no token
+        assert all(load[2] == 0 and load[3] == 0 for load in got["load"][STEPS - 1]), got["load"]
+        hf = got["hf"]  # Hugging Face's Qwen3-MoE, its expert blocks dispatched the same way
+        assert hf["sharded"] and max(hf["loss"], hf["grad"], hf["weights"]) < TOL, (rank, hf)
+        # EP 2 -> 1: the checkpoint (experts as DTensor shards, AdamW state) resumes the one-device run
+        assert got["resumed_loss"] < TOL, (rank, got["resumed_loss"])
