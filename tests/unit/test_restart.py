@@ -219,3 +219,23 @@ def test_notebook_launcher_restarts_a_failed_function(monkeypatch, capsys):
         notebook_launcher(print, num_processes=2, max_restarts=3)
     assert calls == ["0", "1"]  # the same error twice without progress: no third attempt
     assert "failed the same way as attempt 1 and made no progress" in capsys.readouterr().err
+
+
+def _read_restart_count():
+    import os
+
+    return os.environ.get(RESTART_COUNT_ENV), os.environ.get(RESTART_DIR_ENV)
+
+
+def test_a_launch_inside_a_restarted_job_is_a_first_start(monkeypatch, tmp_path):
+    """A job that launches another (a script calling shardkit launch, notebook_launcher in a rank) must not pass its
+    own restart variables on: the inner ranks would resume stale checkpoints and write over the outer records."""
+    import argparse
+
+    from shardkit.distributed import cli as launch_cli
+    from shardkit.distributed.launcher import launch
+
+    _restarted(monkeypatch, tmp_path, 2)
+    env = launch_cli._child_env(argparse.Namespace(timeout=None, num_processes=1), {})
+    assert RESTART_COUNT_ENV not in env and RESTART_DIR_ENV not in env
+    assert launch(_read_restart_count, in_process=True) == [(None, None)]
