@@ -109,13 +109,19 @@ def test_trainer_resumes_the_newest_complete_checkpoint_on_a_restart(tmp_path):
     _cut_short(tmp_path / "checkpoint-4")
     assert get_last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
 
-    def resolve(restart: bool, resume):
-        runner = SimpleNamespace(observability=SimpleNamespace(recovery=SimpleNamespace(is_restart=restart)))
+    def resolve(restart: bool, resume, rank0=None):
+        # rank0: what rank 0 chose (a broadcast from another rank); None: this is rank 0
+        runner = SimpleNamespace(observability=SimpleNamespace(recovery=SimpleNamespace(is_restart=restart)),
+                                 broadcast=lambda obj, src: obj if rank0 is None else rank0)
         return Checkpointer(runner, SimpleNamespace(output_dir=str(tmp_path))).resolve(resume)
 
     assert resolve(False, None) is None
     assert resolve(True, None) == tmp_path / "checkpoint-2"
     assert resolve(True, False) is None  # an explicit "train from the start" stays explicit
+    # another rank's view of the folder differs (not yet synced): it loads what rank 0 chose, not its own pick
+    assert resolve(True, None, rank0=[str(tmp_path / "checkpoint-4"), None]) == tmp_path / "checkpoint-4"
+    with pytest.raises(ValueError, match="rank 0 found none"):  # rank 0 failed: every rank fails with its error
+        resolve(True, True, rank0=[None, "rank 0 found none"])
 
 
 def test_a_restarted_trainer_resumes_the_newest_complete_checkpoint_by_itself(monkeypatch, tmp_path):
