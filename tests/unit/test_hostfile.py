@@ -5,6 +5,7 @@ launch over a loopback sshd is tests/distributed/test_ssh_launch.py)."""
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from shardkit.distributed.hostfile import (
     parse_filter,
     parse_hostfile,
     read_env_file,
+    remote_assignment,
     select_hosts,
 )
 from shardkit.distributed.ssh_launch import plan_hosts, remote_command, ssh_command
@@ -193,3 +195,22 @@ def test_dry_run_prints_one_ssh_line_per_host(tmp_path):
     result = subprocess.run([sys.executable, "-m", "shardkit.cli", "launch", "--hostfile", "hosts", "--max-restarts",
                              "2", "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--max-restarts is not supported with --hostfile" in result.stderr
+
+
+def test_env_file_values_expand_remote_variables_and_run_nothing(tmp_path):
+    """DeepSpeed's runner lets the remote shell expand an env file's values: `$LD_LIBRARY_PATH` must be the remote
+    host's, not the literal text; a command substitution must never run (refused by line)."""
+    path = tmp_path / ".deepspeed_env"
+    path.write_text("LD_LIBRARY_PATH=/opt/nccl lib:$LD_LIBRARY_PATH\nPYTHONPATH=${EXTRA}/x\nPRICE=5\\$ 'q'\n")
+    env = forwarded_environment({}, tmp_path, home=tmp_path / "nowhere")
+    words = " ".join(remote_assignment(key, value) for key, value in env.items())
+    shown = subprocess.run(["sh", "-c", f"exec env {words} {shlex.quote(sys.executable)} -c "
+                                        "'import os; print(repr([os.environ[k] for k in "
+                                        "(\"LD_LIBRARY_PATH\", \"PYTHONPATH\", \"PRICE\")]))'"],
+                           env={"LD_LIBRARY_PATH": "/remote/lib", "EXTRA": "/e e"}, capture_output=True, text=True)
+    assert shown.stdout.strip() == repr(["/opt/nccl lib:/remote/lib", f"{tmp_path.resolve()}:/e e/x", "5$ 'q'"])
+    for bad, shown_as in (("A=$(touch pwned)", "'$'"), ("A=`id`", "'`'"), ("A=$1", "'$'")):
+        path.write_text(f"OK=1\n{bad}\n")
+        with pytest.raises(HostfileError, match=f"line 2: A's value: {re.escape(shown_as)} at character"):
+            read_env_file(path)
+    assert not (tmp_path / "pwned").exists()
