@@ -170,6 +170,9 @@ def test_accelerate_multinode_keys_map_onto_the_hostfile_launch(tmp_path, monkey
     assert launch_args_from_yaml(_yaml(tmp_path, deepspeed_hostfile="hosts"))["hostfile"] == str(tmp_path / "hosts")
     assert "hostfile" not in launch_args_from_yaml(_yaml(tmp_path, deepspeed_multinode_launcher="standard",
                                                          deepspeed_hostfile="hosts"))
+    with pytest.raises(LaunchUsageError, match="deepspeed_exclusion_filter in .*: give one"):  # never one dropped
+        launch_args_from_yaml(_yaml(tmp_path, deepspeed_hostfile="hosts", deepspeed_inclusion_filter="worker-0",
+                                    deepspeed_exclusion_filter="worker-1"))
     with pytest.raises(LaunchUsageError, match="needs deepspeed_config.deepspeed_hostfile"):
         launch_args_from_yaml(_yaml(tmp_path, deepspeed_multinode_launcher="pdsh"))
     with pytest.raises(LaunchUsageError, match="openmpi .*under SLURM use srun"):
