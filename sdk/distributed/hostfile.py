@@ -38,6 +38,8 @@ ENV_FILE_NAME_VAR = "DS_ENV_FILE"
 DEFAULT_ENV_FILE_NAME = ".deepspeed_env"
 # A hostfile or env file is a few lines; a bigger one is the wrong file.
 _MAX_FILE_BYTES = 1 << 20
+# Slots are listed one by one; a typo's billions would hang the launcher building the list.
+_MAX_SLOTS = 1 << 16
 _LINE = re.compile(r"(\S+)\s+slots=(\S+)\s*(?:#.*)?")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # In an env file's value: an escaped "$", a reference to a remote variable, or a "$"/backquote that is neither.
@@ -116,8 +118,9 @@ def parse_hostfile(text: str, source: str = "hostfile") -> dict[str, int]:
         host, slots = match.group(1), match.group(2)
         if not _HOST.fullmatch(host):
             raise HostfileError(f"{source} line {number}: {host[:100]!r} is not a host name ([user@]name or address)")
-        if not slots.isdigit() or int(slots) < 1:
-            raise HostfileError(f"{source} line {number}: slots={slots[:50]} must be a whole number >= 1")
+        if not slots.isdigit() or not 1 <= int(slots) <= _MAX_SLOTS:
+            raise HostfileError(f"{source} line {number}: slots={slots[:50]} must be a whole number in [1, "
+                                f"{_MAX_SLOTS}] (processes on that host)")
         if host in hosts:
             raise HostfileError(f"{source} line {number}: host {host!r} is already named; one line per host")
         hosts[host] = int(slots)

@@ -44,7 +44,8 @@ def test_hostfile_keeps_order_and_skips_comments_and_blank_lines():
     ("worker-0 slots=4\nworker-0 slots=2", "line 2: host 'worker-0' is already named"),
     ("worker-0 slots=4\nworker-1 4", "line 2: 'worker-1 4' is not 'HOST slots=N'"),
     ("worker-0 slots=four", "slots=four must be a whole number"),
-    ("worker-0 slots=0", "slots=0 must be a whole number >= 1"),
+    ("worker-0 slots=0", r"slots=0 must be a whole number in \[1, 65536\]"),
+    ("worker-0 slots=80000000000", "slots=80000000000 must be a whole number in"),  # a typo: refused, not listed
     ("worker-0 slots=2 gpus=2", "is not 'HOST slots=N'"),
     ("-oProxyCommand=x slots=2", "is not a host name"),
     ("a;b slots=2", "is not a host name"),
