@@ -208,8 +208,8 @@ def select_hosts(pool: Mapping[str, int], include: str | None = None, exclude: s
 
 
 def read_env_file(path: str | os.PathLike) -> dict[str, str]:
-    """``KEY=VALUE`` lines (blank lines and ``#`` comments skipped; the value is the rest of the line, a
-    :class:`RemoteValue` when it names remote variables).
+    """``KEY=VALUE`` lines (blank lines and ``#`` comments skipped; the value is the rest of the line without the
+    spaces around it, a :class:`RemoteValue` when it names remote variables).
 
     Raises:
         HostfileError: naming the line: not ``KEY=VALUE``, or a ``$``/backquote that is not a variable reference.
@@ -221,7 +221,7 @@ def read_env_file(path: str | os.PathLike) -> dict[str, str]:
         if not line or line.startswith("#"):
             continue
         key, sep, value = line.partition("=")
-        key = key.strip()
+        key, value = key.strip(), value.strip()  # "KEY = value" as DeepSpeed's runner reads it: no leading space
         if not sep or not _NAME.fullmatch(key):
             raise HostfileError(f"env file {source!r} line {number}: {line[:200]!r} is not KEY=VALUE with KEY a "
                                 "variable name")

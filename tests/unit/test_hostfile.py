@@ -83,7 +83,7 @@ def test_forwarded_environment_takes_deepspeeds_prefixes_and_env_files(tmp_path)
     home, cwd = tmp_path / "home", tmp_path / "job"
     home.mkdir(), cwd.mkdir()
     (home / ".deepspeed_env").write_text("NCCL_SOCKET_IFNAME=eth0\nFROM_HOME=1\n")
-    (cwd / ".deepspeed_env").write_text("# the job's own\n\nFROM_HOME=2\nWITH_SPACES=a b=c\n")
+    (cwd / ".deepspeed_env").write_text("# the job's own\n\nFROM_HOME = 2\nWITH_SPACES=a b=c\n")
     environ = {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/opt/lib", "SHARDKIT_COLLECTIVE_TIMEOUT": "30", "HOME": "/x",
                "UCX_TLS": "rc", "SECRET_TOKEN": "no", "LD_LIBRARY_PATH": "/no"}
     env = forwarded_environment(environ, cwd, home=home)
