@@ -164,8 +164,11 @@ def _multinode_launch(section: Mapping[str, Any], machines: int, where: str) -> 
             raise ConfigError(f"deepspeed_config.{name}: {value!r} in {where} must be DeepSpeed's "
                               "'HOST[:SLOT,...]@HOST...' string")
         filters[name] = value or None
-    # As accelerate launch: the exclusion filter when both are given.
-    include = None if filters["deepspeed_exclusion_filter"] else filters["deepspeed_inclusion_filter"]
+    if filters["deepspeed_inclusion_filter"] and filters["deepspeed_exclusion_filter"]:
+        # accelerate launch silently drops the inclusion filter then; DeepSpeed's runner refuses the pair
+        raise ConfigError(f"deepspeed_config.deepspeed_inclusion_filter and deepspeed_exclusion_filter in {where}: "
+                          "give one (the hosts to keep, or the hosts to drop), not both")
+    include = filters["deepspeed_inclusion_filter"]
     # Relative to the directory the job runs in, as accelerate launch hands it to DeepSpeed's runner.
     return str(Path(hostfile).resolve()), include, filters["deepspeed_exclusion_filter"]
 

@@ -70,6 +70,9 @@ class UnitProgress:
         if not isinstance(extra, list) or any(not isinstance(i, int) or isinstance(i, bool) or i <= done
                                               for i in extra):
             raise ValueError(f"{where}: extra must be a list of sample indices after done={done}")
+        if offset and not done:
+            # a reader seeks to `offset` and numbers the samples from `done`: a suffix would be read as the start
+            raise ValueError(f"{where}: offset {offset} with no sample done; the state is corrupt")
         if total >= 0 and (done > total or any(i >= total for i in extra)):
             raise ValueError(f"{where}: consumed samples past the unit's {total}; the state is corrupt")
         # Offsets of the extras are not saved: a resumed reader reads through them from `offset` and drops them.

@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 from shardkit.distributed.cluster import find_free_port
 from shardkit.distributed.restart import add_restart_flags, check_restart_flags, run_with_restarts
+from shardkit.distributed.restart_records import RESTART_VARIABLES
 from shardkit.distributed.signals import STOP_GRACE_S
 from shardkit.distributed.ssh_launch import add_hostfile_flags, run_hostfile_launch
 from shardkit.distributed.timeouts import TIMEOUT_ENV_VAR, check_timeout, cpu_budget, default_timeout
@@ -198,7 +199,8 @@ def build_command(args: argparse.Namespace) -> list[str]:
 
 
 def _child_env(args: argparse.Namespace, extra: Mapping[str, str]) -> dict[str, str]:
-    env = {**os.environ, **extra}
+    # A restarting launcher adds its own per attempt; inherited ones would make a first start a restart.
+    env = {key: value for key, value in {**os.environ, **extra}.items() if key not in RESTART_VARIABLES}
     if args.timeout is not None:
         env[TIMEOUT_ENV_VAR] = f"{args.timeout:g}"
     if "OMP_NUM_THREADS" not in env and args.num_processes > 1:

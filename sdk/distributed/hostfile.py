@@ -13,17 +13,23 @@ this process whose names start with one of DeepSpeed's prefixes (``NCCL``, ``PYT
 ``UCX``) or ``SHARDKIT_``, then the ``KEY=VALUE`` lines of ``~/.deepspeed_env`` and ``./.deepspeed_env`` (file name
 from ``DS_ENV_FILE`` when set, as DeepSpeed's runner), and the directory the job runs in is put first on
 ``PYTHONPATH``, as DeepSpeed does, so that the script's own modules import on every host.
+
+A value of an env file may name the remote host's variables, ``$NAME`` or ``${NAME}``, expanded there as DeepSpeed's
+runner lets the remote shell expand them (``LD_LIBRARY_PATH=/opt/nccl/lib:$LD_LIBRARY_PATH``); ``\\$`` is a literal
+``$``. Nothing else of the value reaches a shell: any other ``$`` or a backquote (command substitution, which
+DeepSpeed's runner would run) is refused naming the line. Variables of this process are passed as they are.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["ENV_FILE_NAME_VAR", "FORWARDED_PREFIXES", "HostfileError", "forwarded_environment", "parse_filter",
-           "parse_hostfile", "read_env_file", "read_hostfile", "select_hosts"]
+__all__ = ["ENV_FILE_NAME_VAR", "FORWARDED_PREFIXES", "HostfileError", "RemoteValue", "forwarded_environment",
+           "parse_filter", "parse_hostfile", "read_env_file", "read_hostfile", "remote_assignment", "select_hosts"]
 
 # What DeepSpeed's runner forwards (its EXPORT_ENVS plus the CUDA accelerator's NCCL), and shardkit's own settings
 # (collective timeout, config file).
@@ -32,14 +38,53 @@ ENV_FILE_NAME_VAR = "DS_ENV_FILE"
 DEFAULT_ENV_FILE_NAME = ".deepspeed_env"
 # A hostfile or env file is a few lines; a bigger one is the wrong file.
 _MAX_FILE_BYTES = 1 << 20
+# Slots are listed one by one; a typo's billions would hang the launcher building the list.
+_MAX_SLOTS = 1 << 16
 _LINE = re.compile(r"(\S+)\s+slots=(\S+)\s*(?:#.*)?")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# In an env file's value: an escaped "$", a reference to a remote variable, or a "$"/backquote that is neither.
+_VALUE_PART = re.compile(r"\\\$|\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)|[$`]")
 # What ssh takes as a destination: [user@]name, an IPv4 or a bracketless IPv6 address; never a leading "-" (an option).
 _HOST = re.compile(r"(?:[A-Za-z0-9_][A-Za-z0-9_.-]*@)?[A-Za-z0-9_:][A-Za-z0-9_.:%-]*")
 
 
 class HostfileError(ValueError):
     """A hostfile, resource filter or env file that cannot be read; the message names the file, line or entry."""
+
+
+class RemoteValue(str):
+    """An env file's value: its ``$NAME`` / ``${NAME}`` are the remote host's variables (see the module docstring).
+    :func:`remote_assignment` writes it for the remote shell; a plain ``str`` value is passed as it is."""
+
+
+def _value_parts(value: str) -> list[tuple[bool, str]]:
+    """``(is_reference, text)`` pieces of an env file's value; ValueError on a ``$`` or backquote that is not one."""
+    parts: list[tuple[bool, str]] = []
+    literal, position = "", 0
+    for match in _VALUE_PART.finditer(value):
+        literal += value[position:match.start()]
+        position = match.end()
+        name = match.group(1) or match.group(2)
+        if match.group(0) == "\\$":
+            literal += "$"
+        elif name:
+            parts += [(False, literal), (True, name)]
+            literal = ""
+        else:
+            raise ValueError(f"{match.group(0)!r} at character {match.start() + 1} is neither $NAME nor ${{NAME}}: "
+                             "no command runs from an env file; write \\$ for a literal $")
+    return [part for part in [*parts, (False, literal + value[position:])] if part[1]]
+
+
+def remote_assignment(key: str, value: str) -> str:
+    """``KEY=VALUE`` as one word of the remote shell line: quoted whole, but for a :class:`RemoteValue`'s
+    ``$NAME`` references, which the remote shell expands (inside double quotes: one word, never split)."""
+    if not isinstance(value, RemoteValue):
+        return shlex.quote(f"{key}={value}")
+    words = [shlex.quote(f"{key}=")]
+    for is_reference, text in _value_parts(value):
+        words.append(f'"${{{text}}}"' if is_reference else shlex.quote(text))
+    return "".join(words)
 
 
 def _read_text(path: Path, what: str) -> str:
@@ -73,8 +118,9 @@ def parse_hostfile(text: str, source: str = "hostfile") -> dict[str, int]:
         host, slots = match.group(1), match.group(2)
         if not _HOST.fullmatch(host):
             raise HostfileError(f"{source} line {number}: {host[:100]!r} is not a host name ([user@]name or address)")
-        if not slots.isdigit() or int(slots) < 1:
-            raise HostfileError(f"{source} line {number}: slots={slots[:50]} must be a whole number >= 1")
+        if not slots.isdigit() or not 1 <= int(slots) <= _MAX_SLOTS:
+            raise HostfileError(f"{source} line {number}: slots={slots[:50]} must be a whole number in [1, "
+                                f"{_MAX_SLOTS}] (processes on that host)")
         if host in hosts:
             raise HostfileError(f"{source} line {number}: host {host!r} is already named; one line per host")
         hosts[host] = int(slots)
@@ -162,7 +208,12 @@ def select_hosts(pool: Mapping[str, int], include: str | None = None, exclude: s
 
 
 def read_env_file(path: str | os.PathLike) -> dict[str, str]:
-    """``KEY=VALUE`` lines (blank lines and ``#`` comments skipped; the value is the rest of the line, as written)."""
+    """``KEY=VALUE`` lines (blank lines and ``#`` comments skipped; the value is the rest of the line without the
+    spaces around it, a :class:`RemoteValue` when it names remote variables).
+
+    Raises:
+        HostfileError: naming the line: not ``KEY=VALUE``, or a ``$``/backquote that is not a variable reference.
+    """
     source = str(path)
     values: dict[str, str] = {}
     for number, raw in enumerate(_read_text(Path(path), "env file").splitlines(), start=1):
@@ -170,11 +221,15 @@ def read_env_file(path: str | os.PathLike) -> dict[str, str]:
         if not line or line.startswith("#"):
             continue
         key, sep, value = line.partition("=")
-        key = key.strip()
+        key, value = key.strip(), value.strip()  # "KEY = value" as DeepSpeed's runner reads it: no leading space
         if not sep or not _NAME.fullmatch(key):
             raise HostfileError(f"env file {source!r} line {number}: {line[:200]!r} is not KEY=VALUE with KEY a "
                                 "variable name")
-        values[key] = value
+        try:
+            _value_parts(value)
+        except ValueError as err:
+            raise HostfileError(f"env file {source!r} line {number}: {key}'s value: {err}") from None
+        values[key] = RemoteValue(value) if "$" in value else value
     return values
 
 
@@ -192,5 +247,9 @@ def forwarded_environment(environ: Mapping[str, str], cwd: str | os.PathLike,
         seen.add(path)
         values.update(read_env_file(path))
     here = str(Path(cwd).resolve())
-    values["PYTHONPATH"] = here + (":" + values["PYTHONPATH"] if values.get("PYTHONPATH") else "")
+    rest = values.get("PYTHONPATH")
+    if isinstance(rest, RemoteValue):  # keep its remote references; this directory's own "$" stays literal
+        values["PYTHONPATH"] = RemoteValue(here.replace("$", "\\$") + ":" + rest)
+    else:
+        values["PYTHONPATH"] = here + (":" + rest if rest else "")
     return values

@@ -45,6 +45,7 @@ from shardkit.distributed.process_group import (
     default_timeout,
     destroy_distributed,
 )
+from shardkit.distributed.restart_records import RESTART_VARIABLES
 from shardkit.distributed.signals import STOP_GRACE_S, catch_stop_signals, redeliver
 
 __all__ = ["GRACE_PERIOD_S", "LaunchError", "LaunchTimeout", "find_free_port", "launch"]
@@ -57,8 +58,9 @@ GRACE_PERIOD_S = 3.0
 KILL_AFTER_S = 2.0
 
 _RESERVED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK")
-# Inherited from an enclosing torchrun, these would send the children to the wrong rendezvous store.
-_STRIPPED = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+# Inherited from an enclosing torchrun, these would send the children to the wrong rendezvous store; an enclosing
+# restarting launcher's would make a first start a restart (see restart_records.RESTART_VARIABLES).
+_STRIPPED = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", *RESTART_VARIABLES)
 _ENV_LOCK = threading.RLock()
 
 

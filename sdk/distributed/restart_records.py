@@ -32,14 +32,18 @@ from pathlib import Path
 from typing import Any, Mapping
 
 __all__ = ["DETECTED_AT_ENV", "FAILED_AT_ENV", "LAST_STEP_ENV", "RESTART_COUNT_ENV", "RESTART_DIR_ENV",
-           "ProgressRecord", "RestartFacts", "install_failure_record", "read_errors", "read_progress",
-           "read_recovery", "restart_count", "restart_facts", "write_error", "write_recovery"]
+           "RESTART_VARIABLES", "ProgressRecord", "RestartFacts", "install_failure_record", "read_errors",
+           "read_progress", "read_recovery", "restart_count", "restart_facts", "write_error", "write_recovery"]
 
 RESTART_COUNT_ENV = "SHARDKIT_RESTART_COUNT"
 RESTART_DIR_ENV = "SHARDKIT_RESTART_DIR"
 FAILED_AT_ENV = "SHARDKIT_RESTART_FAILED_AT"
 DETECTED_AT_ENV = "SHARDKIT_RESTART_DETECTED_AT"
 LAST_STEP_ENV = "SHARDKIT_RESTART_LAST_STEP"
+# Set by a restarting launcher for its own attempts only. A launch started inside such a job (a script that launches
+# another job, a notebook_launcher call in a rank) must not inherit them: its ranks would take a first start for a
+# restart, resume from whatever checkpoints their folder holds, and write their records over the outer job's.
+RESTART_VARIABLES = (RESTART_COUNT_ENV, RESTART_DIR_ENV, FAILED_AT_ENV, DETECTED_AT_ENV, LAST_STEP_ENV)
 
 _MAX_RECORD = 1 << 16  # a record is a few hundred bytes; anything bigger in the folder is not one of ours
 

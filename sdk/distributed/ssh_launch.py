@@ -30,7 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Mapping, Sequence
 
-from shardkit.distributed.hostfile import HostfileError, forwarded_environment, read_hostfile, select_hosts
+from shardkit.distributed.hostfile import (
+    HostfileError,
+    forwarded_environment,
+    read_hostfile,
+    remote_assignment,
+    select_hosts,
+)
 from shardkit.distributed.signals import catch_stop_signals, redeliver
 from shardkit.distributed.timeouts import check_timeout
 
@@ -121,7 +127,7 @@ def remote_command(plan: HostPlan, plans: Sequence[HostPlan], args: argparse.Nam
     if args.module:
         agent.append("-m")
     agent += [args.script, *args.script_args]
-    assignments = [shlex.quote(f"{key}={value}") for key, value in variables.items()]
+    assignments = [remote_assignment(key, value) for key, value in variables.items()]
     return f"cd {shlex.quote(cwd)} && exec env {' '.join(assignments)} {shlex.join(agent)}"
 
 

@@ -447,6 +447,7 @@ class Runner:
         plain values, or None when nothing was loaded. Incomplete checkpoints (a killed save, missing or cut files)
         are skipped. ``mode="auto"``: only when ``shardkit launch --max-restarts`` restarted the job (a first start
         trains from the start; so does a restart that finds no checkpoint yet); ``True``: always, and one must exist.
+        A collective: every rank calls it, and rank 0 chooses the checkpoint for all.
         """
         return self.checkpoints.resume(directory, state, mode=mode, verify=verify)
 

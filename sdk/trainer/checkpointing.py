@@ -224,7 +224,24 @@ class Checkpointer:
     def resolve(self, resume: bool | str | None) -> Path | None:
         """The checkpoint ``resume_from_checkpoint`` names: True is the newest in output_dir, a path is that
         checkpoint (or the newest inside it), None/False is none. When ``shardkit launch --max-restarts`` restarted the
-        job, None is the newest in output_dir when there is one (the job picks up where it failed)."""
+        job, None is the newest in output_dir when there is one (the job picks up where it failed).
+
+        Rank 0 chooses for every rank (a collective: every rank calls it), as ``Runner.resume`` does: ranks that
+        chose apart (a folder not yet the same on every machine) would load different steps and train on silently
+        out of step; a rank that cannot read rank 0's choice fails at the load instead."""
+        try:
+            mine, error = self._choose(resume), None
+        except ValueError as err:
+            mine, error = None, err
+        chosen, message = self.runner.broadcast([None if mine is None else str(mine),
+                                                 None if error is None else str(error)], 0)
+        if message is not None:
+            if error is not None and str(error) == message:
+                raise error
+            raise ValueError(message)
+        return None if chosen is None else Path(chosen)
+
+    def _choose(self, resume: bool | str | None) -> Path | None:
         restarted = self.runner.observability.recovery.is_restart
         if resume is None and restarted:
             last = get_last_checkpoint(self.args.output_dir)

@@ -5,6 +5,7 @@ launch over a loopback sshd is tests/distributed/test_ssh_launch.py)."""
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from shardkit.distributed.hostfile import (
     parse_filter,
     parse_hostfile,
     read_env_file,
+    remote_assignment,
     select_hosts,
 )
 from shardkit.distributed.ssh_launch import plan_hosts, remote_command, ssh_command
@@ -42,7 +44,8 @@ def test_hostfile_keeps_order_and_skips_comments_and_blank_lines():
     ("worker-0 slots=4\nworker-0 slots=2", "line 2: host 'worker-0' is already named"),
     ("worker-0 slots=4\nworker-1 4", "line 2: 'worker-1 4' is not 'HOST slots=N'"),
     ("worker-0 slots=four", "slots=four must be a whole number"),
-    ("worker-0 slots=0", "slots=0 must be a whole number >= 1"),
+    ("worker-0 slots=0", r"slots=0 must be a whole number in \[1, 65536\]"),
+    ("worker-0 slots=80000000000", "slots=80000000000 must be a whole number in"),  # a typo: refused, not listed
     ("worker-0 slots=2 gpus=2", "is not 'HOST slots=N'"),
     ("-oProxyCommand=x slots=2", "is not a host name"),
     ("a;b slots=2", "is not a host name"),
@@ -80,7 +83,7 @@ def test_forwarded_environment_takes_deepspeeds_prefixes_and_env_files(tmp_path)
     home, cwd = tmp_path / "home", tmp_path / "job"
     home.mkdir(), cwd.mkdir()
     (home / ".deepspeed_env").write_text("NCCL_SOCKET_IFNAME=eth0\nFROM_HOME=1\n")
-    (cwd / ".deepspeed_env").write_text("# the job's own\n\nFROM_HOME=2\nWITH_SPACES=a b=c\n")
+    (cwd / ".deepspeed_env").write_text("# the job's own\n\nFROM_HOME = 2\nWITH_SPACES=a b=c\n")
     environ = {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/opt/lib", "SHARDKIT_COLLECTIVE_TIMEOUT": "30", "HOME": "/x",
                "UCX_TLS": "rc", "SECRET_TOKEN": "no", "LD_LIBRARY_PATH": "/no"}
     env = forwarded_environment(environ, cwd, home=home)
@@ -168,6 +171,9 @@ def test_accelerate_multinode_keys_map_onto_the_hostfile_launch(tmp_path, monkey
     assert launch_args_from_yaml(_yaml(tmp_path, deepspeed_hostfile="hosts"))["hostfile"] == str(tmp_path / "hosts")
     assert "hostfile" not in launch_args_from_yaml(_yaml(tmp_path, deepspeed_multinode_launcher="standard",
                                                          deepspeed_hostfile="hosts"))
+    with pytest.raises(LaunchUsageError, match="deepspeed_exclusion_filter in .*: give one"):  # never one dropped
+        launch_args_from_yaml(_yaml(tmp_path, deepspeed_hostfile="hosts", deepspeed_inclusion_filter="worker-0",
+                                    deepspeed_exclusion_filter="worker-1"))
     with pytest.raises(LaunchUsageError, match="needs deepspeed_config.deepspeed_hostfile"):
         launch_args_from_yaml(_yaml(tmp_path, deepspeed_multinode_launcher="pdsh"))
     with pytest.raises(LaunchUsageError, match="openmpi .*under SLURM use srun"):
@@ -193,3 +199,22 @@ def test_dry_run_prints_one_ssh_line_per_host(tmp_path):
     result = subprocess.run([sys.executable, "-m", "shardkit.cli", "launch", "--hostfile", "hosts", "--max-restarts",
                              "2", "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--max-restarts is not supported with --hostfile" in result.stderr
+
+
+def test_env_file_values_expand_remote_variables_and_run_nothing(tmp_path):
+    """DeepSpeed's runner lets the remote shell expand an env file's values: `$LD_LIBRARY_PATH` must be the remote
+    host's, not the literal text; a command substitution must never run (refused by line)."""
+    path = tmp_path / ".deepspeed_env"
+    path.write_text("LD_LIBRARY_PATH=/opt/nccl lib:$LD_LIBRARY_PATH\nPYTHONPATH=${EXTRA}/x\nPRICE=5\\$ 'q'\n")
+    env = forwarded_environment({}, tmp_path, home=tmp_path / "nowhere")
+    words = " ".join(remote_assignment(key, value) for key, value in env.items())
+    shown = subprocess.run(["sh", "-c", f"exec env {words} {shlex.quote(sys.executable)} -c "
+                                        "'import os; print(repr([os.environ[k] for k in "
+                                        "(\"LD_LIBRARY_PATH\", \"PYTHONPATH\", \"PRICE\")]))'"],
+                           env={"LD_LIBRARY_PATH": "/remote/lib", "EXTRA": "/e e"}, capture_output=True, text=True)
+    assert shown.stdout.strip() == repr(["/opt/nccl lib:/remote/lib", f"{tmp_path.resolve()}:/e e/x", "5$ 'q'"])
+    for bad, shown_as in (("A=$(touch pwned)", "'$'"), ("A=`id`", "'`'"), ("A=$1", "'$'")):
+        path.write_text(f"OK=1\n{bad}\n")
+        with pytest.raises(HostfileError, match=f"line 2: A's value: {re.escape(shown_as)} at character"):
+            read_env_file(path)
+    assert not (tmp_path / "pwned").exists()

@@ -109,13 +109,19 @@ def test_trainer_resumes_the_newest_complete_checkpoint_on_a_restart(tmp_path):
     _cut_short(tmp_path / "checkpoint-4")
     assert get_last_checkpoint(tmp_path) == str(tmp_path / "checkpoint-2")
 
-    def resolve(restart: bool, resume):
-        runner = SimpleNamespace(observability=SimpleNamespace(recovery=SimpleNamespace(is_restart=restart)))
+    def resolve(restart: bool, resume, rank0=None):
+        # rank0: what rank 0 chose (a broadcast from another rank); None: this is rank 0
+        runner = SimpleNamespace(observability=SimpleNamespace(recovery=SimpleNamespace(is_restart=restart)),
+                                 broadcast=lambda obj, src: obj if rank0 is None else rank0)
         return Checkpointer(runner, SimpleNamespace(output_dir=str(tmp_path))).resolve(resume)
 
     assert resolve(False, None) is None
     assert resolve(True, None) == tmp_path / "checkpoint-2"
     assert resolve(True, False) is None  # an explicit "train from the start" stays explicit
+    # another rank's view of the folder differs (not yet synced): it loads what rank 0 chose, not its own pick
+    assert resolve(True, None, rank0=[str(tmp_path / "checkpoint-4"), None]) == tmp_path / "checkpoint-4"
+    with pytest.raises(ValueError, match="rank 0 found none"):  # rank 0 failed: every rank fails with its error
+        resolve(True, True, rank0=[None, "rank 0 found none"])
 
 
 def test_a_restarted_trainer_resumes_the_newest_complete_checkpoint_by_itself(monkeypatch, tmp_path):
@@ -219,3 +225,23 @@ def test_notebook_launcher_restarts_a_failed_function(monkeypatch, capsys):
         notebook_launcher(print, num_processes=2, max_restarts=3)
     assert calls == ["0", "1"]  # the same error twice without progress: no third attempt
     assert "failed the same way as attempt 1 and made no progress" in capsys.readouterr().err
+
+
+def _read_restart_count():
+    import os
+
+    return os.environ.get(RESTART_COUNT_ENV), os.environ.get(RESTART_DIR_ENV)
+
+
+def test_a_launch_inside_a_restarted_job_is_a_first_start(monkeypatch, tmp_path):
+    """A job that launches another (a script calling shardkit launch, notebook_launcher in a rank) must not pass its
+    own restart variables on: the inner ranks would resume stale checkpoints and write over the outer records."""
+    import argparse
+
+    from shardkit.distributed import cli as launch_cli
+    from shardkit.distributed.launcher import launch
+
+    _restarted(monkeypatch, tmp_path, 2)
+    env = launch_cli._child_env(argparse.Namespace(timeout=None, num_processes=1), {})
+    assert RESTART_COUNT_ENV not in env and RESTART_DIR_ENV not in env
+    assert launch(_read_restart_count, in_process=True) == [(None, None)]

@@ -204,6 +204,9 @@ def test_a_resume_over_other_files_or_a_corrupt_position_is_refused(data):
     bad["progress"]["0"] = [3, 0, 2, []]
     with pytest.raises(ValueError, match="past the unit"):
         _loader(url, 0, 1, None).load_state_dict(bad)
+    bad["progress"]["0"] = [0, 14, -1, []]  # a byte offset into the file, no sample before it: never read as index 0
+    with pytest.raises(ValueError, match="offset 14 with no sample done"):
+        _loader(url, 0, 1, None).load_state_dict(bad)
 
 
 def _fs():
