@@ -27,6 +27,7 @@ __all__ = [
     "get_fp32_state_dict",
     "load_optimizer_state_by_name",
     "load_state_dict_from_zero_checkpoint",
+    "open_checkpoint",
     "optimizer_state_by_name",
     "parse_size",
     "prune_checkpoints",
@@ -41,6 +42,7 @@ __all__ = [
 _EXPORTS = {
     "consolidate": "consolidate", "consolidate_deepspeed": "consolidate", "get_fp32_state_dict": "consolidate",
     "load_state_dict_from_zero_checkpoint": "consolidate", "parse_size": "consolidate",
+    "open_checkpoint": "formats",
     "FORMAT_NAME": "format", "FORMAT_VERSION": "format", "CheckpointError": "format", "rank_entry": "format",
     "load_optimizer_state_by_name": "optimizer", "optimizer_state_by_name": "optimizer",
     "CheckpointReader": "reader", "resolve_checkpoint": "reader",

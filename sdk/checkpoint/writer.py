@@ -23,6 +23,7 @@ from .format import (
     LATEST,
     MANIFEST,
     CheckpointError,
+    SafetensorsStreamWriter,
     dtype_tag,
     fsync_dir,
     rank_entry,
@@ -395,6 +396,27 @@ class CheckpointWriter:
         for desc in (d for e in index.values() for d in e["pieces"]):
             desc["file"] = file
         self._entries[name] = {"kind": "sharded", "index": index}
+
+    @_named_write_errors
+    def write_shard_streamed(self, name: str, specs: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+                             fetch: Callable[[str], torch.Tensor]) -> None:
+        """Like :meth:`write_shard` with one whole-tensor piece per key, fetched one at a time (``fetch(key)``
+        is called in ``specs`` order and dropped once written), so a conversion holds one tensor, not the
+        entry."""
+        self._new_entry(name)
+        file = f"{rank_entry(name, self.rank)}.safetensors"
+        w = SafetensorsStreamWriter(self.tmp / file, [(k, d, tuple(s)) for k, d, s in specs])
+        try:
+            for key, _, _ in specs:
+                w.write(key, fetch(key))
+        except BaseException:
+            w.abort()
+            raise
+        self._record(file, w.close())
+        self._entries[name] = {"kind": "sharded", "index": {
+            k: {"shape": [int(x) for x in s], "dtype": dtype_tag(d, f"{name}: {k}"),
+                "pieces": [{"offsets": [0] * len(s), "shape": [int(x) for x in s], "tensor": k, "file": file}]}
+            for k, d, s in specs}}
 
     # ---------------------------------------------------------------- internals
     def _check_open(self) -> None:
