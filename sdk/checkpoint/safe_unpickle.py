@@ -562,6 +562,6 @@ def load_torch_zip_bytes(blob: bytes | memoryview, where: str) -> Any:
             raise CheckpointError(f"{where}: storage {key} holds {len(data)} bytes, not {numel} x {item}")
         if numel == 0:
             return torch.empty(0, dtype=dtype)
-        return torch.frombuffer(bytearray(data[: numel * item]), dtype=dtype, count=numel)
+        return torch.frombuffer(bytearray(data), dtype=dtype, count=numel)  # one copy: writable, owned
 
     return _run_unpickler(_RestrictedUnpickler(pickled, where, storage), where)
