@@ -92,6 +92,11 @@ class DCPReader:
 
     def read_box(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
         """The box ``[offsets, offsets + shape)`` of tensor ``key``, from the chunks covering it."""
+        t = self.tensor(key)
+        exact = next((i for i, c in enumerate(t.chunks) if c.offsets == tuple(offsets) and c.sizes == tuple(shape)),
+                     None)
+        if exact is not None:  # one chunk is the box (a resume at the saved layout, a whole tensor): no assembly
+            return self._chunk(t, exact).clone()  # the caller owns it (a loaded optimizer state is updated in place)
         return self._region(key, box=(tuple(offsets), tuple(shape)))
 
     def read_flat_range(self, key: str, start: int, end: int) -> torch.Tensor:
@@ -101,7 +106,7 @@ class DCPReader:
     def read_full(self, key: str) -> torch.Tensor:
         """The whole tensor ``key``."""
         t = self.tensor(key)
-        return self._region(key, box=((0,) * len(t.shape), t.shape))
+        return self.read_box(key, (0,) * len(t.shape), t.shape)
 
     def read_value(self, key: str) -> Any:
         """A non-tensor value: a pickled Python value (through the allowlist), or the raw bytes of a ``BytesIO``."""

@@ -545,7 +545,10 @@ def load_torch_zip_bytes(blob: bytes | memoryview, where: str) -> Any:
             if pkl[0].file_size > _MAX_PICKLE:
                 raise CheckpointError(f"{where}: a pickle of {pkl[0].file_size} bytes, more than {_MAX_PICKLE}")
             pickled = z.read(pkl[0])
-            records = {i.filename: z.read(i) for i in infos if i.filename.startswith(prefix + "data/")}
+            view = memoryview(blob)
+            # the records' bytes in place (zipfile's read would copy each and recompute its CRC)
+            records = {i.filename: view[start:start + i.file_size] for i in infos
+                       if i.filename.startswith(prefix + "data/") and (start := _record_start(blob, i, where)) >= 0}
     except CheckpointError:
         raise
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
@@ -565,3 +568,15 @@ def load_torch_zip_bytes(blob: bytes | memoryview, where: str) -> Any:
         return torch.frombuffer(bytearray(data), dtype=dtype, count=numel)  # one copy: writable, owned
 
     return _run_unpickler(_RestrictedUnpickler(pickled, where, storage), where)
+
+
+def _record_start(blob: bytes, info: zipfile.ZipInfo, where: str) -> int:
+    """Where stored record ``info``'s bytes begin in ``blob`` (after its local header), checked to end inside it."""
+    header = blob[info.header_offset: info.header_offset + 30]
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise CheckpointError(f"{where}: broken zip local header for {describe(info.filename, 80)}")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    start = info.header_offset + 30 + name_len + extra_len
+    if start + info.file_size > len(blob):
+        raise CheckpointError(f"{where}: record {describe(info.filename, 80)} runs past the end (truncated)")
+    return start
