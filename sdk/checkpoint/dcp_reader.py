@@ -129,12 +129,20 @@ class DCPLayout:
         self.param_hypers: dict[str, dict[str, str]] = {}  # torchtitan layout: fqn -> hyperparameter -> key
         self.train_state: dict[str, str] = {}
         self.other: dict[str, list[str]] = {}  # top-level name -> keys not read into a shardkit run
+        top_tensors: dict[str, str] = {}
         for key, path in index.paths.items():
-            self._place(key, path, key in index.tensors)
-        self.style = "torchtitan" if self.param_hypers or (self.model and not any(
-            p[0] == MODEL for p in index.paths.values())) else "torch"
+            if len(path) == 1 and key in index.tensors and path[0] not in _TOPS:
+                top_tensors[str(path[0])] = key
+            else:
+                self._place(key, path)
+        # torchtitan keeps the model's tensors at the top level; beside a `model` entry they are something else
+        self.style = "torch" if self.model else "torchtitan"
+        if self.model:
+            self.other.update({"(top level)": list(top_tensors.values())} if top_tensors else {})
+        else:
+            self.model = top_tensors
 
-    def _place(self, key: str, path: tuple, is_tensor: bool) -> None:
+    def _place(self, key: str, path: tuple) -> None:
         top = path[0]
         if top == MODEL and len(path) >= 2 and all(type(p) is str for p in path[1:]):
             self.model[".".join(path[1:])] = key
@@ -149,8 +157,6 @@ class DCPLayout:
             (self.state if kind == "state" else self.param_hypers).setdefault(fqn, {})[name] = key
         elif top == "train_state" and len(path) == 2:
             self.train_state[str(path[1])] = key
-        elif len(path) == 1 and is_tensor and top not in _TOPS:
-            self.model[str(top)] = key
         else:
             self.other.setdefault(str(top), []).append(key)
 

@@ -4,6 +4,7 @@ name), resumed by a Runner with the uninterrupted losses in both of torch's layo
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import warnings
@@ -17,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from shardkit import Runner
 from shardkit.checkpoint.convert import Progress, convert
 from shardkit.checkpoint.dcp_metadata import read_dcp_index
+from shardkit.checkpoint.dcp_reader import DCPCheckpointView
 from shardkit.checkpoint.format import CheckpointError
 from shardkit.checkpoint.formats import detect_format
 from shardkit.checkpoint.safe_unpickle import UnsafePickleError
@@ -62,7 +64,8 @@ def _torch_save(path: Path, layout: str = "torch") -> list[float]:
     _torch_steps(m, o, range(SAVE_AT))
     titan = layout == "torchtitan"
     msd, osd = get_state_dict(m, o, options=StateDictOptions(flatten_optimizer_state_dict=titan))
-    state = {**msd, "optimizer": osd, "train_state": {"step": SAVE_AT}} if titan else {"model": msd, "optimizer": osd}
+    state = {**msd, "optimizer": osd, "train_state": {"step": SAVE_AT}, "dataloader": {"dp_rank_0": io.BytesIO(b"x")}} \
+        if titan else {"model": msd, "optimizer": osd}
     dcp.save(state, checkpoint_id=str(path))
     return _torch_steps(m, o, range(SAVE_AT, 6))
 
@@ -82,6 +85,9 @@ def test_runner_resumes_a_dcp_save_with_the_uninterrupted_losses(tmp_path, layou
     got, steps = _resumed(tmp_path / "dcp")
     assert got == pytest.approx(want, rel=1e-6, abs=1e-7)
     assert steps == SAVE_AT
+    view = DCPCheckpointView(tmp_path / "dcp")
+    assert view.layout.style == layout
+    assert set(view.unread) == ({"dataloader"} if layout == "torchtitan" else set())  # logged, not loaded
     # through shardkit's format, and back to DCP read by torch's own dcp.load
     convert(tmp_path / "dcp", tmp_path / "sk", "shardkit")
     assert detect_format(tmp_path / "sk") == "shardkit"
@@ -132,8 +138,6 @@ def test_a_failed_conversion_leaves_no_destination(tmp_path, monkeypatch):
 
 
 def test_progress_draws_only_on_a_terminal(tmp_path):
-    import io
-
     class Tty(io.StringIO):
         def isatty(self):
             return True
@@ -228,8 +232,6 @@ def test_a_value_record_with_a_payload_is_refused_by_name(tmp_path):
     class Payload:
         def __reduce__(self):
             return (os.system, ("true",))
-
-    import io
 
     buf = io.BytesIO()
     with warnings.catch_warnings():
