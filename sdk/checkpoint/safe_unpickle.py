@@ -33,17 +33,19 @@ import torch
 from .format import CheckpointError
 from .trust import describe, open_regular
 
-__all__ = ["DeepSpeedStandIn", "TorchZipFile", "UnsafePickleError", "ZeroStage", "load_torch_zip"]
+__all__ = ["DeepSpeedStandIn", "PickleStandIn", "TorchZipFile", "UnsafePickleError", "ZeroStage", "load_torch_zip",
+           "allowlist", "load_torch_zip_bytes", "restricted_loads"]
 
 
 class UnsafePickleError(CheckpointError):
     """A pickle asked for a global (a class or function) outside the allowlist; nothing was run."""
 
 
-class DeepSpeedStandIn:
-    """An inert stand-in for one of DeepSpeed's plain classes: keeps the pickled fields, runs nothing."""
+class PickleStandIn:
+    """An inert stand-in for a foreign plain class: keeps the pickled fields, runs nothing. Hashed by identity (it
+    defines no ``__eq__``/``__hash__``), so it may key a dict in a pickle at constant cost."""
 
-    ds_class = ""
+    qualified = ""
 
     def __init__(self, *args: Any) -> None:
         self.args = args
@@ -55,11 +57,17 @@ class DeepSpeedStandIn:
             self.state = state
 
     def __repr__(self) -> str:
-        return f"<{self.ds_class} with fields {sorted(k for k in self.__dict__ if k != 'args')}>"
+        return f"<{self.qualified} with fields {sorted(k for k in self.__dict__ if k != 'args')}>"
+
+
+class DeepSpeedStandIn(PickleStandIn):
+    """An inert stand-in for one of DeepSpeed's plain classes: keeps the pickled fields, runs nothing."""
+
+    ds_class = ""
 
 
 def _stand_in(qualified: str) -> type[DeepSpeedStandIn]:
-    return type(qualified.rsplit(".", 1)[1], (DeepSpeedStandIn,), {"ds_class": qualified})
+    return type(qualified.rsplit(".", 1)[1], (DeepSpeedStandIn,), {"ds_class": qualified, "qualified": qualified})
 
 
 class ZeroStage(enum.IntEnum):
@@ -179,6 +187,8 @@ def check_key(key: Any) -> None:
     t = type(key)
     if t in (str, bytes, float, bool) or key is None or (t is int and -(1 << 60) < key < 1 << 60):
         return
+    if isinstance(key, PickleStandIn):  # hashed by identity
+        return
     raise UnsafePickleError(f"a dict key or set element is {describe(key)}; only strings, numbers and None are "
                             "accepted (hashing a crafted key can take hours)")
 
@@ -240,15 +250,22 @@ def _allowlist() -> dict[str, Any]:
 
 
 _ALLOWED = _allowlist()
+
+
+def allowlist(extra: dict[str, Any]) -> dict[str, Any]:
+    """The torch values every reader accepts (sizes, dtypes, devices, containers) plus ``extra``, for
+    :func:`restricted_loads`."""
+    return {**_ALLOWED, **extra}
 _PY2_MODULES = {"__builtin__": "builtins"}  # torch.save writes protocol 2, which spells builtins the old way
-_SETSTATE_OK = (DeepSpeedStandIn,)
+_SETSTATE_OK = (PickleStandIn,)
 
 
 class _RestrictedUnpickler(pickle._Unpickler):  # the pure-Python one, so BUILD and the dict ops can be checked
-    def __init__(self, data: bytes, where: str, storage: Any) -> None:
+    def __init__(self, data: bytes, where: str, storage: Any, allowed: dict[str, Any] | None = None) -> None:
         super().__init__(io.BytesIO(data))
         self._where = where
         self._storage = storage
+        self._allowed = _ALLOWED if allowed is None else allowed
         self.dispatch = dict(pickle._Unpickler.dispatch)
         ops = {pickle.BUILD: _RestrictedUnpickler._load_build, pickle.SETITEM: _RestrictedUnpickler._load_setitem,
                pickle.SETITEMS: _RestrictedUnpickler._load_setitems, pickle.DICT: _RestrictedUnpickler._load_dict,
@@ -258,14 +275,16 @@ class _RestrictedUnpickler(pickle._Unpickler):  # the pure-Python one, so BUILD 
 
     def find_class(self, module: str, name: str) -> Any:
         key = f"{_PY2_MODULES.get(module, module)}.{name}"
-        if key in _ALLOWED:
-            return _ALLOWED[key]
+        if key in self._allowed:
+            return self._allowed[key]
         raise UnsafePickleError(
-            f"{self._where}: refuses to load global {describe(key, 120)}: only tensors, containers and DeepSpeed's "
-            "plain checkpoint classes are accepted, so nothing in the file is executed. If you trust the file, load "
-            "it with torch.load(weights_only=False) yourself")
+            f"{self._where}: refuses to load global {describe(key, 120)}: only tensors, containers and the "
+            "checkpoint format's plain classes are accepted, so nothing in the file is executed. If you trust the "
+            "file, load it with torch.load(weights_only=False) yourself")
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
+        if self._storage is None:
+            raise UnsafePickleError(f"{self._where}: a plain pickle names a tensor storage; none is expected here")
         ok = (type(pid) is tuple and len(pid) == 5 and type(pid[0]) is str and pid[0] == "storage"
               and isinstance(pid[1], _StorageType) and type(pid[2]) is str and _STORAGE_KEY.match(pid[2])
               and type(pid[4]) is int and 0 <= pid[4] < _MAX_INDEX)
@@ -450,17 +469,7 @@ class TorchZipFile:
 
     def load(self) -> Any:
         """Unpickles the file's object with the allowlist; tensors are views of the mapping."""
-        try:
-            return _RestrictedUnpickler(self._pickle, str(self.path), self.storage).load()
-        except CheckpointError as e:
-            if str(e).startswith(str(self.path)):
-                raise
-            raise type(e)(f"{self.path}: {e}") from None
-        except Exception as e:  # a malformed pickle: name the file, not pickle's internals
-            # NOTE: str(e) only when its arguments are plain: a KeyError's text is the repr of a crafted key.
-            text = str(e)[:200] if all(type(a) in (str, int) for a in e.args) else ""
-            raise CheckpointError(f"{self.path}: cannot read the pickle ({type(e).__name__}{': ' if text else ''}"
-                                  f"{text})") from None
+        return _run_unpickler(_RestrictedUnpickler(self._pickle, str(self.path), self.storage), str(self.path))
 
     def release(self) -> None:
         """Drops the pages read so far from this process (they are re-read from the file if touched again)."""
@@ -485,3 +494,89 @@ def load_torch_zip(path: str | os.PathLike) -> Any:
         CheckpointError: the file is missing, truncated or malformed.
     """
     return TorchZipFile(path).load()
+
+
+def restricted_loads(data: bytes, where: str, allowed: dict[str, Any]) -> Any:
+    """Unpickles a plain pickle (no tensor storages) accepting only the globals in ``allowed``
+    (``"module.name"`` -> what it unpickles to: a :class:`PickleStandIn` subclass or a checking function).
+
+    Raises:
+        UnsafePickleError: naming the first other global (nothing is executed).
+        CheckpointError: a malformed pickle, naming ``where``.
+    """
+    if len(data) > _MAX_PICKLE:
+        raise CheckpointError(f"{where}: a pickle of {len(data)} bytes, more than {_MAX_PICKLE}")
+    return _run_unpickler(_RestrictedUnpickler(data, where, None, allowed), where)
+
+
+def _run_unpickler(unpickler: _RestrictedUnpickler, where: str) -> Any:
+    try:
+        return unpickler.load()
+    except CheckpointError as e:
+        if str(e).startswith(where):
+            raise
+        raise type(e)(f"{where}: {e}") from None
+    except Exception as e:  # a malformed pickle: name the file, not pickle's internals
+        # NOTE: str(e) only when its arguments are plain: a KeyError's text is the repr of a crafted key.
+        text = str(e)[:200] if all(type(a) in (str, int) for a in e.args) else ""
+        raise CheckpointError(f"{where}: cannot read the pickle ({type(e).__name__}{': ' if text else ''}"
+                              f"{text})") from None
+
+
+def load_torch_zip_bytes(blob: bytes | memoryview, where: str) -> Any:
+    """A ``torch.save`` zip held in memory (one record of a container file, as DCP writes them), through the
+    allowlist: every record stored and inside ``blob``, the pickle capped; tensors are views of ``blob``'s copy.
+
+    Raises:
+        UnsafePickleError / CheckpointError: naming ``where``.
+    """
+    blob = bytes(blob)
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as z:
+            infos = z.infolist()
+            for info in infos:
+                if info.compress_type != zipfile.ZIP_STORED or info.file_size > len(blob):
+                    raise CheckpointError(f"{where}: record {describe(info.filename, 80)} is compressed or larger "
+                                          f"than the {len(blob)} bytes it lies in; torch.save stores its records")
+            pkl = [i for i in infos if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"]
+            if len(pkl) != 1:
+                raise CheckpointError(f"{where}: a zip record but not a torch.save one (no data.pkl)")
+            prefix = pkl[0].filename[: -len("data.pkl")]
+            if pkl[0].file_size > _MAX_PICKLE:
+                raise CheckpointError(f"{where}: a pickle of {pkl[0].file_size} bytes, more than {_MAX_PICKLE}")
+            pickled = z.read(pkl[0])
+            view = memoryview(blob)
+            # the records' bytes in place (zipfile's read would copy each and recompute its CRC)
+            records = {i.filename: view[start:start + i.file_size] for i in infos
+                       if i.filename.startswith(prefix + "data/") and (start := _record_start(blob, i, where)) >= 0}
+    except CheckpointError:
+        raise
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError, NotImplementedError,
+            RuntimeError) as e:
+        raise CheckpointError(f"{where}: not a complete torch.save record ({str(e)[:200]}); the file is truncated "
+                              "or was edited") from None
+
+    def storage(key: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        data = records.get(f"{prefix}data/{key}")
+        if data is None:
+            raise CheckpointError(f"{where}: the pickle names storage {key}, which the record lacks (truncated?)")
+        item = torch.empty((), dtype=dtype).element_size()
+        if numel * item > len(data):
+            raise CheckpointError(f"{where}: storage {key} holds {len(data)} bytes, not {numel} x {item}")
+        if numel == 0:
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(bytearray(data), dtype=dtype, count=numel)  # one copy: writable, owned
+
+    return _run_unpickler(_RestrictedUnpickler(pickled, where, storage), where)
+
+
+def _record_start(blob: bytes, info: zipfile.ZipInfo, where: str) -> int:
+    """Where stored record ``info``'s bytes begin in ``blob`` (after its local header), checked to end inside it."""
+    header = blob[info.header_offset: info.header_offset + 30]
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise CheckpointError(f"{where}: broken zip local header for {describe(info.filename, 80)}")
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    start = info.header_offset + 30 + name_len + extra_len
+    if start + info.file_size > len(blob):
+        raise CheckpointError(f"{where}: record {describe(info.filename, 80)} runs past the end (truncated)")
+    return start

@@ -23,6 +23,7 @@ COMMANDS: list[tuple[str, str, str]] = [
     ("env", "shardkit.cli.env_info", "print versions and devices for a bug report"),
     ("config", "shardkit.config.cli", "write a launch config (Accelerate-style YAML) by answering questions"),
     ("zero-to-fp32", "shardkit.checkpoint.zero_to_fp32", "consolidate a checkpoint into fp32 safetensors"),
+    ("convert", "shardkit.checkpoint.convert", "convert a checkpoint: shardkit, DCP, HF, DeepSpeed universal"),
     ("estimate-memory", "shardkit.memory.cli", "per-device memory of each strategy for a model; what fits"),
     ("build-ops", "shardkit.cli.build_ops", "build the C++ ops ahead (--deepspeed: and DeepSpeed's, for ZeRO)"),
 ]

@@ -112,7 +112,11 @@ class RunnerCheckpoints:
         self.wait_for_save()
         started = time.time()
         rank = self.strategy.rank
-        with ckpt.CheckpointReader(path, verify=verify) as reader:
+        # a shardkit checkpoint, or a torch.distributed.checkpoint directory seen through the same reads
+        with ckpt.open_checkpoint(path, verify=verify) as reader:
+            for top, keys in getattr(reader, "unread", {}).items():
+                self._logger.warning("checkpoint %s: %s (%d keys) has no shardkit counterpart and is not loaded",
+                                     reader.path, top, len(keys))
             values = StateSaver(self.strategy, self._owner_of).load(reader, state)
             if not runner_state:
                 return values

@@ -94,7 +94,8 @@ class StateSaver:
 
 def check_module_dtypes(reader: ckpt.CheckpointReader, name: str, module: nn.Module) -> None:
     """Refuses to load entry ``name`` into ``module`` when a tensor's stored dtype would change on load,
-    other than by a documented cast (fp32 <-> fp16/bf16 of floating tensors; :func:`shardkit.checkpoint.check_cast`).
+    other than by a documented cast (fp32 <-> fp16/bf16 of floating tensors; :func:`shardkit.checkpoint.check_cast`),
+    or when its shape is not the model's, before anything is copied.
 
     Raises:
         CheckpointError: naming the checkpoint, the key and both dtypes.
@@ -103,6 +104,11 @@ def check_module_dtypes(reader: ckpt.CheckpointReader, name: str, module: nn.Mod
     for key, live in module.state_dict(keep_vars=True).items():
         if key in saved and isinstance(live, torch.Tensor):  # missing keys: the strategy's error, its own message
             ckpt.check_cast(saved[key][1], live.dtype, f"{reader.path}: {name}", key)
+            # a partitioned parameter (ZeRO-3) shows no shape here; its strategy checks it against the saved one
+            if live.numel() and tuple(live.shape) != tuple(saved[key][0]):
+                raise ckpt.CheckpointError(
+                    f"{reader.path}: {name}: {key!r} was saved with shape {list(saved[key][0])}, the model has "
+                    f"{list(live.shape)}; the checkpoint belongs to another model (nothing was loaded)")
 
 
 def _check_entries(saved: Any, file: Any) -> dict[str, str]:
