@@ -122,7 +122,13 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, layout: 
                         publish_export(staged, lambda s: formats.write_shardkit(source, s, bar.tick), sources)
                     src = staged
                 base = resolve_checkpoint(src)
-                return publish_export(dst, lambda s: formats.write_universal(base, s, bar), [*sources, base])
+                written = publish_export(dst, lambda s: formats.write_universal(base, s, bar), [*sources, base])
+                # as ds_to_universal leaves it: the parent's latest_universal names the new tag (written whole)
+                pointer = dst.parent / "latest_universal"
+                partial = dst.parent / f".latest_universal.{os.getpid()}"
+                partial.write_text(dst.name)
+                os.replace(partial, pointer)
+                return written
             with formats.open_checkpoint(src) as source:
                 def write(stage: Path) -> list[str]:
                     if to == "dcp":

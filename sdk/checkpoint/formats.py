@@ -221,7 +221,7 @@ def write_hf(source: Any, stage: Path, tick: Tick, *, dtype: torch.dtype | None 
 def write_universal(shardkit_dir: Path, stage: Path, progress: Any) -> list[str]:
     """A DeepSpeed universal checkpoint from the shardkit checkpoint ``shardkit_dir`` (``ds_universal``'s writer)."""
     inner = stage / "universal"
-    universal().shardkit_to_universal(shardkit_dir, inner, progress=progress)
+    universal().shardkit_to_universal(shardkit_dir, inner, progress=progress, point_latest=False)  # moved below
     names = []
     for f in sorted(inner.iterdir()):
         os.replace(f, stage / f.name)

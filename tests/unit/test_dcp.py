@@ -105,7 +105,7 @@ def test_runner_resumes_a_dcp_save_with_the_uninterrupted_losses(tmp_path, layou
     assert _torch_steps(m, o, range(SAVE_AT, 6)) == pytest.approx(want, rel=1e-6, abs=1e-7)
 
 
-def test_convert_to_hf_writes_the_model_weights_and_the_cli_runs(tmp_path, capsys):
+def test_convert_to_hf_writes_the_model_weights_and_the_cli_runs(tmp_path):
     _torch_save(tmp_path / "dcp")
     assert cli(["convert", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--to", "hf"]) == 0
     from safetensors.torch import load_file
@@ -115,8 +115,14 @@ def test_convert_to_hf_writes_the_model_weights_and_the_cli_runs(tmp_path, capsy
     weights = load_file(tmp_path / "hf" / "model.safetensors")
     assert weights.keys() == m.state_dict().keys()
     assert all(torch.equal(weights[k], v) for k, v in m.state_dict().items())
-    assert cli(["convert", str(tmp_path / "dcp"), str(tmp_path / "x"), "--to", "ds-universal"]) == 2
-    assert "universal" in capsys.readouterr().err
+    # DeepSpeed universal out, and back in: the same weights, the parent's latest_universal naming the tag
+    assert cli(["convert", str(tmp_path / "dcp"), str(tmp_path / "ds" / "step3_universal"), "--to",
+                "ds-universal"]) == 0
+    assert (tmp_path / "ds" / "latest_universal").read_text() == "step3_universal"
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == ["latest_universal", "step3_universal"]
+    assert cli(["convert", str(tmp_path / "ds" / "step3_universal"), str(tmp_path / "hf2"), "--to", "hf"]) == 0
+    again = load_file(tmp_path / "hf2" / "model.safetensors")
+    assert all(torch.equal(again[k], v) for k, v in m.state_dict().items())
 
 
 def test_a_failed_conversion_leaves_no_destination(tmp_path, monkeypatch):
