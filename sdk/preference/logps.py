@@ -16,6 +16,8 @@ states it is handed into the completion tokens' log-probs (and the metrics' logi
 the engine has just gathered. Its output is the model's output, so the engine's backward hooks gather the head
 again for backward and reduce its gradient. A Hugging Face model runs with ``logits_to_keep=0`` (its head sees
 every position), shardkit's Llama through its loss path (its head is handed the shifted rows and labels).
+:func:`score_positions` is the same mechanism for any positions (the family's NLL over whole sequences and entropy),
+handing back the detached final hidden states for metrics read after the forward.
 """
 
 from __future__ import annotations
