@@ -134,7 +134,7 @@ class KTOTrainer(FamilyTrainer):
     def _metrics_of(self, inputs: dict[str, Tensor], scores: Any, logps: Tensor, desirable: Tensor,
                     chosen_rewards: Tensor, rejected_rewards: Tensor, kl: Tensor) -> dict[str, tuple[Tensor, float]]:
         mask = scores.mask
-        per_row_logits = (mean_logits(scores.hidden[:, :-1], self.runner.unwrap_model(self.model)) * mask).sum(1)
+        per_row_logits = (mean_logits(scores.hidden, self.runner.unwrap_model(self.model)) * mask).sum(1)
         tokens = mask.sum(1).float()
         chosen, rejected = float(desirable.sum()), float((~desirable).sum())
         metrics: dict[str, tuple[Tensor, float]] = {

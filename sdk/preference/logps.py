@@ -16,6 +16,8 @@ states it is handed into the completion tokens' log-probs (and the metrics' logi
 the engine has just gathered. Its output is the model's output, so the engine's backward hooks gather the head
 again for backward and reduce its gradient. A Hugging Face model runs with ``logits_to_keep=0`` (its head sees
 every position), shardkit's Llama through its loss path (its head is handed the shifted rows and labels).
+:func:`score_positions` is the same mechanism for any positions (the family's NLL over whole sequences and entropy),
+handing back the detached final hidden states for metrics read after the forward.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from shardkit.nn.log_probs import whole_only_in_forward
 from shardkit.trainer.peft_support import base_model_of
 from shardkit.utils.partitioned import gathered_for_read
 
-__all__ = ["SequenceLogps", "lm_head_of", "sequence_log_probs", "token_log_probs"]
+__all__ = ["SequenceLogps", "lm_head_of", "score_positions", "sequence_log_probs", "token_log_probs"]
 
 # Rows x vocab elements of one no-grad block (metrics only): 2^22 floats, 16 MiB in fp32.
 _BLOCK_ELEMENTS = 1 << 22
@@ -184,6 +186,9 @@ class _Wanted:
     wpo: bool = False
     entropy: bool = False
     top1_rows: Tensor | None = None  # rows whose label's top-1 hit is counted
+    # the final hidden states too (metrics over positions of the caller's choosing): "hidden" ``[rows, T-1, H]`` at
+    # the predicting positions and "last" ``[rows, H]`` (absent where the model hands its head no last position)
+    keep_hidden: bool = False
 
 
 def _score_rows(rows: Tensor, head: nn.Module, labels: Tensor, wanted: _Wanted) -> tuple[Tensor, dict[str, Tensor]]:
@@ -235,6 +240,12 @@ class _ForwardScorer:
             raise ValueError("preference scoring inside the forward: the LM head was handed other labels than the "
                              "batch's completion tokens; the model must pass its head the shifted labels unchanged")
         token_logps, self.stats = _score_rows(rows, self.head, targets, self.wanted)
+        if self.wanted.keep_hidden:  # detached: the metrics read them without gradient
+            kept = hidden.detach()
+            if labels is not None:
+                self.stats["hidden"] = kept.reshape(self.mask.shape[0], self.mask.shape[1], -1)
+            else:
+                self.stats["hidden"], self.stats["last"] = kept[:, :-1], kept[:, -1]
         # FSDP2 warns on a view returned by a module it wraps (an in-place op on it would skip its backward hook);
         # the op's output is a view of its flat result: a copy of one float per scored token
         self.returned = token_logps.clone() if token_logps._is_view() else token_logps
@@ -288,6 +299,33 @@ def _score_in_forward(model: nn.Module, unwrapped: nn.Module, batch: dict[str, T
     return out, scorer.stats
 
 
+def _score(model: nn.Module, unwrapped: nn.Module, batch: dict[str, Tensor], mask: Tensor, labels: Tensor,
+           wanted: _Wanted) -> tuple[Tensor, dict[str, Tensor]]:
+    """The positions in ``mask`` scored against ``labels`` (and ``wanted``): inside the model's forward where the
+    head's weight is whole only there, after it from the last hidden states otherwise."""
+    head = lm_head_of(unwrapped)
+    if whole_only_in_forward(head.weight):
+        return _score_in_forward(model, unwrapped, batch, head, mask, labels, wanted)
+    hidden = last_hidden_states(model, unwrapped, batch)
+    token_logps, stats = _score_rows(hidden[:, :-1][mask], head, labels, wanted)
+    if wanted.keep_hidden:
+        stats["hidden"], stats["last"] = hidden[:, :-1].detach(), hidden[:, -1].detach()
+    return token_logps, stats
+
+
+def score_positions(model: nn.Module, unwrapped: nn.Module, batch: dict[str, Tensor], mask: Tensor, *,
+                    entropy: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
+    """The label log-probs (with gradient) at the positions in ``mask [rows, T-1]`` of ``batch`` (position ``t``
+    scores token ``t + 1``), scored as :func:`sequence_log_probs` scores completions (inside the forward where the
+    engine has the head whole only there), and the detached extras: ``"hidden"`` (the final hidden states at the
+    predicting positions ``[rows, T-1, H]``), ``"last"`` (the last position's ``[rows, H]``; absent where the
+    model hands its head no last position: shardkit's Llama scored inside its forward) and, with ``entropy``,
+    ``"entropy"`` per scored position."""
+    mask = mask.bool()
+    labels = batch["input_ids"][:, 1:][mask]
+    return _score(model, unwrapped, batch, mask, labels, _Wanted(entropy=entropy, keep_hidden=True))
+
+
 def sequence_log_probs(model: nn.Module, unwrapped: nn.Module, batch: dict[str, Tensor], sequences: int, *,
                        ld_alpha: float | None = None, mean_logits: bool = True, wpo: bool = False,
                        softcap: float | None = None, token_stats: bool = False) -> SequenceLogps:
@@ -303,13 +341,8 @@ def sequence_log_probs(model: nn.Module, unwrapped: nn.Module, batch: dict[str, 
             ``mean_token_accuracy``).
     """
     mask, labels, seq = _completion_positions(batch)
-    head = lm_head_of(unwrapped)
     wanted = _Wanted(softcap, mean_logits, wpo, token_stats, seq < sequences // 2 if token_stats else None)
-    if whole_only_in_forward(head.weight):
-        token_logps, stats = _score_in_forward(model, unwrapped, batch, head, mask, labels, wanted)
-    else:
-        hidden = last_hidden_states(model, unwrapped, batch)
-        token_logps, stats = _score_rows(hidden[:, :-1][mask], head, labels, wanted)
+    token_logps, stats = _score(model, unwrapped, batch, mask, labels, wanted)
     zeros = token_logps.new_zeros(sequences)
     sums = zeros.index_add(0, seq, token_logps)
     tokens = zeros.detach().index_add(0, seq, torch.ones_like(token_logps.detach()))

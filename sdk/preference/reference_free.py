@@ -39,8 +39,8 @@ class _ReferenceFree(FamilyTrainer):
 
     uses_reference = False
     trainer_name = ""
-    # Positions whose mean logit TRL's logits/* metrics average: ORPO drops the last one, CPO keeps all.
-    logit_positions: slice = slice(None)
+    # Whether TRL's logits/* metrics average the mean logit at the last position too: ORPO drops it, CPO keeps it.
+    logits_at_last = True
 
     # TRL's positional order, model_init and preprocess_logits_for_metrics included.
     def __init__(self, model: Any, args: Any = None, data_collator: Any = None, train_dataset: Any = None,
@@ -78,7 +78,8 @@ class _ReferenceFree(FamilyTrainer):
                     ) -> dict[str, tuple[Tensor, float]]:
         half = chosen_logps.shape[0]
         pairs = float(half)
-        logits = mean_logits(scores.hidden[:, self.logit_positions], self.runner.unwrap_model(self.model))
+        hidden = scores.with_last(f"{self.trainer_name}Trainer") if self.logits_at_last else scores.hidden
+        logits = mean_logits(hidden, self.runner.unwrap_model(self.model))
         per_side = float(logits[:half].numel())
         return {
             "rewards/chosen": (chosen_rewards.sum(), pairs),
@@ -109,7 +110,7 @@ class ORPOTrainer(_ReferenceFree):
 
     config_class = ORPOConfig
     trainer_name = "ORPO"
-    logit_positions = slice(None, -1)
+    logits_at_last = False
 
     def preference_loss(self, model: nn.Module, inputs: dict[str, Tensor]
                         ) -> tuple[dict[str, Tensor], dict[str, tuple[Tensor, float]]]:

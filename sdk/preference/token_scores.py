@@ -2,11 +2,12 @@
 ORPO's NLL over whole sequences, CPO's length-averaged log-probs, KTO's entropy, TRL's mean-logit metrics over
 positions of their choosing.
 
-The model runs to its final hidden states through :func:`shardkit.preference.logps.last_hidden_states` (the set-up
-model, so the strategy's hooks run), and the chosen positions are scored against the LM head weight by the chunked
-op through :func:`shardkit.nn.head_log_probs` (which gathers a ZeRO-3 head and combines a TensorParallel vocabulary
-split; the ``[tokens, vocab]`` logits never exist). The mean logit over the vocabulary is
-``hidden . mean(W) + mean(b)``, the mean of a linear map, exact and ``O(positions x hidden)``.
+The positions are scored by :func:`shardkit.preference.logps.score_positions`, the mechanism that scores DPO's
+completions: against the LM head weight by the chunked op (the ``[tokens, vocab]`` logits never exist), after the
+set-up model's forward from its last hidden states, or inside that forward where the engine has the head whole only
+there (FSDP2, ZeRO-3 with a partitioned head), so that it gathers the head for backward and reduces its gradient.
+The mean logit over the vocabulary is ``hidden . mean(W) + mean(b)``, the mean of a linear map, exact and
+``O(positions x hidden)``, read from the detached hidden states after the forward (no gradient).
 """
 
 from __future__ import annotations
@@ -16,34 +17,40 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from shardkit.nn.log_probs import head_log_probs
-from shardkit.preference.logps import last_hidden_states, lm_head_of
+from shardkit.preference.logps import lm_head_of, score_positions
 from shardkit.trainer.peft_support import base_model_of
 from shardkit.utils.partitioned import gathered_for_read
 
 __all__ = ["TokenScores", "check_no_softcap", "mean_logits", "score_tokens"]
-
-# One chunk's fp32 logits near 32 MiB whatever the vocabulary, the budget the base scores the reference with (the
-# logits are what preference training would otherwise spend its memory on).
-_CHUNK_BYTES = 32 << 20
-
 
 @dataclass
 class TokenScores:
     """One forward's scores, positions ``[rows, T-1]`` (position ``t`` predicts token ``t + 1``).
 
     Attributes:
-        hidden: the final hidden states ``[rows, T, H]``.
+        hidden: the final hidden states at the predicting positions ``[rows, T-1, H]`` (detached).
         mask: the scored positions (bool).
         logps: the label's log-probability at each scored position (0 elsewhere), with gradient.
         entropy: the entropy of the next-token distribution at each scored position (0 elsewhere, no gradient),
             or None when not asked for.
+        last: the final hidden states at the last position ``[rows, H]`` (detached), or None where the model does
+            not hand them to its head (shardkit's Llama scored inside its forward).
     """
 
     hidden: Tensor
     mask: Tensor
     logps: Tensor
     entropy: Tensor | None = None
+    last: Tensor | None = None
+
+    def with_last(self, trainer: str) -> Tensor:
+        """The final hidden states at every position ``[rows, T, H]``, the last one included."""
+        if self.last is None:
+            raise NotImplementedError(
+                f"{trainer}'s logits/* metrics average the mean logit over every position, the last included, which "
+                "shardkit's Llama does not hand its LM head when it is scored inside its forward (FSDP, or ZeRO-3 "
+                "with a partitioned head); use a Hugging Face causal LM there, or another strategy")
+        return torch.cat([self.hidden, self.last[:, None]], 1)
 
     def sums(self, mask: Tensor | None = None) -> Tensor:
         """Per row, the summed log-probs over ``mask`` (a subset of the scored positions; default all)."""
@@ -77,20 +84,14 @@ def score_tokens(model: nn.Module, unwrapped: nn.Module, batch: dict[str, Tensor
         mask: which positions to score: position ``t`` scores token ``t + 1``.
         entropy: also return the per-position entropy (for metrics; detached).
     """
-    hidden = last_hidden_states(model, unwrapped, batch)
     mask = mask.bool()
-    head = lm_head_of(unwrapped)
-    labels = batch["input_ids"][:, 1:][mask]
-    chunk = max(16, _CHUNK_BYTES // (4 * max(head.weight.shape[0], 1)))
-    out = head_log_probs(hidden[:, :-1][mask], head.weight, labels, bias=getattr(head, "bias", None),
-                         return_entropy=entropy, chunk_size=chunk)
-    token_logps, token_entropy = out if entropy else (out, None)
+    token_logps, stats = score_positions(model, unwrapped, batch, mask, entropy=entropy)
     logps = token_logps.float().new_zeros(mask.shape).masked_scatter(mask, token_logps.float())
     dense_entropy = None
-    if token_entropy is not None:
+    if entropy:
         dense_entropy = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        dense_entropy = dense_entropy.masked_scatter(mask, token_entropy.detach().float())
-    return TokenScores(hidden, mask, logps, dense_entropy)
+        dense_entropy = dense_entropy.masked_scatter(mask, stats["entropy"].detach().float())
+    return TokenScores(stats["hidden"], mask, logps, dense_entropy, stats.get("last"))
 
 
 @torch.no_grad()

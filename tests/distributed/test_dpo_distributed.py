@@ -7,6 +7,9 @@ big batch in one process, padded (HF Llama) and padding-free (shardkit's Llama),
 - ZeRO-3 (HF Llama) and TensorParallel (shardkit's Llama, the head split on the vocabulary; both ranks see every
   pair): the reference model set up by the Runner and sharded like the policy.
 
+KTO (unpaired rows, no KL term), ORPO and CPO (SimPO) under FSDP, HF Llama, 2 ranks x accumulation 2: the loss and
+the weights after a step equal one big batch's in one process (scored inside the forward like DPO).
+
 Every case shares one process group (one launch)."""
 
 from pathlib import Path
@@ -16,7 +19,16 @@ import torch
 from harness import run_distributed
 
 from shardkit.models import Llama, LlamaConfig
-from shardkit.preference import DPOConfig, DPOTrainer
+from shardkit.preference import (
+    CPOConfig,
+    CPOTrainer,
+    DPOConfig,
+    DPOTrainer,
+    KTOConfig,
+    KTOTrainer,
+    ORPOConfig,
+    ORPOTrainer,
+)
 from shardkit.sft import train_tokenizer
 from shardkit.strategies import strategy_from_name
 from shardkit.trainer import TrainerCallback
@@ -97,9 +109,38 @@ CASES = [("ddp", "hf", 2, 2), ("ddp", "llama", 2, 2), ("fsdp", "hf", 2, 2), ("fs
          ("zero3", "hf", 2, 2), ("tp", "llama", 3, 2)]
 
 
+FAMILY = {"kto": (KTOTrainer, KTOConfig, dict(loss_type="apo_zero_unpaired", max_length=48)),
+          "orpo": (ORPOTrainer, ORPOConfig, dict(max_length=48)),
+          "cpo": (CPOTrainer, CPOConfig, dict(loss_type="simpo", cpo_alpha=0.5, max_length=48))}
+
+
+def _family_step(name: str, out: Path, batch: int, accumulation: int, strategy=None) -> dict:
+    """One SGD step (lr 1) of KTO, ORPO or CPO over all the pairs (KTO: each pair as a desirable and an undesirable
+    row, every second one kept); its loss and the weights after it."""
+    tokenizer = train_tokenizer([TEXT], vocab_size=300)
+    trainer_cls, config_cls, settings = FAMILY[name]
+    args = config_cls(output_dir=str(out / name), per_device_train_batch_size=batch,
+                      gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1.0, optim="sgd",
+                      logging_steps=1, save_strategy="no", disable_tqdm=True, report_to="none", seed=0,
+                      max_grad_norm=0.0, train_sampling_strategy="sequential", beta=0.5, use_cpu=True, **settings)
+    if name == "kto":
+        data = [{"prompt": p, "completion": c if i % 2 else r, "label": bool(i % 2)}
+                for i, (p, c, r) in enumerate(PAIRS)]
+    else:
+        data = [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS]
+    trainer = trainer_cls(_model("hf", len(tokenizer)), args=args, train_dataset=data, processing_class=tokenizer,
+                          strategy=strategy)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h][0]
+    return {"loss": logged["loss"], "weights": _weights(trainer)}
+
+
 def _worker(out: str) -> dict:
-    return {(name, kind): _step(kind, Path(out) / name, batch, accumulation, strategy_from_name(name))
-            for name, kind, batch, accumulation in CASES}
+    results = {(name, kind): _step(kind, Path(out) / name, batch, accumulation, strategy_from_name(name))
+               for name, kind, batch, accumulation in CASES}
+    for family in FAMILY:
+        results[("fsdp", family)] = _family_step(family, Path(out) / "fsdp", 2, 2, strategy_from_name("fsdp"))
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +152,8 @@ def runs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("dpo_one")
-    return {kind: _step(kind, out, len(PAIRS), 1) for kind in ("hf", "llama")}
+    return {**{kind: _step(kind, out, len(PAIRS), 1) for kind in ("hf", "llama")},
+            **{family: _family_step(family, out, len(PAIRS), 1) for family in FAMILY}}
 
 
 @pytest.mark.parametrize("name, kind", [case[:2] for case in CASES], ids=[f"{c[0]}-{c[1]}" for c in CASES])
@@ -126,6 +168,17 @@ def test_two_ranks_equal_one_big_batch(runs, one_process, name, kind):
             assert set(got["grads"]) == set(big["grads"]) and big["grads"]
             for param, grad in big["grads"].items():
                 torch.testing.assert_close(got["grads"][param], grad, atol=1e-6, rtol=1e-5, msg=param)
+        assert set(got["weights"]) == set(big["weights"]) and big["weights"]
+        for param, weight in big["weights"].items():
+            torch.testing.assert_close(got["weights"][param], weight, atol=1e-6, rtol=1e-5, msg=param)
+
+
+@pytest.mark.parametrize("family", list(FAMILY))
+def test_the_family_under_fsdp_equals_one_big_batch(runs, one_process, family):
+    big = one_process[family]
+    for rank in runs:
+        got = rank[("fsdp", family)]
+        assert got["loss"] == pytest.approx(big["loss"], abs=1e-5)
         assert set(got["weights"]) == set(big["weights"]) and big["weights"]
         for param, weight in big["weights"].items():
             torch.testing.assert_close(got["weights"][param], weight, atol=1e-6, rtol=1e-5, msg=param)
