@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.models.mlp import PlainSwiGLUMLP
 from shardkit.models.moe import MoE, MoEConfig, moe_aux_loss
 from shardkit.nn.log_probs import shift_labels as next_token_labels
 from shardkit.nn.varlen import Segments, varlen_attention
@@ -82,7 +83,7 @@ def _nn_parts(fused: bool):
         from shardkit.nn import RMSNorm, RotaryEmbedding, SwiGLUMLP
 
         return RMSNorm, RotaryEmbedding, SwiGLUMLP
-    return _RMSNorm, _Rotary, _SwiGLUMLP
+    return _RMSNorm, _Rotary, PlainSwiGLUMLP
 
 
 class _RMSNorm(nn.Module):
@@ -129,17 +130,6 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
-
-
-class _SwiGLUMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Attention(nn.Module):

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.models.mlp import PlainSwiGLUMLP
 from shardkit.models.moe_experts import EXPERT_BACKENDS, GroupedExperts
 from shardkit.utils.suggest import did_you_mean
 
@@ -149,17 +150,6 @@ class TopKRouter(nn.Module):
         return scores, picked, weights * cfg.route_scale
 
 
-class _SharedExperts(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class LocalDispatch:
     """Every expert on this device: the grouped GEMM over the sorted tokens; statistics are this process's."""
 
@@ -191,7 +181,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(config.num_experts, hidden_size, config.intermediate_size,
                                       backend=config.experts_backend)
         width = (config.shared_intermediate_size or config.intermediate_size) * config.num_shared_experts
-        self.shared_experts = _SharedExperts(hidden_size, width) if width else None
+        self.shared_experts = PlainSwiGLUMLP(hidden_size, width) if width else None
         # Expert parallelism installs its dispatcher here (run / global_sum / global_counts); None: all local.
         self.dispatcher: Any = None
         # Assignments per expert since the last bias update (training forwards only), for update_router_biases.
