@@ -103,9 +103,10 @@ def last_hidden_states(model: nn.Module, unwrapped: nn.Module, batch: dict[str, 
 
 
 def token_log_probs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None = None,
-                    softcap: float | None = None, return_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """``log softmax(hidden @ weight.T + bias)[labels]`` per row of ``hidden [N, H]`` without the ``[N, V]``
-    logits (fp32), and with ``return_entropy`` each row's entropy: :func:`shardkit.nn.head_log_probs`, which
+                    softcap: float | None = None, return_entropy: bool = False,
+                    temperature: float = 1.0) -> Tensor | tuple[Tensor, Tensor]:
+    """``log softmax((hidden @ weight.T + bias) / temperature)[labels]`` per row of ``hidden [N, H]`` without the
+    ``[N, V]`` logits (fp32), and with ``return_entropy`` each row's entropy: :func:`shardkit.nn.head_log_probs`, which
     gathers a ZeRO-3 head and combines a TensorParallel vocabulary split (and refuses an FSDP2 shard read outside
     the forward)."""
     from shardkit.nn.log_probs import head_log_probs
@@ -114,7 +115,7 @@ def token_log_probs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor
     # budget is 256 MiB): the logits are what preference training would otherwise spend its memory on.
     rows = max(16, _CHUNK_BYTES // (4 * max(weight.shape[0], 1)))
     out = head_log_probs(hidden, weight, labels, bias=bias, softcap=softcap, chunk_size=rows,
-                         return_entropy=return_entropy)
+                         return_entropy=return_entropy, temperature=temperature)
     return (out[0].float(), out[1].float()) if return_entropy else out.float()
 
 
@@ -189,6 +190,7 @@ class _Wanted:
     # the final hidden states too (metrics over positions of the caller's choosing): "hidden" ``[rows, T-1, H]`` at
     # the predicting positions and "last" ``[rows, H]`` (absent where the model hands its head no last position)
     keep_hidden: bool = False
+    temperature: float = 1.0  # the label log-probs and entropy of softmax(logits / temperature) (RL's sampling)
 
 
 def _score_rows(rows: Tensor, head: nn.Module, labels: Tensor, wanted: _Wanted) -> tuple[Tensor, dict[str, Tensor]]:
@@ -198,7 +200,7 @@ def _score_rows(rows: Tensor, head: nn.Module, labels: Tensor, wanted: _Wanted) 
     weight, bias = head.weight, getattr(head, "bias", None)
     stats: dict[str, Tensor] = {}
     token_logps = token_log_probs(rows, weight, labels, bias=bias, softcap=wanted.softcap,
-                                  return_entropy=wanted.entropy)
+                                  return_entropy=wanted.entropy, temperature=wanted.temperature)
     if wanted.entropy:
         token_logps, entropy = token_logps
         stats["entropy"] = entropy.detach()
@@ -314,16 +316,18 @@ def _score(model: nn.Module, unwrapped: nn.Module, batch: dict[str, Tensor], mas
 
 
 def score_positions(model: nn.Module, unwrapped: nn.Module, batch: dict[str, Tensor], mask: Tensor, *,
-                    entropy: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
+                    entropy: bool = False, temperature: float = 1.0) -> tuple[Tensor, dict[str, Tensor]]:
     """The label log-probs (with gradient) at the positions in ``mask [rows, T-1]`` of ``batch`` (position ``t``
     scores token ``t + 1``), scored as :func:`sequence_log_probs` scores completions (inside the forward where the
     engine has the head whole only there), and the detached extras: ``"hidden"`` (the final hidden states at the
     predicting positions ``[rows, T-1, H]``), ``"last"`` (the last position's ``[rows, H]``; absent where the
     model hands its head no last position: shardkit's Llama scored inside its forward) and, with ``entropy``,
-    ``"entropy"`` per scored position."""
+    ``"entropy"`` per scored position. ``temperature`` scores ``softmax(logits / temperature)`` (the log-probs
+    and the entropy; the hidden states are the model's)."""
     mask = mask.bool()
     labels = batch["input_ids"][:, 1:][mask]
-    return _score(model, unwrapped, batch, mask, labels, _Wanted(entropy=entropy, keep_hidden=True))
+    return _score(model, unwrapped, batch, mask, labels,
+                  _Wanted(entropy=entropy, keep_hidden=True, temperature=temperature))
 
 
 def sequence_log_probs(model: nn.Module, unwrapped: nn.Module, batch: dict[str, Tensor], sequences: int, *,
