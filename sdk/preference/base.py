@@ -21,7 +21,6 @@ import itertools
 import logging
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -31,6 +30,7 @@ from torch.utils.data import DataLoader
 from shardkit.preference.data import DataCollatorForPreference, PreferenceTokenizer, tokenize_preference_dataset
 from shardkit.preference.logps import SequenceLogps, sequence_log_probs
 from shardkit.trainer.callbacks import TrainerCallback
+from shardkit.trainer.frozen_model import frozen_model_context, set_up_frozen_model
 from shardkit.trainer.peft_support import base_model_of, is_peft_model
 from shardkit.trainer.trainer import Trainer
 
@@ -137,20 +137,12 @@ class PreferenceTrainer(Trainer):
     # ---- the reference -----------------------------------------------------------------------------
 
     def _set_reference(self, ref_model: nn.Module) -> None:
-        """Freeze the reference and set it up as the strategy holds models: sharded like the policy where the
-        strategy partitions parameters (ZeRO-3, FSDP, TP: never a whole copy per rank), replicated otherwise."""
-        ref_model.eval()
-        for p in ref_model.parameters():
-            p.requires_grad_(False)
-        if self.runner.strategy.partitions_parameters:
-            self.ref_model = self.runner.setup(ref_model)
-            self._ref_unwrapped = self.runner.unwrap_model(self.ref_model)
-        else:
-            self.ref_model = self._ref_unwrapped = ref_model.to(self.runner.device)
+        """Freeze the reference and hold it as the strategy holds models (``trainer.frozen_model``)."""
+        self.ref_model, self._ref_unwrapped = set_up_frozen_model(self.runner, ref_model)
 
     def _reference_context(self):
         # A replicated reference is not wrapped by the Runner, so the precision's autocast is entered here.
-        return nullcontext() if self.runner.strategy.partitions_parameters else self.runner.autocast()
+        return frozen_model_context(self.runner)
 
     @torch.no_grad()
     def reference_logps(self, model: nn.Module, inputs: dict[str, Tensor], sequences: int) -> Tensor:

@@ -23,7 +23,6 @@ import importlib.util
 import logging
 import random
 from collections import defaultdict
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -42,6 +41,7 @@ from shardkit.rl.rollout import (
     tokenize_prompts,
 )
 from shardkit.rl.scoring import completion_log_probs
+from shardkit.trainer.frozen_model import frozen_model_context, set_up_frozen_model
 from shardkit.trainer.peft_support import is_peft_model
 from shardkit.trainer.trainer import Trainer
 
@@ -149,22 +149,14 @@ class OnlineRLTrainer(Trainer):
     # ---- the reference ---------------------------------------------------------------------------
 
     def _set_reference(self, ref_model: nn.Module) -> None:
-        """Frozen, and held as the strategy holds models: sharded like the policy where parameters are partitioned
-        (never a whole copy per rank), replicated otherwise."""
-        ref_model.eval()
-        for p in ref_model.parameters():
-            p.requires_grad_(False)
-        if self.runner.strategy.partitions_parameters:
-            self.ref_model = self.runner.setup(ref_model)
-            self._ref_unwrapped = self.runner.unwrap_model(self.ref_model)
-        else:
-            self.ref_model = self._ref_unwrapped = ref_model.to(self.runner.device)
+        """Freeze the reference and hold it as the strategy holds models (``trainer.frozen_model``)."""
+        self.ref_model, self._ref_unwrapped = set_up_frozen_model(self.runner, ref_model)
 
     @torch.no_grad()
     def reference_log_probs(self, batch: dict[str, Tensor]) -> Tensor:
         """The reference's per-token log-probs of the completions (a PEFT model's base: its adapter disabled)."""
         if self.ref_model is not None:
-            context = nullcontext() if self.runner.strategy.partitions_parameters else self.runner.autocast()
+            context = frozen_model_context(self.runner)
             with context:
                 return self._log_probs(self.ref_model, self._ref_unwrapped, batch)[0]
         unwrapped = self.runner.unwrap_model(self.model_wrapped)
