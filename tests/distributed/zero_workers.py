@@ -344,7 +344,11 @@ def zero3_moe_worker(steps: int) -> dict:
         hit.append(sorted(set(output[2].flatten().tolist())))
 
     hooks = [layer.mlp.gate.register_forward_hook(record) for layer in model.model.layers]
-    runner = make_runner("zero3", "fp32")
+    # DeepSpeed (0.18+) flags these three transformers classes itself unless its config says otherwise; emptied here so
+    # that what keeps the ranks in step is ZeRO3's own marking (without both, DeepSpeed stops on the ranks' different
+    # module traces: the expert loop calls act_fn once per expert hit).
+    no_defaults = {"zero_optimization": {"leaf_module": {"classes": []}}}
+    runner = make_runner("zero3", "fp32", strategy=_cls("shardkit.strategies.zero", "ZeRO3")(extra=no_defaults))
     with torch.no_grad():
         ref = [model(input_ids=_moe_batch(runner.rank, s), labels=_moe_batch(runner.rank, s)).loss.item()
                for s in range(steps)]

@@ -25,8 +25,8 @@ from typing_extensions import override
 from shardkit.strategies.base import param_list
 from shardkit.strategies.zero.config import ZeROSettings
 from shardkit.strategies.zero.init import ZeroInitInterceptor
-from shardkit.strategies.zero.leaf import mark_leaf_modules
 from shardkit.strategies.zero.layout import ParameterPartitionLayout, ZeROLayout, param_shape
+from shardkit.strategies.zero.leaf import mark_leaf_modules
 from shardkit.strategies.zero.strategy import ZeROStrategy, prepare_deepspeed
 from shardkit.strategies.zero.transformers_link import TransformersLink
 
