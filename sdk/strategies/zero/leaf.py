@@ -5,9 +5,11 @@ the first step; every gather is a collective, so every rank must enter the same 
 block runs only the experts its tokens were routed to, which differs between ranks: when its experts are separate
 modules (a ``ModuleList``, as older transformers and remote-code models keep them), a rank whose batch skips an
 expert gathers another module's parameters while its peers gather that expert's, and the job hangs or mixes up
-buffers. DeepSpeed's remedy is to flag the whole block a *leaf*: its parameters are gathered together when the block
-starts, and nothing inside it is hooked. transformers 5 keeps the experts stacked in one module, which every rank
-enters; flagging the block still gathers it in one collective instead of three and leaves the routing free to change.
+buffers. transformers 5 stacks the experts in one module, but its eager loop still calls the ``act_fn`` submodule once
+per expert hit, so the ranks' module traces differ and DeepSpeed stops ("disagreement on list length"). DeepSpeed's
+remedy is to flag the whole block a *leaf*: its parameters are gathered together when the block starts, and nothing
+inside it is hooked. (DeepSpeed 0.18+ flags three transformers classes by default, unless its ``leaf_module`` config
+replaces the list; the structural search here covers the rest and does not depend on that default.)
 
 A block is recognised by its structure, not its class name, so shardkit's own ``MoE``, transformers 5's
 Qwen2-MoE / Qwen3-MoE / Mixtral sparse blocks and remote-code models' blocks are all found: a module with a router
