@@ -158,3 +158,21 @@ def test_zero3_in_a_plain_python_process_without_launcher_variables(tmp_path):
     done = subprocess.run([sys.executable, str(script)], env={**env, "DS_ACCELERATOR": "cpu"}, cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "trained 1" in done.stdout, done.stderr[-3000:]
+
+
+def test_zero3_hf_moe_with_experts_unused_on_one_rank_trains():
+    """A Hugging Face Qwen3-MoE where rank 1's batches route no token to experts 2 and 3: ZeRO-3 fetches each sparse
+    block whole (a DeepSpeed leaf module), so the ranks' gathers stay in step; the engine's losses are the unsharded
+    model's."""
+    pytest.importorskip("transformers")
+    results = run_distributed(w.zero3_moe_worker, world_size=2, timeout=300, args=(2,))
+    for layer in range(2):
+        assert results[0]["hit"][layer] == [0, 1, 2, 3], results[0]["hit"]
+        assert results[1]["hit"][layer] == [0, 1], results[1]["hit"]
+    for r in results:
+        assert r["leaves"] == ["Qwen3MoeSparseMoeBlock"], r["leaves"]
+        assert all(torch.isfinite(torch.tensor(r["losses"])))
+        torch.testing.assert_close(r["losses"][0], r["ref"][0], rtol=1e-5, atol=1e-6)  # before any step
+    assert results[0]["means"] == results[1]["means"]
+    torch.testing.assert_close(results[0]["means"][0], (results[0]["ref"][0] + results[1]["ref"][0]) / 2,
+                               rtol=1e-5, atol=1e-6)

@@ -305,3 +305,64 @@ def grouped_resume_worker(names: list[str], groups: list[int], root: str, steps:
             first = _grouped_run(name, count, path, "first", steps)
             out[(name, count)] = {"full": full, "resumed": first + _grouped_run(name, count, path, "second", steps)}
     return out
+
+
+def _starving_qwen3_moe():
+    """A tiny Hugging Face Qwen3-MoE whose routing follows the token: ids below 32 carry +5 in embedding dimension 0,
+    the others -5, and every router scores experts 0 and 1 by +dim 0 and experts 2 and 3 by -dim 0. A batch of low
+    ids sends no token to experts 2 and 3."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).float()
+    model.set_experts_implementation("eager")  # transformers' loop over the experts that were hit
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:32, 0] = 5.0
+        model.model.embed_tokens.weight[32:, 0] = -5.0
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.zero_()
+            layer.mlp.gate.weight[:, 0] = torch.tensor([10.0, 9.0, -9.0, -10.0])
+    return model
+
+
+def _moe_batch(rank: int, step: int) -> torch.Tensor:
+    high = 64 if rank == 0 else 32  # rank 1: low ids only, so its experts 2 and 3 receive nothing
+    return torch.randint(0, high, (2, 8), generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def zero3_moe_worker(steps: int) -> dict:
+    """Two AdamW steps of the starving Qwen3-MoE under ZeRO-3. Returns: the experts each rank's batches hit (per
+    layer, from the unsharded model), the reference losses of this rank's batches, the engine's losses and their
+    mean over the ranks, and the classes ZeRO3 flagged as leaf modules."""
+    model = _starving_qwen3_moe()
+    hit: list[list[int]] = []
+
+    def record(_module, _inputs, output):
+        hit.append(sorted(set(output[2].flatten().tolist())))
+
+    hooks = [layer.mlp.gate.register_forward_hook(record) for layer in model.model.layers]
+    # DeepSpeed (0.18+) flags these three transformers classes itself unless its config says otherwise; emptied here so
+    # that what keeps the ranks in step is ZeRO3's own marking (without both, DeepSpeed stops on the ranks' different
+    # module traces: the expert loop calls act_fn once per expert hit).
+    no_defaults = {"zero_optimization": {"leaf_module": {"classes": []}}}
+    runner = make_runner("zero3", "fp32", strategy=_cls("shardkit.strategies.zero", "ZeRO3")(extra=no_defaults))
+    with torch.no_grad():
+        ref = [model(input_ids=_moe_batch(runner.rank, s), labels=_moe_batch(runner.rank, s)).loss.item()
+               for s in range(steps)]
+    experts_hit = hit[:len(model.model.layers)]
+    for h in hooks:
+        h.remove()
+    model, optimizer = runner.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    losses, means = [], []
+    for s in range(steps):
+        ids = _moe_batch(runner.rank, s).to(runner.device)
+        loss = model(input_ids=ids, labels=ids).loss
+        runner.backward(loss)
+        runner.step()
+        losses.append(loss.item())
+        means.append(runner.all_reduce(loss.detach().clone(), "mean").item())
+    leaves = sorted({type(m).__name__ for m in runner.unwrap_model(model).modules() if getattr(m, "_z3_leaf", False)})
+    return {"hit": experts_hit, "ref": ref, "losses": losses, "means": means, "leaves": leaves}

@@ -149,3 +149,31 @@ def test_reading_whole_parameters_through_the_partitioned_interface_needs_no_eng
             "print(bool(w.sum() == 6), full_shape(w), 'deepspeed' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.split("\n")[:2] == ["True False", "True (2,) False"], out.stderr
+
+
+class _ListExperts(nn.Module):
+    """An MoE block with one module per expert (older transformers, remote-code models)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 3)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+
+def test_zero3_leaf_modules_are_the_moe_blocks_and_named_classes():
+    pytest.importorskip("deepspeed")
+    from shardkit.models import Llama, LlamaConfig
+    from shardkit.models.moe import MoE
+    from shardkit.strategies.zero.leaf import find_moe_blocks, mark_leaf_modules
+
+    llama = Llama(LlamaConfig.small_moe(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, fused=False,
+                                        moe=dict(num_experts=4, top_k=2, intermediate_size=8, first_dense_layers=1)))
+    blocks = find_moe_blocks(llama)
+    assert len(blocks) == 1 and all(isinstance(b, MoE) for b in blocks)  # layer 0 dense; not its experts again
+    model = nn.Sequential(_ListExperts(), nn.LayerNorm(8), llama)
+    strategy = ZeRO3(leaf_modules="LayerNorm, torch.nn.modules.sparse.Embedding")  # the --strategy-opt form
+    leaves = mark_leaf_modules(model, strategy.leaf_modules)
+    assert {type(m).__name__ for m in leaves} == {"_ListExperts", "MoE", "LayerNorm", "Embedding"}
+    assert all(m._z3_leaf for m in leaves) and not hasattr(llama.layers[0].mlp, "_z3_leaf")
+    with pytest.raises(ValueError, match="LayerNrom.*match no module"):
+        mark_leaf_modules(model, ["LayerNrom"])

@@ -5,7 +5,8 @@
 
 Files: ``strategy.py`` (:class:`ZeROStrategy`, the one implementation, as stages 1 and 2 run it; ZeRO1,
 ZeRO2), ``stage3.py`` (ZeRO3 and ZeROInfinity: what partitioned parameters change, as overrides),
-``config.py`` (settings, their validation and the DeepSpeed JSON built from them and the precision),
+``leaf.py`` (the mixture-of-experts blocks ZeRO-3 gathers whole), ``config.py`` (settings, their
+validation and the DeepSpeed JSON built from them and the precision),
 ``layout.py`` (where each stage keeps each rank's share of the state), ``checkpoint.py`` (shardkit's
 checkpoint format over that layout) and ``memory.py`` (bytes held per rank). Importing this package
 does not import DeepSpeed.

@@ -14,7 +14,7 @@ reads a weight outside its module's forward (the fused loss) gather it without n
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ from shardkit.strategies.base import param_list
 from shardkit.strategies.zero.config import ZeROSettings
 from shardkit.strategies.zero.init import ZeroInitInterceptor
 from shardkit.strategies.zero.layout import ParameterPartitionLayout, ZeROLayout, param_shape
+from shardkit.strategies.zero.leaf import mark_leaf_modules
 from shardkit.strategies.zero.strategy import ZeROStrategy, prepare_deepspeed
 from shardkit.strategies.zero.transformers_link import TransformersLink
 
@@ -50,6 +51,9 @@ class ZeRO3(ZeROStrategy):
         max_reuse_distance: keep a gathered parameter if it is used again within this many elements (1e9).
         gather_16bit_weights_on_model_save: DeepSpeed's consolidated 16-bit save flag (kept for
             configs; shardkit's checkpoints never need it).
+        leaf_modules: module classes (or class names, plain or qualified; a comma-separated string from the
+            command line) that ZeRO-3 gathers whole, as DeepSpeed leaf modules, besides the mixture-of-experts
+            blocks it finds by itself (:mod:`shardkit.strategies.zero.leaf`). A name matching no module fails.
         pin_memory, reduce_bucket_size, allgather_bucket_size, overlap_comm, contiguous_gradients,
         timeout, extra: see ZeRO1/ZeRO2.
     """
@@ -66,7 +70,8 @@ class ZeRO3(ZeROStrategy):
                  gather_16bit_weights_on_model_save: bool = False, reduce_bucket_size: int | str = "auto",
                  allgather_bucket_size: int = 500_000_000, overlap_comm: bool | None = None,
                  contiguous_gradients: bool = True, pin_memory: bool | None = None, timeout: float | None = None,
-                 extra: dict[str, Any] | None = None, **infinity: Any):
+                 extra: dict[str, Any] | None = None, leaf_modules: Sequence[type | str] | str = (),
+                 **infinity: Any):
         super().__init__(ZeROSettings(
             3, reduce_bucket_size, allgather_bucket_size, overlap_comm, contiguous_gradients,
             offload_optimizer=offload_optimizer if offload_optimizer is not None else offload,
@@ -78,6 +83,9 @@ class ZeRO3(ZeROStrategy):
             extra=dict(extra or {}), **infinity,
         ))
         self._transformers = TransformersLink()
+        if isinstance(leaf_modules, str):
+            leaf_modules = [n.strip() for n in leaf_modules.split(",") if n.strip()]
+        self.leaf_modules: list[type | str] = list(leaf_modules)
 
     @override
     def setup_environment(self) -> None:
@@ -92,6 +100,10 @@ class ZeRO3(ZeROStrategy):
 
     @override
     def setup(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None):
+        # Before the engine: its hooks read the leaf flag when they are registered. An MoE block's experts run only
+        # where tokens were routed, which differs by rank; gathered per submodule, that desynchronises the gathers.
+        prepare_deepspeed(self.settings)
+        mark_leaf_modules(module, self.leaf_modules, announce=self.is_global_zero)
         result = super().setup(module, optimizer, scheduler)
         self._transformers.register(self.deepspeed_config(module))  # the config the engine runs, buckets sized
         return result
