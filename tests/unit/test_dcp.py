@@ -143,6 +143,18 @@ def test_a_failed_conversion_leaves_no_destination(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["dcp"], "staging directories were left behind"
 
 
+def test_a_conversion_into_an_existing_dcp_directory_is_refused_and_leaves_it_alone(tmp_path):
+    _torch_save(tmp_path / "a")
+    _torch_save(tmp_path / "b")
+    before = sorted(p.name for p in (tmp_path / "b").iterdir())
+    for to in ("shardkit", "hf"):  # its files would sit beside the old checkpoint's, one directory holding two
+        with pytest.raises(CheckpointError, match=r"\.metadata exists.*choose another output directory"):
+            convert(tmp_path / "a", tmp_path / "b", to)
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == before
+    convert(tmp_path / "a", tmp_path / "b" / "hf", "hf")  # a directory of its own inside it is fine
+    assert (tmp_path / "b" / "hf" / "model.safetensors").is_file()
+
+
 def test_progress_draws_only_on_a_terminal(tmp_path):
     class Tty(io.StringIO):
         def isatty(self):
