@@ -102,6 +102,13 @@ def test_round_trip_keeps_every_tensor_the_groups_and_the_step(source, tmp_path,
                                                                                    (0.003, 0.0, (0.9, 0.999))]
 
 
+def test_opening_a_universal_checkpoint_directly_names_the_conversion_that_reads_it(source):
+    # zero-to-fp32 (the advice for a ZeRO checkpoint) refuses a universal folder, and would drop the optimizer
+    for path in (source / "ds", source / "ds" / "global_step2_universal"):
+        with pytest.raises(CheckpointError, match="DeepSpeed universal checkpoint.*shardkit convert .* --to shardkit"):
+            CheckpointReader(path)
+
+
 def test_tied_names_read_their_parameter(source, tmp_path):
     ds = _copy(source, tmp_path)
     _edit_model_states(ds, lambda s: s.update(shared_params={"head.weight": "embed.weight", "gone": "missing"}))
