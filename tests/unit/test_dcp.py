@@ -155,6 +155,26 @@ def test_a_conversion_into_an_existing_dcp_directory_is_refused_and_leaves_it_al
     assert (tmp_path / "b" / "hf" / "model.safetensors").is_file()
 
 
+def test_a_shardkit_conversion_keeps_the_users_values_and_scheduler(tmp_path):
+    def state(runner_setup):
+        m, o = runner_setup
+        return {"model": m, "optimizer": o, "sched": torch.optim.lr_scheduler.StepLR(o, step_size=2), "epoch": 0}
+
+    r = Runner(SingleDevice("cpu"))
+    saved = state(r.setup(*_make()))
+    _runner_steps(r, saved["model"], range(SAVE_AT))
+    for _ in range(SAVE_AT):
+        saved["sched"].step()
+    r.save(tmp_path / "ck", {**saved, "epoch": 7})
+    r.wait_for_save()
+    convert(tmp_path / "ck", tmp_path / "sk", "shardkit")
+    r2 = Runner(SingleDevice("cpu"))
+    loaded = state(r2.setup(*_make()))
+    values = r2.load(tmp_path / "sk", {k: v for k, v in loaded.items() if k != "epoch"})
+    assert values == {"epoch": 7} and r2.optimizer_steps == SAVE_AT
+    assert loaded["sched"].state_dict() == saved["sched"].state_dict()
+
+
 def test_progress_draws_only_on_a_terminal(tmp_path):
     class Tty(io.StringIO):
         def isatty(self):
