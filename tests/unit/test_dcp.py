@@ -105,6 +105,38 @@ def test_runner_resumes_a_dcp_save_with_the_uninterrupted_losses(tmp_path, layou
     assert _torch_steps(m, o, range(SAVE_AT, 6)) == pytest.approx(want, rel=1e-6, abs=1e-7)
 
 
+def test_torchtitans_layout_resumes_an_optimizer_whose_groups_share_their_hyperparameters(tmp_path):
+    """The flattened layout keeps hyperparameters per parameter, not the groups: two groups with equal ones."""
+    def make(wd=0.01):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        groups = [{"params": m[0].parameters()}, {"params": m[2].parameters(), "weight_decay": wd}]
+        return m, torch.optim.AdamW(groups, lr=0.05)
+
+    m, o = make()
+    _torch_steps(m, o, range(SAVE_AT))
+    msd, osd = get_state_dict(m, o, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({**msd, "optimizer": osd, "train_state": {"step": SAVE_AT}}, checkpoint_id=str(tmp_path / "dcp"))
+    want = _torch_steps(m, o, range(SAVE_AT, 6))
+    m, o = make()
+    r = Runner(SingleDevice("cpu"))
+    m, o = r.setup(m, o)
+    r.load(tmp_path / "dcp", {"model": m, "optimizer": o})
+    assert _runner_steps(r, m, range(SAVE_AT, 6)) == pytest.approx(want, rel=1e-6, abs=1e-7)
+    # groups that differ: a parameter moved into a group whose saved hyperparameters are not its own is refused
+    m, o = make(wd=0.1)
+    _torch_steps(m, o, range(1))
+    msd, osd = get_state_dict(m, o, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({**msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "dcp2"))
+    m, o = make(wd=0.1)
+    o.param_groups[1]["params"].append(o.param_groups[0]["params"].pop())  # 0.bias beside 2.weight
+    r = Runner(SingleDevice("cpu"))
+    m, o = r.setup(m, o)
+    with pytest.raises(CheckpointError, match=r"'2\.weight' and '0\.bias' are in param group 1 .* different "
+                       "hyperparameters"):
+        r.load(tmp_path / "dcp2", {"model": m, "optimizer": o})
+
+
 def test_convert_to_hf_writes_the_model_weights_and_the_cli_runs(tmp_path):
     _torch_save(tmp_path / "dcp")
     assert cli(["convert", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--to", "hf"]) == 0
