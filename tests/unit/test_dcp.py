@@ -157,6 +157,21 @@ def test_convert_to_hf_writes_the_model_weights_and_the_cli_runs(tmp_path):
     assert all(torch.equal(again[k], v) for k, v in m.state_dict().items())
 
 
+def test_convert_keeps_dtypes_when_asked_and_refuses_options_its_target_ignores(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    w = torch.randn(3, 5).to(torch.bfloat16)
+    dcp.save({"model": {"w": w}}, checkpoint_id=str(tmp_path / "dcp"))
+    assert cli(["convert", str(tmp_path / "dcp"), str(tmp_path / "keep"), "--to", "hf", "--dtype", "keep"]) == 0
+    kept = load_file(tmp_path / "keep" / "model.safetensors")["w"]
+    assert kept.dtype == torch.bfloat16 and torch.equal(kept, w)
+    assert load_file(convert(tmp_path / "dcp", tmp_path / "fp32", "hf")[0])["w"].dtype == torch.float32
+    for args in (["--to", "shardkit", "--dtype", "bf16"], ["--to", "hf", "--layout", "torchtitan"]):
+        assert cli(["convert", str(tmp_path / "dcp"), str(tmp_path / "x"), *args]) == 2
+        assert f"{args[2]} applies to --to" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_failed_conversion_leaves_no_destination(tmp_path, monkeypatch):
     _torch_save(tmp_path / "dcp")
     calls = []
