@@ -129,6 +129,11 @@ def test_a_converted_checkpoint_resumes_a_runner(source, tmp_path):
         assert torch.equal(model.proj.weight.detach(), r.read_full("model", "proj.weight"))
     assert runner.optimizer_steps == 2 and [g["lr"] for g in opt.param_groups] == [0.01, 0.003]
     assert int(model.count) == 3
+    # resumed as after a step, as the Runner's own saves are: no window is open, so step() before a backward
+    # neither steps nor counts one
+    weight = model.proj.weight.detach().clone()
+    assert runner.step() is False and runner.optimizer_steps == 2
+    assert torch.equal(model.proj.weight.detach(), weight)
 
 
 def _model_states(ds):
