@@ -88,7 +88,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, layout: 
 
     from . import formats
     from .consolidate import consolidate_deepspeed
-    from .export import publish_export
+    from .export import check_output_dir, publish_export
     from .format import CheckpointError
     from .reader import resolve_checkpoint
 
@@ -116,6 +116,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, layout: 
         return consolidate_deepspeed(src, dst, dtype=hf_dtype, max_shard_size=max_shard_size)
     bar = progress or Progress(f"{fmt} -> {to}")
     sources = [src]
+    check_output_dir(dst, sources)  # before any work: a universal source is converted once before publishing
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.convert-") as scratch:

@@ -136,6 +136,15 @@ def test_a_converted_checkpoint_resumes_a_runner(source, tmp_path):
     assert torch.equal(model.proj.weight.detach(), weight)
 
 
+def test_convert_refuses_a_destination_before_converting_anything(source, tmp_path):
+    from shardkit.checkpoint.convert import Progress, convert
+
+    bar = Progress("test", enabled=False)
+    with pytest.raises(CheckpointError, match="is a checkpoint directory"):
+        convert(source / "ds", source / "sk" / "step-2", "shardkit", progress=bar)
+    assert bar.tensors == 0, "the whole source was converted before the destination was refused"
+
+
 def _model_states(ds):
     return ds / "global_step2_universal" / "mp_rank_00_model_states.pt"
 
