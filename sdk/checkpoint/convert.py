@@ -66,14 +66,14 @@ def _human(n: float) -> str:
 
 
 def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, layout: str = "torch",
-            dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
+            dtype: torch.dtype | str | None = None, max_shard_size: int | str = "5GB",
             progress: Progress | None = None) -> list[Path]:
     """Converts the checkpoint at ``src`` into format ``to`` at ``dst`` (see the module docstring).
 
     Args:
         layout: for ``--to dcp``: ``torch`` (``get_state_dict``'s structure under ``model``/``optimizer``) or
             ``torchtitan`` (model FQNs at the top, the optimizer flattened).
-        dtype: for ``--to hf``: floating tensors cast to it (default fp32; None keeps them).
+        dtype: for ``--to hf``: floating tensors cast to it (None: fp32), or ``"keep"`` to keep the source's.
         max_shard_size: for ``--to hf``: the largest output file.
 
     Returns:
@@ -88,16 +88,24 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, layout: 
 
     from . import formats
     from .consolidate import consolidate_deepspeed
-    from .export import publish_export
+    from .export import check_output_dir, publish_export
     from .format import CheckpointError
     from .reader import resolve_checkpoint
 
     if to not in _TARGETS:
         raise CheckpointError(f"--to {to!r}: not a format shardkit writes{did_you_mean(to, _TARGETS)}; "
                               f"choose one of {', '.join(_TARGETS)}")
+    # an option the target does not take would be ignored: the output would not be what was asked
+    if dtype is not None and to != "hf":
+        raise CheckpointError(f"--dtype applies to --to hf only; a {to} checkpoint keeps the source's dtypes "
+                              "(drop --dtype)")
+    if layout != "torch" and to != "dcp":
+        raise CheckpointError(f"--layout applies to --to dcp only (drop --layout {layout})")
+    if dtype is not None and dtype != "keep" and not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"dtype {dtype!r}: pass a torch dtype or 'keep'")
     src, dst = Path(src), Path(dst)
     fmt = formats.detect_format(src)
-    hf_dtype = torch.float32 if dtype is None and to == "hf" else dtype
+    hf_dtype = torch.float32 if dtype is None else None if dtype == "keep" else dtype
     if fmt == "hf":
         raise CheckpointError(f"{src}: is a Hugging Face model directory; load it with from_pretrained (or "
                               "shardkit.checkpoint.hf.load_pretrained under a strategy), then save with shardkit")
@@ -108,6 +116,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, to: str, *, layout: 
         return consolidate_deepspeed(src, dst, dtype=hf_dtype, max_shard_size=max_shard_size)
     bar = progress or Progress(f"{fmt} -> {to}")
     sources = [src]
+    check_output_dir(dst, sources)  # before any work: a universal source is converted once before publishing
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=dst.parent, prefix=f".{dst.name}.convert-") as scratch:
@@ -148,11 +157,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    "universal, or (for --to hf) DeepSpeed ZeRO; the format is detected")
     p.add_argument("dst", help="the directory to write; published only when complete")
     p.add_argument("--to", required=True, choices=_TARGETS, help="the output format")
-    p.add_argument("--layout", choices=("torch", "torchtitan"), default="torch",
+    p.add_argument("--layout", choices=("torch", "torchtitan"), default=None,
                    help="--to dcp: torch's get_state_dict structure under model/optimizer (default), or "
                    "torchtitan's (model FQNs at the top, the optimizer flattened)")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "keep"), default="fp32",
-                   help="--to hf: dtype of floating tensors (default fp32)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "keep"), default=None,
+                   help="--to hf: dtype of floating tensors (default fp32; keep: the source's)")
     p.add_argument("--max-shard-size", default="5GB", help="--to hf: largest output file (default 5GB)")
 
 
@@ -161,9 +170,10 @@ def _run(args: argparse.Namespace) -> int:
 
     from .format import CheckpointError
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": None}[args.dtype]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "keep": "keep",
+             None: None}[args.dtype]
     try:
-        paths = convert(args.src, args.dst, args.to, layout=args.layout, dtype=dtype,
+        paths = convert(args.src, args.dst, args.to, layout=args.layout or "torch", dtype=dtype,
                         max_shard_size=args.max_shard_size)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -284,6 +284,32 @@ class DCPCheckpointView:
                       "state_keys": sorted({k for ks in keys.values() for k in ks}), "loss_scaler": {}}
         return self._meta
 
+    def regroup(self, name: str, groups: list[list[str]]) -> None:
+        """Groups the optimizer's parameters as ``groups`` (the names in each param group of the optimizer being
+        loaded). torchtitan's layout keeps each parameter's hyperparameters but not the groups, so without this
+        parameters with equal ones form one group, and an optimizer with two such groups would be refused. Done
+        only when the names are exactly the saved ones; each group's parameters must have been saved with equal
+        hyperparameters.
+
+        Raises:
+            CheckpointError: two parameters of one group were saved with different hyperparameters.
+        """
+        hypers = self.layout.param_hypers
+        if name != OPTIMIZER or self.layout.groups or not hypers or \
+                sorted(n for g in groups for n in g) != sorted(hypers):
+            return  # torch's layout records its groups; other names are the loader's to refuse, by name
+        read, out = self.reader.read_value, []
+        for i, names in enumerate(groups):
+            values = [{h: read(k) for h, k in sorted(hypers[n].items())} for n in names]
+            odd = next((j for j, v in enumerate(values) if v != values[0]), None)
+            if odd is not None:
+                raise CheckpointError(f"{self.path}: parameters {names[0]!r} and {names[odd]!r} are in param group "
+                                      f"{i} of the optimizer being loaded, but were saved with different "
+                                      f"hyperparameters ({values[0]} and {values[odd]}); build the optimizer's "
+                                      "groups as the saved run did")
+            out.append({**(values[0] if values else {}), "params": list(names)})
+        self.optimizer_meta()["param_groups"] = out
+
     def _param_groups(self) -> list[dict[str, Any]]:
         lay, read = self.layout, self.reader.read_value
         if lay.groups:

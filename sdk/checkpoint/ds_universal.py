@@ -138,7 +138,8 @@ def universal_to_shardkit(src: str | os.PathLike, dst: str | os.PathLike, *, pro
         w.write_state(_META.format(_OPTIMIZER), meta)
         w.write_json(USER_KINDS_ENTRY, {_MODEL: "module", _OPTIMIZER: "optimizer"})
         w.write_state(USER_VALUES_ENTRY, {})
-        w.write_json(RUNNER_ENTRY, {"micro_step": 0, "boundary": True, "optimizer_steps": ckpt.global_steps})
+        # as a Runner's save right after a step: no accumulation window open
+        w.write_json(RUNNER_ENTRY, {"micro_step": 0, "boundary": False, "optimizer_steps": ckpt.global_steps})
         w.write_json(PRECISION_ENTRY, {})
     return dst
 

@@ -5,8 +5,8 @@ when all of them are whole does the staging directory take the output's place (t
 renamed aside, the staging directory renamed in, the old copy deleted). A full disk, a killed process or
 a bad tensor half way leaves the previous export as it was. Files of the old directory that the export
 does not write (a README, tokenizer files saved earlier) are carried over as hard links. Exports never
-write a checkpoint's own files (a directory holding ``shardkit.json``, DeepSpeed rank files, or a ``latest``
-naming DeepSpeed's, or the checkpoint they read); a new directory inside a checkpoint is allowed.
+write a checkpoint's own files (a directory holding ``shardkit.json``, DCP's ``.metadata``, DeepSpeed rank files,
+or a ``latest`` naming DeepSpeed's, or the checkpoint they read); a new directory inside a checkpoint is allowed.
 
 When the output cannot be swapped (it is the current directory or holds it, it is a mount point, its
 parent is read-only, or it holds directories: a training run's folder) the files are staged inside it and
@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from .dcp_metadata import DCP_METADATA
 from .deepspeed_reader import is_deepspeed_dir
 from .format import MANIFEST, CheckpointError, fsync_dir, fsync_path, naming, write_failure
 from .schema import read_latest
@@ -41,7 +42,8 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
                "special_tokens_map.json", "added_tokens.json", "tokenizer.model", "spiece.model", "vocab.json",
                "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json", "preprocessor_config.json")
 _MAX_MODEL_FILE = 512 << 20  # the largest tokenizer.json on the Hub is ~35 MB
-_CHECKPOINT_FILES = (MANIFEST, "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt",
+# A DCP directory's .metadata counts too: files written beside it would mix two checkpoints in one directory.
+_CHECKPOINT_FILES = (MANIFEST, DCP_METADATA, "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt",
                      "zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
 _STAGE = ".export-"
 _OLD = ".export-old"
@@ -82,7 +84,8 @@ def check_output_dir(out_dir: str | os.PathLike, sources: Sequence[str | os.Path
                                   "the checkpoint will do)")
     for d in (real, *real.parents):
         marker = _checkpoint_marker(d, d == real) if d.is_dir() else None
-        if marker is None or (d != real and marker == MANIFEST):  # a directory of its own beside the manifest's files
+        # a directory of its own beside a shardkit or DCP checkpoint's files: their readers open only named files
+        if marker is None or (d != real and marker in (MANIFEST, DCP_METADATA)):
             continue
         where = "is" if d == real else "lies inside"
         raise CheckpointError(f"{out}: {where} a checkpoint directory ({d / marker} exists); an export never writes "

@@ -309,12 +309,19 @@ def describe_foreign(path: Path) -> str:
     if not path.is_dir():
         return ""
     names = sorted(p.name for p in path.iterdir())
+    # a ds_to_universal output (or the folder naming one) holds DeepSpeed's file names too, but zero-to-fp32 does
+    # not read it; shardkit convert carries its optimizer and step as well
+    if "latest_universal" in names or (path / "zero" / "optimizer_state.pt").is_file():
+        return (f"it looks like a DeepSpeed universal checkpoint; {_FOREIGN_HINT}: convert it with "
+                f"`shardkit convert {path} OUT_DIR --to shardkit` (model, optimizer and step; no DeepSpeed needed) "
+                "and load OUT_DIR")
     ds = [n for n in names if n.startswith(("mp_rank_", "zero_pp_rank_", "bf16_zero_pp_rank_")) or
           n.startswith("global_step")]
     if ds:
         return (f"it looks like a DeepSpeed checkpoint ({', '.join(ds[:3])}); {_FOREIGN_HINT}: convert it with "
                 f"`shardkit zero-to-fp32 {path} OUT_DIR` (no DeepSpeed needed) and load the result with "
-                "shardkit.checkpoint.hf.load_pretrained, or get_fp32_state_dict()")
+                "shardkit.checkpoint.hf.load_pretrained, or get_fp32_state_dict(); to resume with the optimizer, "
+                "run DeepSpeed's ds_to_universal on it and `shardkit convert` its output --to shardkit")
     pt = [n for n in names if n.endswith((".pt", ".pth", ".bin", ".ckpt", ".pkl"))]
     if pt:
         return (f"it looks like a torch.save/pickle checkpoint ({', '.join(pt[:3])}); {_FOREIGN_HINT}: load it "

@@ -144,7 +144,8 @@ def _steps(source: Any) -> int:
 
 
 def write_shardkit(source: Any, stage: Path, tick: Tick) -> list[str]:
-    """A one-rank sharded shardkit checkpoint (model, optimizer, step) that ``Runner.load`` resumes at any layout."""
+    """A one-rank sharded shardkit checkpoint (model, optimizer, step, the user's values and stateful entries) that
+    ``Runner.load`` resumes at any layout. Data loader positions are per rank and are not carried."""
     model = _named(source, "module", MODEL) or (MODEL if source.has(MODEL) else None)
     if model is None:
         raise CheckpointError(f"{source.path}: holds no model to convert")
@@ -159,8 +160,15 @@ def write_shardkit(source: Any, stage: Path, tick: Tick) -> list[str]:
             w.write_shard_streamed(OPTIMIZER, [(k, d, s) for k, (s, d) in keys.items()], lambda k: tick(fetch(k)))
             w.write_state(f"{OPTIMIZER}.meta", meta)
             kinds[OPTIMIZER] = "optimizer"
+        # the user's plain values and stateful objects (a scheduler) travel too: dropping them would resume a run
+        # whose epoch or schedule silently starts over
+        saved = source.read_json("entries") if source.has("entries") else {}
+        for name, kind in saved.items():
+            if kind == "stateful" and name not in kinds and source.has(name):
+                w.write_state(name, source.read_state(name))
+                kinds[name] = kind
         w.write_json("entries", kinds)
-        w.write_state("values", {})
+        w.write_state("values", source.read_state("values") if source.has("values") else {})
         w.write_json("precision", source.read_json("precision") if source.has("precision") else {})
         w.write_json("runner", {"micro_step": 0, "boundary": False, "optimizer_steps": _steps(source)})
     names = []

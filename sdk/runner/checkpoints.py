@@ -117,6 +117,7 @@ class RunnerCheckpoints:
             for top, keys in getattr(reader, "unread", {}).items():
                 self._logger.warning("checkpoint %s: %s (%d keys) has no shardkit counterpart and is not loaded",
                                      reader.path, top, len(keys))
+            self._group_like(reader, state)
             values = StateSaver(self.strategy, self._owner_of).load(reader, state)
             if not runner_state:
                 return values
@@ -130,6 +131,17 @@ class RunnerCheckpoints:
                                      "random streams start fresh", reader.path, rank, reader.world_size)
         self._recovery.loaded(started, self._step_state()["optimizer_steps"])
         return values
+
+    def _group_like(self, reader: Any, state: dict[str, Any]) -> None:
+        """Tells a reader that keeps no param groups (torchtitan's DCP layout) those of each optimizer loaded."""
+        regroup = getattr(reader, "regroup", None)
+        for key, opt in state.items():
+            if regroup is None or not isinstance(opt, torch.optim.Optimizer):
+                continue
+            names = {id(p): n for n, p in self.strategy.unwrap(self._owner_of(opt)).named_parameters()}
+            groups = [[names.get(id(p)) for p in g["params"]] for g in opt.param_groups]
+            if all(n is not None for g in groups for n in g):  # else (flat partitions) the saved guess stands
+                regroup(key, groups)
 
     def resume(self, directory: str | Path, state: dict[str, Any], *, mode: bool | str = "auto",
                verify: bool = True) -> dict[str, Any] | None:

@@ -105,6 +105,38 @@ def test_runner_resumes_a_dcp_save_with_the_uninterrupted_losses(tmp_path, layou
     assert _torch_steps(m, o, range(SAVE_AT, 6)) == pytest.approx(want, rel=1e-6, abs=1e-7)
 
 
+def test_torchtitans_layout_resumes_an_optimizer_whose_groups_share_their_hyperparameters(tmp_path):
+    """The flattened layout keeps hyperparameters per parameter, not the groups: two groups with equal ones."""
+    def make(wd=0.01):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        groups = [{"params": m[0].parameters()}, {"params": m[2].parameters(), "weight_decay": wd}]
+        return m, torch.optim.AdamW(groups, lr=0.05)
+
+    m, o = make()
+    _torch_steps(m, o, range(SAVE_AT))
+    msd, osd = get_state_dict(m, o, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({**msd, "optimizer": osd, "train_state": {"step": SAVE_AT}}, checkpoint_id=str(tmp_path / "dcp"))
+    want = _torch_steps(m, o, range(SAVE_AT, 6))
+    m, o = make()
+    r = Runner(SingleDevice("cpu"))
+    m, o = r.setup(m, o)
+    r.load(tmp_path / "dcp", {"model": m, "optimizer": o})
+    assert _runner_steps(r, m, range(SAVE_AT, 6)) == pytest.approx(want, rel=1e-6, abs=1e-7)
+    # groups that differ: a parameter moved into a group whose saved hyperparameters are not its own is refused
+    m, o = make(wd=0.1)
+    _torch_steps(m, o, range(1))
+    msd, osd = get_state_dict(m, o, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({**msd, "optimizer": osd}, checkpoint_id=str(tmp_path / "dcp2"))
+    m, o = make(wd=0.1)
+    o.param_groups[1]["params"].append(o.param_groups[0]["params"].pop())  # 0.bias beside 2.weight
+    r = Runner(SingleDevice("cpu"))
+    m, o = r.setup(m, o)
+    with pytest.raises(CheckpointError, match=r"'2\.weight' and '0\.bias' are in param group 1 .* different "
+                       "hyperparameters"):
+        r.load(tmp_path / "dcp2", {"model": m, "optimizer": o})
+
+
 def test_convert_to_hf_writes_the_model_weights_and_the_cli_runs(tmp_path):
     _torch_save(tmp_path / "dcp")
     assert cli(["convert", str(tmp_path / "dcp"), str(tmp_path / "hf"), "--to", "hf"]) == 0
@@ -125,6 +157,21 @@ def test_convert_to_hf_writes_the_model_weights_and_the_cli_runs(tmp_path):
     assert all(torch.equal(again[k], v) for k, v in m.state_dict().items())
 
 
+def test_convert_keeps_dtypes_when_asked_and_refuses_options_its_target_ignores(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    w = torch.randn(3, 5).to(torch.bfloat16)
+    dcp.save({"model": {"w": w}}, checkpoint_id=str(tmp_path / "dcp"))
+    assert cli(["convert", str(tmp_path / "dcp"), str(tmp_path / "keep"), "--to", "hf", "--dtype", "keep"]) == 0
+    kept = load_file(tmp_path / "keep" / "model.safetensors")["w"]
+    assert kept.dtype == torch.bfloat16 and torch.equal(kept, w)
+    assert load_file(convert(tmp_path / "dcp", tmp_path / "fp32", "hf")[0])["w"].dtype == torch.float32
+    for args in (["--to", "shardkit", "--dtype", "bf16"], ["--to", "hf", "--layout", "torchtitan"]):
+        assert cli(["convert", str(tmp_path / "dcp"), str(tmp_path / "x"), *args]) == 2
+        assert f"{args[2]} applies to --to" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_failed_conversion_leaves_no_destination(tmp_path, monkeypatch):
     _torch_save(tmp_path / "dcp")
     calls = []
@@ -141,6 +188,38 @@ def test_a_failed_conversion_leaves_no_destination(tmp_path, monkeypatch):
         convert(tmp_path / "dcp", tmp_path / "out", "shardkit", progress=bar)
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["dcp"], "staging directories were left behind"
+
+
+def test_a_conversion_into_an_existing_dcp_directory_is_refused_and_leaves_it_alone(tmp_path):
+    _torch_save(tmp_path / "a")
+    _torch_save(tmp_path / "b")
+    before = sorted(p.name for p in (tmp_path / "b").iterdir())
+    for to in ("shardkit", "hf"):  # its files would sit beside the old checkpoint's, one directory holding two
+        with pytest.raises(CheckpointError, match=r"\.metadata exists.*choose another output directory"):
+            convert(tmp_path / "a", tmp_path / "b", to)
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == before
+    convert(tmp_path / "a", tmp_path / "b" / "hf", "hf")  # a directory of its own inside it is fine
+    assert (tmp_path / "b" / "hf" / "model.safetensors").is_file()
+
+
+def test_a_shardkit_conversion_keeps_the_users_values_and_scheduler(tmp_path):
+    def state(runner_setup):
+        m, o = runner_setup
+        return {"model": m, "optimizer": o, "sched": torch.optim.lr_scheduler.StepLR(o, step_size=2), "epoch": 0}
+
+    r = Runner(SingleDevice("cpu"))
+    saved = state(r.setup(*_make()))
+    _runner_steps(r, saved["model"], range(SAVE_AT))
+    for _ in range(SAVE_AT):
+        saved["sched"].step()
+    r.save(tmp_path / "ck", {**saved, "epoch": 7})
+    r.wait_for_save()
+    convert(tmp_path / "ck", tmp_path / "sk", "shardkit")
+    r2 = Runner(SingleDevice("cpu"))
+    loaded = state(r2.setup(*_make()))
+    values = r2.load(tmp_path / "sk", {k: v for k, v in loaded.items() if k != "epoch"})
+    assert values == {"epoch": 7} and r2.optimizer_steps == SAVE_AT
+    assert loaded["sched"].state_dict() == saved["sched"].state_dict()
 
 
 def test_progress_draws_only_on_a_terminal(tmp_path):

@@ -102,6 +102,13 @@ def test_round_trip_keeps_every_tensor_the_groups_and_the_step(source, tmp_path,
                                                                                    (0.003, 0.0, (0.9, 0.999))]
 
 
+def test_opening_a_universal_checkpoint_directly_names_the_conversion_that_reads_it(source):
+    # zero-to-fp32 (the advice for a ZeRO checkpoint) refuses a universal folder, and would drop the optimizer
+    for path in (source / "ds", source / "ds" / "global_step2_universal"):
+        with pytest.raises(CheckpointError, match="DeepSpeed universal checkpoint.*shardkit convert .* --to shardkit"):
+            CheckpointReader(path)
+
+
 def test_tied_names_read_their_parameter(source, tmp_path):
     ds = _copy(source, tmp_path)
     _edit_model_states(ds, lambda s: s.update(shared_params={"head.weight": "embed.weight", "gone": "missing"}))
@@ -122,6 +129,20 @@ def test_a_converted_checkpoint_resumes_a_runner(source, tmp_path):
         assert torch.equal(model.proj.weight.detach(), r.read_full("model", "proj.weight"))
     assert runner.optimizer_steps == 2 and [g["lr"] for g in opt.param_groups] == [0.01, 0.003]
     assert int(model.count) == 3
+    # resumed as after a step, as the Runner's own saves are: no window is open, so step() before a backward
+    # neither steps nor counts one
+    weight = model.proj.weight.detach().clone()
+    assert runner.step() is False and runner.optimizer_steps == 2
+    assert torch.equal(model.proj.weight.detach(), weight)
+
+
+def test_convert_refuses_a_destination_before_converting_anything(source, tmp_path):
+    from shardkit.checkpoint.convert import Progress, convert
+
+    bar = Progress("test", enabled=False)
+    with pytest.raises(CheckpointError, match="is a checkpoint directory"):
+        convert(source / "ds", source / "sk" / "step-2", "shardkit", progress=bar)
+    assert bar.tensors == 0, "the whole source was converted before the destination was refused"
 
 
 def _model_states(ds):
