@@ -289,3 +289,18 @@ def test_expert_parallel_sizes_are_checked_by_name():
         ParallelDims(ep=0)
     with pytest.raises(ValueError, match="ep_size=0 must be an int >= 1"):
         ExpertParallel(ep_size=0)
+
+
+def test_the_trainer_moves_the_router_bias_after_each_optimizer_step(tmp_path):
+    """bias_update_rate > 0 under shardkit's Trainer: the bias moves after each step (never left at zero unsaid)."""
+    from shardkit.trainer import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.small_moe(fused=False, num_layers=2, moe={"bias_update_rate": 1e-2}))
+    data = [{"input_ids": torch.randint(0, 32, (16,)), "labels": torch.randint(0, 32, (16,))} for _ in range(4)]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, learning_rate=1e-3,
+                             save_strategy="no", report_to=[], disable_tqdm=True, seed=0, use_cpu=True)
+    Trainer(model, args, train_dataset=data).train()
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert layers and all(float(layer.router.expert_bias.abs().max()) == pytest.approx(1e-2) for layer in layers)
+    assert all(layer.tokens_per_expert.sum() == 0 for layer in layers)  # the counts restart after each update
