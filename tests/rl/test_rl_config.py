@@ -80,3 +80,34 @@ def test_rollout_on_the_training_model_and_a_reward_model(tokenizer, tmp_path):
     metrics = trainer._metrics["train"]
     assert metrics["rewards/by_column/mean"][-1] == pytest.approx(1.5)
     assert metrics["rewards/by_column/std"][-1] > 0 and "rewards/LlamaForSequenceClassification/mean" in metrics
+
+
+def test_an_moe_models_router_aux_loss_is_never_dropped_unsaid(tokenizer, tmp_path):
+    """TRL adds a Mixture-of-Experts model's router loss by default (router_aux_loss_coef=None: the model's own
+    coefficient); shardkit does not add it, so it refuses unless told 0.0, and refuses any other coefficient."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from shardkit.rl import GRPOTrainer, RLOOTrainer
+
+    def qwen3_moe():
+        torch.manual_seed(0)
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, moe_intermediate_size=16,
+            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+            router_aux_loss_coef=0.01))
+
+    rows = [{"prompt": "a"}] * 4
+    with pytest.raises(NotImplementedError, match="router load-balancing loss.*router_aux_loss_coef=0.0"):
+        GRPOTrainer(qwen3_moe(), _reward, args=_config(tmp_path), train_dataset=rows, processing_class=tokenizer)
+    with pytest.raises(NotImplementedError, match="router_aux_loss_coef=0.5"):
+        _config(tmp_path, router_aux_loss_coef=0.5)
+    GRPOTrainer(qwen3_moe(), _reward, args=_config(tmp_path, router_aux_loss_coef=0.0), train_dataset=rows,
+                processing_class=tokenizer)  # asked for explicitly: trains without it
+    GRPOTrainer(tiny_llama(len(tokenizer)), _reward, args=_config(tmp_path), train_dataset=rows,
+                processing_class=tokenizer)  # a dense model: nothing to add
+    from shardkit.rl import RLOOConfig
+
+    with pytest.raises(NotImplementedError, match="router load-balancing loss"):
+        RLOOTrainer(qwen3_moe(), _reward, args=RLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                                                          num_generations=4, report_to="none", use_cpu=True),
+                    train_dataset=rows, processing_class=tokenizer)
