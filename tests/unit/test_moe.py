@@ -304,3 +304,24 @@ def test_the_trainer_moves_the_router_bias_after_each_optimizer_step(tmp_path):
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     assert layers and all(float(layer.router.expert_bias.abs().max()) == pytest.approx(1e-2) for layer in layers)
     assert all(layer.tokens_per_expert.sum() == 0 for layer in layers)  # the counts restart after each update
+
+
+def test_hf_expert_blocks_of_another_layout_are_refused_not_miscomputed():
+    """transformers declares expert blocks whose function the plain stacked-SwiGLU forward is not (a norm after the
+    experts, transposed weights): patching them would drop the norm or misread the weights, so both are refused."""
+    from transformers.models.aria.configuration_aria import AriaTextConfig
+    from transformers.models.aria.modeling_aria import AriaExperts
+    from transformers.models.muse_spark.configuration_muse_spark import MuseSparkTextConfig
+    from transformers.models.muse_spark.modeling_muse_spark import MuseSparkExperts
+
+    from shardkit.models.moe_hf import use_grouped_experts
+
+    normed = MuseSparkExperts(MuseSparkTextConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
+                                                  moe_hidden_size=16, moe_intermediate_size=8,
+                                                  num_local_experts=4, vocab_size=64))
+    with pytest.raises(ValueError, match="MuseSparkExperts.*has_post_expert_norm.*post_expert_norm"):
+        use_grouped_experts(torch.nn.Sequential(normed))
+    transposed = AriaExperts(AriaTextConfig(hidden_size=16, intermediate_size=16, moe_num_experts=4, vocab_size=64,
+                                            num_attention_heads=2, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="AriaExperts.*is_transposed"):
+        use_grouped_experts(torch.nn.Sequential(transposed))
