@@ -29,7 +29,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from shardkit.models.moe import moe_layers
 from shardkit.rl.config import OnlineRLConfig
 from shardkit.rl.losses import nanstd
 from shardkit.rl.rollout import (
@@ -44,6 +43,7 @@ from shardkit.rl.rollout import (
 from shardkit.rl.scoring import completion_log_probs
 from shardkit.trainer.frozen_model import frozen_model_context, set_up_frozen_model
 from shardkit.trainer.peft_support import is_peft_model
+from shardkit.trainer.router_aux_loss import refuse_dropped_router_aux_loss
 from shardkit.trainer.trainer import Trainer
 
 __all__ = ["OnlineRLTrainer", "RoundSlots", "Round"]
@@ -122,7 +122,7 @@ class OnlineRLTrainer(Trainer):
         if processing_class is None:
             raise ValueError(f"{name} needs processing_class (the policy's tokenizer): nothing is downloaded")
         model = _load_model(model, args)
-        _refuse_dropped_router_aux_loss(model, args, name)
+        refuse_dropped_router_aux_loss(model, name, args.router_aux_loss_coef)
         if processing_class.pad_token_id is None:
             processing_class.pad_token = processing_class.eos_token
         if args.disable_dropout:
@@ -371,27 +371,6 @@ def _load_model(model: Any, args: Any) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"an RL trainer needs a model (a torch module or a model path), got {type(model).__name__}")
     return model
-
-
-def _refuse_dropped_router_aux_loss(model: nn.Module, args: Any, name: str) -> None:
-    """TRL adds a Mixture-of-Experts model's router load-balancing loss (the architecture's own coefficient when
-    ``router_aux_loss_coef`` is None); shardkit's scoring does not, so such a run would train another objective than
-    the one asked for. Only an explicit ``router_aux_loss_coef=0.0`` (or a model whose coefficient is 0) trains
-    without it."""
-    if args.router_aux_loss_coef is not None:
-        return  # 0.0: the config refuses anything else
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if text_config is not None and hasattr(text_config, "output_router_logits"):
-        coef = getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0
-        source = f"{type(model).__name__}'s config"
-    else:
-        coef = max((layer.config.aux_loss_coef for layer in moe_layers(model)), default=0.0)
-        source = "its MoE layers (MoEConfig.aux_loss_coef)"
-    if coef:
-        raise NotImplementedError(f"{name}: the model is a Mixture-of-Experts whose router load-balancing loss "
-                                  f"(coefficient {coef} from {source}) TRL would add to the loss; shardkit's {name} "
-                                  "does not add it. Set router_aux_loss_coef=0.0 to train without it")
 
 
 def _disable_dropout(model: nn.Module) -> None:

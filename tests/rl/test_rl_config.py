@@ -84,7 +84,8 @@ def test_rollout_on_the_training_model_and_a_reward_model(tokenizer, tmp_path):
 
 def test_an_moe_models_router_aux_loss_is_never_dropped_unsaid(tokenizer, tmp_path):
     """TRL adds a Mixture-of-Experts model's router loss by default (router_aux_loss_coef=None: the model's own
-    coefficient); shardkit does not add it, so it refuses unless told 0.0, and refuses any other coefficient."""
+    coefficient); shardkit's RL and preference trainers do not add it, so they refuse unless told 0.0, and refuse any
+    other coefficient."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from shardkit.rl import GRPOTrainer, RLOOTrainer
@@ -105,9 +106,20 @@ def test_an_moe_models_router_aux_loss_is_never_dropped_unsaid(tokenizer, tmp_pa
                 processing_class=tokenizer)  # asked for explicitly: trains without it
     GRPOTrainer(tiny_llama(len(tokenizer)), _reward, args=_config(tmp_path), train_dataset=rows,
                 processing_class=tokenizer)  # a dense model: nothing to add
+    from shardkit.preference import CPOConfig, CPOTrainer, DPOConfig, DPOTrainer
     from shardkit.rl import RLOOConfig
 
     with pytest.raises(NotImplementedError, match="router load-balancing loss"):
         RLOOTrainer(qwen3_moe(), _reward, args=RLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4,
                                                           num_generations=4, report_to="none", use_cpu=True),
                     train_dataset=rows, processing_class=tokenizer)
+    # the preference trainers follow TRL's rule too: DPO's field as GRPO's, CPO/ORPO by output_router_logits
+    pairs = [{"prompt": "a", "chosen": " b", "rejected": " c"}] * 2
+    with pytest.raises(NotImplementedError, match="DPOTrainer.*router_aux_loss_coef=0.0"):
+        DPOTrainer(qwen3_moe(), args=DPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True),
+                   train_dataset=pairs, processing_class=tokenizer)
+    routed = qwen3_moe()
+    routed.config.output_router_logits = True
+    with pytest.raises(NotImplementedError, match="CPOTrainer.*output_router_logits=False"):
+        CPOTrainer(routed, args=CPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True),
+                   train_dataset=pairs, processing_class=tokenizer)
