@@ -370,6 +370,9 @@ def _load_model(model: Any, args: Any) -> nn.Module:
         return AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
     if not isinstance(model, nn.Module):
         raise TypeError(f"an RL trainer needs a model (a torch module or a model path), got {type(model).__name__}")
+    if args.model_init_kwargs is not None:
+        raise ValueError(f"{type(args).__name__}.model_init_kwargs is set but the model is already built, so they "
+                         "would do nothing: pass the model's path, or leave model_init_kwargs unset")
     return model
 
 

@@ -45,6 +45,10 @@ def test_refusals(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="multiple of num_generations=3"):
         GRPOTrainer(tiny_llama(len(tokenizer)), _reward, args=_config(tmp_path, num_generations=3),
                     train_dataset=[{"prompt": "a"}] * 4, processing_class=tokenizer)
+    with pytest.raises(ValueError, match="model_init_kwargs is set but the model is already built"):
+        GRPOTrainer(tiny_llama(len(tokenizer)), _reward,
+                    args=_config(tmp_path, model_init_kwargs={"dtype": "bfloat16"}),
+                    train_dataset=[{"prompt": "a"}] * 4, processing_class=tokenizer)
     with pytest.raises(NotImplementedError, match="eval_dataset"):
         GRPOTrainer(tiny_llama(len(tokenizer)), _reward, args=_config(tmp_path), train_dataset=[{"prompt": "a"}] * 4,
                     eval_dataset=[{"prompt": "b"}], processing_class=tokenizer)
