@@ -221,7 +221,8 @@ class OnlineRLTrainer(Trainer):
                     **(args.generation_kwargs or {})}
         return generate_completions(self.runner, self.model_wrapped, prompt_ids, pad_token_id=self._pad_id,
                                     eos_token_ids=self.eos_token_ids, max_new_tokens=args.max_completion_length,
-                                    sampling=sampling)
+                                    sampling=sampling,
+                                    keep_unsharded=None if args.ds3_gather_for_generation else False)
 
     @property
     def _pad_id(self) -> int:

@@ -127,3 +127,23 @@ def test_an_moe_models_router_aux_loss_is_never_dropped_unsaid(tokenizer, tmp_pa
     with pytest.raises(NotImplementedError, match="CPOTrainer.*output_router_logits=False"):
         CPOTrainer(routed, args=CPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True),
                    train_dataset=pairs, processing_class=tokenizer)
+
+
+def test_ds3_gather_for_generation_false_gathers_per_layer(tokenizer, tmp_path):
+    """TRL's ds3_gather_for_generation=False (do not hold the whole model gathered while generating) reaches the
+    strategy as keep_unsharded=False; the default leaves the choice to it (gathered once when memory allows)."""
+    from shardkit.rl import GRPOTrainer
+
+    for flag, expected in ((False, False), (True, None)):
+        trainer = GRPOTrainer(tiny_llama(len(tokenizer)), _reward,
+                              args=_config(tmp_path, ds3_gather_for_generation=flag),
+                              train_dataset=[{"prompt": "a"}] * 4, processing_class=tokenizer)
+        seen, generate = {}, trainer.runner.generate
+
+        def spy(model, ids, **kwargs):
+            seen["keep_unsharded"] = kwargs.get("keep_unsharded", "not passed")
+            return generate(model, ids, **kwargs)
+
+        trainer.runner.generate = spy
+        trainer.generate([[5, 6]])
+        assert seen["keep_unsharded"] is expected
