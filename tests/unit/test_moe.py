@@ -325,3 +325,16 @@ def test_hf_expert_blocks_of_another_layout_are_refused_not_miscomputed():
                                             num_attention_heads=2, num_key_value_heads=2))
     with pytest.raises(ValueError, match="AriaExperts.*is_transposed"):
         use_grouped_experts(torch.nn.Sequential(transposed))
+
+
+def test_a_bf16_cast_keeps_the_balancing_state_precise():
+    """model.bfloat16() casts every buffer: the router bias (steps of 1e-3, below bf16's spacing from 0.25 up) and the
+    counts stay in full precision, so the bias still moves."""
+    layer = _layer(bias_update_rate=1e-3, aux_loss_coef=0.0)
+    layer.router.expert_bias.fill_(1.0)
+    layer = layer.to(torch.bfloat16)
+    assert layer.router.expert_bias.dtype == torch.float32 and layer.tokens_per_expert.dtype == torch.float64
+    layer.train()
+    layer(torch.randn(8, H, dtype=torch.bfloat16))
+    update_router_biases(layer)
+    assert (layer.router.expert_bias - 1.0).abs().max().item() == pytest.approx(1e-3, rel=1e-3)
