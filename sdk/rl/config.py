@@ -209,3 +209,14 @@ class RLOOConfig(OnlineRLConfig):
     beta: float = 0.05
     normalize_advantages: bool = False
     reward_clip_range: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        clip = self.reward_clip_range
+        if clip is not None:
+            if not isinstance(clip, (tuple, list)) or len(clip) != 2 or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v) for v in clip):
+                raise ValueError(f"RLOOConfig.reward_clip_range={clip!r} must be a pair of numbers (low, high) or None")
+            if clip[0] > clip[1]:
+                raise ValueError(f"RLOOConfig.reward_clip_range={clip!r}: low > high would set every reward to high "
+                                 "(nothing left to compare); give (low, high)")

@@ -42,6 +42,12 @@ def test_refusals(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="num_generations"):
         _config(tmp_path, num_generations=1)
     assert GRPOConfig(output_dir=str(tmp_path), scale_rewards=False, report_to="none").scale_rewards == "none"
+    from shardkit.rl import RLOOConfig
+
+    with pytest.raises(ValueError, match="low > high"):
+        RLOOConfig(output_dir=str(tmp_path), report_to="none", reward_clip_range=(1.0, -1.0))
+    with pytest.raises(ValueError, match="pair of numbers"):
+        RLOOConfig(output_dir=str(tmp_path), report_to="none", reward_clip_range=(1.0,))
     with pytest.raises(ValueError, match="multiple of num_generations=3"):
         GRPOTrainer(tiny_llama(len(tokenizer)), _reward, args=_config(tmp_path, num_generations=3),
                     train_dataset=[{"prompt": "a"}] * 4, processing_class=tokenizer)
