@@ -173,12 +173,30 @@ class RewardFunctions:
                 continue
             values = func(prompts=prompts, completions=completions, completion_ids=completion_ids,
                           **_accepted(func, {**columns, **extra}))
+            if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__") or \
+                    (isinstance(values, Tensor) and values.dim() == 0):
+                raise TypeError(f"reward function {name!r} returned a {type(values).__name__}: return a list of one "
+                                "float (or None) per completion")
             values = list(values)
             if len(values) != len(prompts):
                 raise ValueError(f"reward function {name!r} returned {len(values)} rewards for {len(prompts)} "
                                  "completions: return one per completion")
-            out[:, i] = torch.tensor([float("nan") if v is None else float(v) for v in values], device=device)
+            out[:, i] = torch.tensor([_reward_value(v, name, j) for j, v in enumerate(values)], device=device)
         return out
+
+
+def _reward_value(value: Any, name: str, index: int) -> float:
+    """One reward as a float (None: NaN, "this function does not apply"); anything else but a number is refused."""
+    if value is None:
+        return float("nan")
+    if isinstance(value, (str, bytes)) or (isinstance(value, Tensor) and value.numel() != 1):
+        raise TypeError(f"reward function {name!r} returned {value!r} for completion {index}: a reward is a number "
+                        "or None")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"reward function {name!r} returned {value!r} for completion {index}: a reward is a number "
+                        "or None") from None
 
 
 def _accepted(func: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:

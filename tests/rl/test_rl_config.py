@@ -153,3 +153,23 @@ def test_ds3_gather_for_generation_false_gathers_per_layer(tokenizer, tmp_path):
         trainer.runner.generate = spy
         trainer.generate([[5, 6]])
         assert seen["keep_unsharded"] is expected
+
+
+def test_reward_outputs_that_are_not_one_number_per_completion_are_named():
+    """A scalar for the whole batch, a string per completion or a vector per completion is refused by the function's
+    name; None, numbers, bools and one-element tensors are rewards."""
+    from shardkit.rl.rollout import RewardFunctions
+
+    def call(output):
+        def batch_reward(completions, **kwargs):
+            return output
+        return RewardFunctions(batch_reward)(["p", "q"], ["a", "b"], [[1], [2]], [{}, {}], torch.device("cpu"), {})
+
+    for bad, match in ((1.0, "returned a float"), ("0.5", "returned a str"), (torch.tensor(1.0), "returned a Tensor"),
+                       (["0.5", "1"], "returned '0.5' for completion 0"),
+                       ([torch.ones(2), torch.ones(2)], "for completion 0: a reward is a number")):
+        with pytest.raises(TypeError, match=match):
+            call(bad)
+    rewards = call([None, True])
+    assert torch.isnan(rewards[0, 0]) and rewards[1, 0] == 1.0
+    assert call(torch.tensor([[0.5], [2.0]])).flatten().tolist() == [0.5, 2.0]
