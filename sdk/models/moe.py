@@ -164,6 +164,7 @@ class LocalDispatch:
 
 
 _LOCAL = LocalDispatch()
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class MoE(nn.Module):
@@ -190,6 +191,17 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.last_load: torch.Tensor | None = None
         self.dropped = 0
+
+    def _apply(self, fn: Any, recurse: bool = True) -> MoE:
+        super()._apply(fn, recurse)
+        # A cast of the whole model (``model.bfloat16()``, a bf16 engine) must not reach the balancing state: the
+        # bias moves by steps of ``bias_update_rate`` (1e-3 is below bf16's spacing from 0.25 up, so the update
+        # would round away) and the counts pass bf16's exact integers at 256.
+        if self.tokens_per_expert.dtype in _LOW_PRECISION:
+            self.tokens_per_expert = self.tokens_per_expert.to(torch.float64)
+        if self.router.expert_bias.dtype in _LOW_PRECISION:
+            self.router.expert_bias = self.router.expert_bias.to(torch.float32)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config

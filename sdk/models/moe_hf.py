@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from shardkit.models.moe_experts import EXPERT_BACKENDS, grouped_swiglu
+from shardkit.utils.hf_experts import check_hf_expert_layout
 from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["hf_expert_modules", "use_grouped_experts"]
@@ -56,8 +57,9 @@ def use_grouped_experts(model: nn.Module, backend: str = "auto") -> int:
     many blocks were patched (an instance's forward; the class is untouched).
 
     Raises:
-        ValueError: an unknown ``backend``, a model without expert blocks, or an expert activation other than SiLU
-            (the grouped experts compute SwiGLU).
+        ValueError: an unknown ``backend``, a model without expert blocks, an expert activation other than SiLU
+            (the grouped experts compute SwiGLU), or a block of another layout (transposed weights, biases, a norm
+            after the experts: :func:`shardkit.utils.hf_experts.check_hf_expert_layout`).
     """
     if backend not in EXPERT_BACKENDS:
         raise ValueError(f"use_grouped_experts backend={backend!r} is not one of {EXPERT_BACKENDS}"
@@ -68,6 +70,7 @@ def use_grouped_experts(model: nn.Module, backend: str = "auto") -> int:
                          "gate_up_proj/down_proj parameters and an act_fn, as transformers 5's Qwen3-MoE, Qwen2-MoE "
                          "and Mixtral have)")
     for block in blocks:
+        check_hf_expert_layout(block, "use_grouped_experts")
         act: Any = block.act_fn
         if not isinstance(act, nn.SiLU) and type(act).__name__ not in ("SiLUActivation", "SiLU"):
             raise ValueError(f"use_grouped_experts: {type(block).__name__}'s activation is {type(act).__name__}; the "

@@ -32,6 +32,7 @@ from shardkit.preference.logps import SequenceLogps, sequence_log_probs
 from shardkit.trainer.callbacks import TrainerCallback
 from shardkit.trainer.frozen_model import frozen_model_context, set_up_frozen_model
 from shardkit.trainer.peft_support import base_model_of, is_peft_model
+from shardkit.trainer.router_aux_loss import refuse_dropped_router_aux_loss
 from shardkit.trainer.trainer import Trainer
 
 __all__ = ["PreferenceTrainer"]
@@ -92,6 +93,8 @@ class PreferenceTrainer(Trainer):
             raise ValueError(f"{type(self).__name__}: model and ref_model are the same object; omit ref_model (a "
                              "frozen copy of the model is made) or pass a separate model")
         model = _load_model(model, args)
+        refuse_dropped_router_aux_loss(model, type(self).__name__, getattr(args, "router_aux_loss_coef", None),
+                                       has_coef_field=hasattr(args, "router_aux_loss_coef"))
         tokenizer = _prepare_tokenizer(processing_class, model, args)
         if args.disable_dropout:
             _disable_dropout(model)

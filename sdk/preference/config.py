@@ -79,10 +79,13 @@ class DPOConfig(TrainingArguments):
         super().__post_init__()
         refuse_unsupported(self, {
             "f_divergence_type": ("reverse_kl", "the f-DPO divergences are not implemented"),
-            "router_aux_loss_coef": (None, "Mixture-of-Experts auxiliary losses are not added"),
             "activation_offloading": (False, "activation offloading is not implemented; use gradient_checkpointing"),
             "trust_remote_code": (False, "models are not loaded with remote code; load it yourself and pass the model"),
         })
+        if self.router_aux_loss_coef not in (None, 0.0):
+            raise NotImplementedError(f"{type(self).__name__}.router_aux_loss_coef={self.router_aux_loss_coef!r} is "
+                                      "not supported by shardkit: Mixture-of-Experts auxiliary losses are not added. "
+                                      "Set 0.0 (train an MoE model without it) or leave it at None (a dense model)")
         if isinstance(self.loss_type, str):
             self.loss_type = [self.loss_type]
         self.loss_type = list(self.loss_type)

@@ -89,7 +89,7 @@ class KTOConfig(TrainingArguments):
         model_init_kwargs: keyword arguments of ``AutoModelForCausalLM.from_pretrained`` when the model is given
             as a path (refused for a model already built: they would do nothing).
         trust_remote_code: forwarded to ``from_pretrained`` for a model given as a path.
-        router_aux_loss_coef: Mixture-of-Experts load-balancing loss weight (not supported: must stay None).
+        router_aux_loss_coef: Mixture-of-Experts load-balancing loss weight (not added: None or 0.0).
         disable_dropout: switch dropout off in the model and the reference model (default True).
 
     Data:
@@ -152,8 +152,11 @@ class KTOConfig(TrainingArguments):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"KTOConfig.{name}={value!r} must be an integer >= 1 or None")
+        if self.router_aux_loss_coef not in (None, 0.0):
+            raise ValueError(f"KTOConfig.router_aux_loss_coef={self.router_aux_loss_coef!r} is not supported: "
+                             "Mixture-of-Experts auxiliary losses are not added by shardkit's KTOTrainer. Set 0.0 "
+                             "(train an MoE model without it) or leave it at None (a dense model)")
         refuse_unless_default(self, {
-            "router_aux_loss_coef": "Mixture-of-Experts auxiliary losses are not added by shardkit's KTOTrainer",
             "precompute_ref_log_probs": "the reference log-probs are computed on the fly, on the same chunked op",
             "precompute_ref_batch_size": "it applies only with precompute_ref_log_probs",
             "activation_offloading": "use gradient_checkpointing (or the strategy's offloading) instead",

@@ -19,7 +19,6 @@ _VLLM_WHY = "shardkit generates on the training model; vLLM's server mode and it
 # The fields both trainers share and do not implement: (default, why).
 _UNSUPPORTED_SHARED: dict[str, tuple[Any, str]] = {
     "trust_remote_code": (False, "models are not loaded with remote code; load it yourself and pass the model"),
-    "router_aux_loss_coef": (None, "Mixture-of-Experts auxiliary losses are not added"),
     "num_generations_eval": (None, "evaluation with generation is not implemented"),
     "cache_implementation": (None, "the model's own KV cache is used"),
     "sync_ref_model": (False, "the reference is not updated during training"),
@@ -86,6 +85,10 @@ class OnlineRLConfig(TrainingArguments):
         super().__post_init__()
         name = type(self).__name__
         refuse_unsupported(self, _UNSUPPORTED_SHARED)
+        if self.router_aux_loss_coef not in (None, 0.0):
+            raise NotImplementedError(f"{name}.router_aux_loss_coef={self.router_aux_loss_coef!r} is not supported by "
+                                      "shardkit: Mixture-of-Experts auxiliary losses are not added. Set 0.0 (train an "
+                                      "MoE model without it) or leave it at None (a dense model)")
         if not isinstance(self.num_generations, int) or self.num_generations < 2:
             raise ValueError(f"{name}.num_generations={self.num_generations!r}: at least 2 completions per prompt "
                              "are needed to compare them (the advantage)")
@@ -206,3 +209,14 @@ class RLOOConfig(OnlineRLConfig):
     beta: float = 0.05
     normalize_advantages: bool = False
     reward_clip_range: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        clip = self.reward_clip_range
+        if clip is not None:
+            if not isinstance(clip, (tuple, list)) or len(clip) != 2 or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v) for v in clip):
+                raise ValueError(f"RLOOConfig.reward_clip_range={clip!r} must be a pair of numbers (low, high) or None")
+            if clip[0] > clip[1]:
+                raise ValueError(f"RLOOConfig.reward_clip_range={clip!r}: low > high would set every reward to high "
+                                 "(nothing left to compare); give (low, high)")

@@ -83,14 +83,16 @@ class Completions:
 
 
 def generate_completions(runner: Any, model: nn.Module, prompt_ids: Sequence[Sequence[int]], *, pad_token_id: int,
-                         eos_token_ids: Sequence[int], max_new_tokens: int, sampling: dict[str, Any]
-                         ) -> Completions:
+                         eos_token_ids: Sequence[int], max_new_tokens: int, sampling: dict[str, Any],
+                         keep_unsharded: bool | None = None) -> Completions:
     """Sample one completion per prompt row with the set-up ``model``, on every rank together.
 
     Args:
         runner: the Runner that set the model up (its ``generate`` keeps the ranks in step).
         prompt_ids: this rank's prompts (each repeated as many times as it needs completions).
         sampling: ``do_sample``, ``temperature``, ``top_p``, ``top_k``, ... for the model's ``generate``.
+        keep_unsharded: the strategy's choice of holding partitioned parameters gathered for the whole call (None:
+            when memory allows; False: gathered per layer, TRL's ``ds3_gather_for_generation=False``).
     """
     unwrapped = runner.unwrap_model(model)
     if not is_hf_model(unwrapped):
@@ -102,7 +104,8 @@ def generate_completions(runner: Any, model: nn.Module, prompt_ids: Sequence[Seq
     unwrapped.eval()
     try:
         out = runner.generate(model, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                              pad_token_id=pad_token_id, eos_token_id=list(eos_token_ids), use_cache=True, **sampling)
+                              pad_token_id=pad_token_id, eos_token_id=list(eos_token_ids), use_cache=True,
+                              keep_unsharded=keep_unsharded, **sampling)
     finally:
         unwrapped.train(was_training)
     generated = out[:, ids.shape[1]:].cpu()
@@ -170,12 +173,30 @@ class RewardFunctions:
                 continue
             values = func(prompts=prompts, completions=completions, completion_ids=completion_ids,
                           **_accepted(func, {**columns, **extra}))
+            if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__iter__") or \
+                    (isinstance(values, Tensor) and values.dim() == 0):
+                raise TypeError(f"reward function {name!r} returned a {type(values).__name__}: return a list of one "
+                                "float (or None) per completion")
             values = list(values)
             if len(values) != len(prompts):
                 raise ValueError(f"reward function {name!r} returned {len(values)} rewards for {len(prompts)} "
                                  "completions: return one per completion")
-            out[:, i] = torch.tensor([float("nan") if v is None else float(v) for v in values], device=device)
+            out[:, i] = torch.tensor([_reward_value(v, name, j) for j, v in enumerate(values)], device=device)
         return out
+
+
+def _reward_value(value: Any, name: str, index: int) -> float:
+    """One reward as a float (None: NaN, "this function does not apply"); anything else but a number is refused."""
+    if value is None:
+        return float("nan")
+    if isinstance(value, (str, bytes)) or (isinstance(value, Tensor) and value.numel() != 1):
+        raise TypeError(f"reward function {name!r} returned {value!r} for completion {index}: a reward is a number "
+                        "or None")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"reward function {name!r} returned {value!r} for completion {index}: a reward is a number "
+                        "or None") from None
 
 
 def _accepted(func: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:

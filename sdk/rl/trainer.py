@@ -43,6 +43,7 @@ from shardkit.rl.rollout import (
 from shardkit.rl.scoring import completion_log_probs
 from shardkit.trainer.frozen_model import frozen_model_context, set_up_frozen_model
 from shardkit.trainer.peft_support import is_peft_model
+from shardkit.trainer.router_aux_loss import refuse_dropped_router_aux_loss
 from shardkit.trainer.trainer import Trainer
 
 __all__ = ["OnlineRLTrainer", "RoundSlots", "Round"]
@@ -121,6 +122,7 @@ class OnlineRLTrainer(Trainer):
         if processing_class is None:
             raise ValueError(f"{name} needs processing_class (the policy's tokenizer): nothing is downloaded")
         model = _load_model(model, args)
+        refuse_dropped_router_aux_loss(model, name, args.router_aux_loss_coef)
         if processing_class.pad_token_id is None:
             processing_class.pad_token = processing_class.eos_token
         if args.disable_dropout:
@@ -219,7 +221,8 @@ class OnlineRLTrainer(Trainer):
                     **(args.generation_kwargs or {})}
         return generate_completions(self.runner, self.model_wrapped, prompt_ids, pad_token_id=self._pad_id,
                                     eos_token_ids=self.eos_token_ids, max_new_tokens=args.max_completion_length,
-                                    sampling=sampling)
+                                    sampling=sampling,
+                                    keep_unsharded=None if args.ds3_gather_for_generation else False)
 
     @property
     def _pad_id(self) -> int:
@@ -368,6 +371,9 @@ def _load_model(model: Any, args: Any) -> nn.Module:
         return AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
     if not isinstance(model, nn.Module):
         raise TypeError(f"an RL trainer needs a model (a torch module or a model path), got {type(model).__name__}")
+    if args.model_init_kwargs is not None:
+        raise ValueError(f"{type(args).__name__}.model_init_kwargs is set but the model is already built, so they "
+                         "would do nothing: pass the model's path, or leave model_init_kwargs unset")
     return model
 
 

@@ -44,6 +44,7 @@ from shardkit.strategies import activation_checkpointing as checkpointing
 from shardkit.strategies import fsdp as _fsdp
 from shardkit.strategies.parallel import ProcessGroupStrategy
 from shardkit.strategies.parallel_dims import ParallelDims
+from shardkit.utils.hf_experts import check_hf_expert_layout
 
 __all__ = ["AllToAllDispatch", "ExpertParallel", "hf_expert_blocks", "moe_modules"]
 
@@ -223,6 +224,7 @@ class ExpertParallel(_fsdp.FSDP):
     def setup_module(self, module: nn.Module) -> nn.Module:
         layers = moe_modules(module)
         for block in hf_expert_blocks(module):
+            check_hf_expert_layout(block, "ExpertParallel")
             self.dims.validate_experts(block.gate_up_proj.shape[0])
         if not layers and not hf_expert_blocks(module) and self.is_global_zero:
             # A dense model has no experts to split: it trains as under FSDP (which is what its dense parts get here

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from shardkit.models.moe import update_router_biases
 from shardkit.trainer import hub
 from shardkit.trainer.callbacks import ExportableState
 from shardkit.trainer.engine import steps_per_epoch, total_steps
@@ -454,9 +455,14 @@ class TrainLoop:
         pass_training_loss(trainer, window_loss)  # GrokAdamW's step reads it
         self.step_lr = float(trainer.optimizer.param_groups[0]["lr"])  # the rate this step uses (HF logs it)
         if stepper is None:
-            runner.step()
+            stepped = runner.step()
         else:  # LOMO, AdaLomo, layer-wise: the weights moved in backward; the schedule steps here
             self.grad_norm = stepper.finish_step(None if prepared.metric_scheduler else trainer.lr_scheduler)
+            stepped = True
+        if stepped:
+            # MoE layers with bias_update_rate > 0 steer their routing by the load since the last step: summed
+            # over the ranks so that every rank's bias moves the same.
+            update_router_biases(trainer.model, lambda counts: runner.all_reduce(counts, "sum"))
         trainer.control = handler.on_optimizer_step(args, trainer.state, trainer.control)
         trainer.losses.add(window_loss)
 

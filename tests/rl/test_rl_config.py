@@ -42,8 +42,18 @@ def test_refusals(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="num_generations"):
         _config(tmp_path, num_generations=1)
     assert GRPOConfig(output_dir=str(tmp_path), scale_rewards=False, report_to="none").scale_rewards == "none"
+    from shardkit.rl import RLOOConfig
+
+    with pytest.raises(ValueError, match="low > high"):
+        RLOOConfig(output_dir=str(tmp_path), report_to="none", reward_clip_range=(1.0, -1.0))
+    with pytest.raises(ValueError, match="pair of numbers"):
+        RLOOConfig(output_dir=str(tmp_path), report_to="none", reward_clip_range=(1.0,))
     with pytest.raises(ValueError, match="multiple of num_generations=3"):
         GRPOTrainer(tiny_llama(len(tokenizer)), _reward, args=_config(tmp_path, num_generations=3),
+                    train_dataset=[{"prompt": "a"}] * 4, processing_class=tokenizer)
+    with pytest.raises(ValueError, match="model_init_kwargs is set but the model is already built"):
+        GRPOTrainer(tiny_llama(len(tokenizer)), _reward,
+                    args=_config(tmp_path, model_init_kwargs={"dtype": "bfloat16"}),
                     train_dataset=[{"prompt": "a"}] * 4, processing_class=tokenizer)
     with pytest.raises(NotImplementedError, match="eval_dataset"):
         GRPOTrainer(tiny_llama(len(tokenizer)), _reward, args=_config(tmp_path), train_dataset=[{"prompt": "a"}] * 4,
@@ -80,3 +90,86 @@ def test_rollout_on_the_training_model_and_a_reward_model(tokenizer, tmp_path):
     metrics = trainer._metrics["train"]
     assert metrics["rewards/by_column/mean"][-1] == pytest.approx(1.5)
     assert metrics["rewards/by_column/std"][-1] > 0 and "rewards/LlamaForSequenceClassification/mean" in metrics
+
+
+def test_an_moe_models_router_aux_loss_is_never_dropped_unsaid(tokenizer, tmp_path):
+    """TRL adds a Mixture-of-Experts model's router loss by default (router_aux_loss_coef=None: the model's own
+    coefficient); shardkit's RL and preference trainers do not add it, so they refuse unless told 0.0, and refuse any
+    other coefficient."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from shardkit.rl import GRPOTrainer, RLOOTrainer
+
+    def qwen3_moe():
+        torch.manual_seed(0)
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(
+            vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, moe_intermediate_size=16,
+            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+            router_aux_loss_coef=0.01))
+
+    rows = [{"prompt": "a"}] * 4
+    with pytest.raises(NotImplementedError, match="router load-balancing loss.*router_aux_loss_coef=0.0"):
+        GRPOTrainer(qwen3_moe(), _reward, args=_config(tmp_path), train_dataset=rows, processing_class=tokenizer)
+    with pytest.raises(NotImplementedError, match="router_aux_loss_coef=0.5"):
+        _config(tmp_path, router_aux_loss_coef=0.5)
+    GRPOTrainer(qwen3_moe(), _reward, args=_config(tmp_path, router_aux_loss_coef=0.0), train_dataset=rows,
+                processing_class=tokenizer)  # asked for explicitly: trains without it
+    GRPOTrainer(tiny_llama(len(tokenizer)), _reward, args=_config(tmp_path), train_dataset=rows,
+                processing_class=tokenizer)  # a dense model: nothing to add
+    from shardkit.preference import CPOConfig, CPOTrainer, DPOConfig, DPOTrainer
+    from shardkit.rl import RLOOConfig
+
+    with pytest.raises(NotImplementedError, match="router load-balancing loss"):
+        RLOOTrainer(qwen3_moe(), _reward, args=RLOOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                                                          num_generations=4, report_to="none", use_cpu=True),
+                    train_dataset=rows, processing_class=tokenizer)
+    # the preference trainers follow TRL's rule too: DPO's field as GRPO's, CPO/ORPO by output_router_logits
+    pairs = [{"prompt": "a", "chosen": " b", "rejected": " c"}] * 2
+    with pytest.raises(NotImplementedError, match="DPOTrainer.*router_aux_loss_coef=0.0"):
+        DPOTrainer(qwen3_moe(), args=DPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True),
+                   train_dataset=pairs, processing_class=tokenizer)
+    routed = qwen3_moe()
+    routed.config.output_router_logits = True
+    with pytest.raises(NotImplementedError, match="CPOTrainer.*output_router_logits=False"):
+        CPOTrainer(routed, args=CPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True),
+                   train_dataset=pairs, processing_class=tokenizer)
+
+
+def test_ds3_gather_for_generation_false_gathers_per_layer(tokenizer, tmp_path):
+    """TRL's ds3_gather_for_generation=False (do not hold the whole model gathered while generating) reaches the
+    strategy as keep_unsharded=False; the default leaves the choice to it (gathered once when memory allows)."""
+    from shardkit.rl import GRPOTrainer
+
+    for flag, expected in ((False, False), (True, None)):
+        trainer = GRPOTrainer(tiny_llama(len(tokenizer)), _reward,
+                              args=_config(tmp_path, ds3_gather_for_generation=flag),
+                              train_dataset=[{"prompt": "a"}] * 4, processing_class=tokenizer)
+        seen, generate = {}, trainer.runner.generate
+
+        def spy(model, ids, **kwargs):
+            seen["keep_unsharded"] = kwargs.get("keep_unsharded", "not passed")
+            return generate(model, ids, **kwargs)
+
+        trainer.runner.generate = spy
+        trainer.generate([[5, 6]])
+        assert seen["keep_unsharded"] is expected
+
+
+def test_reward_outputs_that_are_not_one_number_per_completion_are_named():
+    """A scalar for the whole batch, a string per completion or a vector per completion is refused by the function's
+    name; None, numbers, bools and one-element tensors are rewards."""
+    from shardkit.rl.rollout import RewardFunctions
+
+    def call(output):
+        def batch_reward(completions, **kwargs):
+            return output
+        return RewardFunctions(batch_reward)(["p", "q"], ["a", "b"], [[1], [2]], [{}, {}], torch.device("cpu"), {})
+
+    for bad, match in ((1.0, "returned a float"), ("0.5", "returned a str"), (torch.tensor(1.0), "returned a Tensor"),
+                       (["0.5", "1"], "returned '0.5' for completion 0"),
+                       ([torch.ones(2), torch.ones(2)], "for completion 0: a reward is a number")):
+        with pytest.raises(TypeError, match=match):
+            call(bad)
+    rewards = call([None, True])
+    assert torch.isnan(rewards[0, 0]) and rewards[1, 0] == 1.0
+    assert call(torch.tensor([[0.5], [2.0]])).flatten().tolist() == [0.5, 2.0]

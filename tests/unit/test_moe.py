@@ -289,3 +289,52 @@ def test_expert_parallel_sizes_are_checked_by_name():
         ParallelDims(ep=0)
     with pytest.raises(ValueError, match="ep_size=0 must be an int >= 1"):
         ExpertParallel(ep_size=0)
+
+
+def test_the_trainer_moves_the_router_bias_after_each_optimizer_step(tmp_path):
+    """bias_update_rate > 0 under shardkit's Trainer: the bias moves after each step (never left at zero unsaid)."""
+    from shardkit.trainer import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.small_moe(fused=False, num_layers=2, moe={"bias_update_rate": 1e-2}))
+    data = [{"input_ids": torch.randint(0, 32, (16,)), "labels": torch.randint(0, 32, (16,))} for _ in range(4)]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, learning_rate=1e-3,
+                             save_strategy="no", report_to=[], disable_tqdm=True, seed=0, use_cpu=True)
+    Trainer(model, args, train_dataset=data).train()
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert layers and all(float(layer.router.expert_bias.abs().max()) == pytest.approx(1e-2) for layer in layers)
+    assert all(layer.tokens_per_expert.sum() == 0 for layer in layers)  # the counts restart after each update
+
+
+def test_hf_expert_blocks_of_another_layout_are_refused_not_miscomputed():
+    """transformers declares expert blocks whose function the plain stacked-SwiGLU forward is not (a norm after the
+    experts, transposed weights): patching them would drop the norm or misread the weights, so both are refused."""
+    from transformers.models.aria.configuration_aria import AriaTextConfig
+    from transformers.models.aria.modeling_aria import AriaExperts
+    from transformers.models.muse_spark.configuration_muse_spark import MuseSparkTextConfig
+    from transformers.models.muse_spark.modeling_muse_spark import MuseSparkExperts
+
+    from shardkit.models.moe_hf import use_grouped_experts
+
+    normed = MuseSparkExperts(MuseSparkTextConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=2,
+                                                  moe_hidden_size=16, moe_intermediate_size=8,
+                                                  num_local_experts=4, vocab_size=64))
+    with pytest.raises(ValueError, match="MuseSparkExperts.*has_post_expert_norm.*post_expert_norm"):
+        use_grouped_experts(torch.nn.Sequential(normed))
+    transposed = AriaExperts(AriaTextConfig(hidden_size=16, intermediate_size=16, moe_num_experts=4, vocab_size=64,
+                                            num_attention_heads=2, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="AriaExperts.*is_transposed"):
+        use_grouped_experts(torch.nn.Sequential(transposed))
+
+
+def test_a_bf16_cast_keeps_the_balancing_state_precise():
+    """model.bfloat16() casts every buffer: the router bias (steps of 1e-3, below bf16's spacing from 0.25 up) and the
+    counts stay in full precision, so the bias still moves."""
+    layer = _layer(bias_update_rate=1e-3, aux_loss_coef=0.0)
+    layer.router.expert_bias.fill_(1.0)
+    layer = layer.to(torch.bfloat16)
+    assert layer.router.expert_bias.dtype == torch.float32 and layer.tokens_per_expert.dtype == torch.float64
+    layer.train()
+    layer(torch.randn(8, H, dtype=torch.bfloat16))
+    update_router_biases(layer)
+    assert (layer.router.expert_bias - 1.0).abs().max().item() == pytest.approx(1e-3, rel=1e-3)
