@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "child_wall_and_peak",
     "ensure_malloc_returns_memory",
     "fmt_bytes",
     "machine_description",
@@ -155,3 +157,14 @@ def print_table(headers: list[str], rows: list[list[str]]) -> str:
     text = "\n".join(lines)
     print(text, flush=True)
     return text
+
+
+def child_wall_and_peak(cmd: list[str], env: dict) -> tuple[float, float]:
+    """(wall seconds, peak RSS bytes) of one child process running ``cmd``; its stderr is shown if it fails."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.read().decode()[-2000:]}")
+    return wall, usage.ru_maxrss * 1024

@@ -16,12 +16,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import child_wall_and_peak  # noqa: E402
 
 GB = 1e9
 
@@ -52,17 +53,6 @@ def _ensure_checkpoint(workdir: Path, stage: int, layers: int, hidden: int) -> P
         launch(_build, args=(str(path), stage, layers, hidden), num_processes=2, timeout=1800,
                env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     return path
-
-
-def _measure(cmd: list[str], env: dict) -> tuple[float, float]:
-    """(wall seconds, peak RSS bytes) of one child process."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.read().decode()[-2000:]}")
-    return wall, usage.ru_maxrss * 1024
 
 
 def _commands(ckpt: Path, out: Path, shard: str) -> dict[str, list[str]]:
@@ -109,7 +99,7 @@ def main() -> None:
     weights = args.layers * args.hidden**2 * 4
     print(f"model: {args.layers} x Linear({args.hidden}, {args.hidden}): {weights / GB:.2f} GB fp32; "
           f"max shard {args.max_shard_size}; MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}")
-    baseline = _measure([sys.executable, "-c", "import torch, safetensors"], env)[1]
+    baseline = child_wall_and_peak([sys.executable, "-c", "import torch, safetensors"], env)[1]
     print(f"(python + import torch, safetensors alone: peak RSS {baseline / GB:.2f} GB)")
     print(f"{'stage':<7}{'tool':<11}{'wall s':>8}{'peak RSS GB':>13}   largest output file GB")
     for stage in (2, 3):
@@ -119,7 +109,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for tool, cmd in _commands(ckpt, out, args.max_shard_size).items():
                 shutil.rmtree(out / tool, ignore_errors=True)  # DeepSpeed leaves older shards of another size
-                results[tool].append(_measure(cmd, env))
+                results[tool].append(child_wall_and_peak(cmd, env))
         for tool, runs in results.items():
             largest = max(f.stat().st_size for f in (out / tool).glob("*.safetensors"))
             wall = min(w for w, _ in runs)

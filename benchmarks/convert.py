@@ -21,10 +21,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import child_wall_and_peak  # noqa: E402
 
 GB = 1e9
 
@@ -51,17 +53,6 @@ def _build(path: Path, layers: int, hidden: int) -> None:
     opt.step()
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(path))
-
-
-def _measure(cmd: list[str], env: dict) -> tuple[float, float]:
-    """(wall seconds, peak RSS bytes) of one child process."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.read().decode()[-2000:]}")
-    return wall, usage.ru_maxrss * 1024
 
 
 def _commands(ckpt: Path, out: Path) -> dict[str, list[str]]:
@@ -110,7 +101,8 @@ def main() -> None:
     ckpt = _ensure_checkpoint(workdir, args.layers, args.hidden)
     print(f"DCP checkpoint: {args.layers} x Linear({args.hidden}, {args.hidden}) + AdamW state: "
           f"{_size(ckpt) / GB:.2f} GB; largest tensor {args.hidden ** 2 * 4 / GB:.3f} GB")
-    baseline = _measure([sys.executable, "-c", "import torch, torch.distributed.checkpoint, safetensors"], env)[1]
+    imports = "import torch, torch.distributed.checkpoint, safetensors"
+    baseline = child_wall_and_peak([sys.executable, "-c", imports], env)[1]
     print(f"(python + import torch, torch.distributed.checkpoint, safetensors alone: peak RSS {baseline / GB:.2f} GB)")
     out = workdir / "out"
     outputs = {"dcp_to_torch_save": out / "torch.pt", "shardkit --to shardkit": out / "shardkit",
@@ -121,7 +113,7 @@ def main() -> None:
             shutil.rmtree(outputs[tool], ignore_errors=True)
             outputs[tool].unlink(missing_ok=True) if outputs[tool].is_file() else None
             out.mkdir(exist_ok=True)
-            runs.setdefault(tool, []).append(_measure(cmd, env))
+            runs.setdefault(tool, []).append(child_wall_and_peak(cmd, env))
     print(f"{'tool':<24}{'wall s':>8}{'peak RSS GB':>13}{'output GB':>11}")
     for tool, r in runs.items():
         wall, peak = min(w for w, _ in r), max(m for _, m in r)

@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import child_wall_and_peak  # noqa: E402
 
 MB = 1 << 20
 
@@ -58,17 +59,6 @@ def _ensure_checkpoint(workdir: Path, layers: int, hidden: int) -> Path:
         launch(_build, args=(str(path), layers, hidden), num_processes=2, timeout=1800,
                env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     return path / (path / "latest").read_text().strip()
-
-
-def _measure(cmd: list[str], env: dict) -> tuple[float, float]:
-    """(wall seconds, peak RSS bytes) of one child process."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr.read().decode()[-2000:]}")
-    return wall, usage.ru_maxrss * 1024
 
 
 def _py(code: str) -> list[str]:
@@ -121,8 +111,8 @@ def main() -> None:
     for _ in range(args.rounds):
         shutil.rmtree(out, ignore_errors=True)
         for name, (cmd, imports) in _jobs(tag, out).items():
-            wall, peak = _measure(cmd, env)
-            _, base = _measure(imports, env)
+            wall, peak = child_wall_and_peak(cmd, env)
+            _, base = child_wall_and_peak(imports, env)
             results.setdefault(name, []).append((wall, peak, base))
     universal = out / "ds" / f"{tag.name}_universal"
     weights = args.layers * args.hidden ** 2 * 4
