@@ -133,6 +133,12 @@ def ssh_args(tmp_path_factory):
         sshd.wait(timeout=30)
 
 
+def _sigint_as_a_terminal_gives_it() -> None:
+    # A suite started in the background (`pytest ... &`) ignores SIGINT, and a child inherits that: the launcher
+    # rightly leaves an ignored SIGINT ignored, so the Ctrl-C this test sends would never arrive.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _launch(tmp_path: Path, ssh_args: str, kind: str) -> tuple[subprocess.Popen, Path]:
     job = tmp_path / "job"
     (job / "out").mkdir(parents=True)
@@ -145,7 +151,7 @@ def _launch(tmp_path: Path, ssh_args: str, kind: str) -> tuple[subprocess.Popen,
     process = subprocess.Popen([sys.executable, "-m", "shardkit.cli", "launch", "--hostfile", "hosts", "--ssh_args",
                                 ssh_args, "--main-process-port", str(find_free_port()), "--stop-grace", "5",
                                 "train.py", kind, "out"], cwd=job, env=env, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=_sigint_as_a_terminal_gives_it)
     process.log = log  # type: ignore[attr-defined]
     return process, job
 
