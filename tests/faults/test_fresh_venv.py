@@ -101,6 +101,7 @@ def test_fresh_venv_readme_first_command_then_every_example(tmp_path):
                               "--max_steps", "4", "--logging_steps", "2", "--save_strategy", "no"],
         "trainer_classification": ["examples/trainer_classification.py", "--output_dir", str(tmp_path / "out/cls"),
                                    "--max_steps", "4", "--logging_steps", "2", "--save_strategy", "no"],
+        "grpo": ["examples/grpo.py", "--max_steps", "2", "--output_dir", str(tmp_path / "out/grpo")],
         "sft tiny": ["examples/sft.py", "--make_tiny", str(tmp_path / "sft/tiny")],
         "sft": ["examples/sft.py", "--model_name_or_path", str(tmp_path / "sft/tiny"), "--dataset_name",
                 str(tmp_path / "sft/tiny/chat"), "--chat_template_format", "chatml", "--splits", "train,test",
