@@ -5,6 +5,8 @@ collectives go through an all_gather callable; a thread barrier stands in for th
 import io
 import json
 import os
+import subprocess
+import sys
 import tarfile
 import threading
 import uuid
@@ -116,7 +118,20 @@ def _take(loader, steps=None):
     return ids, count
 
 
+def _this_test() -> str:
+    return "test_two_ranks_two_workers_open_each_file_once_and_serve_each_sample_once"
+
+
 def test_two_ranks_two_workers_open_each_file_once_and_serve_each_sample_once(data):
+    # Its DataLoader workers are forked (the memory filesystem that counts the opens lives in this process). A
+    # process that earlier tests filled with thread pools (OpenMP, Arrow) can hand a forked child a broken one, and
+    # the worker segfaults: the test runs in a fresh interpreter unless it is that interpreter.
+    if os.environ.get("SHARDKIT_TEST_FRESH_INTERPRETER") != "1":
+        done = subprocess.run([sys.executable, "-m", "pytest", f"{__file__}::{_this_test()}", "-q", "-p",
+                               "no:cacheprovider"], env={**os.environ, "SHARDKIT_TEST_FRESH_INTERPRETER": "1"},
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+        return
     url, ids, log = data
     results = _on_ranks(2, lambda rank, gather: _take(_loader(url, rank, 2, gather, workers=2)))
     seen = results[0][0] + results[1][0]
