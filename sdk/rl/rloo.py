@@ -9,8 +9,6 @@ names: ``reward``, ``reward_std``, ``rewards/<func>/mean`` and ``/std``, ``frac_
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -26,14 +24,6 @@ class RLOOTrainer(OnlineRLTrainer):
 
     config_class = RLOOConfig
     always_old_logps = True
-
-    def __init__(self, model: Any, reward_funcs: Any, args: RLOOConfig | None = None, train_dataset: Any = None,
-                 eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
-                 callbacks: Any = None, optimizers: tuple = (None, None), peft_config: Any = None, *,
-                 strategy: Any = None, precision: Any = None):
-        super().__init__(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
-                         reward_processing_classes, callbacks, optimizers, peft_config, strategy=strategy,
-                         precision=precision)
 
     def advantages(self, rewards_per_func: Tensor, batch: dict[str, Tensor], mode: str) -> Tensor:
         args = self.args
