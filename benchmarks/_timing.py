@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "status_bytes",
     "child_wall_and_peak",
     "ensure_malloc_returns_memory",
     "fmt_bytes",
@@ -93,6 +94,11 @@ def _status_kib(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` size field (``VmRSS``, ``VmHWM``, ...) in bytes."""
+    return _status_kib(field) * 1024
 
 
 def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu",

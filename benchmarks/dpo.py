@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import fmt_bytes, machine_description, print_table  # noqa: E402
+from _timing import fmt_bytes, machine_description, print_table, status_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("the river ran fast and cold under the old stone bridge while the children watched from the bank and the "
@@ -41,13 +41,6 @@ def _rows(pairs: int, completion: int) -> list[dict[str, str]]:
 
     return [{"prompt": text(i, 24).strip(), "chosen": text(3 * i + 1, completion - 7 * (i % 3)),
              "rejected": text(5 * i + 2, completion // 2 + 5 * (i % 4))} for i in range(pairs)]
-
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(key)
 
 
 def child(contender: str, opts: argparse.Namespace) -> dict:
@@ -81,7 +74,7 @@ def child(contender: str, opts: argparse.Namespace) -> dict:
                     max_steps=opts.warmup + opts.steps, learning_rate=1e-4, report_to="none", save_strategy="no",
                     logging_steps=1, gradient_checkpointing=False, max_length=512, use_cpu=True, disable_tqdm=True)
     Path("/proc/self/clear_refs").write_text("5")
-    before = _status("VmRSS")
+    before = status_bytes("VmRSS")
     if contender == "trl":
         import trl
 
@@ -98,7 +91,7 @@ def child(contender: str, opts: argparse.Namespace) -> dict:
         trainer = DPOTrainer(model, args=DPOConfig(**settings), train_dataset=data, processing_class=tokenizer,
                              callbacks=[OurClock()])
     trainer.train()
-    peak = _status("VmHWM") - before
+    peak = status_bytes("VmHWM") - before
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return {"step_s": statistics.median(times[opts.warmup - 1:]), "peak": peak, "losses": losses}
 

@@ -33,18 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import fmt_bytes, machine_description, print_table  # noqa: E402
+from _timing import fmt_bytes, machine_description, print_table, status_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ("the river ran fast and cold under the old stone bridge while the children watched from the bank and the "
          "miller counted sacks of grain in the yard behind the house").split()
-
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(key)
 
 
 def child(contender: str, opts: argparse.Namespace) -> dict:
@@ -87,7 +80,7 @@ def child(contender: str, opts: argparse.Namespace) -> dict:
         from shardkit.rl import GRPOConfig, GRPOTrainer
         from shardkit.trainer.callbacks import TrainerCallback as OurCallback
     Path("/proc/self/clear_refs").write_text("5")
-    before = _status("VmRSS")
+    before = status_bytes("VmRSS")
     start = time.perf_counter()
     if contender == "trl":
         trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, train_dataset=datasets.Dataset.from_list(rows),
@@ -113,7 +106,7 @@ def child(contender: str, opts: argparse.Namespace) -> dict:
     setattr(trainer, name, timed)
     trainer.train()
     total = time.perf_counter() - start
-    peak = _status("VmHWM") - before
+    peak = status_bytes("VmHWM") - before
     return {"step_s": statistics.median(times[opts.warmup - 1:]), "peak": peak,
             "gen_share": sampled["seconds"] / total, "tokens_per_s": sampled["tokens"] / max(sampled["seconds"], 1e-9)}
 
