@@ -481,6 +481,7 @@ def llama_plan(model: nn.Module, tp_size: int, sequence_parallel: bool = False) 
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleInputOutput,
         PrepareModuleOutput,
         RowwiseParallel,
         SequenceParallel,
@@ -491,10 +492,6 @@ def llama_plan(model: nn.Module, tp_size: int, sequence_parallel: bool = False) 
         raise ValueError(f"llama_plan is shardkit Llama's plan; there is no built-in plan for {type(model).__name__}: "
                          "pass TensorParallel(plan={FQN pattern: ParallelStyle}), e.g. {'layers.*.mlp.up_proj': "
                          "ColwiseParallel()}, or give the model a parallel_plan(tp_size, sequence_parallel) method")
-    if getattr(cfg, "moe", None) is not None:
-        raise ValueError("llama_plan: a mixture-of-experts Llama has no tensor-parallel plan here (its experts are "
-                         "split by expert parallelism instead: --strategy ep); use a dense LlamaConfig (moe=None) "
-                         "under tensor parallelism")
     for what, heads in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.kv_heads)):
         if heads % tp_size:
             raise ValueError(f"TensorParallel: {what}({heads}) % tp_size({tp_size}) != 0; each rank needs whole "
@@ -506,17 +503,33 @@ def llama_plan(model: nn.Module, tp_size: int, sequence_parallel: bool = False) 
                                                    use_local_output=False)
         plan["norm"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                           use_local_output=True)
-    for i in range(len(model.layers)):
+    for i, layer in enumerate(model.layers):
         p = f"layers.{i}"
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
-            plan[f"{p}.{name}"] = ColwiseParallel()
+        # An MoE layer: the router and the routed experts stay whole on every tp rank (each rank routes the same
+        # tokens the same way, so the auxiliary loss is each rank's one copy, not tp summed ones); its shared
+        # experts split as a dense MLP.
+        moe = isinstance(layer.mlp, MoE)
+        mlp = f"{p}.mlp.shared_experts" if moe else f"{p}.mlp"
+        split_mlp = not moe or layer.mlp.shared_experts is not None
         out = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            plan[f"{p}.{name}"] = ColwiseParallel()
         plan[f"{p}.self_attn.o_proj"] = RowwiseParallel(**out)
-        plan[f"{p}.mlp.down_proj"] = RowwiseParallel(**out)
+        if split_mlp:
+            plan[f"{mlp}.gate_proj"] = ColwiseParallel()
+            plan[f"{mlp}.up_proj"] = ColwiseParallel()
+            # In an MoE layer the shared experts' sum joins the routed experts' whole one before any re-split.
+            plan[f"{mlp}.down_proj"] = RowwiseParallel(**({} if moe else out))
         if sp:
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 plan[f"{p}.{norm}"] = SequenceParallel()
-            for sub in ("self_attn", "mlp"):
-                plan[f"{p}.{sub}"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+            plan[f"{p}.self_attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                                         use_local_output=True)
+            if moe:  # whole tokens in (routing sees every token), the whole output split back on the sequence
+                plan[f"{p}.mlp"] = PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
+            else:
+                plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                      use_local_output=True)
     return plan

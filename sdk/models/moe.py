@@ -17,9 +17,11 @@ GEMM (:mod:`shardkit.models.moe_experts`). With ``capacity_factor`` each expert 
 ``ceil(capacity_factor * tokens * top_k / num_experts)`` assignments (in token order); the rest are dropped
 (their token keeps its other experts and the residual) and counted in :attr:`MoE.dropped`.
 
-Expert parallelism plugs in through :attr:`MoE.dispatcher` (None: every expert is local): the strategy installs
-one that sends each expert's tokens to the rank holding it and reduces the routing statistics over the
-data-parallel ranks (``shardkit.strategies.expert_parallel``).
+Strategies plug in through :attr:`MoE.dispatcher` (None: every expert is local, the statistics this process's):
+expert parallelism installs one that sends each expert's tokens to the rank holding it and reduces the routing
+statistics over the data-parallel ranks (``shardkit.strategies.expert_parallel``); context parallelism and pipelines
+one that keeps the experts local and sums the statistics over the ranks holding the rest of the batch
+(``shardkit.strategies.cp_moe``).
 """
 
 from __future__ import annotations
@@ -288,7 +290,11 @@ def update_router_biases(model: nn.Module, all_reduce: Callable[[torch.Tensor], 
         if rate == 0:
             counts.zero_()
             continue
-        if all_reduce is not None:
+        # A strategy whose ranks hold different MoE layers (a pipeline's stages) sums each layer's counts over
+        # that layer's own data-parallel peers (``reduce_counts``); a per-layer collective over every rank
+        # would pair different layers across stages.
+        reduce_counts = getattr(layer.dispatcher, "reduce_counts", None)
+        if not (reduce_counts is not None and reduce_counts(counts)) and all_reduce is not None:
             all_reduce(counts)
         bias = layer.router.expert_bias
         bias += rate * torch.sign(counts.mean() - counts).to(bias.dtype)

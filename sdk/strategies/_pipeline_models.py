@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.strategies.cp_moe import moe_aux_loss, statistics_layers
 from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["HF_MODEL_TYPES", "HFStageModule", "ModelLayout", "StageModule", "UnsplittableModelError", "model_layout"]
@@ -58,20 +59,51 @@ class ModelLayout:
         return head(hidden, shift)
 
 
+class _StartAuxBackward(torch.autograd.Function):
+    """The identity on a stage's output whose backward also starts the stage's auxiliary loss's backward, with
+    ``weight`` (d loss / d aux): the loss is on the last stage only, so each stage's MoE layers reach it this way."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight, ctx.aux = weight, (aux.dtype, aux.device)
+        # A copy, not a view: the schedule detaches a stage's outputs in place before sending them on.
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        dtype, device = ctx.aux
+        return grad, torch.full((), ctx.weight, dtype=dtype, device=device), None
+
+
 class StageModule(nn.Module):
-    """One stage: the embedding on the first, a block of layers, the final norm on the last."""
+    """One stage: the embedding on the first, a block of layers, the final norm on the last.
+
+    With MoE layers (found by shape: see cp_moe.py) each training forward adds their auxiliary loss to the
+    backward, weighted by :attr:`aux_weight` (the runner sets it per step: the loss scale over the micro-batches
+    and the accumulation window), and records its value in :attr:`aux_values` for the reported loss.
+    """
 
     def __init__(self, embed: nn.Module | None, layers: list[nn.Module], norm: nn.Module | None,
                  head: nn.Module | None):
         super().__init__()
         self.embed, self.layers, self.norm, self.head = embed, nn.ModuleList(layers), norm, head
+        self.moe = statistics_layers(self.layers)
+        self.aux_weight = 1.0
+        self.aux_values: list[torch.Tensor] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
         for layer in self.layers:
             x = layer(x)
-        return self.norm(x) if self.norm is not None else x
+        return self._with_aux(self.norm(x) if self.norm is not None else x)
+
+    def _with_aux(self, out: torch.Tensor) -> torch.Tensor:
+        aux = moe_aux_loss(self.moe) if self.moe else None
+        if aux is None or not torch.is_grad_enabled():
+            return out
+        self.aux_values.append(aux.detach())
+        return _StartAuxBackward.apply(out, aux, self.aux_weight)
 
 
 class HFStageModule(StageModule):
@@ -93,7 +125,7 @@ class HFStageModule(StageModule):
         rotary = self.rotary(h, position_ids=position_ids)
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids)
-        return self.norm(h) if self.norm is not None else h
+        return self._with_aux(self.norm(h) if self.norm is not None else h)
 
 
 def _is_hf(module: nn.Module) -> bool:
@@ -127,10 +159,6 @@ def model_layout(module: nn.Module) -> ModelLayout:
                                          f"model.layers, model.norm, model.rotary_emb, lm_head); {name} has no "
                                          f"{missing}: pass the ...ForCausalLM model, not its base model")
         return ModelLayout(body, module.config)
-    if getattr(getattr(module, "config", None), "moe", None) is not None:
-        # The stages compute the loss from the head alone: the MoE layers' auxiliary loss would be dropped unsaid.
-        raise UnsplittableModelError(f"Pipeline cannot split {name} with MoE layers (config.moe): its stages' loss "
-                                     "leaves out their auxiliary loss; train it with --strategy ep or fsdp")
     missing = _missing(module, ("embed_tokens", "layers", "norm", "lm_head"))
     if missing:
         raise UnsplittableModelError(f"Pipeline splits shardkit Llama-style models (embed_tokens, layers, norm, "

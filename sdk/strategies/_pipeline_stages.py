@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from shardkit.strategies._dtensor import local_tensor
 from shardkit.strategies._pipeline_models import ModelLayout, StageModule, model_layout
+from shardkit.strategies.cp_moe import GroupStatistics, install_statistics
 from shardkit.strategies.parallel_dims import ParallelDims
 from shardkit.strategies.pipeline_settings import SCHEDULES, PipelineSettings, stage_layers
 
@@ -70,6 +71,9 @@ class PipelineRunner:
                              "stage on pipeline rank 0, and this model ties its output head to its embedding: FSDP2 "
                              f"cannot shard one weight in two stages; use {apart}dp='ddp', or untie the embeddings")
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp_shard"].get_group()
+        # MoE layers: each micro-batch routes apart (its statistics its own, as under gradient accumulation), and a
+        # bias update sums each layer's counts over its stage's data-parallel peers, the ranks holding that layer.
+        self.moe = bool(install_statistics(module, "Pipeline", lambda: GroupStatistics(counts_group=self.dp_group)))
         self.pp_rank, self.pp = dist.get_rank(self.pp_group), pp
         ranges = stage_layers(len(body.layers), total, settings.layer_split)
         self.indices = settings.stage_indices(self.pp_rank)
@@ -144,6 +148,11 @@ class PipelineRunner:
         accumulation, sync = self.loss_scale()
         n = self.microbatches(input_ids.shape[0], accumulation)
         self._batch = ((labels[:, 1:] != -100).sum().clamp(min=1).float(), accumulation)
+        # Each micro-batch's auxiliary loss weighs 1/n of the step's loss (and of the window's, scaled as the loss).
+        aux_weight = float(self.scale_loss(torch.ones(()))) / (n * accumulation)
+        for stage in self.stages:
+            stage.submod.aux_weight = aux_weight
+            stage.submod.aux_values.clear()
         schedule = self.schedule(n)
         losses: list[torch.Tensor] = []
         args = (input_ids,) if self.first else ()
@@ -155,6 +164,11 @@ class PipelineRunner:
             total = sum(x.detach().float() / u for x, u in zip(losses, unscaled)) * accumulation
         last_rank = dist.get_global_rank(self.pp_group, self.last_pp_rank)
         dist.broadcast(total, src=last_rank, group=self.pp_group)
+        if self.moe:  # every stage's layers' auxiliary losses, the mean over the micro-batches, summed over stages
+            aux = [v.float() for stage in self.stages for v in stage.submod.aux_values]
+            aux_total = (torch.stack(aux).sum() / n).to(total.device) if aux else torch.zeros_like(total)
+            dist.all_reduce(aux_total, group=self.pp_group)
+            total = total + aux_total
         if sync:  # once per window: the tied copies' gradients summed on every call would count earlier calls twice
             self._sum_tied_gradient()
         if sync and not self.sharded and dist.get_world_size(self.dp_group) > 1:
@@ -224,6 +238,23 @@ class WindowStage(PipelineStage):
         # torch's stages (cProfile, pp 2 x dp 2, 4 micro-batches), ~1,600 of them module walks, this one before
         # each I and W pass among them.
         self._units = [m for m in self.submod.modules() if isinstance(m, FSDPModule)]
+
+    @override
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's run of the stage on stand-in inputs (the first stage's real micro-batch, empty tensors on the
+        others) to learn its output shapes: not a micro-batch of the step, so what it leaves in the MoE layers (the
+        expert counts a bias update reads) and in the stage's auxiliary losses is put back."""
+        moe = getattr(self.submod, "moe", None)
+        if not moe:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        counts = [layer.tokens_per_expert.clone() for layer in moe]
+        recorded = list(self.submod.aux_values)
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            for layer, kept in zip(moe, counts):
+                layer.tokens_per_expert.copy_(kept)
+            self.submod.aux_values[:] = recorded
 
     @override
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:

@@ -34,6 +34,7 @@ from torch import nn
 from typing_extensions import override
 
 from shardkit.strategies import fsdp as _fsdp
+from shardkit.strategies.cp_moe import GroupStatistics, install_statistics, moe_aux_loss
 from shardkit.strategies.cp_attention import RingAttention, UlyssesAttention, load_balanced_positions, shard_sequence
 from shardkit.strategies.parallel import ProcessGroupStrategy
 from shardkit.strategies.parallel_dims import CP_MODES, ParallelDims
@@ -182,15 +183,11 @@ def _install(module: nn.Module, attention: Any, dims: ParallelDims, cp_mode: str
 
     cfg = getattr(module, "config", None)
     if cp_hf.is_hf_decoder(module) and cp_hf.hf_attention_modules(module):
+        _refuse_hf_router_loss(module)
         dims.validate(num_heads=getattr(cfg, "num_attention_heads", None),
                       num_kv_heads=getattr(cfg, "num_key_value_heads", None), cp_mode=cp_mode)
         cp_hf.install_hf(module, attention)
     else:
-        if getattr(cfg, "moe", None) is not None:
-            # The split forward computes the loss from the head alone: the MoE layers' auxiliary loss would be
-            # dropped unsaid.
-            raise ValueError(f"ContextParallel: {type(module).__name__} has MoE layers (config.moe), whose auxiliary "
-                             "loss the split-sequence forward leaves out; train it with --strategy ep or fsdp")
         attns = _attention_modules(module)
         if not attns or not callable(getattr(module, "hidden_states", None)) or not hasattr(module, "lm_head"):
             raise ValueError(f"ContextParallel needs attention it can replace: shardkit's Llama (attention modules "
@@ -201,8 +198,24 @@ def _install(module: nn.Module, attention: Any, dims: ParallelDims, cp_mode: str
                       cp_mode=cp_mode)
         for attn in attns:
             attn.core = attention
+    # MoE layers route each rank's chunk; their load and auxiliary loss are summed over the cp group (cp_moe.py).
+    module._shardkit_cp_moe = install_statistics(module, "ContextParallel",
+                                                 lambda: GroupStatistics(attention.group, grad_scale=attention.size))
     module._shardkit_cp = attention
     module.forward = types.MethodType(context_parallel_forward, module)
+
+
+def _refuse_hf_router_loss(module: nn.Module) -> None:
+    """A Hugging Face MoE decoder that adds its router loss to the training loss (``output_router_logits`` with a
+    non-zero ``router_aux_loss_coef``) is refused: the split forward takes the loss from the logits alone."""
+    cfg = module.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    coef = getattr(text, "router_aux_loss_coef", 0.0) or 0.0
+    if getattr(text, "output_router_logits", False) and coef:
+        raise ValueError(f"ContextParallel: {type(module).__name__} adds its router load-balancing loss "
+                         f"(router_aux_loss_coef={coef}, output_router_logits=True) to its training loss, which the "
+                         "split-sequence forward would leave out; set output_router_logits=False in its config to "
+                         "train without it, or train it with --strategy ep or fsdp")
 
 
 def context_parallel_forward(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
@@ -228,11 +241,15 @@ def context_parallel_forward(self: nn.Module, input_ids: torch.Tensor, labels: t
         cores = _attention_modules(self)
         for attn in cores:
             attn.core = None
+        for layer in self._shardkit_cp_moe:  # every rank routes the whole sequence: nothing to sum
+            layer.dispatcher.enabled = False
         try:
             return type(self).forward(self, input_ids, labels, **kwargs)
         finally:
             for attn in cores:
                 attn.core = attention
+            for layer in self._shardkit_cp_moe:
+                layer.dispatcher.enabled = True
     seq = input_ids.shape[1]
     attention.seq_len = seq
     positions = load_balanced_positions(seq, attention.size, attention.rank, input_ids.device)
@@ -243,7 +260,10 @@ def context_parallel_forward(self: nn.Module, input_ids: torch.Tensor, labels: t
         local_sum = self.lm_head(hidden.reshape(-1, hidden.shape[-1]), local_labels) * count
     else:  # every local label ignored: no loss here, but the graph (and FSDP's hooks) still run
         local_sum = hidden.sum() * 0.0
-    return _group_loss(local_sum, count, attention)
+    loss = _group_loss(local_sum, count, attention)
+    # The whole sequence's auxiliary loss on every rank, its gradient cp times this rank's share as the loss's.
+    aux = moe_aux_loss(self._shardkit_cp_moe) if self.training else None
+    return loss if aux is None else loss + aux.to(loss.dtype)
 
 
 def _split_log_probs(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, attention: Any) -> torch.Tensor:

@@ -132,15 +132,99 @@ def hf_case(kind: str, mode: str, **strategy_kw: Any) -> tuple[dict, Any]:
     return {"loss": [abs(total.item() - ref_loss.item())], "grad": [diff]}, model
 
 
+# The MoE Llama: 8 experts top-2, one shared expert, the first layer dense; an auxiliary loss and a bias update large
+# enough that a chunk's own statistics (not the whole sequence's) move the loss, the gradients and the bias.
+# Four layers, the first dense: a pipeline of 2 stages has MoE layers on both ([0, 1], [2, 3]), and so has each rank
+# of a V-shaped one of 4 stages ([0, 3], [1, 2]).
+MOE = LlamaConfig.small_moe(vocab_size=64, hidden_size=32, num_layers=4, num_heads=4, max_position=32,
+                            tie_embeddings=False, fused=False, moe={"aux_loss_coef": 0.05, "bias_update_rate": 0.01})
+
+
+def _moe_step(model: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Each MoE layer's counts since the last bias update and its router bias, by name (a pipeline stage holds
+    some of the layers under their own names)."""
+    from shardkit.models.moe import MoE
+
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
+    return ({n: m.tokens_per_expert.clone() for n, m in layers.items()},
+            {n: m.router.expert_bias.clone() for n, m in layers.items()})
+
+
+def moe_reference(microbatches: int = 1) -> dict:
+    """One device: the MoE Llama's losses (with the auxiliary loss), gradients, per-expert counts and the router
+    biases after each step's bias update; each batch as ``microbatches`` accumulated pieces (each with its own
+    routing statistics, as a pipeline's micro-batches)."""
+    from shardkit.models.moe import update_router_biases
+    from shardkit.strategies import SingleDevice
+
+    runner, model = build(SingleDevice("cpu"), MOE, sgd)
+    out: dict = {"loss": [], "grad": [], "counts": [], "bias": []}
+    for batch in batches():
+        # Equal label counts in every row (batches()), so the mean of the pieces' means is the batch's mean.
+        losses = []
+        for labels in batch.chunk(microbatches):
+            loss = model(labels.clamp(min=0), labels=labels) / microbatches
+            runner.backward(loss)
+            losses.append(loss.item())
+        out["loss"].append(sum(losses))
+        out["grad"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        runner.step()
+        out["counts"].append(_moe_step(model)[0])
+        update_router_biases(model)
+        out["bias"].append(_moe_step(model)[1])
+    return out
+
+
+def moe_case(strategy: Any, ref: dict) -> dict:
+    """The MoE Llama under ``strategy`` (one batch shared by every rank: cp or tp peers) against ``ref``: the largest
+    differences of each step's loss, whole gradients, per-expert counts and router biases after the update."""
+    from shardkit.models.moe import update_router_biases
+
+    runner, model = build(strategy, MOE, sgd)
+    assert runner.strategy.data_parallel_size == 1
+    out: dict = {"loss": [], "grad": [], "counts": [], "bias": []}
+    for step, labels in enumerate(batches()):
+        loss = model(labels.clamp(min=0), labels=labels)
+        runner.backward(loss)
+        out["loss"].append(abs(loss.item() - ref["loss"][step]))
+        out["grad"].append(max((whole(p.grad) - ref["grad"][step][n]).abs().max().item()
+                               for n, p in model.named_parameters()))
+        runner.step()
+        counts = _moe_step(model)[0]
+        out["counts"].append(max((c - ref["counts"][step][n]).abs().max().item() for n, c in counts.items()))
+        update_router_biases(model)  # no sum over ranks: each rank's counts must already be the whole batch's
+        biases = _moe_step(model)[1]
+        out["bias"].append(max((b - ref["bias"][step][n]).abs().max().item() for n, b in biases.items()))
+    out["layers"] = sorted(counts)
+    return out
+
+
+def _moe_cases(kinds: list[str]) -> dict:
+    from shardkit.strategies.context_parallel import ContextParallel
+    from shardkit.strategies.pipeline import Pipeline
+    from shardkit.strategies.tensor_parallel import TensorParallel
+
+    make = {"moe cp ring": lambda: ContextParallel(cp_mode="ring"),
+            "moe cp ulysses": lambda: ContextParallel(cp_mode="ulysses"),
+            "moe tp": lambda: TensorParallel(tp_size=2),
+            "moe tp sequence_parallel": lambda: TensorParallel(tp_size=2, sequence_parallel=True),
+            "moe pp": lambda: Pipeline(pp_size=2, microbatches=2),
+            "moe pp zbv": lambda: Pipeline(pp_size=2, microbatches=2, schedule="zbv")}
+    refs = {m: moe_reference(m) for m in {2 if "pp" in kind else 1 for kind in kinds}}
+    return {kind: moe_case(make[kind](), refs[2 if "pp" in kind else 1]) for kind in kinds}
+
+
 def cp_worker(cases: list[dict]) -> dict:
-    """Run each case (ContextParallel keyword arguments, or {"hf": "llama"|"qwen2", "cp_mode": ...}) and return
-    its differences from one process."""
+    """Run each case (ContextParallel keyword arguments, {"hf": "llama"|"qwen2", "cp_mode": ...}, or {"moe": [names
+    of :func:`_moe_cases`]}) and return its differences from one process."""
     from shardkit.strategies.context_parallel import ContextParallel
 
     ref = reference()
     out = {}
     for kw in cases:
-        if "hf" in kw:
+        if "moe" in kw:
+            out.update(_moe_cases(kw["moe"]))
+        elif "hf" in kw:
             out[f"hf {kw['hf']} {kw['cp_mode']}"] = hf_case(kw["hf"], kw["cp_mode"])[0]
         else:
             out[repr(sorted(kw.items()))] = train_case(ContextParallel(**kw), ref)[0]
