@@ -281,7 +281,8 @@ def update_router_biases(model: nn.Module, all_reduce: Callable[[torch.Tensor], 
         all_reduce: sums a tensor over the data-parallel ranks in place (``runner.all_reduce``). Needed under data
             parallelism without expert parallelism, whose counts are each rank's own: without it the ranks' biases
             would drift apart. Under expert parallelism the counts are already the whole batch's (a second sum only
-            scales them, which leaves the update's direction as it is).
+            scales them, which leaves the update's direction as it is). A layer whose dispatcher has
+            ``reduce_counts`` (a pipeline stage's) sums its counts there instead when that returns True.
     """
     updated = 0
     for layer in moe_layers(model):

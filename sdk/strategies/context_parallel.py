@@ -20,6 +20,10 @@ projections all-reduce over ``tp``, so the loss and the replicated parts (norms,
 tp peers, and DTensor's backward gives them whole gradients; the cp scaling above is untouched by ``tp``.
 
 Forwards without labels (evaluation logits, generation) run the whole sequence on every rank, unsplit.
+
+MoE layers (shardkit's Llama with ``config.moe``) route each rank's chunk through every expert; their routing
+statistics are summed over the cp group (:mod:`~shardkit.strategies.cp_moe`), so the auxiliary loss added to the
+loss, the load and the counts of the aux-loss-free bias update are the whole sequences', as on one device.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ from torch import nn
 from typing_extensions import override
 
 from shardkit.strategies import fsdp as _fsdp
-from shardkit.strategies.cp_moe import GroupStatistics, install_statistics, moe_aux_loss
 from shardkit.strategies.cp_attention import RingAttention, UlyssesAttention, load_balanced_positions, shard_sequence
+from shardkit.strategies.cp_moe import GroupStatistics, install_statistics, moe_aux_loss
 from shardkit.strategies.parallel import ProcessGroupStrategy
 from shardkit.strategies.parallel_dims import CP_MODES, ParallelDims
 from shardkit.strategies.tensor_parallel import resolve_plan

@@ -21,7 +21,9 @@ shards it with FSDP2 over ``dp_shard`` (each decoder layer, the output head and 
 way the gradients are reduced once per accumulation window, at its last ``model(...)`` call.
 
 Models: shardkit's Llama (``embed_tokens``, ``layers``, ``norm``, ``lm_head``) and Hugging Face decoders of
-model_type ``llama`` (``model(input_ids=x, labels=x).loss``); tied embeddings included.
+model_type ``llama`` (``model(input_ids=x, labels=x).loss``); tied embeddings included. An MoE Llama's auxiliary
+loss reaches the loss from every stage (each stage starts it in its own backward, weighted as a micro-batch's share;
+the returned loss includes it); each micro-batch routes with its own statistics, as under gradient accumulation.
 """
 
 from __future__ import annotations

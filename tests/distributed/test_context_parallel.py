@@ -52,3 +52,5 @@ def test_moe_llama_equals_one_device(results, case):
         assert max(got["grad"]) < TOL, f"rank {rank} {case}: gradients differ by {got['grad']}"
         assert max(got["counts"]) == 0, f"rank {rank} {case}: expert counts differ by {got['counts']}"
         assert max(got["bias"]) == 0, f"rank {rank} {case}: router biases differ by {got['bias']}"
+        if "pp" not in case:  # evaluation without labels: the whole sequence on every rank, routed as on one device
+            assert got["eval"][0] < TOL and got["eval"][1] == 0, f"rank {rank} {case}: logits, load: {got['eval']}"
