@@ -1,12 +1,12 @@
 """Expert parallelism: each MoE layer's experts split over ``ep`` ranks, tokens sent to them by all-to-all, and FSDP2
-over every rank for the rest of the model.
+over the data-parallel ranks for the rest of the model.
 
 The mesh is :class:`~shardkit.strategies.parallel_dims.ParallelDims` with ``ep`` borrowed from ``dp_shard``: every
 rank sees its own batch (as under FSDP). In each MoE layer (a module with a ``dispatcher`` slot and ``experts``
 holding stacked ``gate_up_proj``/``down_proj`` weights, as :class:`shardkit.models.moe.MoE`; or a Hugging Face expert
 block of transformers 5, whose forward is replaced by one that dispatches the same way), the stacked weights
 become DTensors sharded on the expert dimension over the ``ep`` group (rank r holds experts
-``[r * E / ep, (r + 1) * E / ep)``), left out of FSDP2's units; the layer's dispatcher then
+``[r * E / ep, (r + 1) * E / ep)``), left out of the dense FSDP2 units; the layer's dispatcher then
 
 1. sorts the routed tokens by expert (the layer does) and exchanges the per-expert counts (all-to-all),
 2. sends each expert's tokens to its rank (all-to-all), where they are regrouped by local expert and run through
