@@ -1,12 +1,12 @@
 """Expert parallelism: each MoE layer's experts split over ``ep`` ranks, tokens sent to them by all-to-all, and FSDP2
-over every rank for the rest of the model.
+over the data-parallel ranks for the rest of the model.
 
 The mesh is :class:`~shardkit.strategies.parallel_dims.ParallelDims` with ``ep`` borrowed from ``dp_shard``: every
 rank sees its own batch (as under FSDP). In each MoE layer (a module with a ``dispatcher`` slot and ``experts``
 holding stacked ``gate_up_proj``/``down_proj`` weights, as :class:`shardkit.models.moe.MoE`; or a Hugging Face expert
 block of transformers 5, whose forward is replaced by one that dispatches the same way), the stacked weights
 become DTensors sharded on the expert dimension over the ``ep`` group (rank r holds experts
-``[r * E / ep, (r + 1) * E / ep)``), left out of FSDP2's units; the layer's dispatcher then
+``[r * E / ep, (r + 1) * E / ep)``), left out of the dense FSDP2 units; the layer's dispatcher then
 
 1. sorts the routed tokens by expert (the layer does) and exchanges the per-expert counts (all-to-all),
 2. sends each expert's tokens to its rank (all-to-all), where they are regrouped by local expert and run through
@@ -14,15 +14,24 @@ become DTensors sharded on the expert dimension over the ``ep`` group (rank r ho
 3. sends the outputs back (all-to-all, the reverse splits), where the layer weights and sums them per token.
 
 Why the gradients come out right: each rank's loss is its own batch's mean and FSDP2 averages the dense gradients
-over the ``dp`` ranks. An expert's weights see the tokens of every rank of its ep group, so its gradient is the
-*sum* of those ranks' losses' gradients; it is scaled by ``1 / dp`` in the backward (the weight view), which makes
-it the same mean. The routing statistics (the load and the auxiliary loss's mean scores) are summed over the
+over the ``dp`` ranks. An expert's weights see the tokens of every rank of its ep group, so their gradient is the
+*sum* of those ranks' losses' gradients; it is scaled by ``1 / ep`` in the backward (the weight view), and averaged
+over the ``dp / ep`` ranks holding the same experts (``ParallelDims.expert_replicas``), which makes it the same mean
+over all ``dp`` ranks. The routing statistics (the load and the auxiliary loss's mean scores) are summed over the
 data-parallel ranks, so the auxiliary loss is the whole batch's, as on one device, and the router bias moves the
 same way on every rank.
 
-Sizes: ``ep_size`` must be the world size here (every data-parallel rank holds a different slice of the experts);
-experts replicated over several ep groups would also need their gradients averaged across the groups, which this
-strategy does not do yet, so it refuses ``ep_size < world``.
+Sizes: ``ep`` is borrowed from ``dp_shard`` (it must divide it); ``dp_replicate`` adds replicas of the whole model
+(HSDP for the dense parameters). When ``ep < dp`` each expert is held by ``dp / ep`` ranks, as ``expert_sharding``
+says:
+
+- ``"full"`` (torchtitan's layout): FSDP2 over those ranks, ``dp_shard_mod_ep`` sharded and ``dp_replicate``
+  replicated (HSDP), on top of the ep split; FSDP2 averages the gradient over them.
+- ``"none"``: each of them holds its ep slice whole (a DTensor replicated over ``dp_replicate x dp_shard_mod_ep``,
+  sharded over ep); the gradients are all-reduced over them after the window's last backward.
+
+Context, tensor and pipeline parallelism are not composed with expert parallelism here: ExpertParallel takes no
+cp/tp/pp size, and an Accelerate ``parallelism_config`` asking for ep with them is refused by name.
 """
 
 from __future__ import annotations
@@ -36,7 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import override
 
 from shardkit.strategies import _dtensor
@@ -45,10 +55,12 @@ from shardkit.strategies import fsdp as _fsdp
 from shardkit.strategies.parallel import ProcessGroupStrategy
 from shardkit.strategies.parallel_dims import ParallelDims
 from shardkit.utils.hf_experts import check_hf_expert_layout
+from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["AllToAllDispatch", "ExpertParallel", "hf_expert_blocks", "moe_modules"]
 
 _EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+EXPERT_SHARDING = ("full", "none")
 
 
 def hf_expert_blocks(module: nn.Module) -> list[nn.Module]:
@@ -141,7 +153,8 @@ class AllToAllDispatch:
     Args:
         group: the ep group (ranks holding the layer's experts between them, in expert order).
         stats_group: the data-parallel ranks the routing statistics are summed over.
-        grad_scale: the factor on the local experts' weight gradients (1 / the data-parallel size).
+        grad_scale: the factor on the local experts' weight gradients (1 / ep: the ep group's ranks' losses are
+            summed into them, and the replicas of the experts average them).
     """
 
     def __init__(self, group: Any, stats_group: Any, grad_scale: float):
@@ -184,24 +197,40 @@ class AllToAllDispatch:
 
 
 class ExpertParallel(_fsdp.FSDP):
-    """MoE experts split over ``ep_size`` ranks with all-to-all token dispatch; FSDP2 over every rank for the rest.
+    """MoE experts split over ``ep_size`` ranks with all-to-all token dispatch; FSDP2 over the data-parallel ranks
+    for the rest.
 
     Args:
-        ep_size: ranks that split each MoE layer's experts; None: every rank (the only size supported now: see
-            the module docstring). It must divide each layer's number of experts.
-        sharding, state_dict_type, timeout: as :class:`~shardkit.strategies.FSDP` ("full" or "grad_op").
+        ep_size: ranks that split each MoE layer's experts, borrowed from dp_shard (must divide it and each layer's
+            number of experts); None: every dp_shard rank.
+        sharding: the dense parameters' FSDP2 mode, "full" or "grad_op" (as :class:`~shardkit.strategies.FSDP`).
+        expert_sharding: how the ``dp / ep`` ranks holding the same experts hold them: "full" (FSDP2 over them)
+            or "none" (whole ep slices, gradients all-reduced); see the module docstring.
+        dp_replicate: replicas of the whole model (HSDP: dense parameters sharded within dp_shard and replicated
+            across the replicas); ep is borrowed from dp_shard = world / dp_replicate.
+        state_dict_type, timeout: as :class:`~shardkit.strategies.FSDP`.
     """
 
-    def __init__(self, ep_size: int | None = None, sharding: str = "full", state_dict_type: str = "sharded",
-                 timeout: float | None = None):
+    def __init__(self, ep_size: int | None = None, sharding: str = "full", expert_sharding: str = "full",
+                 dp_replicate: int = 1, state_dict_type: str = "sharded", timeout: float | None = None):
         if ep_size is not None and (isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1):
-            raise ValueError(f"ExpertParallel ep_size={ep_size!r} must be an int >= 1 (None: every rank)")
+            raise ValueError(f"ExpertParallel ep_size={ep_size!r} must be an int >= 1 (None: every dp_shard rank)")
         if sharding not in ("full", "grad_op"):
-            raise ValueError(f"ExpertParallel sharding={sharding!r}: use 'full' or 'grad_op'")
+            raise ValueError(f"ExpertParallel sharding={sharding!r}: use 'full' or 'grad_op' (replicas of the whole "
+                             "model, as FSDP's 'hybrid', are dp_replicate=N)")
+        if expert_sharding not in EXPERT_SHARDING:
+            raise ValueError(f"ExpertParallel expert_sharding={expert_sharding!r} is not one of {EXPERT_SHARDING}"
+                             f"{did_you_mean(str(expert_sharding), EXPERT_SHARDING)}")
+        if isinstance(dp_replicate, bool) or not isinstance(dp_replicate, int) or dp_replicate < 1:
+            raise ValueError(f"ExpertParallel dp_replicate={dp_replicate!r} must be an int >= 1")
         super().__init__(sharding=sharding, state_dict_type=state_dict_type, timeout=timeout)
         self._ep_size = ep_size
-        self.dims = ParallelDims(ep=ep_size or 1)
+        self.expert_sharding = expert_sharding
+        self.dims = ParallelDims(dp_replicate=dp_replicate, ep=ep_size or 1)
         self.expert_mesh: Any = None
+        self._replicated: list[nn.Parameter] = []  # expert_sharding="none": gradients all-reduced over the replicas
+        self._replica_group: Any = None
+        self._grad_sync = True
 
     @property
     def ep_size(self) -> int:
@@ -210,14 +239,11 @@ class ExpertParallel(_fsdp.FSDP):
     @override
     def setup_environment(self) -> None:
         ProcessGroupStrategy.setup_environment(self)
-        ep = self._ep_size or self.world_size
-        self.dims = dataclasses.replace(self.dims, dp_shard=-1, ep=ep).resolve(self.world_size)
-        if ep != self.dims.dp:
-            raise ValueError(f"ExpertParallel ep_size({ep}) != the data-parallel size({self.dims.dp}): experts "
-                             "replicated over several expert-parallel groups are not supported yet; use "
-                             f"ep_size={self.dims.dp} (every rank) or a world of {ep} processes")
+        dims = dataclasses.replace(self.dims, dp_shard=-1, ep=1).resolve(self.world_size)
+        # resolve names the fix when ep does not divide dp_shard
+        self.dims = dataclasses.replace(dims, ep=self._ep_size or dims.dp_shard).resolve(self.world_size)
         self.world_mesh = self.dims.build(self.device_type, names=_fsdp.MESH_DIM_NAMES)
-        self.mesh = self.world_mesh["shard"]
+        self.mesh = self.world_mesh["shard"] if self.dims.dp_replicate == 1 else self.world_mesh[("replicate", "shard")]
         self.expert_mesh = self.dims.build_expert(self.device_type)
 
     @override
@@ -237,25 +263,34 @@ class ExpertParallel(_fsdp.FSDP):
             self.dims.validate_experts(layer.experts.gate_up_proj.shape[0])
         return super().setup_module(module)
 
+    def _expert_layout(self) -> tuple[Any, list[Any]]:
+        """The mesh and placements of the stacked expert weights before any FSDP2 over their replicas."""
+        if self.dims.expert_replicas > 1 and self.expert_sharding == "none":
+            return (self.expert_mesh[("dp_replicate", "dp_shard_mod_ep", "ep")],
+                    [Replicate(), Replicate(), Shard(0)])
+        return self.expert_mesh["ep"], [Shard(0)]
+
     @override
     def _shard(self, module: nn.Module) -> None:
         """The experts' stacked weights become DTensors sharded over ep (each rank keeps its slice of the copy rank
-        0 broadcast), then FSDP2's units over every rank leave them out."""
+        0 broadcast, or of the replayed init), FSDP2 over their replicas for expert_sharding="full", then FSDP2's
+        units over the data-parallel ranks for the rest."""
         ep_mesh = self.expert_mesh["ep"]
-        dispatch = AllToAllDispatch(ep_mesh.get_group(), dist.group.WORLD, 1.0 / self.dims.dp)
-        ignored: set[nn.Parameter] = set()
+        mesh, placements = self._expert_layout()
+        dispatch = AllToAllDispatch(ep_mesh.get_group(), dist.group.WORLD, 1.0 / self.dims.ep)
         holders = [layer.experts for layer in moe_modules(module)] + hf_expert_blocks(module)
-        for experts in holders:
+        experts: list[nn.Parameter] = []
+        for holder in holders:
             for name in _EXPERT_WEIGHTS:
-                whole = getattr(experts, name)
+                whole = getattr(holder, name)
                 per_rank = whole.shape[0] // self.dims.ep
                 start = ep_mesh.get_local_rank() * per_rank
                 local = whole.detach()[start:start + per_rank].clone()
-                param = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
+                param = nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False,
                                                         shape=whole.shape, stride=whole.stride()),
                                      requires_grad=whole.requires_grad)
-                setattr(experts, name, param)
-                ignored.add(param)
+                setattr(holder, name, param)
+                experts.append(param)
         for layer in moe_modules(module):
             layer.experts.weight_view = dispatch.weight_view
             layer.dispatcher = dispatch
@@ -266,15 +301,53 @@ class ExpertParallel(_fsdp.FSDP):
         checkpointing.apply_activation_checkpointing(
             module, checkpointing.resolve_activation_checkpointing(self.settings.activation_checkpointing),
             default_blocks=blocks or None, owner="ExpertParallel activation_checkpointing")
+        policy = _dtensor.mp_policy(self.precision)
+        ignored: set[nn.Parameter] = set(experts)
+        if self.dims.expert_replicas > 1 and self.expert_sharding == "full":
+            # Each holder its own FSDP2 unit over the ranks holding the same experts (before its parents: bottom-up).
+            names = ("dp_shard_mod_ep",) if self.dims.dp_replicate == 1 else ("dp_replicate", "dp_shard_mod_ep")
+            replicas = self.expert_mesh[names[0]] if len(names) == 1 else self.expert_mesh[names]
+            shards = self.expert_mesh["dp_shard_mod_ep"].size()
+            for holder in holders:
+                # torchtitan's rule: shard the local experts when there are enough of them, else their rows
+                fully_shard(holder, mesh=replicas, reshard_after_forward=self.settings.reshard, mp_policy=policy,
+                            shard_placement_fn=lambda p, n=shards: Shard(0) if
+                            _dtensor.local_tensor(p).shape[0] % n == 0 else Shard(1))
+            ignored = set()
+        self._replicated = experts if self.dims.expert_replicas > 1 and self.expert_sharding == "none" else []
+        if self._replicated:
+            replicas_mesh = ParallelDims.submesh(self.expert_mesh, ("dp_replicate", "dp_shard_mod_ep"))
+            self._replica_group = replicas_mesh.get_group()
         _dtensor.shard_bottom_up(module, self._wrap_targets(module, blocks), mesh=self.mesh,
-                                 reshard_after_forward=self.settings.reshard,
-                                 mp_policy=_dtensor.mp_policy(self.precision), ignored_params=ignored)
+                                 reshard_after_forward=self.settings.reshard, mp_policy=policy,
+                                 ignored_params=ignored)
+
+    @override
+    def set_gradient_sync(self, module: nn.Module, enabled: bool) -> None:
+        super().set_gradient_sync(module, enabled)
+        self._grad_sync = enabled
+
+    @override
+    def backward(self, loss: torch.Tensor, module: nn.Module, accumulation_steps: int) -> None:
+        super().backward(loss, module, accumulation_steps)
+        if self._replicated and self._grad_sync:
+            self._average_replicated_gradients()
+
+    @torch.no_grad()
+    def _average_replicated_gradients(self) -> None:
+        """expert_sharding="none": each replica's gradient is its own ep group's; their mean is the whole batch's."""
+        for p in self._replicated:
+            if p.grad is not None:
+                local = _dtensor.local_tensor(p.grad)
+                dist.all_reduce(local, group=self._replica_group)
+                local.div_(self.dims.expert_replicas)
 
     @override
     def checkpoint_info(self) -> dict[str, Any]:
         info = super().checkpoint_info()
-        info.update(ep_size=self.dims.ep)
+        info.update(ep_size=self.dims.ep, expert_sharding=self.expert_sharding)
         return info
 
     def __repr__(self) -> str:
-        return f"ExpertParallel(ep_size={self.dims.ep}, device={self._device})"
+        return (f"ExpertParallel(ep_size={self.dims.ep}, expert_sharding={self.expert_sharding!r}, "
+                f"dp_replicate={self.dims.dp_replicate}, device={self._device})")

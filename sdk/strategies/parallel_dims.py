@@ -14,7 +14,9 @@ Accelerate's ``parallelism_config`` section reads into it (:meth:`ParallelDims.f
 ``ep`` (expert parallelism) is not a factor of the world: it borrows ranks from ``dp_shard`` (torchtitan's
 choice). Ranks that see different batches also hold different experts of each MoE layer, and their tokens travel
 to the experts' ranks; :meth:`ParallelDims.build_expert` gives the mesh with ``dp_shard`` split into
-``("dp_shard_mod_ep", "ep")``, ep innermost so that an expert group is neighbouring ranks.
+``("dp_shard_mod_ep", "ep")``, ep innermost so that an expert group is neighbouring ranks. When ep is smaller than
+the data-parallel size, each expert is held by ``dp / ep`` ranks (:attr:`ParallelDims.expert_replicas`: the
+``dp_replicate x dp_shard_mod_ep`` ranks with the same ep coordinate), which average its gradient.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from shardkit.utils.suggest import did_you_mean
 __all__ = ["ACCELERATE_KEYS", "DIM_NAMES", "ParallelDims", "strategy_spec_from_accelerate"]
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-ACCELERATE_KEYS = {f"parallelism_config_{n}_size": n for n in ("dp_replicate", "dp_shard", "tp", "cp")}
+# Accelerate's own keys, and shardkit's ``parallelism_config_ep_size`` (Accelerate's ParallelismConfig has no ep).
+ACCELERATE_KEYS = {f"parallelism_config_{n}_size": n for n in ("dp_replicate", "dp_shard", "tp", "cp", "ep")}
 CP_MODES = ("ring", "ulysses")
 
 
@@ -77,6 +80,11 @@ class ParallelDims:
     def dp(self) -> int:
         """Ranks that see different batches: dp_replicate * dp_shard (cp, tp and pp peers share one)."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def expert_replicas(self) -> int:
+        """Data-parallel ranks holding the same experts: dp_replicate * dp_shard / ep."""
+        return self.dp // self.ep
 
     def _product(self) -> str:
         return " * ".join(f"{n}({s})" for n, s in self.sizes.items() if n != "pp" or s > 1)
@@ -242,6 +250,8 @@ def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_typ
                                   where: str) -> tuple[str, dict[str, Any]]:
     """The strategy (registry name, keyword arguments) an Accelerate ``parallelism_config`` section describes.
 
+    ep > 1 (shardkit's ``parallelism_config_ep_size``): ExpertParallel (experts split over ep ranks borrowed from
+    dp_shard, FSDP2 over the data-parallel ranks, HSDP over dp_replicate); with cp or tp it is refused (not built).
     cp > 1: ContextParallel (FSDP2 over dp_shard x cp, HSDP over dp_replicate; with tp > 1 too, CP x TP: its
     ``tp_size``); tp > 1 alone: TensorParallel (FSDP2 over the data-parallel ranks); data parallelism only: FSDP
     (hybrid when dp_replicate > 1).
@@ -259,6 +269,13 @@ def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_typ
         dims = dims.resolve(world_size)
     except ValueError as err:
         raise ValueError(f"parallelism_config in {where}: {err}") from None
+    if dims.ep > 1:
+        others = [f"{n}({getattr(dims, n)})" for n in ("cp", "tp", "pp") if getattr(dims, n) > 1]
+        if others:
+            raise ValueError(f"parallelism_config in {where}: ep({dims.ep}) with {' and '.join(others)} is not "
+                             "supported: expert parallelism composes with dp_shard and dp_replicate only; drop "
+                             "parallelism_config_ep_size (MoE layers then run whole on every rank) or the other sizes")
+        return "ep", {"ep_size": dims.ep, **({"dp_replicate": dims.dp_replicate} if dims.dp_replicate > 1 else {})}
     if dims.cp > 1:
         return "cp", {"cp_size": dims.cp, "dp_replicate": dims.dp_replicate, **({"tp_size": dims.tp} if dims.tp > 1
                                                                                  else {})}

@@ -1,11 +1,19 @@
-"""Expert parallelism on 2 ranks against one process: the MoE Llama trained on the same global batches.
+"""Expert parallelism on 4 ranks against one process: the MoE Llama trained on the same global batches.
 
-Each rank runs the one-device reference itself (no collectives), then the same steps under ``--strategy ep
---strategy-opt ep_size=2`` on its half of each batch, and returns the largest differences of the loss, every whole
-gradient, the clipped gradient norm and the weights after the last AdamW step. The last batch routes every token to
-rank 0's experts (the router bias steers the choice), so rank 1's experts receive no token from anyone. Then the EP
-run's checkpoint (experts saved as their DTensor shards) loads into one process (EP 2 -> 1) and its next step's loss
-must be the uninterrupted one-device run's.
+Each rank runs the one-device reference itself (no collectives), then the same steps under each layout on its
+quarter of each batch, and returns the largest differences of the loss, every whole gradient, the clipped gradient
+norm and the weights after the last AdamW step:
+
+- ``fsdp``: ``--strategy ep --strategy-opt ep_size=2`` (ep 2 < dp 4): each expert on 2 ranks, FSDP2 over them;
+- ``replicated``: ``ExpertParallel(ep_size=2, expert_sharding="none")``: each ep slice whole on 2 ranks, gradients
+  all-reduced;
+- ``hsdp``: ``ExpertParallel(ep_size=2, dp_replicate=2)``: dense parameters HSDP (2 replicas x 2 shards), experts
+  split over the 2 dp_shard ranks and replicated across the replicas.
+
+The last batch routes every token to experts 0 and 1 (the router bias steers the choice), so the ranks holding
+experts 2 and 3 receive no token from anyone. Then the ``fsdp`` run's checkpoint loads into one process (EP 2 -> 1)
+and its next step's loss must be the uninterrupted one-device run's. A Hugging Face Qwen3-MoE runs under ep 4 (every
+rank its own expert).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ def _adamw(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _starve_rank1(model: torch.nn.Module) -> None:
-    """Every token picks experts 0 and 1 (rank 0's): experts 2 and 3 get none."""
+    """Every token picks experts 0 and 1 (ep rank 0's): experts 2 and 3 get none."""
     for layer in moe_layers(model):
         layer.router.expert_bias.copy_(torch.tensor([1e4, 1e4, 0.0, 0.0]))
 
@@ -71,8 +79,8 @@ def _next_loss(runner: Runner, model: torch.nn.Module) -> float:
 
 
 def _hf_case() -> dict[str, float]:
-    """A Hugging Face Qwen3-MoE under ExpertParallel against the same model in this process (its own eager experts),
-    one SGD step: the loss, whole-gradient and weight differences."""
+    """A Hugging Face Qwen3-MoE under ExpertParallel (ep 4: every rank its own expert) against the same model in this
+    process (its own eager experts), one SGD step: the loss, whole-gradient and weight differences."""
     import copy
 
     import transformers
@@ -89,7 +97,7 @@ def _hf_case() -> dict[str, float]:
     batch = _batches()[0]
     ref_loss = ref_model(input_ids=batch, labels=batch).loss
     ref_loss.backward()
-    runner = Runner(ExpertParallel(ep_size=2), seed=0)
+    runner = Runner(ExpertParallel(ep_size=4), seed=0)
     model, _ = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
     s = runner.strategy
     per = GLOBAL_BATCH // s.data_parallel_size
@@ -110,8 +118,53 @@ def _hf_case() -> dict[str, float]:
     return out
 
 
+def _case(strategy: Any, ref: dict, init: dict) -> tuple[dict[str, Any], Runner, torch.nn.Module, Any]:
+    runner = Runner(strategy, seed=0)
+    with runner.init_module():  # on the meta device, each parameter's init replayed into its shard in setup
+        model = Llama(CONFIG)
+    model, opt = runner.setup(model, _adamw(model))
+    start = max((_whole(p.detach()) - init[n]).abs().max().item() for n, p in model.named_parameters())
+    s = runner.strategy
+    per = GLOBAL_BATCH // s.data_parallel_size
+    got = _run(runner, model, slice(s.data_parallel_rank * per, (s.data_parallel_rank + 1) * per))
+    experts = model.layers[0].mlp.experts.gate_up_proj
+    return {
+        "init": start, "ep": s.ep_size, "dp": s.data_parallel_size, "replicas": s.dims.expert_replicas,
+        "placements": [type(p).__name__ for p in experts.placements],
+        "loss": [abs(a - b) for a, b in zip(got["loss"], ref["loss"])],
+        "grad": [max((g[n] - r[n]).abs().max().item() for n in r) for g, r in zip(got["grad"], ref["grad"])],
+        "norm": [abs(a - b) for a, b in zip(got["norm"], ref["norm"])],
+        "weights": max((got["weights"][n] - ref["weights"][n]).abs().max().item() for n in ref["weights"]),
+        "load": got["load"],
+    }, runner, model, opt
+
+
+def _selected_by_config(root: str) -> dict[str, Any]:
+    """The Runner and the Trainer under `shardkit launch --config_file` with shardkit's parallelism_config_ep_size."""
+    import os
+
+    import yaml
+
+    from shardkit.config import CONFIG_FILE_ENV
+    from shardkit.trainer import Trainer, TrainingArguments
+
+    path = f"{root}/acc-{torch.distributed.get_rank()}.yaml"
+    with open(path, "w") as f:
+        yaml.safe_dump({"distributed_type": "FSDP", "mixed_precision": "no", "num_processes": 4, "use_cpu": True,
+                        "parallelism_config": {"parallelism_config_ep_size": 2}}, f)
+    os.environ[CONFIG_FILE_ENV] = path
+    try:
+        runner = Runner()
+        trainer = Trainer(model=Llama(CONFIG), args=TrainingArguments(output_dir=f"{root}/out", report_to=[]))
+    finally:
+        del os.environ[CONFIG_FILE_ENV]
+    return {name: (type(s).__name__, s.ep_size, s.dims.expert_replicas)
+            for name, s in (("runner", runner.strategy), ("trainer", trainer.runner.strategy))}
+
+
 def ep_worker(root: str) -> dict[str, Any]:
     from shardkit.strategies import SingleDevice
+    from shardkit.strategies.expert_parallel import ExpertParallel
     from shardkit.strategies.registry import STRATEGIES
 
     ref_runner = Runner(SingleDevice("cpu"), seed=0)
@@ -121,29 +174,17 @@ def ep_worker(root: str) -> dict[str, Any]:
     ref_model, _ = ref_runner.setup(ref_model, _adamw(ref_model))
     ref = _run(ref_runner, ref_model, slice(None))
 
-    runner = Runner(STRATEGIES.build_from_cli("ep", ["ep_size=2"]), seed=0)
-    with runner.init_module():  # on the meta device, each parameter's init replayed into its shard in setup
-        model = Llama(CONFIG)
-    model, opt = runner.setup(model, _adamw(model))
-    start = max((_whole(p.detach()) - init[n]).abs().max().item() for n, p in model.named_parameters())
-    s = runner.strategy
-    per = GLOBAL_BATCH // s.data_parallel_size
-    got = _run(runner, model, slice(s.data_parallel_rank * per, (s.data_parallel_rank + 1) * per))
-    experts = model.layers[0].mlp.experts.gate_up_proj
+    out: dict[str, Any] = {"ref_load": ref["load"],
+                           "moved": max((ref["weights"][n] - init[n]).abs().max().item() for n in ref["weights"])}
+    out["fsdp"], runner, model, opt = _case(STRATEGIES.build_from_cli("ep", ["ep_size=2"]), ref, init)
     runner.save(f"{root}/ep2", {"model": model, "optimizer": opt})
     one = Runner(SingleDevice("cpu"), seed=0)  # every rank on its own: EP 2 -> 1
     resumed = Llama(CONFIG)
     resumed, resumed_opt = one.setup(resumed, _adamw(resumed))
     one.load(f"{root}/ep2", {"model": resumed, "optimizer": resumed_opt})
-    return {
-        "hf": _hf_case(),
-        "init": start,
-        "resumed_loss": abs(_next_loss(one, resumed) - _next_loss(ref_runner, ref_model)),
-        "ep": s.ep_size, "local_experts": experts.to_local().shape[0],
-        "loss": [abs(a - b) for a, b in zip(got["loss"], ref["loss"])],
-        "grad": [max((g[n] - r[n]).abs().max().item() for n in r) for g, r in zip(got["grad"], ref["grad"])],
-        "norm": [abs(a - b) for a, b in zip(got["norm"], ref["norm"])],
-        "weights": max((got["weights"][n] - ref["weights"][n]).abs().max().item() for n in ref["weights"]),
-        "moved": max((ref["weights"][n] - init[n]).abs().max().item() for n in ref["weights"]),
-        "load": got["load"], "ref_load": ref["load"],
-    }
+    out["resumed_loss"] = abs(_next_loss(one, resumed) - _next_loss(ref_runner, ref_model))
+    out["replicated"] = _case(ExpertParallel(ep_size=2, expert_sharding="none"), ref, init)[0]
+    out["hsdp"] = _case(ExpertParallel(ep_size=2, dp_replicate=2), ref, init)[0]
+    out["hf"] = _hf_case()
+    out["selected"] = _selected_by_config(root)
+    return out

@@ -1,8 +1,10 @@
-"""Expert parallelism (``--strategy ep --strategy-opt ep_size=2``) on 2 CPU ranks equals one process for the MoE
-Llama built under ``runner.init_module()`` (the same weights, bitwise): loss, whole gradients, clipped norm and
-weights after 3 AdamW steps, the last with rank 1's experts empty; its checkpoint resumed in one process continues
-the one-device run; Hugging Face's Qwen3-MoE (its expert blocks dispatched the same way) equals its own one-process
-step. One launch."""
+"""Expert parallelism on 4 CPU ranks equals one process for the MoE Llama built under ``runner.init_module()`` (the
+same weights, bitwise): loss, whole gradients, clipped norm and weights after 3 AdamW steps, the last with the
+experts of ep rank 1 empty, for ep 2 < dp 4 with the experts FSDP2-sharded over their replicas (``--strategy ep
+--strategy-opt ep_size=2``) or replicated whole (``expert_sharding="none"``), and under HSDP (``dp_replicate=2``);
+the checkpoint resumed in one process continues the one-device run; Hugging Face's Qwen3-MoE (its expert blocks
+dispatched the same way, ep 4) equals its own one-process step; the Runner and the Trainer select ExpertParallel from
+an Accelerate config's parallelism_config_ep_size. One launch."""
 
 from __future__ import annotations
 
@@ -11,26 +13,37 @@ from ep_workers import STEPS, ep_worker
 from harness import run_distributed
 
 TOL = 2e-5
+CASES = {"fsdp": (2, 4, 2, ["_StridedShard", "Shard"]),   # ep, dp, replicas, the expert weights' placements
+         "replicated": (2, 4, 2, ["Replicate", "Replicate", "Shard"]),
+         "hsdp": (2, 4, 2, ["Replicate", "_StridedShard", "Shard"])}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_distributed(ep_worker, world_size=2, args=(str(tmp_path_factory.mktemp("ep")),), timeout=600)
+    return run_distributed(ep_worker, world_size=4, args=(str(tmp_path_factory.mktemp("ep")),), timeout=600)
 
 
-def test_expert_parallel_equals_one_process(results):
-    for rank, got in enumerate(results):
-        assert got["ep"] == 2 and got["local_experts"] == 2, got
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_expert_parallel_equals_one_process(results, case):
+    for rank, out in enumerate(results):
+        got = out[case]
+        assert (got["ep"], got["dp"], got["replicas"], got["placements"]) == CASES[case], (rank, got)
         assert got["init"] == 0, f"rank {rank}: init_module's weights differ from one device's by {got['init']}"
         assert max(got["loss"]) < TOL, f"rank {rank}: loss differs by {got['loss']}"
         assert max(got["grad"]) < TOL, f"rank {rank}: gradients differ by {got['grad']}"
         assert max(got["norm"]) < TOL, f"rank {rank}: gradient norms differ by {got['norm']}"
-        assert got["weights"] < TOL and got["moved"] > 1e-3, (rank, got["weights"], got["moved"])
+        assert got["weights"] < TOL and out["moved"] > 1e-3, (rank, got["weights"], out["moved"])
         # the routing statistics are the whole batch's, as on one device
-        assert got["load"] == got["ref_load"], (got["load"], got["ref_load"])
-        # the last step: rank 1's experts (2 and 3) got no token
+        assert got["load"] == out["ref_load"], (got["load"], out["ref_load"])
+        # the last step: ep rank 1's experts (2 and 3) got no token
         assert all(load[2] == 0 and load[3] == 0 for load in got["load"][STEPS - 1]), got["load"]
-        hf = got["hf"]  # Hugging Face's Qwen3-MoE, its expert blocks dispatched the same way
+
+
+def test_expert_parallel_checkpoint_and_hf_model(results):
+    for rank, out in enumerate(results):
+        hf = out["hf"]  # Hugging Face's Qwen3-MoE, its expert blocks dispatched the same way
         assert hf["sharded"] and max(hf["loss"], hf["grad"], hf["weights"]) < TOL, (rank, hf)
-        # EP 2 -> 1: the checkpoint (experts as DTensor shards, AdamW state) resumes the one-device run
-        assert got["resumed_loss"] < TOL, (rank, got["resumed_loss"])
+        # EP 2 -> 1: the checkpoint (experts as FSDP2 x ep shards, AdamW state) resumes the one-device run
+        assert out["resumed_loss"] < TOL, (rank, out["resumed_loss"])
+        # Accelerate's parallelism_config with shardkit's parallelism_config_ep_size, under `shardkit launch`
+        assert out["selected"] == {"runner": ("ExpertParallel", 2, 2), "trainer": ("ExpertParallel", 2, 2)}, out
