@@ -134,6 +134,14 @@ class OnlineRLTrainer(Trainer):
         super().__init__(model=model, args=args, data_collator=_single, train_dataset=list(train_dataset),
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
                          strategy=strategy, precision=precision)
+        if self.get_cp_size() > 1:
+            # Generation has no split form (every cp rank would decode the same whole sequences) and the rollout
+            # batches are padded, which the split-sequence forward refuses: nothing would run context-parallel.
+            raise NotImplementedError(
+                f"{name} under ContextParallel (cp={self.get_cp_size()}): rollouts generate and score whole padded "
+                "sequences, which ContextParallel cannot split over its cp ranks, so every cp rank would repeat the "
+                "same work; train with --strategy fsdp (the same sharded weights, each rank its own prompts), zero3 "
+                "or tp")
         self.args.resolve_generation_batch(self.runner.strategy.data_parallel_size)
         self.ref_model = self._ref_unwrapped = None
         if reference is not None:

@@ -1,7 +1,19 @@
-"""GRPOTrainer on 2 real processes (gloo on CPU) under ZeRO-3 and then FSDP2 in the same workers: the ranks
-generate completions of different lengths (rank 0 at most 3 tokens, rank 1 at most 6) on the partitioned training
-model every round without hanging, the rewards of both ranks are gathered for the advantages, the loss is finite
-and equal on both ranks, and the mean reward of the toy task rises."""
+"""GRPOTrainer and RLOOTrainer on 2 real processes (gloo on CPU), every case in one launch (the workers share the
+process group, each case trains a fresh model):
+
+- greedy rollouts under ZeRO-3, ZeROInfinity (parameters and optimizer state offloaded to the host), FSDP2 and
+  TensorParallel:
+  on the set-up model, before the first step, each rank generates through the rollout path for its own prompts and
+  its own length (rank 0: 2 prompts x 3 tokens, rank 1: 3 prompts x 7 tokens; a TP group decodes both requests)
+  without hanging, and every rank's tokens equal the unsharded model's greedy output in one process;
+- GRPO under ZeRO-3 and FSDP2, rank 0 sampling at most 3 tokens per completion and rank 1 at most 6: the rewards of
+  both ranks are gathered for the advantages, the loss is finite and equal on both ranks, the toy reward rises;
+- GRPO under TensorParallel (one data-parallel rank: both ranks share the prompts): both ranks sample the same
+  completions, and the logged loss, reward, reward_std and token count equal a hand computation from one rank's
+  completions and rewards (counted once, not once per tp rank); GRPO under ZeROInfinity trains, with finite losses;
+- RLOO (KL to a reference model set up like the policy) under TensorParallel and ZeROInfinity: finite, rank-equal
+  losses and KL;
+- ContextParallel is refused by name (rollouts cannot be split over its cp ranks)."""
 
 from __future__ import annotations
 
@@ -17,63 +29,191 @@ from harness import run_distributed  # noqa: E402
 
 pytest.importorskip("deepspeed")
 TEXT = Path(__file__).resolve().parents[2] / "examples" / "data" / "public_domain.txt"
-STEPS = 10
-STRATEGIES = ("zero3", "fsdp")
+PROMPTS = ("The old house", "She opened", "In the morning", "He asked the way")
+# (trainer, strategy, steps): the reward must rise over the 10-step runs; the others check the bookkeeping
+CASES = (("grpo", "zero3", 10), ("grpo", "fsdp", 10), ("grpo", "tp", 3), ("grpo", "zero_infinity", 2),
+         ("rloo", "tp", 2), ("rloo", "zero_infinity", 2))
+GREEDY = {0: (("The old house", "She opened"), 3), 1: (("In the morning", "He asked the way", "When the bell rang"), 7)}
 
 
 def _worker(out: str) -> dict:
-    # one launch for every strategy: the process group is shared, each strategy trains a fresh model
-    return {name: _train(str(Path(out) / name), name) for name in STRATEGIES}
+    results = {"cp": _refused_under_cp(out)}
+    for kind, strategy, steps in CASES:
+        results[f"{kind}-{strategy}"] = _train(str(Path(out) / f"{kind}-{strategy}"), kind, strategy, steps)
+    return results
 
 
-def _train(out: str, strategy: str) -> dict:
+def _tokenizer():
+    from shardkit.sft import train_tokenizer
+
+    return train_tokenizer([TEXT], vocab_size=300)
+
+
+def _model(vocab: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shardkit.rl import GRPOConfig, GRPOTrainer
-    from shardkit.sft import train_tokenizer
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128))
+
+
+def _strategy(name: str, out: str):
     from shardkit.strategies import strategy_from_name
+    from shardkit.strategies.zero import ZeROInfinity
+
+    if name == "zero_infinity":  # offloaded to host memory: the NVMe swap (async_io) is test_zero.py's
+        return ZeROInfinity(offload_params="cpu", offload_optimizer="cpu")
+    return strategy_from_name(name)
+
+
+def _refused_under_cp(out: str) -> str:
+    from shardkit.rl import GRPOConfig, GRPOTrainer
+    from shardkit.strategies import ContextParallel
+
+    tokenizer = _tokenizer()
+    args = GRPOConfig(output_dir=str(Path(out) / "cp"), max_steps=1, per_device_train_batch_size=4,
+                      num_generations=4, report_to="none", use_cpu=True)
+    try:
+        GRPOTrainer(_model(len(tokenizer)), lambda completions, **kw: [0.0] * len(completions), args=args,
+                    train_dataset=[{"prompt": p} for p in PROMPTS], processing_class=tokenizer,
+                    strategy=ContextParallel(cp_size=2))
+    except NotImplementedError as err:
+        return str(err)
+    return "not refused"
+
+
+def _greedy_reference(model, tokenizer, prompts, max_new: int) -> list[list[int]]:
+    """The unsharded model's greedy completions in this process, cut after the first EOS as rollouts are."""
+    from shardkit.rl.rollout import left_pad
+
+    ids, mask = left_pad([tokenizer(text=p)["input_ids"] for p in prompts], tokenizer.pad_token_id, "cpu")
+    model.eval()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, synced_gpus=False,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model.train()
+    rows = []
+    for row in out[:, ids.shape[1]:].tolist():
+        end = row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        rows.append(row[:end])
+    return rows
+
+
+def _train(out: str, kind: str, strategy: str, steps: int) -> dict:
+    from shardkit.rl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+    from shardkit.rl.rollout import generate_completions
+    from shardkit.trainer import TrainerCallback
 
     rank = int(os.environ["RANK"])  # set by the launcher before the process group exists
-    tokenizer = train_tokenizer([TEXT], vocab_size=300)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                         max_position_embeddings=128))
-    lengths = []
+    tokenizer = _tokenizer()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = _model(len(tokenizer))
+    prompts, max_new = GREEDY[rank]
+    result = {"reference": _greedy_reference(model, tokenizer, prompts, max_new), "rounds": []}
 
-    def in_target(completion_ids, **kwargs):
-        lengths.append(max(len(c) for c in completion_ids))
-        return [sum(100 <= t < 130 for t in c) / max(len(c), 1) for c in completion_ids]
+    class Greedy(TrainerCallback):
+        """The rollout path on the set-up (sharded) model, greedy, before the first step changes the weights."""
 
-    args = GRPOConfig(output_dir=out, max_steps=STEPS, per_device_train_batch_size=8, num_generations=8,
-                      max_completion_length=3 if rank == 0 else 6, learning_rate=5e-2, lr_scheduler_type="constant",
-                      logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, seed=0, use_cpu=True,
-                      loss_type="grpo")
-    prompts = [{"prompt": p} for p in ("The old house", "She opened", "In the morning", "He asked the way")] * 8
-    trainer = GRPOTrainer(model, in_target, args=args, train_dataset=prompts, processing_class=tokenizer,
-                          strategy=strategy_from_name(strategy))
+        def on_train_begin(self, args, state, control, **kwargs):
+            done = generate_completions(trainer.runner, trainer.model_wrapped,
+                                        [tokenizer(text=p)["input_ids"] for p in prompts],
+                                        pad_token_id=tokenizer.pad_token_id, eos_token_ids=[tokenizer.eos_token_id],
+                                        max_new_tokens=max_new, sampling={"do_sample": False})
+            result["greedy"] = done.ids
+
+    def in_target(prompts, completion_ids, **kwargs):
+        rewards = [sum(100 <= t < 130 for t in c) / max(len(c), 1) for c in completion_ids]
+        prompt_tokens = sum(len(tokenizer(text=p)["input_ids"]) for p in prompts)
+        result["rounds"].append({"ids": [list(c) for c in completion_ids], "rewards": rewards,
+                                 "prompt_tokens": prompt_tokens})
+        return rewards
+
+    common = dict(output_dir=out, max_steps=steps, per_device_train_batch_size=8, num_generations=8,
+                  learning_rate=5e-2, lr_scheduler_type="constant", logging_steps=1, report_to="none",
+                  save_strategy="no", disable_tqdm=True, seed=0, use_cpu=True)
+    if kind == "rloo":
+        args = RLOOConfig(max_completion_length=5, **common)
+        trainer_class = RLOOTrainer
+    else:
+        # TP: both ranks share the prompts, so they share the length too; dapo with unscaled advantages keeps the
+        # hand computation in the test short
+        length = 6 if strategy == "tp" else 3 if rank == 0 else 6
+        extra = dict(loss_type="dapo", scale_rewards="none") if strategy == "tp" else dict(loss_type="grpo")
+        args = GRPOConfig(max_completion_length=length, **extra, **common)
+        trainer_class = GRPOTrainer
+    trainer = trainer_class(model, in_target, args=args, train_dataset=[{"prompt": p} for p in PROMPTS] * 8,
+                            processing_class=tokenizer, callbacks=[Greedy()], strategy=_strategy(strategy, out))
     trainer.train()
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return {"rewards": rewards, "lengths": lengths, "loss": losses,
-            "max_length": [h["completions/max_length"] for h in trainer.state.log_history if "reward" in h]}
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    keys = ("loss", "reward", "reward_std", "num_tokens", "completions/max_length", "kl")
+    result["logs"] = [{k: h[k] for k in keys if k in h} for h in logged]
+    return result
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_distributed(_worker, 2, args=(str(tmp_path_factory.mktemp("grpo")),), timeout=1200)
+    return run_distributed(_worker, 2, args=(str(tmp_path_factory.mktemp("grpo")),), timeout=1800,
+                           env={"DS_ACCELERATOR": "cpu"})
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_two_ranks_different_lengths_reward_rises(runs, strategy):
-    results = [rank[strategy] for rank in runs]
-    losses = results[0]["loss"]
-    assert len(losses) == STEPS and all(math.isfinite(v) for v in losses), losses
-    assert losses == results[1]["loss"]
-    assert results[0]["rewards"] == results[1]["rewards"]  # every rank logs the whole generation batch's reward
-    assert set(results[0]["lengths"]) == {3} and set(results[1]["lengths"]) == {6}  # no EOS within 6 here
-    assert all(m == 6 for m in results[0]["max_length"])  # the lengths gathered from both ranks
-    rewards = results[0]["rewards"]
-    assert len(rewards) == STEPS
+def _case(runs, name: str) -> list[dict]:
+    return [rank[name] for rank in runs]
+
+
+@pytest.mark.parametrize("name", sorted({f"{k}-{s}" for k, s, _ in CASES if k == "grpo"}))
+def test_greedy_rollouts_equal_the_unsharded_model(runs, name):
+    for rank, result in enumerate(_case(runs, name)):
+        assert result["greedy"] == result["reference"], (rank, result["greedy"], result["reference"])
+        assert [len(r) for r in result["greedy"]] == [len(r) for r in result["reference"]]
+    ranks = _case(runs, name)
+    assert len(ranks[0]["greedy"]) == 2 and len(ranks[1]["greedy"]) == 3  # uneven batches and lengths
+
+
+@pytest.mark.parametrize("name", ["grpo-zero3", "grpo-fsdp"])
+def test_two_ranks_different_lengths_reward_rises(runs, name):
+    results = _case(runs, name)
+    losses = [h["loss"] for h in results[0]["logs"]]
+    assert len(losses) == 10 and all(math.isfinite(v) for v in losses), losses
+    assert losses == [h["loss"] for h in results[1]["logs"]]
+    rewards = [h["reward"] for h in results[0]["logs"]]
+    assert rewards == [h["reward"] for h in results[1]["logs"]]  # every rank logs the whole generation batch's
+    assert {max(len(c) for c in r["ids"]) for r in results[0]["rounds"]} == {3}
+    assert {max(len(c) for c in r["ids"]) for r in results[1]["rounds"]} == {6}  # no EOS within 6 here
+    assert all(h["completions/max_length"] == 6 for h in results[0]["logs"])  # the lengths gathered from both
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
+
+
+def test_tensor_parallel_counts_the_shared_batch_once(runs):
+    """Both tp ranks hold one data-parallel batch: every logged figure is that batch's, computed by hand from the
+    completions and rewards one rank saw (dapo, unscaled advantages, ratio 1 at generation)."""
+    import torch
+
+    results = _case(runs, "grpo-tp")
+    assert results[0]["rounds"] == results[1]["rounds"]  # the same prompts and the same sampled completions
+    assert results[0]["logs"] == results[1]["logs"]
+    tokens = 0
+    for log, rnd in zip(results[0]["logs"], results[0]["rounds"]):
+        rewards = torch.tensor(rnd["rewards"], dtype=torch.float64)
+        lengths = torch.tensor([len(c) for c in rnd["ids"]], dtype=torch.float64)
+        advantages = rewards - rewards.mean()
+        tokens += rnd["prompt_tokens"] + int(lengths.sum())
+        assert log["loss"] == pytest.approx(float(-(advantages * lengths).sum() / lengths.sum()), abs=1e-5)
+        assert log["reward"] == pytest.approx(float(rewards.mean()), abs=1e-6)
+        assert log["reward_std"] == pytest.approx(float(rewards.std()), abs=1e-6)
+        assert log["num_tokens"] == tokens
+    assert len(results[0]["rounds"]) == 3
+
+
+@pytest.mark.parametrize("name", ["grpo-zero_infinity", "rloo-tp", "rloo-zero_infinity"])
+def test_trains_on_two_ranks(runs, name):
+    results = _case(runs, name)
+    for key in ("loss", "kl") if name.startswith("rloo") else ("loss",):
+        values = [h[key] for h in results[0]["logs"]]
+        assert len(values) == 2 and all(math.isfinite(v) for v in values), (key, values)
+        assert values == [h[key] for h in results[1]["logs"]], key
+
+
+def test_context_parallel_is_refused_by_name(runs):
+    for message in (rank["cp"] for rank in runs):
+        assert "ContextParallel (cp=2)" in message and "--strategy fsdp" in message, message
