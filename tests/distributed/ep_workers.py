@@ -18,7 +18,7 @@ from shardkit import Runner
 from shardkit.models import Llama, LlamaConfig
 from shardkit.models.moe import moe_layers
 
-__all__ = ["CONFIG", "ep_worker"]
+__all__ = ["CONFIG", "ep_worker", "one_to_ep2"]
 
 CONFIG = LlamaConfig.small_moe(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, max_position=32,
                                tie_embeddings=False, fused=False,
@@ -110,6 +110,63 @@ def _hf_case() -> dict[str, float]:
     return out
 
 
+def one_to_ep2(root: str) -> dict[str, Any]:
+    """1 -> EP 2: a one-device run saved by ``Runner.save`` after its first step, resumed under EP 2, against the
+    uninterrupted one-device run: the losses of the remaining steps; and the two runs' final checkpoints (one
+    device's full tensors, EP 2's DTensor shards) hold the same keys at the same global shapes, each expert weight
+    whole in the stacked layout, and consolidate (zero-to-fp32) to the same tensors."""
+    from shardkit.checkpoint import CheckpointReader, consolidate
+    from shardkit.strategies import SingleDevice
+    from shardkit.strategies.expert_parallel import ExpertParallel
+
+    runner = Runner(ExpertParallel(ep_size=2), seed=1)
+    rank = runner.strategy.rank
+    one = Runner(SingleDevice("cpu"), seed=0)
+    with one.init_module():
+        model = Llama(CONFIG)
+    model, opt = one.setup(model, _adamw(model))
+    ref = []
+    for step, batch in enumerate(_batches()):
+        if step == 1:  # each rank saves its own (identical) one-device run
+            one.save(f"{root}/one-{rank}", {"model": model, "optimizer": opt})
+        loss = model(batch, labels=batch)
+        one.backward(loss)
+        one.clip_gradients(CLIP)
+        one.step()
+        ref.append(loss.item())
+    one.save(f"{root}/one-end-{rank}", {"model": model, "optimizer": opt})
+    with runner.init_module():
+        resumed = Llama(CONFIG)
+    resumed, resumed_opt = runner.setup(resumed, _adamw(resumed))
+    runner.load(f"{root}/one-{rank}", {"model": resumed, "optimizer": resumed_opt})
+    per = GLOBAL_BATCH // runner.strategy.data_parallel_size
+    rows = slice(runner.strategy.data_parallel_rank * per, (runner.strategy.data_parallel_rank + 1) * per)
+    got = []
+    for batch in _batches()[1:]:
+        loss = resumed(batch[rows], labels=batch[rows])
+        runner.backward(loss)
+        runner.clip_gradients(CLIP)
+        runner.step()
+        got.append(runner.all_reduce(loss.detach().clone(), "mean").item())
+    runner.save(f"{root}/ep2-end", {"model": resumed, "optimizer": resumed_opt})
+    with CheckpointReader(f"{root}/one-end-{rank}") as a, CheckpointReader(f"{root}/ep2-end") as b:
+        layouts = [r.sharded_keys("model") for r in (a, b)]
+        kinds = [a.entries()["model"], b.entries()["model"]]
+    out: dict[str, Any] = {"loss": [abs(x - y) for x, y in zip(got, ref[1:])], "kinds": kinds,
+                           "same_layout": layouts[0] == layouts[1],
+                           "experts": [list(layouts[1]["layers.0.mlp.experts.gate_up_proj"][0]),
+                                       list(layouts[1]["layers.0.mlp.experts.down_proj"][0])]}
+    if rank == 0:
+        files = [consolidate(path, f"{root}/fp32-{i}")[0] for i, path in enumerate((f"{root}/one-end-0",
+                                                                                   f"{root}/ep2-end"))]
+        from safetensors.torch import load_file
+        whole, sharded = (load_file(f) for f in files)
+        out["consolidated_keys"] = sorted(whole) == sorted(sharded)
+        out["consolidated"] = max((whole[k] - sharded[k]).abs().max().item() for k in whole)
+    runner.barrier()
+    return out
+
+
 def ep_worker(root: str) -> dict[str, Any]:
     from shardkit.strategies import SingleDevice
     from shardkit.strategies.registry import STRATEGIES
@@ -137,6 +194,7 @@ def ep_worker(root: str) -> dict[str, Any]:
     one.load(f"{root}/ep2", {"model": resumed, "optimizer": resumed_opt})
     return {
         "hf": _hf_case(),
+        "one_to_ep2": one_to_ep2(root),
         "init": start,
         "resumed_loss": abs(_next_loss(one, resumed) - _next_loss(ref_runner, ref_model)),
         "ep": s.ep_size, "local_experts": experts.to_local().shape[0],

@@ -34,3 +34,16 @@ def test_expert_parallel_equals_one_process(results):
         assert hf["sharded"] and max(hf["loss"], hf["grad"], hf["weights"]) < TOL, (rank, hf)
         # EP 2 -> 1: the checkpoint (experts as DTensor shards, AdamW state) resumes the one-device run
         assert got["resumed_loss"] < TOL, (rank, got["resumed_loss"])
+
+
+def test_one_device_checkpoint_resumes_under_expert_parallel(results):
+    for rank, got in enumerate(results):
+        one = got["one_to_ep2"]
+        # 1 -> EP 2: the one-device checkpoint's next steps under EP 2 take the uninterrupted run's losses
+        assert len(one["loss"]) == STEPS - 1 and max(one["loss"]) < TOL, (rank, one["loss"])
+        # one layout whatever the ep size: the same keys at the same global shapes, each expert weight whole and
+        # stacked as transformers 5 holds it, (E, 2I, H) and (E, H, I)
+        assert one["kinds"] == ["tensors", "sharded"] and one["same_layout"], (rank, one)
+        assert one["experts"] == [[4, 32, 32], [4, 32, 16]], (rank, one["experts"])
+    zero = results[0]["one_to_ep2"]  # zero-to-fp32 of either checkpoint: the same file
+    assert zero["consolidated_keys"] and zero["consolidated"] < TOL, zero
