@@ -1,8 +1,9 @@
 """Expert parallelism (``--strategy ep --strategy-opt ep_size=2``) on 2 CPU ranks equals one process for the MoE
 Llama built under ``runner.init_module()`` (the same weights, bitwise): loss, whole gradients, clipped norm and
 weights after 3 AdamW steps, the last with rank 1's experts empty; its checkpoint resumed in one process continues
-the one-device run; Hugging Face's Qwen3-MoE (its expert blocks dispatched the same way) equals its own one-process
-step. One launch."""
+the one-device run, and a one-device checkpoint resumed under EP 2 continues it too, both saved in one layout;
+Hugging Face's Qwen3-MoE (its expert blocks dispatched the same way) equals its own one-process step, and its exports
+(save_pretrained, zero-to-fp32) are the Hub's per-expert files that from_pretrained reads back. One launch."""
 
 from __future__ import annotations
 
@@ -47,3 +48,12 @@ def test_one_device_checkpoint_resumes_under_expert_parallel(results):
         assert one["experts"] == [[4, 32, 32], [4, 32, 16]], (rank, one["experts"])
     zero = results[0]["one_to_ep2"]  # zero-to-fp32 of either checkpoint: the same file
     assert zero["consolidated_keys"] and zero["consolidated"] < TOL, zero
+
+
+def test_hf_moe_trained_under_expert_parallel_exports_in_the_hub_layout(results):
+    export = results[0]["hf_export"]  # rank 0 read both exports back
+    assert export["zero_to_fp32_rc"] == 0, export
+    for name in ("hf-ep", "fp32-ep"):  # save_pretrained, and zero-to-fp32 of the EP-2 Runner.save
+        got = export[name]
+        assert got["per_expert"] and not got["stacked"], (name, got)
+        assert got["logits"] < TOL, (name, got)  # from_pretrained gives the EP model's logits
