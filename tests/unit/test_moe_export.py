@@ -5,11 +5,10 @@ Tiny Qwen3-MoE and Mixtral models built here, one process (the EP-2 export is in
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from shardkit import Runner
 from shardkit.checkpoint import CheckpointError
@@ -98,6 +97,12 @@ def test_zero_to_fp32_writes_the_per_expert_layout_from_the_config_beside_the_ch
         assert torch.equal(back(INPUT).logits, model(INPUT).logits)
     assert zero_to_fp32([str(tmp_path / "ckpt"), str(tmp_path / "stacked"), "--stacked-experts"]) == 0
     assert "model.layers.1.mlp.experts.down_proj" in _tensors(tmp_path / "stacked")
+    # `shardkit convert --to hf` writes the same files as zero-to-fp32
+    from shardkit.checkpoint.convert import convert
+
+    convert(tmp_path / "ckpt", tmp_path / "converted", "hf")
+    converted, fp32 = _tensors(tmp_path / "converted"), _tensors(tmp_path / "out")
+    assert sorted(converted) == sorted(fp32) and all(torch.equal(converted[k], fp32[k]) for k in fp32)
 
 
 def test_export_plan_reads_each_stacked_tensor_once_and_splits_gate_from_up():
@@ -126,10 +131,7 @@ def test_a_per_expert_tensor_of_the_wrong_shape_is_named(tmp_path):
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     bad = "model.layers.1.mlp.experts.2.up_proj.weight"
     tensors[bad] = tensors[bad][:8].contiguous()
-    from safetensors.torch import save_file
-
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    json.loads((tmp_path / "config.json").read_text())
     runner, fresh = _set_up(_model("qwen3_moe", seed=1))
     with pytest.raises(CheckpointError, match=r"experts\.2\.up_proj\.weight has shape \[8, 32\]"):
         load_pretrained(runner, fresh, tmp_path)
