@@ -72,7 +72,7 @@ class ExpertLayout:
             return [Piece(f"{prefix}{e}.{self.down}.weight", name, (e,), (rows, cols)) for e in range(experts)]
         if rows % 2:
             raise CheckpointError(f"{name}: gate_up_proj of shape {list(shape)} has an odd row count; it is not "
-                             "(E, 2I, H) gate rows then up rows")
+                                  "(E, 2I, H) gate rows then up rows")
         half = rows // 2
         out = []
         for e in range(experts):
