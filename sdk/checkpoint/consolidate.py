@@ -16,6 +16,7 @@ import torch
 from shardkit.utils.partitioned import full_shape, gathered_for_write
 
 from .deepspeed_reader import DeepSpeedCheckpoint, ZeroFp32StateDict, find_deepspeed_checkpoint
+from .expert_layout import ExpertLayout, export_plan, layout_for, model_type_of
 from .export import EXPORT_RE, copy_model_files, publish_export
 from .format import CheckpointError, dtype_tag, fsync_path, naming
 from .hf_reader import INDEX
@@ -125,12 +126,17 @@ def write_hf_shards(out_dir: Path, keys: dict[str, tuple[tuple, torch.dtype]], f
     return names
 
 
+def _renamed(tied: dict[str, str], layout: ExpertLayout | None) -> dict[str, str]:
+    return tied if layout is None else {layout.rename(a): layout.rename(k) for a, k in tied.items()}
+
+
 def _weights(paths: list[Path]) -> list[Path]:
     return [p for p in paths if EXPORT_RE.match(p.name)]
 
 
 def consolidate(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike, *, name: str = "model",
-                dtype: torch.dtype | None = torch.float32, max_shard_size: int | str = "5GB") -> list[Path]:
+                dtype: torch.dtype | None = torch.float32, max_shard_size: int | str = "5GB",
+                original_format: bool = True) -> list[Path]:
     """Writes entry ``name`` of a checkpoint (full or sharded, any world size) as HF-style safetensors.
 
     Produces ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` plus
@@ -142,7 +148,10 @@ def consolidate(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLik
     Floating tensors are cast to ``dtype`` (``None`` keeps each tensor's dtype); integer and bool
     tensors keep theirs. Tied weights (keys the checkpoint stores as aliases) are written once, under
     the first key, as Hugging Face's ``save_pretrained`` does; the dropped keys are listed in the
-    files' metadata and the index under ``"tied_weights"`` (alias -> kept key). The output is published
+    files' metadata and the index under ``"tied_weights"`` (alias -> kept key). With ``original_format`` and a
+    ``config.json`` of a Qwen2-MoE / Qwen3-MoE / Mixtral model beside the checkpoint, stacked expert weights are
+    written one tensor per expert and projection, as transformers' ``save_pretrained`` writes them
+    (:mod:`.expert_layout`); False writes them as the model held them. The output is published
     atomically (:mod:`.export`): a previous export there stays whole until the new one is; the output
     may not be a checkpoint or lie inside the one read.
 
@@ -158,16 +167,20 @@ def consolidate(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLik
         keys = {k: v for k, v in reader.sharded_keys(name).items() if k not in tied}
 
         def write(stage: Path) -> list[str]:
-            names = write_hf_shards(stage, keys, lambda k: reader.read_full(name, k), dtype=dtype,
-                                    max_shard_size=max_shard_size, tied=tied)
-            return names + copy_model_files([reader.path, reader.path.parent], stage)
+            copied = copy_model_files([reader.path, reader.path.parent], stage)
+            layout = layout_for(model_type_of(stage)) if original_format else None
+            out_keys, fetch = export_plan(keys, lambda k: reader.read_full(name, k), layout)
+            names = write_hf_shards(stage, out_keys, fetch, dtype=dtype, max_shard_size=max_shard_size,
+                                    tied=_renamed(tied, layout))
+            return names + copied
 
         return _weights(publish_export(output_dir, write, sources=[checkpoint_path, reader.path]))
 
 
 def consolidate_deepspeed(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike, *,
                           tag: str | None = None, dtype: torch.dtype | None = torch.float32,
-                          max_shard_size: int | str = "5GB", exclude_frozen_parameters: bool = False) -> list[Path]:
+                          max_shard_size: int | str = "5GB", exclude_frozen_parameters: bool = False,
+                          original_format: bool = True) -> list[Path]:
     """Writes a DeepSpeed ZeRO-1/2/3 checkpoint as HF-style safetensors, like :func:`consolidate`.
 
     Never imports DeepSpeed and never runs code from the files (see :mod:`.safe_unpickle`). Every
@@ -184,6 +197,7 @@ def consolidate_deepspeed(checkpoint_path: str | os.PathLike, output_dir: str | 
         dtype: dtype of floating tensors in the output (None: fp32, as read).
         max_shard_size: largest output file (``"5GB"``, ``"500MiB"``, bytes).
         exclude_frozen_parameters: leave out parameters that were not trained.
+        original_format: stacked MoE expert weights one tensor per expert, as :func:`consolidate`.
 
     Returns:
         The weight files written: the shards, then the index if there is one.
@@ -193,9 +207,12 @@ def consolidate_deepspeed(checkpoint_path: str | os.PathLike, output_dir: str | 
         keys = {k: (tuple(s), d) for k in ckpt.sources for s, d in [ckpt.spec(k)]}
 
         def write(stage: Path) -> list[str]:
-            names = write_hf_shards(stage, keys, ckpt.read, dtype=dtype, max_shard_size=max_shard_size,
-                                    tied=dict(ckpt.aliases))
-            return names + copy_model_files([ckpt.path, ckpt.path.parent], stage)
+            copied = copy_model_files([ckpt.path, ckpt.path.parent], stage)
+            layout = layout_for(model_type_of(stage)) if original_format else None
+            out_keys, fetch = export_plan(keys, ckpt.read, layout)
+            names = write_hf_shards(stage, out_keys, fetch, dtype=dtype, max_shard_size=max_shard_size,
+                                    tied=_renamed(dict(ckpt.aliases), layout))
+            return names + copied
 
         return _weights(publish_export(output_dir, write, sources=[checkpoint_path, ckpt.path]))
 

@@ -32,6 +32,7 @@ from .dcp_metadata import is_dcp_checkpoint
 from .dcp_reader import MODEL, OPTIMIZER, DCPCheckpointView
 from .dcp_writer import DCPStreamWriter
 from .deepspeed_reader import find_deepspeed_checkpoint
+from .expert_layout import export_plan, layout_for, model_type_of
 from .export import copy_model_files
 from .format import MANIFEST, CheckpointError
 from .reader import CheckpointReader, resolve_checkpoint
@@ -218,12 +219,15 @@ def write_dcp(source: Any, stage: Path, tick: Tick, layout: str = "torch") -> li
 
 def write_hf(source: Any, stage: Path, tick: Tick, *, dtype: torch.dtype | None = torch.float32,
              max_shard_size: int | str = "5GB") -> list[str]:
-    """The model as ``zero-to-fp32`` writes it: safetensors (sharded past ``max_shard_size``) and the config and
-    tokenizer files found beside the source."""
+    """The model as ``zero-to-fp32`` writes it: safetensors (sharded past ``max_shard_size``; MoE experts one tensor
+    per expert for a Qwen2-MoE/Qwen3-MoE/Mixtral config, :mod:`.expert_layout`) and the config and tokenizer files
+    found beside the source."""
     model = _named(source, "module", MODEL) or MODEL
-    names = write_hf_shards(stage, source.sharded_keys(model), lambda k: tick(source.read_full(model, k)),
-                            dtype=dtype, max_shard_size=max_shard_size, tied={})
-    return names + copy_model_files([Path(source.path), Path(source.path).parent], stage)
+    copied = copy_model_files([Path(source.path), Path(source.path).parent], stage)
+    keys, fetch = export_plan(source.sharded_keys(model), lambda k: tick(source.read_full(model, k)),
+                              layout_for(model_type_of(stage)))
+    names = write_hf_shards(stage, keys, fetch, dtype=dtype, max_shard_size=max_shard_size, tied={})
+    return names + copied
 
 
 def write_universal(shardkit_dir: Path, stage: Path, progress: Any) -> list[str]:

@@ -31,6 +31,7 @@ from torch import nn
 from shardkit.utils.partitioned import full_shape, own_slice
 
 from .consolidate import parse_size, write_safetensors_file
+from .expert_layout import layout_for, stacked_view
 from .export import EXPORT_RE, Export, export_error
 from .format import CheckpointError, naming
 from .hf_reader import INDEX, SINGLE, HFWeights
@@ -108,7 +109,7 @@ def _save_config(module: nn.Module, out_dir: Path) -> list[str]:
 
 def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *,
                     dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
-                    save_config: bool = True, tensors: Any = None) -> list[Path]:
+                    save_config: bool = True, tensors: Any = None, save_original_format: bool = True) -> list[Path]:
     """Writes the whole model as HF-style safetensors (sharded with an index past ``max_shard_size``).
 
     Call it on every rank (the gathers are collectives). Works under every strategy; under ZeRO-3 this is
@@ -125,6 +126,10 @@ def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *
         save_config: also write an HF model's ``config.json`` / ``generation_config.json``.
         tensors: ``(name, tensor)`` pairs to write instead of ``runner.iter_full_state_dict(model)`` (a stream
             built on it, e.g. LoRA adapters merged in by ``shardkit.trainer.peft_support.merged_tensors``).
+        save_original_format: as transformers' ``save_pretrained``: an HF Qwen2-MoE / Qwen3-MoE / Mixtral model's
+            stacked expert weights are written one tensor per expert and projection, the layout of the Hub's files
+            (:mod:`.expert_layout`); False writes them stacked, as the model holds them. Other models are
+            unaffected.
 
     Returns:
         On the main process the weight files written (shards, then the index); ``[]`` on the other ranks.
@@ -138,6 +143,7 @@ def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *
     main = runner.is_main_process
     module = runner.unwrap_model(model)
     tied = _tied_aliases(module)
+    layout = layout_for(getattr(getattr(module, "config", None), "model_type", None)) if save_original_format else None
     export = buffer = failure = None
     if main:
         try:
@@ -153,7 +159,8 @@ def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
         try:
-            buffer.add(name, tensor)
+            for out_name, piece in layout.split(name, tensor) if layout is not None else [(name, tensor)]:
+                buffer.add(out_name, piece)
         except (OSError, CheckpointError) as e:
             failure = e
     written: list[Path] = []
@@ -229,7 +236,8 @@ def load_pretrained(runner: Any, model: nn.Module, path: str | os.PathLike, *, s
     ``lm_head.weight`` when tied) are filled through the tie. The directory is read under the rules of
     every shardkit reader (:mod:`.hf_reader`); every shape and dtype is checked before anything loads, and
     values are cast only between float32 and float16/bfloat16 (int64 or bool data in a float parameter, or
-    fp16 <-> bf16, is refused).
+    fp16 <-> bf16, is refused). MoE experts stored one tensor per expert (the Hub's Qwen2-MoE / Qwen3-MoE / Mixtral
+    files, :func:`save_pretrained`'s default) load into the model's stacked expert weights.
 
     Args:
         runner: the :class:`shardkit.Runner` the model was set up with.
@@ -241,9 +249,11 @@ def load_pretrained(runner: Any, model: nn.Module, path: str | os.PathLike, *, s
         The model's keys the files lacked (empty under ``strict``).
     """
     path = Path(path)
-    weights = HFWeights(path)
     module = runner.unwrap_model(model)
     tied = _tied_aliases(module)
+    # Hub-layout MoE files (one tensor per expert) read as the stacked expert weights the model holds
+    weights = stacked_view(HFWeights(path), {prefix + k: full_shape(t) for prefix, sub in _modules(module)
+                                             for k, t in sub._parameters.items() if t is not None})
     own = [k for k in module.state_dict() if k not in tied]
     missing = [k for k in own if k not in weights.weight_map]
     unexpected = [k for k in weights.weight_map if k not in own and k not in tied]

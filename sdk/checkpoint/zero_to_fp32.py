@@ -45,6 +45,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the checkpoint under CHECKPOINT to convert (e.g. global_step14); default: `latest`")
     p.add_argument("--exclude-frozen-parameters", "--exclude_frozen_parameters", action="store_true",
                    help="DeepSpeed: leave out parameters that were not trained (requires_grad=False)")
+    p.add_argument("--stacked-experts", action="store_true",
+                   help="write MoE expert weights stacked (experts.gate_up_proj, experts.down_proj) as transformers 5 "
+                   "holds them; default: for a Qwen2-MoE/Qwen3-MoE/Mixtral config.json beside the checkpoint, one "
+                   "tensor per expert, as transformers' save_pretrained writes them")
     p.add_argument("--safe-serialization", "--safe_serialization", action="store_true",
                    help="accepted as DeepSpeed's script takes it: the output is always safetensors")
 
@@ -69,11 +73,12 @@ def _run(args: argparse.Namespace) -> int:
         if ds is not None:
             paths = consolidate_deepspeed(ds, args.output_dir, dtype=_dtype(args.dtype),
                                           max_shard_size=args.max_shard_size,
-                                          exclude_frozen_parameters=args.exclude_frozen_parameters)
+                                          exclude_frozen_parameters=args.exclude_frozen_parameters,
+                                          original_format=not args.stacked_experts)
         else:
             path = check_child_dir(Path(args.checkpoint), args.tag, "--tag") if args.tag else args.checkpoint
             paths = consolidate(path, args.output_dir, name=args.name, dtype=_dtype(args.dtype),
-                                max_shard_size=args.max_shard_size)
+                                max_shard_size=args.max_shard_size, original_format=not args.stacked_experts)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

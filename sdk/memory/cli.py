@@ -10,6 +10,7 @@ from shardkit.utils.parsing import float_range, int_range
 
 from .estimate import (
     activation_bytes,
+    all_to_all_bytes,
     deepspeed_table,
     estimate_model_states,
     find_layout,
@@ -47,6 +48,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp-size", type=int_range(1, _MAX_DEVICES), default=1,
                    help="tensor-parallel ranks: the tp row's split (default: --num-gpus), and composed with "
                         "--cp-size (ContextParallel(cp_size, tp_size)) the cp row's activations also split over tp")
+    p.add_argument("--ep-size", type=int_range(1, _MAX_DEVICES), default=None,
+                   help="expert-parallel ranks splitting each MoE layer's experts, for the all-to-all buffers (ep "
+                        "row; default: every device, as ExpertParallel() splits)")
     p.add_argument("--pp-size", type=int_range(1, _MAX_DEVICES), default=None,
                    help="pipeline stages (pp row; default: --num-gpus)")
     p.add_argument("--microbatches", type=int_range(1, 2**20), default=None,
@@ -94,7 +98,8 @@ def _strategy_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
 
 
 def _parallel_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
-    """Activations per rank under context parallelism and per pipeline stage, and the pipeline's bubble."""
+    """Activations per rank under context parallelism and per pipeline stage, the pipeline's bubble, and an MoE's
+    all-to-all buffers under expert parallelism."""
     from shardkit.strategies.pipeline import bubble_fraction
 
     rows = []
@@ -105,6 +110,12 @@ def _parallel_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
         how = ", ".join(w for w, s in (("sequence split, load-balanced", cp_size),
                                        ("heads and MLP split", args.tp_size)) if s > 1)
         rows.append(f"Activations per rank under {layout} ({how}): {cp / GIB:.2f} GiB")
+    ep = args.ep_size or args.num_gpus * args.num_nodes
+    if _shows(args, "ep", args.ep_size is not None) and ep > 1 and spec.moe_top_k:
+        a2a = all_to_all_bytes(spec, args.batch_size, args.seq_len, ep)
+        rows.append(f"All-to-all buffers per rank under ep {ep} (dispatch + combine, one MoE layer in flight, balanced "
+                    f"routing): {a2a / GIB:.2f} GiB = 2 x {args.batch_size * args.seq_len} tokens x top_k "
+                    f"{spec.moe_top_k} x hidden {spec.hidden_size} x 2 bytes")
     pp = args.pp_size or args.num_gpus
     if _shows(args, "pp", args.pp_size is not None) and pp > 1:
         m = args.microbatches or (args.gradient_accumulation_steps if args.gradient_accumulation_steps > 1 else pp)
@@ -116,7 +127,7 @@ def _parallel_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
 
 
 def _shows(args: argparse.Namespace, row: str, sized: bool) -> bool:
-    """Whether the ``row`` ("cp" or "pp") activation line applies: its strategy is the one asked for (or all), or
+    """Whether the ``row`` ("cp", "ep" or "pp") activation line applies: its strategy is the one asked for (or all), or
     its size was given explicitly (``--cp-size 4 --strategy pp`` still shows cp's split)."""
     return args.strategy in ("all", row) or sized
 
@@ -129,12 +140,16 @@ def _cp_size(args: argparse.Namespace) -> int:
 
 
 def _check_layout(spec: ModelSpec, args: argparse.Namespace) -> None:
-    """--cp-size x --tp-size must divide the devices, and tp the heads (the mesh's own checks)."""
+    """--cp-size x --tp-size must divide the devices, and tp the heads (the mesh's own checks); --ep-size the
+    devices."""
     from shardkit.strategies.parallel_dims import ParallelDims
 
+    devices = args.num_gpus * args.num_nodes
+    if args.ep_size is not None and devices % args.ep_size:
+        raise ValueError(f"--ep-size {args.ep_size} does not divide the {devices} device(s): each expert-parallel "
+                         "group is ep ranks of the data-parallel ones")
     if args.cp_size == 1 and args.tp_size == 1:
         return
-    devices = args.num_gpus * args.num_nodes
     try:
         ParallelDims(cp=args.cp_size, tp=args.tp_size).resolve(devices)
         ParallelDims(dp_shard=1, tp=args.tp_size).validate(num_heads=spec.num_heads or None,

@@ -46,8 +46,9 @@ from shardkit.utils.suggest import did_you_mean
 
 from .model_spec import ModelSpec
 
-__all__ = ["LAYOUTS", "Layout", "ModelStates", "activation_bytes", "deepspeed_table", "estimate_model_states",
-           "find_layout", "layouts", "listed_layouts", "recommend", "zero2_mem_needs", "zero3_mem_needs"]
+__all__ = ["LAYOUTS", "Layout", "ModelStates", "activation_bytes", "all_to_all_bytes", "deepspeed_table",
+           "estimate_model_states", "find_layout", "layouts", "listed_layouts", "recommend", "zero2_mem_needs",
+           "zero3_mem_needs"]
 
 
 @dataclass(frozen=True)
@@ -305,6 +306,28 @@ def activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, *, checkpoi
     if checkpointing:
         return int(layers * tokens * h * dtype_bytes + per_layer + logits)
     return int(layers * per_layer + logits)
+
+
+def all_to_all_bytes(spec: ModelSpec, batch_size: int, seq_len: int, ep_size: int, *, dtype_bytes: int = 2,
+                     layers_in_flight: int = 1) -> int:
+    """The all-to-all receive buffers of a mixture of experts under expert parallelism, per rank.
+
+    Each MoE layer sends every token's ``top_k`` routed copies to the ranks holding their experts (dispatch) and
+    receives the experts' outputs back (combine); the send side is the layer's own sorted tokens and outputs, there
+    without ``ep`` too. With routing balanced over the experts a rank receives as many rows as it sends, so per
+    layer in flight::
+
+        bytes = 2 (dispatch + combine) x tokens (batch_size x seq_len per rank) x top_k x hidden x dtype_bytes
+
+    and ``layers_in_flight`` times that (1: the forward and the backward run one layer at a time; the copies autograd
+    keeps for the backward are activations). Routing is dropless: a rank whose experts draw every token of its ep
+    group receives up to ``ep_size`` times the balanced dispatch. 0 for a dense model or ``ep_size`` 1.
+    """
+    if ep_size <= 1 or not spec.moe_top_k:
+        return 0
+    if spec.hidden_size is None:
+        raise ValueError("an all-to-all estimate needs the hidden size: give a config or a model")
+    return 2 * batch_size * seq_len * spec.moe_top_k * spec.hidden_size * dtype_bytes * layers_in_flight
 
 
 def recommend(spec: ModelSpec, device_memory: int, *, num_gpus_per_node: int = 1, num_nodes: int = 1,

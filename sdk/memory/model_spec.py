@@ -43,6 +43,8 @@ class ModelSpec:
             replicated. None: assume all are split.
         active_params: parameters one token goes through (a mixture of experts: its top-k routed experts, not all
             of them); None: a dense model, all of them.
+        moe_top_k: experts each token is routed to in a mixture of experts (for the all-to-all buffers under
+            expert parallelism); None: a dense model.
     """
 
     total_params: int
@@ -55,6 +57,7 @@ class ModelSpec:
     vocab_size: int | None = None
     tp_params: int | None = None
     active_params: int | None = None
+    moe_top_k: int | None = None
 
     def __post_init__(self) -> None:
         if self.total_params <= 0:
@@ -100,7 +103,8 @@ def _decoder_spec(vocab: int, hidden: int, inter: int, layers: int, heads: int, 
         largest = max(embed, hidden * inter if experts.layers < layers else 0, routed * experts.num)
     return ModelSpec(total_params=total, largest_layer_params=largest, hidden_size=hidden, num_layers=layers,
                      num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter, vocab_size=vocab,
-                     tp_params=layers * (attn + mlp) if experts is None else None, active_params=active)
+                     tp_params=layers * (attn + mlp) if experts is None else None, active_params=active,
+                     moe_top_k=None if experts is None or not experts.layers else experts.top_k)
 
 
 def spec_from_llama_config(config: Any) -> ModelSpec:
@@ -177,4 +181,4 @@ def spec_from_model(model: nn.Module) -> ModelSpec:
     return ModelSpec(total_params=total, largest_layer_params=largest, hidden_size=shape.hidden_size,
                      num_layers=shape.num_layers, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                      intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size, tp_params=shape.tp_params,
-                     active_params=active)
+                     active_params=active, moe_top_k=shape.moe_top_k)

@@ -26,7 +26,7 @@ from shardkit import Runner
 from shardkit.models import Llama, LlamaConfig
 from shardkit.models.moe import moe_layers
 
-__all__ = ["CONFIG", "ep_worker"]
+__all__ = ["CONFIG", "ep_worker", "hf_export_under_ep", "one_to_ep2"]
 
 CONFIG = LlamaConfig.small_moe(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, max_position=32,
                                tie_embeddings=False, fused=False,
@@ -162,6 +162,105 @@ def _selected_by_config(root: str) -> dict[str, Any]:
             for name, s in (("runner", runner.strategy), ("trainer", trainer.runner.strategy))}
 
 
+def one_to_ep2(root: str) -> dict[str, Any]:
+    """1 -> EP 2: a one-device run saved by ``Runner.save`` after its first step, resumed under EP 2, against the
+    uninterrupted one-device run: the losses of the remaining steps; and the two runs' final checkpoints (one
+    device's full tensors, EP 2's DTensor shards) hold the same keys at the same global shapes, each expert weight
+    whole in the stacked layout, and consolidate (zero-to-fp32) to the same tensors."""
+    from shardkit.checkpoint import CheckpointReader, consolidate
+    from shardkit.strategies import SingleDevice
+    from shardkit.strategies.expert_parallel import ExpertParallel
+
+    runner = Runner(ExpertParallel(ep_size=2), seed=1)
+    rank = runner.strategy.rank
+    one = Runner(SingleDevice("cpu"), seed=0)
+    with one.init_module():
+        model = Llama(CONFIG)
+    model, opt = one.setup(model, _adamw(model))
+    ref = []
+    for step, batch in enumerate(_batches()):
+        if step == 1:  # each rank saves its own (identical) one-device run, in a folder of its own
+            one.save(f"{root}/one-{rank}/step1", {"model": model, "optimizer": opt})
+        loss = model(batch, labels=batch)
+        one.backward(loss)
+        one.clip_gradients(CLIP)
+        one.step()
+        ref.append(loss.item())
+    one.save(f"{root}/one-{rank}/end", {"model": model, "optimizer": opt})
+    with runner.init_module():
+        resumed = Llama(CONFIG)
+    resumed, resumed_opt = runner.setup(resumed, _adamw(resumed))
+    runner.load(f"{root}/one-{rank}/step1", {"model": resumed, "optimizer": resumed_opt})
+    per = GLOBAL_BATCH // runner.strategy.data_parallel_size
+    rows = slice(runner.strategy.data_parallel_rank * per, (runner.strategy.data_parallel_rank + 1) * per)
+    got = []
+    for batch in _batches()[1:]:
+        loss = resumed(batch[rows], labels=batch[rows])
+        runner.backward(loss)
+        runner.clip_gradients(CLIP)
+        runner.step()
+        got.append(runner.all_reduce(loss.detach().clone(), "mean").item())
+    runner.save(f"{root}/ep2-end", {"model": resumed, "optimizer": resumed_opt})
+    with CheckpointReader(f"{root}/one-{rank}/end") as a, CheckpointReader(f"{root}/ep2-end") as b:
+        layouts = [r.sharded_keys("model") for r in (a, b)]
+        kinds = [a.entries()["model"], b.entries()["model"]]
+    out: dict[str, Any] = {"loss": [abs(x - y) for x, y in zip(got, ref[1:])], "kinds": kinds,
+                           "same_layout": layouts[0] == layouts[1],
+                           "experts": [list(layouts[1]["layers.0.mlp.experts.gate_up_proj"][0]),
+                                       list(layouts[1]["layers.0.mlp.experts.down_proj"][0])]}
+    if rank == 0:
+        files = [consolidate(path, f"{root}/fp32-{i}")[0] for i, path in enumerate((f"{root}/one-0/end",
+                                                                                   f"{root}/ep2-end"))]
+        from safetensors.torch import load_file
+        whole, sharded = (load_file(f) for f in files)
+        out["consolidated_keys"] = sorted(whole) == sorted(sharded)
+        out["consolidated"] = max((whole[k] - sharded[k]).abs().max().item() for k in whole)
+    runner.barrier()
+    return out
+
+
+def hf_export_under_ep(root: str) -> dict[str, Any]:
+    """A Hugging Face Qwen3-MoE after one SGD step under EP 2, written by ``save_pretrained`` and by zero-to-fp32 from
+    its ``Runner.save``: both outputs hold the Hub's per-expert names and ``from_pretrained`` of each gives the EP
+    model's logits (on rank 0)."""
+    import transformers
+    from safetensors import safe_open
+
+    from shardkit.checkpoint.hf import save_pretrained
+    from shardkit.checkpoint.zero_to_fp32 import main as zero_to_fp32
+    from shardkit.strategies.expert_parallel import ExpertParallel
+
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).float()
+    runner = Runner(ExpertParallel(ep_size=2), seed=0)
+    model, opt = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    batch = _batches()[0]
+    loss = model(input_ids=batch, labels=batch).loss
+    runner.backward(loss)
+    runner.step()
+    with torch.no_grad():
+        logits = model(input_ids=batch).logits
+    save_pretrained(runner, f"{root}/hf-ep", model)
+    runner.save(f"{root}/ckpt-ep", {"model": model, "optimizer": opt})
+    out: dict[str, Any] = {}
+    if runner.strategy.rank == 0:
+        config.save_pretrained(f"{root}/ckpt-ep")  # zero-to-fp32 takes the model type from it
+        out["zero_to_fp32_rc"] = zero_to_fp32([f"{root}/ckpt-ep", f"{root}/fp32-ep"])
+        for name in ("hf-ep", "fp32-ep"):
+            with safe_open(f"{root}/{name}/model.safetensors", "pt") as f:
+                keys = set(f.keys())
+            back = transformers.Qwen3MoeForCausalLM.from_pretrained(f"{root}/{name}")
+            with torch.no_grad():
+                out[name] = {"logits": (back(input_ids=batch).logits - logits).abs().max().item(),
+                             "per_expert": "model.layers.1.mlp.experts.3.up_proj.weight" in keys,
+                             "stacked": any(k.endswith("gate_up_proj") for k in keys)}
+    runner.barrier()
+    return out
+
+
 def ep_worker(root: str) -> dict[str, Any]:
     from shardkit.strategies import SingleDevice
     from shardkit.strategies.expert_parallel import ExpertParallel
@@ -187,4 +286,6 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["hsdp"] = _case(ExpertParallel(ep_size=2, dp_replicate=2), ref, init)[0]
     out["hf"] = _hf_case()
     out["selected"] = _selected_by_config(root)
+    out["one_to_ep2"] = one_to_ep2(root)
+    out["hf_export"] = hf_export_under_ep(root)
     return out

@@ -4,7 +4,9 @@ experts of ep rank 1 empty, for ep 2 < dp 4 with the experts FSDP2-sharded over 
 --strategy-opt ep_size=2``) or replicated whole (``expert_sharding="none"``), and under HSDP (``dp_replicate=2``);
 the checkpoint resumed in one process continues the one-device run; Hugging Face's Qwen3-MoE (its expert blocks
 dispatched the same way, ep 4) equals its own one-process step; the Runner and the Trainer select ExpertParallel from
-an Accelerate config's parallelism_config_ep_size. One launch."""
+an Accelerate config's parallelism_config_ep_size. An MoE Llama one-device checkpoint resumes under ep 2
+(one saved layout whatever the ep size), and the Qwen3-MoE's exports (save_pretrained, zero-to-fp32) are the Hub's
+per-expert files that from_pretrained reads back. One launch."""
 
 from __future__ import annotations
 
@@ -47,3 +49,25 @@ def test_expert_parallel_checkpoint_and_hf_model(results):
         assert out["resumed_loss"] < TOL, (rank, out["resumed_loss"])
         # Accelerate's parallelism_config with shardkit's parallelism_config_ep_size, under `shardkit launch`
         assert out["selected"] == {"runner": ("ExpertParallel", 2, 2), "trainer": ("ExpertParallel", 2, 2)}, out
+
+
+def test_one_device_checkpoint_resumes_under_expert_parallel(results):
+    for rank, got in enumerate(results):
+        one = got["one_to_ep2"]
+        # 1 -> EP 2: the one-device checkpoint's next steps under EP 2 take the uninterrupted run's losses
+        assert len(one["loss"]) == STEPS - 1 and max(one["loss"]) < TOL, (rank, one["loss"])
+        # one layout whatever the ep size: the same keys at the same global shapes, each expert weight whole and
+        # stacked as transformers 5 holds it, (E, 2I, H) and (E, H, I)
+        assert one["kinds"] == ["tensors", "sharded"] and one["same_layout"], (rank, one)
+        assert one["experts"] == [[4, 32, 32], [4, 32, 16]], (rank, one["experts"])
+    zero = results[0]["one_to_ep2"]  # zero-to-fp32 of either checkpoint: the same file
+    assert zero["consolidated_keys"] and zero["consolidated"] < TOL, zero
+
+
+def test_hf_moe_trained_under_expert_parallel_exports_in_the_hub_layout(results):
+    export = results[0]["hf_export"]  # rank 0 read both exports back
+    assert export["zero_to_fp32_rc"] == 0, export
+    for name in ("hf-ep", "fp32-ep"):  # save_pretrained, and zero-to-fp32 of the EP-2 Runner.save
+        got = export[name]
+        assert got["per_expert"] and not got["stacked"], (name, got)
+        assert got["logits"] < TOL, (name, got)  # from_pretrained gives the EP model's logits

@@ -163,7 +163,7 @@ def test_zero3_in_a_plain_python_process_without_launcher_variables(tmp_path):
 def test_zero3_hf_moe_with_experts_unused_on_one_rank_trains():
     """A Hugging Face Qwen3-MoE where rank 1's batches route no token to experts 2 and 3: ZeRO-3 fetches each sparse
     block whole (a DeepSpeed leaf module), so the ranks' gathers stay in step; the engine's losses are the unsharded
-    model's."""
+    model's, and its save_pretrained export loads with from_pretrained to the engine's logits."""
     pytest.importorskip("transformers")
     results = run_distributed(w.zero3_moe_worker, world_size=2, timeout=300, args=(2,))
     for layer in range(2):
@@ -176,3 +176,6 @@ def test_zero3_hf_moe_with_experts_unused_on_one_rank_trains():
     assert results[0]["means"] == results[1]["means"]
     torch.testing.assert_close(results[0]["means"][0], (results[0]["ref"][0] + results[1]["ref"][0]) / 2,
                                rtol=1e-5, atol=1e-6)
+    # save_pretrained of the trained engine: the Hub's per-expert files, read back by from_pretrained
+    export = results[0]["export"]
+    assert export["per_expert"] and not export["stacked"] and export["logits"] < 1e-5, export

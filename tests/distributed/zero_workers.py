@@ -365,4 +365,36 @@ def zero3_moe_worker(steps: int) -> dict:
         losses.append(loss.item())
         means.append(runner.all_reduce(loss.detach().clone(), "mean").item())
     leaves = sorted({type(m).__name__ for m in runner.unwrap_model(model).modules() if getattr(m, "_z3_leaf", False)})
-    return {"hit": experts_hit, "ref": ref, "losses": losses, "means": means, "leaves": leaves}
+    return {"hit": experts_hit, "ref": ref, "losses": losses, "means": means, "leaves": leaves,
+            "export": _moe_export(runner, model)}
+
+
+def _moe_export(runner, model) -> dict:
+    """save_pretrained of the trained ZeRO-3 Qwen3-MoE: on rank 0, whether the files hold the Hub's per-expert names
+    and how far from_pretrained's logits (outside ZeRO-3) are from the engine's on this rank's batch."""
+    import shutil
+    import tempfile
+
+    import transformers
+    from harness import transformers_without_zero3
+    from safetensors import safe_open
+
+    from shardkit.checkpoint.hf import save_pretrained
+
+    out_dir = runner.broadcast(tempfile.mkdtemp() if runner.rank == 0 else None)
+    ids = _moe_batch(runner.rank, 0).to(runner.device)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float().cpu()
+    save_pretrained(runner, out_dir, model)
+    if runner.rank != 0:
+        return {}
+    with safe_open(f"{out_dir}/model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    with transformers_without_zero3():
+        back = transformers.Qwen3MoeForCausalLM.from_pretrained(out_dir).float()
+    back.set_experts_implementation("eager")
+    with torch.no_grad():
+        diff = (back(input_ids=ids.cpu()).logits - logits).abs().max().item()
+    shutil.rmtree(out_dir)
+    return {"per_expert": "model.layers.1.mlp.experts.3.down_proj.weight" in keys,
+            "stacked": any(k.endswith("gate_up_proj") for k in keys), "logits": diff}

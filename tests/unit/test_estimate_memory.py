@@ -228,3 +228,34 @@ def test_the_recommendation_names_the_constraint_that_decided_it(capsys):
     assert cli_main(["estimate-memory", "--params", "70B", "--largest-layer-params", "1B", "--num-gpus", "8",
                      "--device-memory", "80GB", "--strategy", "ddp"]) == 0
     assert "ddp, which you asked about, does not fit: 1043.08 GiB per device" in capsys.readouterr().out
+
+
+def test_all_to_all_buffers_under_ep_equal_a_hand_computation(tmp_path, capsys):
+    from shardkit.memory import all_to_all_bytes
+
+    # Qwen3-30B-A3B's shape: hidden 2048, top-8 of 128 experts
+    config = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                  num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                  num_experts_per_tok=8, moe_intermediate_size=768, tie_word_embeddings=False)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = spec_from_hf_config(config)
+    # dispatch + combine, each batch 4 x seq 4096 tokens x top_k 8 rows of 2048 bf16 values: exactly 1 GiB
+    hand = 2 * (4 * 4096) * 8 * 2048 * 2
+    assert all_to_all_bytes(spec, 4, 4096, ep_size=8) == hand == 2**30
+    assert all_to_all_bytes(spec, 4, 4096, ep_size=8, layers_in_flight=3) == 3 * hand
+    assert all_to_all_bytes(spec, 4, 4096, ep_size=1) == 0  # no expert parallelism, no exchange
+    dense = spec_from_hf_config({k: v for k, v in config.items() if "expert" not in k})
+    assert all_to_all_bytes(dense, 4, 4096, ep_size=8) == 0
+    assert cli_main(["estimate-memory", "--config", str(tmp_path / "config.json"), "--num-gpus", "8",
+                     "--strategy", "ep", "--batch-size", "4", "--seq-len", "3072"]) == 0
+    out = capsys.readouterr().out
+    assert "(3353M active per token)" in out  # next to the total and active parameters
+    # 2 x 12288 x 8 x 2048 x 2 bytes = 0.75 GiB
+    assert ("All-to-all buffers per rank under ep 8 (dispatch + combine, one MoE layer in flight, balanced routing): "
+            "0.75 GiB = 2 x 12288 tokens x top_k 8 x hidden 2048 x 2 bytes") in out, out
+    assert cli_main(["estimate-memory", "--config", str(tmp_path / "config.json"), "--num-gpus", "8",
+                     "--strategy", "fsdp", "--batch-size", "4", "--seq-len", "3072", "--ep-size", "4"]) == 0
+    assert "under ep 4" in capsys.readouterr().out  # an explicit --ep-size shows the row whatever the strategy
+    assert cli_main(["estimate-memory", "--config", str(tmp_path / "config.json"), "--num-gpus", "8",
+                     "--ep-size", "3"]) == 2
+    assert "--ep-size 3 does not divide the 8 device(s)" in capsys.readouterr().err
