@@ -12,7 +12,8 @@ blocks: one forward+backward of a Hugging Face Qwen3-MoE model built from a conf
 - ``hf_grouped_mm``: transformers 5's default experts implementation (``grouped_mm``: ``torch._grouped_mm``
   where its check allows, else its own loop op with a hand-written backward);
 - ``shardkit_<backend>``: the same model with :func:`shardkit.models.moe_hf.use_grouped_experts` (``auto``: the
-  per-expert loop engine on CPU, the grouped GEMM on GPUs where it works; ``grouped_mm``; ``bmm``: padded).
+  per-expert loop engine on CPU, the grouped GEMM on GPUs where it works; ``grouped_mm``: one grouped GEMM of every
+  expert; ``bmm``: padded).
 
 transformers' ``batched_mm`` is left out: it gathers an (H x 2I) weight matrix per assignment (2 GiB here).
 Variants take turns, one step each per round; the figure is the median step. Peak memory, two views of one more
@@ -168,6 +169,8 @@ def ep_worker(args: argparse.Namespace) -> dict:
     from shardkit.models import Llama
     from shardkit.strategies import strategy_from_name
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     init_distributed("cpu")
     rank = dist.get_rank()
     config = _moe_llama_config()
@@ -228,7 +231,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="ep: steps per timed round")
     parser.add_argument("--batch", type=int, default=2, help="ep: sequences per rank")
     parser.add_argument("--seq", type=int, default=256, help="ep: sequence length")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads per process (0: torch's default); 1 on a shared, loaded machine, where "
+                             "threads waiting on each other at every op's barrier swamp the comparison")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.mode in ("blocks", "all"):
         run_blocks(args)
     if args.mode in ("ep", "all"):

@@ -52,22 +52,16 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunks(counts: torch.Tensor, rows: int, max_rows: int | None) -> list[tuple[int, int, int, int]]:
+def _chunks(counts: torch.Tensor, rows: int, per_expert: bool) -> list[tuple[int, int, int, int]]:
     """(first expert, end expert, first row, end row) of each chunk of consecutive experts the engine computes at
-    once. ``max_rows`` None: one chunk of every expert, without reading the counts (no host sync); 0: one chunk per
-    expert that has rows; else experts joined while their rows stay within ``max_rows``."""
-    if max_rows is None:
+    once: one per expert that has rows, or one of every expert without reading the counts (no host sync)."""
+    if not per_expert:
         return [(0, counts.numel(), 0, rows)] if rows else []
-    chunks: list[tuple[int, int, int, int]] = []
-    start = 0
+    chunks, start = [], 0
     for e, n in enumerate(counts.tolist()):
-        if not n:
-            continue
-        lo, s = e, start
-        if chunks and max_rows and chunks[-1][3] == start and start + n - chunks[-1][2] <= max_rows:
-            lo, _, s, _ = chunks.pop()
-        start += n
-        chunks.append((lo, e + 1, s, start))
+        if n:
+            chunks.append((e, e + 1, start, start + n))
+            start += n
     return chunks
 
 
@@ -99,10 +93,10 @@ class _Experts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor | None,
-                token: torch.Tensor | None, counts: torch.Tensor, max_rows: int | None) -> torch.Tensor:
+                token: torch.Tensor | None, counts: torch.Tensor, per_expert: bool) -> torch.Tensor:
         rows = x.shape[0] if token is None else token.shape[0]
-        chunks = _chunks(counts, rows, max_rows)
-        if max_rows is not None and (chunks[-1][3] if chunks else 0) != rows:
+        chunks = _chunks(counts, rows, per_expert)
+        if per_expert and (chunks[-1][3] if chunks else 0) != rows:
             raise ValueError(f"grouped experts: the counts add up to {chunks[-1][3] if chunks else 0} assignments "
                              f"for {rows} rows")
         acc = _wide(x.dtype) if x.dtype in _LOW_PRECISION else x.dtype
@@ -196,30 +190,26 @@ def _probe_problem(device_type: str, dtype: torch.dtype) -> tuple[torch.Tensor, 
     down = torch.randn(5, 16, 16, generator=g).to(device_type, dtype).requires_grad_()
     weights = torch.rand(24, generator=g).to(device_type, dtype).requires_grad_()
     token = torch.randperm(24, generator=g).to(device_type) % 12
-    # An empty expert inside a chunk, and a chunk that starts past row 0 (with _PROBE_MAX_ROWS).
-    counts = torch.tensor([8, 8, 4, 0, 4], device=device_type)
+    counts = torch.tensor([8, 8, 4, 0, 4], device=device_type)  # an empty expert
     return x, gate_up, down, weights, token, counts
-
-
-_PROBE_MAX_ROWS = 16
 
 
 @functools.lru_cache(maxsize=None)
 def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` (its 3-D and 2-D forms, as the engine uses them) runs forward and backward on
-    this device type and dtype and agrees with the per-expert loop, on a tiny problem with an empty expert, in one
-    chunk and in chunks (tried once per device type and dtype)."""
+    this device type and dtype and agrees with the per-expert loop, on a tiny problem with an empty expert (tried once
+    per device type and dtype)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
         problem = _probe_problem(device_type, dtype)
         results = []
-        for max_rows in (0, None, _PROBE_MAX_ROWS):
-            out = _Experts.apply(*problem, max_rows)
+        for per_expert in (True, False):
+            out = _Experts.apply(*problem, per_expert)
             results.append((out.detach(), *torch.autograd.grad(out.float().square().sum(), problem[:4])))
         tol = 2e-2 if dtype.itemsize < 4 else 1e-4
         return all(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol * max(1.0, float(b.float().abs().max())))
-                   for got in results[1:] for a, b in zip(got, results[0]))
+                   for a, b in zip(*results))
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         return False
 
@@ -229,23 +219,17 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors)
 
 
-# On CPU the grouped GEMM runs in this many chunks of experts, so that the gathers and temporaries of the backward are
-# a quarter of the whole while the per-chunk Python work stays small (see the module docstring).
-CPU_CHUNKS = 4
-
-
-def _max_rows(backend: str, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: int) -> int | None:
-    """The engine's chunking (:func:`_chunks`) for ``backend``."""
+def _per_expert(backend: str, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``backend`` runs one matmul per expert (else one grouped GEMM of every expert)."""
     if backend == "loop":
-        return 0
+        return True
     usable = grouped_mm_works(x.device.type, x.dtype) and _aligned(x, gate_up, down)
     if backend == "grouped_mm" and not usable:
         raise RuntimeError(f"experts_backend='grouped_mm': torch._grouped_mm does not run (forward and backward) on "
                            f"{x.device.type} with {x.dtype} and these shapes in this torch build; use "
                            "experts_backend='auto' (falls back to a loop), 'bmm' or 'loop'")
-    if not usable:
-        return 0
-    return -(-rows // CPU_CHUNKS) if x.device.type == "cpu" else None
+    # On CPU, auto is the loop (see the module docstring).
+    return not usable or (backend == "auto" and x.device.type == "cpu")
 
 
 def _check_backend(backend: str) -> None:
@@ -265,8 +249,7 @@ def grouped_swiglu(tokens: torch.Tensor, counts: torch.Tensor, gate_up: torch.Te
     _check_backend(backend)
     if backend == "bmm":
         return _bmm(tokens, counts, gate_up, down)
-    return _Experts.apply(tokens, gate_up, down, None, None, counts,
-                         _max_rows(backend, tokens, gate_up, down, tokens.shape[0]))
+    return _Experts.apply(tokens, gate_up, down, None, None, counts, _per_expert(backend, tokens, gate_up, down))
 
 
 def routed_swiglu(x: torch.Tensor, token: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
@@ -287,8 +270,7 @@ def routed_swiglu(x: torch.Tensor, token: torch.Tensor, weights: torch.Tensor, c
     if backend == "bmm":
         out = _bmm(x[token], counts, gate_up, down) * weights.unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, token, out)
-    max_rows = _max_rows(backend, x, gate_up, down, token.shape[0])
-    return _Experts.apply(x, gate_up, down, weights, token, counts, max_rows)
+    return _Experts.apply(x, gate_up, down, weights, token, counts, _per_expert(backend, x, gate_up, down))
 
 
 class GroupedExperts(nn.Module):

@@ -71,18 +71,11 @@ def test_routed_experts_equal_plain_autograd_in_fp64(backend):
 
 
 @pytest.mark.skipif(not grouped_mm_works("cpu", torch.float32), reason="torch._grouped_mm does not run here")
-@pytest.mark.parametrize("max_rows", [None, 10])
-def test_the_grouped_mm_engine_equals_the_loop_engine(max_rows):
-    """One chunk of every expert (the GPU form) and chunks of a few experts (the CPU form: a chunk starting past row
-    0 with an empty expert inside it) against one matmul per expert, fp32."""
-    from shardkit.models.moe_experts import _chunks, _Experts
-
+def test_the_grouped_mm_engine_equals_the_loop_engine():
+    """One grouped GEMM of every expert (the GPU form; an empty expert among them) against one matmul per expert."""
     inputs = _problem(torch.float32, seed=1, empty=2)
-    if max_rows is not None:
-        chunks = _chunks(inputs[5], N * K, max_rows)
-        assert any(hi - lo > 1 and s > 0 and lo <= 2 < hi for lo, hi, s, _ in chunks), chunks
-    loop = _value_and_grads(lambda *a: _Experts.apply(*a[:3], a[3], a[4], a[5], 0), inputs)
-    grouped = _value_and_grads(lambda *a: _Experts.apply(*a[:3], a[3], a[4], a[5], max_rows), inputs)
+    loop = _value_and_grads(_routed("loop"), inputs)
+    grouped = _value_and_grads(_routed("grouped_mm"), inputs)
     for name, a, b in zip(("out", "x", "gate_up", "down", "weights"), grouped, loop):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     with pytest.raises(RuntimeError, match="experts_backend='grouped_mm'.*'loop'"):
