@@ -12,8 +12,9 @@ to one, times ``route_scale``. ``expert_bias`` is DeepSeek-V3's auxiliary-loss-f
 the choice, and :func:`update_router_biases` moves it after each optimizer step by ``bias_update_rate`` towards
 the experts that got fewer tokens than the mean.
 
-Dropless by default: every assignment runs. The assignments are sorted by expert and computed as one grouped
-GEMM (:mod:`shardkit.models.moe_experts`). With ``capacity_factor`` each expert takes at most
+Dropless by default: every assignment runs. The assignments are sorted by expert and computed by
+:mod:`shardkit.models.moe_experts` (gather, SwiGLU, weighting and sum per token as one function). With
+``capacity_factor`` each expert takes at most
 ``ceil(capacity_factor * tokens * top_k / num_experts)`` assignments (in token order); the rest are dropped
 (their token keeps its other experts and the residual) and counted in :attr:`MoE.dropped`.
 
@@ -225,9 +226,14 @@ class MoE(nn.Module):
             self.dropped = 0
         counts = torch.bincount(experts_sorted, minlength=cfg.num_experts)
         token = order // cfg.top_k
-        out = dispatch.run(self.experts, x[token], counts)
-        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-        y = torch.zeros_like(x).index_add(0, token, out.to(x.dtype))
+        picked_weights = weights.reshape(-1)[order]
+        if self.dispatcher is None:
+            # Gather, experts, weighting and sum in one function that keeps no sorted copy of the tokens.
+            y = self.experts.routed(x, token, picked_weights, counts)
+        else:
+            out = dispatch.run(self.experts, x[token], counts)
+            out = out * picked_weights.unsqueeze(-1).to(out.dtype)
+            y = torch.zeros_like(x).index_add(0, token, out.to(x.dtype))
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         self._statistics(scores, torch.bincount(flat, minlength=cfg.num_experts), dispatch)

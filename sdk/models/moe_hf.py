@@ -6,8 +6,9 @@
 transformers 5 keeps a layer's experts as one module with stacked ``gate_up_proj`` (E, 2I, H) and ``down_proj``
 (E, H, I) weights, called as ``experts(hidden (N, H), top_k_index (N, k), top_k_weights (N, k))``: the layout of
 :class:`shardkit.models.moe_experts.GroupedExperts`. Its eager forward loops over the experts that were hit, with a
-one-hot mask per expert; here the assignments are sorted by expert once and the SwiGLU of every expert runs as one
-grouped GEMM (or the backend asked for). The weights stay the model's own parameters, so checkpoints, optimizers
+one-hot mask per expert; here the assignments are sorted by expert once and gathered, computed, weighted and summed
+per token by :func:`shardkit.models.moe_experts.routed_swiglu` (which keeps about a third of the activations autograd
+of the plain form keeps). The weights stay the model's own parameters, so checkpoints, optimizers
 and ``save_pretrained`` see nothing new.
 """
 
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardkit.models.moe_experts import EXPERT_BACKENDS, grouped_swiglu
+from shardkit.models.moe_experts import EXPERT_BACKENDS, routed_swiglu
 from shardkit.utils.hf_experts import check_hf_expert_layout
 from shardkit.utils.suggest import did_you_mean
 
@@ -46,14 +47,13 @@ def _grouped_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: 
     order = torch.sort(flat, stable=True).indices
     token = order // top_k
     counts = torch.bincount(flat, minlength=experts)
-    out = grouped_swiglu(hidden_states[token], counts, self.gate_up_proj.to(hidden_states.dtype),
-                         self.down_proj.to(hidden_states.dtype), self._shardkit_backend)
-    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-    return torch.zeros_like(hidden_states).index_add(0, token, out.to(hidden_states.dtype))
+    return routed_swiglu(hidden_states, token, top_k_weights.reshape(-1)[order], counts,
+                         self.gate_up_proj.to(hidden_states.dtype), self.down_proj.to(hidden_states.dtype),
+                         self._shardkit_backend)
 
 
 def use_grouped_experts(model: nn.Module, backend: str = "auto") -> int:
-    """Route every expert block of ``model`` through :func:`~shardkit.models.moe_experts.grouped_swiglu`; returns how
+    """Route every expert block of ``model`` through :func:`~shardkit.models.moe_experts.routed_swiglu`; returns how
     many blocks were patched (an instance's forward; the class is untouched).
 
     Raises:
