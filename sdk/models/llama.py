@@ -23,6 +23,7 @@ from torch import nn
 
 from shardkit.models.mlp import PlainSwiGLUMLP
 from shardkit.models.moe import MoE, MoEConfig, moe_aux_loss
+from shardkit.models.padding import check_attention_mask, padded_causal_mask
 from shardkit.nn.log_probs import shift_labels as next_token_labels
 from shardkit.nn.varlen import Segments, varlen_attention
 
@@ -186,7 +187,7 @@ class Attention(nn.Module):
             if cache is None and self.core is not None:
                 raise ValueError("Llama: an attention_mask (padded rows) under context parallelism is not supported; "
                                  "pack the sequences instead (position_ids), or train without context parallelism")
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=_padded_causal_mask(key_mask, past, seq),
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=padded_causal_mask(key_mask, past, seq),
                                                  dropout_p=dropout)
         elif cache is None and self.core is not None:
             out = self.core(q, k, v, dropout)
@@ -196,15 +197,6 @@ class Attention(nn.Module):
             mask = torch.arange(past + seq, device=x.device) <= torch.arange(past, past + seq, device=x.device)[:, None]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-
-
-def _padded_causal_mask(key_mask: torch.Tensor, past: int, seq: int) -> torch.Tensor:
-    """(B, 1, T, past + T) bool: query i (at position past + i) sees the real keys up to itself. A padding query
-    also sees itself, so that its row of the softmax is never empty (its output is finite and unused)."""
-    keys = torch.arange(past + seq, device=key_mask.device)
-    queries = torch.arange(past, past + seq, device=key_mask.device)[:, None]
-    allowed = (keys <= queries) & key_mask[:, None, None, :]
-    return allowed | (keys == queries)
 
 
 class KVCache:
@@ -368,7 +360,7 @@ class Llama(nn.Module):
         batch, seq = input_ids.shape
         device = input_ids.device
         new = torch.ones((batch, seq), dtype=torch.bool, device=device) if attention_mask is None else \
-            _check_attention_mask(attention_mask, input_ids)
+            check_attention_mask(attention_mask, input_ids)
         past = 0 if cache is None else cache.length
         if past + seq > self.config.max_position:
             raise ValueError(f"sequence length {past + seq} exceeds max_position={self.config.max_position}")
@@ -479,7 +471,7 @@ class Llama(nn.Module):
         pad = (None if eos_ids is None else int(eos_ids[0])) if pad_token_id is None else pad_token_id
         # an empty batch (a rank joining the other ranks' forwards, handed their requests' kwargs) has no rows to mask
         mask = None if attention_mask is None or input_ids.shape[0] == 0 else \
-            _check_attention_mask(attention_mask, input_ids)
+            check_attention_mask(attention_mask, input_ids)
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
         dummy = torch.zeros((1, 1), dtype=input_ids.dtype, device=device)
         cache = KVCache(len(self.layers)) if use_cache else None
@@ -513,21 +505,6 @@ class Llama(nn.Module):
         finally:
             self.train(was_training)
         return tokens
-
-
-def _check_attention_mask(attention_mask: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """``attention_mask`` as a (B, T) bool tensor of input_ids' shape (1/True: a real token), or a ValueError."""
-    if tuple(attention_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(f"Llama: attention_mask of shape {tuple(attention_mask.shape)} does not match input_ids "
-                         f"{tuple(input_ids.shape)}")
-    if attention_mask.dtype != torch.bool:
-        if attention_mask.is_floating_point() or attention_mask.is_complex():
-            raise ValueError(f"Llama: attention_mask must hold 0/1 integers or booleans, got {attention_mask.dtype}")
-        if attention_mask.numel() and attention_mask.device.type == "cpu" and \
-                not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
-            raise ValueError("Llama: attention_mask holds values other than 0 and 1 (1: a real token, 0: padding)")
-        attention_mask = attention_mask != 0
-    return attention_mask
 
 
 def _check_position_ids(position_ids: torch.Tensor, input_ids: torch.Tensor, max_position: int) -> torch.Tensor:
