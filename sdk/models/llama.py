@@ -14,6 +14,7 @@ PyTorch modules (the eager baseline the benchmarks compare against).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 
 from shardkit.models.mlp import PlainSwiGLUMLP
 from shardkit.models.moe import MoE, MoEConfig, moe_aux_loss
+from shardkit.models.padding import check_attention_mask, padded_causal_mask
 from shardkit.nn.log_probs import shift_labels as next_token_labels
 from shardkit.nn.varlen import Segments, varlen_attention
 
@@ -147,13 +149,14 @@ class Attention(nn.Module):
         self.core = None
 
     def forward(self, x: torch.Tensor, cache: _LayerCache | None = None, position_ids: torch.Tensor | None = None,
-                segments: Segments | None = None) -> torch.Tensor:
+                segments: Segments | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Causal self-attention over ``x``; with ``cache``, over the cached positions too (which it extends).
 
-        ``position_ids``: the rotary positions of ``x``'s tokens, default 0..T-1: (T,) for one sequence's tokens
-        (context parallelism gives each rank's chunks their places in the whole sequence), (B, T) per row.
-        ``segments`` (packed sequences, from :meth:`Segments.from_position_ids`) keep each sequence's attention
-        inside it.
+        ``position_ids``: the rotary positions of ``x``'s tokens, default 0..T-1 (after the cached ones): (T,) for
+        one sequence's tokens (context parallelism gives each rank's chunks their places in the whole sequence),
+        (B, T) per row. ``segments`` (packed sequences, from :meth:`Segments.from_position_ids`) keep each
+        sequence's attention inside it. ``key_mask`` (B, cached + T) bool: the positions that are real tokens
+        (False: padding, never attended; see :meth:`Llama.forward`'s ``attention_mask``).
         """
         cfg = self.config
         batch, seq, _ = x.shape
@@ -164,7 +167,9 @@ class Attention(nn.Module):
             q, k = self.rotary.rotate(q, k, position_ids)
         else:
             start = cache.owner.length
-            q, k = self.rotary.rotate(q, k, torch.arange(start, start + seq, device=x.device))
+            if position_ids is None:
+                position_ids = torch.arange(start, start + seq, device=x.device)
+            q, k = self.rotary.rotate(q, k, position_ids)
             k, v = cache.extend(k, v)
         dropout = cfg.dropout if self.training else 0.0
         if segments is not None and self.core is not None:
@@ -178,7 +183,13 @@ class Attention(nn.Module):
             repeat = cfg.num_heads // cfg.kv_heads
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         past = k.shape[-2] - seq
-        if cache is None and self.core is not None:
+        if key_mask is not None:
+            if cache is None and self.core is not None:
+                raise ValueError("Llama: an attention_mask (padded rows) under context parallelism is not supported; "
+                                 "pack the sequences instead (position_ids), or train without context parallelism")
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=padded_causal_mask(key_mask, past, seq),
+                                                 dropout_p=dropout)
+        elif cache is None and self.core is not None:
             out = self.core(q, k, v, dropout)
         elif past == 0 or seq == 1:  # no cache, or one new token that sees every position: no mask to build
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=past == 0)
@@ -200,6 +211,8 @@ class KVCache:
         self.length = 0  # positions cached so far
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        # (B, length) bool, False at padding; None while every cached position is a real token
+        self.real: torch.Tensor | None = None
 
     def layer(self, index: int) -> _LayerCache:
         return _LayerCache(self, index)
@@ -237,8 +250,11 @@ class LlamaBlock(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, cache: _LayerCache | None = None, position_ids: torch.Tensor | None = None,
-                segments: Segments | None = None) -> torch.Tensor:
-        if cache is not None:
+                segments: Segments | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if key_mask is not None:
+            attended = self.self_attn(self.input_layernorm(x), cache=cache, position_ids=position_ids,
+                                      key_mask=key_mask)
+        elif cache is not None:
             attended = self.self_attn(self.input_layernorm(x), cache=cache)
         elif position_ids is None:
             attended = self.self_attn(self.input_layernorm(x))
@@ -305,13 +321,20 @@ class Llama(nn.Module):
                 module.init_weights(self.config.init_std)
 
     def hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None = None,
-                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Final normed hidden states, (batch, seq, hidden); ``cache``: see :class:`KVCache`; ``position_ids``:
-        see :meth:`forward` ((seq,): the tokens' rotary positions, as context parallelism passes its chunks')."""
+                      position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                      ) -> torch.Tensor:
+        """Final normed hidden states, (batch, seq, hidden); ``cache``: see :class:`KVCache`; ``position_ids``,
+        ``attention_mask``: see :meth:`forward` (``position_ids`` (seq,): the tokens' rotary positions, as context
+        parallelism passes its chunks')."""
         start = 0 if cache is None else cache.length
         if position_ids is not None and cache is not None:
             raise ValueError("Llama: position_ids (packed training batches) and a KV cache (decoding) do not mix; "
                              "pass one of them")
+        if attention_mask is not None or (cache is not None and cache.real is not None):
+            if position_ids is not None:
+                raise ValueError("Llama: position_ids (packed sequences) and attention_mask (padded rows) do not mix; "
+                                 "pass one of them")
+            return self._padded_hidden_states(input_ids, cache, attention_mask)
         packed = position_ids is not None and position_ids.dim() == 2  # (B, T): rows of packed sequences
         if position_ids is not None:
             position_ids = _check_position_ids(position_ids, input_ids, self.config.max_position)
@@ -330,9 +353,38 @@ class Llama(nn.Module):
             cache.length += input_ids.shape[-1]
         return self.norm(x)
 
+    def _padded_hidden_states(self, input_ids: torch.Tensor, cache: KVCache | None,
+                              attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`hidden_states` of padded rows: each row's positions count from its first real token and no query
+        attends to a padding key (a row's real tokens see what they would see alone)."""
+        batch, seq = input_ids.shape
+        device = input_ids.device
+        new = torch.ones((batch, seq), dtype=torch.bool, device=device) if attention_mask is None else \
+            check_attention_mask(attention_mask, input_ids)
+        past = 0 if cache is None else cache.length
+        if past + seq > self.config.max_position:
+            raise ValueError(f"sequence length {past + seq} exceeds max_position={self.config.max_position}")
+        before = None if cache is None else cache.real
+        if before is None:
+            before = torch.ones((batch, past), dtype=torch.bool, device=device)
+        elif before.shape[0] != batch:
+            raise ValueError(f"Llama: the KV cache holds {before.shape[0]} rows but input_ids has {batch}")
+        key_mask = torch.cat([before, new], dim=1)
+        # a padding position takes its row's next real position (clamped at 0): finite, and never attended
+        position_ids = (before.sum(1, keepdim=True) + new.long().cumsum(1) - 1).clamp(min=0)
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache=None if cache is None else cache.layer(i), position_ids=position_ids,
+                      key_mask=key_mask)
+        if cache is not None:
+            cache.length += seq
+            cache.real = key_mask
+        return self.norm(x)
+
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
-                return_log_probs: bool = False, return_hidden: bool = False) -> torch.Tensor:
+                return_log_probs: bool = False, return_hidden: bool = False,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The mean cross-entropy of predicting ``labels[t+1]`` from position t (labels of -100 are
         ignored), or the logits when no labels are given; ``cache`` (inference) holds earlier positions.
 
@@ -340,6 +392,11 @@ class Llama(nn.Module):
         (wherever a position is not the previous one plus one) and attention never crosses a restart. Label the
         first token of each sequence -100 so that no loss is taken across the boundary (the collators of
         :mod:`shardkit.sft` do).
+
+        ``attention_mask`` (B, T), 1 on real tokens and 0 on padding (left padding, as prompts are batched for
+        generation, or anywhere): padding is never attended, and each row's rotary positions count from its first
+        real token, so a padded row's real tokens get the outputs they would get alone. With a ``cache`` it covers
+        the new tokens; the cache remembers the earlier ones'. Label padding -100 (its outputs are not meaningful).
 
         ``return_log_probs=True`` (with labels) returns instead the (B, T) log-probabilities of ``labels[t+1]`` at
         each position t (0 at the last one and where the label is -100), from the chunked
@@ -349,7 +406,7 @@ class Llama(nn.Module):
         ``return_hidden=True`` returns the final hidden states instead (no head): a loss of its own, such as the
         preference trainers' log-probs, then runs through the set-up model's forward (and its strategy's hooks).
         """
-        hidden = self.hidden_states(input_ids, cache, position_ids)
+        hidden = self.hidden_states(input_ids, cache, position_ids, attention_mask)
         if return_hidden:
             if labels is not None or return_log_probs:
                 raise ValueError("Llama.forward: return_hidden=True returns hidden states, not a loss nor log-probs: "
@@ -378,13 +435,17 @@ class Llama(nn.Module):
     @torch.no_grad()
     def generate(
         self, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
-        generator: torch.Generator | None = None, eos_token_id: int | None = None, pad_token_id: int | None = None,
-        synced: bool | None = None, use_cache: bool = True,
+        generator: torch.Generator | None = None, eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None, synced: bool | None = None, use_cache: bool = True,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append up to ``max_new_tokens`` tokens: greedy at temperature 0, else sampled (optionally top-k).
 
-        With ``eos_token_id`` a row that produced it is finished: later positions get ``pad_token_id``
-        (default: the EOS id), and decoding stops once every row is finished.
+        With ``eos_token_id`` (one id or several) a row that produced it is finished: later positions get
+        ``pad_token_id`` (default: the (first) EOS id), and decoding stops once every row is finished.
+
+        ``attention_mask`` (B, prompt length), 0 on padding: prompts of different lengths batched with left padding
+        (see :meth:`forward`); each row then generates what its prompt would generate alone.
 
         Under ZeRO-3, FSDP and tensor parallelism call it on every rank (or use ``runner.generate``): each
         forward is a collective, so with ``synced`` (default: when the weights are partitioned across
@@ -403,7 +464,14 @@ class Llama(nn.Module):
         was_training = self.training
         self.eval()
         tokens, device = input_ids, input_ids.device
-        pad = eos_token_id if pad_token_id is None else pad_token_id
+        eos_ids = None if eos_token_id is None else \
+            torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+        if eos_ids is not None and eos_ids.numel() == 0:
+            eos_ids = None
+        pad = (None if eos_ids is None else int(eos_ids[0])) if pad_token_id is None else pad_token_id
+        # an empty batch (a rank joining the other ranks' forwards, handed their requests' kwargs) has no rows to mask
+        mask = None if attention_mask is None or input_ids.shape[0] == 0 else \
+            check_attention_mask(attention_mask, input_ids)
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=device)
         dummy = torch.zeros((1, 1), dtype=input_ids.dtype, device=device)
         cache = KVCache(len(self.layers)) if use_cache else None
@@ -418,15 +486,22 @@ class Llama(nn.Module):
                         continue
                     if cache is not None and tokens.shape[1] > self.config.max_position:
                         cache = None  # the window slides from here: positions shift, cached keys no longer fit
-                    if cache is None:
-                        logits = self(tokens[:, -self.config.max_position :])[:, -1].float()
+                    window = self.config.max_position
+                    if cache is None and mask is None:
+                        logits = self(tokens[:, -window:])[:, -1].float()
+                    elif cache is None:
+                        logits = self(tokens[:, -window:], attention_mask=mask[:, -window:])[:, -1].float()
+                    elif mask is not None and cache.length == 0:  # the prompt: the cache keeps its padding after
+                        logits = self(tokens, cache=cache, attention_mask=mask)[:, -1].float()
                     else:
                         logits = self(tokens[:, cache.length :], cache=cache)[:, -1].float()
                     next_token = _pick(logits, temperature, top_k, generator)
-                    if eos_token_id is not None:
+                    if eos_ids is not None:
                         next_token = next_token.masked_fill(done[:, None], pad)
-                        done |= next_token[:, 0] == eos_token_id
+                        done |= torch.isin(next_token[:, 0], eos_ids)
                     tokens = torch.cat([tokens, next_token], dim=1)
+                    if mask is not None:
+                        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         finally:
             self.train(was_training)
         return tokens

@@ -82,11 +82,21 @@ def _is_shardkit_llama(module: nn.Module) -> bool:
     return isinstance(module, Llama)
 
 
+def _llama_padding(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """shardkit Llama's ``attention_mask`` argument where the batch needs it: padding before a real token (RL's
+    left-padded prompts). Padding only after a row's last real token changes nothing a causal model scores, so it
+    is left out (the model keeps its unmasked attention, and context parallelism its split)."""
+    mask = batch.get("attention_mask")
+    if mask is None or mask.shape[1] < 2 or not bool((mask[:, 1:] > mask[:, :-1]).any()):
+        return {}
+    return {"attention_mask": mask}
+
+
 def last_hidden_states(model: nn.Module, unwrapped: nn.Module, batch: dict[str, Tensor]) -> Tensor:
     """The final (normed) hidden states ``[rows, T, H]`` of ``batch``, through the set-up ``model``."""
     position_ids = batch.get("position_ids")
     if _is_shardkit_llama(base_model_of(unwrapped)):
-        return model(batch["input_ids"], position_ids=position_ids, return_hidden=True)
+        return model(batch["input_ids"], position_ids=position_ids, return_hidden=True, **_llama_padding(batch))
     kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False, "output_hidden_states": True,
                               "logits_to_keep": 1, "return_dict": True}
     if batch.get("attention_mask") is not None:
@@ -279,7 +289,7 @@ def _score_in_forward(model: nn.Module, unwrapped: nn.Module, batch: dict[str, T
             # its loss path projects hidden[:, :-1] against labels[:, 1:]: the completion tokens, -100 elsewhere
             full = torch.full_like(batch["input_ids"], -100)
             full[:, 1:][mask] = labels
-            out = model(batch["input_ids"], labels=full, position_ids=position_ids)
+            out = model(batch["input_ids"], labels=full, position_ids=position_ids, **_llama_padding(batch))
         else:
             kwargs: dict[str, Any] = {"input_ids": batch["input_ids"], "use_cache": False, "logits_to_keep": 0,
                                       "return_dict": True}

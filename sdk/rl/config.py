@@ -14,7 +14,8 @@ from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["GRPOConfig", "OnlineRLConfig", "RLOOConfig"]
 
-_VLLM_WHY = "shardkit generates on the training model; vLLM's server mode and its settings are not implemented"
+_VLLM_WHY = "vLLM's server mode and its settings are not implemented (use_vllm=True runs vLLM colocated)"
+_VLLM_COLOCATE_WHY = "not implemented for shardkit's colocated vLLM engine"
 
 # The fields both trainers share and do not implement: (default, why).
 _UNSUPPORTED_SHARED: dict[str, tuple[Any, str]] = {
@@ -26,6 +27,9 @@ _UNSUPPORTED_SHARED: dict[str, tuple[Any, str]] = {
     "use_transformers_continuous_batching": (False, "generation runs through shardkit's synced generate"),
     "vllm_mode": ("colocate", _VLLM_WHY),
     "vllm_server_base_url": (None, _VLLM_WHY),
+    "vllm_enable_sleep_mode": (False, _VLLM_COLOCATE_WHY),
+    "vllm_model_impl": ("vllm", _VLLM_COLOCATE_WHY),
+    "vllm_structured_outputs_regex": (None, _VLLM_COLOCATE_WHY),
 }
 _UNSUPPORTED_GRPO: dict[str, tuple[Any, str]] = {
     "cast_lm_head_to_fp32": (False, "the log-prob op computes in fp32 already; the head keeps its dtype"),
@@ -68,6 +72,11 @@ class OnlineRLConfig(TrainingArguments):
     vllm_server_base_url: str | None = None
     vllm_gpu_memory_utilization: float = 0.3
     vllm_tensor_parallel_size: int = 1
+    vllm_max_model_length: int | None = None
+    vllm_enable_sleep_mode: bool = False
+    vllm_model_impl: str = "vllm"
+    vllm_structured_outputs_regex: str | None = None
+    vllm_importance_sampling_correction: bool = True
     beta: float = 0.0
     num_iterations: int = 1
     epsilon: float = 0.2
@@ -152,8 +161,13 @@ class GRPOConfig(OnlineRLConfig):
     to a reference; 0: no reference model), ``epsilon``/``epsilon_high``, ``delta``, ``num_iterations``,
     ``importance_sampling_level``, ``use_bias_correction_kl``, SAPO's temperatures, VESPO's ``k``/``lambda``.
 
-    Not implemented (refused when set): vLLM's server mode, evaluation with generation, tools, the entropy mask
-    and bonus, the off-policy mask, ``sync_ref_model``, completion tables.
+    vLLM (colocated, :mod:`shardkit.rl.vllm_engine`; written to vLLM's API but never run against a real vLLM):
+    ``use_vllm``, ``vllm_gpu_memory_utilization``, ``vllm_tensor_parallel_size``, ``vllm_max_model_length``;
+    ``vllm_importance_sampling_correction`` must be set False with it (the correction is not implemented).
+
+    Not implemented (refused when set): vLLM's server mode, sleep mode, model implementation and structured outputs,
+    evaluation with generation, tools, the entropy mask and bonus, the off-policy mask, ``sync_ref_model``,
+    completion tables.
     """
 
     cast_lm_head_to_fp32: bool = False

@@ -4,7 +4,8 @@ Generation goes through ``runner.generate`` (:func:`shardkit.inference.generate`
 generation round with its own prompts, ranks whose completions end early keep joining the others' forwards while the
 weights are partitioned (ZeRO-3, FSDP, tensor parallelism), and the strategy's ``generation_context`` holds the
 parameters for the call (FSDP2 gathers them once per call when memory allows, not once per token). Hugging Face
-models decode with their KV cache.
+models and shardkit's Llama decode with their KV cache, the prompts left-padded under an attention mask (each row
+generates what its prompt would alone).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch import Tensor, nn
 from shardkit.inference import is_hf_model
 
 __all__ = ["Completions", "RewardFunctions", "generate_completions", "is_conversational", "left_pad",
-           "right_pad", "tokenize_prompts"]
+           "llama_sampling", "right_pad", "tokenize_prompts"]
 
 
 def is_conversational(prompt: Any) -> bool:
@@ -96,9 +97,7 @@ def generate_completions(runner: Any, model: nn.Module, prompt_ids: Sequence[Seq
     """
     unwrapped = runner.unwrap_model(model)
     if not is_hf_model(unwrapped):
-        raise NotImplementedError(f"{type(unwrapped).__name__}: GRPO/RLOO rollouts generate with a Hugging Face "
-                                  "causal LM (left-padded prompts need its attention mask); shardkit's Llama "
-                                  "generates without one")
+        sampling = llama_sampling(unwrapped, sampling)
     ids, mask = left_pad(prompt_ids, pad_token_id, runner.device)
     was_training = unwrapped.training
     unwrapped.eval()
@@ -116,6 +115,30 @@ def generate_completions(runner: Any, model: nn.Module, prompt_ids: Sequence[Seq
         completions.append(row if end is None else row[:end + 1])
         truncated.append(end is None)
     return Completions(completions, truncated)
+
+
+def llama_sampling(model: nn.Module, sampling: dict[str, Any]) -> dict[str, Any]:
+    """The Hugging Face-style ``sampling`` settings as shardkit's Llama takes them (``temperature``, ``top_k``), or
+    an error naming a setting it does not implement (never ignored)."""
+    from shardkit.models import Llama
+
+    if not isinstance(model, Llama):
+        raise NotImplementedError(f"{type(model).__name__}: GRPO/RLOO rollouts generate with a Hugging Face causal LM "
+                                  "(GenerationMixin) or shardkit's Llama")
+    settings = dict(sampling)
+    do_sample = settings.pop("do_sample", True)
+    temperature = float(settings.pop("temperature", 1.0))
+    top_k = settings.pop("top_k", None)
+    neutral = {"top_p": (None, 1.0), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0)}
+    for key, values in neutral.items():
+        value = settings.pop(key, None)
+        if value not in values:
+            raise NotImplementedError(f"shardkit's Llama samples with temperature and top_k only: {key}={value!r} is "
+                                      f"not implemented; set {key}={values[-1]} (or use a Hugging Face model)")
+    if settings:
+        raise NotImplementedError(f"shardkit's Llama generate takes no {sorted(settings)} (generation_kwargs); it "
+                                  "samples with temperature and top_k only")
+    return {"temperature": temperature if do_sample else 0.0, "top_k": top_k or None}
 
 
 def _callable_name(func: Any) -> str:

@@ -19,7 +19,6 @@ loss and metrics).
 from __future__ import annotations
 
 import copy
-import importlib.util
 import logging
 import random
 from collections import defaultdict
@@ -41,6 +40,7 @@ from shardkit.rl.rollout import (
     tokenize_prompts,
 )
 from shardkit.rl.scoring import completion_log_probs
+from shardkit.rl.vllm_engine import ColocatedVLLM, require_vllm
 from shardkit.trainer.frozen_model import frozen_model_context, set_up_frozen_model
 from shardkit.trainer.peft_support import is_peft_model
 from shardkit.trainer.router_aux_loss import refuse_dropped_router_aux_loss
@@ -107,11 +107,7 @@ class OnlineRLTrainer(Trainer):
         if not isinstance(args, self.config_class):
             raise TypeError(f"{name} takes a {self.config_class.__name__} as args, got {type(args).__name__}")
         if args.use_vllm:
-            if importlib.util.find_spec("vllm") is None:
-                raise ImportError(f"{name}: use_vllm=True needs the 'vllm' package, which is not installed: "
-                                  "pip install vllm, or leave use_vllm=False to generate on the training model")
-            raise NotImplementedError(f"{name}: use_vllm=True (colocated vLLM with weights pushed from the sharded "
-                                      "model) is not implemented; leave use_vllm=False")
+            require_vllm(name, args)  # before any model is built: a missing package fails first, by name
         if eval_dataset is not None:
             raise NotImplementedError(f"{name}: evaluation (generation on eval_dataset) is not implemented; pass "
                                       "no eval_dataset")
@@ -143,6 +139,7 @@ class OnlineRLTrainer(Trainer):
                 "same work; train with --strategy fsdp (the same sharded weights, each rank its own prompts), zero3 "
                 "or tp")
         self.args.resolve_generation_batch(self.runner.strategy.data_parallel_size)
+        self.vllm = ColocatedVLLM(self.runner, self.model_wrapped, self.args, name) if args.use_vllm else None
         self.ref_model = self._ref_unwrapped = None
         if reference is not None:
             self._set_reference(reference)
@@ -223,6 +220,9 @@ class OnlineRLTrainer(Trainer):
     def generate(self, prompt_ids: list[list[int]]) -> Completions:
         """Sample one completion per row on the training model (every rank together)."""
         args = self.args
+        if self.vllm is not None:
+            return self.vllm.generate(prompt_ids, max_new_tokens=args.max_completion_length,
+                                      eos_token_ids=self.eos_token_ids, version=self.state.global_step)
         # top_k=0 is passed as is: None would let the model's generation_config add its default top-k of 50.
         sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                     "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,

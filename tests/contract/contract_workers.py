@@ -394,6 +394,13 @@ def generation(name: str, reference: dict[str, torch.Tensor]) -> dict:
         want = base.generate(ids, max_new_tokens=new, eos_token_id=e, pad_token_id=0, synced=False)
         got = runner.generate(model, ids, max_new_tokens=new, eos_token_id=e, pad_token_id=0)
         out[case] = (got.cpu(), want)
+    # left-padded prompts under an attention mask: each row's tokens are its prompt's alone, on SingleDevice
+    padded, mask = ids.clone(), torch.ones_like(ids)
+    padded[0, :2], mask[0, :2] = 0, 0
+    got = runner.generate(model, padded, attention_mask=mask, max_new_tokens=new, pad_token_id=0)
+    want = [base.generate(padded[i:i + 1, int(mask[i].argmax()):], max_new_tokens=new, synced=False)
+            for i in range(len(ids))]
+    out["padded"] = ([row[int(m.argmax()):] for row, m in zip(got.cpu(), mask)], [w[0] for w in want])
     return out
 
 

@@ -337,6 +337,9 @@ def test_greedy_generation_equals_single_device(contract, request):
             got, want = r[case]
             assert got.shape == want.shape and torch.equal(got, want), (
                 f"{name} rank {rank} ({case}): {got.tolist()} != SingleDevice's {want.tolist()}")
+        for row, (got, want) in enumerate(zip(*r["padded"])):
+            assert torch.equal(got, want), (f"{name} rank {rank} left-padded row {row}: {got.tolist()} != its prompt "
+                                            f"alone on SingleDevice: {want.tolist()}")
     first = results[0]
     assert first["plain"][1].shape == (2, 11) and not torch.equal(first["plain"][1], first["eos"][1])
     if first["dp_size"] > 1:  # the requests really differ per data-parallel rank

@@ -1,0 +1,257 @@
+"""Colocated vLLM generation for GRPO/RLOO (``use_vllm=True``, ``vllm_mode="colocate"``).
+
+NEVER RUN AGAINST A REAL vLLM: vLLM cannot be installed where this was written (it needs a CUDA build of torch and
+a GPU). The code follows vLLM's documented offline API (``vllm.LLM``, ``vllm.SamplingParams``, ``LLM.generate`` on
+``{"prompt_token_ids": ...}`` prompts, the model's ``load_weights([(name, tensor)])``, ``LLM.reset_prefix_cache``)
+and is tested only against a stand-in module implementing that surface (tests/rl/test_vllm_engine.py). Treat it
+as unverified until it has run on a GPU with vLLM installed.
+
+Every rank builds its own engine in its own process (vLLM's ``external_launcher`` executor: no extra processes), on
+its own device, beside the training model; ``vllm_gpu_memory_utilization`` is the share of the device it may take.
+The engine is built from the policy's configuration with ``load_format="dummy"`` (random weights, nothing read from
+disk): before each generation round whose weights it does not hold yet, :meth:`ColocatedVLLM.push_weights` walks the
+policy one module at a time, gathers that module's own parameters whole with the strategy's
+``gathered_parameters`` (ZeRO-3's partitions, FSDP2's and TensorParallel's DTensors; every rank takes part, the
+gathers are collectives), hands each tensor to vLLM's model ``load_weights`` under Hugging Face's parameter name,
+and lets the gathered copy go before the next module. Each rank then generates one completion for each of its own
+prompts (the trainer's split); with ``vllm_tensor_parallel_size > 1`` the ranks of a vLLM tensor-parallel group
+pool their prompts, generate them together and keep their own share.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from shardkit.inference import is_hf_model
+from shardkit.rl.rollout import Completions
+from shardkit.trainer.peft_support import is_peft_model
+
+__all__ = ["ColocatedVLLM", "require_vllm", "sampling_params_kwargs", "vllm_completion", "vllm_parameter_name"]
+
+# Prefixes wrappers add to parameter names that the Hugging Face checkpoint (and vLLM's loader) do not have.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def require_vllm(owner: str, args: Any = None) -> Any:
+    """The ``vllm`` module, or an ImportError naming the package and how to install it; with ``args`` (the config),
+    also a refusal of what the colocated engine does not implement."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(f"{owner}: use_vllm=True needs the 'vllm' package, which is not installed: pip install "
+                          "vllm (on a machine with a GPU), or leave use_vllm=False to generate on the training model")
+    if args is not None and getattr(args, "vllm_importance_sampling_correction", False):
+        raise NotImplementedError(f"{owner}: vllm_importance_sampling_correction=True (TRL's default) is not "
+                                  "implemented: shardkit trains on vLLM's samples as if the policy had drawn them "
+                                  "(no correction for the engines' differing numerics). Set "
+                                  "vllm_importance_sampling_correction=False to accept that, or use_vllm=False")
+    return importlib.import_module("vllm")
+
+
+def sampling_params_kwargs(args: Any, max_new_tokens: int, eos_token_ids: Sequence[int]) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` fields for one completion per prompt from the GRPO/RLOO config (TRL's mapping:
+    ``min_p=None`` is 0; ``generation_kwargs`` override). Generation stops at the tokenizer's EOS ids (the engine has
+    no tokenizer of its own) and returns token ids only (no detokenization)."""
+    kwargs = {"n": 1, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+              "min_p": 0.0 if args.min_p is None else args.min_p, "repetition_penalty": args.repetition_penalty,
+              "max_tokens": max_new_tokens, "stop_token_ids": list(eos_token_ids), "detokenize": False}
+    kwargs.update(args.generation_kwargs or {})
+    return kwargs
+
+
+def _hf_config(model: nn.Module) -> Any:
+    """The Hugging Face configuration vLLM builds its model from: the model's own, or for shardkit's Llama the
+    equivalent ``transformers.LlamaConfig`` (its parameter names are Hugging Face's, less the ``model.`` prefix)."""
+    if is_hf_model(model):
+        return model.config
+    from shardkit.models import Llama
+
+    if not isinstance(model, Llama):
+        raise NotImplementedError(f"use_vllm=True: vLLM builds a Hugging Face architecture; {type(model).__name__} is "
+                                  "neither a Hugging Face causal LM nor shardkit's Llama")
+    cfg = model.config
+    if cfg.moe is not None:
+        raise NotImplementedError("use_vllm=True: a mixture-of-experts shardkit Llama has no Hugging Face "
+                                  "architecture vLLM loads; use a dense Llama or use_vllm=False")
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                       intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                       num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
+                       max_position_embeddings=cfg.max_position, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_eps,
+                       tie_word_embeddings=cfg.tie_embeddings, architectures=["LlamaForCausalLM"])
+
+
+def vllm_parameter_name(model: nn.Module, name: str) -> str:
+    """``name`` (a parameter of the user's ``model``) as the Hugging Face checkpoint, and so vLLM, names it."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    if not is_hf_model(model) and not name.startswith("lm_head."):  # shardkit's Llama: HF's names less "model."
+        name = "model." + name
+    return name
+
+
+def _dtype_name(model: nn.Module) -> str:
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return str(dtype).removeprefix("torch.")
+
+
+class ColocatedVLLM:
+    """One rank's vLLM engine beside the training model (see the module docstring; never run against real vLLM).
+
+    Args:
+        runner: the Runner that set the policy up (its strategy gathers the weights; its ranks place the engine).
+        model: the set-up policy (``runner.unwrap_model(model)`` is pushed).
+        args: the GRPO/RLOO config: ``vllm_gpu_memory_utilization``, ``vllm_tensor_parallel_size``,
+            ``vllm_max_model_length``, ``seed`` and the sampling settings.
+        owner: the trainer's name, for messages.
+    """
+
+    def __init__(self, runner: Any, model: nn.Module, args: Any, owner: str = "GRPOTrainer"):
+        vllm = require_vllm(owner, args)
+        self.runner, self.model, self.args, self.owner = runner, model, args, owner
+        self.vllm = vllm
+        strategy = runner.strategy
+        if strategy.data_parallel_size != runner.world_size:
+            raise NotImplementedError(f"{owner}: use_vllm=True with a model split across ranks by tensor, context or "
+                                      "pipeline parallelism is not implemented (each rank's engine would sample its "
+                                      "group's prompts apart); use a data-parallel strategy (DDP, ZeRO, FSDP) or "
+                                      "use_vllm=False")
+        tp = int(args.vllm_tensor_parallel_size)
+        if tp < 1 or runner.world_size % tp:
+            raise ValueError(f"{owner}: vllm_tensor_parallel_size={tp} must be >= 1 and divide the number of ranks "
+                             f"({runner.world_size})")
+        self.tp = tp
+        self.group = self._tp_group(tp)
+        unwrapped = runner.unwrap_model(model)
+        if is_peft_model(unwrapped):
+            raise NotImplementedError(f"{owner}: use_vllm=True with a PEFT model is not implemented (its adapters "
+                                      "would have to be merged before each push); merge them first or use_vllm=False")
+        # vLLM's external launcher reads the job's layout from the environment, as torchrun sets it
+        os.environ["RANK"], os.environ["LOCAL_RANK"] = str(runner.rank), str(runner.local_rank)
+        os.environ["WORLD_SIZE"] = str(runner.world_size)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        self._config_dir = tempfile.TemporaryDirectory(prefix="shardkit-vllm-")
+        _hf_config(unwrapped).save_pretrained(self._config_dir.name)
+        self.llm = vllm.LLM(model=self._config_dir.name, load_format="dummy", skip_tokenizer_init=True,
+                            dtype=_dtype_name(unwrapped), tensor_parallel_size=tp,
+                            gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                            max_model_len=args.vllm_max_model_length,
+                            distributed_executor_backend="external_launcher",
+                            # the ranks of one vLLM tensor-parallel group sample alike; the groups differ
+                            seed=int(args.seed) + runner.rank // tp)
+        self._load = self._loader()
+        self.pushed_version: Any = None
+
+    def _tp_group(self, tp: int) -> Any:
+        if tp == 1:
+            return None
+        import torch.distributed as dist
+
+        groups = [list(range(start, start + tp)) for start in range(0, self.runner.world_size, tp)]
+        group, _ = dist.new_subgroups_by_enumeration(groups)
+        return group
+
+    def _loader(self) -> Any:
+        """A callable handing ``[(name, tensor)]`` to vLLM's model in this process (``load_weights``): the in-process
+        driver worker's model where vLLM exposes it (the path TRL uses), else ``LLM.apply_model``."""
+        node: Any = self.llm
+        for attr in ("llm_engine", "model_executor", "driver_worker", "model_runner", "model"):
+            node = getattr(node, attr, None)
+            if node is None:
+                break
+        if node is not None and callable(getattr(node, "load_weights", None)):
+            return node.load_weights
+        apply = getattr(self.llm, "apply_model", None)
+        if callable(apply):
+            return lambda weights: apply(lambda model: model.load_weights(weights))
+        version = getattr(self.vllm, "__version__", "unknown")
+        raise RuntimeError(f"{self.owner}: this vLLM ({version}) exposes neither "
+                           "llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights nor "
+                           "LLM.apply_model, so the policy's weights cannot be pushed into it; use_vllm=False")
+
+    # ---- weights ---------------------------------------------------------------------------------------
+
+    def _modules(self) -> Iterator[tuple[str, list[tuple[str, Tensor]]]]:
+        """Each module's own parameters (tied ones once), in module order, with their full names."""
+        unwrapped = self.runner.unwrap_model(self.model)
+        seen: set[int] = set()
+        for prefix, module in unwrapped.named_modules():
+            own = []
+            for name, param in module.named_parameters(recurse=False):
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    own.append((f"{prefix}.{name}" if prefix else name, param))
+            if own:
+                yield prefix, own
+
+    def push_weights(self, version: Any = None) -> int:
+        """Push the policy's current weights into the engine, one module's parameters gathered at a time; on every
+        rank together (the gathers are collectives). ``version`` (the optimizer step) is remembered: a later call
+        with the same version pushes nothing. Returns the number of tensors pushed."""
+        if version is not None and version == self.pushed_version:
+            return 0
+        unwrapped = self.runner.unwrap_model(self.model)
+        pushed = 0
+        with torch.no_grad():
+            for _, named in self._modules():
+                with self.runner.gathered_parameters([p for _, p in named]) as whole:
+                    for (name, _), tensor in zip(named, whole):
+                        self._load([(vllm_parameter_name(unwrapped, name), tensor.detach())])
+                        pushed += 1
+        reset = getattr(self.llm, "reset_prefix_cache", None)
+        if callable(reset):  # cached prompt keys were computed with the old weights
+            reset()
+        self.pushed_version = version
+        return pushed
+
+    # ---- generation ------------------------------------------------------------------------------------
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], *, max_new_tokens: int, eos_token_ids: Sequence[int],
+                 version: Any = None) -> Completions:
+        """One completion per prompt row of this rank (TRL's ``Completions`` format: ids up to and including the
+        first EOS, and which were cut at ``max_new_tokens``), after pushing the weights of ``version``."""
+        self.push_weights(version)
+        params = self.vllm.SamplingParams(**sampling_params_kwargs(self.args, max_new_tokens, eos_token_ids))
+        mine = [list(map(int, p)) for p in prompt_ids]
+        everyone, start = mine, 0
+        if self.group is not None:
+            import torch.distributed as dist
+
+            parts: list[Any] = [None] * self.tp
+            dist.all_gather_object(parts, mine, group=self.group)
+            start = sum(len(p) for p in parts[:dist.get_rank(group=self.group)])
+            everyone = [p for part in parts for p in part]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in everyone], sampling_params=params,
+                                    use_tqdm=False) if everyone else []
+        if len(outputs) != len(everyone):
+            raise RuntimeError(f"{self.owner}: vLLM returned {len(outputs)} outputs for {len(everyone)} prompts")
+        eos = [int(e) for e in eos_token_ids]
+        ids, truncated = [], []
+        for request in outputs[start:start + len(mine)]:
+            row, cut = vllm_completion(request.outputs[0], eos, max_new_tokens)
+            ids.append(row)
+            truncated.append(cut)
+        return Completions(ids, truncated)
+
+
+def vllm_completion(output: Any, eos: list[int], max_new_tokens: int) -> tuple[list[int], bool]:
+    """A vLLM ``CompletionOutput`` as (ids up to and including the first EOS, cut at the length limit)."""
+    row = [int(t) for t in output.token_ids][:max_new_tokens]
+    end = next((i for i, t in enumerate(row) if t in eos), None)
+    if end is not None:
+        return row[:end + 1], False
+    if getattr(output, "finish_reason", None) == "stop":
+        # stopped on a stop token that the output leaves out: it ended (TRL's completions end with their EOS)
+        stop = getattr(output, "stop_reason", None)
+        if len(row) < max_new_tokens:
+            return row + [stop if isinstance(stop, int) and stop in eos else eos[0]], False
+        return row, False
+    return row, True

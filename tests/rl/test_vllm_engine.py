@@ -1,0 +1,207 @@
+"""use_vllm=True's colocated engine (shardkit.rl.vllm_engine) against a STAND-IN for vLLM, not vLLM itself (it
+cannot be installed here): a module injected as ``vllm`` that implements only the surface the engine calls
+(``LLM(...)`` with ``load_format="dummy"``, the in-process model's ``load_weights``, ``reset_prefix_cache``,
+``generate`` on token-id prompts, ``SamplingParams``) around a Hugging Face Llama built from the configuration the
+engine wrote. It checks the engine's own logic: every policy weight reaches the engine under Hugging Face's name
+(shardkit's Llama and a Hugging Face model), so that the engine's greedy tokens equal the policy's own; the sampling
+settings map to TRL's ``SamplingParams``; weights are pushed once per optimizer step; completions come back in the
+trainer's format (EOS kept, truncation flagged); training runs through it; unsupported settings are refused."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.rl.conftest import tiny_llama
+from tests.rl.test_shardkit_llama_policy import shardkit_copy
+
+
+class _Output:
+    def __init__(self, token_ids, finish_reason, stop_reason):
+        self.token_ids, self.finish_reason, self.stop_reason = token_ids, finish_reason, stop_reason
+
+
+class _RequestOutput:
+    def __init__(self, prompt_token_ids, output):
+        self.prompt_token_ids, self.outputs = prompt_token_ids, [output]
+
+
+class _StandInModel:
+    """vLLM's model as the engine sees it: ``load_weights`` of (Hugging Face name, tensor) pairs."""
+
+    def __init__(self, hf_model):
+        self.hf = hf_model
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.calls = 0
+
+    def load_weights(self, weights):
+        params = dict(self.hf.named_parameters())
+        for name, tensor in weights:
+            assert name in params, f"vLLM's Llama has no parameter {name!r}"
+            assert isinstance(tensor, torch.Tensor) and type(tensor) is torch.Tensor or \
+                type(tensor) is torch.nn.Parameter, type(tensor)
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            self.loaded[name] = tensor.detach().clone()
+            self.calls += 1
+
+
+def _stand_in_vllm():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    module = types.ModuleType("vllm")
+    module.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    module.__version__ = "stand-in"
+    module.instances = []
+    module.greedy = False
+
+    class SamplingParams:
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+    class LLM:
+        def __init__(self, model, **kwargs):
+            config = json.loads((Path(model) / "config.json").read_text())
+            assert kwargs["load_format"] == "dummy" and kwargs["skip_tokenizer_init"]
+            self.kwargs = kwargs
+            torch.manual_seed(1234)  # dummy weights: anything but the policy's
+            hf = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})).eval()
+            self.model = _StandInModel(hf)
+            runner = types.SimpleNamespace(model=self.model)
+            worker = types.SimpleNamespace(model_runner=runner)
+            self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=worker))
+            self.resets = 0
+            self.requests = []
+            module.instances.append(self)
+
+        def reset_prefix_cache(self):
+            self.resets += 1
+
+        def generate(self, prompts, sampling_params, use_tqdm=True):
+            # greedy with module.greedy (to check the weights), else sampled at the temperature (no other filter),
+            # stopping on the stop ids, which vLLM keeps in the output
+            kw = sampling_params.kwargs
+            self.requests.append((prompts, kw))
+            gen = torch.Generator().manual_seed(self.kwargs["seed"] + len(self.requests))
+            out = []
+            for prompt in prompts:
+                ids = torch.tensor([prompt["prompt_token_ids"]])
+                new = []
+                with torch.no_grad():
+                    for _ in range(kw["max_tokens"]):
+                        logits = self.model.hf(torch.cat([ids, torch.tensor([new], dtype=torch.long)], 1)
+                                               if new else ids).logits[0, -1]
+                        token = int(logits.argmax()) if module.greedy else \
+                            int(torch.multinomial((logits / kw["temperature"]).softmax(-1), 1, generator=gen))
+                        new.append(token)
+                        if token in kw["stop_token_ids"]:
+                            break
+                stopped = new[-1] in kw["stop_token_ids"]
+                out.append(_RequestOutput(prompt["prompt_token_ids"],
+                                          _Output(new, "stop" if stopped else "length", new[-1] if stopped else None)))
+            return out
+
+    module.LLM, module.SamplingParams = LLM, SamplingParams
+    return module
+
+
+@pytest.fixture
+def vllm(monkeypatch):
+    module = _stand_in_vllm()
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    return module
+
+
+def _trainer(model, tokenizer, tmp_path, **kw):
+    from shardkit.rl import GRPOConfig, GRPOTrainer
+
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=5,
+                report_to="none", use_cpu=True, use_vllm=True, vllm_importance_sampling_correction=False,
+                vllm_gpu_memory_utilization=0.25, temperature=0.9, top_p=0.8, top_k=7, save_strategy="no",
+                disable_tqdm=True, learning_rate=1e-2, logging_steps=1)
+    args = GRPOConfig(**{**base, **kw})
+    prompts = [{"prompt": p} for p in ("The old house", "She opened")] * 4
+    return GRPOTrainer(model, lambda completion_ids, **k: [float(c[0] % 3) for c in completion_ids], args=args,
+                       train_dataset=prompts, processing_class=tokenizer)
+
+
+def _own_greedy(model, prompt_ids, new, eos):
+    """The policy's own greedy completion of one prompt, cut after its first EOS."""
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=new, synced=False) \
+        if not hasattr(model, "config") or not hasattr(model.config, "model_type") else \
+        model.generate(torch.tensor([prompt_ids]), max_new_tokens=new, do_sample=False, eos_token_id=None)
+    row = out[0, len(prompt_ids):].tolist()
+    end = next((i for i, t in enumerate(row) if t in eos), None)
+    return (row, True) if end is None else (row[:end + 1], False)
+
+
+@pytest.mark.parametrize("kind", ["shardkit", "hf"])
+def test_weights_reach_the_engine_and_its_tokens_are_the_policys(vllm, tokenizer, tmp_path, kind):
+    from shardkit.rl.rollout import tokenize_prompts
+
+    vllm.greedy = True
+    hf = tiny_llama(len(tokenizer))
+    policy = shardkit_copy(hf) if kind == "shardkit" else hf
+    reference = {k: v.clone() for k, v in policy.state_dict().items()}
+    trainer = _trainer(policy, tokenizer, tmp_path)
+    (llm,) = vllm.instances
+    assert llm.kwargs["gpu_memory_utilization"] == 0.25 and llm.kwargs["tensor_parallel_size"] == 1
+    assert llm.kwargs["distributed_executor_backend"] == "external_launcher" and llm.kwargs["dtype"] == "float32"
+    prompt_ids = tokenize_prompts(tokenizer, ["The old house", "She opened the letter", "In"])
+    eos = trainer.eos_token_ids
+    completions = trainer.generate(prompt_ids)
+    # every weight pushed whole, under Hugging Face's names, once (the tied embedding once)
+    hf_names = {n for n, _ in llm.model.hf.named_parameters()}
+    assert set(llm.model.loaded) == hf_names and llm.model.calls == len(hf_names) and llm.resets == 1
+    for name, tensor in llm.model.loaded.items():
+        ours = name if kind == "hf" else name.removeprefix("model.")
+        torch.testing.assert_close(tensor, reference[ours], rtol=0, atol=0, msg=name)
+    # so the engine's greedy tokens are the policy's own, in the trainer's format
+    for ids, row, cut in zip(prompt_ids, completions.ids, completions.truncated):
+        assert (row, cut) == _own_greedy(trainer.model, ids, 5, eos)
+    prompts, kw = llm.requests[-1]
+    assert [p["prompt_token_ids"] for p in prompts] == prompt_ids
+    assert kw == {"n": 1, "temperature": 0.9, "top_p": 0.8, "top_k": 7, "min_p": 0.0, "repetition_penalty": 1.0,
+                  "max_tokens": 5, "stop_token_ids": eos, "detokenize": False}
+    # the same optimizer step pushes nothing more
+    trainer.generate(prompt_ids)
+    assert llm.model.calls == len(hf_names) and llm.resets == 1
+
+
+def test_training_pushes_each_steps_weights(vllm, tokenizer, tmp_path):
+    hf = tiny_llama(len(tokenizer))
+    trainer = _trainer(shardkit_copy(hf), tokenizer, tmp_path, max_steps=2)
+    (llm,) = vllm.instances
+    trainer.train()
+    names = len(list(llm.model.hf.parameters()))
+    assert len(llm.requests) == 2 and llm.model.calls == 2 * names and llm.resets == 2
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(h["grad_norm"] > 0 for h in logs)  # the sampled completions taught something
+    # the second push carried the weights after the first step: neither the initial nor the final ones
+    name = "layers.0.self_attn.q_proj.weight"
+    pushed_second = llm.model.loaded["model." + name]
+    assert not torch.equal(pushed_second, hf.state_dict()["model." + name])
+    assert not torch.equal(pushed_second, trainer.model.state_dict()[name])
+
+
+def test_completion_format_and_refusals(vllm, tokenizer, tmp_path):
+    from shardkit.rl import GRPOConfig
+    from shardkit.rl.vllm_engine import vllm_completion
+
+    eos = [2, 3]
+    assert vllm_completion(_Output([5, 3, 9], "stop", 3), eos, 4) == ([5, 3], False)
+    assert vllm_completion(_Output([5, 6, 7, 8], "length", None), eos, 4) == ([5, 6, 7, 8], True)
+    # a stop token the output leaves out is put back (the trainer's completions end with their EOS)
+    assert vllm_completion(_Output([5, 6], "stop", 3), eos, 4) == ([5, 6, 3], False)
+    with pytest.raises(NotImplementedError, match="vllm_importance_sampling_correction=False"):
+        _trainer(tiny_llama(len(tokenizer)), tokenizer, tmp_path, vllm_importance_sampling_correction=True)
+    with pytest.raises(NotImplementedError, match="vllm_enable_sleep_mode"):
+        GRPOConfig(output_dir=str(tmp_path), report_to="none", use_vllm=True, vllm_enable_sleep_mode=True)
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size=2"):
+        _trainer(tiny_llama(len(tokenizer)), tokenizer, tmp_path, vllm_tensor_parallel_size=2)
