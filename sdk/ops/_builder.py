@@ -35,6 +35,7 @@ if __package__:
         BuildTimeout,
         build_lock,
         build_timeout_s,
+        environment_ninja,
         extensions_root,
         run_build_subprocess,
         seconds_from_env,
@@ -46,6 +47,7 @@ else:  # loaded by path (setup.py, scripts/check_cuda_link.py): its sibling by p
     _lock_module = _util.module_from_spec(_spec)
     _spec.loader.exec_module(_lock_module)
     build_lock, extensions_root = _lock_module.build_lock, _lock_module.extensions_root
+    environment_ninja = _lock_module.environment_ninja
     run_build_subprocess, build_timeout_s = _lock_module.run_build_subprocess, _lock_module.build_timeout_s
     seconds_from_env = _lock_module.seconds_from_env
     BuildStopped, BuildTimeout = _lock_module.BuildStopped, _lock_module.BuildTimeout
@@ -201,7 +203,9 @@ class ExtensionBuilder:
         if shutil.which(cxx) is None:
             return (f"C++ compiler {cxx!r} not found (from $CXX, default 'c++'). "
                     "Install g++ (apt-get install g++) or point CXX at a working compiler")
-        if not is_ninja_available():
+        with environment_ninja():  # the ninja the build will run (run_build_subprocess)
+            has_ninja = is_ninja_available()
+        if not has_ninja:
             return "ninja not found. Install it with `pip install ninja` in this environment"
         if not self.sources(cuda=False):
             where = " or ".join(str(p) for p in self.searched)

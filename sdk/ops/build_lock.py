@@ -25,6 +25,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Iterator
@@ -41,7 +42,7 @@ except ImportError:  # loaded by path (setup.py's ahead-of-time build runs befor
     _spec.loader.exec_module(_env)
     seconds_from_env = _env.seconds_from_env
 
-__all__ = ["BuildStopped", "BuildTimeout", "build_lock", "build_timeout_s", "clear_stale_baton",
+__all__ = ["BuildStopped", "BuildTimeout", "build_lock", "build_timeout_s", "clear_stale_baton", "environment_ninja",
            "default_extensions_root", "extensions_root", "run_build_subprocess"]
 
 _log = logging.getLogger("shardkit.ops")
@@ -181,6 +182,33 @@ def build_lock(build_dir: Path, label: str, wait_s: float | None = None) -> Iter
             del _HELD[key]
 
 
+@contextlib.contextmanager
+def environment_ninja() -> Iterator[None]:
+    """Inside the block, PATH finds this Python environment's ninja (the package's ``ninja`` dependency) first.
+
+    torch's JIT build runs whichever ``ninja`` PATH finds, and ninja keeps in the folder's ``.ninja_log`` a hash of
+    every command it ran. ninja releases hash differently (the system's 1.11 and the ``ninja`` wheel's 1.13 do), so
+    a folder built by one looks changed to the other and every object is compiled again: minutes for DeepSpeed's
+    cpu_adam and async_io, inside whatever run loaded the op next. Whether PATH held the environment's ``bin`` (an
+    activated environment) or not (``.venv/bin/python`` as `make test` runs it) must not decide that. Without a
+    ``ninja`` in the environment, PATH is left as it is.
+    """
+    scripts = sysconfig.get_path("scripts")
+    ninja = os.path.join(scripts or "", "ninja")
+    if not (scripts and os.path.isfile(ninja) and os.access(ninja, os.X_OK)):
+        yield
+        return
+    path = os.environ.get("PATH")
+    os.environ["PATH"] = scripts + os.pathsep + path if path else scripts
+    try:
+        yield
+    finally:
+        if path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path
+
+
 def run_build_subprocess(code: str, label: str, build_dir: Path, timeout_s: float | None = None) -> None:
     """Run ``python -c code`` (a build) under the build supervisor, holding ``build_dir``'s build lock.
 
@@ -192,7 +220,7 @@ def run_build_subprocess(code: str, label: str, build_dir: Path, timeout_s: floa
     Takes the lock if the caller does not hold it yet.
     """
     timeout_s = build_timeout_s() if timeout_s is None else timeout_s
-    with build_lock(build_dir, label):
+    with build_lock(build_dir, label), environment_ninja():
         lock = _HELD[str(Path(build_dir).resolve())][1]
         command = [sys.executable, str(_SUPERVISOR), str(os.getpid()), repr(timeout_s), sys.executable, "-c", code]
         proc = subprocess.Popen(command, stdin=lock, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -14,27 +14,33 @@ pytest.importorskip("deepspeed")
 STEPS = 4  # as in test_resume.py: 2N steps in one go against N, save, new processes, load, N
 
 
-@pytest.mark.slow  # 3 launches of 2 ranks each, ~45 s per case on 2 cores
+STAGES = ["zero1", "zero2", "zero3"]
+
+
+@pytest.mark.slow  # 2 launches of 2 ranks, every stage in each
 # fp32 (losses, weights and the whole next checkpoint, optimizer state included, bitwise after a resume):
 # tests/contract/test_strategy_contract.py, every strategy.
 @pytest.mark.parametrize("precision", ["bf16"])
-@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
-def test_exact_resume(tmp_path, strategy, precision):
-    """test_resume.py's protocol (tiny Llama, dropout, shuffled loader, StepLR, accumulation 2, clipping)."""
-    ckpt = str(tmp_path / "ckpt")
-    full = run_distributed(w.resume_phase, 2, args=(strategy, precision, None, "full", STEPS))
-    first = run_distributed(w.resume_phase, 2, args=(strategy, precision, ckpt, "first", STEPS))
-    second = run_distributed(w.resume_phase, 2, args=(strategy, precision, ckpt, "second", STEPS))
-    for rank in range(2):
-        # Bitwise equal on CPU: weights, fp32 masters, Adam moments and step, dropout, data order, LR.
-        assert first[rank]["losses"] + second[rank]["losses"] == full[rank]["losses"], f"rank {rank}"
-        for kind in ("params", "masters", "moments"):
-            assert len(second[rank][kind]) == len(full[rank][kind]) > 0, kind
-            for got, want in zip(second[rank][kind], full[rank][kind]):
-                assert got.numel() > 0 and torch.equal(got, want), f"rank {rank}: {kind} differ"
-        assert second[rank]["steps"] == full[rank]["steps"] == 2 * STEPS
-    reader = CheckpointReader(tmp_path / "ckpt")
-    assert reader.entries()["model"] == "sharded" and reader.entries()["optimizer"] == "sharded"
+def test_exact_resume(tmp_path, precision):
+    """test_resume.py's protocol (tiny Llama, dropout, shuffled loader, StepLR, accumulation 2, clipping), for every
+    ZeRO stage: one launch trains each stage in one go and, in a fresh engine, half way to its save; new processes
+    load each save and train the second half."""
+    ckpt = {stage: str(tmp_path / stage / "ckpt") for stage in STAGES}
+    runs = [(stage, precision, ckpt[stage], phase) for stage in STAGES for phase in ("full", "first")]
+    saved = run_distributed(w.resume_phases, 2, args=(runs, STEPS))
+    resumed = run_distributed(w.resume_phases, 2, args=([(s, precision, ckpt[s], "second") for s in STAGES], STEPS))
+    for i, stage in enumerate(STAGES):
+        for rank in range(2):
+            full, first, second = saved[rank][2 * i], saved[rank][2 * i + 1], resumed[rank][i]
+            # Bitwise equal on CPU: weights, fp32 masters, Adam moments and step, dropout, data order, LR.
+            assert first["losses"] + second["losses"] == full["losses"], f"{stage}, rank {rank}"
+            for kind in ("params", "masters", "moments"):
+                assert len(second[kind]) == len(full[kind]) > 0, (stage, kind)
+                for got, want in zip(second[kind], full[kind]):
+                    assert got.numel() > 0 and torch.equal(got, want), f"{stage}, rank {rank}: {kind} differ"
+            assert second["steps"] == full["steps"] == 2 * STEPS, stage
+        reader = CheckpointReader(tmp_path / stage / "ckpt")
+        assert reader.entries()["model"] == "sharded" and reader.entries()["optimizer"] == "sharded", stage
 
 
 def test_zero3_save_loads_on_one_rank_and_consolidates(tmp_path):

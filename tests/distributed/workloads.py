@@ -72,8 +72,9 @@ def full_state(runner: Runner, model) -> dict[str, torch.Tensor]:
 
 
 def resume_run(strategy: str, precision: str, ckpt: str | None, phase: str, steps: int,
-               accum: int = 1, strategy_kwargs: dict | None = None) -> dict[str, Any]:
-    """One phase of an exact-resume check: "full" trains 2N, "first" trains N and saves, "second" loads and trains N."""
+               accum: int = 1, strategy_kwargs: dict | None = None, teardown: bool = True) -> dict[str, Any]:
+    """One phase of an exact-resume check: "full" trains 2N, "first" trains N and saves, "second" loads and trains N.
+    ``teardown=False`` keeps the process group for a next phase in this process (see :func:`resume_runs`)."""
     runner, model, optimizer, scheduler, loader = build(strategy, precision, accum=accum,
                                                         strategy_kwargs=strategy_kwargs)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "step": 0}
@@ -86,5 +87,13 @@ def resume_run(strategy: str, precision: str, ckpt: str | None, phase: str, step
         runner.save(Path(ckpt) / "step-1", state)
     result = {"losses": losses, "weights": full_state(runner, model),
               "scale": runner.precision.current_loss_scale, "steps": runner.optimizer_steps}
-    runner.teardown()
+    if teardown:
+        runner.teardown()
     return result
+
+
+def resume_runs(runs: list[tuple[str, str, str | None, str]], steps: int, accum: int = 1) -> list[dict[str, Any]]:
+    """:func:`resume_run` for each ``(strategy, precision, ckpt, phase)`` in turn, each with a fresh Runner and all
+    in this launch's process group, which is released once, after the last. (Released between phases, the next
+    phase's rendezvous on the same port could meet a peer's store not yet closed: a gloo connect timeout.)"""
+    return [resume_run(*run, steps, accum, teardown=i == len(runs) - 1) for i, run in enumerate(runs)]

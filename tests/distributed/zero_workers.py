@@ -236,10 +236,12 @@ def load_model_worker(name: str, path: str):
             "exp_avg": [s["exp_avg"].clone() for s in state]}
 
 
-def resume_phase(strategy: str, precision: str, ckpt: str | None, phase: str, steps: int, accum: int = 2):
+def resume_phase(strategy: str, precision: str, ckpt: str | None, phase: str, steps: int, accum: int = 2,
+                 teardown: bool = True):
     """workloads.resume_run's protocol (same build, data, train loop and save/load), returning the
     parameters gathered whole (ZeRO-3's module state_dict holds empty partitions) and this rank's fp32
-    master partitions and Adam moments, so that the comparison sees every number the resume restores."""
+    master partitions and Adam moments, so that the comparison sees every number the resume restores.
+    ``teardown=False`` keeps the process group for a next phase in this process (see :func:`resume_phases`)."""
     from pathlib import Path
 
     from workloads import build
@@ -259,8 +261,16 @@ def resume_phase(strategy: str, precision: str, ckpt: str | None, phase: str, st
                if isinstance(v, torch.Tensor)]
     result = {"losses": losses, "params": full_params(runner, model), "steps": runner.optimizer_steps,
               "masters": [m.detach().clone() for m in masters], "moments": moments}
-    runner.teardown()
+    if teardown:
+        runner.teardown()
     return result
+
+
+def resume_phases(runs: list[tuple[str, str, str | None, str]], steps: int) -> list[dict]:
+    """:func:`resume_phase` for each ``(strategy, precision, ckpt, phase)`` in turn, each in a fresh engine and
+    all in this launch's process group, which is released once, after the last. (Released between phases, the
+    next phase's rendezvous on the same port could meet a peer's store not yet closed: a gloo connect timeout.)"""
+    return [resume_phase(*run, steps, teardown=i == len(runs) - 1) for i, run in enumerate(runs)]
 
 
 def make_grouped_optimizer(model: nn.Module, groups: int) -> torch.optim.Optimizer:

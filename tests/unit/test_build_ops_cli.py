@@ -89,3 +89,62 @@ def test_two_environments_get_their_own_default_ops_folder(tmp_path):
     for folder in folders:
         assert folder.parent == (tmp_path / "cache" / "torch_extensions").resolve(), folder
         assert re.fullmatch(r"py3\d+\w*_\w+-torch[\d.]+\w*-[0-9a-f]{10}", folder.name), folder.name
+
+
+def _path_with_another_ninja(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """PATH with a ``ninja`` that is not this environment's first (as the system's 1.11 is when `make test` runs
+    ``.venv/bin/python`` unactivated); it logs its calls and fails. Returns (its log, this environment's ninja)."""
+    ours = Path(sysconfig.get_path("scripts")) / "ninja"
+    if not ours.is_file():
+        pytest.skip("this environment has no ninja of its own (pip install ninja)")
+    other = tmp_path / "other-bin"
+    other.mkdir()
+    log = tmp_path / "other-ninja.log"
+    (other / "ninja").write_text(f'#!/bin/sh\necho "$@" >> {log}\nexit 1\n')
+    (other / "ninja").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{other}{os.pathsep}{os.environ.get('PATH', '')}")
+    return log, ours
+
+
+def test_a_build_runs_this_environments_ninja_whatever_path_finds_first(tmp_path, monkeypatch):
+    """ninja's log hashes each command, and ninja 1.11 and 1.13 hash differently: a folder built by one was compiled
+    again, every object, by the other (DeepSpeed's cpu_adam and async_io: minutes, inside a test or a run)."""
+    import shutil
+
+    from shardkit.ops.build_lock import environment_ninja
+
+    log, ours = _path_with_another_ninja(tmp_path, monkeypatch)
+    csrc = tmp_path / "csrc"
+    (csrc / "tiny").mkdir(parents=True)
+    (csrc / "include").mkdir()
+    (csrc / "tiny" / "tiny.cpp").write_text('extern "C" int tiny_add(int a, int b) { return a + b; }\n')
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    library = _builder.ExtensionBuilder(csrc=csrc, name="shardkit_tiny_ninja").load()
+    assert Path(library).is_file() and not log.exists(), log.read_text() if log.exists() else ""
+    with environment_ninja():
+        assert shutil.which("ninja") == str(ours)
+    assert shutil.which("ninja") == str(tmp_path / "other-bin" / "ninja")  # PATH is given back
+
+
+def test_a_built_deepspeed_op_loads_with_this_environments_ninja(tmp_path, monkeypatch):
+    """After the build, DeepSpeed's load (torch's JIT load: it runs ninja on the folder) runs the same ninja."""
+    import shutil
+
+    deepspeed = pytest.importorskip("deepspeed")
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    from shardkit.strategies.zero.strategy import build_deepspeed_op, choose_deepspeed_accelerator
+
+    _, ours = _path_with_another_ninja(tmp_path, monkeypatch)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    choose_deepspeed_accelerator()
+    builder = get_accelerator().create_op_builder("CPUAdamBuilder")
+    folder = tmp_path / "ext" / builder.NAME
+    folder.mkdir(parents=True)
+    (folder / f".shardkit-built-{deepspeed.__version__}-{torch.__version__}").touch()  # built: only the load runs
+    (folder / f"{builder.NAME}.so").touch()
+    found = []
+    monkeypatch.setattr(type(builder), "load", lambda self, verbose=False: found.append(shutil.which("ninja")))
+    assert build_deepspeed_op("CPUAdamBuilder")
+    assert found == [str(ours)]

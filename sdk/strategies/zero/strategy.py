@@ -529,7 +529,7 @@ def build_deepspeed_op(builder_name: str) -> bool:
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
-    from shardkit.ops.build_lock import build_lock, extensions_root, run_build_subprocess
+    from shardkit.ops.build_lock import build_lock, environment_ninja, extensions_root, run_build_subprocess
 
     builder = get_accelerator().create_op_builder(builder_name)
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, True):
@@ -551,7 +551,9 @@ def build_deepspeed_op(builder_name: str) -> bool:
             run_build_subprocess("from deepspeed.accelerator import get_accelerator; get_accelerator()"
                                  f".create_op_builder({builder_name!r}).load(verbose=False)", label, build_dir)
             marker.touch()
-        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        # NOTE: this load runs ninja too (torch's JIT load checks the folder): with another ninja than the build's
+        # it would compile everything again, here, outside the supervisor (see environment_ninja).
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), environment_ninja():
             builder.load(verbose=False)
     return True
 
