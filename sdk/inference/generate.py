@@ -128,9 +128,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, data_parallel_rank: i
             ranks sharing an index (a tensor-parallel group) run each other's requests together. Default:
             every rank is its own.
         strategy: the strategy that set ``model`` up (``runner.strategy``; the Runner passes it): its
-            ``generation_context`` holds the parameters for the call (FSDP2: gathered once, not per token, when
-            memory allows). None: nothing is held (every forward gathers what it needs).
-        keep_unsharded: FSDP2 only: keep parameters gathered across decoding steps (True), gather them in
+            ``generation_context`` holds the parameters for the call (FSDP2, ZeRO-3: gathered once, not per
+            token, when memory allows). None: nothing is held (every forward gathers what it needs).
+        keep_unsharded: FSDP2 and ZeRO-3: keep parameters gathered across decoding steps (True), gather them in
             every forward (False), or decide from free memory (None). Needs ``strategy``.
         **kwargs: passed to the model's ``generate`` (``max_new_tokens``, ``eos_token_id``, ...).
 

@@ -573,7 +573,7 @@ class Runner:
         """Generate with a model set up by this Runner (shardkit's Llama or a Hugging Face model), under any
         strategy. Call it on EVERY rank, each with its own prompts: under ZeRO-3, FSDP and TP the ranks decode
         in lock step until all are done. ``kwargs`` go to the model's ``generate`` (``max_new_tokens``,
-        ``eos_token_id``, ...; ``keep_unsharded`` for FSDP). See :func:`shardkit.inference.generate`."""
+        ``eos_token_id``, ...; ``keep_unsharded`` for FSDP and ZeRO-3). See :func:`shardkit.inference.generate`."""
         from shardkit.inference import generate
 
         s = self.strategy

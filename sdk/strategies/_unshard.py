@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-__all__ = ["fsdp_unsharded", "free_bytes", "unshard_bytes"]
+__all__ = ["fsdp_unsharded", "free_bytes", "keep_gathered", "unshard_bytes"]
 
 log = logging.getLogger("shardkit.inference")
 
@@ -43,6 +43,19 @@ def free_bytes(device: torch.device) -> int:
     return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+def keep_gathered(extra: int, device: torch.device, keep: bool | None, any_rank: Callable[[bool], bool],
+                  fraction: float = 0.5) -> bool:
+    """Whether to hold every parameter gathered for a generate call, the same answer on every rank.
+
+    ``keep`` True/False forces it; None: when ``extra`` (the bytes gathering adds on this rank) fits in ``fraction``
+    of the free memory on every rank. ``any_rank`` is the all-reduced "some rank says so": one rank short of
+    memory makes every rank gather per layer, so that the ranks' collectives stay the same.
+    """
+    if keep is None:
+        keep = extra <= fraction * free_bytes(device)
+    return not any_rank(not keep)
+
+
 @contextlib.contextmanager
 def fsdp_unsharded(module: nn.Module, device: torch.device, keep: bool | None, any_rank: Callable[[bool], bool],
                    fraction: float = 0.5) -> Iterator[str | None]:
@@ -59,10 +72,7 @@ def fsdp_unsharded(module: nn.Module, device: torch.device, keep: bool | None, a
         yield None
         return
     extra = unshard_bytes(module)
-    if keep is None:
-        keep = extra <= fraction * free_bytes(device)
-    keep = not any_rank(not keep)
-    if not keep:
+    if not keep_gathered(extra, device, keep, any_rank, fraction):
         log.info("generate: FSDP parameters are gathered per unit in every forward (keeping them whole needs "
                  "%.1f MiB more per rank than fits)", extra / 2**20)
         yield "FSDP parameters per forward"
@@ -85,7 +95,7 @@ def fsdp_unsharded(module: nn.Module, device: torch.device, keep: bool | None, a
 def _save_reshard_state(units: list[nn.Module]) -> list[tuple]:
     # NOTE: FSDP2 has a setter for reshard_after_forward but no getter, and the root's value is set at its lazy
     # init; the private fields are read so that each unit gets back exactly what it had (torch 2.13:
-    # test_fsdp_keeps_parameters_unsharded_across_decoding_steps gathers per forward again in its second call
+    # test_fsdp_and_zero3_hold_parameters_gathered_across_decoding_steps gathers per forward again in its second call
     # only because they were restored).
     saved = []
     for m in units:

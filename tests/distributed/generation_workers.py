@@ -111,16 +111,9 @@ def generation_worker(names: list[str], nvme_path: str | None = None, kinds: tup
     return out
 
 
-def fsdp_gather_count_worker() -> dict:
-    """All-gathers issued by one generate call under FSDP2, with parameters kept unsharded and without."""
-    runner = Runner(strategy=strategy_from_name("fsdp"), seed=0)
-    model = runner.setup(shardkit_tiny())
-    ids, new = requests(dist.get_rank())
-    counts, outputs = {}, {}
-    # FSDP2 all-gathers through dist.all_gather_single (torch 2.13; all_gather_into_tensor before): count both
-    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
-    real = {n: getattr(dist, n) for n in names}
-    calls = [0]
+def _counting(module, names: list[str], calls: list[int]) -> dict:
+    """Wrap ``module``'s functions ``names`` so that each call adds one to ``calls[0]``; returns the originals."""
+    real = {n: getattr(module, n) for n in names}
 
     def counting(name):
         def call(*args, **kwargs):
@@ -129,17 +122,94 @@ def fsdp_gather_count_worker() -> dict:
         return call
 
     for n in names:
-        setattr(dist, n, counting(n))
+        setattr(module, n, counting(n))
+    return real
+
+
+def _fsdp_gather_counts() -> dict:
+    runner = Runner(strategy=strategy_from_name("fsdp"), seed=0)
+    model = runner.setup(shardkit_tiny())
+    ids, new = requests(dist.get_rank())
+    counts, outputs = {}, {}
+    # FSDP2 all-gathers through dist.all_gather_single (torch 2.13; all_gather_into_tensor before): count both
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    calls = [0]
+    real = _counting(dist, names, calls)
     try:
         for keep in (True, False):
             calls[0] = 0
             outputs[keep] = runner.generate(model, ids, max_new_tokens=new, keep_unsharded=keep)
             counts[keep] = calls[0]
     finally:
-        for n in names:
-            setattr(dist, n, real[n])
+        for n, f in real.items():
+            setattr(dist, n, f)
     units = sum(1 for m in model.modules() if type(m).__name__.startswith("FSDP"))
     return {"counts": counts, "units": units, "same": torch.equal(outputs[True], outputs[False])}
+
+
+def _zero3_train_step(runner: Runner, model: nn.Module, optimizer) -> list[torch.Tensor]:
+    ids = torch.arange(1, 9).reshape(1, 8) + dist.get_rank()
+    runner.backward(model(input_ids=ids, labels=ids).loss)
+    runner.step()
+    params = list(runner.unwrap_model(model).parameters())
+    with runner.strategy.gathered_parameters(params):
+        return [p.detach().clone() for p in params]
+
+
+def _zero3_gather_counts() -> dict:
+    """The Hugging Face model (what the RL trainers generate with) under ZeRO-3 with an optimizer: DeepSpeed's
+    all-gathers per generate call with 2 and 6 new tokens, held (True) and per layer (False); the tokens against
+    plain generate; which parameters are partitioned before and after; then one training step, and the same step
+    on a copy that never generated."""
+    import deepspeed.comm.comm as ds_comm
+
+    base = hf_tiny()
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+    ids, _ = requests(dist.get_rank())
+    want = reference(base, ids, 6, None, True)
+
+    def build():
+        model = hf_tiny()
+        model.load_state_dict(state)
+        runner = Runner(strategy=strategy_from_name("zero3"), seed=0)
+        model, optimizer = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        return runner, model, optimizer
+
+    runner, model, optimizer = build()
+    user = runner.unwrap_model(model)
+
+    def partitioned():
+        return [p.ds_status.name == "NOT_AVAILABLE" for p in user.parameters()]
+
+    # DeepSpeed gathers through its comm backend, which holds torch's function itself: count at the backend
+    calls = [0]
+    real = _counting(ds_comm.cdb, ["all_gather_into_tensor"], calls)
+    counts, same, status = {}, {}, [partitioned()]
+    try:
+        for keep in (True, False):
+            for new in (2, 6):
+                calls[0] = 0
+                got = runner.generate(model, ids, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                                      keep_unsharded=keep)
+                counts[(keep, new)] = calls[0]
+                same[(keep, new)] = torch.equal(got, want[:, :ids.shape[1] + new])
+            if keep:  # after per-layer calls DeepSpeed keeps its small persistent parameters whole: compare before
+                status.append(partitioned())
+    finally:
+        ds_comm.cdb.all_gather_into_tensor = real["all_gather_into_tensor"]
+    before, after = status
+    trained = _zero3_train_step(runner, model, optimizer)
+    plain = _zero3_train_step(*build())
+    return {"counts": counts, "same": same, "partitioned": (sum(before), before == after),
+            "train_equal": all(torch.equal(a, b) for a, b in zip(trained, plain)),
+            "moved": any(not torch.equal(a, state[n].to(a.dtype))
+                         for a, (n, _) in zip(trained, user.named_parameters()))}
+
+
+def gather_count_worker() -> dict:
+    """FSDP2 and ZeRO-3 holding parameters gathered for a generate call against gathering them per forward."""
+    _rank()
+    return {"fsdp": _fsdp_gather_counts(), "zero3": _zero3_gather_counts()}
 
 
 def rank0_only_worker() -> dict:

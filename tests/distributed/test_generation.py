@@ -49,13 +49,22 @@ def test_greedy_generation_equals_single_device_under_zero_infinity_nvme(tmp_pat
     _assert_equal_to_reference(results, ["zero_infinity"])
 
 
-def test_fsdp_keeps_parameters_unsharded_across_decoding_steps():
-    r0, r1 = run_distributed(w.fsdp_gather_count_worker, world_size=2, timeout=180)
-    for res in (r0, r1):
+def test_fsdp_and_zero3_hold_parameters_gathered_across_decoding_steps():
+    r0, r1 = run_distributed(w.gather_count_worker, world_size=2, timeout=300)
+    for res in (r0["fsdp"], r1["fsdp"]):
         assert res["same"]
         # kept unsharded: one all-gather per FSDP unit for the whole call; else one per unit per forward
         assert res["counts"][True] == res["units"] == 3, res
         assert res["counts"][False] >= 3 * res["units"], res
+    for res in (r0["zero3"], r1["zero3"]):
+        counts = res["counts"]
+        assert all(res["same"].values()), res  # held or per layer, the tokens are plain generate's
+        # held: the gathers happen once per call, as many for 6 new tokens as for 2; per layer: in every forward
+        assert 0 < counts[(True, 2)] == counts[(True, 6)], counts
+        assert counts[(False, 6)] >= 3 * counts[(False, 2)] / 2 > counts[(True, 6)], counts
+        # every parameter partitioned before is partitioned again after, and the next step is a plain step's
+        assert res["partitioned"][0] > 0 and res["partitioned"][1], res
+        assert res["train_equal"] and res["moved"], res
 
 
 def test_generate_on_rank_0_only_fails_within_seconds_naming_every_rank():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from shardkit.precision import BF16, FP16, FP32
@@ -177,3 +178,26 @@ def test_zero3_leaf_modules_are_the_moe_blocks_and_named_classes():
     assert all(m._z3_leaf for m in leaves) and not hasattr(llama.layers[0].mlp, "_z3_leaf")
     with pytest.raises(ValueError, match="LayerNrom.*match no module"):
         mark_leaf_modules(model, ["LayerNrom"])
+
+
+def test_zero3_generation_stays_per_layer_where_holding_the_model_whole_cannot_work(tmp_path):
+    """NVMe parameter offload (swapped in a few buffers at a time) and DeepSpeed's leaf-module granularity (its hooks
+    empty a leaf's parameters after each forward) keep generation per layer, said in the log phrase; forcing
+    keep_unsharded=True there is refused by name. Otherwise the memory rule decides, CPU offload included."""
+    from shardkit.strategies.zero.generation import per_layer_reason, zero3_gathered
+
+    granular = ZeRO3(extra={"zero_optimization": {"stage3_module_granularity_threshold": 100}})
+    strategies = [granular]
+    if zero_config.libaio_available():
+        strategies.append(ZeROInfinity(nvme_path=str(tmp_path)))
+    for strategy, why in zip(strategies, ("stage3_module_granularity_threshold", "NVMe")):
+        with strategy.generation_context(_model()) as how:  # per layer: decided without a collective
+            assert how.startswith("ZeRO-3 parameters gathered per layer") and why in how, how
+        with pytest.raises(ValueError, match=f"keep_unsharded=True cannot hold.*{why}"):
+            strategy.generation_context(_model(), keep_unsharded=True)
+    assert per_layer_reason("cpu", 0) is None and per_layer_reason(None, 0) is None
+    one_rank = bool  # "some rank says so" on one rank is this rank's flag
+    # a module with nothing partitioned: the rule decides, and there is nothing to gather
+    for keep, held in ((None, True), (True, True), (False, False)):
+        with zero3_gathered(_model(), torch.device("cpu"), keep, one_rank) as how:
+            assert ("once for the call" in how) is held, (keep, how)

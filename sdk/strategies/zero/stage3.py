@@ -166,8 +166,23 @@ class ZeRO3(ZeROStrategy):
     @override
     def generation_context(self, module: nn.Module,
                            keep_unsharded: bool | None = None) -> contextlib.AbstractContextManager[str | None]:
-        """The engine's hooks gather each module's partitions in every forward and free them after."""
-        return contextlib.nullcontext("ZeRO-3 gathers each module's parameters in every forward")
+        """Every partitioned parameter gathered once for the call and held across its decoding steps when the extra
+        bytes fit in half the free memory on every rank, or as ``keep_unsharded`` says; otherwise the engine's hooks
+        gather each layer's in every forward. Per layer always under NVMe parameter offload (ZeROInfinity's
+        default), where partitions are swapped in a few buffers at a time; CPU parameter offload is held whole
+        when it fits. See :mod:`shardkit.strategies.zero.generation`."""
+        from shardkit.strategies.zero.generation import per_layer, per_layer_reason, zero3_gathered
+
+        zero = self.deepspeed_config().get("zero_optimization", {})
+        reason = per_layer_reason(self.settings.offload_params,
+                                  int(zero.get("stage3_module_granularity_threshold", 0) or 0))
+        if reason is not None:
+            return per_layer(reason, keep_unsharded)
+        return zero3_gathered(module, self.root_device, keep_unsharded, self._any_rank)
+
+    def _any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0], device=self.root_device)
+        return bool(self.all_reduce(t, "max").item())
 
     @override
     def gathered_parameters(self, params: Any, modifier_rank: int | None = None,
