@@ -233,8 +233,9 @@ def test_estimate_memory_counts_total_and_active_parameters(tmp_path, capsys):
     assert "M active per token)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("backend", ["bmm", "auto"])  # auto: the routed-experts function's engine for this build
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
-def test_hugging_face_expert_blocks_through_the_grouped_experts_equal_their_own(kind):
+def test_hugging_face_expert_blocks_through_the_grouped_experts_equal_their_own(kind, backend):
     import copy
 
     import transformers
@@ -254,7 +255,7 @@ def test_hugging_face_expert_blocks_through_the_grouped_experts_equal_their_own(
     theirs = cls(config).double()
     theirs.set_experts_implementation("eager")  # transformers' own loop over the experts
     ours = copy.deepcopy(theirs)
-    assert use_grouped_experts(ours, backend="bmm") == 2
+    assert use_grouped_experts(ours, backend=backend) == 2
     ids = torch.randint(0, 64, (2, 9))
     want, got = theirs(ids, labels=ids), ours(ids, labels=ids)
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-10, atol=1e-12)
