@@ -220,3 +220,18 @@ def test_the_engine_ends_completions_only_where_it_stopped(vllm, tokenizer, tmp_
     _trainer(shardkit_copy(tiny_llama(len(tokenizer))), tokenizer, tmp_path)
     (llm,) = vllm.instances
     assert llm.config["eos_token_id"] is None and llm.config["bos_token_id"] is None
+
+
+def test_a_second_train_call_pushes_the_trained_weights(vllm, tokenizer, tmp_path):
+    """The optimizer step names the pushed weights only within one train() call: a second call starts again at step
+    0 with the weights the first one trained, which must reach the engine."""
+    trainer = _trainer(shardkit_copy(tiny_llama(len(tokenizer))), tokenizer, tmp_path, max_steps=1)
+    (llm,) = vllm.instances
+    trainer.train()
+    names = len(list(llm.model.hf.parameters()))
+    assert llm.model.calls == names
+    name = "layers.0.self_attn.q_proj.weight"
+    trained = trainer.model.state_dict()[name].clone()
+    trainer.train()
+    assert llm.model.calls == 2 * names
+    torch.testing.assert_close(llm.model.loaded["model." + name], trained, rtol=0, atol=0)
