@@ -464,8 +464,8 @@ class Llama(nn.Module):
         was_training = self.training
         self.eval()
         tokens, device = input_ids, input_ids.device
-        eos_ids = None if eos_token_id is None else \
-            torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+        # one id or several, as ints or a tensor (a generation config may hold either)
+        eos_ids = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=device).reshape(-1).long()
         if eos_ids is not None and eos_ids.numel() == 0:
             eos_ids = None
         pad = (None if eos_ids is None else int(eos_ids[0])) if pad_token_id is None else pad_token_id
@@ -531,7 +531,7 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator
     if temperature <= 0:
         return logits.argmax(-1, keepdim=True)
     logits = logits / temperature
-    if top_k is not None:
+    if top_k:  # None or 0: no top-k filter (Hugging Face's meaning of 0)
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)

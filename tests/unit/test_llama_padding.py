@@ -93,3 +93,21 @@ def test_malformed_masks_are_refused():
         model(ids, attention_mask=mask, position_ids=torch.arange(WIDTH)[None])
     # an empty batch (a rank joining the others' forwards, handed another request's kwargs) is not refused
     assert model.generate(ids[:0], 3, attention_mask=mask, synced=False).shape == (0, WIDTH)
+
+
+def test_eos_ids_as_a_tensor_and_top_k_zero():
+    """eos_token_id as a 0-d or 1-d tensor (a generation config may hold one) stops as the ints do; top_k=0 samples
+    from the whole vocabulary, as Hugging Face's generate reads it."""
+    model = _model(torch.float64, False)
+    _, ids, mask = _padded()
+    free = model.generate(ids, 6, attention_mask=mask, synced=False)
+    eos = [int(free[0, WIDTH + 1]), int(free[1, WIDTH + 2])]
+    want = model.generate(ids, 6, attention_mask=mask, eos_token_id=eos, pad_token_id=0, synced=False)
+    got = model.generate(ids, 6, attention_mask=mask, eos_token_id=torch.tensor(eos), pad_token_id=0, synced=False)
+    assert torch.equal(got, want)
+    one = model.generate(ids, 6, attention_mask=mask, eos_token_id=eos[0], pad_token_id=0, synced=False)
+    assert torch.equal(model.generate(ids, 6, attention_mask=mask, eos_token_id=torch.tensor(eos[0]), pad_token_id=0,
+                                      synced=False), one)
+    sampled = [model.generate(ids, 4, temperature=1.0, top_k=k, generator=torch.Generator().manual_seed(3),
+                              attention_mask=mask, synced=False) for k in (0, None)]
+    assert torch.equal(sampled[0], sampled[1])
