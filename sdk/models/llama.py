@@ -362,8 +362,6 @@ class Llama(nn.Module):
         new = torch.ones((batch, seq), dtype=torch.bool, device=device) if attention_mask is None else \
             check_attention_mask(attention_mask, input_ids)
         past = 0 if cache is None else cache.length
-        if past + seq > self.config.max_position:
-            raise ValueError(f"sequence length {past + seq} exceeds max_position={self.config.max_position}")
         before = None if cache is None else cache.real
         if before is None:
             before = torch.ones((batch, past), dtype=torch.bool, device=device)
@@ -372,6 +370,11 @@ class Llama(nn.Module):
         key_mask = torch.cat([before, new], dim=1)
         # a padding position takes its row's next real position (clamped at 0): finite, and never attended
         position_ids = (before.sum(1, keepdim=True) + new.long().cumsum(1) - 1).clamp(min=0)
+        # The rows' real lengths count, not the padded width: a long prompt with a short completion beside a short
+        # prompt with a long one is wider than either row (the positions are read only when the width is over).
+        if past + seq > self.config.max_position and int(key_mask.sum(1).max()) > self.config.max_position:
+            raise ValueError(f"sequence length {int(key_mask.sum(1).max())} (real tokens of the longest row) exceeds "
+                             f"max_position={self.config.max_position}")
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, cache=None if cache is None else cache.layer(i), position_ids=position_ids,
