@@ -362,8 +362,6 @@ class Llama(nn.Module):
         new = torch.ones((batch, seq), dtype=torch.bool, device=device) if attention_mask is None else \
             check_attention_mask(attention_mask, input_ids)
         past = 0 if cache is None else cache.length
-        if past + seq > self.config.max_position:
-            raise ValueError(f"sequence length {past + seq} exceeds max_position={self.config.max_position}")
         before = None if cache is None else cache.real
         if before is None:
             before = torch.ones((batch, past), dtype=torch.bool, device=device)
@@ -372,6 +370,11 @@ class Llama(nn.Module):
         key_mask = torch.cat([before, new], dim=1)
         # a padding position takes its row's next real position (clamped at 0): finite, and never attended
         position_ids = (before.sum(1, keepdim=True) + new.long().cumsum(1) - 1).clamp(min=0)
+        # The rows' real lengths count, not the padded width: a long prompt with a short completion beside a short
+        # prompt with a long one is wider than either row (the positions are read only when the width is over).
+        if past + seq > self.config.max_position and int(key_mask.sum(1).max()) > self.config.max_position:
+            raise ValueError(f"sequence length {int(key_mask.sum(1).max())} (real tokens of the longest row) exceeds "
+                             f"max_position={self.config.max_position}")
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             x = layer(x, cache=None if cache is None else cache.layer(i), position_ids=position_ids,
@@ -464,8 +467,8 @@ class Llama(nn.Module):
         was_training = self.training
         self.eval()
         tokens, device = input_ids, input_ids.device
-        eos_ids = None if eos_token_id is None else \
-            torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=device)
+        # one id or several, as ints or a tensor (a generation config may hold either)
+        eos_ids = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=device).reshape(-1).long()
         if eos_ids is not None and eos_ids.numel() == 0:
             eos_ids = None
         pad = (None if eos_ids is None else int(eos_ids[0])) if pad_token_id is None else pad_token_id
@@ -531,7 +534,7 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator
     if temperature <= 0:
         return logits.argmax(-1, keepdim=True)
     logits = logits / temperature
-    if top_k is not None:
+    if top_k:  # None or 0: no top-k filter (Hugging Face's meaning of 0)
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)

@@ -153,6 +153,13 @@ class OnlineRLTrainer(Trainer):
         self._round: Round | None = None
         self._rows_seen = 0
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's ``train``; with ``use_vllm`` the engine gets the weights afresh: the optimizer step that names
+        the pushed weights restarts (or resumes from a checkpoint) with every call."""
+        if self.vllm is not None:
+            self.vllm.pushed_version = None
+        return super().train(*args, **kwargs)
+
     # ---- the reference ---------------------------------------------------------------------------
 
     def _set_reference(self, ref_model: nn.Module) -> None:

@@ -85,7 +85,11 @@ def _hf_config(model: nn.Module) -> Any:
                        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
                        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.kv_heads,
                        max_position_embeddings=cfg.max_position, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_eps,
-                       tie_word_embeddings=cfg.tie_embeddings, architectures=["LlamaForCausalLM"])
+                       tie_word_embeddings=cfg.tie_embeddings, architectures=["LlamaForCausalLM"],
+                       # LlamaConfig's own defaults (1, 2) would reach vLLM's generation config, which stops on its
+                       # EOS: token 2 is an ordinary token of shardkit's vocabularies. The trainer's EOS ids are
+                       # passed as stop_token_ids instead.
+                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
 def vllm_parameter_name(model: nn.Module, name: str) -> str:
@@ -249,9 +253,11 @@ def vllm_completion(output: Any, eos: list[int], max_new_tokens: int) -> tuple[l
     if end is not None:
         return row[:end + 1], False
     if getattr(output, "finish_reason", None) == "stop":
-        # stopped on a stop token that the output leaves out: it ended (TRL's completions end with their EOS)
+        # It ended. On one of the trainer's EOS ids that the output leaves out: put it back (the trainer's completions
+        # end with their EOS). On anything else (a stop string of generation_kwargs, a stop id of the model's own
+        # configuration) the row is what was sampled: never a token the engine did not produce.
         stop = getattr(output, "stop_reason", None)
-        if len(row) < max_new_tokens:
-            return row + [stop if isinstance(stop, int) and stop in eos else eos[0]], False
+        if isinstance(stop, int) and stop in eos and len(row) < max_new_tokens:
+            return row + [stop], False
         return row, False
     return row, True

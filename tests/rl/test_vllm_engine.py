@@ -69,7 +69,7 @@ def _stand_in_vllm():
         def __init__(self, model, **kwargs):
             config = json.loads((Path(model) / "config.json").read_text())
             assert kwargs["load_format"] == "dummy" and kwargs["skip_tokenizer_init"]
-            self.kwargs = kwargs
+            self.kwargs, self.config = kwargs, config
             torch.manual_seed(1234)  # dummy weights: anything but the policy's
             hf = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})).eval()
             self.model = _StandInModel(hf)
@@ -205,3 +205,33 @@ def test_completion_format_and_refusals(vllm, tokenizer, tmp_path):
         GRPOConfig(output_dir=str(tmp_path), report_to="none", use_vllm=True, vllm_enable_sleep_mode=True)
     with pytest.raises(ValueError, match="vllm_tensor_parallel_size=2"):
         _trainer(tiny_llama(len(tokenizer)), tokenizer, tmp_path, vllm_tensor_parallel_size=2)
+
+
+def test_the_engine_ends_completions_only_where_it_stopped(vllm, tokenizer, tmp_path):
+    """No token the engine did not sample is added, and a shardkit Llama's configuration gives vLLM no EOS of its own
+    (transformers' LlamaConfig defaults to eos_token_id=2, an ordinary token of a shardkit vocabulary)."""
+    from shardkit.rl.vllm_engine import vllm_completion
+
+    eos = [2, 3]
+    assert vllm_completion(_Output([5, 6], "stop", None), eos, 4) == ([5, 6], False)  # the model's own stop id
+    assert vllm_completion(_Output([5, 6], "stop", "\n\n"), eos, 4) == ([5, 6], False)  # a stop string
+    assert vllm_completion(_Output([5, 6], "stop", 7), eos, 4) == ([5, 6], False)  # a stop id of generation_kwargs
+    assert vllm_completion(_Output([5, 6, 7, 8], "stop", 3), eos, 4) == ([5, 6, 7, 8], False)  # no room left
+    _trainer(shardkit_copy(tiny_llama(len(tokenizer))), tokenizer, tmp_path)
+    (llm,) = vllm.instances
+    assert llm.config["eos_token_id"] is None and llm.config["bos_token_id"] is None
+
+
+def test_a_second_train_call_pushes_the_trained_weights(vllm, tokenizer, tmp_path):
+    """The optimizer step names the pushed weights only within one train() call: a second call starts again at step
+    0 with the weights the first one trained, which must reach the engine."""
+    trainer = _trainer(shardkit_copy(tiny_llama(len(tokenizer))), tokenizer, tmp_path, max_steps=1)
+    (llm,) = vllm.instances
+    trainer.train()
+    names = len(list(llm.model.hf.parameters()))
+    assert llm.model.calls == names
+    name = "layers.0.self_attn.q_proj.weight"
+    trained = trainer.model.state_dict()[name].clone()
+    trainer.train()
+    assert llm.model.calls == 2 * names
+    torch.testing.assert_close(llm.model.loaded["model." + name], trained, rtol=0, atol=0)

@@ -93,3 +93,45 @@ def test_malformed_masks_are_refused():
         model(ids, attention_mask=mask, position_ids=torch.arange(WIDTH)[None])
     # an empty batch (a rank joining the others' forwards, handed another request's kwargs) is not refused
     assert model.generate(ids[:0], 3, attention_mask=mask, synced=False).shape == (0, WIDTH)
+
+
+def test_eos_ids_as_a_tensor_and_top_k_zero():
+    """eos_token_id as a 0-d or 1-d tensor (a generation config may hold one) stops as the ints do; top_k=0 samples
+    from the whole vocabulary, as Hugging Face's generate reads it."""
+    model = _model(torch.float64, False)
+    _, ids, mask = _padded()
+    free = model.generate(ids, 6, attention_mask=mask, synced=False)
+    eos = [int(free[0, WIDTH + 1]), int(free[1, WIDTH + 2])]
+    want = model.generate(ids, 6, attention_mask=mask, eos_token_id=eos, pad_token_id=0, synced=False)
+    got = model.generate(ids, 6, attention_mask=mask, eos_token_id=torch.tensor(eos), pad_token_id=0, synced=False)
+    assert torch.equal(got, want)
+    one = model.generate(ids, 6, attention_mask=mask, eos_token_id=eos[0], pad_token_id=0, synced=False)
+    assert torch.equal(model.generate(ids, 6, attention_mask=mask, eos_token_id=torch.tensor(eos[0]), pad_token_id=0,
+                                      synced=False), one)
+    sampled = [model.generate(ids, 4, temperature=1.0, top_k=k, generator=torch.Generator().manual_seed(3),
+                              attention_mask=mask, synced=False) for k in (0, None)]
+    assert torch.equal(sampled[0], sampled[1])
+
+
+def test_rows_that_fit_are_scored_when_the_padded_width_does_not():
+    """A long prompt with a short completion beside a short prompt with a long one (an RL scoring batch: prompts
+    left-padded, completions right-padded) is wider than max_position while each row fits: each row's logits are its
+    own; a row that is itself too long is refused."""
+    model = _model(torch.float64, False)  # max_position 32
+    g = torch.Generator().manual_seed(2)
+    rows = [(torch.randint(1, 64, (24,), generator=g), torch.randint(1, 64, (2,), generator=g)),
+            (torch.randint(1, 64, (4,), generator=g), torch.randint(1, 64, (20,), generator=g))]
+    width_p, width_c = 24, 20
+    ids = torch.zeros(2, width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, c) in enumerate(rows):
+        ids[i, width_p - len(p):width_p], mask[i, width_p - len(p):width_p] = p, 1
+        ids[i, width_p:width_p + len(c)], mask[i, width_p:width_p + len(c)] = c, 1
+    logits = model(ids, attention_mask=mask)
+    for i, (p, c) in enumerate(rows):
+        alone = model(torch.cat([p, c])[None])[0]
+        got = logits[i][mask[i].bool()]
+        torch.testing.assert_close(got, alone, rtol=0, atol=1e-10)
+    too_long = torch.randint(1, 64, (2, 33), generator=g)
+    with pytest.raises(ValueError, match="exceeds max_position=32"):
+        model(too_long, attention_mask=torch.ones_like(too_long))
