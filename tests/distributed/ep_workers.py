@@ -11,7 +11,8 @@ norm and the weights after the last AdamW step:
   split over the 2 dp_shard ranks and replicated across the replicas;
 - ``cp``: ``ExpertParallel(ep_size=2, cp_size=2)``: each sequence split over 2 cp ranks (ring attention), the experts
   over the same 2 ranks (ep borrowed from dp_shard x cp), FSDP2 over dp_shard x cp, 2 data-parallel batches; also the
-  counts and the router bias of the aux-loss-free update, and an unsplit eval forward's logits and load.
+  counts and the router bias of the aux-loss-free update, an unsplit eval forward's logits and load, and its
+  checkpoint continued in one process (ep 2 x cp 2 -> 1).
 
 The last batch routes every token to experts 0 and 1 (the router bias steers the choice), so the ranks holding
 experts 2 and 3 receive no token from anyone. Then the ``fsdp`` run's checkpoint loads into one process (EP 2 -> 1)
@@ -154,15 +155,17 @@ def _balancing(model: torch.nn.Module) -> dict[str, Any]:
             "bias": [layer.router.expert_bias.clone() for layer in moe_layers(model)]}
 
 
-def cp_case(ref: dict, init: dict, ref_balance: dict) -> dict[str, Any]:
+def cp_case(root: str, ref: dict, init: dict, ref_balance: dict) -> dict[str, Any]:
     """ep 2 x cp 2 against one device: ``_case``'s figures, then the aux-loss-free update's counts and bias (the
-    Trainer's call) and an eval forward (no labels: whole sequences on every cp rank, statistics over dp only)."""
+    Trainer's call), an eval forward (no labels: whole sequences on every cp rank, statistics over dp only), and its
+    checkpoint loaded in one process, whose next step must be the ep 2 x cp 2 run's."""
     import dataclasses
 
     from shardkit.models.moe import update_router_biases
+    from shardkit.strategies import SingleDevice
     from shardkit.strategies.expert_parallel import ExpertParallel
 
-    out, runner, model, _ = _case(ExpertParallel(ep_size=2, cp_size=2), ref, init)
+    out, runner, model, opt = _case(ExpertParallel(ep_size=2, cp_size=2), ref, init)
     s = runner.strategy
     out["cp"] = s.cp_size
     rows = slice(s.data_parallel_rank * 2, s.data_parallel_rank * 2 + 2)
@@ -185,6 +188,16 @@ def cp_case(ref: dict, init: dict, ref_balance: dict) -> dict[str, Any]:
     out["bias"] = max((layer.router.expert_bias - e).abs().max().item() for layer, e in zip(moe_layers(model),
                                                                                            expected))
     out["bias_moved"] = max((e - b).abs().max().item() for e, b in zip(expected, ref_balance["bias"]))
+    runner.save(f"{root}/ep2cp2", {"model": model, "optimizer": opt})
+    one = Runner(SingleDevice("cpu"), seed=0)  # every rank on its own: ep 2 x cp 2 -> one device
+    resumed = Llama(CONFIG)
+    resumed, resumed_opt = one.setup(resumed, _adamw(resumed))
+    one.load(f"{root}/ep2cp2", {"model": resumed, "optimizer": resumed_opt})
+    batch = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(9))
+    runner.backward(model(batch[rows], labels=batch[rows]))
+    runner.step()
+    after = runner.all_reduce(model(batch[rows], labels=batch[rows]).detach().clone(), "mean").item()
+    out["resumed_loss"] = abs(_next_loss(one, resumed) - after)
     return out
 
 
@@ -334,7 +347,7 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["resumed_loss"] = abs(_next_loss(one, resumed) - _next_loss(ref_runner, ref_model))
     out["replicated"] = _case(ExpertParallel(ep_size=2, expert_sharding="none"), ref, init)[0]
     out["hsdp"] = _case(ExpertParallel(ep_size=2, dp_replicate=2), ref, init)[0]
-    out["cp"] = cp_case(ref, init, ref_balance)
+    out["cp"] = cp_case(root, ref, init, ref_balance)
     out["hf"] = _hf_case()
     out["selected"] = _selected_by_config(root)
     out["one_to_ep2"] = one_to_ep2(root)
