@@ -154,7 +154,9 @@ def _check_layout(spec: ModelSpec, args: argparse.Namespace) -> None:
     if args.cp_size == 1 and args.tp_size == 1:
         return
     try:
-        ParallelDims(cp=args.cp_size, tp=args.tp_size, ep=args.ep_size or 1).resolve(devices)
+        # ep with cp is one strategy's (ExpertParallel(cp_size=...)) and follows its rule; the tp row is another's
+        ParallelDims(cp=args.cp_size, tp=args.tp_size, ep=(args.ep_size or 1) if args.cp_size > 1 else 1).resolve(
+            devices)
         ParallelDims(dp_shard=1, tp=args.tp_size).validate(num_heads=spec.num_heads or None,
                                                            num_kv_heads=spec.num_kv_heads or None)
     except ValueError as err:
