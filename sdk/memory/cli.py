@@ -50,7 +50,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "--cp-size (ContextParallel(cp_size, tp_size)) the cp row's activations also split over tp")
     p.add_argument("--ep-size", type=int_range(1, _MAX_DEVICES), default=None,
                    help="expert-parallel ranks splitting each MoE layer's experts, for the all-to-all buffers (ep "
-                        "row; default: every device, as ExpertParallel() splits)")
+                        "row; default: every device, as ExpertParallel() splits); with --cp-size, ExpertParallel's "
+                        "ep x cp (each rank dispatches seq_len / cp tokens of each sequence)")
     p.add_argument("--pp-size", type=int_range(1, _MAX_DEVICES), default=None,
                    help="pipeline stages (pp row; default: --num-gpus)")
     p.add_argument("--microbatches", type=int_range(1, 2**20), default=None,
@@ -112,10 +113,12 @@ def _parallel_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
         rows.append(f"Activations per rank under {layout} ({how}): {cp / GIB:.2f} GiB")
     ep = args.ep_size or args.num_gpus * args.num_nodes
     if _shows(args, "ep", args.ep_size is not None) and ep > 1 and spec.moe_top_k:
-        a2a = all_to_all_bytes(spec, args.batch_size, args.seq_len, ep)
-        rows.append(f"All-to-all buffers per rank under ep {ep} (dispatch + combine, one MoE layer in flight, balanced "
-                    f"routing): {a2a / GIB:.2f} GiB = 2 x {args.batch_size * args.seq_len} tokens x top_k "
-                    f"{spec.moe_top_k} x hidden {spec.hidden_size} x 2 bytes")
+        # ExpertParallel(cp_size=...): each rank dispatches its chunk of every sequence, seq_len / cp tokens of each
+        a2a = all_to_all_bytes(spec, args.batch_size, args.seq_len // args.cp_size, ep)
+        layout = f"ep {ep}" + (f" x cp {args.cp_size}" if args.cp_size > 1 else "")
+        rows.append(f"All-to-all buffers per rank under {layout} (dispatch + combine, one MoE layer in flight, "
+                    f"balanced routing): {a2a / GIB:.2f} GiB = 2 x {args.batch_size * (args.seq_len // args.cp_size)} "
+                    f"tokens x top_k {spec.moe_top_k} x hidden {spec.hidden_size} x 2 bytes")
     pp = args.pp_size or args.num_gpus
     if _shows(args, "pp", args.pp_size is not None) and pp > 1:
         m = args.microbatches or (args.gradient_accumulation_steps if args.gradient_accumulation_steps > 1 else pp)
@@ -151,11 +154,15 @@ def _check_layout(spec: ModelSpec, args: argparse.Namespace) -> None:
     if args.cp_size == 1 and args.tp_size == 1:
         return
     try:
-        ParallelDims(cp=args.cp_size, tp=args.tp_size).resolve(devices)
+        # ep with cp is one strategy's (ExpertParallel(cp_size=...)) and follows its rule; the tp row is another's
+        ParallelDims(cp=args.cp_size, tp=args.tp_size, ep=(args.ep_size or 1) if args.cp_size > 1 else 1).resolve(
+            devices)
         ParallelDims(dp_shard=1, tp=args.tp_size).validate(num_heads=spec.num_heads or None,
                                                            num_kv_heads=spec.num_kv_heads or None)
     except ValueError as err:
-        raise ValueError(f"--cp-size {args.cp_size} --tp-size {args.tp_size} on {devices} device(s): {err}") from None
+        ep = f" --ep-size {args.ep_size}" if args.ep_size else ""
+        raise ValueError(f"--cp-size {args.cp_size} --tp-size {args.tp_size}{ep} on {devices} device(s): {err}") \
+            from None
 
 
 def _header(spec: ModelSpec, args: argparse.Namespace) -> str:

@@ -23,7 +23,9 @@ Forwards without labels (evaluation logits, generation) run the whole sequence o
 
 MoE layers (shardkit's Llama with ``config.moe``) route each rank's chunk through every expert; their routing
 statistics are summed over the cp group (:mod:`~shardkit.strategies.cp_moe`), so the auxiliary loss added to the
-loss, the load and the counts of the aux-loss-free bias update are the whole sequences', as on one device.
+loss, the load and the counts of the aux-loss-free bias update are the whole sequences', as on one device. To
+split the experts over the cp ranks too (expert parallelism), use
+:class:`~shardkit.strategies.expert_parallel.ExpertParallel` with ``cp_size``, which installs this forward itself.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from shardkit.strategies.parallel_dims import CP_MODES, ParallelDims
 from shardkit.strategies.tensor_parallel import resolve_plan
 from shardkit.utils.suggest import did_you_mean
 
-__all__ = ["ContextParallel", "context_parallel_forward"]
+__all__ = ["ContextParallel", "context_parallel_forward", "install_context_parallel"]
 
 
 class ContextParallel(_fsdp.FSDP):
@@ -63,11 +65,20 @@ class ContextParallel(_fsdp.FSDP):
             model's own, as :func:`~shardkit.strategies.tensor_parallel.resolve_plan` finds it.
         sequence_parallel: with ``tp_size > 1``, the model's own plan in its sequence-parallel form (the norms and
             the residual stream between blocks split over tp along each rank's chunk of the sequence).
+        ep_size: refused above 1: expert parallelism with context parallelism is
+            :class:`~shardkit.strategies.expert_parallel.ExpertParallel` with ``cp_size`` (one place selects it).
     """
 
     def __init__(self, cp_size: int | None = None, cp_mode: str = "ring", dp_replicate: int = 1,
                  sharding: str = "full", state_dict_type: str = "sharded", timeout: float | None = None,
-                 tp_size: int = 1, tp_plan: dict[str, Any] | None = None, sequence_parallel: bool = False):
+                 tp_size: int = 1, tp_plan: dict[str, Any] | None = None, sequence_parallel: bool = False,
+                 ep_size: int | None = None):
+        if ep_size not in (None, 1):
+            cp = cp_size if cp_size is not None else "N"
+            raise ValueError(f"ContextParallel(ep_size={ep_size!r}): expert parallelism composed with context "
+                             f"parallelism is ExpertParallel(ep_size={ep_size!r}, cp_size={cp}) (--strategy ep "
+                             f"--strategy-opt ep_size={ep_size!r} --strategy-opt cp_size={cp}); ContextParallel runs "
+                             "every expert on every rank")
         if cp_mode not in CP_MODES:
             raise ValueError(f"ContextParallel cp_mode={cp_mode!r} is not one of {CP_MODES}"
                              f"{did_you_mean(str(cp_mode), CP_MODES)}")
@@ -132,7 +143,7 @@ class ContextParallel(_fsdp.FSDP):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         attention = (UlyssesAttention if self.cp_mode == "ulysses" else RingAttention)(self.cp_group)
-        _install(module, attention, self.dims, self.cp_mode)
+        install_context_parallel(module, attention, self.dims, self.cp_mode)
         return super().setup_module(module)
 
     @override
@@ -181,45 +192,50 @@ def _attention_modules(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if hasattr(m, "core") and hasattr(m, "rotary")]
 
 
-def _install(module: nn.Module, attention: Any, dims: ParallelDims, cp_mode: str) -> None:
-    """Route ``module``'s training forward through the split sequence (shardkit's Llama, Hugging Face decoders)."""
+def install_context_parallel(module: nn.Module, attention: Any, dims: ParallelDims, cp_mode: str,
+                             owner: str = "ContextParallel") -> None:
+    """Route ``module``'s training forward through the split sequence (shardkit's Llama, Hugging Face decoders):
+    ``attention`` (ring or Ulysses over the cp group) in place of each attention core, the forward replaced by
+    :func:`context_parallel_forward`, MoE layers' statistics summed over the cp group until a strategy (expert
+    parallelism) puts its own dispatcher in their slot. ``owner`` is the strategy named in errors."""
     from shardkit.strategies import cp_hf
 
     cfg = getattr(module, "config", None)
     if cp_hf.is_hf_decoder(module) and cp_hf.hf_attention_modules(module):
-        _refuse_hf_router_loss(module)
+        _refuse_hf_router_loss(module, owner)
         dims.validate(num_heads=getattr(cfg, "num_attention_heads", None),
                       num_kv_heads=getattr(cfg, "num_key_value_heads", None), cp_mode=cp_mode)
         cp_hf.install_hf(module, attention)
     else:
         attns = _attention_modules(module)
         if not attns or not callable(getattr(module, "hidden_states", None)) or not hasattr(module, "lm_head"):
-            raise ValueError(f"ContextParallel needs attention it can replace: shardkit's Llama (attention modules "
-                             f"with a `core`, `hidden_states` and `lm_head`) or a Hugging Face decoder that "
-                             f"dispatches through ALL_ATTENTION_FUNCTIONS (Llama, Qwen2, ...); {type(module).__name__} "
-                             "is neither")
+            raise ValueError(f"{owner} (context parallelism) needs attention it can replace: shardkit's Llama "
+                             f"(attention modules with a `core`, `hidden_states` and `lm_head`) or a Hugging Face "
+                             f"decoder that dispatches through ALL_ATTENTION_FUNCTIONS (Llama, Qwen2, ...); "
+                             f"{type(module).__name__} is neither")
         dims.validate(num_heads=getattr(cfg, "num_heads", None), num_kv_heads=getattr(cfg, "kv_heads", None),
                       cp_mode=cp_mode)
         for attn in attns:
             attn.core = attention
     # MoE layers route each rank's chunk; their load and auxiliary loss are summed over the cp group (cp_moe.py).
-    module._shardkit_cp_moe = install_statistics(module, "ContextParallel",
+    module._shardkit_cp_moe = install_statistics(module, owner,
                                                  lambda: GroupStatistics(attention.group, grad_scale=attention.size))
     module._shardkit_cp = attention
     module.forward = types.MethodType(context_parallel_forward, module)
 
 
-def _refuse_hf_router_loss(module: nn.Module) -> None:
+def _refuse_hf_router_loss(module: nn.Module, owner: str = "ContextParallel") -> None:
     """A Hugging Face MoE decoder that adds its router loss to the training loss (``output_router_logits`` with a
     non-zero ``router_aux_loss_coef``) is refused: the split forward takes the loss from the logits alone."""
     cfg = module.config
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     coef = getattr(text, "router_aux_loss_coef", 0.0) or 0.0
     if getattr(text, "output_router_logits", False) and coef:
-        raise ValueError(f"ContextParallel: {type(module).__name__} adds its router load-balancing loss "
+        raise ValueError(f"{owner}: {type(module).__name__} adds its router load-balancing loss "
                          f"(router_aux_loss_coef={coef}, output_router_logits=True) to its training loss, which the "
                          "split-sequence forward would leave out; set output_router_logits=False in its config to "
-                         "train without it, or train it with --strategy ep or fsdp")
+                         "train without it, or train it without context parallelism (--strategy ep without cp_size, "
+                         "or fsdp)")
 
 
 def context_parallel_forward(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None,

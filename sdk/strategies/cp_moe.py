@@ -93,6 +93,7 @@ def install_statistics(module: nn.Module, owner: str, make: Any) -> list[nn.Modu
         if layer.dispatcher is not None and not isinstance(layer.dispatcher, GroupStatistics):
             raise ValueError(f"{owner}: the MoE layer {type(layer).__name__} already has a dispatcher "
                              f"({type(layer.dispatcher).__name__}, expert parallelism's): expert parallelism does "
-                             f"not compose with {owner} here; use one of them")
+                             f"not compose with {owner} here; use one of them, or ExpertParallel(ep_size=..., "
+                             "cp_size=...) for both")
         layer.dispatcher = make()
     return layers

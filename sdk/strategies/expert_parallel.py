@@ -30,8 +30,21 @@ says:
 - ``"none"``: each of them holds its ep slice whole (a DTensor replicated over ``dp_replicate x dp_shard_mod_ep``,
   sharded over ep); the gradients are all-reduced over them after the window's last backward.
 
-Context, tensor and pipeline parallelism are not composed with expert parallelism here: ExpertParallel takes no
-cp/tp/pp size, and an Accelerate ``parallelism_config`` asking for ep with them is refused by name.
+With context parallelism (``cp_size > 1``, torchtitan's rule): each sequence is split over the ``cp`` ranks, whose
+attention runs ring (or Ulysses) over the whole sequence as under :class:`~shardkit.strategies.ContextParallel` (the
+same forward, installed by :func:`~shardkit.strategies.context_parallel.install_context_parallel`); ep is borrowed
+from ``dp_shard x cp`` (every cp rank and ``ep / cp`` dp_shard ranks, :meth:`ParallelDims.build_expert`), so the
+ranks holding one sequence's chunks split the experts and each sends its chunk's tokens to their experts; the dense
+parameters are FSDP2 over ``dp_shard x cp`` (HSDP over ``dp_replicate``). The gradients: each rank's loss gradient is
+``cp`` times its chunk's share of its sequences' loss (FSDP2's mean over ``dp_shard x cp`` takes it back out), so an
+expert's gradient, summed over the ep group's ranks, is ``cp`` times the sum of its ``ep / cp`` batches' and the
+``1 / ep`` scale leaves their mean, as without cp. The routing statistics are summed over every rank (dp x cp: each
+holds other tokens), their gradient scaled by that number, so the auxiliary loss (added to the loss by the
+context-parallel forward) and the bias update's counts are the whole batch's. The forward without labels runs whole
+sequences on every cp rank; the statistics are then summed over the data-parallel ranks only.
+
+Tensor and pipeline parallelism are not composed with expert parallelism here: ExpertParallel takes no tp/pp size,
+and an Accelerate ``parallelism_config`` asking for ep with them is refused by name.
 """
 
 from __future__ import annotations
@@ -52,8 +65,10 @@ from typing_extensions import override
 from shardkit.strategies import _dtensor
 from shardkit.strategies import activation_checkpointing as checkpointing
 from shardkit.strategies import fsdp as _fsdp
+from shardkit.strategies.context_parallel import install_context_parallel
+from shardkit.strategies.cp_attention import RingAttention, UlyssesAttention
 from shardkit.strategies.parallel import ProcessGroupStrategy
-from shardkit.strategies.parallel_dims import ParallelDims
+from shardkit.strategies.parallel_dims import CP_MODES, ParallelDims
 from shardkit.utils.hf_experts import check_hf_expert_layout
 from shardkit.utils.suggest import did_you_mean
 
@@ -155,12 +170,22 @@ class AllToAllDispatch:
         stats_group: the data-parallel ranks the routing statistics are summed over.
         grad_scale: the factor on the local experts' weight gradients (1 / ep: the ep group's ranks' losses are
             summed into them, and the replicas of the experts average them).
+        unsplit_stats_group: under context parallelism, the data-parallel ranks alone: the statistics' group while
+            :attr:`enabled` is off (the context-parallel forward without labels runs whole sequences on every cp
+            rank, so a sum over the cp ranks would count each token once per rank). None: ``stats_group`` always.
     """
 
-    def __init__(self, group: Any, stats_group: Any, grad_scale: float):
+    def __init__(self, group: Any, stats_group: Any, grad_scale: float, unsplit_stats_group: Any = None):
         self.group, self.stats_group, self.grad_scale = group, stats_group, grad_scale
+        self.unsplit_stats_group = unsplit_stats_group
         self.size = dist.get_world_size(group)
         self.stats_size = dist.get_world_size(stats_group)
+        self.enabled = True  # the context-parallel forward turns it off around its unsplit forward
+
+    def _stats(self) -> tuple[Any, int]:
+        if self.enabled or self.unsplit_stats_group is None:
+            return self.stats_group, self.stats_size
+        return self.unsplit_stats_group, dist.get_world_size(self.unsplit_stats_group)
 
     def weight_view(self, weight: torch.Tensor) -> torch.Tensor:
         """This rank's experts of a stacked weight, with the gradient scaling above."""
@@ -185,36 +210,47 @@ class AllToAllDispatch:
     def global_sum(self, local: torch.Tensor) -> torch.Tensor:
         """The sum over the data-parallel ranks; the gradient reaches ``local`` times their number (their gradients
         are averaged afterwards, which leaves the one-device gradient)."""
+        group, size = self._stats()
         total = local.detach().clone()
-        dist.all_reduce(total, group=self.stats_group)
-        scaled = local * self.stats_size
+        dist.all_reduce(total, group=group)
+        scaled = local * size
         return scaled + (total - scaled).detach()
 
     def global_counts(self, local: torch.Tensor) -> torch.Tensor:
         total = local.clone()
-        dist.all_reduce(total, group=self.stats_group)
+        dist.all_reduce(total, group=self._stats()[0])
         return total
 
 
 class ExpertParallel(_fsdp.FSDP):
     """MoE experts split over ``ep_size`` ranks with all-to-all token dispatch; FSDP2 over the data-parallel ranks
-    for the rest.
+    for the rest; with ``cp_size > 1`` each sequence split over cp ranks too (context parallelism).
 
     Args:
         ep_size: ranks that split each MoE layer's experts, borrowed from dp_shard (must divide it and each layer's
-            number of experts); None: every dp_shard rank.
+            number of experts), or with cp_size > 1 from dp_shard x cp (a multiple of cp_size dividing
+            dp_shard * cp_size); None: every one of those ranks.
         sharding: the dense parameters' FSDP2 mode, "full" or "grad_op" (as :class:`~shardkit.strategies.FSDP`).
         expert_sharding: how the ``dp / ep`` ranks holding the same experts hold them: "full" (FSDP2 over them)
             or "none" (whole ep slices, gradients all-reduced); see the module docstring.
         dp_replicate: replicas of the whole model (HSDP: dense parameters sharded within dp_shard and replicated
-            across the replicas); ep is borrowed from dp_shard = world / dp_replicate.
+            across the replicas); ep is borrowed from dp_shard = world / (dp_replicate * cp_size).
+        cp_size: ranks that split each sequence (context parallelism, as :class:`~shardkit.strategies.ContextParallel`
+            without tp); 1: none.
+        cp_mode: with cp_size > 1, "ring" or "ulysses" attention (as ContextParallel's).
         state_dict_type, timeout: as :class:`~shardkit.strategies.FSDP`.
     """
 
     def __init__(self, ep_size: int | None = None, sharding: str = "full", expert_sharding: str = "full",
-                 dp_replicate: int = 1, state_dict_type: str = "sharded", timeout: float | None = None):
+                 dp_replicate: int = 1, state_dict_type: str = "sharded", timeout: float | None = None,
+                 cp_size: int = 1, cp_mode: str = "ring"):
         if ep_size is not None and (isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1):
             raise ValueError(f"ExpertParallel ep_size={ep_size!r} must be an int >= 1 (None: every dp_shard rank)")
+        if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+            raise ValueError(f"ExpertParallel cp_size={cp_size!r} must be an int >= 1 (1: no context parallelism)")
+        if cp_mode not in CP_MODES:
+            raise ValueError(f"ExpertParallel cp_mode={cp_mode!r} is not one of {CP_MODES}"
+                             f"{did_you_mean(str(cp_mode), CP_MODES)}")
         if sharding not in ("full", "grad_op"):
             raise ValueError(f"ExpertParallel sharding={sharding!r}: use 'full' or 'grad_op' (replicas of the whole "
                              "model, as FSDP's 'hybrid', are dp_replicate=N)")
@@ -226,7 +262,8 @@ class ExpertParallel(_fsdp.FSDP):
         super().__init__(sharding=sharding, state_dict_type=state_dict_type, timeout=timeout)
         self._ep_size = ep_size
         self.expert_sharding = expert_sharding
-        self.dims = ParallelDims(dp_replicate=dp_replicate, ep=ep_size or 1)
+        self.cp_mode = cp_mode
+        self.dims = ParallelDims(dp_replicate=dp_replicate, cp=cp_size, ep=ep_size or 1)
         self.expert_mesh: Any = None
         self._replicated: list[nn.Parameter] = []  # expert_sharding="none": gradients all-reduced over the replicas
         self._replica_group: Any = None
@@ -236,14 +273,34 @@ class ExpertParallel(_fsdp.FSDP):
     def ep_size(self) -> int:
         return self.dims.ep
 
+    @property
+    def cp_size(self) -> int:
+        return self.dims.cp
+
+    @property
+    @override
+    def data_parallel_size(self) -> int:
+        """Ranks that see different batches: dp_replicate * dp_shard (cp peers share one)."""
+        return self.world_size // self.dims.cp
+
+    @property
+    @override
+    def data_parallel_rank(self) -> int:
+        return self.rank // self.dims.cp  # cp is the innermost dimension (no tp here)
+
     @override
     def setup_environment(self) -> None:
         ProcessGroupStrategy.setup_environment(self)
         dims = dataclasses.replace(self.dims, dp_shard=-1, ep=1).resolve(self.world_size)
-        # resolve names the fix when ep does not divide dp_shard
-        self.dims = dataclasses.replace(dims, ep=self._ep_size or dims.dp_shard).resolve(self.world_size)
+        # resolve names the fix when ep does not divide dp_shard (or, with cp, dp_shard x cp)
+        self.dims = dataclasses.replace(dims, ep=self._ep_size or dims.dp_shard * dims.cp).resolve(self.world_size)
         self.world_mesh = self.dims.build(self.device_type, names=_fsdp.MESH_DIM_NAMES)
-        self.mesh = self.world_mesh["shard"] if self.dims.dp_replicate == 1 else self.world_mesh[("replicate", "shard")]
+        if self.dims.cp == 1:
+            self.mesh = self.world_mesh["shard"] if self.dims.dp_replicate == 1 else \
+                self.world_mesh[("replicate", "shard")]
+        else:  # dense parameters sharded over dp_shard x cp, as ContextParallel's
+            shard = ParallelDims.submesh(self.world_mesh, ("shard", "cp"))
+            self.mesh = shard if self.dims.dp_replicate == 1 else self.world_mesh[("replicate", "shard_cp")]
         self.expert_mesh = self.dims.build_expert(self.device_type)
 
     @override
@@ -261,6 +318,11 @@ class ExpertParallel(_fsdp.FSDP):
                 type(module).__name__)
         for layer in layers:
             self.dims.validate_experts(layer.experts.gate_up_proj.shape[0])
+        if self.dims.cp > 1:
+            # The split-sequence forward first; the all-to-all dispatchers replace its statistics ones in _shard.
+            cp_group = self.world_mesh["cp"].get_group()
+            attention = (UlyssesAttention if self.cp_mode == "ulysses" else RingAttention)(cp_group)
+            install_context_parallel(module, attention, self.dims, self.cp_mode, owner="ExpertParallel")
         return super().setup_module(module)
 
     def _expert_layout(self) -> tuple[Any, list[Any]]:
@@ -277,7 +339,11 @@ class ExpertParallel(_fsdp.FSDP):
         units over the data-parallel ranks for the rest."""
         ep_mesh = self.expert_mesh["ep"]
         mesh, placements = self._expert_layout()
-        dispatch = AllToAllDispatch(ep_mesh.get_group(), dist.group.WORLD, 1.0 / self.dims.ep)
+        unsplit = None
+        if self.dims.cp > 1:  # the ranks with different batches: one cp coordinate's dp_replicate x dp_shard
+            names = ("shard",) if self.dims.dp_replicate == 1 else ("replicate", "shard")
+            unsplit = ParallelDims.submesh(self.world_mesh, names).get_group()
+        dispatch = AllToAllDispatch(ep_mesh.get_group(), dist.group.WORLD, 1.0 / self.dims.ep, unsplit)
         holders = [layer.experts for layer in moe_modules(module)] + hf_expert_blocks(module)
         experts: list[nn.Parameter] = []
         for holder in holders:
@@ -346,8 +412,11 @@ class ExpertParallel(_fsdp.FSDP):
     def checkpoint_info(self) -> dict[str, Any]:
         info = super().checkpoint_info()
         info.update(ep_size=self.dims.ep, expert_sharding=self.expert_sharding)
+        if self.dims.cp > 1:
+            info.update(cp_size=self.dims.cp, cp_mode=self.cp_mode)
         return info
 
     def __repr__(self) -> str:
-        return (f"ExpertParallel(ep_size={self.dims.ep}, expert_sharding={self.expert_sharding!r}, "
+        cp = f", cp_size={self.dims.cp}, cp_mode={self.cp_mode!r}" if self.dims.cp > 1 else ""
+        return (f"ExpertParallel(ep_size={self.dims.ep}{cp}, expert_sharding={self.expert_sharding!r}, "
                 f"dp_replicate={self.dims.dp_replicate}, device={self._device})")

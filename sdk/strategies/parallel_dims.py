@@ -11,12 +11,16 @@ The order is pp outermost, tp innermost (torchtitan's): tensor-parallel peers ar
 on a node their all-reduces stay on the fastest links, and each pipeline stage is a contiguous block.
 Accelerate's ``parallelism_config`` section reads into it (:meth:`ParallelDims.from_accelerate`).
 
-``ep`` (expert parallelism) is not a factor of the world: it borrows ranks from ``dp_shard`` (torchtitan's
-choice). Ranks that see different batches also hold different experts of each MoE layer, and their tokens travel
-to the experts' ranks; :meth:`ParallelDims.build_expert` gives the mesh with ``dp_shard`` split into
-``("dp_shard_mod_ep", "ep")``, ep innermost so that an expert group is neighbouring ranks. When ep is smaller than
-the data-parallel size, each expert is held by ``dp / ep`` ranks (:attr:`ParallelDims.expert_replicas`: the
-``dp_replicate x dp_shard_mod_ep`` ranks with the same ep coordinate), which average its gradient.
+``ep`` (expert parallelism) is not a factor of the world: it borrows ranks from ``dp_shard x cp`` (torchtitan's
+rule). Ranks that see different batches, or different chunks of the same sequences, also hold different experts of
+each MoE layer, and their tokens travel to the experts' ranks; :meth:`ParallelDims.build_expert` gives the mesh with
+``dp_shard`` split into ``("dp_shard_mod_ep", "ep")``, ep innermost so that an expert group is neighbouring ranks.
+With context parallelism ep takes every cp rank and ``ep / cp`` of the dp_shard ranks (ep must be a multiple of cp
+and divide ``dp_shard * cp``): ``dp_shard`` splits into ``("dp_shard_mod_ep", "dp_shard_in_ep")`` and ``ep`` is
+``dp_shard_in_ep x cp`` flattened, so the cp ranks that hold one sequence's chunks split the experts between them.
+When ep is smaller than the ranks it borrows from, each expert is held by ``dp * cp / ep`` ranks
+(:attr:`ParallelDims.expert_replicas`: the ``dp_replicate x dp_shard_mod_ep`` ranks with the same ep coordinate),
+which average its gradient.
 """
 
 from __future__ import annotations
@@ -48,8 +52,8 @@ class ParallelDims:
         cp: ranks that split each sequence (context parallelism).
         tp: ranks that split each layer's matrices (tensor parallelism).
         pp: pipeline stages (each a block of layers).
-        ep: ranks that split each MoE layer's experts; borrowed from dp_shard (must divide it), so not a factor of
-            the world size.
+        ep: ranks that split each MoE layer's experts; borrowed from dp_shard (must divide it), or from dp_shard x cp
+            under context parallelism (a multiple of cp dividing dp_shard * cp), so not a factor of the world size.
     """
 
     dp_replicate: int = 1
@@ -83,8 +87,8 @@ class ParallelDims:
 
     @property
     def expert_replicas(self) -> int:
-        """Data-parallel ranks holding the same experts: dp_replicate * dp_shard / ep."""
-        return self.dp // self.ep
+        """Ranks holding the same experts: dp_replicate * dp_shard * cp / ep (the ranks ep borrows from, over ep)."""
+        return self.dp * self.cp // self.ep
 
     def _product(self) -> str:
         return " * ".join(f"{n}({s})" for n, s in self.sizes.items() if n != "pp" or s > 1)
@@ -107,7 +111,13 @@ class ParallelDims:
         if dims.world_size != world_size:
             raise ValueError(f"ParallelDims: {dims._product()} = {dims.world_size} != world_size({world_size}); "
                              "the sizes must multiply to the number of processes (set dp_shard=-1 to fill the rest)")
-        if dims.dp_shard % dims.ep:
+        if dims.ep > 1 and dims.cp > 1:
+            if dims.ep % dims.cp or (dims.dp_shard * dims.cp) % dims.ep:
+                raise ValueError(f"ParallelDims: ep({dims.ep}) with cp({dims.cp}): expert parallelism borrows every "
+                                 f"cp rank and some dp_shard({dims.dp_shard}) ranks (ep = dp_shard_in_ep * cp), so ep "
+                                 f"must be a multiple of cp({dims.cp}) that divides dp_shard * cp = "
+                                 f"{dims.dp_shard * dims.cp}; e.g. ep={dims.cp}")
+        elif dims.dp_shard % dims.ep:
             raise ValueError(f"ParallelDims: dp_shard({dims.dp_shard}) % ep({dims.ep}) != 0: expert parallelism "
                              "splits the experts over groups of ep data-parallel (dp_shard) ranks; choose an ep that "
                              f"divides {dims.dp_shard}")
@@ -182,21 +192,28 @@ class ParallelDims:
 
     def build_expert(self, device_type: str) -> Any:
         """The DeviceMesh of expert parallelism over every rank: :data:`DIM_NAMES` with ``dp_shard`` split into
-        ``("dp_shard_mod_ep", "ep")`` (its own process groups, beside :meth:`build`'s)."""
+        ``("dp_shard_mod_ep", "ep")`` (its own process groups, beside :meth:`build`'s). With cp > 1, ``dp_shard``
+        splits into ``("dp_shard_mod_ep", "dp_shard_in_ep")`` and ``mesh["ep"]`` is ``dp_shard_in_ep x cp``
+        flattened (the mesh itself keeps ``cp`` as a dimension)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         dims = self.resolve(world)
+        borrowed = dims.cp if dims.ep > 1 else 1  # the cp ranks ep takes besides dp_shard ranks
+        inner = "ep" if borrowed == 1 else "dp_shard_in_ep"
         names, sizes = [], []
         for name, size in dims.sizes.items():
             if name == "dp_shard":
-                names += ["dp_shard_mod_ep", "ep"]
-                sizes += [size // dims.ep, dims.ep]
+                names += ["dp_shard_mod_ep", inner]
+                sizes += [size * borrowed // dims.ep, dims.ep // borrowed]
             else:
                 names.append(name)
                 sizes.append(size)
-        return init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+        mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
+        if borrowed > 1:
+            mesh[(inner, "cp")]._flatten("ep")
+        return mesh
 
     @classmethod
     def data_parallel(cls, world_size: int, shard_size: int, owner: str = "ParallelDims",
@@ -251,7 +268,8 @@ def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_typ
     """The strategy (registry name, keyword arguments) an Accelerate ``parallelism_config`` section describes.
 
     ep > 1 (shardkit's ``parallelism_config_ep_size``): ExpertParallel (experts split over ep ranks borrowed from
-    dp_shard, FSDP2 over the data-parallel ranks, HSDP over dp_replicate); with cp or tp it is refused (not built).
+    dp_shard, FSDP2 over the data-parallel ranks, HSDP over dp_replicate; with cp > 1 its ``cp_size``: sequences split
+    over cp, ep borrowed from dp_shard x cp); with tp or pp it is refused (not built).
     cp > 1: ContextParallel (FSDP2 over dp_shard x cp, HSDP over dp_replicate; with tp > 1 too, CP x TP: its
     ``tp_size``); tp > 1 alone: TensorParallel (FSDP2 over the data-parallel ranks); data parallelism only: FSDP
     (hybrid when dp_replicate > 1).
@@ -270,12 +288,13 @@ def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_typ
     except ValueError as err:
         raise ValueError(f"parallelism_config in {where}: {err}") from None
     if dims.ep > 1:
-        others = [f"{n}({getattr(dims, n)})" for n in ("cp", "tp", "pp") if getattr(dims, n) > 1]
+        others = [f"{n}({getattr(dims, n)})" for n in ("tp", "pp") if getattr(dims, n) > 1]
         if others:
             raise ValueError(f"parallelism_config in {where}: ep({dims.ep}) with {' and '.join(others)} is not "
-                             "supported: expert parallelism composes with dp_shard and dp_replicate only; drop "
+                             "supported: expert parallelism composes with dp_shard, dp_replicate and cp only; drop "
                              "parallelism_config_ep_size (MoE layers then run whole on every rank) or the other sizes")
-        return "ep", {"ep_size": dims.ep, **({"dp_replicate": dims.dp_replicate} if dims.dp_replicate > 1 else {})}
+        return "ep", {"ep_size": dims.ep, **({"dp_replicate": dims.dp_replicate} if dims.dp_replicate > 1 else {}),
+                      **({"cp_size": dims.cp} if dims.cp > 1 else {})}
     if dims.cp > 1:
         return "cp", {"cp_size": dims.cp, "dp_replicate": dims.dp_replicate, **({"tp_size": dims.tp} if dims.tp > 1
                                                                                  else {})}

@@ -8,7 +8,11 @@ norm and the weights after the last AdamW step:
 - ``replicated``: ``ExpertParallel(ep_size=2, expert_sharding="none")``: each ep slice whole on 2 ranks, gradients
   all-reduced;
 - ``hsdp``: ``ExpertParallel(ep_size=2, dp_replicate=2)``: dense parameters HSDP (2 replicas x 2 shards), experts
-  split over the 2 dp_shard ranks and replicated across the replicas.
+  split over the 2 dp_shard ranks and replicated across the replicas;
+- ``cp``: ``ExpertParallel(ep_size=2, cp_size=2)``: each sequence split over 2 cp ranks (ring attention), the experts
+  over the same 2 ranks (ep borrowed from dp_shard x cp), FSDP2 over dp_shard x cp, 2 data-parallel batches; also the
+  counts and the router bias of the aux-loss-free update, an unsplit eval forward's logits and load, and its
+  checkpoint continued in one process (ep 2 x cp 2 -> 1).
 
 The last batch routes every token to experts 0 and 1 (the router bias steers the choice), so the ranks holding
 experts 2 and 3 receive no token from anyone. Then the ``fsdp`` run's checkpoint loads into one process (EP 2 -> 1)
@@ -26,7 +30,7 @@ from shardkit import Runner
 from shardkit.models import Llama, LlamaConfig
 from shardkit.models.moe import moe_layers
 
-__all__ = ["CONFIG", "ep_worker", "hf_export_under_ep", "one_to_ep2"]
+__all__ = ["CONFIG", "cp_case", "ep_worker", "hf_export_under_ep", "one_to_ep2"]
 
 CONFIG = LlamaConfig.small_moe(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, max_position=32,
                                tie_embeddings=False, fused=False,
@@ -137,6 +141,64 @@ def _case(strategy: Any, ref: dict, init: dict) -> tuple[dict[str, Any], Runner,
         "weights": max((got["weights"][n] - ref["weights"][n]).abs().max().item() for n in ref["weights"]),
         "load": got["load"],
     }, runner, model, opt
+
+
+def _balancing(model: torch.nn.Module) -> dict[str, Any]:
+    """Each MoE layer's counts since the last bias update, and an eval forward's logits and load on the batch."""
+    batch = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+    model.eval()
+    with torch.no_grad():
+        logits = model(batch)
+    model.train()
+    return {"counts": [layer.tokens_per_expert.clone() for layer in moe_layers(model)], "logits": logits,
+            "eval_load": [layer.last_load.tolist() for layer in moe_layers(model)],
+            "bias": [layer.router.expert_bias.clone() for layer in moe_layers(model)]}
+
+
+def cp_case(root: str, ref: dict, init: dict, ref_balance: dict) -> dict[str, Any]:
+    """ep 2 x cp 2 against one device: ``_case``'s figures, then the aux-loss-free update's counts and bias (the
+    Trainer's call), an eval forward (no labels: whole sequences on every cp rank, statistics over dp only), and its
+    checkpoint loaded in one process, whose next step must be the ep 2 x cp 2 run's."""
+    import dataclasses
+
+    from shardkit.models.moe import update_router_biases
+    from shardkit.strategies import SingleDevice
+    from shardkit.strategies.expert_parallel import ExpertParallel
+
+    out, runner, model, opt = _case(ExpertParallel(ep_size=2, cp_size=2), ref, init)
+    s = runner.strategy
+    out["cp"] = s.cp_size
+    rows = slice(s.data_parallel_rank * 2, s.data_parallel_rank * 2 + 2)
+    batch = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+    got: dict[str, Any] = {"counts": [layer.tokens_per_expert.clone() for layer in moe_layers(model)]}
+    model.eval()
+    with torch.no_grad():
+        got["logits"] = model(batch[rows])
+    got["eval_load"] = [layer.last_load.tolist() for layer in moe_layers(model)]
+    model.train()
+    out["counts"] = max((a - b).abs().max().item() for a, b in zip(got["counts"], ref_balance["counts"]))
+    out["logits"] = (got["logits"] - ref_balance["logits"][rows]).abs().max().item()
+    out["eval_load"] = got["eval_load"] == ref_balance["eval_load"]
+    rate = 1e-3
+    for layer in moe_layers(model):
+        layer.config = dataclasses.replace(layer.config, bias_update_rate=rate)
+    update_router_biases(model, lambda counts: runner.all_reduce(counts, "sum"))
+    expected = [b + rate * torch.sign(c.mean() - c).to(b.dtype) for b, c in zip(ref_balance["bias"],
+                                                                                ref_balance["counts"])]
+    out["bias"] = max((layer.router.expert_bias - e).abs().max().item() for layer, e in zip(moe_layers(model),
+                                                                                           expected))
+    out["bias_moved"] = max((e - b).abs().max().item() for e, b in zip(expected, ref_balance["bias"]))
+    runner.save(f"{root}/ep2cp2", {"model": model, "optimizer": opt})
+    one = Runner(SingleDevice("cpu"), seed=0)  # every rank on its own: ep 2 x cp 2 -> one device
+    resumed = Llama(CONFIG)
+    resumed, resumed_opt = one.setup(resumed, _adamw(resumed))
+    one.load(f"{root}/ep2cp2", {"model": resumed, "optimizer": resumed_opt})
+    batch = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(9))
+    runner.backward(model(batch[rows], labels=batch[rows]))
+    runner.step()
+    after = runner.all_reduce(model(batch[rows], labels=batch[rows]).detach().clone(), "mean").item()
+    out["resumed_loss"] = abs(_next_loss(one, resumed) - after)
+    return out
 
 
 def _selected_by_config(root: str) -> dict[str, Any]:
@@ -273,6 +335,7 @@ def ep_worker(root: str) -> dict[str, Any]:
     ref_model, _ = ref_runner.setup(ref_model, _adamw(ref_model))
     ref = _run(ref_runner, ref_model, slice(None))
 
+    ref_balance = _balancing(ref_model)
     out: dict[str, Any] = {"ref_load": ref["load"],
                            "moved": max((ref["weights"][n] - init[n]).abs().max().item() for n in ref["weights"])}
     out["fsdp"], runner, model, opt = _case(STRATEGIES.build_from_cli("ep", ["ep_size=2"]), ref, init)
@@ -284,6 +347,7 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["resumed_loss"] = abs(_next_loss(one, resumed) - _next_loss(ref_runner, ref_model))
     out["replicated"] = _case(ExpertParallel(ep_size=2, expert_sharding="none"), ref, init)[0]
     out["hsdp"] = _case(ExpertParallel(ep_size=2, dp_replicate=2), ref, init)[0]
+    out["cp"] = cp_case(root, ref, init, ref_balance)
     out["hf"] = _hf_case()
     out["selected"] = _selected_by_config(root)
     out["one_to_ep2"] = one_to_ep2(root)

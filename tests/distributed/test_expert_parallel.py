@@ -1,12 +1,14 @@
-"""Expert parallelism on 4 CPU ranks equals one process for the MoE Llama built under ``runner.init_module()`` (the
-same weights, bitwise): loss, whole gradients, clipped norm and weights after 3 AdamW steps, the last with the
-experts of ep rank 1 empty, for ep 2 < dp 4 with the experts FSDP2-sharded over their replicas (``--strategy ep
---strategy-opt ep_size=2``) or replicated whole (``expert_sharding="none"``), and under HSDP (``dp_replicate=2``);
-the checkpoint resumed in one process continues the one-device run; Hugging Face's Qwen3-MoE (its expert blocks
-dispatched the same way, ep 4) equals its own one-process step; the Runner and the Trainer select ExpertParallel from
-an Accelerate config's parallelism_config_ep_size. An MoE Llama one-device checkpoint resumes under ep 2
-(one saved layout whatever the ep size), and the Qwen3-MoE's exports (save_pretrained, zero-to-fp32) are the Hub's
-per-expert files that from_pretrained reads back. One launch."""
+"""Expert parallelism on 4 CPU ranks equals one process for the MoE Llama built under ``runner.init_module()`` (the same
+weights, bitwise): loss, whole gradients, clipped norm and weights after 3 AdamW steps, the last with the experts of
+ep rank 1 empty, for ep 2 < dp 4 with the experts FSDP2-sharded over their replicas (``--strategy ep --strategy-opt
+ep_size=2``) or replicated whole (``expert_sharding="none"``), and under HSDP (``dp_replicate=2``); the checkpoint
+resumed in one process continues the one-device run; Hugging Face's Qwen3-MoE (its expert blocks dispatched the same
+way, ep 4) equals its own one-process step; ep 2 x cp 2 (``ExpertParallel(ep_size=2, cp_size=2)``: sequences split
+over the cp ranks, which split the experts) equals one device too, with the aux-loss-free update's counts and bias,
+and its checkpoint continues in one process; the Runner and the Trainer select ExpertParallel from an Accelerate
+config's parallelism_config_ep_size. An MoE Llama one-device checkpoint resumes under ep 2 (one saved layout whatever
+the ep size), and the Qwen3-MoE's exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
+from_pretrained reads back. One launch."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from harness import run_distributed
 TOL = 2e-5
 CASES = {"fsdp": (2, 4, 2, ["_StridedShard", "Shard"]),   # ep, dp, replicas, the expert weights' placements
          "replicated": (2, 4, 2, ["Replicate", "Replicate", "Shard"]),
-         "hsdp": (2, 4, 2, ["Replicate", "_StridedShard", "Shard"])}
+         "hsdp": (2, 4, 2, ["Replicate", "_StridedShard", "Shard"]),
+         "cp": (2, 2, 2, ["_StridedShard", "Shard"])}  # ep 2 x cp 2: 2 batches, experts FSDP2 over dp_shard_mod_ep
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,18 @@ def test_expert_parallel_equals_one_process(results, case):
         assert got["load"] == out["ref_load"], (got["load"], out["ref_load"])
         # the last step: ep rank 1's experts (2 and 3) got no token
         assert all(load[2] == 0 and load[3] == 0 for load in got["load"][STEPS - 1]), got["load"]
+
+
+def test_expert_parallel_with_context_parallel_balances_on_the_whole_batch(results):
+    for rank, out in enumerate(results):
+        got = out["cp"]  # ep 2 x cp 2 (ring): the equalities above, and the routing statistics of the whole batch
+        assert got["cp"] == 2, got
+        assert got["counts"] == 0, f"rank {rank}: the bias update's counts differ by {got['counts']}"
+        assert got["bias"] == 0 and got["bias_moved"] > 0, (rank, got["bias"], got["bias_moved"])
+        # no labels: whole sequences on every cp rank, the load summed over the data-parallel ranks only
+        assert got["logits"] < TOL and got["eval_load"], (rank, got["logits"], got["eval_load"])
+        # ep 2 x cp 2 -> 1: its checkpoint's next step in one process is the ep 2 x cp 2 run's
+        assert got["resumed_loss"] < TOL, (rank, got["resumed_loss"])
 
 
 def test_expert_parallel_checkpoint_and_hf_model(results):

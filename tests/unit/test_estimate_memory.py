@@ -256,6 +256,15 @@ def test_all_to_all_buffers_under_ep_equal_a_hand_computation(tmp_path, capsys):
     assert cli_main(["estimate-memory", "--config", str(tmp_path / "config.json"), "--num-gpus", "8",
                      "--strategy", "fsdp", "--batch-size", "4", "--seq-len", "3072", "--ep-size", "4"]) == 0
     assert "under ep 4" in capsys.readouterr().out  # an explicit --ep-size shows the row whatever the strategy
+    # ep x cp (ExpertParallel(cp_size=2)): each rank dispatches its half of every sequence
+    assert cli_main(["estimate-memory", "--config", str(tmp_path / "config.json"), "--num-gpus", "8",
+                     "--strategy", "ep", "--batch-size", "4", "--seq-len", "3072", "--ep-size", "4",
+                     "--cp-size", "2"]) == 0
+    assert "under ep 4 x cp 2 (dispatch + combine, one MoE layer in flight, balanced routing): 0.38 GiB = 2 x 6144 " \
+           "tokens" in capsys.readouterr().out
+    assert cli_main(["estimate-memory", "--config", str(tmp_path / "config.json"), "--num-gpus", "8",
+                     "--ep-size", "2", "--cp-size", "4"]) == 2
+    assert "ep(2) with cp(4)" in capsys.readouterr().err
     assert cli_main(["estimate-memory", "--config", str(tmp_path / "config.json"), "--num-gpus", "8",
                      "--ep-size", "3"]) == 2
     assert "--ep-size 3 does not divide the 8 device(s)" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """Selecting expert parallelism without a process group: Accelerate's ``parallelism_config`` (shardkit's
 ``parallelism_config_ep_size`` key), ``--strategy-opt``, the Runner and the Trainer under the launcher's config file,
-and the refusals of what is not built (ep with cp/tp, unknown layouts). The 4-rank runs are in
+ep with cp (ExpertParallel's cp_size; ContextParallel's ep_size refused by name, pointing to it), and the refusals of
+what is not built (ep with tp/pp, unknown layouts). The 4-rank runs are in
 tests/distributed/test_expert_parallel.py."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def _config(tmp_path, section, processes=4):
     ({"parallelism_config_dp_shard_size": 4, "parallelism_config_ep_size": 2}, ("ep", {"ep_size": 2})),
     ({"parallelism_config_dp_replicate_size": 2, "parallelism_config_ep_size": 2},
      ("ep", {"ep_size": 2, "dp_replicate": 2})),
+    ({"parallelism_config_cp_size": 2, "parallelism_config_ep_size": 2}, ("ep", {"ep_size": 2, "cp_size": 2})),
 ])
 def test_accelerate_parallelism_config_selects_expert_parallel(tmp_path, monkeypatch, section, spec):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -32,13 +34,18 @@ def test_accelerate_parallelism_config_selects_expert_parallel(tmp_path, monkeyp
     assert cfg.strategy == spec
     strategy = STRATEGIES.build(cfg.strategy[0], **cfg.strategy[1])
     assert (strategy.ep_size, strategy.dims.dp_replicate) == (2, spec[1].get("dp_replicate", 1))
+    assert strategy.cp_size == spec[1].get("cp_size", 1)
 
 
 def test_accelerate_parallelism_config_refuses_ep_it_cannot_build(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(ValueError, match=r"ep\(2\) with cp\(2\) is not supported: expert parallelism composes with "
-                                         r"dp_shard and dp_replicate only"):
-        load_accelerate_config(_config(tmp_path, {"parallelism_config_cp_size": 2, "parallelism_config_ep_size": 2}))
+    with pytest.raises(ValueError, match=r"ep\(2\) with tp\(2\) is not supported: expert parallelism composes with "
+                                         r"dp_shard, dp_replicate and cp only"):
+        load_accelerate_config(_config(tmp_path, {"parallelism_config_tp_size": 2, "parallelism_config_ep_size": 2}))
+    # torchtitan's rule: ep takes every cp rank, so it is a multiple of cp dividing dp_shard * cp
+    with pytest.raises(ValueError, match=r"ep\(2\) with cp\(4\): .*must be a multiple of cp\(4\) that divides "
+                                         r"dp_shard \* cp = 4"):
+        load_accelerate_config(_config(tmp_path, {"parallelism_config_cp_size": 4, "parallelism_config_ep_size": 2}))
     with pytest.raises(ValueError, match=r"dp_shard\(4\) % ep\(3\) != 0"):
         load_accelerate_config(_config(tmp_path, {"parallelism_config_ep_size": 3}))
     with pytest.raises(ValueError, match=r"parallelism_config_ep_sise .*did you mean 'parallelism_config_ep_size'"):
@@ -56,6 +63,24 @@ def test_expert_replicas_and_cli_options():
         STRATEGIES.build("ep", sharding="hybrid")
     with pytest.raises(ValueError, match=r"dp_replicate=0 must be an int >= 1"):
         STRATEGIES.build("ep", dp_replicate=0)
+
+
+def test_expert_parallel_with_context_parallel_sizes_and_the_refusal_by_name():
+    assert ParallelDims(cp=2, ep=2).resolve(8).expert_replicas == 4  # dp_shard 4 x cp 2 ranks, over ep 2
+    assert ParallelDims(cp=2, ep=8).resolve(8).expert_replicas == 1
+    with pytest.raises(ValueError, match=r"ep\(6\) with cp\(2\).*divides dp_shard \* cp = 8"):
+        ParallelDims(cp=2, ep=6).resolve(8)
+    ep = STRATEGIES.build_from_cli("ep", ["ep_size=2", "cp_size=2", "cp_mode=ulysses"])
+    assert (ep.ep_size, ep.cp_size, ep.cp_mode) == (2, 2, "ulysses")
+    with pytest.raises(ValueError, match=r"cp_mode='rign' is not one of .*did you mean 'ring'"):
+        STRATEGIES.build("ep", cp_mode="rign")
+    with pytest.raises(ValueError, match=r"cp_size=0 must be an int >= 1"):
+        STRATEGIES.build("ep", cp_size=0)
+    # one place selects ep x cp: ContextParallel names it
+    with pytest.raises(ValueError, match=r"ContextParallel\(ep_size=2\): expert parallelism composed with context "
+                                         r"parallelism is ExpertParallel\(ep_size=2, cp_size=2\)"):
+        STRATEGIES.build_from_cli("cp", ["cp_size=2", "ep_size=2"])
+    assert STRATEGIES.build("cp", cp_size=2, ep_size=1).cp_size == 2  # 1: no expert parallelism, nothing to refuse
 
 
 def test_the_launchers_config_resolves_to_expert_parallel(tmp_path, monkeypatch):
