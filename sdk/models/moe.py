@@ -102,6 +102,18 @@ class MoEConfig:
         if self.capacity_factor is not None and not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
             raise ValueError(f"MoEConfig capacity_factor={self.capacity_factor!r} must be None (dropless) or a "
                              "finite number > 0")
+        size = self.shared_intermediate_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            # 0 would fall back to intermediate_size unsaid (``size or intermediate_size``)
+            raise ValueError(f"MoEConfig shared_intermediate_size={size!r} must be None (intermediate_size) or an "
+                             "int >= 1; no shared experts is num_shared_experts=0")
+        if not isinstance(self.norm_topk_prob, bool):
+            # a string such as "false" from a hand-written config would be truthy
+            raise ValueError(f"MoEConfig norm_topk_prob={self.norm_topk_prob!r} must be True or False")
+        if isinstance(self.route_scale, bool) or not isinstance(self.route_scale, (int, float)) \
+                or not (self.route_scale > 0 and math.isfinite(self.route_scale)):
+            raise ValueError(f"MoEConfig route_scale={self.route_scale!r} must be a finite number > 0 (a factor on "
+                             "the routing weights)")
         for name in ("aux_loss_coef", "bias_update_rate"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
