@@ -168,6 +168,9 @@ class TopKRouter(nn.Module):
 class LocalDispatch:
     """Every expert on this device: the grouped GEMM over the sorted tokens; statistics are this process's."""
 
+    # Every expert on this rank: the layer runs its routed function (no sorted copy of the tokens kept).
+    routes_locally = True
+
     def run(self, experts: GroupedExperts, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return experts(tokens, counts)
 
@@ -239,8 +242,9 @@ class MoE(nn.Module):
         counts = torch.bincount(experts_sorted, minlength=cfg.num_experts)
         token = order // cfg.top_k
         picked_weights = weights.reshape(-1)[order]
-        if self.dispatcher is None:
-            # Gather, experts, weighting and sum in one function that keeps no sorted copy of the tokens.
+        if self.dispatcher is None or getattr(dispatch, "routes_locally", False):
+            # Gather, experts, weighting and sum in one function that keeps no sorted copy of the tokens (also when a
+            # strategy only reduces the statistics: context parallelism and pipelines keep every expert here).
             y = self.experts.routed(x, token, picked_weights, counts)
         else:
             out = dispatch.run(self.experts, x[token], counts)

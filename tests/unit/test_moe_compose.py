@@ -127,3 +127,31 @@ def test_activation_checkpointing_keeps_the_aux_loss_gradient_and_reentrant_is_r
     no_aux = Llama(LlamaConfig.small_moe(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, fused=False,
                                          moe={"num_experts": 4, "aux_loss_coef": 0.0}))
     assert len(apply_activation_checkpointing(no_aux, ActivationCheckpointing(use_reentrant=True))) == 2
+
+
+def test_a_statistics_dispatcher_keeps_the_one_device_routed_path():
+    """Context parallelism and pipelines keep every expert on the rank: the layer runs the same routed function as
+    on one device (its bf16 sums in fp32, the same tensors kept for the backward), not the sorted-copy form."""
+    torch.manual_seed(0)
+    local = MoE(16, MoEConfig(num_experts=4, top_k=4, intermediate_size=8))
+    split = copy.deepcopy(local)
+    split.dispatcher = GroupStatistics(group=None)
+    x = torch.randn(3, 16, 16)
+
+    def saved_bytes(layer, inputs):
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(inputs)
+        return out, sum(sizes)
+
+    local(x)  # the engine's one-time probe of torch._grouped_mm runs outside the count
+    want, want_bytes = saved_bytes(local, x)
+    got, got_bytes = saved_bytes(split, x)
+    assert got_bytes == want_bytes
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(split.bfloat16()(x.bfloat16()), local.bfloat16()(x.bfloat16()))
