@@ -34,6 +34,7 @@ __all__ = ["ExpertLayout", "Piece", "export_plan", "layout_for", "model_type_of"
 
 _MAX_CONFIG = 64 << 20
 _STACKED = re.compile(r"^(?P<prefix>.*\.)?experts\.(?P<which>gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts\.)(?P<e>\d+)\.(?P<proj>[^.]+)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -164,15 +165,63 @@ class _StackedView:
         return self.get(key).reshape(-1)[start:start + count].clone()
 
 
+def _experts_on_disk(have: Any, layout: ExpertLayout) -> dict[tuple[str, str], set[int]]:
+    """(on-disk prefix ending in ``experts.``, projection) -> the expert indices the files hold in ``layout``."""
+    found: dict[tuple[str, str], set[int]] = {}
+    projections = {layout.gate, layout.up, layout.down}
+    for key in have:
+        m = _PER_EXPERT.match(key)
+        if m is not None and m.group("proj") in projections:
+            found.setdefault((m.group("prefix"), m.group("proj")), set()).add(int(m.group("e")))
+    return found
+
+
+def _check_expert_set(path: Any, name: str, shape: tuple[int, ...], layout: ExpertLayout, in_files: bool,
+                      on_disk: dict[tuple[str, str], set[int]]) -> None:
+    """A stacked weight's experts in the files must be all of the model's and no more, in one layout only: a file
+    written for another ``num_experts``, or missing some experts, would otherwise load in part (strict=False) or fail
+    on a list of names that hides the cause."""
+    m = _STACKED.match(name)
+    if m is None or len(shape) != 3:
+        return
+    prefix = layout.rename(m.group("prefix") or "") + "experts."
+    projections = (layout.down,) if m.group("which") == "down_proj" else (layout.gate, layout.up)
+    held = {proj: on_disk.get((prefix, proj), set()) for proj in projections}
+    if not any(held.values()):
+        return
+    if in_files:
+        proj = next(p for p in projections if held[p])
+        raise CheckpointError(f"{path}: holds both the stacked {name} and per-expert tensors "
+                              f"{prefix}{min(held[proj])}.{proj}.weight ...: it is ambiguous which one is the "
+                              "model's; keep one layout")
+    want = set(range(shape[0]))
+    for proj, indices in held.items():
+        if indices != want:
+            missing, extra = sorted(want - indices), sorted(indices - want)
+            raise CheckpointError(
+                f"{path}: {prefix}<e>.{proj}.weight is stored for {len(indices)} experts, the model's {name} has "
+                f"{shape[0]}" + (f"; missing experts {missing[:8]}" if missing else "")
+                + (f"; experts {extra[:8]} beyond the model's" if extra else "")
+                + ": the files were written for another num_experts, or are incomplete")
+
+
 def stacked_view(weights: Any, model_keys: dict[str, tuple[int, ...]]) -> Any:
     """``weights`` as a model holding ``model_keys`` (name -> shape) reads it: where the files keep a stacked expert
     weight the model has in any known per-expert layout (and not stacked), that weight reads from its experts; a
-    Mixtral file's ``.block_sparse_moe.`` names answer as ``.mlp.``. ``weights`` itself when nothing needs it."""
+    Mixtral file's ``.block_sparse_moe.`` names answer as ``.mlp.``. ``weights`` itself when nothing needs it.
+
+    Raises:
+        CheckpointError: per-expert tensors for other experts than the model's ``0 .. E-1`` (some missing, or more
+            of them), or both the stacked and the per-expert form of one weight, whatever ``strict`` says.
+    """
     have = weights.weight_map
     for layout in (_QWEN, _MIXTRAL):
         stacked = {}
         renamed = {}
+        on_disk = _experts_on_disk(have, layout)
         for name, shape in model_keys.items():
+            if on_disk:
+                _check_expert_set(weights.path, name, shape, layout, name in have, on_disk)
             if name in have:
                 continue
             pieces = layout.pieces(name, shape)

@@ -102,6 +102,18 @@ class MoEConfig:
         if self.capacity_factor is not None and not (self.capacity_factor > 0 and math.isfinite(self.capacity_factor)):
             raise ValueError(f"MoEConfig capacity_factor={self.capacity_factor!r} must be None (dropless) or a "
                              "finite number > 0")
+        size = self.shared_intermediate_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            # 0 would fall back to intermediate_size unsaid (``size or intermediate_size``)
+            raise ValueError(f"MoEConfig shared_intermediate_size={size!r} must be None (intermediate_size) or an "
+                             "int >= 1; no shared experts is num_shared_experts=0")
+        if not isinstance(self.norm_topk_prob, bool):
+            # a string such as "false" from a hand-written config would be truthy
+            raise ValueError(f"MoEConfig norm_topk_prob={self.norm_topk_prob!r} must be True or False")
+        if isinstance(self.route_scale, bool) or not isinstance(self.route_scale, (int, float)) \
+                or not (self.route_scale > 0 and math.isfinite(self.route_scale)):
+            raise ValueError(f"MoEConfig route_scale={self.route_scale!r} must be a finite number > 0 (a factor on "
+                             "the routing weights)")
         for name in ("aux_loss_coef", "bias_update_rate"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
@@ -155,6 +167,9 @@ class TopKRouter(nn.Module):
 
 class LocalDispatch:
     """Every expert on this device: the grouped GEMM over the sorted tokens; statistics are this process's."""
+
+    # Every expert on this rank: the layer runs its routed function (no sorted copy of the tokens kept).
+    routes_locally = True
 
     def run(self, experts: GroupedExperts, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return experts(tokens, counts)
@@ -227,8 +242,9 @@ class MoE(nn.Module):
         counts = torch.bincount(experts_sorted, minlength=cfg.num_experts)
         token = order // cfg.top_k
         picked_weights = weights.reshape(-1)[order]
-        if self.dispatcher is None:
-            # Gather, experts, weighting and sum in one function that keeps no sorted copy of the tokens.
+        if self.dispatcher is None or getattr(dispatch, "routes_locally", False):
+            # Gather, experts, weighting and sum in one function that keeps no sorted copy of the tokens (also when a
+            # strategy only reduces the statistics: context parallelism and pipelines keep every expert here).
             y = self.experts.routed(x, token, picked_weights, counts)
         else:
             out = dispatch.run(self.experts, x[token], counts)

@@ -59,6 +59,8 @@ def _chunks(counts: torch.Tensor, rows: int, per_expert: bool) -> list[tuple[int
         return [(0, counts.numel(), 0, rows)] if rows else []
     chunks, start = [], 0
     for e, n in enumerate(counts.tolist()):
+        if n < 0:  # a negative count can still add up to the rows, and the experts' runs would overlap
+            raise ValueError(f"grouped experts: expert {e} has a negative count ({n}) of assignments")
         if n:
             chunks.append((e, e + 1, start, start + n))
             start += n

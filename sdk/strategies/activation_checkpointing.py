@@ -29,6 +29,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from shardkit.strategies.cp_moe import statistics_layers
 from shardkit.utils.operations import json_object
 from shardkit.utils.suggest import by_closeness, did_you_mean
 
@@ -203,6 +204,8 @@ def apply_activation_checkpointing(module: nn.Module, settings: ActivationCheckp
     classes = _block_classes(module, settings.blocks, default_blocks, owner)
     targets = [m for m in module.modules() if m is not module and isinstance(m, classes)]
     inside = {id(c) for t in targets for c in t.modules() if c is not t}
+    if settings.use_reentrant:
+        _refuse_reentrant_aux_loss(targets, owner)
     patched = []
     for block in targets:
         if id(block) in inside:  # a block inside another checkpointed block is recomputed with it
@@ -237,6 +240,21 @@ def check_reentrant_supported(strategy: Any, owner: str = "activation_checkpoint
             f"{owner}: use_reentrant=True cannot run under DDP(find_unused_parameters=True): DDP marks the "
             "checkpointed blocks' parameters unused after the forward, then their gradients arrive in backward. Use "
             "use_reentrant=False (the default), or DDP(static_graph=True) instead of find_unused_parameters")
+
+
+def _refuse_reentrant_aux_loss(blocks: list[nn.Module], owner: str) -> None:
+    """An MoE layer hands its auxiliary loss to the model's loss through an attribute, not through the block's
+    output; reentrant checkpointing runs the block's forward without grad, so that loss would add its value but none
+    of its gradient (the routers and everything before them would get wrong gradients, unsaid)."""
+    for block in blocks:
+        for layer in statistics_layers(block):
+            coef = getattr(getattr(layer, "config", None), "aux_loss_coef", None)
+            if coef != 0:
+                raise ActivationCheckpointingError(
+                    f"{owner}: use_reentrant=True cannot checkpoint {type(block).__name__}: its MoE layer "
+                    f"{type(layer).__name__} adds an auxiliary loss (aux_loss_coef={coef}) that reentrant "
+                    "checkpointing computes without grad, so its gradient would be lost; use use_reentrant=False "
+                    "(the default), or aux_loss_coef=0")
 
 
 def _block_classes(module: nn.Module, blocks: Any, default_blocks: tuple[type, ...] | None,

@@ -48,6 +48,10 @@ class GroupStatistics:
             it moves the bias (``reduce_counts``); None: the caller's ``all_reduce`` (the world).
     """
 
+    # Every expert is on this rank: the layer runs its routed function as on one device (no sorted copy of the
+    # tokens, no expert outputs kept for the backward; its sums over assignments in at least fp32).
+    routes_locally = True
+
     def __init__(self, group: Any = None, grad_scale: float = 1.0, counts_group: Any = None):
         self.group, self.grad_scale, self.counts_group = group, grad_scale, counts_group
         # Off while a strategy runs the whole batch on every rank of the group (ContextParallel's unsplit forward):

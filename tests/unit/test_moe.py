@@ -171,6 +171,14 @@ def test_config_errors_are_named():
         MoEConfig(capacity_factor=0)
     with pytest.raises(ValueError, match="no field 'num_expert'"):
         LlamaConfig(moe={"num_expert": 4})
+    # each of these was accepted and changed the layer unsaid (NaN or sign-flipped weights, a string read as True,
+    # a width of 0 read as intermediate_size)
+    for fields, match in [({"route_scale": float("nan")}, "route_scale=nan"), ({"route_scale": -1.0}, "route_scale"),
+                          ({"norm_topk_prob": "false"}, "norm_topk_prob='false'"),
+                          ({"num_shared_experts": 1, "shared_intermediate_size": 0}, "shared_intermediate_size=0")]:
+        with pytest.raises(ValueError, match=match):
+            MoEConfig(**fields)
+    assert MoEConfig(route_scale=2.5, shared_intermediate_size=16).route_scale == 2.5
 
 
 def test_a_tiny_moe_llama_learns_and_reports_its_load():

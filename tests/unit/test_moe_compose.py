@@ -98,3 +98,60 @@ def test_context_parallel_refuses_an_hf_moe_whose_router_loss_it_would_drop():
         _refuse_hf_router_loss(model(output_router_logits=True, router_aux_loss_coef=0.001))
     _refuse_hf_router_loss(model(output_router_logits=False, router_aux_loss_coef=0.001))  # HF adds none either
     _refuse_hf_router_loss(model(num_attention_heads=4))  # a dense model
+
+
+def test_activation_checkpointing_keeps_the_aux_loss_gradient_and_reentrant_is_refused():
+    from shardkit.strategies.activation_checkpointing import (
+        ActivationCheckpointing,
+        ActivationCheckpointingError,
+        apply_activation_checkpointing,
+    )
+
+    torch.manual_seed(0)
+    base = Llama(CONFIG).double()
+    batch = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def grads(model):
+        model(batch, labels=batch).backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    plain = grads(copy.deepcopy(base))
+    recomputed = copy.deepcopy(base)
+    assert len(apply_activation_checkpointing(recomputed, ActivationCheckpointing())) == 2
+    got = grads(recomputed)
+    assert all(torch.allclose(got[n], plain[n]) for n in plain)
+    # Reentrant checkpointing runs the block without grad: the aux loss's value would count, its gradient not.
+    with pytest.raises(ActivationCheckpointingError, match=r"use_reentrant=True cannot checkpoint LlamaBlock: its "
+                                                           r"MoE layer MoE adds an auxiliary loss"):
+        apply_activation_checkpointing(copy.deepcopy(base), ActivationCheckpointing(use_reentrant=True))
+    no_aux = Llama(LlamaConfig.small_moe(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, fused=False,
+                                         moe={"num_experts": 4, "aux_loss_coef": 0.0}))
+    assert len(apply_activation_checkpointing(no_aux, ActivationCheckpointing(use_reentrant=True))) == 2
+
+
+def test_a_statistics_dispatcher_keeps_the_one_device_routed_path():
+    """Context parallelism and pipelines keep every expert on the rank: the layer runs the same routed function as
+    on one device (its bf16 sums in fp32, the same tensors kept for the backward), not the sorted-copy form."""
+    torch.manual_seed(0)
+    local = MoE(16, MoEConfig(num_experts=4, top_k=4, intermediate_size=8))
+    split = copy.deepcopy(local)
+    split.dispatcher = GroupStatistics(group=None)
+    x = torch.randn(3, 16, 16)
+
+    def saved_bytes(layer, inputs):
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(inputs)
+        return out, sum(sizes)
+
+    local(x)  # the engine's one-time probe of torch._grouped_mm runs outside the count
+    want, want_bytes = saved_bytes(local, x)
+    got, got_bytes = saved_bytes(split, x)
+    assert got_bytes == want_bytes
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(split.bfloat16()(x.bfloat16()), local.bfloat16()(x.bfloat16()))

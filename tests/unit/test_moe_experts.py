@@ -115,5 +115,9 @@ def test_low_precision_sums_run_in_fp32_and_bad_counts_are_named():
     torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2)
     with pytest.raises(ValueError, match="counts add up to 19 assignments for 20 rows"):
         _routed("loop")(x, gate_up, down, weights, token, counts - F.one_hot(torch.tensor(0), E))
+    moved = counts + F.one_hot(torch.tensor(0), E) - F.one_hot(torch.tensor(1), E) * (counts[1] + 1)
+    moved[2] += counts[1]  # still adds up to the rows: expert 1's run would overlap its neighbours'
+    with pytest.raises(ValueError, match="expert 1 has a negative count"):
+        _routed("loop")(x, gate_up, down, weights, token, moved)
     with pytest.raises(ValueError, match="not one of"):
         routed_swiglu(x, token, weights, counts, gate_up, down, backend="grouped")

@@ -135,3 +135,36 @@ def test_a_per_expert_tensor_of_the_wrong_shape_is_named(tmp_path):
     runner, fresh = _set_up(_model("qwen3_moe", seed=1))
     with pytest.raises(CheckpointError, match=r"experts\.2\.up_proj\.weight has shape \[8, 32\]"):
         load_pretrained(runner, fresh, tmp_path)
+
+
+def _more_experts(t):  # a file written for 5 experts read by a 4-expert model
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        t[f"model.layers.1.mlp.experts.4.{proj}.weight"] = t[f"model.layers.1.mlp.experts.0.{proj}.weight"].clone()
+
+
+def _one_missing(t):
+    del t["model.layers.1.mlp.experts.3.up_proj.weight"]
+
+
+def _both_layouts(t):
+    t["model.layers.1.mlp.experts.gate_up_proj"] = torch.zeros(4, 32, 32)
+    t["model.layers.1.mlp.experts.down_proj"] = torch.zeros(4, 32, 16)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_more_experts, r"gate_proj\.weight is stored for 5 experts.* has 4; experts \[4\] beyond"),
+    (_one_missing, r"up_proj\.weight is stored for 3 experts.* has 4; missing experts \[3\]"),
+    (_both_layouts, r"both the stacked model\.layers\.1\.mlp\.experts\.gate_up_proj and per-expert"),
+])
+def test_per_expert_files_that_disagree_with_the_model_are_named_even_when_not_strict(edit, match, tmp_path):
+    model = _model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    tensors = _tensors(tmp_path)
+    edit(tensors)
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    runner, fresh = _set_up(_model("qwen3_moe", seed=1))
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    for strict in (True, False):  # strict=False loaded the matching part silently
+        with pytest.raises(CheckpointError, match=match):
+            load_pretrained(runner, fresh, tmp_path, strict=strict)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
