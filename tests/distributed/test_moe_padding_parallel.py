@@ -1,7 +1,8 @@
-"""Padded rows under expert parallelism (ep 2 on 2 CPU ranks, one row per rank, different amounts of left padding):
-the padding is dropped before the all-to-all, so the routing statistics summed over the data-parallel ranks (load,
-aux loss) and the router bias after the aux-loss-free update are the one-device values of the real tokens, and each
-row's logits are its own alone. One launch."""
+"""Padded rows in the MoE Llama on 2 CPU ranks. Under expert parallelism (ep 2, one row per rank, different amounts
+of left padding) the padding is dropped before the all-to-all, so the routing statistics summed over the
+data-parallel ranks (load, aux loss) and the router bias after the aux-loss-free update are the one-device values of
+the real tokens, and each row's logits are its own alone. Under ContextParallel (cp 2) and TensorParallel (tp 2,
+sequence parallel) the padded batch gives the one-device load, aux loss and logits. One launch."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _stats(model: torch.nn.Module) -> dict[str, Any]:
 
 def _ep_padded_worker() -> dict[str, Any]:
     from shardkit import Runner
-    from shardkit.strategies import SingleDevice
+    from shardkit.strategies import ContextParallel, SingleDevice, TensorParallel
     from shardkit.strategies.expert_parallel import ExpertParallel
 
     rows = _rows()
@@ -61,6 +62,11 @@ def _ep_padded_worker() -> dict[str, Any]:
             alone_logits.append(ref(real))
         ref.train()
     ids, mask = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+    init = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref.eval()
+    with torch.no_grad():
+        batch_logits = ref(ids, attention_mask=mask)
+    ref.train()
     ref(ids, labels=ids.masked_fill(mask == 0, -100), attention_mask=mask)
     want = _stats(ref)
     update_router_biases(ref)
@@ -80,14 +86,36 @@ def _ep_padded_worker() -> dict[str, Any]:
         logits = model(row, attention_mask=row_mask)[:, PADS[rank]:]
     update_router_biases(model)
     got["bias"] = [m.router.expert_bias.tolist() for m in moe_layers(model)]
-    return {"got": got, "want": want, "alone_load": alone_load,
-            "logits": (logits - alone_logits[rank]).abs().max().item(), "finite": bool(torch.isfinite(logits).all())}
+    out = {"got": got, "want": want, "alone_load": alone_load,
+           "logits": (logits - alone_logits[rank]).abs().max().item(), "finite": bool(torch.isfinite(logits).all())}
+    # the whole padded batch on every rank: context parallelism (its masked forward runs unsplit) and tensor
+    # parallelism with sequence parallelism (router and experts whole on every rank)
+    cases = (("cp", ContextParallel(cp_size=2)), ("tp", TensorParallel(tp_size=2, sequence_parallel=True)))
+    for name, strategy in cases:
+        runner = Runner(strategy, seed=0)
+        model = Llama(CONFIG)
+        model.load_state_dict(init)
+        model = runner.setup(model)
+        model.eval()
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask)
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        real = mask.bool()
+        model.train()
+        model(ids, labels=ids.masked_fill(mask == 0, -100), attention_mask=mask)
+        out[name] = {**_stats(model), "logits": (logits - batch_logits)[real].abs().max().item()}
+    return out
 
 
-def test_padded_rows_under_expert_parallel_route_as_their_real_tokens():
+def test_padded_rows_route_as_their_real_tokens_under_ep_cp_tp():
     for rank, out in enumerate(run_distributed(_ep_padded_worker, world_size=2, timeout=300)):
         got, want = out["got"], out["want"]
         assert got["load"] == want["load"] == out["alone_load"], (rank, got["load"], want["load"], out["alone_load"])
         assert max(abs(a - b) for a, b in zip(got["aux"], want["aux"])) < 1e-6, (rank, got["aux"], want["aux"])
         assert got["bias"] == want["bias"], (rank, got["bias"], want["bias"])
         assert out["finite"] and out["logits"] < 1e-5, (rank, out["logits"])
+        for name in ("cp", "tp"):
+            case = out[name]
+            assert case["load"] == want["load"], (rank, name, case["load"], want["load"])
+            assert max(abs(a - b) for a, b in zip(case["aux"], want["aux"])) < 1e-6, (rank, name, case["aux"])
+            assert case["logits"] < 1e-5, (rank, name, case["logits"])
