@@ -251,7 +251,10 @@ class LlamaBlock(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, cache: _LayerCache | None = None, position_ids: torch.Tensor | None = None,
-                segments: Segments | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                segments: Segments | None = None, key_mask: torch.Tensor | None = None,
+                token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``key_mask``: see :meth:`Attention.forward`; ``token_mask`` (B, T) bool, False at padding: an MoE layer's
+        padding takes no expert capacity and no part in the routing statistics (None: every token is real)."""
         if key_mask is not None:
             attended = self.self_attn(self.input_layernorm(x), cache=cache, position_ids=position_ids,
                                       key_mask=key_mask)
@@ -262,9 +265,8 @@ class LlamaBlock(nn.Module):
         else:
             attended = self.self_attn(self.input_layernorm(x), position_ids=position_ids, segments=segments)
         x = x + self.dropout(attended)
-        if key_mask is not None and isinstance(self.mlp, MoE):
-            # padding takes no expert capacity and stays out of the routing statistics (the new tokens' part)
-            return x + self.dropout(self.mlp(self.post_attention_layernorm(x), token_mask=key_mask[:, -x.shape[1]:]))
+        if token_mask is not None and isinstance(self.mlp, MoE):
+            return x + self.dropout(self.mlp(self.post_attention_layernorm(x), token_mask=token_mask))
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -380,9 +382,12 @@ class Llama(nn.Module):
             raise ValueError(f"sequence length {int(key_mask.sum(1).max())} (real tokens of the longest row) exceeds "
                              f"max_position={self.config.max_position}")
         x = self.embed_tokens(input_ids)
+        # Decoding steps after a padded prompt pass no mask (their new tokens are all real): the MoE layers then skip
+        # the count of real tokens, a device sync per layer and step.
+        token_mask = None if attention_mask is None else new
         for i, layer in enumerate(self.layers):
             x = layer(x, cache=None if cache is None else cache.layer(i), position_ids=position_ids,
-                      key_mask=key_mask)
+                      key_mask=key_mask, token_mask=token_mask)
         if cache is not None:
             cache.length += seq
             cache.real = key_mask
