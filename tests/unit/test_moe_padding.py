@@ -113,3 +113,16 @@ def test_token_mask_of_another_shape_is_refused() -> None:
         layer(torch.randn(2, 3, 16, dtype=torch.float64), token_mask=torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="booleans or 0/1"):
         layer(torch.randn(2, 3, 16, dtype=torch.float64), token_mask=torch.ones(2, 3))
+
+
+def test_pipeline_refuses_a_padded_attention_mask_by_name() -> None:
+    """Pipeline stages carry no mask, so padding would be routed (and attended): the forward refuses it."""
+    from types import SimpleNamespace
+
+    from shardkit.strategies._pipeline_stages import _pipeline_forward
+
+    ids = torch.zeros(2, 4, dtype=torch.long)
+    mask = torch.ones(2, 4, dtype=torch.long)
+    mask[0, 0] = 0
+    with pytest.raises(NotImplementedError, match="Pipeline: an attention_mask with padding"):
+        _pipeline_forward(SimpleNamespace(_shardkit_pipeline=None), ids, labels=ids, attention_mask=mask)
