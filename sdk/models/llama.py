@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardkit.models.llama_tp import llama_plan
 from shardkit.models.mlp import PlainSwiGLUMLP
 from shardkit.models.moe import MoE, MoEConfig, moe_aux_loss
 from shardkit.models.padding import check_attention_mask, padded_causal_mask
@@ -250,7 +251,10 @@ class LlamaBlock(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, cache: _LayerCache | None = None, position_ids: torch.Tensor | None = None,
-                segments: Segments | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                segments: Segments | None = None, key_mask: torch.Tensor | None = None,
+                token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``key_mask``: see :meth:`Attention.forward`; ``token_mask`` (B, T) bool, False at padding: an MoE layer's
+        padding takes no expert capacity and no part in the routing statistics (None: every token is real)."""
         if key_mask is not None:
             attended = self.self_attn(self.input_layernorm(x), cache=cache, position_ids=position_ids,
                                       key_mask=key_mask)
@@ -261,6 +265,8 @@ class LlamaBlock(nn.Module):
         else:
             attended = self.self_attn(self.input_layernorm(x), position_ids=position_ids, segments=segments)
         x = x + self.dropout(attended)
+        if token_mask is not None and isinstance(self.mlp, MoE):
+            return x + self.dropout(self.mlp(self.post_attention_layernorm(x), token_mask=token_mask))
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -376,9 +382,12 @@ class Llama(nn.Module):
             raise ValueError(f"sequence length {int(key_mask.sum(1).max())} (real tokens of the longest row) exceeds "
                              f"max_position={self.config.max_position}")
         x = self.embed_tokens(input_ids)
+        # Decoding steps after a padded prompt pass no mask (their new tokens are all real): the MoE layers then skip
+        # the count of real tokens, a device sync per layer and step.
+        token_mask = None if attention_mask is None else new
         for i, layer in enumerate(self.layers):
             x = layer(x, cache=None if cache is None else cache.layer(i), position_ids=position_ids,
-                      key_mask=key_mask)
+                      key_mask=key_mask, token_mask=token_mask)
         if cache is not None:
             cache.length += seq
             cache.real = key_mask
@@ -538,77 +547,3 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator
         kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)
-
-
-def llama_plan(model: nn.Module, tp_size: int, sequence_parallel: bool = False) -> dict:
-    """The tensor-parallel plan for :class:`Llama`: column-wise q/k/v/gate/up, row-wise o/down.
-
-    Attention keeps ``num_heads / tp_size`` heads per rank (the model views its projections as
-    ``(batch, seq, -1, head_dim)``, so local heads need no change). Embedding and the tied output head
-    stay replicated. With ``sequence_parallel`` the norms and residual stream are sharded on the
-    sequence dim between the blocks. In MoE layers the shared experts split as a dense MLP; the router and the
-    routed experts stay whole on every rank (no tensor parallelism inside the experts).
-
-    Returns:
-        module name -> ``ParallelStyle`` (torch.distributed.tensor.parallel), as ``TensorParallel`` takes.
-
-    Raises:
-        ValueError: ``model`` is not a Llama, or the head counts are not divisible by ``tp_size``.
-    """
-    # Imported here so that building a Llama does not import the DTensor machinery.
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleInputOutput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    cfg = getattr(model, "config", None)
-    if cfg is None or not hasattr(model, "layers"):
-        raise ValueError(f"llama_plan is shardkit Llama's plan; there is no built-in plan for {type(model).__name__}: "
-                         "pass TensorParallel(plan={FQN pattern: ParallelStyle}), e.g. {'layers.*.mlp.up_proj': "
-                         "ColwiseParallel()}, or give the model a parallel_plan(tp_size, sequence_parallel) method")
-    for what, heads in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.kv_heads)):
-        if heads % tp_size:
-            raise ValueError(f"TensorParallel: {what}({heads}) % tp_size({tp_size}) != 0; each rank needs whole "
-                             "attention heads")
-    sp = sequence_parallel
-    plan: dict = {}
-    if sp:
-        plan["embed_tokens"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
-                                                   use_local_output=False)
-        plan["norm"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                          use_local_output=True)
-    for i, layer in enumerate(model.layers):
-        p = f"layers.{i}"
-        # An MoE layer: the router and the routed experts stay whole on every tp rank (each rank routes the same
-        # tokens the same way, so the auxiliary loss is each rank's one copy, not tp summed ones); its shared
-        # experts split as a dense MLP.
-        moe = isinstance(layer.mlp, MoE)
-        mlp = f"{p}.mlp.shared_experts" if moe else f"{p}.mlp"
-        split_mlp = not moe or layer.mlp.shared_experts is not None
-        out = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
-        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-            plan[f"{p}.{name}"] = ColwiseParallel()
-        plan[f"{p}.self_attn.o_proj"] = RowwiseParallel(**out)
-        if split_mlp:
-            plan[f"{mlp}.gate_proj"] = ColwiseParallel()
-            plan[f"{mlp}.up_proj"] = ColwiseParallel()
-            # In an MoE layer the shared experts' sum joins the routed experts' whole one before any re-split.
-            plan[f"{mlp}.down_proj"] = RowwiseParallel(**({} if moe else out))
-        if sp:
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                plan[f"{p}.{norm}"] = SequenceParallel()
-            plan[f"{p}.self_attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                        use_local_output=True)
-            if moe:  # whole tokens in (routing sees every token), the whole output split back on the sequence
-                plan[f"{p}.mlp"] = PrepareModuleInputOutput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
-            else:
-                plan[f"{p}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                      use_local_output=True)
-    return plan

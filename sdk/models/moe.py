@@ -18,6 +18,13 @@ Dropless by default: every assignment runs. The assignments are sorted by expert
 ``ceil(capacity_factor * tokens * top_k / num_experts)`` assignments (in token order); the rest are dropped
 (their token keeps its other experts and the residual) and counted in :attr:`MoE.dropped`.
 
+Padding: ``forward(x, token_mask=...)`` (False at padding; shardkit's Llama passes its ``attention_mask``) drops the
+masked tokens' assignments before dispatch. They take no capacity (``tokens`` above counts the real tokens, and the
+real ones keep their token order), run no expert (their output is the shared experts' alone: finite, and never
+attended) and are left out of every routing statistic (the load, the aux loss, the bias-update counts), so a
+padded row routes as it would alone. Dropping rather than ranking them last keeps the capacity and the statistics a
+function of the real tokens only, the same on every dispatcher (an expert-parallel rank sends nothing for them).
+
 Strategies plug in through :attr:`MoE.dispatcher` (None: every expert is local, the statistics this process's):
 expert parallelism installs one that sends each expert's tokens to the rank holding it and reduces the routing
 statistics over the data-parallel ranks (``shardkit.strategies.expert_parallel``); context parallelism and pipelines
@@ -221,18 +228,29 @@ class MoE(nn.Module):
             self.router.expert_bias = self.router.expert_bias.to(torch.float32)
         return self
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` (..., hidden); ``token_mask`` (x's shape less hidden), False at padding: see the module docstring."""
         cfg = self.config
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        real = None if token_mask is None else _check_token_mask(token_mask, shape)
         dispatch = self.dispatcher or _LOCAL
         scores, picked, weights = self.router(x)
         flat = picked.reshape(-1)
+        tokens = x.shape[0]
+        if real is not None:
+            # Padding's assignments take a sentinel expert past the last: the stable sort puts them after every real
+            # one, in one piece that is cut off, so no expert and no capacity slot sees them.
+            flat = flat.masked_fill(~real.repeat_interleave(cfg.top_k), cfg.num_experts)
+            tokens = int(real.sum())
         order = torch.sort(flat, stable=True).indices  # assignments grouped by expert, in token order inside each
         experts_sorted = flat[order]
+        if real is not None:
+            order, experts_sorted = order[: tokens * cfg.top_k], experts_sorted[: tokens * cfg.top_k]
+        routed = torch.bincount(experts_sorted, minlength=cfg.num_experts)
         keep = None
         if cfg.capacity_factor is not None:
-            capacity = math.ceil(cfg.capacity_factor * x.shape[0] * cfg.top_k / cfg.num_experts)
+            capacity = math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.num_experts)
             starts = torch.searchsorted(experts_sorted, torch.arange(cfg.num_experts, device=x.device))
             keep = torch.arange(order.numel(), device=x.device) - starts[experts_sorted] < capacity
             self.dropped = int(order.numel() - keep.sum())
@@ -252,7 +270,7 @@ class MoE(nn.Module):
             y = torch.zeros_like(x).index_add(0, token, out.to(x.dtype))
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        self._statistics(scores, torch.bincount(flat, minlength=cfg.num_experts), dispatch)
+        self._statistics(scores if real is None else scores[real], routed, dispatch)
         return y.reshape(shape)
 
     def _statistics(self, scores: torch.Tensor, routed: torch.Tensor, dispatch: Any) -> None:
@@ -279,6 +297,17 @@ class MoE(nn.Module):
         mean_probs = dispatch.global_sum(probs.sum(0)) / tokens.to(probs.dtype)
         f = load.to(probs.dtype) * (cfg.num_experts / (cfg.top_k * tokens.to(probs.dtype)))
         self.aux_loss = cfg.aux_loss_coef * (f * mean_probs).sum()
+
+
+def _check_token_mask(token_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``token_mask`` flattened to one bool per token of an input of ``shape``, or a ValueError."""
+    if tuple(token_mask.shape) != tuple(shape[:-1]):
+        raise ValueError(f"MoE: token_mask of shape {tuple(token_mask.shape)} does not match the input's tokens "
+                         f"{tuple(shape[:-1])}")
+    if token_mask.is_floating_point() or token_mask.is_complex():
+        raise ValueError(f"MoE: token_mask must hold booleans or 0/1 integers (1: a real token), not "
+                         f"{token_mask.dtype}")
+    return (token_mask if token_mask.dtype == torch.bool else token_mask != 0).reshape(-1)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
