@@ -7,7 +7,7 @@ inside each group of ``tp_size`` consecutive ranks; across groups the model is e
 
 A plan (module name or fnmatch pattern -> ``ParallelStyle``) says how each layer is split. It comes from
 ``TensorParallel(plan=...)`` when given, else from the model's ``parallel_plan(tp_size, sequence_parallel)``
-method, kept beside the model (shardkit's Llama: :func:`shardkit.models.llama.llama_plan`); see
+method, kept beside the model (shardkit's Llama: :func:`shardkit.models.llama_tp.llama_plan`); see
 :func:`resolve_plan` and ``strategies/README.md``.
 """
 
@@ -85,7 +85,7 @@ def resolve_plan(module: nn.Module, plan: dict[str, ParallelStyle] | None, tp_si
     """The plan TensorParallel applies to ``module``: module name -> ParallelStyle.
 
     ``plan`` (FQN patterns) when given, else the model's own ``parallel_plan(tp_size, sequence_parallel)``
-    (shardkit's Llama has one, :func:`shardkit.models.llama.llama_plan`), else a Hugging Face model's own plan
+    (shardkit's Llama has one, :func:`shardkit.models.llama_tp.llama_plan`), else a Hugging Face model's own plan
     (:func:`hugging_face_plan`). Patterns are expanded to the module names they match.
 
     Raises:
