@@ -209,6 +209,28 @@ def environment_ninja() -> Iterator[None]:
             os.environ["PATH"] = path
 
 
+def ninja_has_work(build_dir: Path) -> bool:
+    """Whether ninja, run in ``build_dir`` as a JIT load runs it (this environment's ninja), would compile anything:
+    a dry run, milliseconds. A folder copied without its times (``cp -r``), or last built by another ninja, holds a
+    library and its marker yet is out of date to ninja, and the load that finds it would compile everything again
+    in the loading process, outside the supervisor (no time limit; a killed job leaves the compile running). True
+    also when the folder has no ``build.ninja`` or ninja cannot say; False only when ninja says there is no work, or
+    there is no ninja at all (the load names that itself)."""
+    import shutil
+
+    if not (Path(build_dir) / "build.ninja").is_file():
+        return True
+    with environment_ninja():
+        ninja = shutil.which("ninja")
+    if ninja is None:
+        return False
+    try:
+        dry = subprocess.run([ninja, "-n", "-C", str(build_dir)], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    return dry.returncode != 0 or "no work to do" not in dry.stdout
+
+
 def run_build_subprocess(code: str, label: str, build_dir: Path, timeout_s: float | None = None) -> None:
     """Run ``python -c code`` (a build) under the build supervisor, holding ``build_dir``'s build lock.
 

@@ -145,6 +145,51 @@ def test_a_built_deepspeed_op_loads_with_this_environments_ninja(tmp_path, monke
     (folder / f".shardkit-built-{deepspeed.__version__}-{torch.__version__}").touch()  # built: only the load runs
     (folder / f"{builder.NAME}.so").touch()
     found = []
+    monkeypatch.setattr("shardkit.ops.build_lock.ninja_has_work", lambda folder: False)  # up to date to ninja
     monkeypatch.setattr(type(builder), "load", lambda self, verbose=False: found.append(shutil.which("ninja")))
     assert build_deepspeed_op("CPUAdamBuilder")
     assert found == [str(ours)]
+
+
+def test_ninja_has_work_sees_a_folder_that_is_out_of_date_to_ninja(tmp_path):
+    """A dry run of this environment's ninja: up to date after a build, out of date once an input is newer (what a
+    `cp -r` of an ops folder looks like to ninja) or without a build.ninja."""
+    import os
+    import subprocess
+
+    from shardkit.ops.build_lock import environment_ninja, ninja_has_work
+
+    assert ninja_has_work(tmp_path)  # no build.ninja
+    (tmp_path / "in.txt").write_text("x")
+    (tmp_path / "build.ninja").write_text("rule copy\n  command = cp $in $out\nbuild out.txt: copy in.txt\n")
+    with environment_ninja():
+        subprocess.run(["ninja", "-C", str(tmp_path)], check=True, capture_output=True)
+    assert not ninja_has_work(tmp_path)
+    later = os.stat(tmp_path / "out.txt").st_mtime + 10
+    os.utime(tmp_path / "in.txt", (later, later))
+    assert ninja_has_work(tmp_path)
+
+
+def test_a_built_deepspeed_op_out_of_date_to_ninja_is_rebuilt_under_the_supervisor(tmp_path, monkeypatch):
+    """Marker and library present, but ninja would compile: the build runs in the supervised child before the load,
+    never inside the loading process."""
+    deepspeed = pytest.importorskip("deepspeed")
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    from shardkit.strategies.zero.strategy import build_deepspeed_op, choose_deepspeed_accelerator
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    choose_deepspeed_accelerator()
+    builder = get_accelerator().create_op_builder("CPUAdamBuilder")
+    folder = tmp_path / "ext" / builder.NAME
+    folder.mkdir(parents=True)
+    (folder / f".shardkit-built-{deepspeed.__version__}-{torch.__version__}").touch()
+    (folder / f"{builder.NAME}.so").touch()
+    order = []
+    monkeypatch.setattr("shardkit.ops.build_lock.ninja_has_work", lambda f: not order)  # stale until rebuilt
+    monkeypatch.setattr("shardkit.ops.build_lock.run_build_subprocess",
+                        lambda code, label, where: order.append(("supervised build", where)))
+    monkeypatch.setattr(type(builder), "load", lambda self, verbose=False: order.append(("load", None)))
+    assert build_deepspeed_op("CPUAdamBuilder")
+    assert order == [("supervised build", folder), ("load", None)]

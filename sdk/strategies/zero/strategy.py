@@ -529,7 +529,13 @@ def build_deepspeed_op(builder_name: str) -> bool:
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
-    from shardkit.ops.build_lock import build_lock, environment_ninja, extensions_root, run_build_subprocess
+    from shardkit.ops.build_lock import (
+        build_lock,
+        environment_ninja,
+        extensions_root,
+        ninja_has_work,
+        run_build_subprocess,
+    )
 
     builder = get_accelerator().create_op_builder(builder_name)
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, True):
@@ -544,7 +550,8 @@ def build_deepspeed_op(builder_name: str) -> bool:
     # without it the build runs in the child, which has a time limit and ends with this process.
     marker = build_dir / f".shardkit-built-{deepspeed.__version__}-{torch.__version__}"
     with build_lock(build_dir, label):
-        if not (marker.exists() and (build_dir / f"{builder.NAME}.so").exists()):
+        built = marker.exists() and (build_dir / f"{builder.NAME}.so").exists()
+        if not built or ninja_has_work(build_dir):  # out of date to ninja: the load below would compile in-process
             if int(os.environ.get("LOCAL_RANK", "0")) == 0:
                 log.warning("shardkit: building DeepSpeed op %s (first use only, %s on 2 cores) into %s",
                             builder.NAME, _OP_NOTES.get(builder_name, "a few minutes"), build_dir.parent)
