@@ -23,9 +23,10 @@ resident set, see benchmarks/_timing.py). Reported per contender:
 
 Both: fp32, AdamW, no gradient checkpointing, beta=0 (no reference), loss_type="dapo", temperature 1, the EOS token
 suppressed (``generation_kwargs``) so that every completion has --completion tokens on both sides. The libraries are
-imported before the memory baseline. TRL is not a shardkit requirement (1.16.0 here). Under ZeRO-3 both
-gather the whole model once per generation batch by default (TRL's ``ds3_gather_for_generation``, shardkit's
-``generation_context``); --per-layer sets ``ds3_gather_for_generation=False`` on both, gathering per layer and token.
+imported before the memory baseline (DeepSpeed too, under ZeRO-3). TRL is not a shardkit requirement (1.16.0 here).
+Under ZeRO-3 both gather the whole model once per generation batch by default (TRL's ``ds3_gather_for_generation``,
+shardkit's ``generation_context``), and both take DeepSpeed's module hooks out for the call; --per-layer sets
+``ds3_gather_for_generation=False`` on both, gathering per layer and token.
 """
 
 from __future__ import annotations
@@ -112,6 +113,10 @@ def child(contender: str, opts: argparse.Namespace) -> dict:
         settings["deepspeed"] = {"zero_optimization": {"stage": 3}, "train_batch_size": "auto",
                                  "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
         _accelerate_deepspeed_on_cpu()
+    if opts.strategy == "zero3":  # a library both use: its import (~130 MiB resident here) is no contender's memory
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed  # noqa: F401
     if contender == "trl":
         import datasets
         import trl

@@ -162,6 +162,7 @@ def _zero3_gather_counts() -> dict:
     plain generate; which parameters are partitioned before and after; then one training step, and the same step
     on a copy that never generated."""
     import deepspeed.comm.comm as ds_comm
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
     base = hf_tiny()
     state = {k: v.clone() for k, v in base.state_dict().items()}
@@ -181,26 +182,34 @@ def _zero3_gather_counts() -> dict:
     def partitioned():
         return [p.ds_status.name == "NOT_AVAILABLE" for p in user.parameters()]
 
-    # DeepSpeed gathers through its comm backend, which holds torch's function itself: count at the backend
-    calls = [0]
+    def hook_tables():
+        return [(list(m._forward_pre_hooks.items()), list(m._forward_hooks.items())) for m in user.modules()]
+
+    # DeepSpeed gathers through its comm backend, which holds torch's function itself: count at the backend. Its
+    # module hooks run the coordinator's fetch_sub_module before every module's forward: count those too.
+    calls, fetches = [0], [0]
     real = _counting(ds_comm.cdb, ["all_gather_into_tensor"], calls)
-    counts, same, status = {}, {}, [partitioned()]
+    real_fetch = _counting(PartitionedParameterCoordinator, ["fetch_sub_module"], fetches)
+    counts, hooked, same, status, tables = {}, {}, {}, [partitioned()], [hook_tables()]
     try:
         for keep in (True, False):
             for new in (2, 6):
-                calls[0] = 0
+                calls[0] = fetches[0] = 0
                 got = runner.generate(model, ids, max_new_tokens=new, do_sample=False, pad_token_id=0,
                                       keep_unsharded=keep)
-                counts[(keep, new)] = calls[0]
+                counts[(keep, new)], hooked[(keep, new)] = calls[0], fetches[0]
                 same[(keep, new)] = torch.equal(got, want[:, :ids.shape[1] + new])
             if keep:  # after per-layer calls DeepSpeed keeps its small persistent parameters whole: compare before
                 status.append(partitioned())
+                tables.append(hook_tables())
     finally:
         ds_comm.cdb.all_gather_into_tensor = real["all_gather_into_tensor"]
+        PartitionedParameterCoordinator.fetch_sub_module = real_fetch["fetch_sub_module"]
     before, after = status
     trained = _zero3_train_step(runner, model, optimizer)
     plain = _zero3_train_step(*build())
-    return {"counts": counts, "same": same, "partitioned": (sum(before), before == after),
+    return {"counts": counts, "hooked": hooked, "hooks_back": tables[0] == tables[1] and len(tables[0][0][0]) > 0,
+            "same": same, "partitioned": (sum(before), before == after),
             "train_equal": all(torch.equal(a, b) for a, b in zip(trained, plain)),
             "moved": any(not torch.equal(a, state[n].to(a.dtype))
                          for a, (n, _) in zip(trained, user.named_parameters()))}

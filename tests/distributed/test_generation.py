@@ -62,6 +62,10 @@ def test_fsdp_and_zero3_hold_parameters_gathered_across_decoding_steps():
         # held: the gathers happen once per call, as many for 6 new tokens as for 2; per layer: in every forward
         assert 0 < counts[(True, 2)] == counts[(True, 6)], counts
         assert counts[(False, 6)] >= 3 * counts[(False, 2)] / 2 > counts[(True, 6)], counts
+        # held: the engine's module hooks are detached for the call (no module fetches its parameters), and every
+        # hook table has the same entries in the same order afterwards; per layer: the hooks run in every forward
+        assert res["hooked"][(True, 2)] == res["hooked"][(True, 6)] == 0 < res["hooked"][(False, 2)], res["hooked"]
+        assert res["hooks_back"], res
         # every parameter partitioned before is partitioned again after, and the next step is a plain step's
         assert res["partitioned"][0] > 0 and res["partitioned"][1], res
         assert res["train_equal"] and res["moved"], res

@@ -201,3 +201,30 @@ def test_zero3_generation_stays_per_layer_where_holding_the_model_whole_cannot_w
     for keep, held in ((None, True), (True, True), (False, False)):
         with zero3_gathered(_model(), torch.device("cpu"), keep, one_rank) as how:
             assert ("once for the call" in how) is held, (keep, how)
+
+
+def test_detached_hooks_come_back_as_the_same_entries_in_their_order():
+    from shardkit.strategies.zero.generation import hooks_detached
+
+    module, ran = nn.Linear(2, 2), []
+
+    def hook(name):
+        return lambda *args: ran.append(name)
+
+    a, b, c = (module.register_forward_pre_hook(hook(n)) for n in "abc")
+    post = module.register_forward_hook(hook("post"))
+    before = (list(module._forward_pre_hooks.items()), list(module._forward_hooks.items()))
+    with hooks_detached([a, c, post]) as count:
+        assert count == 3
+        module(torch.zeros(1, 2))
+        assert ran == ["b"]  # only the hook not handed over ran
+        d = module.register_forward_pre_hook(hook("d"))
+        b.remove()
+    ran.clear()
+    module(torch.zeros(1, 2))
+    # the detached ones are back in their places (a before c, the post hook), the one added meanwhile stays after
+    # them and the one removed meanwhile stays removed
+    assert ran == ["a", "c", "d", "post"]
+    pre = [entry for entry in before[0] if entry[0] != b.id]
+    assert list(module._forward_pre_hooks.items())[:2] == pre and d.id in module._forward_pre_hooks
+    assert list(module._forward_hooks.items()) == before[1]

@@ -4,10 +4,17 @@ A DeepSpeed engine's hooks gather a module's partitions before its forward and p
 submodule uses them any more (the parameter's ``ds_active_sub_modules`` is empty). A generate call runs one forward
 per token, so by default every decoding step all-gathers the whole model, layer by layer. :func:`zero3_gathered`
 gathers every partitioned parameter once (DeepSpeed's all-gather of a parameter list, as ``GatheredParameters``
-does) and counts the call as one more user of each parameter for its duration: the hooks then find every parameter
-available (nothing to fetch) and leave it whole after each module (a user remains). On exit the parameters are
-partitioned again, as they were, so training goes on as if no generation had run. The hooks stay in place (what
-they still do per module is bookkeeping, no collective): the engine's trace and module ids are untouched.
+does) and counts the call as one more user of each parameter for its duration, so that nothing partitions them
+while it runs. On exit the parameters are partitioned again, as they were, so training goes on as if no generation
+had run.
+
+With every parameter whole, the engine's per-module hooks have nothing left to do but bookkeeping, and on a small
+model that bookkeeping (four hooks per module and token, the parameter coordinator's trace) costs as much as the
+forward itself. :func:`hooks_detached` takes them out of the modules' hook tables for the call and puts the very same
+entries back, in their order, on exit. Unlike removing and registering them again (which renumbers the modules and
+invalidates the engine's trace), the engine then sees nothing of the call: its coordinator, module ids and recorded
+trace are exactly as the last training step left them. Hooks are detached only when every parameter is available
+after the gather (one still in flight from a prefetch needs the hooks to wait for it).
 
 Held per layer instead (the engine's hooks, as without this context):
 - when the whole model does not fit (the FSDP rule, :func:`shardkit.strategies._unshard.keep_gathered`);
@@ -22,14 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from shardkit.strategies._unshard import keep_gathered
 
-__all__ = ["GENERATION_HOLDER", "per_layer", "per_layer_reason", "zero3_gathered"]
+__all__ = ["GENERATION_HOLDER", "hooks_detached", "per_layer", "per_layer_reason", "zero3_gathered"]
 
 log = logging.getLogger("shardkit.inference")
 
@@ -84,7 +92,7 @@ def per_layer(reason: str, keep: bool | None) -> contextlib.AbstractContextManag
 
 @contextlib.contextmanager
 def zero3_gathered(module: nn.Module, device: torch.device, keep: bool | None, any_rank: Callable[[bool], bool],
-                   fraction: float = 0.5) -> Iterator[str]:
+                   fraction: float = 0.5, hooks: Iterable[RemovableHandle] = ()) -> Iterator[str]:
     """Hold every ZeRO-3 parameter of ``module`` gathered for the duration (one gather, then none per token); yields
     how parameters are handled, for the log.
 
@@ -92,6 +100,8 @@ def zero3_gathered(module: nn.Module, device: torch.device, keep: bool | None, a
         keep: True/False forces the mode; None holds them when the extra bytes fit in ``fraction`` of the free memory
             on every rank.
         any_rank: the all-reduced "some rank says so", so that every rank takes the same decision.
+        hooks: the engine's module hook handles, detached while the parameters are held (see
+            :func:`hooks_detached`).
     """
     params = _partitioned(module)
     extra = _gather_bytes(params, device)
@@ -102,14 +112,16 @@ def zero3_gathered(module: nn.Module, device: torch.device, keep: bool | None, a
         yield f"ZeRO-3 parameters gathered per layer in every forward ({why})"
         return
     log.info("generate: ZeRO-3 parameters gathered once for the call (%.1f MiB more per rank)", extra / 2**20)
-    if not params:
-        yield "ZeRO-3 parameters gathered once for the call"
-        return
-    params[0].all_gather(param_list=params)  # a collective: every rank has the same list (see _partitioned)
+    if params:
+        params[0].all_gather(param_list=params)  # a collective: every rank has the same list (see _partitioned)
     for p in params:
         p.ds_active_sub_modules.add(GENERATION_HOLDER)
     try:
-        yield "ZeRO-3 parameters gathered once for the call"
+        # Each rank decides alone: whether hooks run changes no collective once every parameter is held.
+        whole = all(p.ds_status.name == "AVAILABLE" for p in module.parameters() if hasattr(p, "ds_id"))
+        with hooks_detached(hooks if whole else ()) as detached:
+            yield ("ZeRO-3 parameters gathered once for the call"
+                   + (", the engine's module hooks detached meanwhile" if detached else ""))
     finally:
         for p in params:
             p.ds_active_sub_modules.discard(GENERATION_HOLDER)
@@ -118,3 +130,32 @@ def zero3_gathered(module: nn.Module, device: torch.device, keep: bool | None, a
         idle = [p for p in params if not p.ds_active_sub_modules and p.ds_status.name == "AVAILABLE"]
         if idle:
             idle[0].partition(param_list=idle, has_been_updated=False)
+
+
+@contextlib.contextmanager
+def hooks_detached(handles: Iterable[RemovableHandle]) -> Iterator[int]:
+    """Take the hooks behind ``handles`` out of their modules' hook tables for the duration; yields how many.
+
+    On exit every table gets back exactly the entries it had, in their order, so the hooks run as before and nothing
+    was registered anew (a hook another caller added meanwhile stays, after them; one it removed stays removed).
+    """
+    tables: dict[int, tuple[dict, list]] = {}
+    detached: set[int] = set()
+    for handle in handles:
+        table = handle.hooks_dict_ref()
+        if table is None or handle.id not in table:
+            continue
+        if id(table) not in tables:
+            tables[id(table)] = (table, list(table.items()))
+        del table[handle.id]
+        detached.add(handle.id)
+    try:
+        yield len(detached)
+    finally:
+        for table, before in tables.values():
+            known = {key for key, _ in before}
+            kept = [(key, hook) for key, hook in before if key in detached or key in table]
+            added = [(key, hook) for key, hook in table.items() if key not in known]
+            table.clear()
+            table.update(kept)
+            table.update(added)

@@ -167,8 +167,9 @@ class ZeRO3(ZeROStrategy):
     def generation_context(self, module: nn.Module,
                            keep_unsharded: bool | None = None) -> contextlib.AbstractContextManager[str | None]:
         """Every partitioned parameter gathered once for the call and held across its decoding steps when the extra
-        bytes fit in half the free memory on every rank, or as ``keep_unsharded`` says; otherwise the engine's hooks
-        gather each layer's in every forward. Per layer always under NVMe parameter offload (ZeROInfinity's
+        bytes fit in half the free memory on every rank, or as ``keep_unsharded`` says, with the engine's module hooks
+        detached meanwhile and put back as they were; otherwise the engine's hooks gather each layer's in every
+        forward. Per layer always under NVMe parameter offload (ZeROInfinity's
         default), where partitions are swapped in a few buffers at a time; CPU parameter offload is held whole
         when it fits. See :mod:`shardkit.strategies.zero.generation`."""
         from shardkit.strategies.zero.generation import per_layer, per_layer_reason, zero3_gathered
@@ -178,7 +179,17 @@ class ZeRO3(ZeROStrategy):
                                   int(zero.get("stage3_module_granularity_threshold", 0) or 0))
         if reason is not None:
             return per_layer(reason, keep_unsharded)
-        return zero3_gathered(module, self.root_device, keep_unsharded, self._any_rank)
+        return zero3_gathered(module, self.root_device, keep_unsharded, self._any_rank, hooks=self._module_hooks())
+
+    def _module_hooks(self) -> list:
+        """The handles of the engine's per-module hooks (DeepSpeed's parameter offload object keeps them: the ZeRO-3
+        optimizer's ``parameter_offload``, or the offload object itself as the optimizer of an engine without one)."""
+        optimizer = getattr(self._engine, "optimizer", None)
+        offload = getattr(optimizer, "parameter_offload", optimizer)
+        if offload is None or not hasattr(offload, "forward_hooks"):
+            return []
+        root = getattr(offload, "fwd_pre_hook", None)
+        return [*offload.forward_hooks, *getattr(offload, "backward_hooks", []), *([root] if root is not None else [])]
 
     def _any_rank(self, flag: bool) -> bool:
         t = torch.tensor([1.0 if flag else 0.0], device=self.root_device)
