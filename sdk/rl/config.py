@@ -9,6 +9,7 @@ from typing import Any
 
 from shardkit.preference.config import refuse_unsupported
 from shardkit.rl.losses import AGGREGATIONS, GRPO_LOSS_TYPES, SCALE_REWARDS, PolicyLossSettings
+from shardkit.rl.vllm_correction import VLLM_IS_MODES
 from shardkit.trainer.arguments import TrainingArguments
 from shardkit.utils.suggest import did_you_mean
 
@@ -76,7 +77,6 @@ class OnlineRLConfig(TrainingArguments):
     vllm_enable_sleep_mode: bool = False
     vllm_model_impl: str = "vllm"
     vllm_structured_outputs_regex: str | None = None
-    vllm_importance_sampling_correction: bool = True
     beta: float = 0.0
     num_iterations: int = 1
     epsilon: float = 0.2
@@ -163,7 +163,9 @@ class GRPOConfig(OnlineRLConfig):
 
     vLLM (colocated, :mod:`shardkit.rl.vllm_engine`; written to vLLM's API but never run against a real vLLM):
     ``use_vllm``, ``vllm_gpu_memory_utilization``, ``vllm_tensor_parallel_size``, ``vllm_max_model_length``;
-    ``vllm_importance_sampling_correction`` must be set False with it (the correction is not implemented).
+    ``vllm_importance_sampling_correction`` (weights each token's loss by the training model's probability of it
+    over vLLM's, :mod:`shardkit.rl.vllm_correction`), ``vllm_importance_sampling_mode``, ``_clip_min``, ``_clip_max``
+    (``vllm_importance_sampling_cap``: the deprecated name of ``_clip_max``).
 
     Not implemented (refused when set): vLLM's server mode, sleep mode, model implementation and structured outputs,
     evaluation with generation, tools, the entropy mask and bonus, the off-policy mask, ``sync_ref_model``,
@@ -188,10 +190,16 @@ class GRPOConfig(OnlineRLConfig):
     off_policy_mask_threshold: float | None = None
     use_bias_correction_kl: bool = True
     max_tool_calling_iterations: int | None = None
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_cap: float | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         refuse_unsupported(self, _UNSUPPORTED_GRPO)
+        self._check_vllm_correction()
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         for field_name, value, allowed in (("loss_type", self.loss_type, GRPO_LOSS_TYPES),
                                            ("scale_rewards", self.scale_rewards, SCALE_REWARDS),
@@ -202,6 +210,28 @@ class GRPOConfig(OnlineRLConfig):
             if value not in allowed:
                 raise ValueError(f"GRPOConfig.{field_name}={value!r} is not one of {list(allowed)}"
                                  f"{did_you_mean(str(value), allowed)}")
+
+    def _check_vllm_correction(self) -> None:
+        if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated name for the upper bound
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
+        if not self.vllm_importance_sampling_correction:
+            return
+        mode, low, high = (self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
+                           self.vllm_importance_sampling_clip_max)
+        if mode not in VLLM_IS_MODES:
+            raise ValueError(f"GRPOConfig.vllm_importance_sampling_mode={mode!r} is not one of {list(VLLM_IS_MODES)}"
+                             f"{did_you_mean(str(mode), VLLM_IS_MODES)}")
+        if low is not None and high is not None and low >= high:
+            raise ValueError(f"GRPOConfig.vllm_importance_sampling_clip_min ({low}) must be less than "
+                             f"vllm_importance_sampling_clip_max ({high})")
+        if mode.endswith("truncate") and low is None and high is None:
+            raise ValueError(f"GRPOConfig.vllm_importance_sampling_mode={mode!r} clips nothing without a bound: set "
+                             "vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max")
+        if self.use_vllm and self.loss_type == "vespo":
+            raise NotImplementedError("GRPOConfig: loss_type='vespo' with use_vllm=True and "
+                                      "vllm_importance_sampling_correction=True is not implemented (VESPO folds the "
+                                      "correction into its sequence weight); set vllm_importance_sampling_correction="
+                                      "False or use another loss_type")
 
     def loss_settings(self) -> PolicyLossSettings:
         return PolicyLossSettings(

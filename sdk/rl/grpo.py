@@ -70,7 +70,10 @@ class GRPOTrainer(OnlineRLTrainer):
         settings, mask = self.loss_settings_, batch["completion_mask"].float()
         result = policy_loss(logps, batch.get("old_per_token_logps"), batch["advantages"], mask, settings,
                              batch.get("ref_per_token_logps"))
-        loss = reduce_policy_loss(result.per_token, mask, settings.loss_type, self.args.max_completion_length,
+        per_token = result.per_token
+        if "importance_sampling_ratio" in batch:  # vLLM drew the tokens: weigh each by pi_train / pi_vllm
+            per_token = per_token * batch["importance_sampling_ratio"]
+        loss = reduce_policy_loss(per_token, mask, settings.loss_type, self.args.max_completion_length,
                                   self.token_normalizer(batch))
         metrics = self._metrics[mode]
         if result.kl is not None:

@@ -77,10 +77,12 @@ def right_pad(rows: Sequence[Sequence[int]], pad: int, device: torch.device) -> 
 @dataclass
 class Completions:
     """One rank's generated completions: token ids up to and including the first EOS, and which were cut off at
-    ``max_completion_length`` (no EOS)."""
+    ``max_completion_length`` (no EOS); with vLLM's correction, the engine's log-prob of each token (NaN where it
+    gave none)."""
 
     ids: list[list[int]]
     truncated: list[bool]
+    logprobs: list[list[float]] | None = None
 
 
 def generate_completions(runner: Any, model: nn.Module, prompt_ids: Sequence[Sequence[int]], *, pad_token_id: int,

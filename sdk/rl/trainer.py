@@ -40,6 +40,7 @@ from shardkit.rl.rollout import (
     tokenize_prompts,
 )
 from shardkit.rl.scoring import completion_log_probs
+from shardkit.rl.vllm_correction import vllm_importance_metrics, vllm_importance_weights
 from shardkit.rl.vllm_engine import ColocatedVLLM, require_vllm
 from shardkit.trainer.frozen_model import frozen_model_context, set_up_frozen_model
 from shardkit.trainer.peft_support import is_peft_model
@@ -283,8 +284,13 @@ class OnlineRLTrainer(Trainer):
         self._log_lengths(mode, prompt_ids, completions)
         with torch.no_grad():
             generate_every = args.steps_per_generation * args.num_iterations
-            if self.always_old_logps or args.gradient_accumulation_steps % generate_every != 0:
+            # with vLLM's correction the log-probs at generation are always needed (TRL's rule): they are both the
+            # ratio's denominator and the numerator of the correction
+            if self.always_old_logps or completions.logprobs is not None or \
+                    args.gradient_accumulation_steps % generate_every != 0:
                 batch["old_per_token_logps"] = self._log_probs(self.model_wrapped, self.model, batch)[0]
+            if completions.logprobs is not None:
+                self._vllm_correction(mode, batch, completions.logprobs)
             if args.beta != 0.0:
                 batch["ref_per_token_logps"] = self.reference_log_probs(batch)
         local = self.rewards(prompts, decoded, completions.ids, rows, device, {"trainer_state": self.state})
@@ -296,6 +302,22 @@ class OnlineRLTrainer(Trainer):
         batch["advantages"] = advantages
         batch["num_items_in_batch"] = tokens
         return batch
+
+    def _vllm_correction(self, mode: str, batch: dict[str, Tensor], logprobs: list[list[float]]) -> None:
+        """``batch["importance_sampling_ratio"]``: the weights of vLLM's samples, and TRL's metrics of them."""
+        args, old, mask = self.args, batch["old_per_token_logps"], batch["completion_mask"].float()
+        sampling = torch.zeros_like(old)
+        for i, row in enumerate(logprobs):
+            sampling[i, :len(row)] = torch.tensor(row, dtype=old.dtype)
+        weights = vllm_importance_weights(old, sampling, mask, args.vllm_importance_sampling_mode,
+                                          args.vllm_importance_sampling_clip_min,
+                                          args.vllm_importance_sampling_clip_max)
+        batch["importance_sampling_ratio"] = weights
+        for name, (how, value) in vllm_importance_metrics(old, sampling, mask, weights).items():
+            values = [v for v in self.runner.gather_object([value]) if v == v]
+            combined = (min if how == "min" else max if how == "max" else lambda v: sum(v) / len(v))(values) \
+                if values else float("nan")
+            self._metrics[mode][name].append(combined)
 
     def advantages(self, rewards_per_func: Tensor, batch: dict[str, Tensor], mode: str) -> Tensor:
         """Override: ``[N]`` advantages of the whole generation batch from every rank's rewards ``[N, F]``."""

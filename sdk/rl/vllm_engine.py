@@ -34,35 +34,38 @@ from shardkit.inference import is_hf_model
 from shardkit.rl.rollout import Completions
 from shardkit.trainer.peft_support import is_peft_model
 
-__all__ = ["ColocatedVLLM", "require_vllm", "sampling_params_kwargs", "vllm_completion", "vllm_parameter_name"]
+__all__ = ["ColocatedVLLM", "require_vllm", "sampling_params_kwargs", "vllm_completion", "vllm_parameter_name",
+           "vllm_sampled_logprobs", "wants_logprobs"]
 
 # Prefixes wrappers add to parameter names that the Hugging Face checkpoint (and vLLM's loader) do not have.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
 def require_vllm(owner: str, args: Any = None) -> Any:
-    """The ``vllm`` module, or an ImportError naming the package and how to install it; with ``args`` (the config),
-    also a refusal of what the colocated engine does not implement."""
+    """The ``vllm`` module, or an ImportError naming the package and how to install it."""
     if importlib.util.find_spec("vllm") is None:
         raise ImportError(f"{owner}: use_vllm=True needs the 'vllm' package, which is not installed: pip install "
                           "vllm (on a machine with a GPU), or leave use_vllm=False to generate on the training model")
-    if args is not None and getattr(args, "vllm_importance_sampling_correction", False):
-        raise NotImplementedError(f"{owner}: vllm_importance_sampling_correction=True (TRL's default) is not "
-                                  "implemented: shardkit trains on vLLM's samples as if the policy had drawn them "
-                                  "(no correction for the engines' differing numerics). Set "
-                                  "vllm_importance_sampling_correction=False to accept that, or use_vllm=False")
     return importlib.import_module("vllm")
 
 
 def sampling_params_kwargs(args: Any, max_new_tokens: int, eos_token_ids: Sequence[int]) -> dict[str, Any]:
     """vLLM ``SamplingParams`` fields for one completion per prompt from the GRPO/RLOO config (TRL's mapping:
     ``min_p=None`` is 0; ``generation_kwargs`` override). Generation stops at the tokenizer's EOS ids (the engine has
-    no tokenizer of its own) and returns token ids only (no detokenization)."""
+    no tokenizer of its own) and returns token ids only (no detokenization); with TRL's importance-sampling
+    correction, also the sampled tokens' log-probs (``logprobs=0``)."""
     kwargs = {"n": 1, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
               "min_p": 0.0 if args.min_p is None else args.min_p, "repetition_penalty": args.repetition_penalty,
               "max_tokens": max_new_tokens, "stop_token_ids": list(eos_token_ids), "detokenize": False}
+    if wants_logprobs(args):
+        kwargs["logprobs"] = 0
     kwargs.update(args.generation_kwargs or {})
     return kwargs
+
+
+def wants_logprobs(args: Any) -> bool:
+    """Whether the run corrects for vLLM's sampling (GRPO's ``vllm_importance_sampling_correction``; RLOO has none)."""
+    return bool(getattr(args, "vllm_importance_sampling_correction", False))
 
 
 def _hf_config(model: nn.Module) -> Any:
@@ -150,7 +153,10 @@ class ColocatedVLLM:
                             max_model_len=args.vllm_max_model_length,
                             distributed_executor_backend="external_launcher",
                             # the ranks of one vLLM tensor-parallel group sample alike; the groups differ
-                            seed=int(args.seed) + runner.rank // tp)
+                            seed=int(args.seed) + runner.rank // tp,
+                            # the correction compares against the probabilities tokens were drawn with: after the
+                            # temperature and the top-k/top-p filters, as the training model scores them
+                            **({"logprobs_mode": "processed_logprobs"} if wants_logprobs(args) else {}))
         self._load = self._loader()
         self.pushed_version: Any = None
 
@@ -238,12 +244,14 @@ class ColocatedVLLM:
         if len(outputs) != len(everyone):
             raise RuntimeError(f"{self.owner}: vLLM returned {len(outputs)} outputs for {len(everyone)} prompts")
         eos = [int(e) for e in eos_token_ids]
-        ids, truncated = [], []
+        ids, truncated, logprobs = [], [], []
         for request in outputs[start:start + len(mine)]:
             row, cut = vllm_completion(request.outputs[0], eos, max_new_tokens)
             ids.append(row)
             truncated.append(cut)
-        return Completions(ids, truncated)
+            if wants_logprobs(self.args):
+                logprobs.append(vllm_sampled_logprobs(request.outputs[0], row, self.owner))
+        return Completions(ids, truncated, logprobs if wants_logprobs(self.args) else None)
 
 
 def vllm_completion(output: Any, eos: list[int], max_new_tokens: int) -> tuple[list[int], bool]:
@@ -261,3 +269,18 @@ def vllm_completion(output: Any, eos: list[int], max_new_tokens: int) -> tuple[l
             return row + [stop], False
         return row, False
     return row, True
+
+
+def vllm_sampled_logprobs(output: Any, row: list[int], owner: str = "GRPOTrainer") -> list[float]:
+    """vLLM's log-prob of each token of ``row`` (the completion :func:`vllm_completion` kept), from the output's
+    ``logprobs`` (one ``{token id: Logprob}`` per generated token); NaN where it has none (an EOS put back, a NaN
+    from the engine): the correction leaves such tokens at weight 1, as TRL does."""
+    steps = getattr(output, "logprobs", None)
+    if steps is None:
+        raise RuntimeError(f"{owner}: vLLM returned no log-probs although SamplingParams(logprobs=0) asked for them, "
+                           "so vllm_importance_sampling_correction cannot weigh the completions; set it False")
+    out = []
+    for i, token in enumerate(row):
+        entry = steps[i].get(token) if i < len(steps) and steps[i] is not None else None
+        out.append(float("nan") if entry is None else float(entry.logprob))
+    return out

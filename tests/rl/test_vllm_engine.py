@@ -23,8 +23,9 @@ from tests.rl.test_shardkit_llama_policy import shardkit_copy
 
 
 class _Output:
-    def __init__(self, token_ids, finish_reason, stop_reason):
+    def __init__(self, token_ids, finish_reason, stop_reason, logprobs=None):
         self.token_ids, self.finish_reason, self.stop_reason = token_ids, finish_reason, stop_reason
+        self.logprobs = logprobs  # vLLM's: one {token id: Logprob} per generated token, with logprobs=0 the sampled
 
 
 class _RequestOutput:
@@ -60,6 +61,9 @@ def _stand_in_vllm():
     module.__version__ = "stand-in"
     module.instances = []
     module.greedy = False
+    # added to the log-prob the stand-in reports for a generated token: a real engine's numerics differ from the
+    # training model's, so the correction has something to correct
+    module.logprob_shift = lambda token: 0.0
 
     class SamplingParams:
         def __init__(self, **kwargs):
@@ -92,7 +96,7 @@ def _stand_in_vllm():
             out = []
             for prompt in prompts:
                 ids = torch.tensor([prompt["prompt_token_ids"]])
-                new = []
+                new, logprobs = [], []
                 with torch.no_grad():
                     for _ in range(kw["max_tokens"]):
                         logits = self.model.hf(torch.cat([ids, torch.tensor([new], dtype=torch.long)], 1)
@@ -100,11 +104,16 @@ def _stand_in_vllm():
                         token = int(logits.argmax()) if module.greedy else \
                             int(torch.multinomial((logits / kw["temperature"]).softmax(-1), 1, generator=gen))
                         new.append(token)
+                        # processed log-probs: after the temperature, as the engine was asked to report them
+                        lp = float((logits / kw["temperature"]).log_softmax(-1)[token])
+                        lp += module.logprob_shift(token)
+                        logprobs.append({token: types.SimpleNamespace(logprob=lp, rank=1)})
                         if token in kw["stop_token_ids"]:
                             break
                 stopped = new[-1] in kw["stop_token_ids"]
                 out.append(_RequestOutput(prompt["prompt_token_ids"],
-                                          _Output(new, "stop" if stopped else "length", new[-1] if stopped else None)))
+                                          _Output(new, "stop" if stopped else "length", new[-1] if stopped else None,
+                                                  logprobs if kw.get("logprobs") == 0 else None)))
             return out
 
     module.LLM, module.SamplingParams = LLM, SamplingParams
@@ -118,7 +127,7 @@ def vllm(monkeypatch):
     return module
 
 
-def _trainer(model, tokenizer, tmp_path, **kw):
+def _trainer(model, tokenizer, tmp_path, reward=None, **kw):
     from shardkit.rl import GRPOConfig, GRPOTrainer
 
     base = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=5,
@@ -127,7 +136,8 @@ def _trainer(model, tokenizer, tmp_path, **kw):
                 disable_tqdm=True, learning_rate=1e-2, logging_steps=1)
     args = GRPOConfig(**{**base, **kw})
     prompts = [{"prompt": p} for p in ("The old house", "She opened")] * 4
-    return GRPOTrainer(model, lambda completion_ids, **k: [float(c[0] % 3) for c in completion_ids], args=args,
+    reward = reward or (lambda completion_ids, **k: [float(c[0] % 3) for c in completion_ids])
+    return GRPOTrainer(model, reward, args=args,
                        train_dataset=prompts, processing_class=tokenizer)
 
 
@@ -192,15 +202,30 @@ def test_training_pushes_each_steps_weights(vllm, tokenizer, tmp_path):
 
 def test_completion_format_and_refusals(vllm, tokenizer, tmp_path):
     from shardkit.rl import GRPOConfig
-    from shardkit.rl.vllm_engine import vllm_completion
+    from shardkit.rl.vllm_engine import vllm_completion, vllm_sampled_logprobs
 
     eos = [2, 3]
     assert vllm_completion(_Output([5, 3, 9], "stop", 3), eos, 4) == ([5, 3], False)
     assert vllm_completion(_Output([5, 6, 7, 8], "length", None), eos, 4) == ([5, 6, 7, 8], True)
     # a stop token the output leaves out is put back (the trainer's completions end with their EOS)
     assert vllm_completion(_Output([5, 6], "stop", 3), eos, 4) == ([5, 6, 3], False)
-    with pytest.raises(NotImplementedError, match="vllm_importance_sampling_correction=False"):
-        _trainer(tiny_llama(len(tokenizer)), tokenizer, tmp_path, vllm_importance_sampling_correction=True)
+    # the engine's log-prob of each kept token; none for the EOS put back (weight 1), a loud error for none at all
+    steps = [{5: types.SimpleNamespace(logprob=-0.5)}, {6: types.SimpleNamespace(logprob=-1.5)}]
+    got = vllm_sampled_logprobs(_Output([5, 6], "stop", 3, steps), [5, 6, 3])
+    assert got[:2] == [-0.5, -1.5] and got[2] != got[2]
+    with pytest.raises(RuntimeError, match="no log-probs"):
+        vllm_sampled_logprobs(_Output([5, 6], "stop", 3), [5, 6, 3])
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode='token'"):
+        GRPOConfig(output_dir=str(tmp_path), report_to="none", vllm_importance_sampling_mode="token")
+    with pytest.raises(ValueError, match="clip_min"):
+        GRPOConfig(output_dir=str(tmp_path), report_to="none", vllm_importance_sampling_mode="token_truncate",
+                   vllm_importance_sampling_clip_max=None)
+    with pytest.raises(ValueError, match="must be less than"):
+        GRPOConfig(output_dir=str(tmp_path), report_to="none", vllm_importance_sampling_clip_min=3.0)
+    with pytest.raises(NotImplementedError, match="vespo"):
+        GRPOConfig(output_dir=str(tmp_path), report_to="none", use_vllm=True, loss_type="vespo")
+    assert GRPOConfig(output_dir=str(tmp_path), report_to="none",
+                      vllm_importance_sampling_cap=2.0).vllm_importance_sampling_clip_max == 2.0  # TRL's old name
     with pytest.raises(NotImplementedError, match="vllm_enable_sleep_mode"):
         GRPOConfig(output_dir=str(tmp_path), report_to="none", use_vllm=True, vllm_enable_sleep_mode=True)
     with pytest.raises(ValueError, match="vllm_tensor_parallel_size=2"):
@@ -235,3 +260,97 @@ def test_a_second_train_call_pushes_the_trained_weights(vllm, tokenizer, tmp_pat
     trainer.train()
     assert llm.model.calls == 2 * names
     torch.testing.assert_close(llm.model.loaded["model." + name], trained, rtol=0, atol=0)
+
+
+def _trl_vllm_is(old, sampling, mask, mode, clip_min, clip_max):
+    """TRL 1.16's correction (GRPOTrainer._generate_and_score_completions), written out: it is inline there."""
+    import math
+
+    diff = torch.nan_to_num((old - sampling) * mask, nan=0.0)
+    if mode in ("sequence_mask", "sequence_truncate"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    lo = clip_min if clip_min is not None else -math.inf
+    hi = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < lo) | (ratio > hi), value=0.0)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+@pytest.mark.parametrize("bounds", [(None, 3.0), (0.8, 1.25), (0.9, None)])
+def test_correction_weights_equal_trls(mode, bounds):
+    from shardkit.rl.vllm_correction import vllm_importance_weights
+
+    gen = torch.Generator().manual_seed(7)
+    old = -torch.rand(5, 6, generator=gen) * 3
+    sampling = old + torch.randn(5, 6, generator=gen) * 0.3
+    sampling[1, 2] = float("nan")  # a token vLLM gave no log-prob for
+    mask = (torch.rand(5, 6, generator=gen) > 0.2).float()
+    mask[4] = 0.0  # an empty completion
+    ours = vllm_importance_weights(old, sampling, mask, mode, *bounds)
+    expected = _trl_vllm_is(old, sampling, mask, mode, *bounds)
+    assert ours.shape == ((5, 1) if mode.startswith("sequence") else (5, 6))
+    torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+    if bounds == (0.8, 1.25):  # the bounds did something: some ratios clipped or masked
+        raw = _trl_vllm_is(old, sampling, mask, mode.split("_")[0] + "_truncate", None, float("inf"))
+        assert bool(((raw < 0.8) | (raw > 1.25)).any())
+
+
+def test_training_with_the_correction_weighs_each_token(vllm, tokenizer, tmp_path):
+    """One step with the correction on: the engine is asked for log-probs, the loss is TRL's dapo loss with each
+    token's term times clamp(pi_train / pi_vllm), computed here from a copy of the policy, and TRL's metrics are
+    logged."""
+    import copy
+
+    # odd tokens: ratio exp(-0.3) < clip_min, truncated to 0.9; even ones: exp(0.01), inside the bounds
+    vllm.logprob_shift = lambda token: 0.3 if token % 2 else -0.01
+    hf = tiny_llama(len(tokenizer))
+    initial = copy.deepcopy(hf).eval()
+    trainer = _trainer(hf, tokenizer, tmp_path, max_steps=1, vllm_importance_sampling_correction=True,
+                       reward=lambda completion_ids, **k: [float(sum(c) % 7) for c in completion_ids],
+                       vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_min=0.9,
+                       vllm_importance_sampling_clip_max=1.02)
+    (llm,) = vllm.instances
+    assert llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    seen = []
+    compute_loss = trainer.compute_loss
+
+    def recording(model, inputs, *a, **k):
+        loss = compute_loss(model, inputs, *a, **k)
+        seen.append(({k: v.detach().clone() for k, v in inputs.items() if torch.is_tensor(v)}, loss.detach()))
+        return loss
+
+    trainer.compute_loss = recording
+    trainer.train()
+    (prompts, kw), = llm.requests
+    assert kw["logprobs"] == 0
+    (batch, loss), = seen
+    assert bool((batch["advantages"] != 0).any())  # else the loss is 0 whatever the weights
+    temperature = 0.9
+    total, tokens = 0.0, 0.0
+    weights_seen = []
+    for row, (p_ids, p_mask, c_ids, c_mask, adv) in enumerate(zip(
+            batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"],
+            batch["advantages"])):
+        prompt = p_ids[p_mask.bool()]
+        n = int(c_mask.sum())
+        completion = c_ids[:n]
+        with torch.no_grad():
+            logits = initial(torch.cat([prompt, completion]).unsqueeze(0)).logits[0, len(prompt) - 1:-1]
+        own = (logits / temperature).log_softmax(-1).gather(1, completion.unsqueeze(1)).squeeze(1)
+        shift = torch.tensor([vllm.logprob_shift(int(t)) for t in completion])
+        w = torch.exp(-shift).clamp(0.9, 1.02)  # old - sampling = -shift: the stand-in reports own + shift
+        weights_seen.append(w)
+        # first iteration: the ratio is 1, the clipped objective is -A per token
+        total += float((-adv * w).sum())
+        tokens += n
+        torch.testing.assert_close(batch["old_per_token_logps"][row, :n], own, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(batch["importance_sampling_ratio"][row, :n], w, rtol=1e-4, atol=1e-5)
+    assert abs(total) > 1e-3  # the weights moved the loss off 0 (the unweighted first-step loss sums to ~0)
+    torch.testing.assert_close(loss, torch.tensor(total / tokens), rtol=1e-5, atol=1e-6)
+    logs = next(h for h in trainer.state.log_history if "loss" in h)
+    all_w = torch.cat(weights_seen)
+    assert logs["sampling/importance_sampling_ratio/max"] == pytest.approx(float(all_w.max()), rel=1e-4)
+    assert logs["sampling/importance_sampling_ratio/min"] == pytest.approx(0.9, rel=1e-4)
+    assert logs["sampling/sampling_logp_difference/max"] == pytest.approx(0.3, rel=1e-3)
