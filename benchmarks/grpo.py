@@ -26,7 +26,8 @@ suppressed (``generation_kwargs``) so that every completion has --completion tok
 imported before the memory baseline (DeepSpeed too, under ZeRO-3). TRL is not a shardkit requirement (1.16.0 here).
 Under ZeRO-3 both gather the whole model once per generation batch by default (TRL's ``ds3_gather_for_generation``,
 shardkit's ``generation_context``), and both take DeepSpeed's module hooks out for the call; --per-layer sets
-``ds3_gather_for_generation=False`` on both, gathering per layer and token.
+``ds3_gather_for_generation=False`` on both (or with =trl / =shardkit on that one only), gathering per layer and
+token.
 """
 
 from __future__ import annotations
@@ -108,10 +109,14 @@ def child(contender: str, opts: argparse.Namespace) -> dict:
                     use_cpu=not (contender == "trl" and opts.strategy == "zero3"),
                     generation_kwargs={"suppress_tokens": [tokenizer.eos_token_id]})
     if distributed:
-        settings["ds3_gather_for_generation"] = not opts.per_layer
+        settings["ds3_gather_for_generation"] = opts.per_layer not in ("both", contender)
     if contender == "trl" and opts.strategy == "zero3":  # the Trainer's documented way; "auto" filled from the args
         settings["deepspeed"] = {"zero_optimization": {"stage": 3}, "train_batch_size": "auto",
                                  "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+        if not settings["ds3_gather_for_generation"]:
+            # DeepSpeed 0.19.8's prefetch fails TRL's first backward after a generation through the hooks
+            # ("size of tensor a (0) must match ... (128)"); shardkit's engine keeps the default
+            settings["deepspeed"]["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
         _accelerate_deepspeed_on_cpu()
     if opts.strategy == "zero3":  # a library both use: its import (~130 MiB resident here) is no contender's memory
         if not torch.cuda.is_available():
@@ -179,7 +184,7 @@ def launch_command(contender: str, strategy: str, script_args: list[str]) -> tup
 def run(contender: str, opts: argparse.Namespace, keys: tuple[str, ...], env: dict, strategy: str | None) -> dict:
     args = ["--child", contender] + [f"--{k}={getattr(opts, k)}" for k in keys]
     if opts.per_layer:
-        args.append("--per-layer")
+        args.append(f"--per-layer={opts.per_layer}")
     if strategy is None:
         proc = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -208,8 +213,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--strategy", default=None,
                         help="comma-separated, of zero3 and ddp: 2 ranks per contender and strategy; none: 1 process")
-    parser.add_argument("--per-layer", action="store_true",
-                        help="ds3_gather_for_generation=False on both sides (with --strategy)")
+    parser.add_argument("--per-layer", nargs="?", const="both", choices=("both", "trl", "shardkit"),
+                        help="ds3_gather_for_generation=False on both sides, or on the one named (with --strategy)")
     parser.add_argument("--child", choices=("shardkit", "trl"))
     parser.add_argument("--out", help=argparse.SUPPRESS)
     opts = parser.parse_args()
