@@ -132,7 +132,8 @@ class OnlineRLConfig(TrainingArguments):
 
     def resolve_generation_batch(self, data_parallel_size: int) -> None:
         """Fill ``generation_batch_size`` and ``steps_per_generation`` from each other for ``data_parallel_size``
-        ranks, and check that each rank's share holds whole prompt groups."""
+        ranks, and check that the generation batch holds whole prompt groups (TRL's rule: a group may be spread over
+        ranks, only the whole batch must hold whole groups)."""
         name = type(self).__name__
         global_batch = self.per_device_train_batch_size * data_parallel_size
         if self.generation_batch_size is not None and self.steps_per_generation is None:
@@ -141,11 +142,13 @@ class OnlineRLConfig(TrainingArguments):
                                  f"global batch size ({self.per_device_train_batch_size} x {data_parallel_size} ranks)")
             self.steps_per_generation = self.generation_batch_size // global_batch
         self.generation_batch_size = global_batch * self.steps_per_generation
-        per_rank = self.per_device_train_batch_size * self.steps_per_generation
-        if per_rank % self.num_generations:
-            raise ValueError(f"{name}: each rank generates per_device_train_batch_size x steps_per_generation = "
-                             f"{per_rank} completions per round, which must be a multiple of num_generations="
-                             f"{self.num_generations} (shardkit keeps a prompt's completions on one rank)")
+        if self.generation_batch_size % self.num_generations:
+            raise ValueError(f"{name}: generation_batch_size ({self.generation_batch_size} = "
+                             f"per_device_train_batch_size {self.per_device_train_batch_size} x {data_parallel_size} "
+                             f"data-parallel ranks x steps_per_generation {self.steps_per_generation}) must be "
+                             f"divisible by num_generations ({self.num_generations}): a generation batch holds whole "
+                             "prompt groups. Change one of them (for example steps_per_generation or "
+                             "gradient_accumulation_steps, which it defaults to)")
 
 
 @dataclass

@@ -3,14 +3,20 @@
 One *round* generates completions for a generation batch and scores them; its completions then feed
 ``steps_per_generation`` micro-batches, ``num_iterations`` times over (TRL's layout):
 
+- a round's generation batch is laid out as TRL's ``RepeatSampler`` lays it out: the epoch's prompt order (a
+  permutation drawn from a generator seeded with ``seed``, one draw per epoch in turn, as TRL's sampler draws them),
+  cut into rounds of ``generation_batch_size / num_generations`` prompts, each prompt repeated ``num_generations``
+  times in a row, and the round's rows dealt to the data-parallel ranks in contiguous slices of
+  ``per_device_train_batch_size x steps_per_generation`` (Accelerate's dealing of TRL's loader batches). A prompt's
+  completions may thus be spread over ranks; only the whole generation batch holds whole groups;
 - the train loader deals *slots*: slot ``k`` of data-parallel rank ``r`` is micro-step ``k`` of that rank, and
-  names the round and the repetition it belongs to, with the round's prompt rows for rank ``r``. The Runner deals the
-  slots to ranks in order (no shuffle: the prompts are shuffled once, with the seed, when the slots are built), so a
-  resumed run restarts at its slot, and the step count is the Trainer's usual ``slots / gradient_accumulation_steps``;
+  names the round, the repetition and the rank it belongs to. The Runner deals the slots to ranks in order (no
+  shuffle), so a resumed run restarts at its slot, and the step count is the Trainer's usual
+  ``slots / gradient_accumulation_steps``;
 - ``_prepare_inputs`` (the Trainer's seam, called at each micro-step, as in TRL) generates and scores a round on its
-  first slot and hands out the buffered micro-batches after;
-- each rank keeps its prompts' ``num_generations`` completions together; the rewards of every rank are gathered so
-  that the advantages (group and batch statistics) and the metrics are those of the whole generation batch.
+  first slot (the slot's rows resolved with the loader's epoch) and hands out the buffered micro-batches after;
+- the rewards of every rank are gathered so that the advantages (group and batch statistics) and the metrics are
+  those of the whole generation batch; each rank keeps its slice of the advantages.
 
 A subclass implements :meth:`advantages` (from the gathered rewards) and :meth:`policy_objective` (a micro-batch's
 loss and metrics).
@@ -20,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import random
 from collections import defaultdict
 from typing import Any
 
@@ -54,16 +59,17 @@ logger = logging.getLogger("shardkit.rl")
 
 class RoundSlots(Dataset):
     """The micro-step slots of every data-parallel rank (see the module docstring): item ``k`` belongs to rank
-    ``k % ranks``; its ``j = k // ranks``-th slot is repetition ``j % repeats`` of round ``j // repeats``."""
+    ``k % ranks``; its ``j = k // ranks``-th slot is repetition ``j % repeats`` of round ``j // repeats``. The rows of
+    a slot depend on the epoch (each epoch draws its own prompt order), so the slot names them and
+    :meth:`completion_rows` gives them."""
 
-    def __init__(self, rows: list[dict[str, Any]], prompts_per_round: int, ranks: int, repeats: int, seed: int,
-                 shuffle: bool):
-        order = list(range(len(rows)))
-        if shuffle:
-            random.Random(seed).shuffle(order)
-        self.rows = [rows[i] for i in order]
-        self.per_round, self.ranks, self.repeats = prompts_per_round, ranks, repeats
-        self.rounds = len(rows) // (prompts_per_round * ranks)
+    def __init__(self, rows: list[dict[str, Any]], num_generations: int, per_rank: int, ranks: int, repeats: int,
+                 seed: int, shuffle: bool):
+        self.rows, self.num_generations, self.per_rank = rows, num_generations, per_rank
+        self.ranks, self.repeats, self.seed, self.shuffle = ranks, repeats, seed, shuffle
+        self.prompts_per_round = per_rank * ranks // num_generations
+        self.rounds = len(rows) // self.prompts_per_round
+        self._drawn: tuple[int, list[int], torch.Generator] | None = None  # (epoch, its order, the generator after)
 
     def __len__(self) -> int:
         return self.rounds * self.repeats * self.ranks
@@ -71,8 +77,28 @@ class RoundSlots(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         rank, slot = index % self.ranks, index // self.ranks
         round_index, repeat = divmod(slot, self.repeats)
-        start = (round_index * self.ranks + rank) * self.per_round
-        return {"round": round_index, "repeat": repeat, "rows": self.rows[start:start + self.per_round]}
+        return {"round": round_index, "repeat": repeat, "rank": rank}
+
+    def order(self, epoch: int) -> list[int]:
+        """Epoch ``epoch``'s prompt order: the ``epoch + 1``-th permutation drawn from a generator seeded with
+        ``seed`` (TRL's sampler keeps one generator and draws once per epoch), or the dataset's order."""
+        if not self.shuffle:
+            return list(range(len(self.rows)))
+        if self._drawn is None or self._drawn[0] > epoch:  # a resume (or a new train()) may go back: redraw
+            generator = torch.Generator()
+            generator.manual_seed(self.seed)
+            self._drawn = (-1, [], generator)
+        drawn_epoch, order, generator = self._drawn
+        while drawn_epoch < epoch:
+            order, drawn_epoch = torch.randperm(len(self.rows), generator=generator).tolist(), drawn_epoch + 1
+        self._drawn = (drawn_epoch, order, generator)
+        return order
+
+    def completion_rows(self, epoch: int, round_index: int, rank: int) -> list[dict[str, Any]]:
+        """Rank ``rank``'s share of a round: one prompt row per completion, a prompt's rows consecutive."""
+        order, g, first = self.order(epoch), self.num_generations, round_index * self.prompts_per_round
+        positions = range(rank * self.per_rank, (rank + 1) * self.per_rank)
+        return [self.rows[order[first + p // g]] for p in positions]
 
 
 def _single(items: list[Any]) -> Any:
@@ -152,6 +178,7 @@ class OnlineRLTrainer(Trainer):
             raise ValueError(f"{name}: the tokenizer has no eos_token_id; completions could never end")
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._round: Round | None = None
+        self._slots: RoundSlots | None = None  # built with the train loader
         self._rows_seen = 0
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
@@ -187,11 +214,6 @@ class OnlineRLTrainer(Trainer):
 
     # ---- data ----------------------------------------------------------------------------------------
 
-    @property
-    def prompts_per_round(self) -> int:
-        """Prompts each rank generates for in a round."""
-        return self.args.per_device_train_batch_size * self.args.steps_per_generation // self.args.num_generations
-
     def get_train_dataloader(self) -> DataLoader:
         """The slots of every rank (see :class:`RoundSlots`), one per loader batch, in order."""
         args = self.args
@@ -199,11 +221,14 @@ class OnlineRLTrainer(Trainer):
         for index, row in enumerate(rows):
             if not isinstance(row, dict) or "prompt" not in row:
                 raise ValueError(f"train_dataset row {index} has no 'prompt' field: {str(row)[:80]}")
-        slots = RoundSlots(rows, self.prompts_per_round, self.runner.strategy.data_parallel_size,
-                           args.steps_per_generation * args.num_iterations, args.seed, bool(args.shuffle_dataset))
+        slots = RoundSlots(rows, args.num_generations, args.per_device_train_batch_size * args.steps_per_generation,
+                           self.runner.strategy.data_parallel_size, args.steps_per_generation * args.num_iterations,
+                           args.seed, bool(args.shuffle_dataset))
         if len(slots) == 0:
             raise ValueError(f"train_dataset has {len(rows)} prompts, fewer than one round needs "
-                             f"({self.prompts_per_round} per rank x {self.runner.strategy.data_parallel_size} ranks)")
+                             f"(generation_batch_size {args.generation_batch_size} / num_generations "
+                             f"{args.num_generations} = {slots.prompts_per_round})")
+        self._slots = slots
         return DataLoader(slots, batch_size=1, shuffle=False, collate_fn=_single)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any = None) -> tuple[list[Any], Tensor]:
@@ -218,7 +243,8 @@ class OnlineRLTrainer(Trainer):
             return inputs
         key = (self.prepared.train_loader.epoch if self.prepared.done else 0, inputs["round"])
         if self._round is None or self._round.key != key or inputs["repeat"] == 0:
-            self._round = Round(key, self.generate_and_score(inputs["rows"]))
+            rows = self._slots.completion_rows(key[0], inputs["round"], inputs["rank"])
+            self._round = Round(key, self.generate_and_score_share(rows))
         batch = self._round.batches[inputs["repeat"] % self.args.steps_per_generation]
         inputs.update(batch)  # the loop counts the window's tokens from input_ids
         return inputs
@@ -245,12 +271,19 @@ class OnlineRLTrainer(Trainer):
         return int(self.processing_class.pad_token_id)
 
     def generate_and_score(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """This rank's prompt rows -> the round's micro-batches (generation, rewards, advantages, log-probs)."""
-        g = self.args.num_generations
-        rows = [row for row in rows for _ in range(g)]
-        prompts = [row["prompt"] for row in rows]
-        prompt_ids = tokenize_prompts(self.processing_class, prompts[::g], self.args.chat_template_kwargs)
-        prompt_ids = [ids for ids in prompt_ids for _ in range(g)]
+        """Prompt rows, each given its ``num_generations`` completions on this rank -> the round's micro-batches."""
+        return self.generate_and_score_share([row for row in rows for _ in range(self.args.num_generations)])
+
+    def generate_and_score_share(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """This rank's share of a generation batch, one prompt row per completion in TRL's order (a prompt's rows
+        consecutive; its group may continue on the next rank) -> the round's micro-batches (generation, rewards,
+        advantages over every rank's rewards, log-probs)."""
+        # a prompt's consecutive rows are one row repeated: tokenized once
+        starts = [i for i in range(len(rows)) if i == 0 or rows[i] is not rows[i - 1]]
+        unique = tokenize_prompts(self.processing_class, [rows[i]["prompt"] for i in starts],
+                                  self.args.chat_template_kwargs)
+        ends = starts[1:] + [len(rows)]
+        prompt_ids = [ids for ids, a, b in zip(unique, starts, ends) for _ in range(b - a)]
         completions = self.generate(prompt_ids)
         return self.micro_batches(self.score_completions(rows, prompt_ids, completions))
 

@@ -13,7 +13,10 @@ process group, each case trains a fresh model):
   completions and rewards (counted once, not once per tp rank); GRPO under ZeROInfinity trains, with finite losses;
 - RLOO (KL to a reference model set up like the policy) under TensorParallel and ZeROInfinity: finite, rank-equal
   losses and KL;
-- ContextParallel is refused by name (rollouts cannot be split over its cp ranks)."""
+- ContextParallel is refused by name (rollouts cannot be split over its cp ranks);
+- GRPO and RLOO under DDP with 2 completions per device, 4 per prompt and 3 steps per generation (TRL's layout: a
+  prompt's completions spread over both ranks): each rank's prompts are TRL's RepeatSampler's slice, and the
+  advantages each rank trains on equal a hand computation from both ranks' gathered rewards."""
 
 from __future__ import annotations
 
@@ -36,8 +39,13 @@ CASES = (("grpo", "zero3", 10), ("grpo", "fsdp", 10), ("grpo", "tp", 3), ("grpo"
 GREEDY = {0: (("The old house", "She opened"), 3), 1: (("In the morning", "He asked the way", "When the bell rang"), 7)}
 
 
+SPREAD = dict(per_device_train_batch_size=2, num_generations=4, gradient_accumulation_steps=3, max_steps=2, seed=3)
+
+
 def _worker(out: str) -> dict:
     results = {"cp": _refused_under_cp(out)}
+    for kind in ("grpo", "rloo"):
+        results[f"spread-{kind}"] = _spread(str(Path(out) / f"spread-{kind}"), kind)
     for kind, strategy, steps in CASES:
         results[f"{kind}-{strategy}"] = _train(str(Path(out) / f"{kind}-{strategy}"), kind, strategy, steps)
     return results
@@ -151,6 +159,40 @@ def _train(out: str, kind: str, strategy: str, steps: int) -> dict:
     return result
 
 
+def _spread(out: str, kind: str) -> dict:
+    """A prompt's 4 completions on 2 ranks, 2 per micro-batch: what each rank scored and trained on."""
+    from shardkit.rl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    tokenizer = _tokenizer()
+    result = {"rounds": [], "used": []}
+
+    def reward(prompts, completion_ids, **kwargs):
+        rewards = [float(sum(c) % 7) + 0.5 * len(c) for c in completion_ids]
+        result["rounds"].append({"prompts": list(prompts), "ids": [list(c) for c in completion_ids],
+                                 "rewards": rewards})
+        return rewards
+
+    config, base = (RLOOConfig, RLOOTrainer) if kind == "rloo" else (GRPOConfig, GRPOTrainer)
+
+    class Recording(base):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            mask = inputs["completion_mask"].bool()
+            result["used"].append([(row[m].tolist(), float(a)) for row, m, a in
+                                   zip(inputs["completion_ids"], mask, inputs["advantages"])])
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    extra = {"beta": 0.0} if kind == "rloo" else {"scale_rewards": "group"}
+    args = config(output_dir=out, max_completion_length=4, learning_rate=1e-2, logging_steps=1, report_to="none",
+                  save_strategy="no", disable_tqdm=True, use_cpu=True, **SPREAD, **extra)
+    trainer = Recording(_model(len(tokenizer)), reward, args=args, train_dataset=[{"prompt": p} for p in PROMPTS * 2],
+                        processing_class=tokenizer, strategy=_strategy("ddp", out))
+    trainer.train()
+    result["generation_batch_size"] = trainer.args.generation_batch_size
+    result["logs"] = [{k: h[k] for k in ("loss", "reward", "frac_reward_zero_std") if k in h}
+                      for h in trainer.state.log_history if "loss" in h]
+    return result
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return run_distributed(_worker, 2, args=(str(tmp_path_factory.mktemp("grpo")),), timeout=1800,
@@ -217,3 +259,41 @@ def test_trains_on_two_ranks(runs, name):
 def test_context_parallel_is_refused_by_name(runs):
     for message in (rank["cp"] for rank in runs):
         assert "ContextParallel (cp=2)" in message and "--strategy fsdp" in message, message
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_a_prompts_completions_spread_over_ranks(runs, kind):
+    """per_device_train_batch_size=2, num_generations=4, steps_per_generation=3 on 2 ranks (a layout shardkit once
+    refused): a round is 3 prompts x 4 completions, 6 per rank, the middle prompt's group split 2 + 2. The prompts are
+    TRL's RepeatSampler's, dealt in contiguous slices; the advantages each rank trains on are the hand-computed
+    group advantages (GRPO: group mean and std; RLOO: leave-one-out) of both ranks' gathered rewards, its slice."""
+    import torch
+
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    ranks = _case(runs, f"spread-{kind}")
+    assert all(r["generation_batch_size"] == 12 for r in ranks)
+    rows = [{"prompt": p} for p in PROMPTS * 2]
+    stream = list(trl_utils.RepeatSampler(rows, mini_repeat_count=4, batch_size=3, repeat_count=3, seed=SPREAD["seed"]))
+    assert len(ranks[0]["rounds"]) == len(ranks[1]["rounds"]) == 2
+    for k in range(2):
+        trl_round = [rows[i]["prompt"] for i in stream[k * 36:k * 36 + 12]]  # a round, repeated 3 times
+        assert ranks[0]["rounds"][k]["prompts"] + ranks[1]["rounds"][k]["prompts"] == trl_round
+        assert trl_round[4:6] == trl_round[6:8]  # the middle group spread over both ranks
+        rewards = torch.tensor(ranks[0]["rounds"][k]["rewards"] + ranks[1]["rounds"][k]["rewards"],
+                               dtype=torch.float64).view(3, 4)
+        if kind == "grpo":
+            advantages = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
+        else:
+            advantages = rewards - (rewards.sum(1, keepdim=True) - rewards) / 3
+        advantages = advantages.flatten().tolist()
+        for rank, result in enumerate(ranks):
+            expected = sorted(zip(result["rounds"][k]["ids"], advantages[rank * 6:rank * 6 + 6]))
+            used = sorted(pair for batch in result["used"][k * 3:k * 3 + 3] for pair in batch)
+            assert len(used) == 6 and all(len(batch) == 2 for batch in result["used"][k * 3:k * 3 + 3])
+            assert [ids for ids, _ in used] == [ids for ids, _ in expected], (kind, k, rank)
+            assert [a for _, a in used] == pytest.approx([a for _, a in expected], abs=1e-4), (kind, k, rank)
+    losses = [h["loss"] for h in ranks[0]["logs"]]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    assert ranks[0]["logs"] == ranks[1]["logs"]
+    gathered = [ranks[0]["rounds"][k]["rewards"] + ranks[1]["rounds"][k]["rewards"] for k in range(2)]
+    assert [h["reward"] for h in ranks[0]["logs"]] == pytest.approx([sum(r) / 12 for r in gathered], abs=1e-5)

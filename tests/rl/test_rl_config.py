@@ -1,5 +1,6 @@
 """What GRPOTrainer/RLOOTrainer refuse, by name, and the seams they take: use_vllm without vLLM, settings not
-implemented, prompt groups that would straddle ranks, reward models, and rollouts on the training model."""
+implemented, a generation batch that does not hold whole prompt groups, reward models, rollouts on the training
+model, and the prompt order each rank gets (TRL's RepeatSampler dealt as Accelerate deals TRL's loader batches)."""
 
 from __future__ import annotations
 
@@ -48,9 +49,25 @@ def test_refusals(tokenizer, tmp_path):
         RLOOConfig(output_dir=str(tmp_path), report_to="none", reward_clip_range=(1.0, -1.0))
     with pytest.raises(ValueError, match="pair of numbers"):
         RLOOConfig(output_dir=str(tmp_path), report_to="none", reward_clip_range=(1.0,))
-    with pytest.raises(ValueError, match="multiple of num_generations=3"):
+    # TRL's rule: the generation batch (4 per device x 1 rank x steps_per_generation 1) must hold whole groups
+    with pytest.raises(ValueError, match=r"generation_batch_size \(4 = .*\) must be divisible by num_generations "
+                                         r"\(3\).*steps_per_generation"):
         GRPOTrainer(tiny_llama(len(tokenizer)), _reward, args=_config(tmp_path, num_generations=3),
                     train_dataset=[{"prompt": "a"}] * 4, processing_class=tokenizer)
+    # a rank's share need not hold whole groups (2 per device, 4 generations on 2 ranks), only the whole batch
+    config = _config(tmp_path, per_device_train_batch_size=2, num_generations=4)
+    config.resolve_generation_batch(2)
+    assert (config.generation_batch_size, config.steps_per_generation) == (4, 1)
+    config = _config(tmp_path, per_device_train_batch_size=2, num_generations=4)
+    with pytest.raises(ValueError, match=r"generation_batch_size \(6 = .* 3 data-parallel ranks .*\) must be "
+                                         r"divisible by num_generations \(4\)"):
+        config.resolve_generation_batch(3)
+    from shardkit.rl import RLOOConfig
+
+    with pytest.raises(ValueError, match=r"RLOOConfig: generation_batch_size \(2 = .*\) must be divisible by "
+                                         r"num_generations \(4\)"):
+        RLOOConfig(output_dir=str(tmp_path), report_to="none", per_device_train_batch_size=2,
+                   num_generations=4).resolve_generation_batch(1)
     with pytest.raises(ValueError, match="model_init_kwargs is set but the model is already built"):
         GRPOTrainer(tiny_llama(len(tokenizer)), _reward,
                     args=_config(tmp_path, model_init_kwargs={"dtype": "bfloat16"}),
@@ -173,3 +190,63 @@ def test_reward_outputs_that_are_not_one_number_per_completion_are_named():
     rewards = call([None, True])
     assert torch.isnan(rewards[0, 0]) and rewards[1, 0] == 1.0
     assert call(torch.tensor([[0.5], [2.0]])).flatten().tolist() == [0.5, 2.0]
+
+
+@pytest.mark.parametrize("per_device, spg, iterations, ranks, generations, shuffle",
+                         [(2, 1, 1, 2, 4, True), (2, 3, 2, 2, 4, True), (3, 2, 1, 2, 4, True),
+                          (4, 1, 1, 3, 6, False), (8, 1, 1, 2, 4, True)])
+def test_each_ranks_prompts_are_trls(per_device, spg, iterations, ranks, generations, shuffle):
+    """Every slot's rows over two epochs equal what TRL 1.16 hands that rank at that micro-step: its RepeatSampler
+    (prompt i num_generations times in a row, one seeded generator drawing each epoch's order), cut into loader batches
+    of per_device x steps_per_generation that Accelerate deals to the processes in turn. Groups spread over ranks in
+    the first four layouts; in the last each rank holds whole groups, shardkit's layout before spreading."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    from shardkit.rl.trainer import RoundSlots
+
+    rows = [{"prompt": f"p{i}"} for i in range(23)]
+    share, repeats = per_device * spg, spg * iterations
+    sampler = trl_utils.RepeatSampler(rows, mini_repeat_count=generations,
+                                      batch_size=share * ranks // generations, repeat_count=repeats, shuffle=shuffle,
+                                      seed=7)
+    slots = RoundSlots(rows, generations, share, ranks, repeats, seed=7, shuffle=shuffle)
+    assert len(slots) * share == len(sampler)
+    first = None
+    for epoch in range(2):
+        stream = list(sampler)  # TRL's Trainer iterates its loader once per epoch
+        first = first or stream[:share]
+        batches = [stream[i:i + share] for i in range(0, len(stream), share)]
+        for index in range(len(slots)):  # slot k is rank k % ranks' (k // ranks)-th micro-step; so is batch k
+            slot = slots[index]
+            assert slot["rank"] == index % ranks
+            got = slots.completion_rows(epoch, slot["round"], slot["rank"])
+            assert [row["prompt"] for row in got] == [rows[i]["prompt"] for i in batches[index]], (epoch, index)
+    # a resume into an earlier epoch (or a second train()) draws that epoch's order again
+    assert [row["prompt"] for row in slots.completion_rows(0, 0, 0)] == [rows[i]["prompt"] for i in first]
+
+
+def test_a_resume_in_a_later_epoch_restarts_at_its_slot(tokenizer, tmp_path):
+    """Each epoch draws its own prompt order (as TRL's sampler does); a run resumed from a checkpoint in the second
+    epoch generates for the prompts, and ends with the weights, of the uninterrupted run."""
+    from shardkit.rl import GRPOTrainer
+
+    def run(out, resume=None):
+        seen = []
+
+        def reward(prompts, completions, **kwargs):
+            seen.append(prompts[0])
+            return [float(len(c)) for c in completions]
+
+        args = _config(out, max_steps=8, save_strategy="steps", save_steps=7, learning_rate=1e-2, seed=5,
+                       logging_steps=1, disable_tqdm=True)
+        trainer = GRPOTrainer(tiny_llama(len(tokenizer)), reward, args=args, processing_class=tokenizer,
+                              train_dataset=[{"prompt": f"prompt {i}"} for i in range(6)])
+        trainer.train(resume_from_checkpoint=resume)
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return seen, losses, [p.detach().clone() for p in trainer.model.parameters()]
+
+    seen, losses, weights = run(tmp_path / "full")
+    assert len(seen) == 8 and sorted(seen[:6]) == [f"prompt {i}" for i in range(6)]
+    assert seen[6:8] != seen[0:2]  # the second epoch's own order (one prompt per generation batch here)
+    resumed_seen, resumed_losses, resumed_weights = run(tmp_path / "resumed", tmp_path / "full" / "checkpoint-7")
+    assert resumed_seen == seen[7:] and resumed_losses[-1] == losses[-1]
+    assert all(torch.equal(a, b) for a, b in zip(weights, resumed_weights))
