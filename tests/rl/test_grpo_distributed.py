@@ -14,9 +14,10 @@ process group, each case trains a fresh model):
 - RLOO (KL to a reference model set up like the policy) under TensorParallel and ZeROInfinity: finite, rank-equal
   losses and KL;
 - ContextParallel is refused by name (rollouts cannot be split over its cp ranks);
-- GRPO and RLOO under DDP with 2 completions per device, 4 per prompt and 3 steps per generation (TRL's layout: a
-  prompt's completions spread over both ranks): each rank's prompts are TRL's RepeatSampler's slice, and the
-  advantages each rank trains on equal a hand computation from both ranks' gathered rewards."""
+- GRPO and RLOO under DDP with 2 completions per device and 4 per prompt (TRL's layout: a prompt's completions
+  spread over both ranks; GRPO with 1 step per generation, every prompt split 2 + 2, RLOO with 3, the middle prompt of
+  each round split): each rank's prompts are TRL's RepeatSampler's slice, and the advantages each rank trains on equal
+  a hand computation from both ranks' gathered rewards."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ CASES = (("grpo", "zero3", 10), ("grpo", "fsdp", 10), ("grpo", "tp", 3), ("grpo"
 GREEDY = {0: (("The old house", "She opened"), 3), 1: (("In the morning", "He asked the way", "When the bell rang"), 7)}
 
 
-SPREAD = dict(per_device_train_batch_size=2, num_generations=4, gradient_accumulation_steps=3, max_steps=2, seed=3)
+SPREAD = dict(per_device_train_batch_size=2, num_generations=4, max_steps=2, seed=3)
+SPREAD_STEPS = {"grpo": 1, "rloo": 3}  # steps_per_generation (from gradient_accumulation_steps)
 
 
 def _worker(out: str) -> dict:
@@ -183,7 +185,8 @@ def _spread(out: str, kind: str) -> dict:
 
     extra = {"beta": 0.0} if kind == "rloo" else {"scale_rewards": "group"}
     args = config(output_dir=out, max_completion_length=4, learning_rate=1e-2, logging_steps=1, report_to="none",
-                  save_strategy="no", disable_tqdm=True, use_cpu=True, **SPREAD, **extra)
+                  save_strategy="no", disable_tqdm=True, use_cpu=True, gradient_accumulation_steps=SPREAD_STEPS[kind],
+                  **SPREAD, **extra)
     trainer = Recording(_model(len(tokenizer)), reward, args=args, train_dataset=[{"prompt": p} for p in PROMPTS * 2],
                         processing_class=tokenizer, strategy=_strategy("ddp", out))
     trainer.train()
@@ -263,37 +266,44 @@ def test_context_parallel_is_refused_by_name(runs):
 
 @pytest.mark.parametrize("kind", ["grpo", "rloo"])
 def test_a_prompts_completions_spread_over_ranks(runs, kind):
-    """per_device_train_batch_size=2, num_generations=4, steps_per_generation=3 on 2 ranks (a layout shardkit once
-    refused): a round is 3 prompts x 4 completions, 6 per rank, the middle prompt's group split 2 + 2. The prompts are
-    TRL's RepeatSampler's, dealt in contiguous slices; the advantages each rank trains on are the hand-computed
-    group advantages (GRPO: group mean and std; RLOO: leave-one-out) of both ranks' gathered rewards, its slice."""
+    """per_device_train_batch_size=2, num_generations=4 on 2 ranks (a layout shardkit once refused): a round is
+    2 x steps_per_generation / 2 prompts x 4 completions, 2 x steps_per_generation per rank, a prompt's group split
+    2 + 2 over the ranks (GRPO: every prompt; RLOO, 3 steps per generation: the middle of 3). The prompts are TRL's
+    RepeatSampler's, dealt in contiguous slices; the advantages each rank trains on are the hand-computed group
+    advantages (GRPO: group mean and std; RLOO: leave-one-out) of both ranks' gathered rewards, its slice."""
     import torch
 
     trl_utils = pytest.importorskip("trl.trainer.utils")
-    ranks = _case(runs, f"spread-{kind}")
-    assert all(r["generation_batch_size"] == 12 for r in ranks)
+    ranks, spg = _case(runs, f"spread-{kind}"), SPREAD_STEPS[kind]
+    share, groups = 2 * spg, spg  # completions per rank, prompts per round
+    assert all(r["generation_batch_size"] == 2 * share for r in ranks)
     rows = [{"prompt": p} for p in PROMPTS * 2]
-    stream = list(trl_utils.RepeatSampler(rows, mini_repeat_count=4, batch_size=3, repeat_count=3, seed=SPREAD["seed"]))
+    stream = list(trl_utils.RepeatSampler(rows, mini_repeat_count=4, batch_size=groups, repeat_count=spg,
+                                          seed=SPREAD["seed"]))
     assert len(ranks[0]["rounds"]) == len(ranks[1]["rounds"]) == 2
     for k in range(2):
-        trl_round = [rows[i]["prompt"] for i in stream[k * 36:k * 36 + 12]]  # a round, repeated 3 times
+        first = k * 2 * share * spg  # TRL's stream holds each round spg times
+        trl_round = [rows[i]["prompt"] for i in stream[first:first + 2 * share]]
         assert ranks[0]["rounds"][k]["prompts"] + ranks[1]["rounds"][k]["prompts"] == trl_round
-        assert trl_round[4:6] == trl_round[6:8]  # the middle group spread over both ranks
+        middle = 4 * (groups // 2)
+        assert len(set(trl_round[middle:middle + 4])) == 1  # this group is spread over both ranks
+        assert ranks[0]["rounds"][k]["prompts"][-1] == ranks[1]["rounds"][k]["prompts"][0]
         rewards = torch.tensor(ranks[0]["rounds"][k]["rewards"] + ranks[1]["rounds"][k]["rewards"],
-                               dtype=torch.float64).view(3, 4)
+                               dtype=torch.float64).view(groups, 4)
         if kind == "grpo":
             advantages = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
         else:
             advantages = rewards - (rewards.sum(1, keepdim=True) - rewards) / 3
         advantages = advantages.flatten().tolist()
         for rank, result in enumerate(ranks):
-            expected = sorted(zip(result["rounds"][k]["ids"], advantages[rank * 6:rank * 6 + 6]))
-            used = sorted(pair for batch in result["used"][k * 3:k * 3 + 3] for pair in batch)
-            assert len(used) == 6 and all(len(batch) == 2 for batch in result["used"][k * 3:k * 3 + 3])
+            expected = sorted(zip(result["rounds"][k]["ids"], advantages[rank * share:(rank + 1) * share]))
+            batches = result["used"][k * spg:(k + 1) * spg]
+            used = sorted(pair for batch in batches for pair in batch)
+            assert len(used) == share and all(len(batch) == 2 for batch in batches)
             assert [ids for ids, _ in used] == [ids for ids, _ in expected], (kind, k, rank)
             assert [a for _, a in used] == pytest.approx([a for _, a in expected], abs=1e-4), (kind, k, rank)
     losses = [h["loss"] for h in ranks[0]["logs"]]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
     assert ranks[0]["logs"] == ranks[1]["logs"]
     gathered = [ranks[0]["rounds"][k]["rewards"] + ranks[1]["rounds"][k]["rewards"] for k in range(2)]
-    assert [h["reward"] for h in ranks[0]["logs"]] == pytest.approx([sum(r) / 12 for r in gathered], abs=1e-5)
+    assert [h["reward"] for h in ranks[0]["logs"]] == pytest.approx([sum(r) / len(r) for r in gathered], abs=1e-5)
