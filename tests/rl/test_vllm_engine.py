@@ -336,6 +336,25 @@ def test_policy_loss_with_the_correction_equals_trls(loss_type, mode):
     torch.testing.assert_close(ours.per_token, expected, rtol=1e-6, atol=1e-7)
 
 
+def test_evaluation_goes_through_the_engine_with_vespos_correction(vllm, tokenizer, tmp_path):
+    """evaluate() generates through the engine (num_generations_eval completions per prompt, log-probs asked for),
+    and an eval step's correction and VESPO weight are logged with the eval prefix."""
+    import math
+
+    vllm.logprob_shift = lambda token: 0.3 if token % 2 else -0.01
+    trainer = _trainer(tiny_llama(len(tokenizer)), tokenizer, tmp_path, loss_type="vespo",
+                       vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
+                       vllm_importance_sampling_clip_min=0.9, vllm_importance_sampling_clip_max=1.02,
+                       num_generations_eval=2, per_device_eval_batch_size=4)
+    (llm,) = vllm.instances
+    metrics = trainer.evaluate([{"prompt": p} for p in ("When the bell rang", "At night", "The river")])
+    assert [len(prompts) for prompts, _ in llm.requests] == [4, 2]
+    assert all(kw["logprobs"] == 0 for _, kw in llm.requests)
+    assert metrics["eval_sampling/sampling_logp_difference/max"] == pytest.approx(0.3, rel=1e-3)
+    assert metrics["eval_sampling/importance_sampling_ratio/min"] == pytest.approx(0.9, rel=1e-4)
+    assert metrics["eval_vespo/phi_seq_mean"] > 0 and math.isfinite(metrics["eval_loss"])
+
+
 def test_training_with_the_correction_weighs_each_token(vllm, tokenizer, tmp_path):
     """One step with the correction on: the engine is asked for log-probs, the loss is TRL's dapo loss with each
     token's term times clamp(pi_train / pi_vllm), computed here from a copy of the policy, and TRL's metrics are
