@@ -25,6 +25,7 @@ Differences from TRL, each on purpose:
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Iterator
@@ -177,7 +178,7 @@ class OnlineRLEvaluation:
         weighted_loss, counted, steps = 0.0, 0, 0
         try:
             with _isolated_rng(self.runner.device, args.seed), _eval_settings(args, eval_group_size(args)):
-                for inputs in loader:
+                for inputs in itertools.islice(loader, args.fast_dev_run or None):
                     loss, rows = self._eval_step(inputs["rows"], inputs["filler"])
                     for value, count in self.runner.gather_object([(loss, rows)]):
                         if count:
