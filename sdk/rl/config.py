@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardkit.preference.config import refuse_unsupported
+from shardkit.rl.evaluation import check_eval_settings
 from shardkit.rl.losses import AGGREGATIONS, GRPO_LOSS_TYPES, SCALE_REWARDS, PolicyLossSettings
 from shardkit.rl.vllm_correction import VLLM_IS_MODES
 from shardkit.trainer.arguments import TrainingArguments
@@ -21,7 +22,6 @@ _VLLM_COLOCATE_WHY = "not implemented for shardkit's colocated vLLM engine"
 # The fields both trainers share and do not implement: (default, why).
 _UNSUPPORTED_SHARED: dict[str, tuple[Any, str]] = {
     "trust_remote_code": (False, "models are not loaded with remote code; load it yourself and pass the model"),
-    "num_generations_eval": (None, "evaluation with generation is not implemented"),
     "cache_implementation": (None, "the model's own KV cache is used"),
     "sync_ref_model": (False, "the reference is not updated during training"),
     "log_completions": (False, "completions are not logged as tables"),
@@ -94,6 +94,7 @@ class OnlineRLConfig(TrainingArguments):
         super().__post_init__()
         name = type(self).__name__
         refuse_unsupported(self, _UNSUPPORTED_SHARED)
+        check_eval_settings(self, batch=getattr(self.eval_strategy, "value", self.eval_strategy) != "no")
         if self.router_aux_loss_coef not in (None, 0.0):
             raise NotImplementedError(f"{name}.router_aux_loss_coef={self.router_aux_loss_coef!r} is not supported by "
                                       "shardkit: Mixture-of-Experts auxiliary losses are not added. Set 0.0 (train an "
@@ -163,6 +164,8 @@ class GRPOConfig(OnlineRLConfig):
     Loss: ``loss_type`` (:data:`shardkit.rl.losses.GRPO_LOSS_TYPES`, default ``"dapo"`` as TRL 1.x), ``beta`` (KL
     to a reference; 0: no reference model), ``epsilon``/``epsilon_high``, ``delta``, ``num_iterations``,
     ``importance_sampling_level``, ``use_bias_correction_kl``, SAPO's temperatures, VESPO's ``k``/``lambda``.
+    Evaluation (``eval_dataset``, eval strategies, :mod:`shardkit.rl.evaluation`): ``num_generations_eval``
+    completions per eval prompt (default ``num_generations``), ``per_device_eval_batch_size`` a multiple of it.
 
     vLLM (colocated, :mod:`shardkit.rl.vllm_engine`; written to vLLM's API but never run against a real vLLM):
     ``use_vllm``, ``vllm_gpu_memory_utilization``, ``vllm_tensor_parallel_size``, ``vllm_max_model_length``;
@@ -171,7 +174,7 @@ class GRPOConfig(OnlineRLConfig):
     (``vllm_importance_sampling_cap``: the deprecated name of ``_clip_max``).
 
     Not implemented (refused when set): vLLM's server mode, sleep mode, model implementation and structured outputs,
-    evaluation with generation, tools, the entropy mask and bonus, the off-policy mask, ``sync_ref_model``,
+    tools, the entropy mask and bonus, the off-policy mask, ``sync_ref_model``,
     completion tables.
     """
 
@@ -230,11 +233,10 @@ class GRPOConfig(OnlineRLConfig):
         if mode.endswith("truncate") and low is None and high is None:
             raise ValueError(f"GRPOConfig.vllm_importance_sampling_mode={mode!r} clips nothing without a bound: set "
                              "vllm_importance_sampling_clip_min or vllm_importance_sampling_clip_max")
-        if self.use_vllm and self.loss_type == "vespo":
-            raise NotImplementedError("GRPOConfig: loss_type='vespo' with use_vllm=True and "
-                                      "vllm_importance_sampling_correction=True is not implemented (VESPO folds the "
-                                      "correction into its sequence weight); set vllm_importance_sampling_correction="
-                                      "False or use another loss_type")
+        if self.use_vllm and self.loss_type == "vespo" and not mode.startswith("token"):
+            raise ValueError(f"GRPOConfig: loss_type='vespo' folds vLLM's correction into its sequence weight token "
+                             f"by token: vllm_importance_sampling_mode={mode!r} must be 'token_truncate' or "
+                             "'token_mask' (or set vllm_importance_sampling_correction=False)")
 
     def loss_settings(self) -> PolicyLossSettings:
         return PolicyLossSettings(

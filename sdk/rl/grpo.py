@@ -68,12 +68,10 @@ class GRPOTrainer(OnlineRLTrainer):
 
     def policy_objective(self, batch: dict[str, Tensor], logps: Tensor, entropy: Tensor, mode: str) -> Tensor:
         settings, mask = self.loss_settings_, batch["completion_mask"].float()
+        # vLLM drew the tokens: its correction weighs each policy term by pi_train / pi_vllm
         result = policy_loss(logps, batch.get("old_per_token_logps"), batch["advantages"], mask, settings,
-                             batch.get("ref_per_token_logps"))
-        per_token = result.per_token
-        if "importance_sampling_ratio" in batch:  # vLLM drew the tokens: weigh each by pi_train / pi_vllm
-            per_token = per_token * batch["importance_sampling_ratio"]
-        loss = reduce_policy_loss(per_token, mask, settings.loss_type, self.args.max_completion_length,
+                             batch.get("ref_per_token_logps"), batch.get("importance_sampling_ratio"))
+        loss = reduce_policy_loss(result.per_token, mask, settings.loss_type, self.args.max_completion_length,
                                   self.token_normalizer(batch))
         metrics = self._metrics[mode]
         if result.kl is not None:

@@ -146,10 +146,18 @@ class PolicyLoss:
 
 @torch.no_grad()
 def gamma_weights(advantages: Tensor, log_ratio: Tensor, mask: Tensor, k_pos: float, lambda_pos: float,
-                  k_neg: float, lambda_neg: float) -> Tensor:
-    """VESPO's per-sequence weight ``phi(w) = e^lambda w^k e^(-lambda w)`` of the sequence ratio ``w`` (no gradient)."""
+                  k_neg: float, lambda_neg: float, importance_sampling_ratio: Tensor | None = None) -> Tensor:
+    """VESPO's per-sequence weight ``phi(w) = e^lambda w^k e^(-lambda w)`` of the sequence ratio ``w`` (no gradient).
+
+    With vLLM's token-level correction (``importance_sampling_ratio`` ``[B, C]``, ``pi_old / pi_vllm``), ``w`` is the
+    ratio to the sampler, ``pi / pi_vllm``: the log of each token's correction (floored at ``log 1e-8``, so that a
+    masked-out token's 0 stays finite) is added to the sequence's log-ratio, over every position as TRL sums it
+    (a padded position's correction is 1)."""
     floor = math.log(1e-8)
-    log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True).clamp(floor, 20.0)
+    log_w = (torch.clamp(log_ratio, -20.0, 20.0) * mask).sum(-1, keepdim=True)
+    if importance_sampling_ratio is not None:
+        log_w = log_w + torch.log(importance_sampling_ratio).clamp(floor, 20.0).sum(-1, keepdim=True)
+    log_w = log_w.clamp(floor, 20.0)
     positive = advantages >= 0
     k = torch.where(positive, k_pos, k_neg)
     lam = torch.where(positive, lambda_pos, lambda_neg).clamp(min=1e-4)
@@ -157,7 +165,8 @@ def gamma_weights(advantages: Tensor, log_ratio: Tensor, mask: Tensor, k_pos: fl
 
 
 def policy_loss(logps: Tensor, old_logps: Tensor | None, advantages: Tensor, mask: Tensor,
-                settings: PolicyLossSettings, ref_logps: Tensor | None = None) -> PolicyLoss:
+                settings: PolicyLossSettings, ref_logps: Tensor | None = None,
+                importance_sampling_ratio: Tensor | None = None) -> PolicyLoss:
     """GRPO's per-token objective for each ``loss_type`` (before the reduction of :func:`reduce_policy_loss`).
 
     Args:
@@ -167,6 +176,9 @@ def policy_loss(logps: Tensor, old_logps: Tensor | None, advantages: Tensor, mas
         advantages: ``[B]`` (or ``[B, C]``).
         mask: ``[B, C]`` the tokens that count.
         ref_logps: ``[B, C]`` the reference's log-probs (needed when ``beta != 0``).
+        importance_sampling_ratio: vLLM's correction weights (``[B, C]``, or ``[B, 1]`` per sequence) when vLLM drew
+            the tokens: each token's policy term is multiplied by them (not the KL term), except VESPO's, whose
+            sequence weight takes them in (token-level weights only, as TRL).
     """
     s = settings
     if s.loss_type not in GRPO_LOSS_TYPES:
@@ -200,9 +212,14 @@ def policy_loss(logps: Tensor, old_logps: Tensor | None, advantages: Tensor, mas
         temperature = torch.where(advantages > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
         per_token = -torch.sigmoid(temperature * (coef_1 - 1)) * 4 / temperature * advantages
     else:  # vespo
+        if importance_sampling_ratio is not None and importance_sampling_ratio.shape[-1] != logps.shape[-1]:
+            raise ValueError("loss_type='vespo' takes vLLM's correction per token (vllm_importance_sampling_mode "
+                             "'token_truncate' or 'token_mask'), got one weight per sequence")
         phi = gamma_weights(advantages, log_ratio, mask, s.vespo_k_pos, s.vespo_lambda_pos, s.vespo_k_neg,
-                            s.vespo_lambda_neg)
+                            s.vespo_lambda_neg, importance_sampling_ratio)
         per_token = -phi * advantages * logps
+    if importance_sampling_ratio is not None and s.loss_type != "vespo":
+        per_token = per_token * importance_sampling_ratio
     if kl is not None:
         per_token = per_token + s.beta * kl
     return PolicyLoss(per_token, coef_1.detach(), None if kl is None else kl.detach(), phi)

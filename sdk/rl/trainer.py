@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from shardkit.rl.config import OnlineRLConfig
+from shardkit.rl.evaluation import OnlineRLEvaluation
 from shardkit.rl.losses import nanstd
 from shardkit.rl.rollout import (
     Completions,
@@ -112,7 +113,7 @@ class Round:
         self.key, self.batches = key, batches
 
 
-class OnlineRLTrainer(Trainer):
+class OnlineRLTrainer(OnlineRLEvaluation, Trainer):
     """The shared base of :class:`~shardkit.rl.GRPOTrainer` and :class:`~shardkit.rl.RLOOTrainer`.
 
     Args beyond :class:`~shardkit.trainer.Trainer`'s: ``reward_funcs`` (callables and/or sequence-classification
@@ -135,9 +136,6 @@ class OnlineRLTrainer(Trainer):
             raise TypeError(f"{name} takes a {self.config_class.__name__} as args, got {type(args).__name__}")
         if args.use_vllm:
             require_vllm(name, args)  # before any model is built: a missing package fails first, by name
-        if eval_dataset is not None:
-            raise NotImplementedError(f"{name}: evaluation (generation on eval_dataset) is not implemented; pass "
-                                      "no eval_dataset")
         if peft_config is not None:
             raise NotImplementedError(f"{name}: peft_config is not supported; wrap the model with peft yourself")
         if train_dataset is None:
@@ -156,7 +154,7 @@ class OnlineRLTrainer(Trainer):
             reference = copy.deepcopy(model)  # before the strategy takes the model
         super().__init__(model=model, args=args, data_collator=_single, train_dataset=list(train_dataset),
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                         strategy=strategy, precision=precision)
+                         strategy=strategy, precision=precision, eval_dataset=eval_dataset)
         if self.get_cp_size() > 1:
             # Generation has no split form (every cp rank would decode the same whole sequences) and the rollout
             # batches are padded, which the split-sequence forward refuses: nothing would run context-parallel.
@@ -195,15 +193,15 @@ class OnlineRLTrainer(Trainer):
         self.ref_model, self._ref_unwrapped = set_up_frozen_model(self.runner, ref_model)
 
     @torch.no_grad()
-    def reference_log_probs(self, batch: dict[str, Tensor]) -> Tensor:
+    def reference_log_probs(self, batch: dict[str, Tensor], chunked: bool = True) -> Tensor:
         """The reference's per-token log-probs of the completions (a PEFT model's base: its adapter disabled)."""
         if self.ref_model is not None:
             context = frozen_model_context(self.runner)
             with context:
-                return self._log_probs(self.ref_model, self._ref_unwrapped, batch)[0]
+                return self._log_probs(self.ref_model, self._ref_unwrapped, batch, chunked=chunked)[0]
         unwrapped = self.runner.unwrap_model(self.model_wrapped)
         with unwrapped.disable_adapter():
-            return self._log_probs(self.model_wrapped, unwrapped, batch)[0]
+            return self._log_probs(self.model_wrapped, unwrapped, batch, chunked=chunked)[0]
 
     def _log_probs(self, model: nn.Module, unwrapped: nn.Module, batch: dict[str, Tensor], entropy: bool = False,
                    chunked: bool = True) -> tuple[Tensor, Tensor | None]:
@@ -371,13 +369,11 @@ class OnlineRLTrainer(Trainer):
         logps, entropy = self._log_probs(model, self.runner.unwrap_model(model), inputs, entropy=True, chunked=False)
         return self.policy_objective(inputs, logps, entropy, mode)
 
-    def prediction_step(self, model: nn.Module, inputs: Any, prediction_loss_only: bool,
-                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
-        raise NotImplementedError(f"{type(self).__name__}: evaluation is not implemented")
-
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Add the metrics gathered since the last log (TRL's names), averaged over the rounds and micro-batches."""
         mode = "train" if self.model.training else "eval"
+        if self._evaluating:  # the evaluation loop returned its metrics, prefixed; the train ones wait for theirs
+            return super().log(logs, start_time)
         for name, values in self._metrics[mode].items():
             finite = [v for v in values if v == v]
             if finite:

@@ -17,7 +17,11 @@ process group, each case trains a fresh model):
 - GRPO and RLOO under DDP with 2 completions per device and 4 per prompt (TRL's layout: a prompt's completions
   spread over both ranks; GRPO with 1 step per generation, every prompt split 2 + 2, RLOO with 3, the middle prompt of
   each round split): each rank's prompts are TRL's RepeatSampler's slice, and the advantages each rank trains on equal
-  a hand computation from both ranks' gathered rewards."""
+  a hand computation from both ranks' gathered rewards;
+- GRPO evaluation under ZeRO-3 with uneven eval shards: 3 eval prompts, 1 per rank and step, so rank 1 has none in
+  the second step, and rank 0 samples at most 3 tokens, rank 1 at most 6: nothing hangs, both ranks log the same
+  figures, every eval prompt is scored once, eval_reward is the steps' mean of both ranks' rewards, and a direct
+  evaluate() of the same weights repeats the one run at eval_steps."""
 
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ SPREAD_STEPS = {"grpo": 1, "rloo": 3}  # steps_per_generation (from gradient_acc
 
 
 def _worker(out: str) -> dict:
-    results = {"cp": _refused_under_cp(out)}
+    results = {"cp": _refused_under_cp(out), "eval-zero3": _evaluate_uneven(str(Path(out) / "eval"))}
     for kind in ("grpo", "rloo"):
         results[f"spread-{kind}"] = _spread(str(Path(out) / f"spread-{kind}"), kind)
     for kind, strategy, steps in CASES:
@@ -91,6 +95,39 @@ def _refused_under_cp(out: str) -> str:
     except NotImplementedError as err:
         return str(err)
     return "not refused"
+
+
+EVAL_PROMPTS = ("When the bell rang", "At night", "The river")
+
+
+def _evaluate_uneven(out: str) -> dict:
+    from shardkit.rl import GRPOConfig, GRPOTrainer
+
+    rank = int(os.environ["RANK"])
+    tokenizer = _tokenizer()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    calls = []
+
+    def in_target(prompts, completion_ids, **kwargs):
+        rewards = [sum(100 <= t < 130 for t in c) / max(len(c), 1) for c in completion_ids]
+        if prompts[0] in EVAL_PROMPTS:
+            calls.append({"prompts": list(prompts), "ids": [list(c) for c in completion_ids], "rewards": rewards})
+        return rewards
+
+    args = GRPOConfig(output_dir=out, max_steps=1, per_device_train_batch_size=8, num_generations=8,
+                      num_generations_eval=4, per_device_eval_batch_size=4, max_completion_length=3 if rank == 0 else 6,
+                      eval_strategy="steps", eval_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+                      seed=0, use_cpu=True)
+    trainer = GRPOTrainer(_model(len(tokenizer)), in_target, args=args,
+                          train_dataset=[{"prompt": p} for p in PROMPTS] * 2,
+                          eval_dataset=[{"prompt": p} for p in EVAL_PROMPTS], processing_class=tokenizer,
+                          strategy=_strategy("zero3", out))
+    trainer.train()
+    logged = next(h for h in trainer.state.log_history if "eval_reward" in h)
+    direct = trainer.evaluate()
+    keys = ("eval_reward", "eval_loss", "eval_completions/max_length")
+    return {"calls": calls, "logged": {k: logged[k] for k in keys}, "direct": {k: direct[k] for k in keys}}
 
 
 def _greedy_reference(model, tokenizer, prompts, max_new: int) -> list[list[int]]:
@@ -307,3 +344,22 @@ def test_a_prompts_completions_spread_over_ranks(runs, kind):
     assert ranks[0]["logs"] == ranks[1]["logs"]
     gathered = [ranks[0]["rounds"][k]["rewards"] + ranks[1]["rounds"][k]["rewards"] for k in range(2)]
     assert [h["reward"] for h in ranks[0]["logs"]] == pytest.approx([sum(r) / len(r) for r in gathered], abs=1e-5)
+
+
+def test_evaluation_with_uneven_shards(runs):
+    """Two evaluations (at eval_steps=1, then evaluate()) of 2 steps each: rank 0 scores a prompt in both steps,
+    rank 1 only in the first (a filler keeps it in step in the second and counts nowhere)."""
+    results = _case(runs, "eval-zero3")
+    assert results[0]["logged"] == results[1]["logged"]
+    assert results[0]["direct"] == results[0]["logged"]  # the same weights, the eval's own seeded stream
+    assert [len(r["calls"]) for r in results] == [4, 2]
+    for evaluation in range(2):
+        steps = [results[0]["calls"][2 * evaluation], results[1]["calls"][evaluation]]
+        last = results[0]["calls"][2 * evaluation + 1]
+        prompts = [c["prompts"][0] for c in (*steps, last)]
+        assert sorted(prompts) == sorted(EVAL_PROMPTS) and all(len(c["ids"]) == 4 for c in (*steps, last))
+        first = [r for c in steps for r in c["rewards"]]
+        expected = (sum(first) / len(first) + sum(last["rewards"]) / 4) / 2
+        assert results[0]["logged"]["eval_reward"] == pytest.approx(expected, abs=1e-6)
+    assert max(len(i) for c in results[0]["calls"] for i in c["ids"]) <= 3
+    assert max(len(i) for c in results[1]["calls"] for i in c["ids"]) == 6

@@ -72,9 +72,6 @@ def test_refusals(tokenizer, tmp_path):
         GRPOTrainer(tiny_llama(len(tokenizer)), _reward,
                     args=_config(tmp_path, model_init_kwargs={"dtype": "bfloat16"}),
                     train_dataset=[{"prompt": "a"}] * 4, processing_class=tokenizer)
-    with pytest.raises(NotImplementedError, match="eval_dataset"):
-        GRPOTrainer(tiny_llama(len(tokenizer)), _reward, args=_config(tmp_path), train_dataset=[{"prompt": "a"}] * 4,
-                    eval_dataset=[{"prompt": "b"}], processing_class=tokenizer)
 
 
 def test_rollout_on_the_training_model_and_a_reward_model(tokenizer, tmp_path):

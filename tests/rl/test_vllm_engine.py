@@ -222,8 +222,10 @@ def test_completion_format_and_refusals(vllm, tokenizer, tmp_path):
                    vllm_importance_sampling_clip_max=None)
     with pytest.raises(ValueError, match="must be less than"):
         GRPOConfig(output_dir=str(tmp_path), report_to="none", vllm_importance_sampling_clip_min=3.0)
-    with pytest.raises(NotImplementedError, match="vespo"):
-        GRPOConfig(output_dir=str(tmp_path), report_to="none", use_vllm=True, loss_type="vespo")
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode='sequence_mask' must be 'token_truncate'"):
+        GRPOConfig(output_dir=str(tmp_path), report_to="none", use_vllm=True, loss_type="vespo")  # as TRL refuses
+    assert GRPOConfig(output_dir=str(tmp_path), report_to="none", use_vllm=True, loss_type="vespo",
+                      vllm_importance_sampling_mode="token_mask").loss_type == "vespo"
     assert GRPOConfig(output_dir=str(tmp_path), report_to="none",
                       vllm_importance_sampling_cap=2.0).vllm_importance_sampling_clip_max == 2.0  # TRL's old name
     with pytest.raises(NotImplementedError, match="vllm_enable_sleep_mode"):
@@ -295,6 +297,62 @@ def test_correction_weights_equal_trls(mode, bounds):
     if bounds == (0.8, 1.25):  # the bounds did something: some ratios clipped or masked
         raw = _trl_vllm_is(old, sampling, mask, mode.split("_")[0] + "_truncate", None, float("inf"))
         assert bool(((raw < 0.8) | (raw > 1.25)).any())
+
+
+@pytest.mark.parametrize("loss_type", ["vespo", "dapo"])
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask"])
+def test_policy_loss_with_the_correction_equals_trls(loss_type, mode):
+    """On fixed random inputs (a later iteration: ratios off 1, positive and negative advantages, a KL term):
+    VESPO's sequence weight takes vLLM's token weights in (TRL's get_gamma_weights, called itself), and the other
+    loss types multiply the policy term, not the KL term, by them (TRL's _compute_loss, written out)."""
+    trl = pytest.importorskip("trl")
+    from shardkit.rl.losses import PolicyLossSettings, policy_loss
+    from shardkit.rl.vllm_correction import vllm_importance_weights
+
+    gen = torch.Generator().manual_seed(11)
+    old = -torch.rand(6, 5, generator=gen) * 2
+    logps = old + torch.randn(6, 5, generator=gen) * 0.2
+    ref = old + torch.randn(6, 5, generator=gen) * 0.1
+    sampling = old + torch.randn(6, 5, generator=gen) * 0.3
+    mask = (torch.rand(6, 5, generator=gen) > 0.2).float()
+    advantages = torch.randn(6, generator=gen)
+    weights = vllm_importance_weights(old, sampling, mask, mode, 0.8, 1.25)
+    assert bool((weights[mask.bool()] != 1).any())
+    beta = 0.04
+    settings = PolicyLossSettings(loss_type=loss_type, beta=beta, epsilon_low=0.2, epsilon_high=0.28)
+    ours = policy_loss(logps, old, advantages, mask, settings, ref, weights)
+    a = advantages.unsqueeze(1)
+    ratio = torch.exp(logps - old)
+    kl = (torch.exp(ref - logps) - (ref - logps) - 1) * ratio
+    if loss_type == "vespo":
+        phi = trl.GRPOTrainer.get_gamma_weights(a, logps - old, mask, weights, k_pos=2.0, lambda_pos=3.0,
+                                                k_neg=3.0, lambda_neg=2.0)
+        torch.testing.assert_close(ours.phi, phi, rtol=1e-6, atol=1e-7)
+        unweighted = policy_loss(logps, old, advantages, mask, settings, ref).phi
+        assert not torch.allclose(unweighted, phi)  # the correction moved the weight
+        expected = -phi * a * logps + beta * kl
+    else:
+        expected = -torch.min(ratio * a, torch.clamp(ratio, 0.8, 1.28) * a) * weights + beta * kl
+    torch.testing.assert_close(ours.per_token, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_evaluation_goes_through_the_engine_with_vespos_correction(vllm, tokenizer, tmp_path):
+    """evaluate() generates through the engine (num_generations_eval completions per prompt, log-probs asked for),
+    and an eval step's correction and VESPO weight are logged with the eval prefix."""
+    import math
+
+    vllm.logprob_shift = lambda token: 0.3 if token % 2 else -0.01
+    trainer = _trainer(tiny_llama(len(tokenizer)), tokenizer, tmp_path, loss_type="vespo",
+                       vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate",
+                       vllm_importance_sampling_clip_min=0.9, vllm_importance_sampling_clip_max=1.02,
+                       num_generations_eval=2, per_device_eval_batch_size=4)
+    (llm,) = vllm.instances
+    metrics = trainer.evaluate([{"prompt": p} for p in ("When the bell rang", "At night", "The river")])
+    assert [len(prompts) for prompts, _ in llm.requests] == [4, 2]
+    assert all(kw["logprobs"] == 0 for _, kw in llm.requests)
+    assert metrics["eval_sampling/sampling_logp_difference/max"] == pytest.approx(0.3, rel=1e-3)
+    assert metrics["eval_sampling/importance_sampling_ratio/min"] == pytest.approx(0.9, rel=1e-4)
+    assert metrics["eval_vespo/phi_seq_mean"] > 0 and math.isfinite(metrics["eval_loss"])
 
 
 def test_training_with_the_correction_weighs_each_token(vllm, tokenizer, tmp_path):

@@ -1,0 +1,261 @@
+"""Evaluation of the online RL trainers: TRL's ``eval_dataset``, ``num_generations_eval`` and eval strategies.
+
+Each evaluation step generates ``num_generations_eval`` completions (default ``num_generations``) for each of
+``per_device_eval_batch_size / num_generations_eval`` prompts per data-parallel rank, through the same synced
+rollout path as training (the same sampling settings, vLLM when ``use_vllm``), scores them and computes the loss a
+training step would on them (TRL's ``prediction_step``: the importance ratio is 1, the KL is to the reference,
+dapo/cispo/vespo divide by the step's tokens over the ranks, nothing is accumulated). The per-step metrics are
+TRL's (``reward``, ``reward_std``, ``rewards/<func>/mean`` and ``/std``, ``frac_reward_zero_std``,
+``completions/*``, ``entropy``, ``kl``, clip ratios, ``num_tokens``), averaged over the steps and returned with
+the evaluation's prefix (``eval_reward``, ...), beside ``eval_loss``: the per-completion mean of the steps' losses.
+
+Differences from TRL, each on purpose:
+
+- every eval prompt is counted once. A rank left without prompts in the last step (fewer prompts than ranks)
+  generates for a filler prompt so that every collective still runs on every rank, and the filler counts nowhere
+  (TRL pads the last batch with prompts from the start and counts them);
+- a prompt's completions stay on one rank (``per_device_eval_batch_size`` must be a multiple of
+  ``num_generations_eval``; TRL asks this of the global eval batch);
+- evaluation samples from its own random stream, seeded with ``args.seed`` and run inside a saved-and-restored
+  random state (torch's, the device's, Python's and numpy's), and puts the model back in the mode it found it in:
+  a run with evaluations trains exactly as one without, every evaluation of the same weights gives the same
+  figures, and a checkpoint saved after an evaluation resumes as one saved without it. TRL's evaluation draws from
+  the training stream, so evaluating changes the completions sampled afterwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from shardkit.rl.rollout import Completions, is_conversational, left_pad, right_pad, tokenize_prompts
+from shardkit.rl.vllm_correction import vllm_importance_metrics, vllm_importance_weights
+from shardkit.trainer.evaluation import EvalLoopOutput
+
+__all__ = ["EvalSteps", "OnlineRLEvaluation", "check_eval_settings", "eval_group_size"]
+
+
+def eval_group_size(args: Any) -> int:
+    """Completions per eval prompt: ``num_generations_eval``, else ``num_generations`` (TRL's rule)."""
+    return args.num_generations_eval or args.num_generations
+
+
+def check_eval_settings(args: Any, batch: bool = True) -> int:
+    """Prompts per rank and eval step (with ``batch``: also checked), or an error naming the setting that breaks the
+    prompt groups."""
+    name, value = type(args).__name__, args.num_generations_eval
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ValueError(f"{name}.num_generations_eval={value!r} must be an integer >= 1, or None (num_generations)")
+    if not batch:
+        return 0
+    group = eval_group_size(args)
+    if args.per_device_eval_batch_size % group:
+        raise ValueError(f"{name}: per_device_eval_batch_size={args.per_device_eval_batch_size} must be a multiple "
+                         f"of num_generations_eval={group} (each eval prompt's completions are generated on one "
+                         "rank); change either")
+    return args.per_device_eval_batch_size // group
+
+
+class EvalSteps(Dataset):
+    """One data-parallel rank's eval steps: step ``s`` holds prompts ``[(s * ranks + rank) * k, ... + k)`` of the
+    rows shuffled with ``seed`` (TRL's eval sampler shuffles them too). A rank whose share of the last step is empty
+    gets the first row as a filler (``"filler": True``): it keeps the rank in the collectives and counts nowhere."""
+
+    def __init__(self, rows: list[dict[str, Any]], per_rank: int, rank: int, ranks: int, seed: int):
+        order = list(range(len(rows)))
+        random.Random(seed).shuffle(order)
+        self.rows = [rows[i] for i in order]
+        self.per_rank, self.rank, self.ranks = per_rank, rank, ranks
+        self.steps = math.ceil(len(rows) / (per_rank * ranks))
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, step: int) -> dict[str, Any]:
+        if not 0 <= step < self.steps:
+            raise IndexError(step)
+        start = (step * self.ranks + self.rank) * self.per_rank
+        rows = self.rows[start:start + self.per_rank]
+        return {"rows": rows or self.rows[:1], "filler": not rows}
+
+
+def _first(items: list[Any]) -> Any:
+    return items[0]
+
+
+@contextmanager
+def _isolated_rng(device: torch.device, seed: int) -> Iterator[None]:
+    """Run on a random stream seeded with ``seed`` (the same on every rank, as tensor-parallel sampling needs) and
+    put back every random state the body may draw from."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    accelerated = device.type not in ("cpu", "meta")
+    with torch.random.fork_rng(devices=[device] if accelerated else [],
+                               device_type=device.type if accelerated else "cuda"):
+        torch.default_generator.manual_seed(seed)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)  # this rank's device only: fork_rng restores only that one
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            np.random.set_state(numpy_state)
+
+
+@contextmanager
+def _eval_settings(args: Any, group: int) -> Iterator[None]:
+    """The settings the advantages and loss read, as an eval step has them: groups of ``group`` completions, and one
+    batch per step (TRL's eval neither splits the batch across steps nor accumulates). Restored after."""
+    saved = args.num_generations, args.steps_per_generation
+    args.num_generations, args.steps_per_generation = group, 1
+    try:
+        yield
+    finally:
+        args.num_generations, args.steps_per_generation = saved
+
+
+class OnlineRLEvaluation:
+    """The evaluation half of :class:`~shardkit.rl.trainer.OnlineRLTrainer` (mixed in before the Trainer):
+    ``evaluate()`` (in training at ``eval_strategy``, or called directly) runs the steps of :class:`EvalSteps`."""
+
+    _evaluating = False  # the Trainer's evaluate() logs its metrics: the trainer's log() must not add train metrics
+
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """The Trainer's ``evaluate``: metrics named ``<prefix>_reward``, ``<prefix>_loss``, ... (see the module)."""
+        outer, self._evaluating = self._evaluating, True
+        try:
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        finally:
+            self._evaluating = outer
+
+    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test",
+                output_dir: Any = None) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}.predict: an RL trainer has no predictions to return (its "
+                                  "outputs are sampled completions); use evaluate(dataset) for the rewards and loss")
+
+    def prediction_step(self, model: Any, inputs: Any, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None) -> tuple[Any, Any, Any]:
+        raise NotImplementedError(f"{type(self).__name__}: prediction_step is not used; evaluate() generates and "
+                                  "scores each eval step itself")
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        """This rank's eval steps (:class:`EvalSteps`) over ``eval_dataset`` (default ``self.eval_dataset``; a key
+        of it when it is a dict)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, str):
+            dataset = self.eval_dataset[dataset]
+        if dataset is None:
+            raise ValueError(f"{type(self).__name__}: evaluation needs an eval_dataset of rows with a 'prompt'")
+        rows = list(dataset)
+        for index, row in enumerate(rows):
+            if not isinstance(row, dict) or "prompt" not in row:
+                raise ValueError(f"eval_dataset row {index} has no 'prompt' field: {str(row)[:80]}")
+        if not rows:
+            raise ValueError(f"{type(self).__name__}: eval_dataset is empty")
+        strategy = self.runner.strategy
+        steps = EvalSteps(rows, check_eval_settings(self.args), strategy.data_parallel_rank,
+                          strategy.data_parallel_size, self.args.seed)
+        return DataLoader(steps, batch_size=1, shuffle=False, collate_fn=_first)
+
+    def evaluation_loop(self, loader: Any, description: str, prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval",
+                        stream_to: Any = None) -> EvalLoopOutput:
+        """Every eval step on every rank; the metrics of :attr:`_metrics` ``["eval"]`` averaged over the steps."""
+        model, args = self.model_wrapped, self.args
+        was_training = model.training
+        model.eval()
+        self.callback_handler.eval_dataloader = loader
+        self._metrics["eval"].clear()
+        weighted_loss, counted, steps = 0.0, 0, 0
+        try:
+            with _isolated_rng(self.runner.device, args.seed), _eval_settings(args, eval_group_size(args)):
+                for inputs in itertools.islice(loader, args.fast_dev_run or None):
+                    loss, rows = self._eval_step(inputs["rows"], inputs["filler"])
+                    for value, count in self.runner.gather_object([(loss, rows)]):
+                        if count:
+                            weighted_loss, counted = weighted_loss + value * count, counted + count
+                    steps += 1
+                    self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
+        finally:
+            model.train(was_training)
+        metrics: dict[str, float] = {}
+        for name, values in self._metrics["eval"].items():
+            finite = [v for v in values if v == v]
+            if finite:
+                metrics[name] = sum(finite) / len(finite)
+        self._metrics["eval"].clear()
+        if counted:
+            metrics["loss"] = weighted_loss / counted
+        return EvalLoopOutput(None, None, metrics, counted, steps)
+
+    def _eval_step(self, rows: list[dict[str, Any]], filler: bool) -> tuple[float, int]:
+        """Generate, score and compute the loss of one eval step on this rank: ``(loss, completions counted)``.
+
+        Every rank runs the same collectives in the same order whatever its share (a filler rank passes empty
+        tensors and lists to the reductions); the model's forwards run once per step on every rank."""
+        args, runner, mode = self.args, self.runner, "eval"
+        device, group = runner.device, args.num_generations
+        rows = [row for row in rows for _ in range(group)]
+        prompts = [row["prompt"] for row in rows]
+        prompt_ids = tokenize_prompts(self.processing_class, prompts[::group], args.chat_template_kwargs)
+        prompt_ids = [ids for ids in prompt_ids for _ in range(group)]
+        completions = self.generate(prompt_ids)
+        real = 0 if filler else len(rows)
+        p_ids, p_mask = left_pad(prompt_ids, self._pad_id, device)
+        c_ids, c_mask = right_pad(completions.ids, self._pad_id, device)
+        if args.mask_truncated_completions:
+            truncated = torch.tensor(completions.truncated, dtype=torch.bool, device=device)
+            c_mask = c_mask * (~truncated).unsqueeze(1).long()
+        batch = {"prompt_ids": p_ids, "prompt_mask": p_mask, "completion_ids": c_ids, "completion_mask": c_mask}
+        self._log_lengths(mode, prompt_ids[:real], Completions(completions.ids[:real], completions.truncated[:real]))
+        with torch.no_grad():
+            # one forward for every rank's rows (the eval batch is sized by per_device_eval_batch_size); the model
+            # does not change within the step, so these are the log-probs at generation and the ratio is 1
+            logps, entropy = self._log_probs(self.model_wrapped, self.model, batch, entropy=True, chunked=False)
+            batch["old_per_token_logps"] = logps
+            if completions.logprobs is not None:
+                self._eval_vllm_correction(batch, completions.logprobs, filler)
+            if args.beta != 0.0:
+                batch["ref_per_token_logps"] = self.reference_log_probs(batch, chunked=False)
+        # a filler rank's rows ran the forwards with the others' and stop here: it keeps no row of its own
+        mine = {k: v[:real] for k, v in batch.items()}
+        mine["num_items_in_batch"] = self._dp_sum(c_mask[:real].sum().double())
+        local = torch.zeros(0, len(self.rewards), device=device)
+        if real:
+            texts = self.processing_class.batch_decode(completions.ids, skip_special_tokens=True)
+            decoded = [[{"role": "assistant", "content": t}] for t in texts] if is_conversational(prompts[0]) \
+                else texts
+            local = self.rewards(prompts, decoded, completions.ids, rows, device, {"trainer_state": self.state})
+        everyone = torch.tensor(runner.gather_object(local.tolist()), dtype=torch.float32, device=device)
+        everyone = everyone.view(-1, len(self.rewards))
+        start = sum(runner.gather_object([real])[:runner.strategy.data_parallel_rank])
+        mine["advantages"] = self.advantages(everyone, mine, mode)[start:start + real]
+        self._log_rewards(mode, everyone)
+        with torch.no_grad():
+            loss = self.policy_objective(mine, logps[:real], entropy[:real], mode)
+        return float(loss), real
+
+    def _eval_vllm_correction(self, batch: dict[str, Tensor], logprobs: list[list[float]], filler: bool) -> None:
+        """vLLM's correction weights of an eval step, and TRL's ``sampling/*`` metrics over the ranks with prompts."""
+        args, old, mask = self.args, batch["old_per_token_logps"], batch["completion_mask"].float()
+        sampling = torch.zeros_like(old)
+        for i, row in enumerate(logprobs):
+            sampling[i, :len(row)] = torch.tensor(row, dtype=old.dtype)
+        weights = vllm_importance_weights(old, sampling, mask, args.vllm_importance_sampling_mode,
+                                          args.vllm_importance_sampling_clip_min,
+                                          args.vllm_importance_sampling_clip_max)
+        batch["importance_sampling_ratio"] = weights
+        for name, (how, value) in vllm_importance_metrics(old, sampling, mask, weights).items():
+            values = [v for v in self.runner.gather_object([] if filler else [value]) if v == v]
+            combined = (min if how == "min" else max if how == "max" else lambda v: sum(v) / len(v))(values) \
+                if values else float("nan")
+            self._metrics["eval"][name].append(combined)
