@@ -6,7 +6,9 @@ resumed in one process continues the one-device run; Hugging Face's Qwen3-MoE (i
 way, ep 4) equals its own one-process step; ep 2 x cp 2 (``ExpertParallel(ep_size=2, cp_size=2)``: sequences split
 over the cp ranks, which split the experts) equals one device too, with the aux-loss-free update's counts and bias,
 and its checkpoint continues in one process; the Runner and the Trainer select ExpertParallel from an Accelerate
-config's parallelism_config_ep_size. An MoE Llama one-device checkpoint resumes under ep 2 (one saved layout whatever
+config's parallelism_config_ep_size; ep 2 x tp 2 (``ExpertParallel(ep_size=2, tp_size=2)``, with and without sequence
+parallelism: the tp peers split the experts and the tokens) equals one device, each assignment computed once. An MoE
+Llama one-device checkpoint resumes under ep 2 (one saved layout whatever
 the ep size), and the Qwen3-MoE's exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
 from_pretrained reads back. One launch."""
 
