@@ -120,6 +120,8 @@ def _gather_rows(x: torch.Tensor, bounds: list[int], group: Any) -> torch.Tensor
     """The peers' row blocks (sizes from ``bounds``) in rank order; padded to one size, as gloo's all_gather wants."""
     sizes = [b - a for a, b in zip(bounds, bounds[1:])]
     width = max(sizes)
+    if width == 0:  # no assignment on any peer (every token padding): the same on all of them, nothing to send
+        return x.new_zeros((0, *x.shape[1:]))
     padded = x.new_zeros((width, *x.shape[1:]))
     padded[: x.shape[0]] = x
     parts = [torch.empty_like(padded) for _ in sizes]

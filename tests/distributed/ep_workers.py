@@ -353,5 +353,5 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["selected"] = _selected_by_config(root)
     out["one_to_ep2"] = one_to_ep2(root)
     out["hf_export"] = hf_export_under_ep(root)
-    out.update(ep_tp_cases(_case, ref, init))  # ep 2 x tp 2, with and without sequence parallelism
+    out.update(ep_tp_cases(root, _case, ref, init))  # ep 2 x tp 2, with and without sequence parallelism
     return out
