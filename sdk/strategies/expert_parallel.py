@@ -230,12 +230,13 @@ class AllToAllDispatch:
 
 class ExpertParallel(_fsdp.FSDP):
     """MoE experts split over ``ep_size`` ranks with all-to-all token dispatch; FSDP2 over the data-parallel ranks
-    for the rest; with ``cp_size > 1`` each sequence split over cp ranks too (context parallelism).
+    for the rest; with ``cp_size > 1`` each sequence split over cp ranks too (context parallelism), with
+    ``tp_size > 1`` the dense layers over tp ranks (tensor parallelism, :mod:`~shardkit.strategies.ep_tensor`).
 
     Args:
         ep_size: ranks that split each MoE layer's experts, borrowed from dp_shard (must divide it and each layer's
             number of experts), or with cp_size > 1 from dp_shard x cp (a multiple of cp_size dividing
-            dp_shard * cp_size); None: every one of those ranks.
+            dp_shard * cp_size), or with tp_size > 1 from dp_shard x tp (likewise); None: every one of those ranks.
         sharding: the dense parameters' FSDP2 mode, "full" or "grad_op" (as :class:`~shardkit.strategies.FSDP`).
         expert_sharding: how the ``dp / ep`` ranks holding the same experts hold them: "full" (FSDP2 over them)
             or "none" (whole ep slices, gradients all-reduced); see the module docstring.
