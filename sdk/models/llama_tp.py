@@ -17,7 +17,8 @@ def llama_plan(model: nn.Module, tp_size: int, sequence_parallel: bool = False) 
     ``(batch, seq, -1, head_dim)``, so local heads need no change). Embedding and the tied output head
     stay replicated. With ``sequence_parallel`` the norms and residual stream are sharded on the
     sequence dim between the blocks. In MoE layers the shared experts split as a dense MLP; the router and the
-    routed experts stay whole on every rank (no tensor parallelism inside the experts).
+    routed experts are in no entry (no tensor parallelism inside the experts): whole on every rank under
+    TensorParallel, split over the ep ranks under ``ExpertParallel(tp_size=...)``, whose tp ranks split the tokens.
 
     Returns:
         module name -> ``ParallelStyle`` (torch.distributed.tensor.parallel), as ``TensorParallel`` takes.

@@ -43,8 +43,13 @@ holds other tokens), their gradient scaled by that number, so the auxiliary loss
 context-parallel forward) and the bias update's counts are the whole batch's. The forward without labels runs whole
 sequences on every cp rank; the statistics are then summed over the data-parallel ranks only.
 
-Tensor and pipeline parallelism are not composed with expert parallelism here: ExpertParallel takes no tp/pp size,
-and an Accelerate ``parallelism_config`` asking for ep with them is refused by name.
+With tensor parallelism (``tp_size > 1``, torchtitan's default layout, no tensor parallelism inside the experts):
+the dense layers are split over tp by the model's plan (``sequence_parallel`` as under
+:class:`~shardkit.strategies.TensorParallel`), ep is borrowed from ``dp_shard x tp``, and each tp rank dispatches its
+share of the MoE layer's assignments, the outputs gathered over tp; see :mod:`shardkit.strategies.ep_tensor`.
+
+Pipeline parallelism is not composed with expert parallelism here (ExpertParallel takes no pp size, an Accelerate
+``parallelism_config`` asking for ep with pp is refused by name), nor tp with cp, nor TP inside the experts.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from shardkit.strategies import activation_checkpointing as checkpointing
 from shardkit.strategies import fsdp as _fsdp
 from shardkit.strategies.context_parallel import install_context_parallel
 from shardkit.strategies.cp_attention import RingAttention, UlyssesAttention
+from shardkit.strategies.ep_tensor import TensorSplitDispatch, apply_tensor_parallel, check_tensor_options, stats_group
 from shardkit.strategies.parallel import ProcessGroupStrategy
 from shardkit.strategies.parallel_dims import CP_MODES, ParallelDims
 from shardkit.utils.hf_experts import check_hf_expert_layout
@@ -224,12 +230,13 @@ class AllToAllDispatch:
 
 class ExpertParallel(_fsdp.FSDP):
     """MoE experts split over ``ep_size`` ranks with all-to-all token dispatch; FSDP2 over the data-parallel ranks
-    for the rest; with ``cp_size > 1`` each sequence split over cp ranks too (context parallelism).
+    for the rest; with ``cp_size > 1`` each sequence split over cp ranks too (context parallelism), with
+    ``tp_size > 1`` the dense layers over tp ranks (tensor parallelism, :mod:`~shardkit.strategies.ep_tensor`).
 
     Args:
         ep_size: ranks that split each MoE layer's experts, borrowed from dp_shard (must divide it and each layer's
             number of experts), or with cp_size > 1 from dp_shard x cp (a multiple of cp_size dividing
-            dp_shard * cp_size); None: every one of those ranks.
+            dp_shard * cp_size), or with tp_size > 1 from dp_shard x tp (likewise); None: every one of those ranks.
         sharding: the dense parameters' FSDP2 mode, "full" or "grad_op" (as :class:`~shardkit.strategies.FSDP`).
         expert_sharding: how the ``dp / ep`` ranks holding the same experts hold them: "full" (FSDP2 over them)
             or "none" (whole ep slices, gradients all-reduced); see the module docstring.
@@ -238,12 +245,19 @@ class ExpertParallel(_fsdp.FSDP):
         cp_size: ranks that split each sequence (context parallelism, as :class:`~shardkit.strategies.ContextParallel`
             without tp); 1: none.
         cp_mode: with cp_size > 1, "ring" or "ulysses" attention (as ContextParallel's).
+        tp_size: ranks that split the dense layers (tensor parallelism by the model's plan, as
+            :class:`~shardkit.strategies.TensorParallel`); ep is then borrowed from dp_shard x tp (a multiple of
+            tp_size dividing dp_shard * tp_size) and each tp rank dispatches its share of the tokens; 1: none.
+        sequence_parallel: with tp_size > 1, the plan's sequence-parallel form (norms and residual stream split
+            over tp along the sequence).
+        expert_tp: tensor parallelism inside the experts (torchtitan's etp = tp): not built, only False.
         state_dict_type, timeout: as :class:`~shardkit.strategies.FSDP`.
     """
 
     def __init__(self, ep_size: int | None = None, sharding: str = "full", expert_sharding: str = "full",
                  dp_replicate: int = 1, state_dict_type: str = "sharded", timeout: float | None = None,
-                 cp_size: int = 1, cp_mode: str = "ring"):
+                 cp_size: int = 1, cp_mode: str = "ring", tp_size: int = 1, sequence_parallel: bool = False,
+                 expert_tp: bool = False):
         if ep_size is not None and (isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1):
             raise ValueError(f"ExpertParallel ep_size={ep_size!r} must be an int >= 1 (None: every dp_shard rank)")
         if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
@@ -259,11 +273,13 @@ class ExpertParallel(_fsdp.FSDP):
                              f"{did_you_mean(str(expert_sharding), EXPERT_SHARDING)}")
         if isinstance(dp_replicate, bool) or not isinstance(dp_replicate, int) or dp_replicate < 1:
             raise ValueError(f"ExpertParallel dp_replicate={dp_replicate!r} must be an int >= 1")
+        check_tensor_options(tp_size, sequence_parallel, cp_size, expert_tp)
         super().__init__(sharding=sharding, state_dict_type=state_dict_type, timeout=timeout)
+        self.sequence_parallel = sequence_parallel
         self._ep_size = ep_size
         self.expert_sharding = expert_sharding
         self.cp_mode = cp_mode
-        self.dims = ParallelDims(dp_replicate=dp_replicate, cp=cp_size, ep=ep_size or 1)
+        self.dims = ParallelDims(dp_replicate=dp_replicate, cp=cp_size, tp=tp_size, ep=ep_size or 1)
         self.expert_mesh: Any = None
         self._replicated: list[nn.Parameter] = []  # expert_sharding="none": gradients all-reduced over the replicas
         self._replica_group: Any = None
@@ -278,22 +294,27 @@ class ExpertParallel(_fsdp.FSDP):
         return self.dims.cp
 
     @property
+    def tp_size(self) -> int:
+        return self.dims.tp
+
+    @property
     @override
     def data_parallel_size(self) -> int:
-        """Ranks that see different batches: dp_replicate * dp_shard (cp peers share one)."""
-        return self.world_size // self.dims.cp
+        """Ranks that see different batches: dp_replicate * dp_shard (cp and tp peers share one)."""
+        return self.world_size // (self.dims.cp * self.dims.tp)
 
     @property
     @override
     def data_parallel_rank(self) -> int:
-        return self.rank // self.dims.cp  # cp is the innermost dimension (no tp here)
+        return self.rank // (self.dims.cp * self.dims.tp)  # cp and tp are the innermost dimensions
 
     @override
     def setup_environment(self) -> None:
         ProcessGroupStrategy.setup_environment(self)
         dims = dataclasses.replace(self.dims, dp_shard=-1, ep=1).resolve(self.world_size)
         # resolve names the fix when ep does not divide dp_shard (or, with cp, dp_shard x cp)
-        self.dims = dataclasses.replace(dims, ep=self._ep_size or dims.dp_shard * dims.cp).resolve(self.world_size)
+        self.dims = dataclasses.replace(dims, ep=self._ep_size or dims.dp_shard * dims.cp * dims.tp).resolve(
+            self.world_size)
         self.world_mesh = self.dims.build(self.device_type, names=_fsdp.MESH_DIM_NAMES)
         if self.dims.cp == 1:
             self.mesh = self.world_mesh["shard"] if self.dims.dp_replicate == 1 else \
@@ -337,13 +358,20 @@ class ExpertParallel(_fsdp.FSDP):
         """The experts' stacked weights become DTensors sharded over ep (each rank keeps its slice of the copy rank
         0 broadcast, or of the replayed init), FSDP2 over their replicas for expert_sharding="full", then FSDP2's
         units over the data-parallel ranks for the rest."""
+        if self.dims.tp > 1:  # the dense layers over tp first, as TensorParallel splits them
+            apply_tensor_parallel(module, self.world_mesh["tp"], self.dims, self.sequence_parallel,
+                                  hf_expert_blocks(module))
         ep_mesh = self.expert_mesh["ep"]
         mesh, placements = self._expert_layout()
         unsplit = None
         if self.dims.cp > 1:  # the ranks with different batches: one cp coordinate's dp_replicate x dp_shard
             names = ("shard",) if self.dims.dp_replicate == 1 else ("replicate", "shard")
             unsplit = ParallelDims.submesh(self.world_mesh, names).get_group()
-        dispatch = AllToAllDispatch(ep_mesh.get_group(), dist.group.WORLD, 1.0 / self.dims.ep, unsplit)
+        dispatch: Any = AllToAllDispatch(ep_mesh.get_group(), dist.group.WORLD, 1.0 / self.dims.ep, unsplit)
+        if self.dims.tp > 1:  # tp peers split the assignments: an expert's group sums ep / tp batches' gradients
+            inner = AllToAllDispatch(ep_mesh.get_group(), stats_group(self.world_mesh, self.dims),
+                                     self.dims.tp / self.dims.ep)
+            dispatch = TensorSplitDispatch(inner, self.world_mesh["tp"].get_group())
         holders = [layer.experts for layer in moe_modules(module)] + hf_expert_blocks(module)
         experts: list[nn.Parameter] = []
         for holder in holders:
@@ -414,9 +442,13 @@ class ExpertParallel(_fsdp.FSDP):
         info.update(ep_size=self.dims.ep, expert_sharding=self.expert_sharding)
         if self.dims.cp > 1:
             info.update(cp_size=self.dims.cp, cp_mode=self.cp_mode)
+        if self.dims.tp > 1:
+            info.update(tp_size=self.dims.tp, sequence_parallel=self.sequence_parallel)
         return info
 
     def __repr__(self) -> str:
         cp = f", cp_size={self.dims.cp}, cp_mode={self.cp_mode!r}" if self.dims.cp > 1 else ""
+        if self.dims.tp > 1:
+            cp += f", tp_size={self.dims.tp}, sequence_parallel={self.sequence_parallel}"
         return (f"ExpertParallel(ep_size={self.dims.ep}{cp}, expert_sharding={self.expert_sharding!r}, "
                 f"dp_replicate={self.dims.dp_replicate}, device={self._device})")

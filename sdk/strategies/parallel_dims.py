@@ -21,6 +21,10 @@ and divide ``dp_shard * cp``): ``dp_shard`` splits into ``("dp_shard_mod_ep", "d
 When ep is smaller than the ranks it borrows from, each expert is held by ``dp * cp / ep`` ranks
 (:attr:`ParallelDims.expert_replicas`: the ``dp_replicate x dp_shard_mod_ep`` ranks with the same ep coordinate),
 which average its gradient.
+With tensor parallelism (torchtitan's default, expert tensor parallel degree 1) ep borrows the tp ranks too: ``ep``
+is ``dp_shard_in_ep x cp x tp`` flattened, a multiple of ``cp * tp`` dividing ``dp_shard * cp * tp``; the tp peers
+(same batch) hold different experts and each dispatches its share of the tokens
+(:mod:`shardkit.strategies.ep_tensor`).
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ class ParallelDims:
         tp: ranks that split each layer's matrices (tensor parallelism).
         pp: pipeline stages (each a block of layers).
         ep: ranks that split each MoE layer's experts; borrowed from dp_shard (must divide it), or from dp_shard x cp
-            under context parallelism (a multiple of cp dividing dp_shard * cp), so not a factor of the world size.
+            under context parallelism (a multiple of cp dividing dp_shard * cp), or from dp_shard x tp under tensor
+            parallelism (a multiple of tp dividing dp_shard * tp), so not a factor of the world size.
     """
 
     dp_replicate: int = 1
@@ -87,8 +92,9 @@ class ParallelDims:
 
     @property
     def expert_replicas(self) -> int:
-        """Ranks holding the same experts: dp_replicate * dp_shard * cp / ep (the ranks ep borrows from, over ep)."""
-        return self.dp * self.cp // self.ep
+        """Ranks holding the same experts: dp_replicate * dp_shard * cp * tp / ep (the ranks ep borrows from, over
+        ep)."""
+        return self.dp * self.cp * self.tp // self.ep
 
     def _product(self) -> str:
         return " * ".join(f"{n}({s})" for n, s in self.sizes.items() if n != "pp" or s > 1)
@@ -111,7 +117,15 @@ class ParallelDims:
         if dims.world_size != world_size:
             raise ValueError(f"ParallelDims: {dims._product()} = {dims.world_size} != world_size({world_size}); "
                              "the sizes must multiply to the number of processes (set dp_shard=-1 to fill the rest)")
-        if dims.ep > 1 and dims.cp > 1:
+        if dims.ep > 1 and dims.tp > 1:
+            inner = dims.cp * dims.tp
+            if dims.ep % inner or (dims.dp_shard * inner) % dims.ep:
+                raise ValueError(f"ParallelDims: ep({dims.ep}) with tp({dims.tp}): expert parallelism borrows every "
+                                 f"tp{' and cp' if dims.cp > 1 else ''} rank and some dp_shard({dims.dp_shard}) ranks "
+                                 f"(each tp rank dispatches its share of the tokens), so ep must be a multiple of "
+                                 f"{inner} that divides dp_shard * {'cp * ' if dims.cp > 1 else ''}tp = "
+                                 f"{dims.dp_shard * inner}; e.g. ep={inner}")
+        elif dims.ep > 1 and dims.cp > 1:
             if dims.ep % dims.cp or (dims.dp_shard * dims.cp) % dims.ep:
                 raise ValueError(f"ParallelDims: ep({dims.ep}) with cp({dims.cp}): expert parallelism borrows every "
                                  f"cp rank and some dp_shard({dims.dp_shard}) ranks (ep = dp_shard_in_ep * cp), so ep "
@@ -192,15 +206,15 @@ class ParallelDims:
 
     def build_expert(self, device_type: str) -> Any:
         """The DeviceMesh of expert parallelism over every rank: :data:`DIM_NAMES` with ``dp_shard`` split into
-        ``("dp_shard_mod_ep", "ep")`` (its own process groups, beside :meth:`build`'s). With cp > 1, ``dp_shard``
-        splits into ``("dp_shard_mod_ep", "dp_shard_in_ep")`` and ``mesh["ep"]`` is ``dp_shard_in_ep x cp``
-        flattened (the mesh itself keeps ``cp`` as a dimension)."""
+        ``("dp_shard_mod_ep", "ep")`` (its own process groups, beside :meth:`build`'s). With cp > 1 or tp > 1,
+        ``dp_shard`` splits into ``("dp_shard_mod_ep", "dp_shard_in_ep")`` and ``mesh["ep"]`` is ``dp_shard_in_ep x
+        cp`` (``x tp``) flattened (the mesh itself keeps ``cp`` and ``tp`` as dimensions)."""
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         dims = self.resolve(world)
-        borrowed = dims.cp if dims.ep > 1 else 1  # the cp ranks ep takes besides dp_shard ranks
+        borrowed = dims.cp * dims.tp if dims.ep > 1 else 1  # the cp and tp ranks ep takes besides dp_shard ranks
         inner = "ep" if borrowed == 1 else "dp_shard_in_ep"
         names, sizes = [], []
         for name, size in dims.sizes.items():
@@ -212,7 +226,7 @@ class ParallelDims:
                 sizes.append(size)
         mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
         if borrowed > 1:
-            mesh[(inner, "cp")]._flatten("ep")
+            mesh[(inner, "cp") if dims.tp == 1 else (inner, "cp", "tp")]._flatten("ep")
         return mesh
 
     @classmethod
@@ -269,7 +283,8 @@ def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_typ
 
     ep > 1 (shardkit's ``parallelism_config_ep_size``): ExpertParallel (experts split over ep ranks borrowed from
     dp_shard, FSDP2 over the data-parallel ranks, HSDP over dp_replicate; with cp > 1 its ``cp_size``: sequences split
-    over cp, ep borrowed from dp_shard x cp); with tp or pp it is refused (not built).
+    over cp, ep borrowed from dp_shard x cp; with tp > 1 its ``tp_size``: dense layers split over tp, ep borrowed from
+    dp_shard x tp); with pp, or with both cp and tp, it is refused (not built).
     cp > 1: ContextParallel (FSDP2 over dp_shard x cp, HSDP over dp_replicate; with tp > 1 too, CP x TP: its
     ``tp_size``); tp > 1 alone: TensorParallel (FSDP2 over the data-parallel ranks); data parallelism only: FSDP
     (hybrid when dp_replicate > 1).
@@ -288,13 +303,16 @@ def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_typ
     except ValueError as err:
         raise ValueError(f"parallelism_config in {where}: {err}") from None
     if dims.ep > 1:
-        others = [f"{n}({getattr(dims, n)})" for n in ("tp", "pp") if getattr(dims, n) > 1]
+        others = [f"{n}({getattr(dims, n)})" for n in ("pp",) if getattr(dims, n) > 1]
+        if dims.cp > 1 and dims.tp > 1:
+            others.append(f"cp({dims.cp}) and tp({dims.tp}) together")
         if others:
             raise ValueError(f"parallelism_config in {where}: ep({dims.ep}) with {' and '.join(others)} is not "
-                             "supported: expert parallelism composes with dp_shard, dp_replicate and cp only; drop "
-                             "parallelism_config_ep_size (MoE layers then run whole on every rank) or the other sizes")
+                             "supported: expert parallelism composes with dp_shard, dp_replicate and either cp or tp; "
+                             "drop parallelism_config_ep_size (MoE layers then run whole on every rank) or the other "
+                             "sizes")
         return "ep", {"ep_size": dims.ep, **({"dp_replicate": dims.dp_replicate} if dims.dp_replicate > 1 else {}),
-                      **({"cp_size": dims.cp} if dims.cp > 1 else {})}
+                      **({"cp_size": dims.cp} if dims.cp > 1 else {}), **({"tp_size": dims.tp} if dims.tp > 1 else {})}
     if dims.cp > 1:
         return "cp", {"cp_size": dims.cp, "dp_replicate": dims.dp_replicate, **({"tp_size": dims.tp} if dims.tp > 1
                                                                                  else {})}

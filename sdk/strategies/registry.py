@@ -36,7 +36,7 @@ STRATEGIES.register("cp", f"{_S}.context_parallel:ContextParallel", aliases=("co
 STRATEGIES.register("ep", f"{_S}.expert_parallel:ExpertParallel", aliases=("expert_parallel",),
                     description="expert parallelism: each MoE layer's experts split over ep_size ranks (all-to-all "
                                 "token dispatch), FSDP2 over every rank for the rest; cp_size > 1 splits sequences "
-                                "too (EP x CP)")
+                                "too (EP x CP), tp_size > 1 the dense layers (EP x TP)")
 STRATEGIES.register("pp", f"{_S}.pipeline:Pipeline", aliases=("pipeline", "pipeline_parallel"),
                     description="pipeline parallelism (torch.distributed.pipelining): layers split into stages "
                                 "over pp_size ranks, GPipe/1F1B/interleaved/zero-bubble, DDP or FSDP2 (dp=fsdp) over "

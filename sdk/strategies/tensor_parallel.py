@@ -29,7 +29,7 @@ from shardkit.strategies.parallel import MeshStrategy
 from shardkit.strategies.parallel_dims import ParallelDims
 from shardkit.utils.suggest import did_you_mean
 
-__all__ = ["TensorParallel", "TensorParallelSettings", "hugging_face_plan", "resolve_plan"]
+__all__ = ["TensorParallel", "TensorParallelSettings", "hugging_face_plan", "resolve_plan", "validate_heads"]
 
 DP_MODES = (None, "fsdp", "replicate")
 
@@ -229,7 +229,7 @@ class TensorParallel(MeshStrategy):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         s = self.settings
-        _validate_heads(module, self.dims)
+        validate_heads(module, self.dims)
         plan = resolve_plan(module, s.plan, s.tp_size, s.sequence_parallel)
         if _dtensor.has_meta_parameters(module):
             raise ValueError(f"TensorParallel: {type(module).__name__} has parameters on the meta device; TP splits "
@@ -254,7 +254,7 @@ class TensorParallel(MeshStrategy):
         return f"TensorParallel(tp_size={self.settings.tp_size}, dp={self.settings.dp!r}, device={self._device})"
 
 
-def _validate_heads(module: nn.Module, dims: ParallelDims) -> None:
+def validate_heads(module: nn.Module, dims: ParallelDims) -> None:
     """Named errors for head counts tp does not divide (shardkit's LlamaConfig or an HF config), before the split."""
     cfg = getattr(module, "config", None)
     if cfg is None:

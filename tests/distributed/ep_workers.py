@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from ep_tp_workers import ep_tp_cases
 
 from shardkit import Runner
 from shardkit.models import Llama, LlamaConfig
@@ -352,4 +353,5 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["selected"] = _selected_by_config(root)
     out["one_to_ep2"] = one_to_ep2(root)
     out["hf_export"] = hf_export_under_ep(root)
+    out.update(ep_tp_cases(root, _case, ref, init))  # ep 2 x tp 2, with and without sequence parallelism
     return out

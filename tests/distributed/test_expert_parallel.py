@@ -6,7 +6,9 @@ resumed in one process continues the one-device run; Hugging Face's Qwen3-MoE (i
 way, ep 4) equals its own one-process step; ep 2 x cp 2 (``ExpertParallel(ep_size=2, cp_size=2)``: sequences split
 over the cp ranks, which split the experts) equals one device too, with the aux-loss-free update's counts and bias,
 and its checkpoint continues in one process; the Runner and the Trainer select ExpertParallel from an Accelerate
-config's parallelism_config_ep_size. An MoE Llama one-device checkpoint resumes under ep 2 (one saved layout whatever
+config's parallelism_config_ep_size; ep 2 x tp 2 (``ExpertParallel(ep_size=2, tp_size=2)``, with and without sequence
+parallelism: the tp peers split the experts and the tokens) equals one device, each assignment computed once. An MoE
+Llama one-device checkpoint resumes under ep 2 (one saved layout whatever
 the ep size), and the Qwen3-MoE's exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
 from_pretrained reads back. One launch."""
 
@@ -86,3 +88,24 @@ def test_hf_moe_trained_under_expert_parallel_exports_in_the_hub_layout(results)
         got = export[name]
         assert got["per_expert"] and not got["stacked"], (name, got)
         assert got["logits"] < TOL, (name, got)  # from_pretrained gives the EP model's logits
+
+
+@pytest.mark.parametrize("case", ["tp", "tp_sp"])
+def test_expert_parallel_with_tensor_parallel_equals_one_process(results, case):
+    from ep_workers import CONFIG, GLOBAL_BATCH, SEQ
+
+    for rank, out in enumerate(results):
+        got = out[case]  # ep 2 x tp 2 (tp_sp: with sequence parallelism): 2 batches, the tp peers split the experts
+        assert (got["ep"], got["tp"], got["dp"], got["replicas"]) == (2, 2, 2, 2), (rank, got)
+        assert got["placements"] == ["_StridedShard", "Shard"] and got["dense_mesh"] == ["shard", "tp"], (rank, got)
+        assert got["ep_group"] == ([0, 1] if rank < 2 else [2, 3]), (rank, got["ep_group"])  # ep borrows tp
+        assert got["init"] == 0, f"rank {rank}: init_module's weights differ from one device's by {got['init']}"
+        assert max(got["loss"]) < TOL and max(got["grad"]) < TOL and max(got["norm"]) < TOL, (rank, got)
+        assert got["weights"] < TOL and out["moved"] > 1e-3, (rank, got["weights"], out["moved"])
+        assert got["load"] == out["ref_load"], (got["load"], out["ref_load"])  # counted once, not tp times
+        assert all(load[2] == 0 and load[3] == 0 for load in got["load"][STEPS - 1]), got["load"]
+        # every assignment computed once over all ranks (the tp peers split them; tp times as many if repeated)
+        moe_layers = CONFIG.num_layers - CONFIG.moe.first_dense_layers
+        assert got["expert_rows"] == GLOBAL_BATCH * SEQ * CONFIG.moe.top_k * moe_layers, (rank, got["expert_rows"])
+        if case == "tp":  # ep 2 x tp 2 -> 1: its checkpoint's next step in one process is the ep 2 x tp 2 run's
+            assert got["resumed_loss"] < TOL, (rank, got["resumed_loss"])
