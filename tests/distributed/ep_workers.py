@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from ep_pp_workers import ep_pp_worker
 
 from shardkit import Runner
 from shardkit.models import Llama, LlamaConfig
@@ -352,4 +353,5 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["selected"] = _selected_by_config(root)
     out["one_to_ep2"] = one_to_ep2(root)
     out["hf_export"] = hf_export_under_ep(root)
+    out["ep_pp"] = ep_pp_worker()  # expert parallelism inside a pipeline's stages: ep_pp_workers.py
     return out

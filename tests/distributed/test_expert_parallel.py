@@ -8,7 +8,8 @@ over the cp ranks, which split the experts) equals one device too, with the aux-
 and its checkpoint continues in one process; the Runner and the Trainer select ExpertParallel from an Accelerate
 config's parallelism_config_ep_size. An MoE Llama one-device checkpoint resumes under ep 2 (one saved layout whatever
 the ep size), and the Qwen3-MoE's exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
-from_pretrained reads back. One launch."""
+from_pretrained reads back. Expert parallelism inside a pipeline's stages (``Pipeline(pp_size=2, dp="fsdp",
+ep_size=2)``) equals one device accumulating the same micro-batches, under every schedule. One launch."""
 
 from __future__ import annotations
 
@@ -86,3 +87,34 @@ def test_hf_moe_trained_under_expert_parallel_exports_in_the_hub_layout(results)
         got = export[name]
         assert got["per_expert"] and not got["stacked"], (name, got)
         assert got["logits"] < TOL, (name, got)  # from_pretrained gives the EP model's logits
+
+
+# Expert parallelism inside a pipeline's stages (ep_pp_workers.py): pp 2 x ep 2, each stage's 2 ranks splitting its
+# experts, against one device accumulating the same micro-batches.
+PP_SCHEDULES = ("dualpipev", "gpipe", "interleaved_1f1b", "zbv", "zero_bubble")
+
+
+def test_expert_parallel_inside_pipeline_stages_equals_one_device(results):
+    for rank, out in enumerate(results):
+        got, ref = out["ep_pp"]["1f1b"], out["ep_pp"]
+        # --strategy pp --strategy-opt pp_size=2,dp=fsdp,ep_size=2: rank r is stage r // 2, its experts split in two
+        assert (got["ep"], got["pp_rank"], got["layers"]) == (2, rank // 2, [f"layers.{rank // 2}.mlp"]), got
+        assert got["experts"] == ["DTensor(Shard(dim=0),)"], got["experts"]
+        assert got["init"] == 0, f"rank {rank}: initial weights differ from one device's by {got['init']}"
+        assert max(got["loss"]) < TOL, f"rank {rank}: loss differs by {got['loss']}"
+        assert max(got["grad"]) < TOL, f"rank {rank}: gradients differ by {got['grad']}"
+        assert max(got["norm"]) < TOL, f"rank {rank}: gradient norms differ by {got['norm']}"
+        assert got["weights"] < TOL and ref["moved"] > 1e-3, (rank, got["weights"], ref["moved"])
+        # each micro-batch's load summed over the stage's ranks, as one device's; the last step left experts 2 and 3
+        # (ep rank 1's) without a token
+        assert all(got["load"]) and got["starved"] == [[0.0, 0.0]], (rank, got["load"], got["starved"])
+        # the aux-loss-free update: counts and bias of one device, not summed again over other stages' layers
+        assert got["counts"] == 0 and got["bias"] == 0 and ref["bias_moved"] > 0, (rank, got)
+
+
+@pytest.mark.parametrize("schedule", PP_SCHEDULES)
+def test_expert_parallel_inside_pipeline_stages_under_every_schedule(results, schedule):
+    for rank, out in enumerate(results):
+        got = out["ep_pp"][schedule]  # 4 stages of one layer for the interleaved and V-shaped schedules
+        assert got["init"] == 0 and max(got["loss"]) < TOL and max(got["grad"]) < TOL, (rank, schedule, got)
+        assert got["weights"] < TOL and all(got["load"]) and got["counts"] == 0 and got["bias"] == 0, (rank, got)
