@@ -1,17 +1,17 @@
 """Expert parallelism inside a pipeline's stages on 4 ranks (pp 2 x ep 2: each stage's 2 ranks split its MoE layers'
-experts, FSDP2 over them for the rest) against one process accumulating the same micro-batches. The models are fp64
-(FSDP2 still reduces the dense gradients in the precision's fp32): in fp32 the pieces' sums in another order,
-amplified by AdamW's division by the gradients' size over 3 steps, reach the tolerance in the dense weights.
+experts, FSDP2 over them for the rest) against one process accumulating the same micro-batches. The models are built
+in fp32 and trained in fp64 (FSDP2 reducing in fp64): in fp32 the pieces' sums in another order, amplified by AdamW's
+division by the gradients' size over 3 steps, reach the tolerance in the dense weights (2.2e-5).
 
 A pipeline cuts each data-parallel rank's batch into micro-batches; the stage's ranks run micro-batch j together, so
 each micro-batch's routing statistics (and so its auxiliary loss) are those of the rows every data-parallel rank holds
 at position j. The one-device reference accumulates exactly those pieces, each scaled by 1 / micro-batches.
 
-- ``ep_pp_case``: ``--strategy pp --strategy-opt pp_size=2,dp=fsdp,ep_size=2`` with 1f1b on the MoE Llama of
+- ``ep_pp_worker``'s 1f1b case: ``--strategy pp --strategy-opt pp_size=2,dp=fsdp,ep_size=2`` on the MoE Llama of
   ep_workers (2 layers, one per stage), 3 AdamW steps, the last one with every token routed to ep rank 0's experts:
   initial weights (bitwise), loss, every gradient, the clipped norm, the weights, each layer's load, the bias update's
-  counts and the router bias after it.
-- ``schedule_case``: every other schedule (4 stages for the interleaved and V-shaped ones) on a 4-layer MoE Llama,
+  counts and the router bias after each step's update; its checkpoint loaded in one process (weights and AdamW moments).
+- every other schedule (4 stages for the interleaved and V-shaped ones) on a 4-layer MoE Llama,
   one step of 4 micro-batches: loss and every gradient.
 """
 
@@ -31,9 +31,9 @@ __all__ = ["ep_pp_worker"]
 CONFIG = LlamaConfig.small_moe(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, max_position=32,
                                tie_embeddings=False, fused=False,
                                moe=dict(num_experts=4, top_k=2, intermediate_size=16, aux_loss_coef=0.05,
-                                        first_dense_layers=0))
+                                        first_dense_layers=0, bias_update_rate=1e-3))
 DEEP = dataclasses.replace(CONFIG, num_layers=4)  # 4 stages: 2 per pipeline rank
-SEQ, STEPS, CLIP, RATE = 12, 3, 0.5, 1e-3
+SEQ, STEPS, CLIP = 12, 3, 0.5
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -75,7 +75,7 @@ def _reference(config: LlamaConfig, batches: torch.Tensor, micro: int, starve: b
     model = model.double()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     model, _ = runner.setup(model, _adamw(model))
-    out: dict[str, Any] = {"init": init, "loss": [], "grad": [], "norm": [], "load": []}
+    out: dict[str, Any] = {"init": init, "loss": [], "grad": [], "norm": [], "load": [], "counts": [], "bias": []}
     for step, batch in enumerate(batches):
         if starve and step == len(batches) - 1:
             _starve_ep_rank1(model)
@@ -90,19 +90,20 @@ def _reference(config: LlamaConfig, batches: torch.Tensor, micro: int, starve: b
         out["norm"].append(runner.clip_gradients(CLIP).item())
         out["load"].append({n: m.last_load.tolist() for n, m in _layers(model).items()})
         runner.step()
+        out["counts"].append({n: m.tokens_per_expert.clone() for n, m in _layers(model).items()})
+        update_router_biases(model)
+        out["bias"].append({n: m.router.expert_bias.clone() for n, m in _layers(model).items()})
     out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    out["counts"] = {n: m.tokens_per_expert.clone() for n, m in _layers(model).items()}
-    for layer in _layers(model).values():
-        layer.config = dataclasses.replace(layer.config, bias_update_rate=RATE)
-    update_router_biases(model)
-    out["bias"] = {n: m.router.expert_bias.clone() for n, m in _layers(model).items()}
     return out
 
 
 def _pipeline_run(strategy: Any, config: LlamaConfig, batches: torch.Tensor, micro: int, ref: dict[str, Any],
-                  starve: bool) -> dict[str, Any]:
-    """The same steps under ``strategy`` on this rank's rows, as differences from ``ref`` (own stages' names)."""
-    runner = Runner(strategy, seed=0)
+                  starve: bool, save: str | None = None) -> dict[str, Any]:
+    """The same steps under ``strategy`` on this rank's rows, as differences from ``ref`` (own stages' names); with
+    ``save``, the run's checkpoint loaded in one process: its weights' and AdamW moments' differences from the run's."""
+    from shardkit.precision import FP32
+
+    runner = Runner(strategy, precision=FP32(comm_dtype=torch.float64), seed=0)  # built in fp32, trained in fp64
     with runner.init_module():
         model = Llama(config)
     model, opt = runner.setup(model.double(), _adamw(model))
@@ -112,7 +113,7 @@ def _pipeline_run(strategy: Any, config: LlamaConfig, batches: torch.Tensor, mic
         "ep": s.ep_size, "pp_rank": s.pp_rank,
         "init": max((_whole(p.detach()) - ref["init"][n]).abs().max().item() for n, p in own.items()),
         "experts": sorted({type(p).__name__ + str(p.placements) for n, p in own.items() if ".experts." in n}),
-        "loss": [], "grad": [], "norm": [], "load": [], "layers": sorted(_layers(model))}
+        "loss": [], "grad": [], "norm": [], "load": [], "counts": [], "bias": [], "layers": sorted(_layers(model))}
     per = batches.shape[1] // s.data_parallel_size
     rows = slice(s.data_parallel_rank * per, (s.data_parallel_rank + 1) * per)
     for step, batch in enumerate(batches):
@@ -128,19 +129,40 @@ def _pipeline_run(strategy: Any, config: LlamaConfig, batches: torch.Tensor, mic
             n: ref["load"][step][n] for n in _layers(model)})
         out["starved"] = [m.last_load[2:].tolist() for m in _layers(model).values()]
         runner.step()
+        out["counts"].append(max((m.tokens_per_expert - ref["counts"][step][n]).abs().max().item()
+                                 for n, m in _layers(model).items()))
+        # the Trainer's call: each stage's counts are already its ranks' whole batch, never summed over other stages
+        # (the second step's layers want opposite moves for 3 of the 4 experts: a sum over both would move them alike)
+        update_router_biases(model, lambda t: runner.all_reduce(t, "sum"))
+        out["bias"].append(max((m.router.expert_bias - ref["bias"][step][n]).abs().max().item()
+                               for n, m in _layers(model).items()))
     out["weights"] = max((_whole(p.detach()) - ref["weights"][n]).abs().max().item() for n, p in own.items())
-    counts = {n: m.tokens_per_expert.clone() for n, m in _layers(model).items()}
-    out["counts"] = max((c - ref["counts"][n]).abs().max().item() for n, c in counts.items())
-    for layer in _layers(model).values():
-        layer.config = dataclasses.replace(layer.config, bias_update_rate=RATE)
-    # the Trainer's call: each stage's counts are already its ranks' whole batch, never summed over other stages
-    update_router_biases(model, lambda t: runner.all_reduce(t, "sum"))
-    out["bias"] = max((m.router.expert_bias - ref["bias"][n]).abs().max().item()
-                      for n, m in _layers(model).items())
+    if save is not None:
+        out["saved"] = _loaded_in_one_process(runner, model, opt, config, save)
     return out
 
 
-def ep_pp_worker() -> dict[str, Any]:
+def _loaded_in_one_process(runner: Runner, model: torch.nn.Module, opt: torch.optim.Optimizer, config: LlamaConfig,
+                           path: str) -> float:
+    """pp x ep -> 1: the checkpoint (whole tensors by name, experts gathered from their ep shards) in one process."""
+    from shardkit.strategies import SingleDevice
+
+    runner.save(path, {"model": model, "optimizer": opt})
+    one = Runner(SingleDevice("cpu"), seed=0)
+    loaded = Llama(config).double()
+    loaded, loaded_opt = one.setup(loaded, _adamw(loaded))
+    one.load(path, {"model": loaded, "optimizer": loaded_opt})
+    params = dict(loaded.named_parameters())
+    diff = 0.0
+    for name, p in model.named_parameters():
+        theirs = params[name]
+        pairs = [(p.detach(), theirs.detach())] + [(opt.state[p][k], loaded_opt.state[theirs][k])
+                                                   for k in ("exp_avg", "exp_avg_sq")]
+        diff = max(diff, *((_whole(a) - b).abs().max().item() for a, b in pairs))
+    return diff
+
+
+def ep_pp_worker(root: str) -> dict[str, Any]:
     """pp 2 x ep 2 with 1f1b (selected from the CLI's options, 3 steps), then one step of every other schedule."""
     from shardkit.strategies.pipeline import SCHEDULES, Pipeline
     from shardkit.strategies.registry import STRATEGIES
@@ -148,9 +170,9 @@ def ep_pp_worker() -> dict[str, Any]:
     batches = _batches(STEPS, 4)
     ref = _reference(CONFIG, batches, 2, starve=True)
     out: dict[str, Any] = {"moved": max((ref["weights"][n] - ref["init"][n]).abs().max().item() for n in ref["init"]),
-                           "bias_moved": max((b.abs().max().item() for b in ref["bias"].values()))}
+                           "bias_moved": max(b.abs().max().item() for b in ref["bias"][0].values())}
     strategy = STRATEGIES.build_from_cli("pp", ["pp_size=2", "dp=fsdp", "ep_size=2", "microbatches=2"])
-    out["1f1b"] = _pipeline_run(strategy, CONFIG, batches, 2, ref, starve=True)
+    out["1f1b"] = _pipeline_run(strategy, CONFIG, batches, 2, ref, starve=True, save=f"{root}/pp2-ep2")
     deep_batches = _batches(1, 8)
     deep_ref = _reference(DEEP, deep_batches, 4, starve=False)
     for schedule in sorted(set(SCHEDULES) - {"1f1b"}):

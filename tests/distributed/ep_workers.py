@@ -353,5 +353,5 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["selected"] = _selected_by_config(root)
     out["one_to_ep2"] = one_to_ep2(root)
     out["hf_export"] = hf_export_under_ep(root)
-    out["ep_pp"] = ep_pp_worker()  # expert parallelism inside a pipeline's stages: ep_pp_workers.py
+    out["ep_pp"] = ep_pp_worker(root)  # expert parallelism inside a pipeline's stages: ep_pp_workers.py
     return out
