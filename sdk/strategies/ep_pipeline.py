@@ -1,5 +1,5 @@
 """Expert parallelism inside a pipeline's stages: ``Pipeline(pp_size=2, dp="fsdp", ep_size=2)``
-(``--strategy pp --strategy-opt pp_size=2,dp=fsdp,ep_size=2``).
+(``--strategy pp --strategy-opt pp_size=2 --strategy-opt dp=fsdp --strategy-opt ep_size=2``).
 
 The mesh is :class:`~shardkit.strategies.parallel_dims.ParallelDims` with ``pp`` outermost and ``ep`` borrowed from
 ``dp_shard`` (torchtitan's layout: ``("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")``), so each expert
@@ -70,7 +70,7 @@ def check_pipeline_experts(ep_size: int | None, dp: str) -> int:
     if ep_size > 1 and dp != "fsdp":
         raise ValueError(f"Pipeline ep_size={ep_size} with dp={dp!r}: expert parallelism inside the stages shards "
                          "the dense parameters with FSDP2 over each stage's data-parallel ranks; set dp='fsdp' "
-                         f"(--strategy-opt dp=fsdp,ep_size={ep_size})")
+                         f"(--strategy-opt dp=fsdp --strategy-opt ep_size={ep_size})")
     return ep_size
 
 

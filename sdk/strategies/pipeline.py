@@ -24,7 +24,8 @@ Expert parallelism inside the stages (``ep_size > 1``, with ``dp="fsdp"``): each
 ``ep`` of the stage's ``dp_shard`` ranks with all-to-all token dispatch, the dense parameters FSDP2 over them (see
 ``ep_pipeline.py``)::
 
-    Pipeline(pp_size=2, dp="fsdp", ep_size=2)   # --strategy pp --strategy-opt pp_size=2,dp=fsdp,ep_size=2
+    Pipeline(pp_size=2, dp="fsdp", ep_size=2)
+    # --strategy pp --strategy-opt pp_size=2 --strategy-opt dp=fsdp --strategy-opt ep_size=2
 
 Models: shardkit's Llama (``embed_tokens``, ``layers``, ``norm``, ``lm_head``) and Hugging Face decoders of
 model_type ``llama`` (``model(input_ids=x, labels=x).loss``); tied embeddings included. An MoE Llama's auxiliary

@@ -7,10 +7,11 @@ A pipeline cuts each data-parallel rank's batch into micro-batches; the stage's 
 each micro-batch's routing statistics (and so its auxiliary loss) are those of the rows every data-parallel rank holds
 at position j. The one-device reference accumulates exactly those pieces, each scaled by 1 / micro-batches.
 
-- ``ep_pp_worker``'s 1f1b case: ``--strategy pp --strategy-opt pp_size=2,dp=fsdp,ep_size=2`` on the MoE Llama of
-  ep_workers (2 layers, one per stage), 3 AdamW steps, the last one with every token routed to ep rank 0's experts:
-  initial weights (bitwise), loss, every gradient, the clipped norm, the weights, each layer's load, the bias update's
-  counts and the router bias after each step's update; its checkpoint loaded in one process (weights and AdamW moments).
+- ``ep_pp_worker``'s 1f1b case: ``--strategy pp`` with ``--strategy-opt`` ``pp_size=2``, ``dp=fsdp``, ``ep_size=2``
+  on the MoE Llama of ep_workers (2 layers, one per stage), 3 AdamW steps, the last one with every token routed to ep
+  rank 0's experts: initial weights (bitwise), loss, every gradient, the clipped norm, the weights, each layer's load,
+  the bias update's counts and the router bias after each step's update; its checkpoint loaded in one process (weights
+  and AdamW moments).
 - every other schedule (4 stages for the interleaved and V-shaped ones) on a 4-layer MoE Llama,
   one step of 4 micro-batches: loss and every gradient.
 """

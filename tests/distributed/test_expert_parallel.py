@@ -97,7 +97,7 @@ PP_SCHEDULES = ("dualpipev", "gpipe", "interleaved_1f1b", "zbv", "zero_bubble")
 def test_expert_parallel_inside_pipeline_stages_equals_one_device(results):
     for rank, out in enumerate(results):
         got, ref = out["ep_pp"]["1f1b"], out["ep_pp"]
-        # --strategy pp --strategy-opt pp_size=2,dp=fsdp,ep_size=2: rank r is stage r // 2, its experts split in two
+        # --strategy pp, --strategy-opt pp_size=2 dp=fsdp ep_size=2: rank r is stage r // 2, its experts split in two
         assert (got["ep"], got["pp_rank"], got["layers"]) == (2, rank // 2, [f"layers.{rank // 2}.mlp"]), got
         assert got["experts"] == ["DTensor(Shard(dim=0),)"], got["experts"]
         assert got["init"] == 0, f"rank {rank}: initial weights differ from one device's by {got['init']}"

@@ -50,7 +50,7 @@ def test_cli_options_select_expert_parallel_inside_the_pipeline():
 
 def test_named_refusals():
     with pytest.raises(ValueError, match=r"Pipeline ep_size=2 with dp='ddp': .*set dp='fsdp' "
-                                         r"\(--strategy-opt dp=fsdp,ep_size=2\)"):
+                                         r"\(--strategy-opt dp=fsdp --strategy-opt ep_size=2\)"):
         Pipeline(pp_size=2, ep_size=2)
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match=r"Pipeline ep_size=.* must be an int >= 1"):
