@@ -48,8 +48,8 @@ the dense layers are split over tp by the model's plan (``sequence_parallel`` as
 :class:`~shardkit.strategies.TensorParallel`), ep is borrowed from ``dp_shard x tp``, and each tp rank dispatches its
 share of the MoE layer's assignments, the outputs gathered over tp; see :mod:`shardkit.strategies.ep_tensor`.
 
-Pipeline parallelism is not composed with expert parallelism here (ExpertParallel takes no pp size, an Accelerate
-``parallelism_config`` asking for ep with pp is refused by name), nor tp with cp, nor TP inside the experts.
+Pipeline parallelism with expert parallelism is the pipeline's: ``Pipeline(pp_size=..., dp="fsdp", ep_size=...)``
+(:mod:`shardkit.strategies.ep_pipeline`). Not composed here, refused by name: tp with cp, and TP inside the experts.
 """
 
 from __future__ import annotations

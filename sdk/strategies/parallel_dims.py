@@ -40,8 +40,9 @@ from shardkit.utils.suggest import did_you_mean
 __all__ = ["ACCELERATE_KEYS", "DIM_NAMES", "ParallelDims", "strategy_spec_from_accelerate"]
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-# Accelerate's own keys, and shardkit's ``parallelism_config_ep_size`` (Accelerate's ParallelismConfig has no ep).
-ACCELERATE_KEYS = {f"parallelism_config_{n}_size": n for n in ("dp_replicate", "dp_shard", "tp", "cp", "ep")}
+# Accelerate's own keys, and shardkit's ``parallelism_config_ep_size`` and ``parallelism_config_pp_size``
+# (Accelerate's ParallelismConfig has neither ep nor pp).
+ACCELERATE_KEYS = {f"parallelism_config_{n}_size": n for n in ("dp_replicate", "dp_shard", "tp", "cp", "ep", "pp")}
 CP_MODES = ("ring", "ulysses")
 
 
@@ -281,6 +282,9 @@ def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_typ
                                   where: str) -> tuple[str, dict[str, Any]]:
     """The strategy (registry name, keyword arguments) an Accelerate ``parallelism_config`` section describes.
 
+    pp > 1 (shardkit's ``parallelism_config_pp_size``): Pipeline over pp stages, FSDP2 over each stage's dp_shard
+    ranks, and with ep > 1 its ``ep_size``: each stage's experts split over ep of them (EP x PP); with dp_replicate,
+    cp or tp it is refused by name.
     ep > 1 (shardkit's ``parallelism_config_ep_size``): ExpertParallel (experts split over ep ranks borrowed from
     dp_shard, FSDP2 over the data-parallel ranks, HSDP over dp_replicate; with cp > 1 its ``cp_size``: sequences split
     over cp, ep borrowed from dp_shard x cp; with tp > 1 its ``tp_size``: dense layers split over tp, ep borrowed from
@@ -302,12 +306,12 @@ def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_typ
         dims = dims.resolve(world_size)
     except ValueError as err:
         raise ValueError(f"parallelism_config in {where}: {err}") from None
+    if dims.pp > 1:
+        return _pipeline_spec(dims, where)
     if dims.ep > 1:
-        others = [f"{n}({getattr(dims, n)})" for n in ("pp",) if getattr(dims, n) > 1]
         if dims.cp > 1 and dims.tp > 1:
-            others.append(f"cp({dims.cp}) and tp({dims.tp}) together")
-        if others:
-            raise ValueError(f"parallelism_config in {where}: ep({dims.ep}) with {' and '.join(others)} is not "
+            raise ValueError(f"parallelism_config in {where}: ep({dims.ep}) with cp({dims.cp}) and tp({dims.tp}) "
+                             "together is not "
                              "supported: expert parallelism composes with dp_shard, dp_replicate and either cp or tp; "
                              "drop parallelism_config_ep_size (MoE layers then run whole on every rank) or the other "
                              "sizes")
@@ -325,3 +329,15 @@ def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_typ
         return "fsdp", {"sharding": "hybrid" if dims.dp_shard > 1 else "none",
                         **({"hybrid_shard_size": dims.dp_shard} if dims.dp_shard > 1 else {})}
     return "fsdp", {}
+
+
+def _pipeline_spec(dims: ParallelDims, where: str) -> tuple[str, dict[str, Any]]:
+    """Pipeline's (registry name, keyword arguments) for resolved sizes with pp > 1."""
+    others = [f"{n}({getattr(dims, n)})" for n in ("dp_replicate", "cp", "tp") if getattr(dims, n) > 1]
+    if others:
+        raise ValueError(f"parallelism_config in {where}: pp({dims.pp}) with {' and '.join(others)} is not "
+                         "supported: a pipeline composes with dp_shard (FSDP2 over each stage's ranks) and ep only; "
+                         "drop the other sizes, or parallelism_config_pp_size")
+    if dims.dp_shard == 1:
+        return "pp", {"pp_size": dims.pp}
+    return "pp", {"pp_size": dims.pp, "dp": "fsdp", **({"ep_size": dims.ep} if dims.ep > 1 else {})}

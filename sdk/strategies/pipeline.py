@@ -20,6 +20,13 @@ Data parallelism over the other ranks: ``dp="ddp"`` replicates each stage (gradi
 shards it with FSDP2 over ``dp_shard`` (each decoder layer, the output head and the stage are FSDP units). Either
 way the gradients are reduced once per accumulation window, at its last ``model(...)`` call.
 
+Expert parallelism inside the stages (``ep_size > 1``, with ``dp="fsdp"``): each stage's MoE experts are split over
+``ep`` of the stage's ``dp_shard`` ranks with all-to-all token dispatch, the dense parameters FSDP2 over them (see
+``ep_pipeline.py``)::
+
+    Pipeline(pp_size=2, dp="fsdp", ep_size=2)
+    # --strategy pp --strategy-opt pp_size=2 --strategy-opt dp=fsdp --strategy-opt ep_size=2
+
 Models: shardkit's Llama (``embed_tokens``, ``layers``, ``norm``, ``lm_head``) and Hugging Face decoders of
 model_type ``llama`` (``model(input_ids=x, labels=x).loss``); tied embeddings included. An MoE Llama's auxiliary
 loss reaches the loss from every stage (each stage starts it in its own backward, weighted as a micro-batch's share;
@@ -37,7 +44,7 @@ from torch import nn
 from typing_extensions import override
 
 from shardkit import checkpoint as ckpt
-from shardkit.strategies import _dtensor
+from shardkit.strategies import _dtensor, ep_pipeline
 from shardkit.strategies._pipeline_stages import (
     PipelineRunner,
     gather_optimizer_state,
@@ -63,17 +70,22 @@ class Pipeline(ProcessGroupStrategy):
 
     Args:
         pp_size, schedule, microbatches, stages_per_rank, layer_split, dp: see :class:`PipelineSettings`.
+        ep_size: ranks of each stage's ``dp_shard`` ranks that split its MoE layers' experts (expert parallelism,
+            all-to-all token dispatch); it must divide dp_shard = world / pp_size and each layer's number of experts,
+            and needs ``dp="fsdp"``. None or 1: the experts whole on every rank.
         timeout: seconds a collective may wait before the job fails.
     """
 
     def __init__(self, pp_size: int | None = None, schedule: str = "1f1b", microbatches: int | None = None,
                  stages_per_rank: int | None = None, layer_split: tuple[int, ...] | str | None = None,
-                 dp: str = "ddp", timeout: float | None = None):
+                 dp: str = "ddp", timeout: float | None = None, ep_size: int | None = None):
         super().__init__(timeout)
         split = tuple(layer_split) if isinstance(layer_split, list) else layer_split
         self.settings = PipelineSettings(pp_size, schedule, microbatches, stages_per_rank, split, dp)
-        self.dims = ParallelDims(pp=pp_size or 1, dp_replicate=1)
+        ep = ep_pipeline.check_pipeline_experts(ep_size, self.settings.dp)
+        self.dims = ParallelDims(pp=pp_size or 1, dp_replicate=1, ep=ep)
         self.mesh: Any = None
+        self.expert_mesh: Any = None
         self._window = 1  # micro-batches in the Runner's current accumulation window (set_window)
         self._sync = True
 
@@ -129,6 +141,13 @@ class Pipeline(ProcessGroupStrategy):
         self.dims = dataclasses.replace(self.dims, pp=pp, dp_shard=-1).resolve(self.world_size)
         self.settings = dataclasses.replace(self.settings, pp_size=pp)
         self.mesh = self.dims.build(self.device_type)
+        if self.dims.ep > 1:
+            self.expert_mesh = self.dims.build_expert(self.device_type)
+
+    @property
+    def ep_size(self) -> int:
+        """Ranks that split each stage's MoE experts (1: none)."""
+        return self.dims.ep
 
     @property
     def sharded(self) -> bool:
@@ -158,6 +177,8 @@ class Pipeline(ProcessGroupStrategy):
         if self.sharded and self.settings.pp_size == 1:
             raise ValueError("Pipeline(pp_size=1, dp='fsdp') is FSDP without a pipeline: use the FSDP strategy "
                              "(--strategy fsdp), or a pp_size over 1")
+        if self.dims.ep > 1:
+            ep_pipeline.check_model_experts(module, self.dims, self.is_global_zero)
         _dtensor.broadcast_from_rank0(module)
         self._runner = PipelineRunner(module, self.settings, self.mesh, self.root_device, self._loss_scale,
                                       self.precision.scale_loss, self._shard_stage if self.sharded else None)
@@ -170,13 +191,18 @@ class Pipeline(ProcessGroupStrategy):
         policy = _dtensor.mp_policy(self.precision)
         mesh = self.mesh["dp_shard"]
         units = [*stage.layers, *([stage.head] if stage.head is not None else [])]
+        ignored: set[nn.Parameter] = set()
+        if self.dims.ep > 1:  # the experts first: split over the ep group, left out of the dense units below
+            ignored = ep_pipeline.shard_stage_experts(stage, self.dims, self.expert_mesh,
+                                                      mesh.get_group(), policy)
         # Units kept whole from the first forward to the step's reduction (torchtitan's default under pipeline
         # parallelism), at the cost of the stage's whole weights held through the step: resharded after each forward,
         # a unit is gathered again for every micro-batch's forward and backward. Measured on pp 2 x dp_shard 2, 4
         # micro-batches (benchmarks/pipeline.py --dp-size 2 --dp fsdp): 1f1b 1.15x and interleaved_1f1b 1.11x the
         # step time of torch's stages kept whole. Zero-bubble's W pass needs them whole too (WindowStage): 48
         # all-gathers instead of 212 on pp rank 0 of its bubble benchmark runs (m 4 and 8, 4 steps each).
-        _dtensor.shard_bottom_up(stage, units, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+        _dtensor.shard_bottom_up(stage, units, mesh=mesh, mp_policy=policy, reshard_after_forward=False,
+                                 ignored_params=ignored)
 
     def _loss_scale(self) -> tuple[int, bool]:
         return self._window, self._sync
@@ -310,11 +336,14 @@ class Pipeline(ProcessGroupStrategy):
     def checkpoint_info(self) -> dict[str, Any]:
         info = super().checkpoint_info()
         info.update(pp_size=self.settings.pp_size, schedule=self.settings.schedule, dp=self.settings.dp)
+        if self.dims.ep > 1:
+            info.update(ep_size=self.dims.ep)
         return info
 
     def __repr__(self) -> str:
+        ep = f", ep_size={self.dims.ep}" if self.dims.ep > 1 else ""
         return (f"Pipeline(pp_size={self.settings.pp_size}, schedule={self.settings.schedule!r}, "
-                f"dp={self.settings.dp!r}, device={self._device})")
+                f"dp={self.settings.dp!r}{ep}, device={self._device})")
 
 
 def _with_alias(state: dict[str, Any], alias: str, key: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from ep_tp_workers import ep_tp_cases
+from ep_pp_workers import ep_pp_worker
 
 from shardkit import Runner
 from shardkit.models import Llama, LlamaConfig
@@ -354,4 +355,5 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["one_to_ep2"] = one_to_ep2(root)
     out["hf_export"] = hf_export_under_ep(root)
     out.update(ep_tp_cases(root, _case, ref, init))  # ep 2 x tp 2, with and without sequence parallelism
+    out["ep_pp"] = ep_pp_worker(root)  # expert parallelism inside a pipeline's stages: ep_pp_workers.py
     return out

@@ -10,7 +10,8 @@ config's parallelism_config_ep_size; ep 2 x tp 2 (``ExpertParallel(ep_size=2, tp
 parallelism: the tp peers split the experts and the tokens) equals one device, each assignment computed once. An MoE
 Llama one-device checkpoint resumes under ep 2 (one saved layout whatever
 the ep size), and the Qwen3-MoE's exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
-from_pretrained reads back. One launch."""
+from_pretrained reads back. Expert parallelism inside a pipeline's stages (``Pipeline(pp_size=2, dp="fsdp",
+ep_size=2)``) equals one device accumulating the same micro-batches, under every schedule. One launch."""
 
 from __future__ import annotations
 
@@ -109,3 +110,38 @@ def test_expert_parallel_with_tensor_parallel_equals_one_process(results, case):
         assert got["expert_rows"] == GLOBAL_BATCH * SEQ * CONFIG.moe.top_k * moe_layers, (rank, got["expert_rows"])
         if case == "tp":  # ep 2 x tp 2 -> 1: its checkpoint's next step in one process is the ep 2 x tp 2 run's
             assert got["resumed_loss"] < TOL, (rank, got["resumed_loss"])
+
+
+# Expert parallelism inside a pipeline's stages (ep_pp_workers.py): pp 2 x ep 2, each stage's 2 ranks splitting its
+# experts, against one device accumulating the same micro-batches.
+PP_SCHEDULES = ("dualpipev", "gpipe", "interleaved_1f1b", "zbv", "zero_bubble")
+
+
+def test_expert_parallel_inside_pipeline_stages_equals_one_device(results):
+    for rank, out in enumerate(results):
+        got, ref = out["ep_pp"]["1f1b"], out["ep_pp"]
+        # --strategy pp, --strategy-opt pp_size=2 dp=fsdp ep_size=2: rank r is stage r // 2, its experts split in two
+        assert (got["ep"], got["pp_rank"], got["layers"]) == (2, rank // 2, [f"layers.{rank // 2}.mlp"]), got
+        assert got["experts"] == ["DTensor(Shard(dim=0),)"], got["experts"]
+        assert got["init"] == 0, f"rank {rank}: initial weights differ from one device's by {got['init']}"
+        assert max(got["loss"]) < TOL, f"rank {rank}: loss differs by {got['loss']}"
+        assert max(got["grad"]) < TOL, f"rank {rank}: gradients differ by {got['grad']}"
+        assert max(got["norm"]) < TOL, f"rank {rank}: gradient norms differ by {got['norm']}"
+        assert got["weights"] < TOL and ref["moved"] > 1e-3, (rank, got["weights"], ref["moved"])
+        # each micro-batch's load summed over the stage's ranks, as one device's; the last step left experts 2 and 3
+        # (ep rank 1's) without a token
+        assert all(got["load"]) and got["starved"] == [[0.0, 0.0]], (rank, got["load"], got["starved"])
+        # the aux-loss-free update after each step: counts and bias of one device, not summed again over other
+        # stages' layers
+        assert max(got["counts"]) == 0 and max(got["bias"]) == 0 and ref["bias_moved"] > 0, (rank, got)
+        # pp 2 x ep 2 -> 1: the checkpoint holds the whole experts and their AdamW moments, by name
+        assert got["saved"] == 0, (rank, got["saved"])
+
+
+@pytest.mark.parametrize("schedule", PP_SCHEDULES)
+def test_expert_parallel_inside_pipeline_stages_under_every_schedule(results, schedule):
+    for rank, out in enumerate(results):
+        got = out["ep_pp"][schedule]  # 4 stages of one layer for the interleaved and V-shaped schedules
+        assert got["init"] == 0 and max(got["loss"]) < TOL and max(got["grad"]) < TOL, (rank, schedule, got)
+        assert got["weights"] < TOL and all(got["load"]) and max(got["counts"]) == 0 and max(got["bias"]) == 0, (rank,
+                                                                                                         got)
