@@ -25,8 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from ep_tp_workers import ep_tp_cases
 from ep_pp_workers import ep_pp_worker
+from ep_tp_workers import ep_tp_cases
 
 from shardkit import Runner
 from shardkit.models import Llama, LlamaConfig
