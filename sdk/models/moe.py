@@ -44,6 +44,7 @@ from torch import nn
 
 from shardkit.models.mlp import PlainSwiGLUMLP
 from shardkit.models.moe_experts import EXPERT_BACKENDS, GroupedExperts
+from shardkit.utils.routed_rows import gather_rows, sum_rows
 from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["MoE", "MoEConfig", "TopKRouter", "expert_load", "moe_aux_loss", "moe_layers", "update_router_biases"]
@@ -267,9 +268,11 @@ class MoE(nn.Module):
             # strategy only reduces the statistics: context parallelism and pipelines keep every expert here).
             y = self.experts.routed(x, token, picked_weights, counts)
         else:
-            out = dispatch.run(self.experts, x[token], counts)
+            # The experts' outputs come back in x's dtype; the sums per token (and their gradients') run in fp32, as
+            # in the routed function, so a model sums alike with its experts here or on other ranks.
+            out = dispatch.run(self.experts, gather_rows(x, token), counts)
             out = out * picked_weights.unsqueeze(-1).to(out.dtype)
-            y = torch.zeros_like(x).index_add(0, token, out.to(x.dtype))
+            y = sum_rows(out, token, x)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         self._statistics(scores if real is None else scores[real], routed, dispatch)

@@ -70,6 +70,7 @@ from shardkit.strategies.cp_attention import RingAttention, UlyssesAttention
 from shardkit.strategies.parallel import ProcessGroupStrategy
 from shardkit.strategies.parallel_dims import CP_MODES, ParallelDims
 from shardkit.utils.hf_experts import check_hf_expert_layout
+from shardkit.utils.routed_rows import gather_rows, sum_rows
 from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["AllToAllDispatch", "ExpertParallel", "hf_expert_blocks", "moe_modules"]
@@ -116,9 +117,11 @@ def _hf_expert_parallel_forward(self: nn.Module, hidden_states: torch.Tensor, to
     order = torch.sort(flat, stable=True).indices
     token = order // top_k
     counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
-    out = self._shardkit_dispatch.run(_HFLocalExperts(self, self._shardkit_dispatch), hidden_states[token], counts)
+    # sums per token (and their gradients') in fp32, as the one-device routed function's
+    out = self._shardkit_dispatch.run(_HFLocalExperts(self, self._shardkit_dispatch), gather_rows(hidden_states, token),
+                                      counts)
     out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-    return torch.zeros_like(hidden_states).index_add(0, token, out.to(hidden_states.dtype))
+    return sum_rows(out, token, hidden_states)
 
 
 def moe_modules(module: nn.Module) -> list[nn.Module]:

@@ -16,7 +16,7 @@ CONFIG = LlamaConfig.small_moe(vocab_size=32, hidden_size=16, num_layers=3, num_
                                     "bias_update_rate": 0.05, "num_shared_experts": 1})
 
 
-def _train(model: Llama, steps: int = 3) -> dict:
+def _train(model: Llama, steps: int = 2) -> dict:
     """Per step: a train-mode forward without grad (an RL trainer's log-probs of its own samples), then a training
     forward and backward, AdamW, the aux-loss-free bias update; the counts are read before each update."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
