@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["gather_rows", "sum_rows"]
+__all__ = ["gather_rows", "sort_assignments", "sum_rows"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -49,3 +49,20 @@ def sum_rows(rows: torch.Tensor, index: torch.Tensor, like: torch.Tensor) -> tor
     wide = _wide(like.dtype)
     total = torch.zeros(like.shape, dtype=wide, device=like.device).index_add(0, index, rows.to(wide))
     return total.to(like.dtype)
+
+
+def sort_assignments(top_k_index: torch.Tensor, num_experts: int,
+                     real: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(order, token, counts)`` for the assignments of ``top_k_index`` (N, k): their flat indices grouped by expert
+    (token order inside each), each one's token, and the assignments per expert. With ``real`` (N bools, False at
+    padding) the padding's assignments are left out of all three."""
+    top_k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    if real is None:
+        order = torch.sort(flat, stable=True).indices
+        return order, order // top_k, torch.bincount(flat, minlength=num_experts)
+    # padding's assignments take an expert past the last: the stable sort puts them after every real one, cut off
+    flat = flat.masked_fill(~real.repeat_interleave(top_k), num_experts)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
+    order = torch.sort(flat, stable=True).indices[: int(real.sum()) * top_k]
+    return order, order // top_k, counts
