@@ -352,4 +352,5 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["selected"] = _selected_by_config(root)
     out["one_to_ep2"] = one_to_ep2(root)
     out["hf_export"] = hf_export_under_ep(root)
+    out["more"] = __import__("ep_more_workers").ep_more(root, ref, init, ref_balance)
     return out
