@@ -16,6 +16,7 @@ __all__ = [
     "ModelSpec",
     "ModelStates",
     "activation_bytes",
+    "activation_dtype",
     "all_to_all_bytes",
     "deepspeed_table",
     "estimate_model_states",
@@ -35,7 +36,8 @@ __all__ = [
 # (see shardkit.utils.lazy).
 _EXPORTS = {
     "LAYOUTS": "estimate", "Layout": "estimate", "layouts": "estimate", "listed_layouts": "estimate",
-    "ModelStates": "estimate", "activation_bytes": "estimate", "all_to_all_bytes": "estimate",
+    "ModelStates": "estimate", "activation_bytes": "estimate", "activation_dtype": "estimate",
+    "all_to_all_bytes": "estimate",
     "deepspeed_table": "estimate", "estimate_model_states": "estimate", "find_layout": "estimate", "recommend":
     "estimate", "zero2_mem_needs": "estimate", "zero3_mem_needs": "estimate",
     "ModelSpec": "model_spec", "parse_count": "model_spec", "spec_from_hf_config": "model_spec",

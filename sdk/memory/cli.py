@@ -10,6 +10,7 @@ from shardkit.utils.parsing import float_range, int_range
 
 from .estimate import (
     activation_bytes,
+    activation_dtype,
     all_to_all_bytes,
     deepspeed_table,
     estimate_model_states,
@@ -114,11 +115,14 @@ def _parallel_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
     ep = args.ep_size or args.num_gpus * args.num_nodes
     if _shows(args, "ep", args.ep_size is not None) and ep > 1 and spec.moe_top_k:
         # ExpertParallel(cp_size=...): each rank dispatches its chunk of every sequence, seq_len / cp tokens of each
-        a2a = all_to_all_bytes(spec, args.batch_size, args.seq_len // args.cp_size, ep)
+        # the tokens cross in the run's activation dtype: fp32 runs send 4 bytes a value, bf16/fp16 ones 2
+        dtype = activation_dtype(args.precision)
+        a2a = all_to_all_bytes(spec, args.batch_size, args.seq_len // args.cp_size, ep, dtype_bytes=dtype.itemsize)
         layout = f"ep {ep}" + (f" x cp {args.cp_size}" if args.cp_size > 1 else "")
         rows.append(f"All-to-all buffers per rank under {layout} (dispatch + combine, one MoE layer in flight, "
                     f"balanced routing): {a2a / GIB:.2f} GiB = 2 x {args.batch_size * (args.seq_len // args.cp_size)} "
-                    f"tokens x top_k {spec.moe_top_k} x hidden {spec.hidden_size} x 2 bytes")
+                    f"tokens x top_k {spec.moe_top_k} x hidden {spec.hidden_size} x {dtype.itemsize} bytes "
+                    f"({str(dtype).removeprefix('torch.')})")
     pp = args.pp_size or args.num_gpus
     if _shows(args, "pp", args.pp_size is not None) and pp > 1:
         m = args.microbatches or (args.gradient_accumulation_steps if args.gradient_accumulation_steps > 1 else pp)

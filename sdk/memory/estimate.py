@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardkit.precision.registry import PRECISIONS
 from shardkit.strategies.facts import MemoryJob, StrategyFamily
@@ -46,9 +46,12 @@ from shardkit.utils.suggest import did_you_mean
 
 from .model_spec import ModelSpec
 
-__all__ = ["LAYOUTS", "Layout", "ModelStates", "activation_bytes", "all_to_all_bytes", "deepspeed_table",
-           "estimate_model_states", "find_layout", "layouts", "listed_layouts", "recommend", "zero2_mem_needs",
-           "zero3_mem_needs"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["LAYOUTS", "Layout", "ModelStates", "activation_bytes", "activation_dtype", "all_to_all_bytes",
+           "deepspeed_table", "estimate_model_states", "find_layout", "layouts", "listed_layouts", "recommend",
+           "zero2_mem_needs", "zero3_mem_needs"]
 
 
 @dataclass(frozen=True)
@@ -306,6 +309,14 @@ def activation_bytes(spec: ModelSpec, batch_size: int, seq_len: int, *, checkpoi
     if checkpointing:
         return int(layers * tokens * h * dtype_bytes + per_layer + logits)
     return int(layers * per_layer + logits)
+
+
+def activation_dtype(precision: Any) -> torch.dtype:
+    """The dtype a run's activations (and the tokens its MoE layers exchange) are in under ``precision`` (a Precision,
+    or its name): its compute dtype (bf16 under "bf16" mixed precision and "bf16-true", fp32 under "fp32")."""
+    if not hasattr(precision, "compute_dtype"):
+        precision = PRECISIONS.build(precision)
+    return precision.compute_dtype
 
 
 def all_to_all_bytes(spec: ModelSpec, batch_size: int, seq_len: int, ep_size: int, *, dtype_bytes: int = 2,

@@ -44,6 +44,7 @@ from torch import nn
 
 from shardkit.models.mlp import PlainSwiGLUMLP
 from shardkit.models.moe_experts import EXPERT_BACKENDS, GroupedExperts
+from shardkit.utils.routed_rows import gather_rows, sum_rows
 from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["MoE", "MoEConfig", "TopKRouter", "expert_load", "moe_aux_loss", "moe_layers", "update_router_biases"]
@@ -253,10 +254,12 @@ class MoE(nn.Module):
             capacity = math.ceil(cfg.capacity_factor * tokens * cfg.top_k / cfg.num_experts)
             starts = torch.searchsorted(experts_sorted, torch.arange(cfg.num_experts, device=x.device))
             keep = torch.arange(order.numel(), device=x.device) - starts[experts_sorted] < capacity
-            self.dropped = int(order.numel() - keep.sum())
+            dropped = int(order.numel() - keep.sum())
             order, experts_sorted = order[keep], experts_sorted[keep]
         else:
-            self.dropped = 0
+            dropped = 0
+        if not _in_backward():  # not activation checkpointing's recompute (see _statistics)
+            self.dropped = dropped
         counts = torch.bincount(experts_sorted, minlength=cfg.num_experts)
         token = order // cfg.top_k
         picked_weights = weights.reshape(-1)[order]
@@ -265,9 +268,11 @@ class MoE(nn.Module):
             # strategy only reduces the statistics: context parallelism and pipelines keep every expert here).
             y = self.experts.routed(x, token, picked_weights, counts)
         else:
-            out = dispatch.run(self.experts, x[token], counts)
+            # The experts' outputs come back in x's dtype; the sums per token (and their gradients') run in fp32, as
+            # in the routed function, so a model sums alike with its experts here or on other ranks.
+            out = dispatch.run(self.experts, gather_rows(x, token), counts)
             out = out * picked_weights.unsqueeze(-1).to(out.dtype)
-            y = torch.zeros_like(x).index_add(0, token, out.to(x.dtype))
+            y = sum_rows(out, token, x)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         self._statistics(scores if real is None else scores[real], routed, dispatch)
@@ -285,18 +290,35 @@ class MoE(nn.Module):
             totals = dispatch.global_counts(torch.cat([routed.to(torch.float64),
                                                        routed.new_tensor([scores.shape[0]], dtype=torch.float64)]))
         load, tokens = totals[:-1], totals[-1].clamp(min=1)
-        self.last_load = load
+        # Activation checkpointing runs this forward a second time inside the backward (the recompute): it must
+        # rebuild the aux loss's graph (its saved tensors), but the tokens were counted in the first run, so the
+        # counts, the load and the loss the caller read stay as that run left them. Counting again would weigh a
+        # checkpointed step twice against any forward that is not recomputed (a train-mode forward under no_grad,
+        # a layer outside the checkpointed blocks), and the bias update would move otherwise than without it.
+        recompute = _in_backward()
+        if not recompute:
+            self.last_load = load
         if not self.training:
             self.aux_loss = None
             return
-        self.tokens_per_expert += load
+        if not recompute:
+            self.tokens_per_expert += load
         if cfg.aux_loss_coef == 0:
-            self.aux_loss = None
+            if not recompute:
+                self.aux_loss = None
             return
         probs = scores if cfg.score_func == "softmax" else scores / scores.sum(-1, keepdim=True).clamp(min=1e-20)
         mean_probs = dispatch.global_sum(probs.sum(0)) / tokens.to(probs.dtype)
         f = load.to(probs.dtype) * (cfg.num_experts / (cfg.top_k * tokens.to(probs.dtype)))
-        self.aux_loss = cfg.aux_loss_coef * (f * mean_probs).sum()
+        aux_loss = cfg.aux_loss_coef * (f * mean_probs).sum()
+        if not recompute:  # the recompute's copy only feeds the checkpoint's saved tensors; keep none of it alive
+            self.aux_loss = aux_loss
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread: a forward then is activation checkpointing's
+    recompute (torch's FSDP2 tells its own backward apart the same way)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _check_token_mask(token_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:

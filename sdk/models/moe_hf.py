@@ -10,6 +10,14 @@ one-hot mask per expert; here the assignments are sorted by expert once and gath
 per token by :func:`shardkit.models.moe_experts.routed_swiglu` (which keeps about a third of the activations autograd
 of the plain form keeps). The weights stay the model's own parameters, so checkpoints, optimizers
 and ``save_pretrained`` see nothing new.
+
+Padding: a call of ``model`` with an ``attention_mask`` tells its blocks which tokens are padding
+(:mod:`shardkit.utils.hf_token_mask`, also under a KV cache and activation checkpointing); their assignments are
+dropped before the experts, so padding runs no expert and stays out of :attr:`last_load` (a block's assignments per
+expert in its last forward), and a padded row's real tokens route as they would alone. Their outputs at padding rows
+are zeros. Without a mask (or with one of all ones: packed sequences) everything routes, as in transformers. The
+router's aux loss is transformers' own (``output_router_logits``: its ``load_balancing_loss_func`` already leaves
+padding out with the ``attention_mask``).
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from torch import nn
 
 from shardkit.models.moe_experts import EXPERT_BACKENDS, routed_swiglu
 from shardkit.utils.hf_experts import check_hf_expert_layout
+from shardkit.utils.hf_token_mask import block_token_mask, record_attention_mask
+from shardkit.utils.routed_rows import sort_assignments
 from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["hf_expert_modules", "use_grouped_experts"]
@@ -41,12 +51,9 @@ def hf_expert_modules(model: nn.Module) -> list[nn.Module]:
 
 def _grouped_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
-    experts = self.gate_up_proj.shape[0]
-    top_k = top_k_index.shape[-1]
-    flat = top_k_index.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    token = order // top_k
-    counts = torch.bincount(flat, minlength=experts)
+    order, token, counts = sort_assignments(top_k_index, self.gate_up_proj.shape[0],
+                                            block_token_mask(self, top_k_index))
+    self.last_load = counts.detach()
     return routed_swiglu(hidden_states, token, top_k_weights.reshape(-1)[order], counts,
                          self.gate_up_proj.to(hidden_states.dtype), self.down_proj.to(hidden_states.dtype),
                          self._shardkit_backend)
@@ -77,4 +84,5 @@ def use_grouped_experts(model: nn.Module, backend: str = "auto") -> int:
                              "grouped experts compute SwiGLU (SiLU): leave this model's experts as they are")
         block._shardkit_backend = backend
         block.forward = types.MethodType(_grouped_forward, block)
+    record_attention_mask(model, blocks)
     return len(blocks)

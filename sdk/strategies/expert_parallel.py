@@ -76,6 +76,8 @@ from shardkit.strategies.ep_tensor import TensorSplitDispatch, apply_tensor_para
 from shardkit.strategies.parallel import ProcessGroupStrategy
 from shardkit.strategies.parallel_dims import CP_MODES, ParallelDims
 from shardkit.utils.hf_experts import check_hf_expert_layout
+from shardkit.utils.hf_token_mask import block_token_mask, record_attention_mask
+from shardkit.utils.routed_rows import gather_rows, sort_assignments, sum_rows
 from shardkit.utils.suggest import did_you_mean
 
 __all__ = ["AllToAllDispatch", "ExpertParallel", "hf_expert_blocks", "moe_modules"]
@@ -117,14 +119,15 @@ def _hf_expert_parallel_forward(self: nn.Module, hidden_states: torch.Tensor, to
                                 top_k_weights: torch.Tensor) -> torch.Tensor:
     """A Hugging Face expert block's forward under expert parallelism: the assignments sorted by expert, sent to the
     experts' ranks and back, weighted and summed per token."""
-    top_k = top_k_index.shape[-1]
-    flat = top_k_index.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    token = order // top_k
-    counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
-    out = self._shardkit_dispatch.run(_HFLocalExperts(self, self._shardkit_dispatch), hidden_states[token], counts)
+    # padding (shardkit.utils.hf_token_mask) is left out: it crosses no all-to-all and runs no expert
+    order, token, counts = sort_assignments(top_k_index, self.gate_up_proj.shape[0],
+                                            block_token_mask(self, top_k_index))
+    self.last_load = counts.detach()
+    # sums per token (and their gradients') in fp32, as the one-device routed function's
+    out = self._shardkit_dispatch.run(_HFLocalExperts(self, self._shardkit_dispatch), gather_rows(hidden_states, token),
+                                      counts)
     out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-    return torch.zeros_like(hidden_states).index_add(0, token, out.to(hidden_states.dtype))
+    return sum_rows(out, token, hidden_states)
 
 
 def moe_modules(module: nn.Module) -> list[nn.Module]:
@@ -391,6 +394,7 @@ class ExpertParallel(_fsdp.FSDP):
         for block in hf_expert_blocks(module):
             block._shardkit_dispatch = dispatch
             block.forward = types.MethodType(_hf_expert_parallel_forward, block)
+        record_attention_mask(module, hf_expert_blocks(module))
         blocks = self._block_classes(module)
         checkpointing.apply_activation_checkpointing(
             module, checkpointing.resolve_activation_checkpointing(self.settings.activation_checkpointing),

@@ -145,3 +145,21 @@ def test_expert_parallel_inside_pipeline_stages_under_every_schedule(results, sc
         assert got["init"] == 0 and max(got["loss"]) < TOL and max(got["grad"]) < TOL, (rank, schedule, got)
         assert got["weights"] < TOL and all(got["load"]) and max(got["counts"]) == 0 and max(got["bias"]) == 0, (rank,
                                                                                                          got)
+
+
+def test_activation_checkpointing_under_ep_and_cp_equals_one_device_without_it(results):
+    for rank, out in enumerate(results):
+        ac = out["more"]["ac"]  # ep 2 x cp 2, every block recomputed in backward (its collectives with it)
+        assert ac["checkpointed"] == 2 and ac["init"] == 0, (rank, ac)
+        assert max(ac["loss"], ac["grad"], ac["weights"]) < TOL, (rank, ac)
+        # the aux-loss-free update's counts: each token once, as without checkpointing
+        assert ac["counts"] == 0, (rank, ac["counts"])
+
+
+def test_hf_moe_under_ep_and_cp_and_its_checkpoint_at_other_sizes(results):
+    for rank, out in enumerate(results):
+        hf = out["more"]["hf_cp"]  # Qwen3-MoE, ep 2 x cp 2 against one process
+        assert (hf["ep"], hf["cp"], hf["sharded"]) == (2, 2, True), (rank, hf)
+        assert max(hf["loss"], hf["grad"], hf["weights"]) < TOL, (rank, hf)
+        # its checkpoint's next step, in one process and under ep 2 alone (dp 4), is the ep 2 x cp 2 run's
+        assert hf["to_ep2_dp"] == 4 and max(hf["to_one"], hf["to_ep2"]) < TOL, (rank, hf)
