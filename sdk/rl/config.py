@@ -31,6 +31,10 @@ _UNSUPPORTED_SHARED: dict[str, tuple[Any, str]] = {
     "vllm_enable_sleep_mode": (False, _VLLM_COLOCATE_WHY),
     "vllm_model_impl": ("vllm", _VLLM_COLOCATE_WHY),
     "vllm_structured_outputs_regex": (None, _VLLM_COLOCATE_WHY),
+    # the Trainer's fields the online trainers do not read (TRL ignores them too): refused rather than ignored
+    "train_sampling_strategy": ("random", "the prompt order is TRL's sampler's; shuffle_dataset=False keeps the "
+                                "dataset's order"),
+    "label_smoothing_factor": (0.0, "the policy losses have no labels to smooth"),
 }
 _UNSUPPORTED_GRPO: dict[str, tuple[Any, str]] = {
     "cast_lm_head_to_fp32": (False, "the log-prob op computes in fp32 already; the head keeps its dtype"),

@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from shardkit.rl.rollout import Completions, is_conversational, left_pad, right_pad
-from shardkit.rl.rounds import RoundSlots
+from shardkit.rl.rounds import RoundSlots, check_prompt_rows, data_seed
 from shardkit.rl.vllm_correction import vllm_importance_metrics, vllm_importance_weights
 from shardkit.trainer.evaluation import EvalLoopOutput
 
@@ -159,15 +159,13 @@ class OnlineRLEvaluation:
         if dataset is None:
             raise ValueError(f"{type(self).__name__}: evaluation needs an eval_dataset of rows with a 'prompt'")
         rows = list(dataset)
-        for index, row in enumerate(rows):
-            if not isinstance(row, dict) or "prompt" not in row:
-                raise ValueError(f"eval_dataset row {index} has no 'prompt' field: {str(row)[:80]}")
+        check_prompt_rows(rows, "eval_dataset")
         if not rows:
             raise ValueError(f"{type(self).__name__}: eval_dataset is empty")
         strategy, args = self.runner.strategy, self.args
         check_eval_settings(args, strategy.data_parallel_size)
         steps = EvalSteps(rows, eval_group_size(args), args.per_device_eval_batch_size, strategy.data_parallel_rank,
-                          strategy.data_parallel_size, args.seed)
+                          strategy.data_parallel_size, data_seed(args))
         return DataLoader(steps, batch_size=1, shuffle=False, collate_fn=_first)
 
     def evaluation_loop(self, loader: Any, description: str, prediction_loss_only: bool,

@@ -26,9 +26,37 @@ from torch.utils.data import Dataset
 
 from shardkit.trainer.checkpointing import Checkpointer
 
-__all__ = ["Round", "RoundCheckpointer", "RoundSlots"]
+__all__ = ["Round", "RoundCheckpointer", "RoundSlots", "check_prompt_rows", "data_seed"]
 
 logger = logging.getLogger("shardkit.rl")
+
+
+def data_seed(args: Any) -> int:
+    """The seed of the prompt order: ``data_seed`` (the data samplers' seed), else ``seed`` (TRL's sampler reads
+    ``seed`` only: the two agree unless ``data_seed`` is set)."""
+    return args.data_seed if args.data_seed is not None else args.seed
+
+
+def check_prompt_rows(rows: list[Any], what: str) -> None:
+    """Every row a dict whose ``"prompt"`` is text or a conversation, all of one kind (the completions handed to the
+    reward functions take the prompts' kind), checked before the first round rather than when a bad row's round comes
+    up on one rank."""
+    kinds = set()
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict) or "prompt" not in row:
+            raise ValueError(f"{what} row {index} has no 'prompt' field: {str(row)[:80]}")
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            kinds.add("text")
+        elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
+            kinds.add("conversation")
+        else:
+            raise TypeError(f"{what} row {index}: the prompt is a {type(prompt).__name__} ({str(prompt)[:60]!r}); a "
+                            "prompt is a string or a non-empty list of chat messages ({'role': ..., 'content': ...})")
+        if len(kinds) > 1:
+            raise ValueError(f"{what} mixes text prompts and conversations (row {index} differs from those before "
+                             "it): the completions handed to the reward functions would be text for some and "
+                             "messages for others; use one kind")
 
 
 class RoundSlots(Dataset):

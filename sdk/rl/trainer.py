@@ -45,7 +45,7 @@ from shardkit.rl.rollout import (
     right_pad,
     tokenize_prompts,
 )
-from shardkit.rl.rounds import Round, RoundCheckpointer, RoundSlots
+from shardkit.rl.rounds import Round, RoundCheckpointer, RoundSlots, check_prompt_rows, data_seed
 from shardkit.rl.scoring import completion_log_probs
 from shardkit.rl.vllm_correction import vllm_importance_metrics, vllm_importance_weights
 from shardkit.rl.vllm_engine import ColocatedVLLM, require_vllm
@@ -177,16 +177,20 @@ class OnlineRLTrainer(OnlineRLEvaluation, Trainer):
         """The slots of every rank (see :class:`RoundSlots`), one per loader batch, in order."""
         args = self.args
         rows = self.train_dataset
-        for index, row in enumerate(rows):
-            if not isinstance(row, dict) or "prompt" not in row:
-                raise ValueError(f"train_dataset row {index} has no 'prompt' field: {str(row)[:80]}")
+        check_prompt_rows(rows, "train_dataset")
         slots = RoundSlots(rows, args.num_generations, args.per_device_train_batch_size * args.steps_per_generation,
-                           self.runner.strategy.data_parallel_size, args.steps_per_generation * args.num_iterations,
-                           args.seed, bool(args.shuffle_dataset))
+                           self.runner.strategy.data_parallel_size, self.round_repeats, data_seed(args),
+                           bool(args.shuffle_dataset))
         if len(slots) == 0:
             raise ValueError(f"train_dataset has {len(rows)} prompts, fewer than one round needs "
                              f"(generation_batch_size {args.generation_batch_size} / num_generations "
                              f"{args.num_generations} = {slots.prompts_per_round})")
+        if slots.left_out and self.runner.is_main_process:
+            which = "a different" if args.shuffle_dataset else "the same (shuffle_dataset=False)"
+            logger.warning(f"train_dataset has {len(rows)} prompts and a round takes {slots.prompts_per_round} "
+                           f"(generation_batch_size {args.generation_batch_size} / num_generations "
+                           f"{args.num_generations}): {slots.left_out} prompt(s) of each epoch, {which} set each "
+                           "epoch, are not trained on (as TRL's sampler leaves them out)")
         self._slots = slots
         return DataLoader(slots, batch_size=1, shuffle=False, collate_fn=_single)
 
@@ -200,6 +204,9 @@ class OnlineRLTrainer(OnlineRLEvaluation, Trainer):
         """A slot's micro-batch: the round is generated and scored on its first slot (or after a resume)."""
         if "round" not in inputs:
             return inputs
+        if inputs["rank"] != self.runner.strategy.data_parallel_rank:  # the slots were dealt other than RoundSlots says
+            raise RuntimeError(f"data-parallel rank {self.runner.strategy.data_parallel_rank} was handed rank "
+                               f"{inputs['rank']}'s slot: the train loader must deal the slots in order, unshuffled")
         key, repeat = (self.prepared.train_loader.epoch if self.prepared.done else 0, inputs["round"]), inputs["repeat"]
         if self._round is None or self._round.key != key or repeat == 0:
             resumed, self._resumed_round = self._resumed_round, None
@@ -302,6 +309,11 @@ class OnlineRLTrainer(OnlineRLEvaluation, Trainer):
         local = self.rewards(prompts, decoded, completions.ids, rows, device, {"trainer_state": self.state})
         everyone = torch.tensor(runner.gather_object(local.tolist()), dtype=torch.float32, device=device)
         everyone = everyone.view(-1, len(self.rewards))
+        unscorable = int(torch.isnan(everyone).all(dim=1).sum())
+        if unscorable and runner.is_main_process:
+            logger.warning(f"{unscorable} of {everyone.shape[0]} completions got None from every reward function: "
+                           "they count as their group's mean (advantage 0) and teach nothing; make at least one "
+                           "reward function score every completion")
         start = runner.strategy.data_parallel_rank * len(rows)
         advantages = self.advantages(everyone, batch, mode)[start:start + len(rows)]
         self._log_rewards(mode, everyone)
