@@ -128,6 +128,27 @@ def _round_file(path: Path, rank: int) -> Path:
     return Path(path) / f"rl_round-rank{rank}.pt"
 
 
+def _layout(slots: RoundSlots | None) -> dict[str, Any] | None:
+    """What decides which prompts each slot of an epoch holds."""
+    if slots is None:
+        return None
+    return {"prompts": len(slots.rows), "seed": slots.seed, "shuffle": slots.shuffle,
+            "num_generations": slots.num_generations, "rows per rank and round": slots.per_rank,
+            "data-parallel ranks": slots.ranks, "micro-steps per round": slots.repeats}
+
+
+def _check_layout(saved: dict[str, Any] | None, mine: dict[str, Any] | None, path: Path) -> None:
+    """A resume inside an epoch must deal that epoch's prompts as the checkpoint did: otherwise the rest of the epoch
+    would repeat some prompts and never reach others."""
+    if saved is None or mine is None or saved == mine:
+        return
+    differ = ", ".join(f"{k} {saved[k]!r} -> {mine.get(k)!r}" for k in saved if saved[k] != mine.get(k))
+    raise ValueError(f"resuming inside an epoch from {path} with another prompt layout ({differ}): the rest of the "
+                     "epoch would repeat some prompts and skip others. Resume with the checkpoint's settings (the seed "
+                     "or data_seed, shuffle_dataset, num_generations, batch sizes, steps_per_generation, "
+                     "num_iterations, ranks and dataset), or from a checkpoint saved at the end of an epoch")
+
+
 class RoundCheckpointer(Checkpointer):
     """The Trainer's checkpointer, plus each rank's unfinished round (and the metrics not yet logged) in the
     checkpoint. ``trainer`` is the online RL trainer (its ``_round``, ``_metrics``, ``_resumed_round``)."""
@@ -143,16 +164,17 @@ class RoundCheckpointer(Checkpointer):
         trainer, runner = self.trainer, self.runner
         pending = trainer._round is not None and 0 < trainer._round.used < trainer.round_repeats
         metrics = {name: list(values) for name, values in trainer._metrics["train"].items() if values}
-        if pending or metrics:
-            if self.args.async_save:
-                runner.wait_for_save()  # the checkpoint folder is published before a file is added to it
-            state: dict[str, Any] = {"world_size": runner.world_size, "metrics": metrics, "round": None}
-            if pending:
-                held = trainer._round
-                state["round"] = {"key": list(held.key), "used": held.used,
-                                  "batches": [{k: v.detach().cpu() for k, v in batch.items()}
-                                              for batch in held.batches]}
-            torch.save(state, _round_file(path, runner.rank))
+        if self.args.async_save:
+            runner.wait_for_save()  # the checkpoint folder is published before a file is added to it
+        seen = getattr(parts.loader, "batches_seen", 0)
+        state: dict[str, Any] = {"world_size": runner.world_size, "metrics": metrics, "round": None,
+                                 "layout": _layout(trainer._slots),
+                                 "inside_epoch": parts.loader is not None and 0 < seen < len(parts.loader)}
+        if pending:
+            held = trainer._round
+            state["round"] = {"key": list(held.key), "used": held.used,
+                              "batches": [{k: v.detach().cpu() for k, v in batch.items()} for batch in held.batches]}
+        torch.save(state, _round_file(path, runner.rank))
         runner.barrier("rl-round-save")
         return path
 
@@ -165,6 +187,8 @@ class RoundCheckpointer(Checkpointer):
         if not file.is_file():
             return result
         state = torch.load(file, map_location="cpu", weights_only=True)
+        if state["inside_epoch"]:
+            _check_layout(state["layout"], _layout(trainer._slots), path)
         if state["world_size"] != runner.world_size:
             logger.warning(f"{file} was written by {state['world_size']} ranks, this run has {runner.world_size}: "
                            "its buffered round and unlogged metrics are not used")

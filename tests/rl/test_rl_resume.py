@@ -69,3 +69,12 @@ def test_a_resume_right_after_an_evaluation_is_exact(tokenizer, tmp_path):
     assert len({h["loss"] for h in _train_logs(full)}) > 1
     assert _logs(resumed) == _logs(full)
     assert all(torch.equal(a, b) for a, b in zip(weights, resumed_weights))
+
+
+def test_a_resume_inside_an_epoch_with_another_prompt_layout_is_refused(tokenizer, tmp_path):
+    """Another seed (or batch, generations, ...) would deal the rest of the epoch's prompts differently from the
+    checkpoint's run, repeating some and skipping others: refused by name, before anything trains."""
+    _run("grpo", tokenizer, tmp_path / "full", max_steps=1, steps_per_generation=1)
+    with pytest.raises(ValueError, match=r"another prompt layout \(seed 0 -> 1\)"):
+        _run("grpo", tokenizer, tmp_path / "other", tmp_path / "full" / "checkpoint-1", max_steps=2,
+             steps_per_generation=1, seed=1)
