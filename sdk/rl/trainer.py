@@ -3,7 +3,8 @@
 One *round* generates completions for a generation batch and scores them; its completions then feed
 ``steps_per_generation`` micro-batches, ``num_iterations`` times over (TRL's layout):
 
-- a round's generation batch is laid out as TRL's ``RepeatSampler`` lays it out: the epoch's prompt order (a
+- a round's generation batch is laid out as TRL's ``RepeatSampler`` lays it out (:mod:`shardkit.rl.rounds`, which
+  evaluation shares, and which carries an unfinished round through a checkpoint): the epoch's prompt order (a
   permutation drawn from a generator seeded with ``seed``, one draw per epoch in turn, as TRL's sampler draws them),
   cut into rounds of ``generation_batch_size / num_generations`` prompts, each prompt repeated ``num_generations``
   times in a row, and the round's rows dealt to the data-parallel ranks in contiguous slices of
