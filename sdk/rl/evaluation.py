@@ -72,10 +72,11 @@ def check_eval_settings(args: Any, data_parallel_size: int | None = None) -> int
 
 class EvalSteps(Dataset):
     """One data-parallel rank's eval steps, dealt as training deals its rounds (:class:`RoundSlots`, one repetition,
-    the prompts shuffled with ``seed`` as TRL's eval sampler shuffles them): step ``s`` is a round of the global eval
-    batch, this rank its contiguous slice of ``per_device_eval_batch_size`` rows, a prompt's completions possibly
-    spread over ranks. The last step may hold fewer prompts; a rank whose slice of it is empty gets one row of the
-    first prompt as a filler (``"filler": True``): it keeps the rank in the collectives and counts nowhere."""
+    the prompts shuffled with ``data_seed``, else ``seed``, as TRL's eval sampler shuffles them with ``seed``): step
+    ``s`` is a round of the global eval batch, this rank its contiguous slice of ``per_device_eval_batch_size`` rows,
+    a prompt's completions possibly spread over ranks. The last step may hold fewer prompts; a rank whose slice of it
+    is empty gets one row of the first prompt as a filler (``"filler": True``): it keeps the rank in the collectives
+    and counts nowhere."""
 
     def __init__(self, rows: list[dict[str, Any]], group: int, per_rank: int, rank: int, ranks: int, seed: int):
         self.slots = RoundSlots(rows, group, per_rank, ranks, 1, seed, shuffle=True, partial=True)
