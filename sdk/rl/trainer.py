@@ -5,7 +5,8 @@ One *round* generates completions for a generation batch and scores them; its co
 
 - a round's generation batch is laid out as TRL's ``RepeatSampler`` lays it out (:mod:`shardkit.rl.rounds`, which
   evaluation shares, and which carries an unfinished round through a checkpoint): the epoch's prompt order (a
-  permutation drawn from a generator seeded with ``seed``, one draw per epoch in turn, as TRL's sampler draws them),
+  permutation drawn from a generator seeded with ``data_seed``, else ``seed``, one draw per epoch in turn, as TRL's
+  sampler draws them),
   cut into rounds of ``generation_batch_size / num_generations`` prompts, each prompt repeated ``num_generations``
   times in a row, and the round's rows dealt to the data-parallel ranks in contiguous slices of
   ``per_device_train_batch_size x steps_per_generation`` (Accelerate's dealing of TRL's loader batches). A prompt's
