@@ -31,6 +31,10 @@ _UNSUPPORTED_SHARED: dict[str, tuple[Any, str]] = {
     "vllm_enable_sleep_mode": (False, _VLLM_COLOCATE_WHY),
     "vllm_model_impl": ("vllm", _VLLM_COLOCATE_WHY),
     "vllm_structured_outputs_regex": (None, _VLLM_COLOCATE_WHY),
+    # the Trainer's fields the online trainers do not read (TRL ignores them too): refused rather than ignored
+    "train_sampling_strategy": ("random", "the prompt order is TRL's sampler's; shuffle_dataset=False keeps the "
+                                "dataset's order"),
+    "label_smoothing_factor": (0.0, "the policy losses have no labels to smooth"),
 }
 _UNSUPPORTED_GRPO: dict[str, tuple[Any, str]] = {
     "cast_lm_head_to_fp32": (False, "the log-prob op computes in fp32 already; the head keeps its dtype"),
@@ -94,7 +98,7 @@ class OnlineRLConfig(TrainingArguments):
         super().__post_init__()
         name = type(self).__name__
         refuse_unsupported(self, _UNSUPPORTED_SHARED)
-        check_eval_settings(self, batch=getattr(self.eval_strategy, "value", self.eval_strategy) != "no")
+        check_eval_settings(self)  # the eval batch against num_generations_eval: by the trainer, which knows the ranks
         if self.router_aux_loss_coef not in (None, 0.0):
             raise NotImplementedError(f"{name}.router_aux_loss_coef={self.router_aux_loss_coef!r} is not supported by "
                                       "shardkit: Mixture-of-Experts auxiliary losses are not added. Set 0.0 (train an "
@@ -165,7 +169,8 @@ class GRPOConfig(OnlineRLConfig):
     to a reference; 0: no reference model), ``epsilon``/``epsilon_high``, ``delta``, ``num_iterations``,
     ``importance_sampling_level``, ``use_bias_correction_kl``, SAPO's temperatures, VESPO's ``k``/``lambda``.
     Evaluation (``eval_dataset``, eval strategies, :mod:`shardkit.rl.evaluation`): ``num_generations_eval``
-    completions per eval prompt (default ``num_generations``), ``per_device_eval_batch_size`` a multiple of it.
+    completions per eval prompt (default ``num_generations``); the global eval batch (``per_device_eval_batch_size`` x
+    data-parallel ranks) a multiple of it.
 
     vLLM (colocated, :mod:`shardkit.rl.vllm_engine`; written to vLLM's API but never run against a real vLLM):
     ``use_vllm``, ``vllm_gpu_memory_utilization``, ``vllm_tensor_parallel_size``, ``vllm_max_model_length``;

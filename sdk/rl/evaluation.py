@@ -1,7 +1,10 @@
 """Evaluation of the online RL trainers: TRL's ``eval_dataset``, ``num_generations_eval`` and eval strategies.
 
 Each evaluation step generates ``num_generations_eval`` completions (default ``num_generations``) for each of
-``per_device_eval_batch_size / num_generations_eval`` prompts per data-parallel rank, through the same synced
+``per_device_eval_batch_size x data-parallel ranks / num_generations_eval`` prompts, laid out as training lays out a
+generation round (TRL's layout, :class:`~shardkit.rl.rounds.RoundSlots`: each rank generates its contiguous slice of
+``per_device_eval_batch_size`` completions, so a prompt's completions may be spread over ranks; the rewards are
+gathered and the advantages computed over the whole step, each rank its slice), through the same synced
 rollout path as training (the same sampling settings, vLLM when ``use_vllm``), scores them and computes the loss a
 training step would on them (TRL's ``prediction_step``: the importance ratio is 1, the KL is to the reference,
 dapo/cispo/vespo divide by the step's tokens over the ranks, nothing is accumulated). The per-step metrics are
@@ -11,11 +14,9 @@ the evaluation's prefix (``eval_reward``, ...), beside ``eval_loss``: the per-co
 
 Differences from TRL, each on purpose:
 
-- every eval prompt is counted once. A rank left without prompts in the last step (fewer prompts than ranks)
-  generates for a filler prompt so that every collective still runs on every rank, and the filler counts nowhere
-  (TRL pads the last batch with prompts from the start and counts them);
-- a prompt's completions stay on one rank (``per_device_eval_batch_size`` must be a multiple of
-  ``num_generations_eval``; TRL asks this of the global eval batch);
+- every eval prompt is counted once. The last step may hold fewer prompts; a rank left without a completion to
+  generate in it generates one for a filler prompt so that every collective still runs on every rank, and the filler
+  counts nowhere (TRL pads the last batch with prompts from the start and counts them);
 - evaluation samples from its own random stream, seeded with ``args.seed`` and run inside a saved-and-restored
   random state (torch's, the device's, Python's and numpy's), and puts the model back in the mode it found it in:
   a run with evaluations trains exactly as one without, every evaluation of the same weights gives the same
@@ -26,7 +27,6 @@ Differences from TRL, each on purpose:
 from __future__ import annotations
 
 import itertools
-import math
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,7 +37,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from shardkit.rl.rollout import Completions, is_conversational, left_pad, right_pad, tokenize_prompts
+from shardkit.rl.rollout import Completions, is_conversational, left_pad, right_pad
+from shardkit.rl.rounds import RoundSlots, check_prompt_rows, data_seed
 from shardkit.rl.vllm_correction import vllm_importance_metrics, vllm_importance_weights
 from shardkit.trainer.evaluation import EvalLoopOutput
 
@@ -49,43 +50,46 @@ def eval_group_size(args: Any) -> int:
     return args.num_generations_eval or args.num_generations
 
 
-def check_eval_settings(args: Any, batch: bool = True) -> int:
-    """Prompts per rank and eval step (with ``batch``: also checked), or an error naming the setting that breaks the
-    prompt groups."""
+def check_eval_settings(args: Any, data_parallel_size: int | None = None) -> int:
+    """Check ``num_generations_eval``; with ``data_parallel_size``, also TRL's rule that the global eval batch
+    (``per_device_eval_batch_size`` x the data-parallel ranks) holds whole prompt groups. Returns the prompts per
+    eval step (0 without ``data_parallel_size``), or raises naming the setting to change."""
     name, value = type(args).__name__, args.num_generations_eval
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
         raise ValueError(f"{name}.num_generations_eval={value!r} must be an integer >= 1, or None (num_generations)")
-    if not batch:
+    if data_parallel_size is None:
         return 0
-    group = eval_group_size(args)
-    if args.per_device_eval_batch_size % group:
-        raise ValueError(f"{name}: per_device_eval_batch_size={args.per_device_eval_batch_size} must be a multiple "
-                         f"of num_generations_eval={group} (each eval prompt's completions are generated on one "
-                         "rank); change either")
-    return args.per_device_eval_batch_size // group
+    group, per_device = eval_group_size(args), args.per_device_eval_batch_size
+    if not isinstance(per_device, int) or per_device < 1:
+        raise ValueError(f"{name}.per_device_eval_batch_size={per_device!r} must be an integer >= 1")
+    if per_device * data_parallel_size % group:
+        raise ValueError(f"{name}: the global eval batch (per_device_eval_batch_size {per_device} x "
+                         f"{data_parallel_size} data-parallel ranks = {per_device * data_parallel_size}) must be "
+                         f"divisible by num_generations_eval ({group}): an eval step holds whole prompt groups. "
+                         "Change either")
+    return per_device * data_parallel_size // group
 
 
 class EvalSteps(Dataset):
-    """One data-parallel rank's eval steps: step ``s`` holds prompts ``[(s * ranks + rank) * k, ... + k)`` of the
-    rows shuffled with ``seed`` (TRL's eval sampler shuffles them too). A rank whose share of the last step is empty
-    gets the first row as a filler (``"filler": True``): it keeps the rank in the collectives and counts nowhere."""
+    """One data-parallel rank's eval steps, dealt as training deals its rounds (:class:`RoundSlots`, one repetition,
+    the prompts shuffled with ``data_seed``, else ``seed``, as TRL's eval sampler shuffles them with ``seed``): step
+    ``s`` is a round of the global eval batch, this rank its contiguous slice of ``per_device_eval_batch_size`` rows,
+    a prompt's completions possibly spread over ranks. The last step may hold fewer prompts; a rank whose slice of it
+    is empty gets one row of the first prompt as a filler (``"filler": True``): it keeps the rank in the collectives
+    and counts nowhere."""
 
-    def __init__(self, rows: list[dict[str, Any]], per_rank: int, rank: int, ranks: int, seed: int):
-        order = list(range(len(rows)))
-        random.Random(seed).shuffle(order)
-        self.rows = [rows[i] for i in order]
-        self.per_rank, self.rank, self.ranks = per_rank, rank, ranks
-        self.steps = math.ceil(len(rows) / (per_rank * ranks))
+    def __init__(self, rows: list[dict[str, Any]], group: int, per_rank: int, rank: int, ranks: int, seed: int):
+        self.slots = RoundSlots(rows, group, per_rank, ranks, 1, seed, shuffle=True, partial=True)
+        self.rank = rank
 
     def __len__(self) -> int:
-        return self.steps
+        return self.slots.rounds
 
     def __getitem__(self, step: int) -> dict[str, Any]:
-        if not 0 <= step < self.steps:
+        if not 0 <= step < len(self):
             raise IndexError(step)
-        start = (step * self.ranks + self.rank) * self.per_rank
-        rows = self.rows[start:start + self.per_rank]
-        return {"rows": rows or self.rows[:1], "filler": not rows}
+        rows = self.slots.completion_rows(0, step, self.rank)
+        return {"rows": rows or [self.slots.rows[self.slots.order(0)[0]]], "filler": not rows}
 
 
 def _first(items: list[Any]) -> Any:
@@ -156,14 +160,13 @@ class OnlineRLEvaluation:
         if dataset is None:
             raise ValueError(f"{type(self).__name__}: evaluation needs an eval_dataset of rows with a 'prompt'")
         rows = list(dataset)
-        for index, row in enumerate(rows):
-            if not isinstance(row, dict) or "prompt" not in row:
-                raise ValueError(f"eval_dataset row {index} has no 'prompt' field: {str(row)[:80]}")
+        check_prompt_rows(rows, "eval_dataset")
         if not rows:
             raise ValueError(f"{type(self).__name__}: eval_dataset is empty")
-        strategy = self.runner.strategy
-        steps = EvalSteps(rows, check_eval_settings(self.args), strategy.data_parallel_rank,
-                          strategy.data_parallel_size, self.args.seed)
+        strategy, args = self.runner.strategy, self.args
+        check_eval_settings(args, strategy.data_parallel_size)
+        steps = EvalSteps(rows, eval_group_size(args), args.per_device_eval_batch_size, strategy.data_parallel_rank,
+                          strategy.data_parallel_size, data_seed(args))
         return DataLoader(steps, batch_size=1, shuffle=False, collate_fn=_first)
 
     def evaluation_loop(self, loader: Any, description: str, prediction_loss_only: bool,
@@ -202,12 +205,9 @@ class OnlineRLEvaluation:
 
         Every rank runs the same collectives in the same order whatever its share (a filler rank passes empty
         tensors and lists to the reductions); the model's forwards run once per step on every rank."""
-        args, runner, mode = self.args, self.runner, "eval"
-        device, group = runner.device, args.num_generations
-        rows = [row for row in rows for _ in range(group)]
+        args, runner, mode, device = self.args, self.runner, "eval", self.runner.device
         prompts = [row["prompt"] for row in rows]
-        prompt_ids = tokenize_prompts(self.processing_class, prompts[::group], args.chat_template_kwargs)
-        prompt_ids = [ids for ids in prompt_ids for _ in range(group)]
+        prompt_ids = self.prompt_ids(rows)
         completions = self.generate(prompt_ids)
         real = 0 if filler else len(rows)
         p_ids, p_mask = left_pad(prompt_ids, self._pad_id, device)

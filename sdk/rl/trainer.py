@@ -3,8 +3,10 @@
 One *round* generates completions for a generation batch and scores them; its completions then feed
 ``steps_per_generation`` micro-batches, ``num_iterations`` times over (TRL's layout):
 
-- a round's generation batch is laid out as TRL's ``RepeatSampler`` lays it out: the epoch's prompt order (a
-  permutation drawn from a generator seeded with ``seed``, one draw per epoch in turn, as TRL's sampler draws them),
+- a round's generation batch is laid out as TRL's ``RepeatSampler`` lays it out (:mod:`shardkit.rl.rounds`, which
+  evaluation shares, and which carries an unfinished round through a checkpoint): the epoch's prompt order (a
+  permutation drawn from a generator seeded with ``data_seed``, else ``seed``, one draw per epoch in turn, as TRL's
+  sampler draws them),
   cut into rounds of ``generation_batch_size / num_generations`` prompts, each prompt repeated ``num_generations``
   times in a row, and the round's rows dealt to the data-parallel ranks in contiguous slices of
   ``per_device_train_batch_size x steps_per_generation`` (Accelerate's dealing of TRL's loader batches). A prompt's
@@ -31,10 +33,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from shardkit.rl.config import OnlineRLConfig
-from shardkit.rl.evaluation import OnlineRLEvaluation
+from shardkit.rl.evaluation import OnlineRLEvaluation, check_eval_settings
 from shardkit.rl.losses import nanstd
 from shardkit.rl.rollout import (
     Completions,
@@ -45,6 +47,7 @@ from shardkit.rl.rollout import (
     right_pad,
     tokenize_prompts,
 )
+from shardkit.rl.rounds import Round, RoundCheckpointer, RoundSlots, check_prompt_rows, data_seed
 from shardkit.rl.scoring import completion_log_probs
 from shardkit.rl.vllm_correction import vllm_importance_metrics, vllm_importance_weights
 from shardkit.rl.vllm_engine import ColocatedVLLM, require_vllm
@@ -58,59 +61,8 @@ __all__ = ["OnlineRLTrainer", "RoundSlots", "Round"]
 logger = logging.getLogger("shardkit.rl")
 
 
-class RoundSlots(Dataset):
-    """The micro-step slots of every data-parallel rank (see the module docstring): item ``k`` belongs to rank
-    ``k % ranks``; its ``j = k // ranks``-th slot is repetition ``j % repeats`` of round ``j // repeats``. The rows of
-    a slot depend on the epoch (each epoch draws its own prompt order), so the slot names them and
-    :meth:`completion_rows` gives them."""
-
-    def __init__(self, rows: list[dict[str, Any]], num_generations: int, per_rank: int, ranks: int, repeats: int,
-                 seed: int, shuffle: bool):
-        self.rows, self.num_generations, self.per_rank = rows, num_generations, per_rank
-        self.ranks, self.repeats, self.seed, self.shuffle = ranks, repeats, seed, shuffle
-        self.prompts_per_round = per_rank * ranks // num_generations
-        self.rounds = len(rows) // self.prompts_per_round
-        self._drawn: tuple[int, list[int], torch.Generator] | None = None  # (epoch, its order, the generator after)
-
-    def __len__(self) -> int:
-        return self.rounds * self.repeats * self.ranks
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        rank, slot = index % self.ranks, index // self.ranks
-        round_index, repeat = divmod(slot, self.repeats)
-        return {"round": round_index, "repeat": repeat, "rank": rank}
-
-    def order(self, epoch: int) -> list[int]:
-        """Epoch ``epoch``'s prompt order: the ``epoch + 1``-th permutation drawn from a generator seeded with
-        ``seed`` (TRL's sampler keeps one generator and draws once per epoch), or the dataset's order."""
-        if not self.shuffle:
-            return list(range(len(self.rows)))
-        if self._drawn is None or self._drawn[0] > epoch:  # a resume (or a new train()) may go back: redraw
-            generator = torch.Generator()
-            generator.manual_seed(self.seed)
-            self._drawn = (-1, [], generator)
-        drawn_epoch, order, generator = self._drawn
-        while drawn_epoch < epoch:
-            order, drawn_epoch = torch.randperm(len(self.rows), generator=generator).tolist(), drawn_epoch + 1
-        self._drawn = (drawn_epoch, order, generator)
-        return order
-
-    def completion_rows(self, epoch: int, round_index: int, rank: int) -> list[dict[str, Any]]:
-        """Rank ``rank``'s share of a round: one prompt row per completion, a prompt's rows consecutive."""
-        order, g, first = self.order(epoch), self.num_generations, round_index * self.prompts_per_round
-        positions = range(rank * self.per_rank, (rank + 1) * self.per_rank)
-        return [self.rows[order[first + p // g]] for p in positions]
-
-
 def _single(items: list[Any]) -> Any:
     return items[0]
-
-
-class Round:
-    """One round's micro-batches on this rank (dicts of tensors), handed out by repetition."""
-
-    def __init__(self, key: tuple[int, int], batches: list[dict[str, Any]]):
-        self.key, self.batches = key, batches
 
 
 class OnlineRLTrainer(OnlineRLEvaluation, Trainer):
@@ -164,6 +116,8 @@ class OnlineRLTrainer(OnlineRLEvaluation, Trainer):
                 "same work; train with --strategy fsdp (the same sharded weights, each rank its own prompts), zero3 "
                 "or tp")
         self.args.resolve_generation_batch(self.runner.strategy.data_parallel_size)
+        if getattr(self.args.eval_strategy, "value", self.args.eval_strategy) != "no":
+            check_eval_settings(self.args, self.runner.strategy.data_parallel_size)  # before training, as TRL
         self.vllm = ColocatedVLLM(self.runner, self.model_wrapped, self.args, name) if args.use_vllm else None
         self.ref_model = self._ref_unwrapped = None
         if reference is not None:
@@ -176,14 +130,23 @@ class OnlineRLTrainer(OnlineRLEvaluation, Trainer):
             raise ValueError(f"{name}: the tokenizer has no eos_token_id; completions could never end")
         self._metrics: dict[str, dict[str, list[float]]] = {"train": defaultdict(list), "eval": defaultdict(list)}
         self._round: Round | None = None
+        self._resumed_round: Round | None = None  # an unfinished round a checkpoint held (RoundCheckpointer)
         self._slots: RoundSlots | None = None  # built with the train loader
-        self._rows_seen = 0
+        before_delete = self.checkpointer.before_delete
+        self.checkpointer = RoundCheckpointer(self.runner, self.args, self)
+        self.checkpointer.before_delete = before_delete
+
+    @property
+    def round_repeats(self) -> int:
+        """Micro-steps one round feeds: ``steps_per_generation x num_iterations``."""
+        return self.args.steps_per_generation * self.args.num_iterations
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's ``train``; with ``use_vllm`` the engine gets the weights afresh: the optimizer step that names
         the pushed weights restarts (or resumes from a checkpoint) with every call."""
         if self.vllm is not None:
             self.vllm.pushed_version = None
+        self._round = self._resumed_round = None  # a round of an earlier train() is not this one's
         return super().train(*args, **kwargs)
 
     # ---- the reference ---------------------------------------------------------------------------
@@ -216,16 +179,20 @@ class OnlineRLTrainer(OnlineRLEvaluation, Trainer):
         """The slots of every rank (see :class:`RoundSlots`), one per loader batch, in order."""
         args = self.args
         rows = self.train_dataset
-        for index, row in enumerate(rows):
-            if not isinstance(row, dict) or "prompt" not in row:
-                raise ValueError(f"train_dataset row {index} has no 'prompt' field: {str(row)[:80]}")
+        check_prompt_rows(rows, "train_dataset")
         slots = RoundSlots(rows, args.num_generations, args.per_device_train_batch_size * args.steps_per_generation,
-                           self.runner.strategy.data_parallel_size, args.steps_per_generation * args.num_iterations,
-                           args.seed, bool(args.shuffle_dataset))
+                           self.runner.strategy.data_parallel_size, self.round_repeats, data_seed(args),
+                           bool(args.shuffle_dataset))
         if len(slots) == 0:
             raise ValueError(f"train_dataset has {len(rows)} prompts, fewer than one round needs "
                              f"(generation_batch_size {args.generation_batch_size} / num_generations "
                              f"{args.num_generations} = {slots.prompts_per_round})")
+        if slots.left_out and self.runner.is_main_process:
+            which = "a different" if args.shuffle_dataset else "the same (shuffle_dataset=False)"
+            logger.warning(f"train_dataset has {len(rows)} prompts and a round takes {slots.prompts_per_round} "
+                           f"(generation_batch_size {args.generation_batch_size} / num_generations "
+                           f"{args.num_generations}): {slots.left_out} prompt(s) of each epoch, {which} set each "
+                           "epoch, are not trained on (as TRL's sampler leaves them out)")
         self._slots = slots
         return DataLoader(slots, batch_size=1, shuffle=False, collate_fn=_single)
 
@@ -239,11 +206,25 @@ class OnlineRLTrainer(OnlineRLEvaluation, Trainer):
         """A slot's micro-batch: the round is generated and scored on its first slot (or after a resume)."""
         if "round" not in inputs:
             return inputs
-        key = (self.prepared.train_loader.epoch if self.prepared.done else 0, inputs["round"])
-        if self._round is None or self._round.key != key or inputs["repeat"] == 0:
-            rows = self._slots.completion_rows(key[0], inputs["round"], inputs["rank"])
-            self._round = Round(key, self.generate_and_score_share(rows))
-        batch = self._round.batches[inputs["repeat"] % self.args.steps_per_generation]
+        if inputs["rank"] != self.runner.strategy.data_parallel_rank:  # the slots were dealt other than RoundSlots says
+            raise RuntimeError(f"data-parallel rank {self.runner.strategy.data_parallel_rank} was handed rank "
+                               f"{inputs['rank']}'s slot: the train loader must deal the slots in order, unshuffled")
+        key, repeat = (self.prepared.train_loader.epoch if self.prepared.done else 0, inputs["round"]), inputs["repeat"]
+        if self._round is None or self._round.key != key or repeat == 0:
+            resumed, self._resumed_round = self._resumed_round, None
+            if repeat and resumed is not None and resumed.key == key and resumed.used == repeat:
+                self._round = resumed  # the round the checkpoint was saved in, generated before it
+            else:
+                if repeat:
+                    logger.warning(f"resuming inside generation round {key[1]} (micro-step {repeat} of "
+                                   f"{self.round_repeats}) without its buffered completions (a checkpoint written "
+                                   "without them, or by another number of ranks): the round is generated afresh "
+                                   "from the resumed weights, as TRL does, so the run departs from the "
+                                   "uninterrupted one")
+                rows = self._slots.completion_rows(key[0], inputs["round"], inputs["rank"])
+                self._round = Round(key, self.generate_and_score_share(rows), used=repeat)
+        self._round.used += 1
+        batch = self._round.batches[repeat % self.args.steps_per_generation]
         inputs.update(batch)  # the loop counts the window's tokens from input_ids
         return inputs
 
@@ -276,14 +257,17 @@ class OnlineRLTrainer(OnlineRLEvaluation, Trainer):
         """This rank's share of a generation batch, one prompt row per completion in TRL's order (a prompt's rows
         consecutive; its group may continue on the next rank) -> the round's micro-batches (generation, rewards,
         advantages over every rank's rewards, log-probs)."""
-        # a prompt's consecutive rows are one row repeated: tokenized once
+        prompt_ids = self.prompt_ids(rows)
+        completions = self.generate(prompt_ids)
+        return self.micro_batches(self.score_completions(rows, prompt_ids, completions))
+
+    def prompt_ids(self, rows: list[dict[str, Any]]) -> list[list[int]]:
+        """The token ids of each row's prompt; a prompt's consecutive rows (one row repeated) are tokenized once."""
         starts = [i for i in range(len(rows)) if i == 0 or rows[i] is not rows[i - 1]]
         unique = tokenize_prompts(self.processing_class, [rows[i]["prompt"] for i in starts],
                                   self.args.chat_template_kwargs)
         ends = starts[1:] + [len(rows)]
-        prompt_ids = [ids for ids, a, b in zip(unique, starts, ends) for _ in range(b - a)]
-        completions = self.generate(prompt_ids)
-        return self.micro_batches(self.score_completions(rows, prompt_ids, completions))
+        return [ids for ids, a, b in zip(unique, starts, ends) for _ in range(b - a)]
 
     def micro_batches(self, batch: dict[str, Tensor]) -> list[dict[str, Any]]:
         """A scored round shuffled (the global RNG) and split into ``steps_per_generation`` micro-batches."""
@@ -327,6 +311,11 @@ class OnlineRLTrainer(OnlineRLEvaluation, Trainer):
         local = self.rewards(prompts, decoded, completions.ids, rows, device, {"trainer_state": self.state})
         everyone = torch.tensor(runner.gather_object(local.tolist()), dtype=torch.float32, device=device)
         everyone = everyone.view(-1, len(self.rewards))
+        unscorable = int(torch.isnan(everyone).all(dim=1).sum())
+        if unscorable and runner.is_main_process:
+            logger.warning(f"{unscorable} of {everyone.shape[0]} completions got None from every reward function: "
+                           "they count as their group's mean (advantage 0) and teach nothing; make at least one "
+                           "reward function score every completion")
         start = runner.strategy.data_parallel_rank * len(rows)
         advantages = self.advantages(everyone, batch, mode)[start:start + len(rows)]
         self._log_rewards(mode, everyone)

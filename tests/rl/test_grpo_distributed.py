@@ -18,10 +18,12 @@ process group, each case trains a fresh model):
   spread over both ranks; GRPO with 1 step per generation, every prompt split 2 + 2, RLOO with 3, the middle prompt of
   each round split): each rank's prompts are TRL's RepeatSampler's slice, and the advantages each rank trains on equal
   a hand computation from both ranks' gathered rewards;
-- GRPO evaluation under ZeRO-3 with uneven eval shards: 3 eval prompts, 1 per rank and step, so rank 1 has none in
-  the second step, and rank 0 samples at most 3 tokens, rank 1 at most 6: nothing hangs, both ranks log the same
-  figures, every eval prompt is scored once, eval_reward is the steps' mean of both ranks' rewards, and a direct
-  evaluate() of the same weights repeats the one run at eval_steps."""
+- GRPO evaluation under ZeRO-3 in TRL's layout, with an uneven last step: 4 eval prompts, 2 completions each, 3 per
+  rank and step (a step of 3 prompts, the middle one spread over both ranks, then a step of 1 prompt that rank 1
+  has no share of), rank 0 sampling at most 3 tokens, rank 1 at most 6: nothing hangs, both ranks log the same
+  figures, each rank's eval prompts are its slice of TRL's eval sampler, every eval prompt is scored once,
+  eval_reward and eval_loss equal a hand computation from both ranks' rewards (the advantages of a spread group
+  from both ranks), and a direct evaluate() of the same weights repeats the one run at eval_steps."""
 
 from __future__ import annotations
 
@@ -97,7 +99,8 @@ def _refused_under_cp(out: str) -> str:
     return "not refused"
 
 
-EVAL_PROMPTS = ("When the bell rang", "At night", "The river")
+EVAL_PROMPTS = ("When the bell rang", "At night", "The river", "A small boat")
+EVAL_LAYOUT = dict(num_generations_eval=2, per_device_eval_batch_size=3)  # 3 prompts a step, the middle one spread
 
 
 def _evaluate_uneven(out: str) -> dict:
@@ -115,8 +118,8 @@ def _evaluate_uneven(out: str) -> dict:
             calls.append({"prompts": list(prompts), "ids": [list(c) for c in completion_ids], "rewards": rewards})
         return rewards
 
-    args = GRPOConfig(output_dir=out, max_steps=1, per_device_train_batch_size=8, num_generations=8,
-                      num_generations_eval=4, per_device_eval_batch_size=4, max_completion_length=3 if rank == 0 else 6,
+    args = GRPOConfig(output_dir=out, max_steps=1, per_device_train_batch_size=8, num_generations=8, **EVAL_LAYOUT,
+                      max_completion_length=3 if rank == 0 else 6,
                       eval_strategy="steps", eval_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
                       seed=0, use_cpu=True)
     trainer = GRPOTrainer(_model(len(tokenizer)), in_target, args=args,
@@ -346,20 +349,40 @@ def test_a_prompts_completions_spread_over_ranks(runs, kind):
     assert [h["reward"] for h in ranks[0]["logs"]] == pytest.approx([sum(r) / len(r) for r in gathered], abs=1e-5)
 
 
-def test_evaluation_with_uneven_shards(runs):
-    """Two evaluations (at eval_steps=1, then evaluate()) of 2 steps each: rank 0 scores a prompt in both steps,
-    rank 1 only in the first (a filler keeps it in step in the second and counts nowhere)."""
+def test_evaluation_spreads_groups_over_ranks_with_an_uneven_last_step(runs):
+    """Two evaluations (at eval_steps=1, then evaluate()) of 2 steps each. Step 1: rows p0 p0 p1 | p1 p2 p2 (rank 0 |
+    rank 1) of TRL's eval sampler's stream; step 2: p3 p3 | nothing (rank 1 generates for a filler that counts
+    nowhere). Each eval prompt is scored once (twice over, num_generations_eval=2); eval_reward is the mean of the
+    steps' mean rewards, eval_loss the per-completion mean of each rank's dapo loss (ratio 1: -sum(A |o|) over its
+    completions / (the step's tokens / 2 ranks)), the advantages of each group from both ranks' rewards."""
+    import torch
+
+    trl_utils = pytest.importorskip("trl.trainer.utils")
     results = _case(runs, "eval-zero3")
     assert results[0]["logged"] == results[1]["logged"]
     assert results[0]["direct"] == results[0]["logged"]  # the same weights, the eval's own seeded stream
     assert [len(r["calls"]) for r in results] == [4, 2]
+    rows = [{"prompt": p} for p in EVAL_PROMPTS]
+    stream = [rows[i]["prompt"] for i in trl_utils.RepeatSampler(rows, mini_repeat_count=2, seed=0)]
     for evaluation in range(2):
-        steps = [results[0]["calls"][2 * evaluation], results[1]["calls"][evaluation]]
+        first = [results[0]["calls"][2 * evaluation], results[1]["calls"][evaluation]]
         last = results[0]["calls"][2 * evaluation + 1]
-        prompts = [c["prompts"][0] for c in (*steps, last)]
-        assert sorted(prompts) == sorted(EVAL_PROMPTS) and all(len(c["ids"]) == 4 for c in (*steps, last))
-        first = [r for c in steps for r in c["rewards"]]
-        expected = (sum(first) / len(first) + sum(last["rewards"]) / 4) / 2
-        assert results[0]["logged"]["eval_reward"] == pytest.approx(expected, abs=1e-6)
+        assert first[0]["prompts"] + first[1]["prompts"] + last["prompts"] == stream
+        assert first[0]["prompts"][-1] == first[1]["prompts"][0]  # this group is spread over both ranks
+        loss, count, step_rewards = 0.0, 0, []
+        for step in (first, [last]):
+            rewards = torch.tensor([r for c in step for r in c["rewards"]], dtype=torch.float64)
+            lengths = [torch.tensor([len(i) for i in c["ids"]], dtype=torch.float64) for c in step]
+            groups = rewards.view(-1, 2)
+            advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)
+            tokens, offset = float(sum(n.sum() for n in lengths)), 0
+            for n in lengths:
+                mine = advantages[offset:offset + len(n)]
+                loss += float(-(mine * n).sum() / (tokens / 2)) * len(n)
+                count, offset = count + len(n), offset + len(n)
+            step_rewards.append(float(rewards.mean()))
+        assert count == 8
+        assert results[0]["logged"]["eval_reward"] == pytest.approx(sum(step_rewards) / 2, abs=1e-6)
+        assert results[0]["logged"]["eval_loss"] == pytest.approx(loss / count, abs=1e-5)
     assert max(len(i) for c in results[0]["calls"] for i in c["ids"]) <= 3
     assert max(len(i) for c in results[1]["calls"] for i in c["ids"]) == 6

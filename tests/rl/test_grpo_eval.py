@@ -110,15 +110,53 @@ def test_evaluating_changes_neither_training_nor_state(tokenizer, tmp_path):
 
 
 def test_eval_settings_are_checked_by_name(tokenizer, tmp_path):
+    """TRL's rule: the global eval batch (per device x data-parallel ranks) holds whole groups, checked when the
+    trainer knows its ranks (at construction when evaluating during training, else at evaluate())."""
     from shardkit.rl import GRPOConfig
 
-    with pytest.raises(ValueError, match="per_device_eval_batch_size=8 must be a multiple of num_generations_eval=3"):
-        GRPOConfig(output_dir=str(tmp_path), num_generations=4, num_generations_eval=3, eval_strategy="steps",
-                   eval_steps=1, report_to="none")
     with pytest.raises(ValueError, match="num_generations_eval=0"):
         GRPOConfig(output_dir=str(tmp_path), num_generations=4, num_generations_eval=0, report_to="none")
+    message = (r"the global eval batch \(per_device_eval_batch_size 8 x 1 data-parallel ranks = 8\) must be "
+               r"divisible by num_generations_eval \(3\)")
+    with pytest.raises(ValueError, match=message):
+        _trainer("grpo", tokenizer, tmp_path, [], num_generations_eval=3, per_device_eval_batch_size=8,
+                 eval_strategy="steps", eval_steps=1)
+    unchecked = _trainer("grpo", tokenizer, tmp_path, [], num_generations_eval=3, per_device_eval_batch_size=8)
+    with pytest.raises(ValueError, match=message):
+        unchecked.evaluate()
     trainer = _trainer("grpo", tokenizer, tmp_path, [])
     with pytest.raises(ValueError, match="eval_dataset row 1 has no 'prompt'"):
         trainer.evaluate([{"prompt": "a"}, {"text": "b"}])
     with pytest.raises(NotImplementedError, match="use evaluate"):
         trainer.predict(EVAL)
+
+
+@pytest.mark.parametrize("per_device, group, ranks, fillers", [(3, 2, 2, 1), (2, 4, 2, 0), (4, 6, 3, 1),
+                                                                (6, 3, 1, 0)])
+def test_each_ranks_eval_rows_are_trls(per_device, group, ranks, fillers):
+    """Every eval step's rows on every rank are TRL 1.16's: its eval sampler (each prompt num_generations_eval
+    times in a row, shuffled with the seed) cut into batches of per_device_eval_batch_size that Accelerate deals to
+    the ranks in turn; groups spread over ranks in the first three layouts. TRL pads the last step with rows from
+    the start; here every prompt counts once: a rank's share of it is cut at the last prompt, and a rank left
+    without a row generates one filler row that counts nowhere."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    from shardkit.rl.evaluation import EvalSteps
+
+    rows = [{"prompt": f"p{i}"} for i in range(7)]
+    stream = [rows[i]["prompt"] for i in trl_utils.RepeatSampler(rows, mini_repeat_count=group, seed=11)]
+    steps = [EvalSteps(rows, group, per_device, rank, ranks, seed=11) for rank in range(ranks)]
+    step_rows = per_device * ranks
+    assert {len(s) for s in steps} == {-(-len(stream) // step_rows)}
+    dealt, filled = [], 0
+    for step in range(len(steps[0])):
+        for rank in range(ranks):
+            item = steps[rank][step]
+            start = step * step_rows + rank * per_device
+            expected = stream[start:start + per_device]
+            if item["filler"]:
+                assert expected == [] and len(item["rows"]) == 1
+                filled += 1
+            else:
+                assert [r["prompt"] for r in item["rows"]] == expected, (step, rank)
+                dealt += expected
+    assert dealt == stream and filled == fillers

@@ -247,3 +247,63 @@ def test_a_resume_in_a_later_epoch_restarts_at_its_slot(tokenizer, tmp_path):
     resumed_seen, resumed_losses, resumed_weights = run(tmp_path / "resumed", tmp_path / "full" / "checkpoint-7")
     assert resumed_seen == seen[7:] and resumed_losses[-1] == losses[-1]
     assert all(torch.equal(a, b) for a, b in zip(weights, resumed_weights))
+
+
+def test_what_the_online_trainers_would_not_do_as_asked_is_refused_or_said(tokenizer, tmp_path, caplog):
+    """Settings the trainers do not read are refused (never ignored), data_seed orders the prompts as it orders a
+    Trainer's samples, bad prompt rows fail before the first round (not when their round comes up on one rank), and
+    prompts left out of every epoch (a dataset not divisible into rounds) are said."""
+    import logging
+
+    from shardkit.rl import GRPOTrainer
+
+    with pytest.raises(NotImplementedError, match="train_sampling_strategy='sequential'.*shuffle_dataset=False"):
+        _config(tmp_path, train_sampling_strategy="sequential")
+    with pytest.raises(NotImplementedError, match="label_smoothing_factor=0.1"):
+        _config(tmp_path, label_smoothing_factor=0.1)
+
+    calls = []
+
+    def reward(completions, **kwargs):
+        calls.append(len(completions))
+        return [0.0] * len(completions)
+
+    def build(rows, **kw):
+        return GRPOTrainer(tiny_llama(len(tokenizer)), reward, args=_config(tmp_path, max_steps=1, **kw),
+                           train_dataset=rows, processing_class=tokenizer)
+
+    rows = [{"prompt": f"p{i}"} for i in range(7)]
+    for seed, data_seed in ((3, None), (3, 5)):
+        trainer = build(rows, seed=seed, data_seed=data_seed)
+        trainer.get_train_dataloader()
+        generator = torch.Generator().manual_seed(data_seed if data_seed is not None else seed)
+        assert trainer._slots.order(0) == torch.randperm(7, generator=generator).tolist()
+    chat = [{"role": "user", "content": "hi"}]
+    for bad, error, match in (([{"prompt": "a"}, {"prompt": None}] * 2, TypeError, "row 1: the prompt is a NoneType"),
+                              ([{"prompt": "a"}, {"prompt": []}] * 2, TypeError, "row 1"),
+                              ([{"prompt": "a"}, {"prompt": chat}] * 2, ValueError, "mixes text prompts and conv")):
+        with pytest.raises(error, match=match):
+            build(bad).train()
+    assert calls == []
+    with caplog.at_level(logging.WARNING, logger="shardkit.rl"):
+        build(rows, per_device_train_batch_size=8).get_train_dataloader()  # 2 prompts a round: 3 rounds, 1 left
+    assert "1 prompt(s) of each epoch, a different set each epoch, are not trained on" in caplog.text
+
+
+def test_completions_no_reward_function_scores_are_said(tokenizer, tmp_path, caplog):
+    """A completion every reward function returns None for gets advantage 0 (as in TRL) and teaches nothing: said,
+    with the count over the generation batch."""
+    import logging
+
+    from shardkit.rl import GRPOTrainer
+
+    def partial(completions, **kwargs):
+        return [None if i < 3 else 1.0 for i in range(len(completions))]
+
+    rows = [{"prompt": "The old house"}]
+    trainer = GRPOTrainer(tiny_llama(len(tokenizer)), partial, args=_config(tmp_path), train_dataset=rows * 4,
+                          processing_class=tokenizer)
+    with caplog.at_level(logging.WARNING, logger="shardkit.rl"):
+        batch = trainer.generate_and_score(rows)[0]
+    assert "3 of 4 completions got None from every reward function" in caplog.text
+    assert batch["advantages"].abs().sum() == 0
