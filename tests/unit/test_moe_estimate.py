@@ -175,3 +175,24 @@ def test_expert_parallel_formula_equals_the_tensors_a_rank_holds(monkeypatch, op
         assert abs(held - counted.params // 4) < 0.01 * spec.expert_params
     finally:
         dist.destroy_process_group()
+
+
+def test_qwen3_30b_a3b_expert_parallel_states_equal_a_hand_computation(tmp_path):
+    from shardkit.memory import memory_job, spec_from_hf_config
+    from shardkit.strategies import ExpertParallel
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    spec = spec_from_hf_config(tmp_path / "config.json")
+    # per layer: attention 2048*32*128*2 + 2048*4*128*2 = 18874368, norms 2*2048 + q/k norms 2*128, router 2048*128,
+    # routed experts 128 * 3*2048*768 = 603979776; embedding and head 2 * 151936*2048; final norm 2048
+    experts = 48 * 603979776
+    assert spec.total_params == 2 * 311164928 + 48 * (18874368 + 4352 + 262144 + 603979776) + 2048 == 30532122624
+    assert (spec.expert_params, spec.active_params) == (experts, 30532122624 - 48 * 120 * 3 * 2048 * 768)
+    dense = 30532122624 - experts
+    # bf16 mixed precision on FSDP2: 4-byte parameters. ep 8 on 8: experts and dense both 1/8 a rank
+    ep8 = ExpertParallel(ep_size=8)
+    assert ep8.model_state_memory(memory_job(spec, ep8, num_gpus_per_node=8)).params == dense * 4 // 8 + experts // 2
+    # ep 2 on dp 8 with the slices whole: half of every routed expert on each rank (54 GiB of bf16-mixed parameters)
+    none = ExpertParallel(ep_size=2, expert_sharding="none")
+    held = none.model_state_memory(memory_job(spec, none, num_gpus_per_node=8)).params
+    assert held == dense * 4 // 8 + experts * 4 // 2 == 58752605184
