@@ -23,6 +23,7 @@ __all__ = [
     "find_layout",
     "layouts",
     "listed_layouts",
+    "memory_job",
     "parse_count",
     "recommend",
     "spec_from_hf_config",
@@ -37,7 +38,7 @@ __all__ = [
 _EXPORTS = {
     "LAYOUTS": "estimate", "Layout": "estimate", "layouts": "estimate", "listed_layouts": "estimate",
     "ModelStates": "estimate", "activation_bytes": "estimate", "activation_dtype": "estimate",
-    "all_to_all_bytes": "estimate",
+    "all_to_all_bytes": "estimate", "memory_job": "estimate",
     "deepspeed_table": "estimate", "estimate_model_states": "estimate", "find_layout": "estimate", "recommend":
     "estimate", "zero2_mem_needs": "estimate", "zero3_mem_needs": "estimate",
     "ModelSpec": "model_spec", "parse_count": "model_spec", "spec_from_hf_config": "model_spec",

@@ -48,11 +48,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="context-parallel ranks splitting each sequence (cp row)")
     p.add_argument("--tp-size", type=int_range(1, _MAX_DEVICES), default=1,
                    help="tensor-parallel ranks: the tp row's split (default: --num-gpus), and composed with "
-                        "--cp-size (ContextParallel(cp_size, tp_size)) the cp row's activations also split over tp")
+                        "--cp-size (ContextParallel(cp_size, tp_size)) the cp row's activations also split over tp; "
+                        "the ep row's ExpertParallel(tp_size=...) (dense layers split over tp)")
     p.add_argument("--ep-size", type=int_range(1, _MAX_DEVICES), default=None,
-                   help="expert-parallel ranks splitting each MoE layer's experts, for the all-to-all buffers (ep "
-                        "row; default: every device, as ExpertParallel() splits); with --cp-size, ExpertParallel's "
-                        "ep x cp (each rank dispatches seq_len / cp tokens of each sequence)")
+                   help="expert-parallel ranks splitting each MoE layer's experts: the ep row's model states and the "
+                        "all-to-all buffers (default: every device, as ExpertParallel() splits); with --cp-size, "
+                        "ExpertParallel's ep x cp (each rank dispatches seq_len / cp tokens of each sequence), with "
+                        "--tp-size its ep x tp (each tp rank dispatches 1/tp of the assignments; ep a multiple of tp)")
     p.add_argument("--pp-size", type=int_range(1, _MAX_DEVICES), default=None,
                    help="pipeline stages (pp row; default: --num-gpus)")
     p.add_argument("--microbatches", type=int_range(1, 2**20), default=None,
@@ -92,7 +94,7 @@ def _strategy_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
     rows = [f"{'strategy':<16}{cols}  (GiB per device, {args.precision})"]
     for name in names:
         e = estimate_model_states(spec, name, num_gpus_per_node=args.num_gpus, num_nodes=args.num_nodes,
-                                  precision=args.precision, pp_size=args.pp_size,
+                                  precision=args.precision, pp_size=args.pp_size, ep_size=args.ep_size,
                                   tp_size=args.tp_size if args.tp_size > 1 else None)
         rows.append(f"{name:<16}{e.params / GIB:9.2f}{e.grads / GIB:9.2f}{e.optimizer / GIB:9.2f}"
                     f"{e.device_total / GIB:9.2f}{e.device_peak / GIB:9.2f}{e.host / GIB:9.2f}{e.nvme / GIB:9.2f}")
@@ -114,15 +116,26 @@ def _parallel_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
         rows.append(f"Activations per rank under {layout} ({how}): {cp / GIB:.2f} GiB")
     ep = args.ep_size or args.num_gpus * args.num_nodes
     if _shows(args, "ep", args.ep_size is not None) and ep > 1 and spec.moe_top_k:
-        # ExpertParallel(cp_size=...): each rank dispatches its chunk of every sequence, seq_len / cp tokens of each
-        # the tokens cross in the run's activation dtype: fp32 runs send 4 bytes a value, bf16/fp16 ones 2
+        # ExpertParallel(cp_size=...): each rank dispatches its chunk of every sequence, seq_len / cp tokens of each;
+        # ExpertParallel(tp_size=...): the tp peers see the same tokens and each dispatches 1/tp of the assignments.
+        # The tokens cross in the run's activation dtype: fp32 runs send 4 bytes a value, bf16/fp16 ones 2
         dtype = activation_dtype(args.precision)
-        a2a = all_to_all_bytes(spec, args.batch_size, args.seq_len // args.cp_size, ep, dtype_bytes=dtype.itemsize)
-        layout = f"ep {ep}" + (f" x cp {args.cp_size}" if args.cp_size > 1 else "")
+        tokens = args.batch_size * (args.seq_len // args.cp_size)
+        a2a = all_to_all_bytes(spec, args.batch_size, args.seq_len // args.cp_size, ep, dtype_bytes=dtype.itemsize,
+                               tp_size=args.tp_size)
+        layout = f"ep {ep}" + "".join(f" x {n} {s}" for n, s in (("cp", args.cp_size), ("tp", args.tp_size)) if s > 1)
+        size = f"top_k {spec.moe_top_k} x hidden {spec.hidden_size} x {dtype.itemsize} bytes " \
+               f"({str(dtype).removeprefix('torch.')})"
+        if args.tp_size > 1:
+            share = -(-tokens * spec.moe_top_k // args.tp_size)
+            how = (f"{a2a / GIB:.2f} GiB = (2 + {args.tp_size}) x {share} assignments (1/{args.tp_size} of {tokens} "
+                   f"tokens x top_k, each tp rank's share) x hidden {spec.hidden_size} x {dtype.itemsize} bytes "
+                   f"({str(dtype).removeprefix('torch.')}): dispatch + combine of its share, and the tp all-gather "
+                   "of the outputs")
+        else:
+            how = f"{a2a / GIB:.2f} GiB = 2 x {tokens} tokens x {size}"
         rows.append(f"All-to-all buffers per rank under {layout} (dispatch + combine, one MoE layer in flight, "
-                    f"balanced routing): {a2a / GIB:.2f} GiB = 2 x {args.batch_size * (args.seq_len // args.cp_size)} "
-                    f"tokens x top_k {spec.moe_top_k} x hidden {spec.hidden_size} x {dtype.itemsize} bytes "
-                    f"({str(dtype).removeprefix('torch.')})")
+                    f"balanced routing): {how}")
     pp = args.pp_size or args.num_gpus
     if _shows(args, "pp", args.pp_size is not None) and pp > 1:
         m = args.microbatches or (args.gradient_accumulation_steps if args.gradient_accumulation_steps > 1 else pp)
@@ -148,7 +161,7 @@ def _cp_size(args: argparse.Namespace) -> int:
 
 def _check_layout(spec: ModelSpec, args: argparse.Namespace) -> None:
     """--cp-size x --tp-size must divide the devices, and tp the heads (the mesh's own checks); --ep-size the
-    devices."""
+    devices, and with --cp-size or --tp-size the rule of the expert-parallel strategy that composes them."""
     from shardkit.strategies.parallel_dims import ParallelDims
 
     devices = args.num_gpus * args.num_nodes
@@ -157,16 +170,22 @@ def _check_layout(spec: ModelSpec, args: argparse.Namespace) -> None:
                          "group is ep ranks of the data-parallel ones")
     if args.cp_size == 1 and args.tp_size == 1:
         return
+    ep = f" --ep-size {args.ep_size}" if args.ep_size else ""
+    where = f"--cp-size {args.cp_size} --tp-size {args.tp_size}{ep} on {devices} device(s)"
+    if args.ep_size not in (None, 1):
+        try:  # the ep row's strategy refuses what it cannot compose, by name
+            find_layout("ep").build(ep_size=args.ep_size, cp_size=args.cp_size, tp_size=args.tp_size)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}. For this estimate: drop --tp-size (ep x cp) or --cp-size (ep x tp)") \
+                from None
     try:
-        # ep with cp is one strategy's (ExpertParallel(cp_size=...)) and follows its rule; the tp row is another's
-        ParallelDims(cp=args.cp_size, tp=args.tp_size, ep=(args.ep_size or 1) if args.cp_size > 1 else 1).resolve(
-            devices)
+        # ep composes with cp or tp in one strategy (ExpertParallel(cp_size=...) or (tp_size=...)) and follows its
+        # rule: ep borrows every cp or tp rank, so it must be a multiple of them
+        ParallelDims(cp=args.cp_size, tp=args.tp_size, ep=args.ep_size or 1).resolve(devices)
         ParallelDims(dp_shard=1, tp=args.tp_size).validate(num_heads=spec.num_heads or None,
                                                            num_kv_heads=spec.num_kv_heads or None)
     except ValueError as err:
-        ep = f" --ep-size {args.ep_size}" if args.ep_size else ""
-        raise ValueError(f"--cp-size {args.cp_size} --tp-size {args.tp_size}{ep} on {devices} device(s): {err}") \
-            from None
+        raise ValueError(f"{where}: {err}") from None
 
 
 def _header(spec: ModelSpec, args: argparse.Namespace) -> str:

@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["LAYOUTS", "Layout", "ModelStates", "activation_bytes", "activation_dtype", "all_to_all_bytes",
-           "deepspeed_table", "estimate_model_states", "find_layout", "layouts", "listed_layouts", "recommend",
+           "deepspeed_table", "estimate_model_states", "find_layout", "layouts", "listed_layouts", "memory_job",
+           "recommend",
            "zero2_mem_needs", "zero3_mem_needs"]
 
 
@@ -167,7 +168,7 @@ def _bytes_per_param(strategy: Any, precision: Any) -> tuple[int, int, int, int]
 
 def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: int = 1, num_nodes: int = 1,
                           precision: Any = "bf16", tp_size: int | None = None, pp_size: int | None = None,
-                          reduce_bucket_size: int | None = None,
+                          ep_size: int | None = None, reduce_bucket_size: int | None = None,
                           params_in_cpu: int = DEEPSPEED_MAX_PARAMS_IN_CPU) -> ModelStates:
     """Bytes of parameters, gradients and optimizer state per rank under ``strategy`` (see the module table).
 
@@ -181,6 +182,8 @@ def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: 
         precision: a Precision, or any name or alias in ``PRECISIONS`` ("bf16" and "fp16" are mixed).
         tp_size: ranks per tensor-parallel group (default: the strategy's, else a node).
         pp_size: pipeline stages (default: the strategy's, else a node); the rest of the ranks replicate each stage.
+        ep_size: expert-parallel ranks splitting a mixture of experts' routed experts (default: the strategy's own;
+            ``spec.expert_params`` says how many parameters they are).
         reduce_bucket_size: ZeRO-1/2 gradient bucket elements (shardkit's "auto" is hidden^2; default
             from ``spec.hidden_size``, else none counted).
         params_in_cpu: zero_infinity: parameter elements per rank DeepSpeed keeps in host memory rather
@@ -188,16 +191,31 @@ def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: 
     """
     layout = find_layout(strategy)
     built = layout.build()
-    p, g, m, s = _bytes_per_param(built, precision)
-    if reduce_bucket_size is None and spec.hidden_size:
-        reduce_bucket_size = spec.hidden_size**2
-    job = MemoryJob(params=spec.total_params, largest_layer=spec.largest_layer_params,
-                    ranks=num_gpus_per_node * num_nodes, ranks_per_node=num_gpus_per_node, param_bytes=p,
-                    grad_bytes=g, master_bytes=m, state_bytes=s, tp_params=spec.tp_params, tp_size=tp_size,
-                    pp_size=pp_size, bucket=reduce_bucket_size or 0, params_in_cpu=params_in_cpu)
+    job = memory_job(spec, built, num_gpus_per_node=num_gpus_per_node, num_nodes=num_nodes, precision=precision,
+                     tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, reduce_bucket_size=reduce_bucket_size,
+                     params_in_cpu=params_in_cpu)
     held = built.model_state_memory(job)
     return ModelStates(layout.name, held.params, held.grads, held.optimizer, working=held.working, host=held.host,
                        nvme=held.nvme)
+
+
+def memory_job(spec: ModelSpec, strategy: Any, *, num_gpus_per_node: int = 1, num_nodes: int = 1,
+               precision: Any = "bf16", tp_size: int | None = None, pp_size: int | None = None,
+               ep_size: int | None = None, reduce_bucket_size: int | None = None,
+               params_in_cpu: int = DEEPSPEED_MAX_PARAMS_IN_CPU) -> MemoryJob:
+    """The job :func:`estimate_model_states` describes to ``strategy`` (a built one: its bytes per parameter depend
+    on whether it keeps a master copy); its arguments as there. ``strategy.model_state_memory(job)`` gives the
+    bytes of a strategy built with options no row of :data:`LAYOUTS` has (``ExpertParallel(expert_sharding="none")``).
+    """
+    p, g, m, s = _bytes_per_param(strategy, precision)
+    if reduce_bucket_size is None and spec.hidden_size:
+        reduce_bucket_size = spec.hidden_size**2
+    return MemoryJob(params=spec.total_params, largest_layer=spec.largest_layer_params,
+                     ranks=num_gpus_per_node * num_nodes, ranks_per_node=num_gpus_per_node, param_bytes=p,
+                     grad_bytes=g, master_bytes=m, state_bytes=s, tp_params=spec.tp_params, tp_size=tp_size,
+                     pp_size=pp_size, bucket=reduce_bucket_size or 0, params_in_cpu=params_in_cpu, ep_size=ep_size,
+                     expert_params=spec.expert_params, expert_block=spec.expert_block_params,
+                     largest_dense_layer=spec.largest_dense_params)
 
 
 def zero2_mem_needs(total_params: int, num_gpus_per_node: int = 1, num_nodes: int = 1, cpu_offload: bool = True,
@@ -320,7 +338,7 @@ def activation_dtype(precision: Any) -> torch.dtype:
 
 
 def all_to_all_bytes(spec: ModelSpec, batch_size: int, seq_len: int, ep_size: int, *, dtype_bytes: int = 2,
-                     layers_in_flight: int = 1) -> int:
+                     layers_in_flight: int = 1, tp_size: int = 1) -> int:
     """The all-to-all receive buffers of a mixture of experts under expert parallelism, per rank.
 
     Each MoE layer sends every token's ``top_k`` routed copies to the ranks holding their experts (dispatch) and
@@ -330,6 +348,11 @@ def all_to_all_bytes(spec: ModelSpec, batch_size: int, seq_len: int, ep_size: in
 
         bytes = 2 (dispatch + combine) x tokens (batch_size x seq_len per rank) x top_k x hidden x dtype_bytes
 
+    Under ep x tp (``tp_size > 1``) the tp peers see the same tokens and each dispatches ``1 / tp`` of the
+    assignments, then they all-gather the outputs, whose receive buffers hold every peer's share::
+
+        bytes = (2 / tp + 1) x tokens x top_k x hidden x dtype_bytes
+
     and ``layers_in_flight`` times that (1: the forward and the backward run one layer at a time; the copies autograd
     keeps for the backward are activations). Routing is dropless: a rank whose experts draw every token of its ep
     group receives up to ``ep_size`` times the balanced dispatch. 0 for a dense model or ``ep_size`` 1.
@@ -338,7 +361,13 @@ def all_to_all_bytes(spec: ModelSpec, batch_size: int, seq_len: int, ep_size: in
         return 0
     if spec.hidden_size is None:
         raise ValueError("an all-to-all estimate needs the hidden size: give a config or a model")
-    return 2 * batch_size * seq_len * spec.moe_top_k * spec.hidden_size * dtype_bytes * layers_in_flight
+    rows = batch_size * seq_len * spec.moe_top_k
+    row = spec.hidden_size * dtype_bytes * layers_in_flight
+    if tp_size <= 1:
+        return 2 * rows * row
+    # each peer's share is ceil(rows / tp) at most (the all-gather pads every share to the largest)
+    share = -(-rows // tp_size)
+    return 2 * share * row + tp_size * share * row
 
 
 def recommend(spec: ModelSpec, device_memory: int, *, num_gpus_per_node: int = 1, num_nodes: int = 1,

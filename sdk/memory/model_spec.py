@@ -45,6 +45,10 @@ class ModelSpec:
             of them); None: a dense model, all of them.
         moe_top_k: experts each token is routed to in a mixture of experts (for the all-to-all buffers under
             expert parallelism); None: a dense model.
+        expert_params: of ``total_params``, the routed experts of every MoE layer (what expert parallelism splits
+            over ep); 0: a dense model, or not known (a bare parameter count).
+        expert_block_params: one MoE layer's routed experts, all of them (the unit FSDP2 gathers for the experts).
+        largest_dense_params: the largest module outside the routed experts (None: ``largest_layer_params``).
     """
 
     total_params: int
@@ -58,10 +62,16 @@ class ModelSpec:
     tp_params: int | None = None
     active_params: int | None = None
     moe_top_k: int | None = None
+    expert_params: int = 0
+    expert_block_params: int = 0
+    largest_dense_params: int | None = None
 
     def __post_init__(self) -> None:
         if self.total_params <= 0:
             raise ValueError(f"total_params must be positive, got {self.total_params}")
+        if not 0 <= self.expert_block_params <= self.expert_params <= self.total_params:
+            raise ValueError(f"expert_block_params({self.expert_block_params}) <= expert_params({self.expert_params}) "
+                             f"<= total_params({self.total_params}) must hold")
         if self.largest_layer_params > self.total_params:
             raise ValueError(f"largest_layer_params({self.largest_layer_params}) > total_params({self.total_params})")
 
@@ -94,17 +104,25 @@ def _decoder_spec(vocab: int, hidden: int, inter: int, layers: int, heads: int, 
     total = embed * (1 if tied else 2) + layers * (attn + mlp + norms) + hidden
     largest = max(embed, hidden * inter)  # nn.Embedding / lm_head vs one MLP projection
     active = None
-    if experts is not None:
+    tp_params = layers * (attn + mlp)
+    block = 0
+    dense_largest = None
+    if experts is not None and experts.layers:
         # an MoE layer: the router, the shared experts and the routed ones (all of them held, top_k of them run)
         routed = 3 * hidden * experts.width
         fixed = hidden * experts.num + 3 * hidden * experts.shared
         total += experts.layers * (fixed + experts.num * routed - mlp)
         active = total - experts.layers * (experts.num - experts.top_k) * routed
-        largest = max(embed, hidden * inter if experts.layers < layers else 0, routed * experts.num)
+        dense_largest = max(embed, hidden * inter if experts.layers < layers else 0, hidden * experts.shared)
+        block = routed * experts.num
+        largest = max(dense_largest, block)
+        # a tensor-parallel plan splits attention, dense MLPs and shared experts; router and routed experts stay whole
+        tp_params += experts.layers * (3 * hidden * experts.shared - mlp)
     return ModelSpec(total_params=total, largest_layer_params=largest, hidden_size=hidden, num_layers=layers,
                      num_heads=heads, num_kv_heads=kv_heads, intermediate_size=inter, vocab_size=vocab,
-                     tp_params=layers * (attn + mlp) if experts is None else None, active_params=active,
-                     moe_top_k=None if experts is None or not experts.layers else experts.top_k)
+                     tp_params=tp_params, active_params=active, moe_top_k=experts.top_k if block else None,
+                     expert_params=block * (experts.layers if block else 0), expert_block_params=block,
+                     largest_dense_params=dense_largest)
 
 
 def spec_from_llama_config(config: Any) -> ModelSpec:
@@ -181,4 +199,6 @@ def spec_from_model(model: nn.Module) -> ModelSpec:
     return ModelSpec(total_params=total, largest_layer_params=largest, hidden_size=shape.hidden_size,
                      num_layers=shape.num_layers, num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
                      intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size, tp_params=shape.tp_params,
-                     active_params=active, moe_top_k=shape.moe_top_k)
+                     active_params=active, moe_top_k=shape.moe_top_k, expert_params=min(shape.expert_params, total),
+                     expert_block_params=min(shape.expert_block_params, shape.expert_params, total),
+                     largest_dense_params=shape.largest_dense_params)

@@ -67,12 +67,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from typing_extensions import override
 
-from shardkit.strategies import _dtensor
+from shardkit.strategies import _dtensor, ep_memory
 from shardkit.strategies import activation_checkpointing as checkpointing
 from shardkit.strategies import fsdp as _fsdp
 from shardkit.strategies.context_parallel import install_context_parallel
 from shardkit.strategies.cp_attention import RingAttention, UlyssesAttention
 from shardkit.strategies.ep_tensor import TensorSplitDispatch, apply_tensor_parallel, check_tensor_options, stats_group
+from shardkit.strategies.facts import MemoryJob, StateBytes
 from shardkit.strategies.parallel import ProcessGroupStrategy
 from shardkit.strategies.parallel_dims import CP_MODES, ParallelDims
 from shardkit.utils.hf_experts import check_hf_expert_layout
@@ -299,6 +300,14 @@ class ExpertParallel(_fsdp.FSDP):
     @property
     def tp_size(self) -> int:
         return self.dims.tp
+
+    @override
+    def model_state_memory(self, job: MemoryJob) -> StateBytes:
+        """The routed experts split over ep (FSDP2-sharded over their replicas with expert_sharding="full"), the
+        dense parameters split over tp then sharded over dp_shard x cp (:mod:`~shardkit.strategies.ep_memory`)."""
+        return ep_memory.expert_parallel_state(job, dp_replicate=self.dims.dp_replicate,
+                                               tp=job.tp_size or self.dims.tp, ep=job.ep_size or self._ep_size,
+                                               expert_sharding=self.expert_sharding, sharding=self.settings.sharding)
 
     @property
     @override

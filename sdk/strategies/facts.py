@@ -47,6 +47,12 @@ class MemoryJob:
             gradients, a separate fp32 master copy (0 where the engine steps the parameters themselves) and the
             optimizer's states, under the precision asked about.
         tp_size, pp_size: tensor-parallel and pipeline ranks asked about (None: the strategy's own, else a node).
+        ep_size: expert-parallel ranks asked about (None: the strategy's own).
+        expert_params: of ``params``, a mixture of experts' routed experts (every MoE layer's; expert parallelism
+            splits them, the rest is dense); 0: a dense model, or not known.
+        expert_block: one MoE layer's routed experts, all of them (the largest such layer): the unit an engine
+            gathers for the experts.
+        largest_dense_layer: the largest module outside the routed experts (None: ``largest_layer``).
         bucket: elements of a gradient reduction bucket (0: none counted).
         params_in_cpu: parameter elements per rank an NVMe-offloading engine keeps in host memory.
     """
@@ -64,6 +70,10 @@ class MemoryJob:
     pp_size: int | None = None
     bucket: int = 0
     params_in_cpu: int = 0
+    ep_size: int | None = None
+    expert_params: int = 0
+    expert_block: int = 0
+    largest_dense_layer: int | None = None
 
     @property
     def optimizer_bytes(self) -> int:

@@ -44,7 +44,7 @@ from torch import nn
 from typing_extensions import override
 
 from shardkit import checkpoint as ckpt
-from shardkit.strategies import _dtensor, ep_pipeline
+from shardkit.strategies import _dtensor, ep_memory, ep_pipeline
 from shardkit.strategies._pipeline_stages import (
     PipelineRunner,
     gather_optimizer_state,
@@ -98,15 +98,19 @@ class Pipeline(ProcessGroupStrategy):
 
     @override
     def model_state_memory(self, job: MemoryJob) -> StateBytes:
-        """Each pipeline rank holds its stages' layers whole, 1/pp of them (replicated over the other ranks as DDP
-        does, or with ``dp="fsdp"`` sharded over them, the stage's largest layer gathered)."""
+        """Each pipeline rank holds its stages' layers, 1/pp of them: replicated over the other ranks as DDP does, or
+        with ``dp="fsdp"`` sharded over them (``ep_size``: each stage's routed experts split over ep, then sharded
+        over the ranks holding the same ones, so a rank's share is the same), the stage's units kept gathered from
+        the first forward to the gradient reduction (:func:`~shardkit.strategies.ep_memory.pipeline_expert_working`)."""
         pp = job.pp_size or self.settings.pp_size or job.ranks_per_node
         held = job.share(job.params, pp)
         if not self.sharded:
             return StateBytes.replicated(job, held)
         ways = max(1, job.ranks // pp)
+        ep = job.ep_size or self.dims.ep
         return StateBytes(job.share(held * job.param_bytes, ways), job.share(held * job.grad_bytes, ways),
-                          job.share(held * job.optimizer_bytes, ways), working=job.largest_layer * job.param_bytes)
+                          job.share(held * job.optimizer_bytes, ways),
+                          working=ep_memory.pipeline_expert_working(job, pp, ep))
 
     @property
     @override
