@@ -13,11 +13,12 @@
 Built on `shardkit.launch`, so the harness and the product share the code that starts
 processes, picks the port and reports failures.
 
-The ranks are forked from a multiprocessing forkserver that has imported torch (and the torch.distributed
-modules every strategy loads) once for the whole session, instead of each spawned rank importing them again:
-that import is most of a small launch's time (~2-5 s per rank on a loaded 2-core machine, ~0.5 s forked).
-Nothing but torch's own modules is preloaded, so a rank still imports shardkit, transformers and DeepSpeed
-itself, with its own environment (the launcher hands a forkserver child the caller's whole environment).
+The ranks are forked from a multiprocessing forkserver that has imported torch (with the torch.distributed
+modules the strategies load) and shardkit's core once for the whole session, instead of each spawned rank
+importing them again: that import is most of a small launch's time (measured: 2.5 s of CPU per rank spawned,
+0.3 s forked). transformers, DeepSpeed, peft and bitsandbytes are not preloaded: shardkit asks whether they are
+imported (sys.modules) and behaves accordingly, so a rank imports them itself, as a spawned one would. Each rank
+gets the caller's environment as it is at the launch (the launcher hands a forkserver child the whole of it).
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ __all__ = ["TEST_COLLECTIVE_TIMEOUT_S", "run_distributed"]
 # dead-rank handling set their own short timeout.
 TEST_COLLECTIVE_TIMEOUT_S = 90
 
-# torch's own modules only: none reads the test's environment when imported, and none is a module whose presence
-# shardkit asks about (it checks sys.modules for transformers, DeepSpeed, peft, bitsandbytes).
+# None of these reads the environment when imported (a rank's variables arrive after the fork), starts a thread,
+# or imports a package whose presence shardkit asks about (sys.modules: transformers, DeepSpeed, peft,
+# bitsandbytes); the server inherits TRITON_INTERPRET from conftest, as spawned ranks did.
 _PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.tensor.parallel", "torch.distributed.fsdp",
-            "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "torch.distributed.pipelining"]
+            "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict", "torch.distributed.pipelining",
+            "shardkit.distributed.launcher", "shardkit.runner.core", "shardkit.models", "shardkit.strategies"]
 multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
 
 
