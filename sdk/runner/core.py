@@ -142,14 +142,14 @@ class Runner:
             self.strategy, self.precision, self.config, log_with=log_with, logging_dir=logging_dir,
             profile_steps=profile_steps, memory_snapshot=memory_snapshot, peak_tflops=peak_tflops,
             model=lambda: self._module)
+        self._owners: dict[torch.optim.Optimizer, nn.Module] = {}  # every optimizer set up -> its model
         self.checkpoints = RunnerCheckpoints(
-            self.strategy, self.precision, keep_last=checkpoint_keep_last, owner_of=self._owner_of,
+            self.strategy, self.precision, keep_last=checkpoint_keep_last, owners=self._owners,
             step_state=self._step_state, restore_step_state=self._restore_step_state, logger=self.logger,
             recovery=self.observability.recovery)
         self._module: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: Any | None = None
-        self._owners: dict[torch.optim.Optimizer, nn.Module] = {}  # every optimizer set up -> its model
         self._micro_step = 0  # position inside the accumulation window
         self._window = self.gradient_accumulation_steps  # micro-batches in the current window (begin_window)
         self._boundary = False  # the last backward closed a window: step() will step
@@ -464,12 +464,6 @@ class Runner:
         if self._module is not None:
             last = self.gradient_accumulation_steps - 1
             self.strategy.set_gradient_sync(self._module, self._micro_step == last)
-
-    def _owner_of(self, optimizer: torch.optim.Optimizer) -> nn.Module:
-        owner = self._owners.get(optimizer)
-        if owner is None:
-            raise ValueError("save/load an optimizer only together with the model it was set up with in runner.setup()")
-        return owner
 
     # ---- what the run is doing (RunnerObservability) ------------------------------------------
 
