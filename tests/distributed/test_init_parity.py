@@ -147,8 +147,8 @@ def _sections(names: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def sections(tmp_path_factory):
     nvme = tmp_path_factory.mktemp("init-parity") / "nvme"
-    # Seven strategies x three models, then three small cases: ~2 min on an idle 2-core machine; generous for load.
-    return run_distributed(_sections, world_size=2, args=(STRATEGIES,), timeout=2400,
+    # Seven strategies x three models, then three small cases: ~2 min at load 20 on 2 cores; under pytest's 1200 s.
+    return run_distributed(_sections, world_size=2, args=(STRATEGIES,), timeout=1100,
                            env={"SHARDKIT_NVME_PATH": str(nvme)})
 
 
