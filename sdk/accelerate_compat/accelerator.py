@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from shardkit.accelerate_compat.checkpointing import AcceleratorCheckpoints
@@ -53,6 +53,13 @@ from shardkit.accelerate_compat.plugins import (
     launched_engine,
     precision_for,
     read_handlers,
+)
+from shardkit.accelerate_compat.preparing import (
+    object_kind,
+    pair_optimizers,
+    share_generator,
+    split_batches_loader,
+    users_order,
 )
 from shardkit.accelerate_compat.state import (
     AcceleratorState,
@@ -285,12 +292,12 @@ class Accelerator(ProcessFacts):
             raise NotImplementedError("prepare(device_placement=False): shardkit always places what it prepares")
         args, built = self._from_deepspeed_sections(args)
         out = list(args)
-        kinds = ["scheduler" if id(a) in built else _kind(a) for a in args]
+        kinds = ["scheduler" if id(a) in built else object_kind(a) for a in args]
         for i, kind in enumerate(kinds):
             if kind == "dataloader":  # first: DeepSpeed's engine config takes the micro-batch size from it
                 out[i] = self._prepare_loader(args[i])
         optimizers = {i: a for i, a in enumerate(args) if kinds[i] == "optimizer"}
-        owners = _pair_optimizers([(i, a) for i, a in enumerate(args) if kinds[i] == "model"], optimizers)
+        owners = pair_optimizers([(i, a) for i, a in enumerate(args) if kinds[i] == "model"], optimizers)
         schedulers = {i: a for i, a in enumerate(args) if kinds[i] == "scheduler"}
         prepared_opts: dict[int, AcceleratedOptimizer] = {}
         for i, kind in enumerate(kinds):
@@ -368,17 +375,17 @@ class Accelerator(ProcessFacts):
                 strategy.set_runner_values(micro_batch_size=base.batch_size)
         else:
             if self.split_batches:
-                loader = _split_batches(loader, strategy.data_parallel_size)
+                loader = split_batches_loader(loader, strategy.data_parallel_size)
             base = self.runner.setup_dataloader(loader, seed=seed)
             if isinstance(base.sampler, ResumableSampler):
                 base.sampler.even = even
-                base.sampler.order_source = _users_order(loader, self.use_seedable_sampler)
+                base.sampler.order_source = users_order(loader, self.use_seedable_sampler)
             elif not even:
                 warnings.warn("even_batches=False applies to map-style datasets only: a streamed dataset is dealt item "
                               "by item, its last round completed with repeats", UserWarning, stacklevel=3)
         prepared = PreparedDataLoader(base, self.gradient_state, self.split_batches)
         if getattr(base.sampler, "generator", None) is not None and strategy.world_size > 1:
-            prepared.before_epoch = functools.partial(_share_generator, strategy, base.sampler.generator)
+            prepared.before_epoch = functools.partial(share_generator, strategy, base.sampler.generator)
         self.prepared.dataloaders.append(prepared)
         return prepared
 
@@ -567,69 +574,6 @@ def _dataloader_config(config: Any, split_batches: bool | None) -> Any:
     if split_batches is not None:
         config.split_batches = bool(split_batches)
     return config
-
-
-def _kind(obj: Any) -> str:
-    if isinstance(obj, (PreparedDataLoader, DataLoader)):
-        return "dataloader"
-    if isinstance(obj, nn.Module):
-        return "model"
-    if isinstance(obj, AcceleratedOptimizer):
-        return "other"  # prepared already: returned as it is
-    if isinstance(obj, torch.optim.Optimizer):
-        return "optimizer"
-    if isinstance(obj, (AcceleratedScheduler, torch.optim.lr_scheduler.LRScheduler)):
-        return "scheduler"
-    return "other"
-
-
-def _pair_optimizers(models: list[tuple[int, nn.Module]], optimizers: dict[int, Any]) -> dict[int, int]:
-    """Optimizer index -> index of the model whose parameters it updates (all of its parameters belong to one)."""
-    pairs: dict[int, int] = {}
-    for o, optimizer in optimizers.items():
-        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        owner = next((m for m, model in models if params and params <= {id(p) for p in model.parameters()}), None)
-        if owner is None:
-            raise ValueError(f"prepare() got an optimizer ({type(optimizer).__name__}) whose parameters belong to no "
-                             f"model of the same call: pass the model and its optimizer to one prepare() call (ZeRO "
-                             f"and FSDP set them up together; an optimizer built before prepare() follows the "
-                             f"model's sharding, so there is no need to prepare the model first)")
-        if owner in pairs.values():
-            raise NotImplementedError("two optimizers over one model: shardkit sets up one optimizer per model; "
-                                      "use one optimizer with two parameter groups")
-        pairs[o] = owner
-    return pairs
-
-
-def _split_batches(loader: DataLoader, processes: int) -> DataLoader:
-    """``loader`` with each process's share of its batch size (``split_batches=True``)."""
-    size = loader.batch_size
-    if size is None or size % processes:
-        raise ValueError(f"split_batches=True splits each batch of {size} samples over {processes} processes: use a "
-                         f"batch_size that divides by {processes}")
-    kwargs = dict(batch_size=size // processes, sampler=loader.sampler, num_workers=loader.num_workers,
-                  collate_fn=loader.collate_fn, drop_last=loader.drop_last, pin_memory=loader.pin_memory,
-                  timeout=loader.timeout, worker_init_fn=loader.worker_init_fn)
-    if loader.num_workers > 0:
-        kwargs.update(prefetch_factor=loader.prefetch_factor, persistent_workers=loader.persistent_workers)
-    return DataLoader(loader.dataset, **kwargs)
-
-
-def _users_order(loader: DataLoader, seedable: bool) -> RandomSampler | None:
-    """The sampler of a loader shuffled with its own generator (``DataLoader(shuffle=True, generator=g)``):
-    Accelerate draws each epoch's order from it, unless ``use_seedable_sampler`` asks for an order by (seed,
-    epoch)."""
-    sampler = loader.sampler
-    if seedable or type(sampler) is not RandomSampler or sampler.generator is None or sampler.replacement \
-            or sampler.num_samples != len(sampler.data_source):
-        return None  # shuffled by (seed, epoch), as without a generator
-    return sampler
-
-
-def _share_generator(strategy: Strategy, generator: torch.Generator) -> None:
-    """Every process takes the main process's generator state, so that they draw the same epoch order."""
-    state = strategy.broadcast(generator.get_state().tolist() if strategy.is_global_zero else None, 0)
-    generator.set_state(torch.tensor(state, dtype=torch.uint8))
 
 
 def _world_size() -> int:

@@ -263,12 +263,16 @@ def _start(fn: Callable[..., Any], args: tuple, n: int, ctx: Any, extra: dict[st
     if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in extra:
         threads = max(1, cpu_budget() // n)  # N ranks share the cores instead of each taking all.
         extra = {**extra, "OMP_NUM_THREADS": str(threads)}
+    # Forkserver children are forked from a server started earlier, with the environment of that moment: they get
+    # this process's whole environment now (what spawn and fork children inherit), which _worker installs exactly.
+    inherited = ({k: v for k, v in os.environ.items() if k not in _STRIPPED}
+                 if ctx.get_start_method() == "forkserver" else {})
     ranks: list[_Rank] = []
     try:
         for rank in range(n):
-            variables = {**extra, **_rank_env(rank, n, addr, port)}
+            variables = {**inherited, **extra, **_rank_env(rank, n, addr, port)}
             reader, writer = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=_worker, args=(fn, args, variables, threads, writer),
+            process = ctx.Process(target=_worker, args=(fn, args, variables, threads, writer, bool(inherited)),
                                   name=f"shardkit-rank-{rank}", daemon=False)
             with _patched_environ(variables, remove=_STRIPPED):
                 process.start()
@@ -435,11 +439,19 @@ def _raise_if_failed(ranks: list[_Rank], policy: _Policy, still_running: list[in
 
 
 def _worker(fn: Callable[..., Any], args: tuple, variables: dict[str, str], threads: int | None,
-            conn: Connection) -> None:
-    """Child side: set the rank's variables, run fn, send ("ok", result) or ("error", traceback)."""
+            conn: Connection, whole_environ: bool = False) -> None:
+    """Child side: set the rank's variables, run fn, send ("ok", result) or ("error", traceback).
+
+    ``whole_environ``: ``variables`` is the launching process's entire environment (a forkserver child), which
+    replaces the server's."""
+    if whole_environ:
+        os.environ.clear()
     for key in _STRIPPED:
         os.environ.pop(key, None)
-    os.environ.update(variables)  # Again, for forkserver children, which do not inherit our environ.
+    os.environ.update(variables)  # Spawned and forked children have them from birth; a forkserver child gets them here.
+    if threads is None and whole_environ and variables.get("OMP_NUM_THREADS", "").strip().isdigit():
+        # torch read OMP_NUM_THREADS when the server imported it, before this rank's environment existed.
+        threads = max(1, int(variables["OMP_NUM_THREADS"]))
     if threads is not None:
         import torch
 

@@ -100,3 +100,10 @@ def autocast_forward(model: nn.Module, context) -> None:
             return forward(*args, **kwargs)
 
     model.forward = autocast_forward
+
+
+def count_parameters(strategy: Strategy, model: nn.Module) -> int:
+    """``model``'s whole parameter count under ``strategy`` (ZeRO-3's partitioned ones and FSDP's shards counted
+    whole), tied parameters once: :meth:`shardkit.Runner.num_parameters`, and the run's size in OOM reports."""
+    params = {id(p): p for p in strategy.unwrap(model).parameters()}.values()
+    return sum(strategy.parameter_numel(p) for p in params)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,27 +31,33 @@ class RunnerCheckpoints:
     """``save`` (blocking or in the background), ``wait_for_save`` and ``load`` of a Runner's state.
 
     It owns the background saver and is handed the rest: the strategy (ranks, collectives, how state is gathered),
-    the precision (its loss scale is saved), ``owner_of`` (the model an optimizer was set up with) and the two
-    halves of the Runner's step position (``step_state`` reads it, ``restore_step_state`` sets it back), and the
-    ``recovery`` that a restarted job's loads and saves are reported to.
+    the precision (its loss scale is saved), ``owners`` (the Runner's live map of each optimizer set up to its
+    model), the two halves of the Runner's step position (``step_state`` reads it, ``restore_step_state`` sets it
+    back), and the ``recovery`` that a restarted job's loads and saves are reported to.
 
     Args:
         keep_last: keep at most this many checkpoints next to each new one (None: all).
     """
 
     def __init__(self, strategy: Strategy, precision: Precision, *, keep_last: int | None,
-                 owner_of: Callable[[torch.optim.Optimizer], nn.Module], step_state: Callable[[], dict[str, Any]],
+                 owners: Mapping[torch.optim.Optimizer, nn.Module], step_state: Callable[[], dict[str, Any]],
                  restore_step_state: Callable[[dict[str, Any]], None], logger: logging.Logger | logging.LoggerAdapter,
                  recovery: RunRecovery):
         self.strategy = strategy
         self.precision = precision
         self.keep_last = keep_last
-        self._owner_of = owner_of
+        self._owners = owners
         self._step_state = step_state
         self._restore_step_state = restore_step_state
         self._logger = logger
         self._recovery = recovery
         self._background: AsyncCheckpointer | None = None  # save(..., blocking=False), made on first use
+
+    def _owner_of(self, optimizer: torch.optim.Optimizer) -> nn.Module:
+        owner = self._owners.get(optimizer)
+        if owner is None:
+            raise ValueError("save/load an optimizer only together with the model it was set up with in runner.setup()")
+        return owner
 
     @property
     def background(self) -> AsyncCheckpointer | None:

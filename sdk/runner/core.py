@@ -23,11 +23,13 @@ from shardkit.runner.assembly import (
     activation_checkpointing_of,
     autocast_forward,
     by_name,
+    count_parameters,
     default_strategy,
     launched_strategy,
     prebuild_kernels,
 )
 from shardkit.runner.checkpoints import RunnerCheckpoints
+from shardkit.runner.gathering import MetricsGather
 from shardkit.runner.observe import RunnerObservability
 from shardkit.strategies.base import Strategy
 from shardkit.strategies.quant_storage import keep_4bit_layers_trainable
@@ -89,6 +91,7 @@ class Runner:
             :meth:`wait_for_save` go through (it owns the background saver).
         observability: the :class:`~shardkit.runner.observe.RunnerObservability` behind :meth:`log`,
             :attr:`throughput`, :meth:`report_oom`, :attr:`run_log` and :attr:`profiler`.
+        gathering: the :class:`~shardkit.runner.gathering.MetricsGather` behind :meth:`gather_for_metrics`.
     """
 
     def __init__(
@@ -138,15 +141,15 @@ class Runner:
         self.observability = RunnerObservability(
             self.strategy, self.precision, self.config, log_with=log_with, logging_dir=logging_dir,
             profile_steps=profile_steps, memory_snapshot=memory_snapshot, peak_tflops=peak_tflops,
-            run_facts=self._run_facts)
+            model=lambda: self._module)
+        self._owners: dict[torch.optim.Optimizer, nn.Module] = {}  # every optimizer set up -> its model
         self.checkpoints = RunnerCheckpoints(
-            self.strategy, self.precision, keep_last=checkpoint_keep_last, owner_of=self._owner_of,
+            self.strategy, self.precision, keep_last=checkpoint_keep_last, owners=self._owners,
             step_state=self._step_state, restore_step_state=self._restore_step_state, logger=self.logger,
             recovery=self.observability.recovery)
         self._module: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: Any | None = None
-        self._owners: dict[torch.optim.Optimizer, nn.Module] = {}  # every optimizer set up -> its model
         self._micro_step = 0  # position inside the accumulation window
         self._window = self.gradient_accumulation_steps  # micro-batches in the current window (begin_window)
         self._boundary = False  # the last backward closed a window: step() will step
@@ -154,7 +157,7 @@ class Runner:
         self.optimizer_steps = 0
         self._stepped = False  # the last step() applied an optimizer step, and no backward came since
         self._loader: RunnerDataLoader | None = None
-        self._dp_leaders: list[int] | None = None  # gather_for_metrics under model parallelism
+        self.gathering = MetricsGather(self.strategy)
 
     # ---- rank facts ---------------------------------------------------------------------------
 
@@ -269,8 +272,7 @@ class Runner:
     def num_parameters(self, model: nn.Module) -> int:
         """The model's whole parameter count under every strategy (ZeRO-3's partitioned ones and FSDP's shards
         counted whole; ``sum(p.numel() ...)`` gives 0 under ZeRO-3), tied parameters once."""
-        params = {id(p): p for p in self.unwrap_model(model).parameters()}.values()
-        return sum(self.strategy.parameter_numel(p) for p in params)
+        return count_parameters(self.strategy, model)
 
     def gathered_parameters(self, params: Any, modifier_rank: int | None = None) -> contextlib.AbstractContextManager:
         """Context that yields ``params`` (a tensor, an iterable of them, or a module) as a list of plain,
@@ -463,12 +465,6 @@ class Runner:
             last = self.gradient_accumulation_steps - 1
             self.strategy.set_gradient_sync(self._module, self._micro_step == last)
 
-    def _owner_of(self, optimizer: torch.optim.Optimizer) -> nn.Module:
-        owner = self._owners.get(optimizer)
-        if owner is None:
-            raise ValueError("save/load an optimizer only together with the model it was set up with in runner.setup()")
-        return owner
-
     # ---- what the run is doing (RunnerObservability) ------------------------------------------
 
     @property
@@ -517,18 +513,6 @@ class Runner:
         ``backward``/``step`` write no report for them. One that escapes and ends the script is still reported."""
         return self.observability.retrying_oom()
 
-    def _run_facts(self) -> dict[str, Any] | None:
-        """The run's size for the estimate-memory command; None before setup() (or when it cannot be counted)."""
-        if self._module is None:
-            return None
-        try:
-            params = self.num_parameters(self._module)
-        except Exception:  # noqa: BLE001 - counting must not hide the out-of-memory error being reported
-            return None
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        return {"params": params, "precision": precision_kind(self.precision), "nproc_per_node": local,
-                "nodes": max(1, self.world_size // max(local, 1))} if params > 0 else None
-
     # ---- collectives --------------------------------------------------------------------------
 
     def barrier(self, name: str | None = None) -> None:
@@ -548,24 +532,7 @@ class Runner:
         last batch of an uneven split carries (so metrics count each sample once); tensor-parallel peers, which
         hold the same batch, count once. ``loader`` is the loader whose latest batch ``tensor`` belongs to
         (default: the last one set up)."""
-        gathered = self.all_gather(tensor)
-        if self.strategy.data_parallel_size != self.world_size:
-            # Model-parallel peers (tensor parallelism) hold the same batch: one block per data-parallel rank.
-            gathered = gathered[self._data_parallel_leaders()]
-        gathered = gathered.reshape(-1, *tensor.shape[1:])
-        loader = loader if loader is not None else self._loader
-        mask = loader.duplicate_mask() if loader is not None else None
-        return gathered if mask is None else gathered[mask.to(gathered.device)]
-
-    def _data_parallel_leaders(self) -> list[int]:
-        """For each data-parallel rank in order, the first global rank that holds it (asked once, then kept)."""
-        if self._dp_leaders is None:
-            dp = torch.tensor([self.strategy.data_parallel_rank], device=self.device)
-            first: dict[int, int] = {}
-            for rank, dp_rank in enumerate(self.all_gather(dp).reshape(-1).tolist()):
-                first.setdefault(dp_rank, rank)
-            self._dp_leaders = [first[r] for r in range(self.strategy.data_parallel_size)]
-        return self._dp_leaders
+        return self.gathering.gather(tensor, loader if loader is not None else self._loader)
 
     # ---- inference ----------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,10 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardkit.config.common import precision_kind
 from shardkit.observability import RunLog, StepProfiler, Throughput, install_oom_snapshot
 from shardkit.observability.oom_report import StepRecorder, install_oom_excepthook, is_out_of_memory, write_oom_report
 from shardkit.observability.trackers import TrackerSpec
 from shardkit.precision import Precision
+from shardkit.runner.assembly import count_parameters
 from shardkit.runner.recovery import RunRecovery
 from shardkit.strategies.base import Strategy
 
@@ -29,18 +32,19 @@ class RunnerObservability:
 
     It owns the run log, the profiler, the flight recorder of the last steps and the throughput meter, and is
     handed the strategy and precision (ranks, dtypes), the config (its DeepSpeed monitor sections and micro-batch
-    size) and ``run_facts``, which sizes the run for an out-of-memory report's ``estimate-memory`` command.
+    size) and ``model``, the model set up (None before setup), which sizes the run for an out-of-memory report's
+    ``estimate-memory`` command.
     The arguments are the Runner's of the same names.
     """
 
     def __init__(self, strategy: Strategy, precision: Precision, config: Any, *, log_with: Any,
                  logging_dir: str | Path, profile_steps: Any, memory_snapshot: bool, peak_tflops: float | None,
-                 run_facts: Callable[[], dict[str, Any] | None]):
+                 model: Callable[[], nn.Module | None]):
         self.strategy = strategy
         self.precision = precision
         self._config = config
         self._peak_tflops = peak_tflops
-        self._run_facts = run_facts
+        self._model = model
         rank, main = strategy.rank, strategy.is_global_zero
         specs = tuple(config.trackers) if config is not None else ()
         given = [] if log_with is None else list(log_with) if isinstance(log_with, (list, tuple)) else [log_with]
@@ -71,11 +75,25 @@ class RunnerObservability:
         done = getattr(exc, "_shardkit_oom_report", None)
         if done is not None:
             return done
-        path = write_oom_report(exc, self.logging_dir, self.strategy.rank, self.flight_recorder, self._run_facts(),
+        path = write_oom_report(exc, self.logging_dir, self.strategy.rank, self.flight_recorder, self.run_facts(),
                                 self._oom_snapshot)
         with contextlib.suppress(AttributeError, TypeError):
             exc._shardkit_oom_report = path
         return path
+
+    def run_facts(self) -> dict[str, Any] | None:
+        """The run's size for the estimate-memory command; None before setup() (or when it cannot be counted)."""
+        module = self._model()
+        if module is None:
+            return None
+        try:
+            params = count_parameters(self.strategy, module)
+        except Exception:  # noqa: BLE001 - counting must not hide the out-of-memory error being reported
+            return None
+        world = self.strategy.world_size
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return {"params": params, "precision": precision_kind(self.precision), "nproc_per_node": local,
+                "nodes": max(1, world // max(local, 1))} if params > 0 else None
 
     @contextlib.contextmanager
     def retrying_oom(self) -> Iterator[None]:

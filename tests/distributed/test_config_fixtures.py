@@ -70,16 +70,41 @@ EXPECTED = {"precision_and_misc.json": "ZeRO2", "zero1.json": "ZeRO1", "zero2_of
             "zero3_offload.json": "ZeRO3", "zero3_offload_cpu_full.json": "ZeRO3"}
 
 
-@pytest.mark.skipif(not DS.is_dir(), reason=f"fixture folder {DS} is absent (set SHARDKIT_FIXTURES)")
-@pytest.mark.parametrize("name", NAMES)
-def test_fixture_trains(name, tmp_path):
+def _train_each(configs: dict[str, dict]) -> dict[str, dict]:
+    """:func:`_train` for every fixture, one after the other in these processes (each Runner and model is seeded):
+    per fixture its result, or the traceback it raised, for that fixture's test."""
+    import traceback
+
+    out = {}
+    for name, config in configs.items():
+        try:
+            out[name] = {"result": _train(config)}
+        except Exception:  # noqa: BLE001 - reported by the fixture's own test
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, list]:
+    """Every fixture trained in one 2-rank launch (one start-up and one process group for all): name -> each
+    rank's result or traceback."""
     pytest.importorskip("deepspeed")
+    nvme = tmp_path_factory.mktemp("fixtures") / "nvme"
     env = {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or
            str(Path(__file__).resolve().parents[2] / ".torch_extensions")}
     # NVMe offload JIT-builds DeepSpeed's async_io op on first use (about 5 min on 2 cores); CPU Adam ~90 s.
-    timeout = 900 if "nvme" in name else 400
-    results = run_distributed(_train, world_size=2, timeout=timeout, args=(_config(name, tmp_path / "nvme"),),
-                              env=env)
+    results = run_distributed(_train_each, world_size=2, timeout=1100,
+                              args=({name: _config(name, nvme / name) for name in NAMES},), env=env)
+    return {name: [rank[name] for rank in results] for name in NAMES}
+
+
+@pytest.mark.skipif(not DS.is_dir(), reason=f"fixture folder {DS} is absent (set SHARDKIT_FIXTURES)")
+@pytest.mark.parametrize("name", NAMES)
+def test_fixture_trains(name, trained):
+    errors = [f"rank {rank}:\n{r['error']}" for rank, r in enumerate(trained[name]) if "error" in r]
+    if errors:
+        pytest.fail(f"{name} raised:\n" + "\n".join(errors), pytrace=False)
+    results = [r["result"] for r in trained[name]]
     for result in results:
         assert result["strategy"] == EXPECTED.get(name, result["strategy"])
         assert all(loss == loss for loss in result["losses"]), result["losses"]  # no NaN

@@ -88,39 +88,81 @@ def _first_loss(model, tokens: torch.Tensor, kind: str) -> float:
         return model(input_ids=tokens, labels=tokens).loss.item()
 
 
-def init_worker(name: str) -> dict:
-    """Per model: SingleDevice's weights and first loss, then ``name``'s (rank 0 gets the full state dict)."""
+def _references(tokens: torch.Tensor) -> dict:
+    """Per model: SingleDevice's weights, first loss and sizes (every Runner seeds with 0, so these hold for every
+    strategy built after them in the same process)."""
     from shardkit import Runner
     from shardkit.strategies import SingleDevice
 
-    tokens = torch.arange(2 * SEQ).reshape(2, SEQ) * 7 % 256
     out = {}
     for kind in MODELS:
         reference = Runner(SingleDevice("cpu"), seed=0)
         with reference.init_module():
             ref_model = _build(kind)
-        ref_state = {k: v.detach().clone() for k, v in ref_model.state_dict().items()}
-        ref_loss = _first_loss(ref_model, tokens, kind)
-        total = sum(p.numel() * p.element_size() for p in ref_model.parameters())
-        largest = max(p.numel() * p.element_size() for p in ref_model.parameters())
-        del ref_model
+        out[kind] = {"reference": {k: v.detach().clone() for k, v in ref_model.state_dict().items()},
+                     "ref_loss": _first_loss(ref_model, tokens, kind),
+                     "model_bytes": sum(p.numel() * p.element_size() for p in ref_model.parameters()),
+                     "largest_param_bytes": max(p.numel() * p.element_size() for p in ref_model.parameters())}
+    return out
 
+
+def init_worker(name: str, tokens: torch.Tensor, references: dict) -> dict:
+    """Per model: ``name``'s weights and first loss after ``init_module`` (rank 0 gets the full state dict), beside
+    SingleDevice's."""
+    from shardkit import Runner
+
+    out = {}
+    for kind in MODELS:
         runner = Runner(_strategy(name, kind), seed=0)
         probe = LiveBytes()
         with runner.init_module(), probe:
             model = _build(kind)
         model = runner.setup(model)
         state = dict(runner.iter_full_state_dict(model))
-        out[kind] = {"reference": ref_state, "state": state, "ref_loss": ref_loss,
-                     "loss": _first_loss(model, tokens, kind), "peak_init_bytes": probe.peak, "model_bytes": total,
-                     "largest_param_bytes": largest}
+        out[kind] = {**references[kind], "state": state, "loss": _first_loss(model, tokens, kind),
+                     "peak_init_bytes": probe.peak}
     return out
 
 
+def _sections(names: list[str]) -> dict:
+    """Every check of this file in one 2-rank launch (one start-up, one process group, the references built once):
+    each section's result, or the traceback it raised, for the test that reads it. A strategy is a section of its
+    own, so that one that raises fails its own test only."""
+    import traceback
+
+    tokens = torch.arange(2 * SEQ).reshape(2, SEQ) * 7 % 256
+    references = _references(tokens)
+    out = {}
+    sections = [(name, lambda name=name: init_worker(name, tokens, references)) for name in names]
+    sections += [("load_after_init", load_after_init_worker), ("data_init", data_init_worker),
+                 ("unhonoured", unhonoured_init_worker)]
+    for section, fn in sections:
+        try:
+            out[section] = {"result": fn()}
+        except Exception:  # noqa: BLE001 - reported by the test that reads this section
+            out[section] = {"error": traceback.format_exc()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def sections(tmp_path_factory):
+    nvme = tmp_path_factory.mktemp("init-parity") / "nvme"
+    # Seven strategies x three models, then three small cases: ~2 min at load 20 on 2 cores; under pytest's 1200 s.
+    return run_distributed(_sections, world_size=2, args=(STRATEGIES,), timeout=1100,
+                           env={"SHARDKIT_NVME_PATH": str(nvme)})
+
+
+def _section(sections: list[dict], section: str) -> list:
+    """Each rank's result of ``section``; a section that raised fails the test with its traceback."""
+    errors = [f"rank {rank}:\n{r[section]['error']}" for rank, r in enumerate(sections) if "error" in r[section]]
+    if errors:
+        pytest.fail(f"{section} raised:\n" + "\n".join(errors), pytrace=False)
+    return [r[section]["result"] for r in sections]
+
+
 @pytest.mark.parametrize("name", STRATEGIES)
-def test_init_module_gives_single_device_weights_bitwise(name, tmp_path):
-    results = run_distributed(init_worker, world_size=2, args=(name,), timeout=600,
-                              env={"SHARDKIT_NVME_PATH": str(tmp_path / "nvme")})
+def test_init_module_gives_single_device_weights_bitwise(name, sections):
+    results = _section(sections, name)
 
     for kind in MODELS:
         r0, r1 = results[0][kind], results[1][kind]
@@ -218,20 +260,20 @@ def load_after_init_worker() -> dict:
     return {"loaded": all(torch.equal(state[k], v) for k, v in pretrained.items()) if state else None}
 
 
-def test_init_that_cannot_be_honoured_raises_naming_the_parameter():
-    for r in run_distributed(unhonoured_init_worker, world_size=2, timeout=300):
+def test_init_that_cannot_be_honoured_raises_naming_the_parameter(sections):
+    for r in _section(sections, "unhonoured"):
         for name, message in r.items():
             assert message is not None, f"{name}: a write from one sharded parameter into another passed silently"
             assert message.startswith("ShardedInitError") and "Linear.weight" in message, message
 
 
-def test_init_through_data_and_views_is_replayed():
-    r0, r1 = run_distributed(data_init_worker, world_size=2, timeout=300)
+def test_init_through_data_and_views_is_replayed(sections):
+    r0, r1 = _section(sections, "data_init")
 
     assert r0 == {"fsdp": [], "zero3": []} and r1 == {"fsdp": None, "zero3": None}
 
 
-def test_weights_loaded_between_init_module_and_setup_are_kept():
-    r0, r1 = run_distributed(load_after_init_worker, world_size=2, timeout=300)
+def test_weights_loaded_between_init_module_and_setup_are_kept(sections):
+    r0, r1 = _section(sections, "load_after_init")
 
     assert r0["loaded"] is True and r1["loaded"] is None

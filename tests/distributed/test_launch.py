@@ -93,10 +93,10 @@ def test_rank_killed_by_sigkill_is_named():
 def test_overall_timeout_kills_everything_and_names_the_ranks_still_running():
     start = time.monotonic()
     with pytest.raises(LaunchTimeout) as info:
-        # fork: rank 0 returns without a fresh interpreter's start-up (17 s for spawn at load 12 on 2 cores),
-        # so a short timeout still finds it done and only rank 1 running; the monitor that enforces the
-        # timeout and kills is the same for every start method
-        launch(_rank1_sleeps, num_processes=2, start_method="fork", timeout=10)
+        # fork: rank 0 returns without a fresh interpreter's start-up (17 s for spawn at load 12 on 2 cores) or
+        # any import, within milliseconds, so a 3 s timeout still finds it done and only rank 1 running (asleep for
+        # 120 s); the monitor that enforces the timeout and kills is the same for every start method
+        launch(_rank1_sleeps, num_processes=2, start_method="fork", timeout=3)
 
     assert time.monotonic() - start < 60
     assert info.value.still_running == [1]
@@ -151,6 +151,22 @@ def _pid() -> int:
 
 def test_harness_runs_even_one_rank_in_a_fresh_process():
     assert run_distributed(_pid, world_size=1, timeout=60) != [os.getpid()]
+
+
+def _environment() -> dict:
+    return {"set": os.environ.get("SHARDKIT_TEST_SET_NOW"), "home": os.environ.get("HOME"),
+            "threads": torch.get_num_threads()}
+
+
+def test_forkserver_ranks_get_the_environment_of_the_launch_not_of_the_servers_start(monkeypatch):
+    # The harness's ranks come from a forkserver started once, with the environment of that moment (HOME set) and
+    # torch imported under it: each rank must still see the caller's environment as it is now, as spawned ranks do.
+    run_distributed(_pid, world_size=1, timeout=60)  # the server runs from here on
+    monkeypatch.setenv("SHARDKIT_TEST_SET_NOW", "yes")
+    monkeypatch.delenv("HOME")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+    assert run_distributed(_environment, world_size=2, timeout=60) == [{"set": "yes", "home": None, "threads": 1}] * 2
 
 
 def _shardkit(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:

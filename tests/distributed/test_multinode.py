@@ -29,32 +29,33 @@ TRAIN = textwrap.dedent("""
     import torch, torch.distributed as dist
     from shardkit import DDP, FSDP, Runner
 
-    kind, out = sys.argv[1], Path(sys.argv[2])
+    kinds, out = sys.argv[1].split(","), Path(sys.argv[2])
     # Hybrid's shard groups default to the processes of one machine; the one-machine run asks for 2 explicitly.
     size = int(os.environ["HYBRID_SHARD_SIZE"]) if os.environ.get("HYBRID_SHARD_SIZE") else None
-    strategy = DDP() if kind != "fsdp_hybrid" else FSDP(sharding="hybrid", hybrid_shard_size=size, auto_wrap=False)
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    runner = Runner(strategy=strategy)
-    model, optimizer = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    (out / f"pid-{runner.rank}").write_text(str(os.getpid()))
-    data = torch.Generator().manual_seed(1)
-    x, y = torch.randn(32, 8, generator=data), torch.randn(32, 1, generator=data)
-    shard = slice(runner.rank * 8, runner.rank * 8 + 8)  # each rank its own quarter of the batch
-    losses = []
-    for step in range(6 if kind != "die" else 10_000):
-        loss = torch.nn.functional.mse_loss(model(x[shard]), y[shard])
-        runner.backward(loss)
-        runner.step()
-        losses.append(runner.strategy.all_reduce(loss.detach().clone(), "mean").item())
-        if kind == "die":
-            time.sleep(0.2)
-    if runner.rank == 0:
-        (out / "losses.json").write_text(json.dumps(losses))
-    mesh = getattr(runner.strategy, "mesh", None)
-    if mesh is not None:  # which ranks share this rank's shards
-        (out / f"shard-group-{runner.rank}").write_text(json.dumps(sorted(dist.get_process_group_ranks(
-            mesh.get_group("shard")))))
+    for kind in kinds:  # one after the other on the job's one process group
+        strategy = DDP() if kind != "fsdp_hybrid" else FSDP(sharding="hybrid", hybrid_shard_size=size, auto_wrap=False)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        runner = Runner(strategy=strategy)
+        model, optimizer = runner.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        (out / f"pid-{runner.rank}").write_text(str(os.getpid()))
+        data = torch.Generator().manual_seed(1)
+        x, y = torch.randn(32, 8, generator=data), torch.randn(32, 1, generator=data)
+        shard = slice(runner.rank * 8, runner.rank * 8 + 8)  # each rank its own quarter of the batch
+        losses = []
+        for step in range(6 if kind != "die" else 10_000):
+            loss = torch.nn.functional.mse_loss(model(x[shard]), y[shard])
+            runner.backward(loss)
+            runner.step()
+            losses.append(runner.strategy.all_reduce(loss.detach().clone(), "mean").item())
+            if kind == "die":
+                time.sleep(0.2)
+        if runner.rank == 0:
+            (out / f"losses-{kind}.json").write_text(json.dumps(losses))
+        mesh = getattr(runner.strategy, "mesh", None)
+        if mesh is not None:  # which ranks share this rank's shards
+            (out / f"shard-group-{kind}-{runner.rank}").write_text(json.dumps(sorted(dist.get_process_group_ranks(
+                mesh.get_group("shard")))))
     runner.teardown()
 """)
 
@@ -106,16 +107,26 @@ def _two_machines(tmp_path: Path, kind: str, out: Path) -> list[subprocess.Popen
                     "--main-process-ip", "127.0.0.1", "--main-process-port", port) for r in (0, 1)]
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp_hybrid"])
-def test_two_machines_of_two_ranks_give_the_single_machine_losses(tmp_path, kind):
-    _finish(_two_machines(tmp_path, kind, tmp_path / "two"), 300)
-    _finish([_launch(tmp_path, kind, tmp_path / "one", "--num-processes", "4", hybrid_shard_size=2)], 300)
+KINDS = ["ddp", "fsdp_hybrid"]
 
-    two = json.loads((tmp_path / "two" / "losses.json").read_text())
-    one = json.loads((tmp_path / "one" / "losses.json").read_text())
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Both kinds, one after the other in each job: the 2 x 2 job (two launchers) into ``two``, the same 4 ranks on
+    one machine into ``one``."""
+    root = tmp_path_factory.mktemp("multinode")
+    _finish(_two_machines(root, ",".join(KINDS), root / "two"), 600)
+    _finish([_launch(root, ",".join(KINDS), root / "one", "--num-processes", "4", hybrid_shard_size=2)], 600)
+    return root
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_two_machines_of_two_ranks_give_the_single_machine_losses(runs, kind):
+    two = json.loads((runs / "two" / f"losses-{kind}.json").read_text())
+    one = json.loads((runs / "one" / f"losses-{kind}.json").read_text())
     assert two[-1] < two[0]  # it trains
     if kind == "fsdp_hybrid":  # sharded inside each machine (ranks 0-1, 2-3), replicated across them
-        groups = [json.loads((tmp_path / "two" / f"shard-group-{r}").read_text()) for r in range(4)]
+        groups = [json.loads((runs / "two" / f"shard-group-{kind}-{r}").read_text()) for r in range(4)]
         assert groups == [[0, 1], [0, 1], [2, 3], [2, 3]]
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-7)
 

@@ -41,12 +41,25 @@ def test_zero_stages_train_and_agree_across_ranks(precision):
         assert len(results[0][name]["norms"]) == STEPS and all(n > CLIP for n in results[0][name]["norms"])
 
 
+OFFLOAD = ["ddp", "zero2_cpu", "zero3_cpu"]
+OFFLOAD_RUNS = {"fp32": (OFFLOAD, "fp32", "torch"), "bf16": (OFFLOAD, "bf16", "torch"),
+                "fused": (OFFLOAD, "fp32", "fused")}
+
+
+@pytest.fixture(scope="module")
+def offload_runs() -> dict:
+    """The offloaded runs of the tests below, in one 2-rank launch: DeepSpeedCPUAdam in fp32 and bf16, and
+    shardkit's FusedAdamW in fp32, each against DDP on the same data."""
+    results = run_distributed(w.compare_runs, world_size=2, timeout=1100,
+                              args=(list(OFFLOAD_RUNS.values()), STEPS, GAS, CLIP))
+    return {key: [rank[i] for rank in results] for i, key in enumerate(OFFLOAD_RUNS)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_cpu_offload_trains_and_matches_ddp_in_fp32(precision):
-    names = ["ddp", "zero2_cpu", "zero3_cpu"]
-    results = run_distributed(w.compare_worker, world_size=2, timeout=900, args=(names, precision, STEPS, GAS, CLIP))
-    for name in names[1:]:
+def test_cpu_offload_trains_and_matches_ddp_in_fp32(precision, offload_runs):
+    results = offload_runs[precision]
+    for name in OFFLOAD[1:]:
         _check_replicas_agree(results, name)
         _check_loss_falls(results[0][name]["losses"], name)
         if precision == "fp32":  # DeepSpeedCPUAdam vs torch AdamW: same math, other rounding order
@@ -54,13 +67,11 @@ def test_cpu_offload_trains_and_matches_ddp_in_fp32(precision):
 
 
 @pytest.mark.slow
-def test_fused_adamw_steps_the_offloaded_optimizer_and_matches_ddp():
+def test_fused_adamw_steps_the_offloaded_optimizer_and_matches_ddp(offload_runs):
     """shardkit's FusedAdamW is the host optimizer of ZeRO-2/3 offload as it is (not swapped for DeepSpeedCPUAdam),
     and tracks DDP stepping the same FusedAdamW."""
-    names = ["ddp", "zero2_cpu", "zero3_cpu"]
-    results = run_distributed(w.compare_worker, world_size=2, timeout=900,
-                              args=(names, "fp32", STEPS, GAS, CLIP, "fused"))
-    for name in names[1:]:
+    results = offload_runs["fused"]
+    for name in OFFLOAD[1:]:
         assert results[0][name]["optimizer"] == "FusedAdamW", results[0][name]["optimizer"]
         _check_replicas_agree(results, name)
         _check_loss_falls(results[0][name]["losses"], name)
@@ -68,15 +79,26 @@ def test_fused_adamw_steps_the_offloaded_optimizer_and_matches_ddp():
         torch.testing.assert_close(results[0][name]["params"], results[0]["ddp"]["params"], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("precision, optimizer", [("fp32", "torch"), ("bf16", "torch"), ("fp32", "fused")])
-def test_zero_infinity_on_nvme_trains(tmp_path, precision, optimizer):
+NVME_CASES = [("fp32", "torch"), ("bf16", "torch"), ("fp32", "fused")]
+
+
+@pytest.fixture(scope="module")
+def nvme_runs(tmp_path_factory) -> dict:
+    """Every case of the NVMe test in one 2-rank launch, each with a swap folder of its own."""
     from shardkit.strategies.zero.config import libaio_available
 
     if not libaio_available():
         pytest.skip("libaio is missing (apt-get install -y libaio-dev): DeepSpeed's async_io op cannot be built")
-    results = run_distributed(w.nvme_worker, world_size=2, timeout=900,
-                              args=(str(tmp_path / "nvme"), precision, optimizer))
+    root = tmp_path_factory.mktemp("nvme")
+    cases = [(str(root / f"{precision}-{optimizer}"), precision, optimizer) for precision, optimizer in NVME_CASES]
+    results = run_distributed(w.nvme_runs, world_size=2, timeout=1100, args=(cases,))
+    return {case: [rank[i] for rank in results] for i, case in enumerate(NVME_CASES)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision, optimizer", NVME_CASES)
+def test_zero_infinity_on_nvme_trains(nvme_runs, precision, optimizer):
+    results = nvme_runs[(precision, optimizer)]
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
     assert results[0]["losses"][-1] < results[0]["losses"][0]

@@ -101,6 +101,12 @@ def compare_worker(names: list[str], precision: str, steps: int, gas: int, clip:
     return out
 
 
+def compare_runs(configs: list[tuple[list[str], str, str]], steps: int, gas: int, clip: float | None) -> list[dict]:
+    """:func:`compare_worker` for each (names, precision, optimizer kind), one after the other in these processes
+    (every Runner and model is seeded, so a run does not depend on the ones before it)."""
+    return [compare_worker(names, precision, steps, gas, clip, kind) for names, precision, kind in configs]
+
+
 def resume_worker(name: str, precision: str, path: str, phase: str, steps: int):
     """phase "full": 2*steps straight; "first": steps then save; "second": load then steps more."""
     runner = make_runner(name, precision)
@@ -194,6 +200,11 @@ def nvme_worker(nvme_path: str, precision: str, optimizer_kind: str = "torch"):
     model, optimizer = runner.setup(model, make_optimizer(model.parameters(), optimizer_kind))
     losses = train(runner, model, optimizer, 0, 6, 1, None)[0]
     return {"losses": losses, "params": full_params(runner, model), "optimizer": type(optimizer).__name__}
+
+
+def nvme_runs(cases: list[tuple[str, str, str]]) -> list[dict]:
+    """:func:`nvme_worker` for each (NVMe folder, precision, optimizer kind), one after the other."""
+    return [nvme_worker(path, precision, kind) for path, precision, kind in cases]
 
 
 def memory_worker(names: list[str], precision: str):
