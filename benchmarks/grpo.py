@@ -2,7 +2,7 @@
 side by side: one process each, or 2 ranks each under ZeRO-3 or DDP.
 
     python benchmarks/grpo.py [--hidden 128] [--layers 2] [--vocab 2000] [--batch 16] [--generations 8]
-                              [--completion 32] [--steps 6] [--warmup 2] [--strategy zero3,ddp]
+                              [--completion 32] [--steps 6] [--warmup 2] [--strategy zero3,ddp] [--before DIR]
 
 With ``--strategy`` each contender runs on 2 ranks per strategy: TRL under ``accelerate launch --multi_gpu`` (on a
 machine without GPUs: torch DDP over gloo; ZeRO-3: a stage-3 DeepSpeed config in ``GRPOConfig(deepspeed=...)``,
@@ -182,6 +182,9 @@ def launch_command(contender: str, strategy: str, script_args: list[str]) -> tup
 
 
 def run(contender: str, opts: argparse.Namespace, keys: tuple[str, ...], env: dict, strategy: str | None) -> dict:
+    if contender == "shardkit@before":  # the same child, importing shardkit from the --before checkout
+        contender = "shardkit"
+        env = {**env, "PYTHONPATH": os.pathsep.join([opts.before, env["PYTHONPATH"]])}
     args = ["--child", contender] + [f"--{k}={getattr(opts, k)}" for k in keys]
     if opts.per_layer:
         args.append(f"--per-layer={opts.per_layer}")
@@ -215,11 +218,18 @@ def main() -> None:
                         help="comma-separated, of zero3 and ddp: 2 ranks per contender and strategy; none: 1 process")
     parser.add_argument("--per-layer", nargs="?", const="both", choices=("both", "trl", "shardkit"),
                         help="ds3_gather_for_generation=False on both sides, or on the one named (with --strategy)")
+    parser.add_argument("--before", metavar="DIR",
+                        help="also run shardkit imported from DIR (a folder holding a `shardkit` package, e.g. another "
+                             "checkout's .pp), between TRL and this checkout, for a before/after in one run")
     parser.add_argument("--child", choices=("shardkit", "trl"))
     parser.add_argument("--out", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     keys = ("vocab", "hidden", "layers", "batch", "generations", "completion", "steps", "warmup")
     if opts.child:
+        if opts.child == "shardkit":
+            import shardkit
+
+            print(f"shardkit from {Path(shardkit.__file__).resolve().parent}", file=sys.stderr, flush=True)
         result = child(opts.child, opts)
         if opts.out:
             (Path(opts.out) / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(result))
@@ -231,7 +241,7 @@ def main() -> None:
     print(f"machine: {machine_description()}; load average at start: {os.getloadavg()}", flush=True)
     rows = []
     for strategy in opts.strategy.split(",") if opts.strategy else [None]:
-        for contender in ("trl", "shardkit"):
+        for contender in ("trl", *(("shardkit@before",) if opts.before else ()), "shardkit"):
             r = run(contender, opts, keys, env, strategy)
             rows.append([contender, strategy or "1 process", f"{r['step_s']:.3f}", f"{r['gen_share']:.0%}",
                          f"{r['tokens_per_s']:.0f}", fmt_bytes(r["peak"])])

@@ -6,7 +6,11 @@
 Every rank calls it, each with its own prompts (any batch size, prompt length, ``max_new_tokens``;
 an empty batch is fine). Where a forward is a collective (ZeRO-3, FSDP, tensor parallelism) the ranks
 decode in lock step: a rank that is done keeps joining every forward until all are done (Hugging
-Face: ``synced_gpus=True``, set here; shardkit's Llama: the same all-reduced flag). Ranks of one
+Face: ``synced_gpus=True``, set here; shardkit's Llama: the same all-reduced flag). Where the strategy's
+``generation_context`` holds every parameter whole on every rank for the call (ZeRO-3 and FSDP2 gathered once,
+no tensor-parallel split), forwards are local: each rank then decodes on its own, with no per-token
+all-reduce and no waiting for the longest rank, and the ranks meet again at their next collective (the
+context's release, partitioning the parameters again, is local on every rank). Ranks of one
 tensor-parallel group share every forward, so their prompts are exchanged and each group generates
 its members' requests one after the other (identical requests once). A call made on only some ranks
 fails within $SHARDKIT_GENERATE_ENTRY_TIMEOUT seconds (60) with :class:`NotCalledOnAllRanksError`.
@@ -23,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardkit.inference.sync import check_group, distributed, needs_sync, synced_call
+from shardkit.inference.sync import any_rank, check_group, distributed, needs_sync, synced_call
 from shardkit.utils.operations import move_to_device
 
 __all__ = ["generate", "is_hf_model"]
@@ -64,7 +68,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def _describe_mode(sync: bool, how: str | None) -> str:
     if not sync:
-        return "generate: every rank decodes on its own (whole weights on each rank)"
+        return "generate: every rank decodes on its own (whole weights on each rank)" + (f"; {how}" if how else "")
     if how is not None:
         return f"generate: ranks decode in lock step; {how}"
     return "generate: ranks decode in lock step (sharded weights: every forward is a collective)"
@@ -79,6 +83,26 @@ def _strategy_context(strategy: Any, model: nn.Module, keep_unsharded: bool | No
     return contextlib.nullcontext(None)
 
 
+def _still_collective(model: nn.Module, device: torch.device) -> bool:
+    """Whether a forward of ``model`` is still a collective inside the strategy's generation context, the same answer
+    on every rank (one all-reduce per call).
+
+    A context that holds every parameter whole (a plain tensor: FSDP2 swaps its unsharded parameters in; ZeRO-3's
+    gathered ones report so) leaves nothing to gather per forward, so the ranks need not decode in lock step. A
+    tensor-parallel split (DTensors still), a parameter gathered per layer, or one a prefetch left in flight keeps
+    them in step: the engine's hooks would then gather (or free and gather again) in every forward. One rank with
+    such a parameter keeps every rank in step.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from shardkit.utils.partitioned import handlers
+
+    params = list(model.parameters())
+    here = any(isinstance(p, DTensor) for p in params) or any(
+        handler.owns(p) and handler.is_partitioned(p) for handler in handlers() for p in params)
+    return any_rank(here, device)
+
+
 def _call(module: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any], sync: bool) -> Any:
     """One generate call on this rank's request (an empty batch joins the others' forwards and returns it)."""
     if is_hf_model(module):
@@ -86,6 +110,8 @@ def _call(module: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any], sy
             raise ValueError("generate: synced_gpus=False with parameters partitioned across ranks would hang the "
                              "ranks that finish first; leave synced_gpus unset")
         kwargs = {**kwargs, "synced_gpus": sync}
+        if input_ids.shape[0] == 0 and not sync:  # nobody waits for this rank's forwards
+            return input_ids
         if input_ids.shape[0] == 0:
             keep = {k: v for k, v in kwargs.items() if k in ("synced_gpus", "pad_token_id", "eos_token_id")}
             dummy = torch.zeros((1, 1), dtype=torch.long, device=input_ids.device)
@@ -151,9 +177,11 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, data_parallel_rank: i
         if data_parallel_size is not None and data_parallel_size < world:
             requests, index, calls = _group_requests(input_ids, kwargs, data_parallel_rank, check_group())
         with _strategy_context(strategy, model, keep_unsharded) as how:
+            if sync and how is not None:
+                sync = _still_collective(model, device)
             _log_once(_describe_mode(sync, how))
             outputs = [_call(model, move_to_device(ids, device), move_to_device(kw, device), sync)
                        for ids, kw in requests]
-            for _ in range(calls - len(requests)):  # another group has more requests: join its forwards
+            for _ in range(calls - len(requests) if sync else 0):  # another group has more: join its forwards
                 _call(model, move_to_device(input_ids[:0], device), move_to_device(kwargs, device), sync)
     return outputs[index]

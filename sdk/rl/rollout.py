@@ -3,7 +3,8 @@
 Generation goes through ``runner.generate`` (:func:`shardkit.inference.generate`): every rank calls it once per
 generation round with its own prompts, ranks whose completions end early keep joining the others' forwards while the
 weights are partitioned (ZeRO-3, FSDP, tensor parallelism), and the strategy's ``generation_context`` holds the
-parameters for the call (FSDP2 gathers them once per call when memory allows, not once per token). Hugging Face
+parameters for the call (ZeRO-3 and FSDP2 gather them once per call when memory allows, not once per token; with
+every weight then whole, each rank decodes on its own, with no per-token all-reduce). Hugging Face
 models and shardkit's Llama decode with their KV cache, the prompts left-padded under an attention mask (each row
 generates what its prompt would alone).
 """

@@ -133,18 +133,20 @@ def _fsdp_gather_counts() -> dict:
     counts, outputs = {}, {}
     # FSDP2 all-gathers through dist.all_gather_single (torch 2.13; all_gather_into_tensor before): count both
     names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
-    calls = [0]
+    calls, reduces, reduced = [0], [0], {}
     real = _counting(dist, names, calls)
+    real_reduce = _counting(dist, ["all_reduce"], reduces)
     try:
         for keep in (True, False):
-            calls[0] = 0
+            calls[0] = reduces[0] = 0
             outputs[keep] = runner.generate(model, ids, max_new_tokens=new, keep_unsharded=keep)
-            counts[keep] = calls[0]
+            counts[keep], reduced[keep] = calls[0], reduces[0]
     finally:
-        for n, f in real.items():
+        for n, f in {**real, **real_reduce}.items():
             setattr(dist, n, f)
     units = sum(1 for m in model.modules() if type(m).__name__.startswith("FSDP"))
-    return {"counts": counts, "units": units, "same": torch.equal(outputs[True], outputs[False])}
+    return {"counts": counts, "units": units, "same": torch.equal(outputs[True], outputs[False]),
+            "all_reduces": reduced, "new": new}
 
 
 def _zero3_train_step(runner: Runner, model: nn.Module, optimizer) -> list[torch.Tensor]:
@@ -187,17 +189,19 @@ def _zero3_gather_counts() -> dict:
 
     # DeepSpeed gathers through its comm backend, which holds torch's function itself: count at the backend. Its
     # module hooks run the coordinator's fetch_sub_module before every module's forward: count those too.
-    calls, fetches = [0], [0]
+    # Hugging Face's synced decoding all-reduces a "still running" flag per token through torch: count those.
+    calls, fetches, reduces = [0], [0], [0]
     real = _counting(ds_comm.cdb, ["all_gather_into_tensor"], calls)
     real_fetch = _counting(PartitionedParameterCoordinator, ["fetch_sub_module"], fetches)
-    counts, hooked, same, status, tables = {}, {}, {}, [partitioned()], [hook_tables()]
+    real_reduce = _counting(dist, ["all_reduce"], reduces)
+    counts, hooked, same, status, tables, reduced = {}, {}, {}, [partitioned()], [hook_tables()], {}
     try:
         for keep in (True, False):
             for new in (2, 6):
-                calls[0] = fetches[0] = 0
+                calls[0] = fetches[0] = reduces[0] = 0
                 got = runner.generate(model, ids, max_new_tokens=new, do_sample=False, pad_token_id=0,
                                       keep_unsharded=keep)
-                counts[(keep, new)], hooked[(keep, new)] = calls[0], fetches[0]
+                counts[(keep, new)], hooked[(keep, new)], reduced[(keep, new)] = calls[0], fetches[0], reduces[0]
                 same[(keep, new)] = torch.equal(got, want[:, :ids.shape[1] + new])
             if keep:  # after per-layer calls DeepSpeed keeps its small persistent parameters whole: compare before
                 status.append(partitioned())
@@ -205,10 +209,12 @@ def _zero3_gather_counts() -> dict:
     finally:
         ds_comm.cdb.all_gather_into_tensor = real["all_gather_into_tensor"]
         PartitionedParameterCoordinator.fetch_sub_module = real_fetch["fetch_sub_module"]
+        dist.all_reduce = real_reduce["all_reduce"]
     before, after = status
     trained = _zero3_train_step(runner, model, optimizer)
     plain = _zero3_train_step(*build())
-    return {"counts": counts, "hooked": hooked, "hooks_back": tables[0] == tables[1] and len(tables[0][0][0]) > 0,
+    return {"counts": counts, "hooked": hooked, "all_reduces": reduced,
+            "hooks_back": tables[0] == tables[1] and len(tables[0][0][0]) > 0,
             "same": same, "partitioned": (sum(before), before == after),
             "train_equal": all(torch.equal(a, b) for a, b in zip(trained, plain)),
             "moved": any(not torch.equal(a, state[n].to(a.dtype))

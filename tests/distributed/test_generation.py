@@ -56,6 +56,11 @@ def test_fsdp_and_zero3_hold_parameters_gathered_across_decoding_steps():
         # kept unsharded: one all-gather per FSDP unit for the whole call; else one per unit per forward
         assert res["counts"][True] == res["units"] == 3, res
         assert res["counts"][False] >= 3 * res["units"], res
+    # held whole, each rank decodes on its own (6 new tokens on rank 0, 3 on rank 1): the same few all-reduces per
+    # call on both ranks (the mode's agreement), none per token; per forward, the ranks agree on every token
+    held = [r["fsdp"]["all_reduces"][True] for r in (r0, r1)]
+    assert held[0] == held[1] <= 3, (r0["fsdp"], r1["fsdp"])
+    assert r0["fsdp"]["all_reduces"][False] > r0["fsdp"]["new"] > held[0], r0["fsdp"]
     for res in (r0["zero3"], r1["zero3"]):
         counts = res["counts"]
         assert all(res["same"].values()), res  # held or per layer, the tokens are plain generate's
@@ -66,6 +71,10 @@ def test_fsdp_and_zero3_hold_parameters_gathered_across_decoding_steps():
         # hook table has the same entries in the same order afterwards; per layer: the hooks run in every forward
         assert res["hooked"][(True, 2)] == res["hooked"][(True, 6)] == 0 < res["hooked"][(False, 2)], res["hooked"]
         assert res["hooks_back"], res
+        # held: no per-token all-reduce (ranks decode unsynced); per layer: the synced stopping check per token
+        reduced = res["all_reduces"]
+        assert reduced[(True, 2)] == reduced[(True, 6)] <= 3, reduced
+        assert reduced[(False, 6)] - reduced[(False, 2)] >= 4 > reduced[(True, 6)] - reduced[(True, 2)], reduced
         # every parameter partitioned before is partitioned again after, and the next step is a plain step's
         assert res["partitioned"][0] > 0 and res["partitioned"][1], res
         assert res["train_equal"] and res["moved"], res
