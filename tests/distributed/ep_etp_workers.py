@@ -15,13 +15,17 @@ import torch
 __all__ = ["ep_etp_case"]
 
 
-def ep_etp_case(root: str, case: Any, ref: dict, init: dict) -> dict[str, Any]:
-    """``case`` is ep_workers' ``_case(strategy, ref, init)``: its figures, the layout facts and the resumed losses."""
+def ep_etp_case(root: str, case: Any, ref: dict, init: dict, ref_balance: dict) -> dict[str, Any]:
+    """``case`` is ep_workers' ``_case(strategy, ref, init)``: its figures, the layout facts, the aux-loss-free
+    update's counts and router bias against ``ref_balance`` (one device's), and the resumed losses."""
+    import dataclasses
+
     from ep_tp_workers import _expert_rows
     from ep_workers import CONFIG, GLOBAL_BATCH, SEQ, _adamw
 
     from shardkit import Runner
     from shardkit.models import Llama
+    from shardkit.models.moe import moe_layers, update_router_biases
     from shardkit.strategies import SingleDevice
     from shardkit.strategies.registry import STRATEGIES
 
@@ -31,8 +35,18 @@ def ep_etp_case(root: str, case: Any, ref: dict, init: dict) -> dict[str, Any]:
     experts = model.layers[0].mlp.experts
     got.update(tp=s.tp_size, expert_tp=s.dims.expert_tp, ep_group=[int(r) for r in s.expert_mesh["ep"].mesh.flatten()],
                mesh=list(experts.gate_up_proj.device_mesh.mesh_dim_names or ()),
-               local=[list(experts.gate_up_proj.to_local().shape), list(experts.down_proj.to_local().shape)],
-               expert_rows=_expert_rows(model, s))
+               local=[list(experts.gate_up_proj.to_local().shape), list(experts.down_proj.to_local().shape)])
+    got["counts"] = max((layer.tokens_per_expert - c).abs().max().item()
+                        for layer, c in zip(moe_layers(model), ref_balance["counts"]))
+    rate = 1e-3
+    for layer in moe_layers(model):
+        layer.config = dataclasses.replace(layer.config, bias_update_rate=rate)
+    update_router_biases(model, lambda counts: runner.all_reduce(counts, "sum"))
+    expected = [b + rate * torch.sign(c.mean() - c).to(b.dtype) for b, c in zip(ref_balance["bias"],
+                                                                                ref_balance["counts"])]
+    got["bias"] = max((layer.router.expert_bias - e).abs().max().item()
+                      for layer, e in zip(moe_layers(model), expected))
+    got["expert_rows"] = _expert_rows(model, s)  # after the counts: a train-mode forward adds to them
     batch = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(9))
     per = GLOBAL_BATCH // s.data_parallel_size
     rows = slice(s.data_parallel_rank * per, (s.data_parallel_rank + 1) * per)
@@ -47,7 +61,7 @@ def ep_etp_case(root: str, case: Any, ref: dict, init: dict) -> dict[str, Any]:
     resumed = Llama(CONFIG)
     resumed, resumed_opt = one.setup(resumed, _adamw(resumed))
     one.load(f"{root}/ep2etp2", {"model": resumed, "optimizer": resumed_opt})
-    mine = f"{root}/etp_one{torch.distributed.get_rank()}"  # the same one-device file on every rank
+    mine = f"{root}/etp_one{torch.distributed.get_rank()}/ckpt"  # the same one-device file on every rank
     one.save(mine, {"model": resumed, "optimizer": resumed_opt})
     back = Runner(STRATEGIES.build_from_cli("ep", opts), seed=0)  # 1 -> ep 2 x etp 2
     again = Llama(CONFIG)

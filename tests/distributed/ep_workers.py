@@ -359,5 +359,5 @@ def ep_worker(root: str) -> dict[str, Any]:
     out.update(ep_tp_cases(root, _case, ref, init))  # ep 2 x tp 2, with and without sequence parallelism
     out["ep_pp"] = ep_pp_worker(root)  # expert parallelism inside a pipeline's stages: ep_pp_workers.py
     out["more"] = ep_more(root, ref, init, ref_balance)
-    out["etp"] = ep_etp_case(root, _case, ref, init)  # ep 2 x tp 2 with tp inside the experts: ep_etp_workers.py
+    out["etp"] = ep_etp_case(root, _case, ref, init, ref_balance)  # ep 2 x tp 2, tp inside the experts
     return out

@@ -183,5 +183,7 @@ def test_expert_tensor_parallel_equals_one_process(results):
         # each tp peer runs its block of the experts on its ep group's every assignment: tp blocks of each row
         moe_layers = CONFIG.num_layers - CONFIG.moe.first_dense_layers
         assert got["expert_rows"] == 2 * GLOBAL_BATCH * SEQ * CONFIG.moe.top_k * moe_layers, (rank, got["expert_rows"])
+        # the aux-loss-free update: counts and router bias of one device
+        assert got["counts"] == 0 and got["bias"] == 0, (rank, got["counts"], got["bias"])
         # ep 2 x etp 2 -> 1 -> ep 2 x etp 2: the one layout; each takes the same next step
         assert got["resumed_loss"] < TOL and got["reloaded_loss"] < TOL, (rank, got)
