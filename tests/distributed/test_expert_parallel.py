@@ -9,7 +9,8 @@ and its checkpoint continues in one process; the Runner and the Trainer select E
 config's parallelism_config_ep_size; ep 2 x tp 2 (``ExpertParallel(ep_size=2, tp_size=2)``, with and without sequence
 parallelism: the tp peers split the experts and the tokens) equals one device, each assignment computed once, and so
 does ep 2 x tp 2 with tensor parallelism inside the experts (``expert_tp=True``), its checkpoint resumed both ways.
-An MoE Llama one-device checkpoint resumes under ep 2 (one saved layout whatever the ep size), and the Qwen3-MoE's exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
+An MoE Llama one-device checkpoint resumes under ep 2 (one saved layout whatever the ep size), and the Qwen3-MoE's
+exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
 from_pretrained reads back. Expert parallelism inside a pipeline's stages (``Pipeline(pp_size=2, dp="fsdp",
 ep_size=2)``) equals one device accumulating the same micro-batches, under every schedule. One launch."""
 
