@@ -9,7 +9,9 @@ dense rest (attention, embeddings, norms, routers, shared experts). Under ``Expe
   FSDP2 shards that over ``dp_shard x cp`` (HSDP: replicated over ``dp_replicate``);
 - routed experts: each ep rank holds ``1 / ep`` of them (``ep`` borrowed from ``dp_shard x cp x tp``); with
   ``expert_sharding="full"`` FSDP2 shards that slice over the ``dp_shard x cp x tp / ep`` ranks holding the same
-  experts, so a rank holds ``1 / (dp_shard x cp x tp)`` of them; with ``"none"`` the slice stays whole.
+  experts, so a rank holds ``1 / (dp_shard x cp x tp)`` of them; with ``"none"`` the slice stays whole. With
+  ``expert_tp=True`` ep is borrowed from ``dp_shard x cp`` only and every tp peer holds its ep slice whole (each
+  computes its block of the experts from the whole weights), so a rank holds ``1 / ep`` of them.
 
 Gathered on top (``working``): the largest dense module's tp part (``sharding="full"``) or every dense parameter's
 (``"grad_op"``: gathered from forward to backward), plus one MoE layer's ep slice while FSDP2 gathers it
@@ -33,7 +35,7 @@ def _dense_per_tp_rank(job: MemoryJob, tp: int) -> int:
 
 
 def expert_parallel_state(job: MemoryJob, *, dp_replicate: int, tp: int, ep: int | None, expert_sharding: str,
-                          sharding: str) -> StateBytes:
+                          sharding: str, expert_tp: bool = False) -> StateBytes:
     """One rank's bytes under ExpertParallel (the module docstring's layout).
 
     Args:
@@ -43,6 +45,8 @@ def expert_parallel_state(job: MemoryJob, *, dp_replicate: int, tp: int, ep: int
         ep: expert-parallel ranks (None: every rank of ``dp_shard x cp x tp``, as ExpertParallel() takes).
         expert_sharding: "full" or "none" (how the ranks holding the same experts hold them).
         sharding: the dense parameters' FSDP2 mode, "full" or "grad_op".
+        expert_tp: tensor parallelism inside the experts (ep borrowed from dp_shard x cp; slices whole on every tp
+            peer).
 
     Raises:
         ValueError: the sizes do not fit ``job.ranks`` (named as the mesh names them).
@@ -51,14 +55,16 @@ def expert_parallel_state(job: MemoryJob, *, dp_replicate: int, tp: int, ep: int
     if borrowed * dp_replicate != job.ranks or borrowed % tp:
         raise ValueError(f"ExpertParallel on {job.ranks} ranks: dp_replicate({dp_replicate}) x tp({tp}) does not "
                          "divide them")
-    ep = ep or borrowed
-    if borrowed % ep:
-        raise ValueError(f"ExpertParallel on {job.ranks} ranks: ep({ep}) does not divide the {borrowed} ranks it "
-                         f"borrows from (dp_shard x cp x tp = {job.ranks} / dp_replicate({dp_replicate}))")
+    lender = borrowed // tp if expert_tp else borrowed  # the ranks ep borrows from
+    ep = ep or lender
+    if lender % ep:
+        what = "dp_shard x cp" if expert_tp else "dp_shard x cp x tp"
+        raise ValueError(f"ExpertParallel on {job.ranks} ranks: ep({ep}) does not divide the {lender} ranks it "
+                         f"borrows from ({what})")
     dense = _dense_per_tp_rank(job, tp)
     dense_ways = borrowed // tp  # dp_shard x cp
     experts = job.expert_params
-    expert_ways = borrowed if expert_sharding == "full" else ep
+    expert_ways = borrowed if expert_sharding == "full" and not expert_tp else ep
 
     def held(nbytes: int) -> int:
         return job.share(dense * nbytes, dense_ways) + job.share(experts * nbytes, expert_ways)
@@ -70,7 +76,7 @@ def expert_parallel_state(job: MemoryJob, *, dp_replicate: int, tp: int, ep: int
         largest = job.largest_layer if job.largest_dense_layer is None else job.largest_dense_layer
         dense_working = job.share(largest, tp) * p
     expert_working = 0
-    if expert_sharding == "full" and borrowed > ep:
+    if expert_sharding == "full" and not expert_tp and borrowed > ep:
         if sharding == "grad_op":  # the experts' units are not resharded after forward either
             slice_ = job.share(experts, ep) * p
             expert_working = slice_ - job.share(slice_, borrowed // ep)

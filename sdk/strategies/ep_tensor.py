@@ -21,8 +21,24 @@ split over their tp peers, so the sum over the group is the gradient of those ``
 weights are scaled by ``tp / ep`` (their mean) and FSDP2 averages over the ``dp * tp / ep`` ranks holding the same
 experts (``ParallelDims.expert_replicas``), which leaves the mean over every batch: one device's gradient.
 
-Not built here: tensor parallelism inside the experts (torchtitan's etp = tp), ep x tp with context parallelism,
-and Hugging Face expert blocks under tp (transformers' own plan splits their experts); each is refused by name.
+Tensor parallelism inside the experts (``expert_tp=True``, torchtitan's etp = tp; :class:`ExpertTensorDispatch`):
+``ep`` is borrowed from ``dp_shard`` only, so an ep group is the data-parallel ranks of one tp coordinate and the tp
+peers hold the same experts. Each tp rank r computes its block of every local expert: rows ``[r I/tp, (r+1) I/tp)``
+of gate AND of up (the stacked ``gate_up_proj`` packs gate then up, so the block is two strided row ranges, stacked
+so that the SwiGLU's ``chunk(2)`` pairs them as on one device) and the same columns of ``down_proj``, whose partial
+outputs are summed over tp. The tp peers share the dispatch: tp rank r sends only its ``1 / tp`` share of the
+expert-sorted assignments over ep (each assignment crosses the all-to-all once), the receiving peers all-gather what
+they received (each runs its block on all of its ep group's assignments: ``1 / tp`` of each expert's work), and the
+partial outputs are summed and scattered back to the peer whose share they are (a reduce-scatter) before the return
+all-to-all. An expert's gradient is its ep group's batches' sum, scaled by ``1 / ep``. The weights are held whole on
+the tp peers (a DTensor ``Shard(0)`` over ep, ``Replicate()`` over tp, so checkpoints, ``init_module`` and clipping
+see whole stacked tensors at their global shapes, the one layout): the compute and the activations are split over
+tp, the expert weights' memory and optimizer state are not (each peer's block's gradient is all-gathered over tp
+into the whole weight's, and the peers take the same AdamW step). With ``ep < dp`` only ``expert_sharding="none"``
+is built (FSDP2 over the replicas is refused by name).
+
+Not built here: ep x tp with context parallelism, and Hugging Face expert blocks under tp (transformers' own plan
+splits their experts); each is refused by name.
 """
 
 from __future__ import annotations
@@ -36,7 +52,8 @@ from torch import nn
 from shardkit.strategies.parallel_dims import ParallelDims
 from shardkit.strategies.tensor_parallel import resolve_plan, validate_heads
 
-__all__ = ["TensorSplitDispatch", "apply_tensor_parallel", "check_tensor_options", "stats_group"]
+__all__ = ["ExpertTensorDispatch", "TensorSplitDispatch", "apply_tensor_parallel", "check_expert_tp",
+           "check_tensor_options", "stats_group"]
 
 
 def check_tensor_options(tp_size: Any, sequence_parallel: Any, cp_size: int, expert_tp: Any) -> None:
@@ -52,10 +69,11 @@ def check_tensor_options(tp_size: Any, sequence_parallel: Any, cp_size: int, exp
         raise ValueError(f"ExpertParallel tp_size={tp_size} with cp_size={cp_size}: expert parallelism with both "
                          "tensor and context parallelism is not built; use tp_size or cp_size, or "
                          "ContextParallel(cp_size=..., tp_size=...) with the experts whole on every rank")
-    if expert_tp not in (False, None):
-        raise ValueError(f"ExpertParallel expert_tp={expert_tp!r}: tensor parallelism inside the experts (each "
-                         "expert's gate_up/down split over tp, torchtitan's etp = tp) is not built; the experts stay "
-                         "whole on their ep rank and tp ranks split the tokens instead (expert_tp=False, the default)")
+    if not isinstance(expert_tp, bool):
+        raise ValueError(f"ExpertParallel expert_tp={expert_tp!r} must be True or False")
+    if expert_tp and tp_size == 1:
+        raise ValueError("ExpertParallel expert_tp=True splits each expert's matrices over the tp ranks: it needs "
+                         "tp_size > 1")
 
 
 def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, dims: ParallelDims, sequence_parallel: bool,
@@ -161,6 +179,182 @@ class TensorSplitDispatch:
         mine = _TakeShare.apply(tokens, bounds, self.tp_rank, self.tp_group)
         out = self.inner.run(experts, mine, _share(counts, bounds[self.tp_rank], bounds[self.tp_rank + 1]))
         return _GatherShares.apply(out, bounds, self.tp_rank, self.tp_group)
+
+    def global_sum(self, local: torch.Tensor) -> torch.Tensor:
+        return self.inner.global_sum(local)
+
+    def global_counts(self, local: torch.Tensor) -> torch.Tensor:
+        return self.inner.global_counts(local)
+
+
+# ---- tensor parallelism inside the experts (expert_tp=True) ------------------------------------------------------
+
+
+def check_expert_tp(dims: ParallelDims, intermediate_size: int, expert_sharding: str) -> None:
+    """Named errors for ``expert_tp=True`` once the sizes are known.
+
+    Raises:
+        ValueError: tp does not divide the experts' intermediate size, or ``expert_sharding="full"`` with replicas
+            of the experts (FSDP2 over a weight already split over ep x tp is not built).
+    """
+    if intermediate_size % dims.tp:
+        raise ValueError(f"ExpertParallel expert_tp=True: the experts' intermediate size ({intermediate_size}) % "
+                         f"tp({dims.tp}) != 0: each tp rank takes an equal column block of gate and of up; pick a tp "
+                         "that divides it, or expert_tp=False")
+    if dims.expert_replicas > 1 and expert_sharding == "full":
+        raise ValueError(f"ExpertParallel expert_tp=True with {dims.expert_replicas} ranks holding the same experts "
+                         "(ep < dp): expert_sharding='full' (FSDP2 over them) is not built with tensor parallelism "
+                         "inside the experts; use expert_sharding='none' (gradients all-reduced over them) or "
+                         "ep_size equal to the data-parallel size")
+
+
+class _ColumnShare(torch.autograd.Function):
+    """This tp rank's block of an expert weight held whole on the tp peers: gate_up (E, 2I, H) gives rows
+    ``[r I/tp, (r+1) I/tp)`` of gate and of up, stacked (so the SwiGLU's ``chunk(2)`` pairs them as on one device);
+    down (E, H, I) gives columns ``[r I/tp, (r+1) I/tp)``. The backward all-gathers the peers' blocks' gradients
+    into the whole weight's (each peer's block is computed only there), times ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, gate_up: bool, rank: int, size: int, group: Any,
+                scale: float) -> torch.Tensor:
+        ctx.gate_up, ctx.size, ctx.group, ctx.scale = gate_up, size, group, scale
+        if gate_up:
+            i = w.shape[1] // 2
+            b = i // size
+            return torch.cat([w[:, rank * b:(rank + 1) * b], w[:, i + rank * b:i + (rank + 1) * b]], dim=1)
+        b = w.shape[2] // size
+        return w[:, :, rank * b:(rank + 1) * b].contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        grad = (grad * ctx.scale).contiguous()
+        parts = [torch.empty_like(grad) for _ in range(ctx.size)]
+        dist.all_gather(parts, grad, group=ctx.group)
+        if ctx.gate_up:
+            b = grad.shape[1] // 2
+            whole = torch.cat([p[:, :b] for p in parts] + [p[:, b:] for p in parts], dim=1)
+        else:
+            whole = torch.cat(parts, dim=2)
+        return whole, None, None, None, None, None
+
+
+class _Exchange(torch.autograd.Function):
+    """all_to_all_single over the ep group; the backward is the same exchange with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def _scatter_sum(x: torch.Tensor, bounds: list[int], rank: int, group: Any) -> torch.Tensor:
+    """Rows ``[bounds[rank], bounds[rank+1])`` of ``x`` summed over the tp peers (a reduce-scatter over uneven row
+    blocks, as an all-to-all: gloo has no reduce-scatter), summed in at least fp32."""
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    mine = sizes[rank]
+    if bounds[-1] == 0:  # the same on every peer: nothing to exchange
+        return x.new_zeros((0, *x.shape[1:]))
+    out = x.new_empty((mine * len(sizes), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), [mine] * len(sizes), sizes, group=group)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    return out.reshape(len(sizes), mine, *x.shape[1:]).to(acc).sum(0).to(x.dtype)
+
+
+class _GatherSum(torch.autograd.Function):
+    """The tp peers' row blocks concatenated (each peer computes its own part of the experts on all of them); the
+    backward sums the peers' gradients of this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bounds: list[int], rank: int, group: Any) -> torch.Tensor:
+        ctx.bounds, ctx.rank, ctx.group = bounds, rank, group
+        return _gather_rows(x, bounds, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _scatter_sum(grad, ctx.bounds, ctx.rank, ctx.group), None, None, None
+
+
+class _ScatterSum(torch.autograd.Function):
+    """This rank's rows of the peers' partial outputs, summed; the backward gathers every peer's rows' gradient (the
+    gradient of each partial output is the sum's)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bounds: list[int], rank: int, group: Any) -> torch.Tensor:
+        ctx.bounds, ctx.group = bounds, group
+        return _scatter_sum(x, bounds, rank, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _gather_rows(grad, ctx.bounds, ctx.group), None, None, None
+
+
+class ExpertTensorDispatch:
+    """An MoE layer's ``dispatcher`` under ``expert_tp=True``: the experts split over ep (ranks of one tp
+    coordinate, different batches) and each expert's matrices split over the tp peers (see the module docstring).
+
+    How the tp peers, which route the same tokens, share the dispatch: tp rank r sends only the r-th contiguous
+    ``1 / tp`` share of the expert-sorted assignments over its ep group (so the all-to-all carries each assignment
+    once); the receiving tp peers all-gather what they received, so each runs its column block of every local
+    expert on all of the ep group's assignments (the split the layout requires: ``1 / tp`` of each expert's work
+    per peer); the partial down-projection outputs are summed over tp and scattered back to the rank whose share
+    they are (a reduce-scatter), which returns them over ep; the tp peers then all-gather the shares' outputs.
+
+    Args:
+        inner: the ep dispatcher whose statistics (:func:`stats_group`) this one uses.
+        ep_group, tp_group: the ep group (this tp coordinate's data-parallel ranks holding the experts between
+            them) and the tp peers (same tokens, same experts).
+        grad_scale: the factor on the local weights' gradients (``1 / ep``: the ep group's batches are summed into
+            them, the replicas of the experts average them).
+    """
+
+    def __init__(self, inner: Any, ep_group: Any, tp_group: Any, grad_scale: float):
+        self.inner, self.ep_group, self.tp_group, self.grad_scale = inner, ep_group, tp_group, grad_scale
+        self.ep_size = dist.get_world_size(ep_group)
+        self.tp_size, self.tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+    def weight_view_for(self, holder: nn.Module) -> Any:
+        """``holder.weight_view``: this tp rank's block of this ep rank's experts of ``holder``'s stacked weights."""
+        from torch.distributed.tensor import DTensor
+
+        def view(weight: torch.Tensor) -> torch.Tensor:
+            local = weight.to_local() if isinstance(weight, DTensor) else weight
+            return _ColumnShare.apply(local, weight is holder.gate_up_proj, self.tp_rank, self.tp_size,
+                                      self.tp_group, self.grad_scale)
+        return view
+
+    def run(self, experts: nn.Module, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Outputs for ``tokens`` (sorted by global expert, ``counts`` per expert), whole on every tp rank."""
+        total, n = tokens.shape[0], self.tp_size
+        bounds = [r * total // n for r in range(n + 1)]
+        mine = _TakeShare.apply(tokens, bounds, self.tp_rank, self.tp_group)
+        ranks = self.ep_size
+        per_rank = counts.numel() // ranks
+        send = _share(counts, bounds[self.tp_rank], bounds[self.tp_rank + 1]).reshape(ranks, per_rank).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.ep_group)  # recv[s, j]: source s, local expert j
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        received = _Exchange.apply(mine, out_splits, in_splits, self.ep_group)  # grouped by source, then expert
+        peers = [torch.empty_like(recv) for _ in range(n)]
+        dist.all_gather(peers, recv, group=self.tp_group)
+        sizes = [int(p.sum()) for p in peers]
+        rows = [sum(sizes[:r]) for r in range(n + 1)]
+        every = _GatherSum.apply(received, rows, self.tp_rank, self.tp_group)
+        local = torch.arange(ranks * per_rank, device=tokens.device) % per_rank
+        expert = torch.cat([torch.repeat_interleave(local, p.reshape(-1)) for p in peers])
+        by_expert = torch.sort(expert, stable=True).indices
+        partial = experts(every[by_expert], torch.stack(peers).sum((0, 1)))
+        out = _ScatterSum.apply(partial[torch.argsort(by_expert)], rows, self.tp_rank, self.tp_group)
+        back = _Exchange.apply(out, in_splits, out_splits, self.ep_group)
+        return _GatherShares.apply(back, bounds, self.tp_rank, self.tp_group)
 
     def global_sum(self, local: torch.Tensor) -> torch.Tensor:
         return self.inner.global_sum(local)

@@ -46,10 +46,11 @@ sequences on every cp rank; the statistics are then summed over the data-paralle
 With tensor parallelism (``tp_size > 1``, torchtitan's default layout, no tensor parallelism inside the experts):
 the dense layers are split over tp by the model's plan (``sequence_parallel`` as under
 :class:`~shardkit.strategies.TensorParallel`), ep is borrowed from ``dp_shard x tp``, and each tp rank dispatches its
-share of the MoE layer's assignments, the outputs gathered over tp; see :mod:`shardkit.strategies.ep_tensor`.
+share of the MoE layer's assignments, the outputs gathered over tp; with ``expert_tp=True`` ep is borrowed from
+``dp_shard`` only and each expert's matrices are split over tp instead; see :mod:`shardkit.strategies.ep_tensor`.
 
 Pipeline parallelism with expert parallelism is the pipeline's: ``Pipeline(pp_size=..., dp="fsdp", ep_size=...)``
-(:mod:`shardkit.strategies.ep_pipeline`). Not composed here, refused by name: tp with cp, and TP inside the experts.
+(:mod:`shardkit.strategies.ep_pipeline`). Not composed here, refused by name: tp with cp.
 """
 
 from __future__ import annotations
@@ -72,7 +73,14 @@ from shardkit.strategies import activation_checkpointing as checkpointing
 from shardkit.strategies import fsdp as _fsdp
 from shardkit.strategies.context_parallel import install_context_parallel
 from shardkit.strategies.cp_attention import RingAttention, UlyssesAttention
-from shardkit.strategies.ep_tensor import TensorSplitDispatch, apply_tensor_parallel, check_tensor_options, stats_group
+from shardkit.strategies.ep_tensor import (
+    ExpertTensorDispatch,
+    TensorSplitDispatch,
+    apply_tensor_parallel,
+    check_expert_tp,
+    check_tensor_options,
+    stats_group,
+)
 from shardkit.strategies.facts import MemoryJob, StateBytes
 from shardkit.strategies.parallel import ProcessGroupStrategy
 from shardkit.strategies.parallel_dims import CP_MODES, ParallelDims
@@ -254,7 +262,10 @@ class ExpertParallel(_fsdp.FSDP):
             tp_size dividing dp_shard * tp_size) and each tp rank dispatches its share of the tokens; 1: none.
         sequence_parallel: with tp_size > 1, the plan's sequence-parallel form (norms and residual stream split
             over tp along the sequence).
-        expert_tp: tensor parallelism inside the experts (torchtitan's etp = tp): not built, only False.
+        expert_tp: with tp_size > 1, tensor parallelism inside the experts (torchtitan's etp = tp): ep is borrowed
+            from dp_shard only and each expert's gate/up projection is split by columns and its down projection by
+            rows over the tp peers (:class:`~shardkit.strategies.ep_tensor.ExpertTensorDispatch`); False: the
+            experts whole on their ep rank, the tp peers holding different experts.
         state_dict_type, timeout: as :class:`~shardkit.strategies.FSDP`.
     """
 
@@ -283,7 +294,8 @@ class ExpertParallel(_fsdp.FSDP):
         self._ep_size = ep_size
         self.expert_sharding = expert_sharding
         self.cp_mode = cp_mode
-        self.dims = ParallelDims(dp_replicate=dp_replicate, cp=cp_size, tp=tp_size, ep=ep_size or 1)
+        self.dims = ParallelDims(dp_replicate=dp_replicate, cp=cp_size, tp=tp_size, ep=ep_size or 1,
+                                 expert_tp=expert_tp)
         self.expert_mesh: Any = None
         self._replicated: list[nn.Parameter] = []  # expert_sharding="none": gradients all-reduced over the replicas
         self._replica_group: Any = None
@@ -307,7 +319,8 @@ class ExpertParallel(_fsdp.FSDP):
         dense parameters split over tp then sharded over dp_shard x cp (:mod:`~shardkit.strategies.ep_memory`)."""
         return ep_memory.expert_parallel_state(job, dp_replicate=self.dims.dp_replicate,
                                                tp=job.tp_size or self.dims.tp, ep=job.ep_size or self._ep_size,
-                                               expert_sharding=self.expert_sharding, sharding=self.settings.sharding)
+                                               expert_sharding=self.expert_sharding, sharding=self.settings.sharding,
+                                               expert_tp=self.dims.expert_tp)
 
     @property
     @override
@@ -325,7 +338,8 @@ class ExpertParallel(_fsdp.FSDP):
         ProcessGroupStrategy.setup_environment(self)
         dims = dataclasses.replace(self.dims, dp_shard=-1, ep=1).resolve(self.world_size)
         # resolve names the fix when ep does not divide dp_shard (or, with cp, dp_shard x cp)
-        self.dims = dataclasses.replace(dims, ep=self._ep_size or dims.dp_shard * dims.cp * dims.tp).resolve(
+        borrowed = dims.cp * (1 if dims.expert_tp else dims.tp)
+        self.dims = dataclasses.replace(dims, ep=self._ep_size or dims.dp_shard * borrowed).resolve(
             self.world_size)
         self.world_mesh = self.dims.build(self.device_type, names=_fsdp.MESH_DIM_NAMES)
         if self.dims.cp == 1:
@@ -351,6 +365,8 @@ class ExpertParallel(_fsdp.FSDP):
                 type(module).__name__)
         for layer in layers:
             self.dims.validate_experts(layer.experts.gate_up_proj.shape[0])
+            if self.dims.expert_tp:
+                check_expert_tp(self.dims, layer.experts.down_proj.shape[2], self.expert_sharding)
         if self.dims.cp > 1:
             # The split-sequence forward first; the all-to-all dispatchers replace its statistics ones in _shard.
             cp_group = self.world_mesh["cp"].get_group()
@@ -360,9 +376,13 @@ class ExpertParallel(_fsdp.FSDP):
 
     def _expert_layout(self) -> tuple[Any, list[Any]]:
         """The mesh and placements of the stacked expert weights before any FSDP2 over their replicas."""
+        # expert_tp: the tp peers hold the same experts whole (Replicate over tp) and each computes its block
+        tp = ("tp",) if self.dims.expert_tp else ()
         if self.dims.expert_replicas > 1 and self.expert_sharding == "none":
-            return (self.expert_mesh[("dp_replicate", "dp_shard_mod_ep", "ep")],
-                    [Replicate(), Replicate(), Shard(0)])
+            return (self.expert_mesh[("dp_replicate", "dp_shard_mod_ep", "ep", *tp)],
+                    [Replicate(), Replicate(), Shard(0)] + [Replicate()] * len(tp))
+        if tp:
+            return self.expert_mesh[("ep", "tp")], [Shard(0), Replicate()]
         return self.expert_mesh["ep"], [Shard(0)]
 
     @override
@@ -380,7 +400,11 @@ class ExpertParallel(_fsdp.FSDP):
             names = ("shard",) if self.dims.dp_replicate == 1 else ("replicate", "shard")
             unsplit = ParallelDims.submesh(self.world_mesh, names).get_group()
         dispatch: Any = AllToAllDispatch(ep_mesh.get_group(), dist.group.WORLD, 1.0 / self.dims.ep, unsplit)
-        if self.dims.tp > 1:  # tp peers split the assignments: an expert's group sums ep / tp batches' gradients
+        if self.dims.expert_tp:  # tp peers split each expert: an expert's group sums ep batches' gradients
+            inner = AllToAllDispatch(ep_mesh.get_group(), stats_group(self.world_mesh, self.dims), 1.0 / self.dims.ep)
+            dispatch = ExpertTensorDispatch(inner, ep_mesh.get_group(), self.world_mesh["tp"].get_group(),
+                                            1.0 / self.dims.ep)
+        elif self.dims.tp > 1:  # tp peers split the assignments: an expert's group sums ep / tp batches' gradients
             inner = AllToAllDispatch(ep_mesh.get_group(), stats_group(self.world_mesh, self.dims),
                                      self.dims.tp / self.dims.ep)
             dispatch = TensorSplitDispatch(inner, self.world_mesh["tp"].get_group())
@@ -398,7 +422,8 @@ class ExpertParallel(_fsdp.FSDP):
                 setattr(holder, name, param)
                 experts.append(param)
         for layer in moe_modules(module):
-            layer.experts.weight_view = dispatch.weight_view
+            layer.experts.weight_view = dispatch.weight_view_for(layer.experts) if self.dims.expert_tp else \
+                dispatch.weight_view
             layer.dispatcher = dispatch
         for block in hf_expert_blocks(module):
             block._shardkit_dispatch = dispatch
@@ -456,12 +481,13 @@ class ExpertParallel(_fsdp.FSDP):
         if self.dims.cp > 1:
             info.update(cp_size=self.dims.cp, cp_mode=self.cp_mode)
         if self.dims.tp > 1:
-            info.update(tp_size=self.dims.tp, sequence_parallel=self.sequence_parallel)
+            info.update(tp_size=self.dims.tp, sequence_parallel=self.sequence_parallel, expert_tp=self.dims.expert_tp)
         return info
 
     def __repr__(self) -> str:
         cp = f", cp_size={self.dims.cp}, cp_mode={self.cp_mode!r}" if self.dims.cp > 1 else ""
         if self.dims.tp > 1:
             cp += f", tp_size={self.dims.tp}, sequence_parallel={self.sequence_parallel}"
+            cp += ", expert_tp=True" if self.dims.expert_tp else ""
         return (f"ExpertParallel(ep_size={self.dims.ep}{cp}, expert_sharding={self.expert_sharding!r}, "
                 f"dp_replicate={self.dims.dp_replicate}, device={self._device})")

@@ -24,7 +24,8 @@ which average its gradient.
 With tensor parallelism (torchtitan's default, expert tensor parallel degree 1) ep borrows the tp ranks too: ``ep``
 is ``dp_shard_in_ep x cp x tp`` flattened, a multiple of ``cp * tp`` dividing ``dp_shard * cp * tp``; the tp peers
 (same batch) hold different experts and each dispatches its share of the tokens
-(:mod:`shardkit.strategies.ep_tensor`).
+(:mod:`shardkit.strategies.ep_tensor`). With ``expert_tp`` (torchtitan's etp = tp) ep borrows from ``dp_shard x cp``
+only and the tp peers, which hold the same experts, split each expert's matrices.
 """
 
 from __future__ import annotations
@@ -68,8 +69,11 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    expert_tp: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.expert_tp, bool):
+            raise ValueError(f"ParallelDims expert_tp={self.expert_tp!r} must be True or False")
         for name in (*DIM_NAMES, "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and
@@ -95,7 +99,7 @@ class ParallelDims:
     def expert_replicas(self) -> int:
         """Ranks holding the same experts: dp_replicate * dp_shard * cp * tp / ep (the ranks ep borrows from, over
         ep)."""
-        return self.dp * self.cp * self.tp // self.ep
+        return self.dp * self.cp * (1 if self.expert_tp else self.tp) // self.ep
 
     def _product(self) -> str:
         return " * ".join(f"{n}({s})" for n, s in self.sizes.items() if n != "pp" or s > 1)
@@ -118,7 +122,7 @@ class ParallelDims:
         if dims.world_size != world_size:
             raise ValueError(f"ParallelDims: {dims._product()} = {dims.world_size} != world_size({world_size}); "
                              "the sizes must multiply to the number of processes (set dp_shard=-1 to fill the rest)")
-        if dims.ep > 1 and dims.tp > 1:
+        if dims.ep > 1 and dims.tp > 1 and not dims.expert_tp:
             inner = dims.cp * dims.tp
             if dims.ep % inner or (dims.dp_shard * inner) % dims.ep:
                 raise ValueError(f"ParallelDims: ep({dims.ep}) with tp({dims.tp}): expert parallelism borrows every "
@@ -215,7 +219,8 @@ class ParallelDims:
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         dims = self.resolve(world)
-        borrowed = dims.cp * dims.tp if dims.ep > 1 else 1  # the cp and tp ranks ep takes besides dp_shard ranks
+        # the cp (and, without expert_tp, tp) ranks ep takes besides dp_shard ranks
+        borrowed = dims.cp * (1 if dims.expert_tp else dims.tp) if dims.ep > 1 else 1
         inner = "ep" if borrowed == 1 else "dp_shard_in_ep"
         names, sizes = [], []
         for name, size in dims.sizes.items():
@@ -227,7 +232,7 @@ class ParallelDims:
                 sizes.append(size)
         mesh = init_device_mesh(device_type, tuple(sizes), mesh_dim_names=tuple(names))
         if borrowed > 1:
-            mesh[(inner, "cp") if dims.tp == 1 else (inner, "cp", "tp")]._flatten("ep")
+            mesh[(inner, "cp") if dims.tp == 1 or dims.expert_tp else (inner, "cp", "tp")]._flatten("ep")
         return mesh
 
     @classmethod

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from ep_etp_workers import ep_etp_case
 from ep_more_workers import ep_more
 from ep_pp_workers import ep_pp_worker
 from ep_tp_workers import ep_tp_cases
@@ -358,4 +359,5 @@ def ep_worker(root: str) -> dict[str, Any]:
     out.update(ep_tp_cases(root, _case, ref, init))  # ep 2 x tp 2, with and without sequence parallelism
     out["ep_pp"] = ep_pp_worker(root)  # expert parallelism inside a pipeline's stages: ep_pp_workers.py
     out["more"] = ep_more(root, ref, init, ref_balance)
+    out["etp"] = ep_etp_case(root, _case, ref, init, ref_balance)  # ep 2 x tp 2, tp inside the experts
     return out

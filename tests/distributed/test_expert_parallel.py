@@ -7,9 +7,10 @@ way, ep 4) equals its own one-process step; ep 2 x cp 2 (``ExpertParallel(ep_siz
 over the cp ranks, which split the experts) equals one device too, with the aux-loss-free update's counts and bias,
 and its checkpoint continues in one process; the Runner and the Trainer select ExpertParallel from an Accelerate
 config's parallelism_config_ep_size; ep 2 x tp 2 (``ExpertParallel(ep_size=2, tp_size=2)``, with and without sequence
-parallelism: the tp peers split the experts and the tokens) equals one device, each assignment computed once. An MoE
-Llama one-device checkpoint resumes under ep 2 (one saved layout whatever
-the ep size), and the Qwen3-MoE's exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
+parallelism: the tp peers split the experts and the tokens) equals one device, each assignment computed once, and so
+does ep 2 x tp 2 with tensor parallelism inside the experts (``expert_tp=True``), its checkpoint resumed both ways.
+An MoE Llama one-device checkpoint resumes under ep 2 (one saved layout whatever the ep size), and the Qwen3-MoE's
+exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
 from_pretrained reads back. Expert parallelism inside a pipeline's stages (``Pipeline(pp_size=2, dp="fsdp",
 ep_size=2)``) equals one device accumulating the same micro-batches, under every schedule. One launch."""
 
@@ -163,3 +164,27 @@ def test_hf_moe_under_ep_and_cp_and_its_checkpoint_at_other_sizes(results):
         assert max(hf["loss"], hf["grad"], hf["weights"]) < TOL, (rank, hf)
         # its checkpoint's next step, in one process and under ep 2 alone (dp 4), is the ep 2 x cp 2 run's
         assert hf["to_ep2_dp"] == 4 and max(hf["to_one"], hf["to_ep2"]) < TOL, (rank, hf)
+
+
+def test_expert_tensor_parallel_equals_one_process(results):
+    from ep_workers import CONFIG, GLOBAL_BATCH, SEQ
+
+    inter = CONFIG.moe.intermediate_size
+    for rank, out in enumerate(results):
+        got = out["etp"]  # ep 2 x tp 2, expert_tp=True: ep borrowed from dp_shard, each expert split over tp
+        assert (got["ep"], got["tp"], got["dp"], got["replicas"], got["expert_tp"]) == (2, 2, 2, 1, True), (rank, got)
+        assert got["ep_group"] == [rank % 2, rank % 2 + 2], (rank, got["ep_group"])  # one tp coordinate's dp ranks
+        assert got["mesh"] == ["ep", "tp"] and got["placements"] == ["Shard", "Replicate"], (rank, got)
+        assert got["local"] == [[2, 2 * inter, CONFIG.hidden_size], [2, CONFIG.hidden_size, inter]], (rank, got)
+        assert got["init"] == 0, f"rank {rank}: init_module's weights differ from one device's by {got['init']}"
+        assert max(got["loss"]) < TOL and max(got["grad"]) < TOL and max(got["norm"]) < TOL, (rank, got)
+        assert got["weights"] < TOL and out["moved"] > 1e-3, (rank, got["weights"], out["moved"])
+        assert got["load"] == out["ref_load"], (got["load"], out["ref_load"])  # counted once, not tp times
+        assert all(load[2] == 0 and load[3] == 0 for load in got["load"][STEPS - 1]), got["load"]
+        # each tp peer runs its block of the experts on its ep group's every assignment: tp blocks of each row
+        moe_layers = CONFIG.num_layers - CONFIG.moe.first_dense_layers
+        assert got["expert_rows"] == 2 * GLOBAL_BATCH * SEQ * CONFIG.moe.top_k * moe_layers, (rank, got["expert_rows"])
+        # the aux-loss-free update: counts and router bias of one device
+        assert got["counts"] == 0 and got["bias"] == 0, (rank, got["counts"], got["bias"])
+        # ep 2 x etp 2 -> 1 -> ep 2 x etp 2: the one layout; each takes the same next step
+        assert got["resumed_loss"] < TOL and got["reloaded_loss"] < TOL, (rank, got)

@@ -68,8 +68,8 @@ def test_selection_and_refusals(tmp_path, monkeypatch):
         STRATEGIES.build("ep", sequence_parallel=True)
     with pytest.raises(ValueError, match=r"tp_size=2 with cp_size=2: .*not built"):
         STRATEGIES.build("ep", tp_size=2, cp_size=2)
-    with pytest.raises(ValueError, match=r"expert_tp=True: tensor parallelism inside the experts .*not built"):
-        STRATEGIES.build("ep", tp_size=2, expert_tp=True)
+    with pytest.raises(ValueError, match=r"expert_tp=True splits each expert's matrices .*needs tp_size > 1"):
+        STRATEGIES.build("ep", expert_tp=True)
 
 
 def test_hugging_face_expert_blocks_under_tp_are_refused_by_name():

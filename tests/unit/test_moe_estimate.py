@@ -70,6 +70,9 @@ def _bytes(held):
     # ep 2 x tp 2 on 8: dense per tp rank 24576/2 + 129344 = 141632, sharded over dp_shard 4 -> 35408; experts from
     # dp_shard x tp = 8 ranks -> 49152; the embedding's tp half gathered (32000) and one layer's ep slice (98304)
     ("ep 2 x tp 2", ((35408 + 49152) * 4, (35408 + 49152) * 4, (35408 + 49152) * 8, (32000 + 98304) * 4)),
+    # ep 4 x tp 2 with TP inside the experts: ep borrowed from dp_shard 4 only, each tp peer holding its ep slice whole
+    # (393216 / 4 = 98304), nothing of it gathered; the dense part as under ep 2 x tp 2
+    ("ep 4 x etp 2", ((35408 + 98304) * 4, (35408 + 98304) * 4, (35408 + 98304) * 8, 32000 * 4)),
 ])
 def test_expert_parallel_model_states_equal_a_hand_computation(layout, expected):
     from shardkit.strategies import ExpertParallel
@@ -77,7 +80,8 @@ def test_expert_parallel_model_states_equal_a_hand_computation(layout, expected)
     strategy = {"ep 8": ExpertParallel(ep_size=8), "ep 2 full": ExpertParallel(ep_size=2),
                 "ep 2 none": ExpertParallel(ep_size=2, expert_sharding="none"),
                 "hsdp 2 ep 2": ExpertParallel(ep_size=2, dp_replicate=2),
-                "ep 2 x tp 2": ExpertParallel(ep_size=2, tp_size=2)}[layout]
+                "ep 2 x tp 2": ExpertParallel(ep_size=2, tp_size=2),
+                "ep 4 x etp 2": ExpertParallel(ep_size=4, tp_size=2, expert_tp=True)}[layout]
     assert _bytes(strategy.model_state_memory(_small_job(strategy))) == expected
 
 

@@ -1,0 +1,74 @@
+"""Tensor parallelism inside the experts on 4 ranks against one process (called from ``ep_workers.ep_worker``):
+``ExpertParallel(ep_size=2, tp_size=2, expert_tp=True)`` from ``--strategy-opt``. ep is borrowed from dp_shard (2),
+so an ep group is the two data-parallel ranks of one tp coordinate, and each expert's gate/up columns and down rows
+are split over the tp peers. ``_case`` gives the initial weights' difference, the loss, every whole gradient, the
+clipped norm and the weights after 3 AdamW steps, and the load of each step (the last one with ep rank 1's experts
+empty); then its checkpoint is loaded in one process (ep 2 x etp 2 -> 1), saved there in the one-device layout and
+loaded under ep 2 x etp 2 again (1 -> ep 2 x etp 2): the three take the same next step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["ep_etp_case"]
+
+
+def ep_etp_case(root: str, case: Any, ref: dict, init: dict, ref_balance: dict) -> dict[str, Any]:
+    """``case`` is ep_workers' ``_case(strategy, ref, init)``: its figures, the layout facts, the aux-loss-free
+    update's counts and router bias against ``ref_balance`` (one device's), and the resumed losses."""
+    import dataclasses
+
+    from ep_tp_workers import _expert_rows
+    from ep_workers import CONFIG, GLOBAL_BATCH, SEQ, _adamw
+
+    from shardkit import Runner
+    from shardkit.models import Llama
+    from shardkit.models.moe import moe_layers, update_router_biases
+    from shardkit.strategies import SingleDevice
+    from shardkit.strategies.registry import STRATEGIES
+
+    opts = ["ep_size=2", "tp_size=2", "expert_tp=true"]
+    got, runner, model, opt = case(STRATEGIES.build_from_cli("ep", opts), ref, init)
+    s = runner.strategy
+    experts = model.layers[0].mlp.experts
+    got.update(tp=s.tp_size, expert_tp=s.dims.expert_tp, ep_group=[int(r) for r in s.expert_mesh["ep"].mesh.flatten()],
+               mesh=list(experts.gate_up_proj.device_mesh.mesh_dim_names or ()),
+               local=[list(experts.gate_up_proj.to_local().shape), list(experts.down_proj.to_local().shape)])
+    got["counts"] = max((layer.tokens_per_expert - c).abs().max().item()
+                        for layer, c in zip(moe_layers(model), ref_balance["counts"]))
+    rate = 1e-3
+    for layer in moe_layers(model):
+        layer.config = dataclasses.replace(layer.config, bias_update_rate=rate)
+    update_router_biases(model, lambda counts: runner.all_reduce(counts, "sum"))
+    expected = [b + rate * torch.sign(c.mean() - c).to(b.dtype) for b, c in zip(ref_balance["bias"],
+                                                                                ref_balance["counts"])]
+    got["bias"] = max((layer.router.expert_bias - e).abs().max().item()
+                      for layer, e in zip(moe_layers(model), expected))
+    got["expert_rows"] = _expert_rows(model, s)  # after the counts: a train-mode forward adds to them
+    batch = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(9))
+    per = GLOBAL_BATCH // s.data_parallel_size
+    rows = slice(s.data_parallel_rank * per, (s.data_parallel_rank + 1) * per)
+
+    def next_loss(r: Any, m: torch.nn.Module, part: slice) -> float:
+        r.backward(m(batch[part], labels=batch[part]))
+        r.step()
+        return r.all_reduce(m(batch[part], labels=batch[part]).detach().clone(), "mean").item()
+
+    runner.save(f"{root}/ep2etp2", {"model": model, "optimizer": opt})
+    one = Runner(SingleDevice("cpu"), seed=0)  # every rank on its own: ep 2 x etp 2 -> 1
+    resumed = Llama(CONFIG)
+    resumed, resumed_opt = one.setup(resumed, _adamw(resumed))
+    one.load(f"{root}/ep2etp2", {"model": resumed, "optimizer": resumed_opt})
+    mine = f"{root}/etp_one{torch.distributed.get_rank()}/ckpt"  # the same one-device file on every rank
+    one.save(mine, {"model": resumed, "optimizer": resumed_opt})
+    back = Runner(STRATEGIES.build_from_cli("ep", opts), seed=0)  # 1 -> ep 2 x etp 2
+    again = Llama(CONFIG)
+    again, again_opt = back.setup(again, _adamw(again))
+    back.load(mine, {"model": again, "optimizer": again_opt})
+    after = next_loss(runner, model, rows)
+    single = next_loss(one, resumed, slice(None))
+    got["resumed_loss"] = abs(single - after)
+    got["reloaded_loss"] = abs(next_loss(back, again, rows) - single)
+    return got
