@@ -79,7 +79,7 @@ def _fresh_venv(root: Path, wheel: Path) -> tuple[Path, Path]:
 def _user_env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TORCH_EXTENSIONS_DIR", "SHARDKIT_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                "MASTER_", "TRITON_INTERPRET", "PYTEST"))}
+                                "MASTER_", "TRITON_INTERPRET", "PYTEST", "PYTHONPATH"))}  # a fresh user's
     env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), HF_HOME=str(home / "hf"), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", PYTHONWARNINGS="default")
     return env
