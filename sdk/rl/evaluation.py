@@ -34,12 +34,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from shardkit.rl.rollout import Completions, is_conversational, left_pad, right_pad
 from shardkit.rl.rounds import RoundSlots, check_prompt_rows, data_seed
-from shardkit.rl.vllm_correction import vllm_importance_metrics, vllm_importance_weights
 from shardkit.trainer.evaluation import EvalLoopOutput
 
 __all__ = ["EvalSteps", "OnlineRLEvaluation", "check_eval_settings", "eval_group_size"]
@@ -223,7 +221,7 @@ class OnlineRLEvaluation:
             logps, entropy = self._log_probs(self.model_wrapped, self.model, batch, entropy=True, chunked=False)
             batch["old_per_token_logps"] = logps
             if completions.logprobs is not None:
-                self._eval_vllm_correction(batch, completions.logprobs, filler)
+                self._vllm_correction("eval", batch, completions.logprobs, filler)
             if args.beta != 0.0:
                 batch["ref_per_token_logps"] = self.reference_log_probs(batch, chunked=False)
         # a filler rank's rows ran the forwards with the others' and stop here: it keeps no row of its own
@@ -243,19 +241,3 @@ class OnlineRLEvaluation:
         with torch.no_grad():
             loss = self.policy_objective(mine, logps[:real], entropy[:real], mode)
         return float(loss), real
-
-    def _eval_vllm_correction(self, batch: dict[str, Tensor], logprobs: list[list[float]], filler: bool) -> None:
-        """vLLM's correction weights of an eval step, and TRL's ``sampling/*`` metrics over the ranks with prompts."""
-        args, old, mask = self.args, batch["old_per_token_logps"], batch["completion_mask"].float()
-        sampling = torch.zeros_like(old)
-        for i, row in enumerate(logprobs):
-            sampling[i, :len(row)] = torch.tensor(row, dtype=old.dtype)
-        weights = vllm_importance_weights(old, sampling, mask, args.vllm_importance_sampling_mode,
-                                          args.vllm_importance_sampling_clip_min,
-                                          args.vllm_importance_sampling_clip_max)
-        batch["importance_sampling_ratio"] = weights
-        for name, (how, value) in vllm_importance_metrics(old, sampling, mask, weights).items():
-            values = [v for v in self.runner.gather_object([] if filler else [value]) if v == v]
-            combined = (min if how == "min" else max if how == "max" else lambda v: sum(v) / len(v))(values) \
-                if values else float("nan")
-            self._metrics["eval"][name].append(combined)

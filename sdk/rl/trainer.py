@@ -323,8 +323,10 @@ class OnlineRLTrainer(OnlineRLEvaluation, Trainer):
         batch["num_items_in_batch"] = tokens
         return batch
 
-    def _vllm_correction(self, mode: str, batch: dict[str, Tensor], logprobs: list[list[float]]) -> None:
-        """``batch["importance_sampling_ratio"]``: the weights of vLLM's samples, and TRL's metrics of them."""
+    def _vllm_correction(self, mode: str, batch: dict[str, Tensor], logprobs: list[list[float]],
+                         filler: bool = False) -> None:
+        """``batch["importance_sampling_ratio"]``: the weights of vLLM's samples, and TRL's metrics of them over the
+        ranks (an eval step's filler rows count in none)."""
         args, old, mask = self.args, batch["old_per_token_logps"], batch["completion_mask"].float()
         sampling = torch.zeros_like(old)
         for i, row in enumerate(logprobs):
@@ -334,7 +336,7 @@ class OnlineRLTrainer(OnlineRLEvaluation, Trainer):
                                           args.vllm_importance_sampling_clip_max)
         batch["importance_sampling_ratio"] = weights
         for name, (how, value) in vllm_importance_metrics(old, sampling, mask, weights).items():
-            values = [v for v in self.runner.gather_object([value]) if v == v]
+            values = [v for v in self.runner.gather_object([] if filler else [value]) if v == v]
             combined = (min if how == "min" else max if how == "max" else lambda v: sum(v) / len(v))(values) \
                 if values else float("nan")
             self._metrics[mode][name].append(combined)

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.strategies.ep_exchange import exchange
 from shardkit.strategies.parallel_dims import ParallelDims
 from shardkit.strategies.tensor_parallel import resolve_plan, validate_heads
 
@@ -238,24 +239,6 @@ class _ColumnShare(torch.autograd.Function):
         return whole, None, None, None, None, None
 
 
-class _Exchange(torch.autograd.Function):
-    """all_to_all_single over the ep group; the backward is the same exchange with the splits swapped."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
-
-
 def _scatter_sum(x: torch.Tensor, bounds: list[int], rank: int, group: Any) -> torch.Tensor:
     """Rows ``[bounds[rank], bounds[rank+1])`` of ``x`` summed over the tp peers (a reduce-scatter over uneven row
     blocks, as an all-to-all: gloo has no reduce-scatter), summed in at least fp32."""
@@ -342,7 +325,7 @@ class ExpertTensorDispatch:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.ep_group)  # recv[s, j]: source s, local expert j
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        received = _Exchange.apply(mine, out_splits, in_splits, self.ep_group)  # grouped by source, then expert
+        received = exchange(mine, out_splits, in_splits, self.ep_group)  # grouped by source, then expert
         peers = [torch.empty_like(recv) for _ in range(n)]
         dist.all_gather(peers, recv, group=self.tp_group)
         sizes = [int(p.sum()) for p in peers]
@@ -353,7 +336,7 @@ class ExpertTensorDispatch:
         by_expert = torch.sort(expert, stable=True).indices
         partial = experts(every[by_expert], torch.stack(peers).sum((0, 1)))
         out = _ScatterSum.apply(partial[torch.argsort(by_expert)], rows, self.tp_rank, self.tp_group)
-        back = _Exchange.apply(out, in_splits, out_splits, self.ep_group)
+        back = exchange(out, in_splits, out_splits, self.ep_group)
         return _GatherShares.apply(back, bounds, self.tp_rank, self.tp_group)
 
     def global_sum(self, local: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,7 @@ from shardkit.strategies import activation_checkpointing as checkpointing
 from shardkit.strategies import fsdp as _fsdp
 from shardkit.strategies.context_parallel import install_context_parallel
 from shardkit.strategies.cp_attention import RingAttention, UlyssesAttention
+from shardkit.strategies.ep_exchange import exchange
 from shardkit.strategies.ep_tensor import (
     ExpertTensorDispatch,
     TensorSplitDispatch,
@@ -151,24 +152,6 @@ def moe_modules(module: nn.Module) -> list[nn.Module]:
     return found
 
 
-class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with its backward: the same exchange with the splits swapped."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
-
-
 class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -218,12 +201,12 @@ class AllToAllDispatch:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send.contiguous(), group=self.group)  # recv[s, j]: source s, local expert j
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        received = _AllToAll.apply(tokens, out_splits, in_splits, self.group)  # grouped by source, then expert
+        received = exchange(tokens, out_splits, in_splits, self.group)  # grouped by source, then expert
         block = torch.repeat_interleave(torch.arange(ranks * per_rank, device=tokens.device), recv.reshape(-1))
         by_expert = torch.sort((block % per_rank) * ranks + block // per_rank, stable=True).indices
         out = experts(received[by_expert], recv.sum(0))
         restored = out[torch.argsort(by_expert)]
-        return _AllToAll.apply(restored, in_splits, out_splits, self.group)
+        return exchange(restored, in_splits, out_splits, self.group)
 
     def global_sum(self, local: torch.Tensor) -> torch.Tensor:
         """The sum over the data-parallel ranks; the gradient reaches ``local`` times their number (their gradients
