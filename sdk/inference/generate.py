@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.inference.decode import lean_generate
 from shardkit.inference.sync import any_rank, check_group, distributed, needs_sync, synced_call
 from shardkit.utils.operations import move_to_device
 
@@ -117,6 +118,10 @@ def _call(module: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any], sy
             dummy = torch.zeros((1, 1), dtype=torch.long, device=input_ids.device)
             module.generate(dummy, max_new_tokens=1, do_sample=False, **keep)
             return input_ids
+        if not sync:  # a loop of our own, token for token generate's, when it reproduces every setting
+            out = lean_generate(module, input_ids, kwargs)
+            if out is not None:
+                return out
         return module.generate(input_ids, **kwargs)
     if "synced" not in inspect.signature(module.generate).parameters:
         raise TypeError(f"generate: {type(module).__name__}.generate has no `synced` argument; shardkit generates "
