@@ -29,9 +29,10 @@ def main() -> None:
     from shardkit.inference.decode import lean_generate
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=opts.vocab, hidden_size=opts.hidden, intermediate_size=4 * opts.hidden,
-                                         num_hidden_layers=opts.layers, num_attention_heads=4, num_key_value_heads=4,
-                                         max_position_embeddings=256)).eval()
+    config = LlamaConfig(vocab_size=opts.vocab, hidden_size=opts.hidden, intermediate_size=4 * opts.hidden,
+                         num_hidden_layers=opts.layers, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=256)
+    model = LlamaForCausalLM(config).eval()
     ids = torch.randint(3, opts.vocab, (opts.batch, opts.prompt))
     mask = torch.ones_like(ids)
     for row in range(opts.batch):
@@ -52,7 +53,8 @@ def main() -> None:
             assert outs["lean"] is not None and torch.equal(outs["lean"], outs["hf"]), "tokens differ"
     hf, lean = statistics.median(times["hf"]), statistics.median(times["lean"])
     print(f"tokens equal in all {opts.rounds + 2} rounds; {opts.batch}x{opts.new} new tokens per call")
-    print(f"| HF generate | {hf * 1e3:.1f} ms |\n| lean loop   | {lean * 1e3:.1f} ms |\n| lean / HF   | {lean / hf:.2f} |")
+    print(f"| HF generate | {hf * 1e3:.1f} ms |\n| lean loop   | {lean * 1e3:.1f} ms |")
+    print(f"| lean / HF   | {lean / hf:.2f} |")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ Hugging Face's ``generate`` spends a fifth of a small model's call outside the f
 generation config, ``inspect.signature`` on every logits processor at every step, the per-step input preparation
 and stopping-criteria machinery. :func:`lean_generate` runs the same forwards (prefill, then one token at a time on a
 ``DynamicCache``, with the 2-D attention mask and the position ids ``generate`` builds for left-padded batches), the
-same logits arithmetic in the same order (repetition penalty, suppressed tokens, then temperature, top-k, top-p, min-p when sampling)
-and the same draw (``torch.multinomial`` on the softmax), so greedy and seeded sampled tokens are equal to
-``generate``'s.
+same logits arithmetic in the same order (repetition penalty, suppressed tokens, then temperature, top-k, top-p,
+min-p when sampling) and the same draw (``torch.multinomial`` on the softmax), so greedy and seeded sampled tokens
+are equal to ``generate``'s.
 
 It takes only what it reproduces: the settings are merged with the model's ``generation_config`` by Hugging Face's
 own merge (so its defaults, such as ``top_k=50``, apply as in ``generate``), and any merged field outside the
@@ -29,8 +29,8 @@ __all__ = ["lean_generate"]
 # Fields of the merged generation config the loop honours; any other field away from Hugging Face's global default
 # falls back to ``generate``.
 _SUPPORTED = frozenset({"do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "max_new_tokens",
-                        "max_length", "pad_token_id", "eos_token_id", "bos_token_id", "suppress_tokens", "transformers_version",
-                        "_from_model_config"})
+                        "max_length", "pad_token_id", "eos_token_id", "bos_token_id", "suppress_tokens",
+                        "transformers_version", "_from_model_config"})
 _accepts: dict[type, bool] = {}
 
 
