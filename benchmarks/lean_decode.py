@@ -1,7 +1,7 @@
 """One generate call, shardkit's lean decoding loop against Hugging Face's ``generate``, in one process.
 
     python benchmarks/lean_decode.py [--hidden 128] [--layers 2] [--vocab 2000] [--batch 8] [--prompt 8]
-                                     [--new 16] [--rounds 20] [--greedy]
+                                     [--new 16] [--rounds 20] [--greedy] [--threads 1]
 
 The GRPO benchmark's model and sampling (HF Llama, fp32, temperature 1, HF's default top_k=50, the EOS token
 suppressed so every row decodes --new tokens), left-padded prompts. The two alternate call by call with the same
@@ -23,7 +23,9 @@ def main() -> None:
                           ("rounds", 20)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--greedy", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (more oversubscribe a shared machine)")
     opts = parser.parse_args()
+    torch.set_num_threads(opts.threads)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from shardkit.inference.decode import lean_generate

@@ -32,6 +32,7 @@ _SUPPORTED = frozenset({"do_sample", "temperature", "top_k", "top_p", "min_p", "
                         "max_length", "pad_token_id", "eos_token_id", "bos_token_id", "suppress_tokens",
                         "transformers_version", "_from_model_config"})
 _accepts: dict[type, bool] = {}
+_defaults: dict[str, Any] = {}
 
 
 def _plain_generation_code(model: nn.Module) -> bool:
@@ -79,13 +80,15 @@ def _merged_settings(model: nn.Module, kwargs: dict[str, Any]) -> tuple[Any, dic
 
     try:
         config, model_kwargs = model._prepare_generation_config(None, **kwargs)
-        reference = GenerationConfig()
-        reference.update(**model.generation_config._get_default_generation_params(), defaults_only=True)
+        if not _defaults:  # Hugging Face's global defaults: the same for every model
+            reference = GenerationConfig()
+            reference.update(**model.generation_config._get_default_generation_params(), defaults_only=True)
+            _defaults.update(reference.to_dict())
     except Exception:  # noqa: BLE001 - whatever the merge refuses, generate refuses with its own message
         return None
     if set(model_kwargs) - {"attention_mask"}:
         return None
-    ours, theirs = config.to_dict(), reference.to_dict()
+    ours, theirs = config.to_dict(), _defaults
     if any(not _same(ours.get(k), theirs.get(k)) for k in set(ours) | set(theirs) if k not in _SUPPORTED):
         return None
     return config, model_kwargs
