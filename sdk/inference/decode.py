@@ -174,6 +174,7 @@ class _Processing:
         return padded.scatter(1, input_ids, seen)[..., :vocab]
 
 
+@torch.no_grad()
 def lean_generate(model: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
     """Decode ``input_ids`` (left-padded, with ``attention_mask`` in ``kwargs``) as ``model.generate(input_ids,
     **kwargs)`` would, on this process alone; None when the call holds anything the loop does not reproduce (the

@@ -105,7 +105,7 @@ def _forward_inputs(model, run):
 
     def record(module, args, kwargs):
         seen.append({k: v.clone() if isinstance(v, torch.Tensor) else type(v) if k == "past_key_values" else v
-                     for k, v in kwargs.items()})
+                     for k, v in kwargs.items()} | {"grad enabled": torch.is_grad_enabled()})
 
     handle = model.register_forward_pre_hook(record, with_kwargs=True)
     try:
@@ -118,7 +118,7 @@ def _forward_inputs(model, run):
 @pytest.mark.parametrize("padded", [False, True])
 def test_forwards_get_generate_inputs(models, padded):
     """Every argument of every forward is generate's: token ids, position ids, the 2-D mask (none without padding),
-    the cache's type, logits_to_keep (a rotary model's tokens alone would not show a position shift)."""
+    the cache's type, logits_to_keep, no autograd (a rotary model's tokens alone would not show a position shift)."""
     model = models["llama"]
     ids, mask = _prompts(padded)
     kwargs = {"attention_mask": mask, "max_new_tokens": 4, "pad_token_id": 0, "do_sample": False}
