@@ -242,3 +242,28 @@ def test_runner_path_decodes_lean_and_equal(models):
         out = generate(model, ids, **kwargs)
     hf.assert_not_called()
     assert torch.equal(out, expected)
+
+
+def test_grpo_rollouts_sample_lean_and_as_generate(models):
+    """The GRPO trainer's sampling settings (TRL's defaults, EOS suppressed as the benchmark does) take the lean loop
+    through Runner.generate and sample generate's completions."""
+    from shardkit import Runner, SingleDevice
+    from shardkit.rl.rollout import generate_completions
+
+    runner = Runner(strategy=SingleDevice("cpu"), seed=0)
+    model = runner.setup(_qwen2())
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [8, 9]]
+    sampling = {"do_sample": True, "temperature": 0.9, "top_p": 1.0, "top_k": 0, "min_p": None,
+                "repetition_penalty": 1.0, "suppress_tokens": [3]}
+
+    def sample():
+        torch.manual_seed(11)
+        return generate_completions(runner, model, prompts, pad_token_id=0, eos_token_ids=[2], max_new_tokens=6,
+                                    sampling=sampling).ids
+
+    with mock.patch.object(decode, "_decode", wraps=decode._decode) as lean:
+        ours = sample()
+    assert lean.call_count == 1
+    with mock.patch.object(generate_module, "lean_generate", return_value=None):  # generate's own sampling
+        theirs = sample()
+    assert ours == theirs
