@@ -186,10 +186,20 @@ def lean_generate(model: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, A
     if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape or not _model_fits(model, input_ids):
         return None
     merged = _merged_settings(model, kwargs)
-    if merged is None or not _settings_fit(merged[0]):
+    if merged is None or not _settings_fit(merged[0]) or _generate_would_warn(model, input_ids, mask, merged[0]):
         return None
-    config = merged[0]
-    return _decode(model, input_ids, mask, config)
+    return _decode(model, input_ids, mask, merged[0])
+
+
+def _generate_would_warn(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, config: Any) -> bool:
+    """Calls ``generate`` warns about (right padding, a length past the model's positions, negative EOS ids): they run
+    ``generate``, so that its warning is seen."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    eos = config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return ((input_ids.shape[0] > 1 and bool((mask[:, -1] == 0).any()))
+            or (limit is not None and input_ids.shape[1] + int(config.max_new_tokens) > limit)
+            or any(not isinstance(e, int) or e < 0 for e in eos))
 
 
 def _decode(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, config: Any) -> torch.Tensor:

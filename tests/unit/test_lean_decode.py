@@ -229,6 +229,11 @@ def test_model_features_fall_back_to_generate(models):
 
     own = OwnGenerate(model.config).eval()
     assert lean_generate(own, ids, kwargs) is None
+    # what generate warns about runs generate: right padding, past the model's positions, a negative EOS id
+    assert lean_generate(model, ids, {**kwargs, "attention_mask": mask.flip(1)}) is None
+    assert lean_generate(model, ids, {**kwargs, "max_new_tokens": 64}) is None
+    assert lean_generate(model, ids, {**kwargs, "eos_token_id": [-1]}) is None
+    assert lean_generate(model, ids, kwargs) is not None
 
 
 def test_runner_path_decodes_lean_and_equal(models):
