@@ -10,7 +10,9 @@ Face: ``synced_gpus=True``, set here; shardkit's Llama: the same all-reduced fla
 ``generation_context`` holds every parameter whole on every rank for the call (ZeRO-3 and FSDP2 gathered once,
 no tensor-parallel split), forwards are local: each rank then decodes on its own, with no per-token
 all-reduce and no waiting for the longest rank, and the ranks meet again at their next collective (the
-context's release, partitioning the parameters again, is local on every rank). Ranks of one
+context's release, partitioning the parameters again, is local on every rank); a Hugging Face model decoding on its
+own runs :func:`shardkit.inference.decode.lean_generate`, whose tokens equal ``generate``'s, or ``generate`` for any
+setting the loop does not reproduce. Ranks of one
 tensor-parallel group share every forward, so their prompts are exchanged and each group generates
 its members' requests one after the other (identical requests once). A call made on only some ranks
 fails within $SHARDKIT_GENERATE_ENTRY_TIMEOUT seconds (60) with :class:`NotCalledOnAllRanksError`.
