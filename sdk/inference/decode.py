@@ -186,7 +186,10 @@ def lean_generate(model: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, A
     if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape or not _model_fits(model, input_ids):
         return None
     merged = _merged_settings(model, kwargs)
-    if merged is None or not _settings_fit(merged[0]) or _generate_would_warn(model, input_ids, mask, merged[0]):
+    try:
+        if merged is None or not _settings_fit(merged[0]) or _generate_would_warn(model, input_ids, mask, merged[0]):
+            return None
+    except (TypeError, ValueError):  # a value of a type generate may take in its own way
         return None
     return _decode(model, input_ids, mask, merged[0])
 
