@@ -12,8 +12,10 @@ It takes only what it reproduces: the settings are merged with the model's ``gen
 own merge (so its defaults, such as ``top_k=50``, apply as in ``generate``), and any merged field outside the
 supported ones (beam search, stopping strings, min lengths, bad words, returned dictionaries, custom processors,
 ...), a model whose generation code is its own, a model without a default dynamic cache, an encoder-decoder, or a
-model spread over devices returns ``None``: the caller then runs ``generate`` itself. It never decodes in lock step
-with other ranks (``synced_gpus``): callers that need that use ``generate``.
+model spread over devices returns ``None``: the caller then runs ``generate`` itself. In lock step with other ranks
+(``synced_gpus=True``) it keeps ``generate``'s order of forwards and all-reduces: a rank that is done keeps joining
+the forwards until every rank is, and ranks running ``generate`` and ranks running this loop meet at the same
+collectives.
 """
 
 from __future__ import annotations
@@ -179,8 +181,9 @@ def lean_generate(model: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, A
     """Decode ``input_ids`` (left-padded, with ``attention_mask`` in ``kwargs``) as ``model.generate(input_ids,
     **kwargs)`` would, on this process alone; None when the call holds anything the loop does not reproduce (the
     caller runs ``generate``)."""
-    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or kwargs.get("synced_gpus"):
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0:
         return None
+    synced = bool(kwargs.get("synced_gpus"))
     kwargs = {k: v for k, v in kwargs.items() if k != "synced_gpus"}
     mask = kwargs.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape or not _model_fits(model, input_ids):
@@ -191,7 +194,7 @@ def lean_generate(model: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, A
             return None
     except (TypeError, ValueError):  # a value of a type generate may take in its own way
         return None
-    return _decode(model, input_ids, mask, merged[0])
+    return _decode(model, input_ids, mask, merged[0], synced)
 
 
 def _generate_would_warn(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, config: Any) -> bool:
@@ -205,12 +208,12 @@ def _generate_would_warn(model: nn.Module, input_ids: torch.Tensor, mask: torch.
             or any(not isinstance(e, int) or e < 0 for e in eos))
 
 
-def _decode(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, config: Any) -> torch.Tensor:
+def _decode(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, config: Any, synced: bool) -> torch.Tensor:
     from transformers import DynamicCache
 
     device = input_ids.device
     position_ids = mask.long().cumsum(-1) - 1
-    position_ids = position_ids.masked_fill(mask == 0, 0)
+    last_position = position_ids.masked_fill(mask == 0, 0)
     # generate drops a mask of ones (no padding): the model then takes its causal path without one
     attention_mask = None if bool((mask == 1).all()) else mask
     processing = _Processing(config, attention_mask)
@@ -220,14 +223,23 @@ def _decode(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, confi
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     extra = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
     unfinished = torch.ones(input_ids.shape[0], dtype=torch.long, device=device)
-    step_ids, step_positions = input_ids, position_ids
-    last_position = position_ids[:, -1:]
-    while True:
-        inputs = {"input_ids": step_ids, "past_key_values": cache, "position_ids": step_positions, "use_cache": True}
-        if attention_mask is not None:
-            inputs["attention_mask"] = attention_mask
-        outputs = model(**inputs, **extra, return_dict=True)
+    # the forwards and all-reduces come in generate's order, so that ranks running generate and ranks running this
+    # loop in one lock step meet at the same collectives
+    outputs = model(**_step_inputs(input_ids, cache, last_position, attention_mask), **extra, return_dict=True)
+    consumed, finished = False, False
+    while _anyone_unfinished(finished, synced, device):
+        if consumed:
+            outputs = model(**_step_inputs(input_ids[:, -1:], cache, last_position, attention_mask), **extra,
+                            return_dict=True)
+        consumed = True
         cache = outputs.past_key_values
+        # every forward moves the positions and the mask on, also the ones a finished rank joins in lock step
+        last_position = last_position[:, -1:] + 1
+        if attention_mask is not None:
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], dim=-1)
+        if finished:
+            del outputs
+            continue
         logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=device)
         del outputs
         scores = processing(input_ids, logits)
@@ -238,13 +250,24 @@ def _decode(model: nn.Module, input_ids: torch.Tensor, mask: torch.Tensor, confi
         if eos is not None:  # a finished row takes the padding token
             tokens = tokens * unfinished + pad * (1 - unfinished)
         input_ids = torch.cat([input_ids, tokens[:, None]], dim=-1)
-        done = input_ids.shape[1] >= max_length
         if eos is not None:
             unfinished = unfinished & ~torch.isin(tokens, eos)
-        if done or (eos is not None and int(unfinished.max()) == 0):
-            return input_ids
-        step_ids = tokens[:, None]
-        last_position = last_position + 1
-        step_positions = last_position
-        if attention_mask is not None:
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((attention_mask.shape[0], 1))], dim=-1)
+        finished = input_ids.shape[1] >= max_length or (eos is not None and int(unfinished.max()) == 0)
+    return input_ids
+
+
+def _step_inputs(ids: torch.Tensor, cache: Any, positions: torch.Tensor, mask: torch.Tensor | None) -> dict[str, Any]:
+    inputs = {"input_ids": ids, "past_key_values": cache, "position_ids": positions, "use_cache": True}
+    if mask is not None:
+        inputs["attention_mask"] = mask
+    return inputs
+
+
+def _anyone_unfinished(finished: bool, synced: bool, device: torch.device) -> bool:
+    """In lock step every rank learns whether any rank still decodes (one all-reduce per step, as ``generate``'s
+    ``synced_gpus`` does, so a rank that is done keeps joining the forwards); otherwise only this rank's answer."""
+    if not synced:
+        return not finished
+    flag = torch.tensor(0.0 if finished else 1.0, device=device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.SUM)
+    return flag.item() != 0.0

@@ -199,15 +199,41 @@ def test_unsupported_settings_fall_back_to_generate(models, extra):
     hf.assert_called_once()
 
 
-def test_lock_step_falls_back_to_generate(models):
-    """A rank decoding in lock step must keep joining forwards after it is done, as generate's synced_gpus does."""
+@pytest.mark.parametrize("others", [0, 3, 12])
+def test_lock_step_joins_forwards_as_generate(models, others):
+    """In lock step (synced_gpus) the loop makes generate's forwards and all-reduces in generate's order: a rank that
+    is done keeps joining forwards while another rank (simulated: its flag in the first ``others`` all-reduces)
+    still decodes, so ranks running either meet at the same collectives."""
     model = models["llama"]
     ids, mask = _prompts(True)
-    kwargs = {"attention_mask": mask, "max_new_tokens": 3, "pad_token_id": 0}
-    assert lean_generate(model, ids, {**kwargs, "synced_gpus": True}) is None
-    with mock.patch.object(type(model), "generate", autospec=True, return_value="hf") as hf:
-        assert generate_module._call(model, ids, kwargs, sync=True) == "hf"
-    assert hf.call_args.kwargs["synced_gpus"] is True
+    kwargs = {"attention_mask": mask, "max_new_tokens": 4, "pad_token_id": 0, "do_sample": True, "top_k": 20}
+
+    def run(call):
+        reduces = []
+
+        def all_reduce(flag, op=None, group=None, async_op=False):
+            reduces.append(float(flag))
+            if len(reduces) <= others:
+                flag.add_(1.0)
+
+        torch.manual_seed(9)
+        with mock.patch("torch.distributed.all_reduce", all_reduce):
+            out = {}
+            forwards = _forward_inputs(model, lambda: out.setdefault("ids", call()))
+        return out["ids"], forwards, reduces
+
+    ours = run(lambda: lean_generate(model, ids, {**kwargs, "synced_gpus": True}))
+    theirs = run(lambda: model.generate(ids, synced_gpus=True, **kwargs))
+    assert torch.equal(ours[0], theirs[0]) and ours[2] == theirs[2]
+    assert len(ours[1]) == len(theirs[1]) == max(4, others)
+    for a, b in zip(ours[1], theirs[1]):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert (torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) else a[key] == b[key]), key
+    with mock.patch.object(type(model), "generate", autospec=True) as hf:  # Runner.generate's lock step takes it
+        with mock.patch("torch.distributed.all_reduce", lambda flag, **kw: None):
+            generate_module._call(model, ids, kwargs, sync=True)
+    hf.assert_not_called()
 
 
 def test_model_features_fall_back_to_generate(models):
