@@ -10,7 +10,9 @@ Face: ``synced_gpus=True``, set here; shardkit's Llama: the same all-reduced fla
 ``generation_context`` holds every parameter whole on every rank for the call (ZeRO-3 and FSDP2 gathered once,
 no tensor-parallel split), forwards are local: each rank then decodes on its own, with no per-token
 all-reduce and no waiting for the longest rank, and the ranks meet again at their next collective (the
-context's release, partitioning the parameters again, is local on every rank). Ranks of one
+context's release, partitioning the parameters again, is local on every rank). A Hugging Face model decodes with
+:func:`shardkit.inference.decode.lean_generate`, whose tokens, forwards and lock step are ``generate``'s, or with
+``generate`` for any setting the loop does not reproduce. Ranks of one
 tensor-parallel group share every forward, so their prompts are exchanged and each group generates
 its members' requests one after the other (identical requests once). A call made on only some ranks
 fails within $SHARDKIT_GENERATE_ENTRY_TIMEOUT seconds (60) with :class:`NotCalledOnAllRanksError`.
@@ -27,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardkit.inference.decode import lean_generate
 from shardkit.inference.sync import any_rank, check_group, distributed, needs_sync, synced_call
 from shardkit.utils.operations import move_to_device
 
@@ -117,7 +120,8 @@ def _call(module: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any], sy
             dummy = torch.zeros((1, 1), dtype=torch.long, device=input_ids.device)
             module.generate(dummy, max_new_tokens=1, do_sample=False, **keep)
             return input_ids
-        return module.generate(input_ids, **kwargs)
+        out = lean_generate(module, input_ids, kwargs)  # token for token generate's, when it reproduces every setting
+        return out if out is not None else module.generate(input_ids, **kwargs)
     if "synced" not in inspect.signature(module.generate).parameters:
         raise TypeError(f"generate: {type(module).__name__}.generate has no `synced` argument; shardkit generates "
                         "with shardkit.models.Llama and Hugging Face models (GenerationMixin)")
