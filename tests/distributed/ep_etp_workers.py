@@ -18,14 +18,13 @@ __all__ = ["ep_etp_case"]
 def ep_etp_case(root: str, case: Any, ref: dict, init: dict, ref_balance: dict) -> dict[str, Any]:
     """``case`` is ep_workers' ``_case(strategy, ref, init)``: its figures, the layout facts, the aux-loss-free
     update's counts and router bias against ``ref_balance`` (one device's), and the resumed losses."""
-    import dataclasses
 
     from ep_tp_workers import _expert_rows
-    from ep_workers import CONFIG, GLOBAL_BATCH, SEQ, _adamw
+    from ep_workers import CONFIG, GLOBAL_BATCH, SEQ, _adamw, bias_update_error
 
     from shardkit import Runner
     from shardkit.models import Llama
-    from shardkit.models.moe import moe_layers, update_router_biases
+    from shardkit.models.moe import moe_layers
     from shardkit.strategies import SingleDevice
     from shardkit.strategies.registry import STRATEGIES
 
@@ -38,14 +37,7 @@ def ep_etp_case(root: str, case: Any, ref: dict, init: dict, ref_balance: dict) 
                local=[list(experts.gate_up_proj.to_local().shape), list(experts.down_proj.to_local().shape)])
     got["counts"] = max((layer.tokens_per_expert - c).abs().max().item()
                         for layer, c in zip(moe_layers(model), ref_balance["counts"]))
-    rate = 1e-3
-    for layer in moe_layers(model):
-        layer.config = dataclasses.replace(layer.config, bias_update_rate=rate)
-    update_router_biases(model, lambda counts: runner.all_reduce(counts, "sum"))
-    expected = [b + rate * torch.sign(c.mean() - c).to(b.dtype) for b, c in zip(ref_balance["bias"],
-                                                                                ref_balance["counts"])]
-    got["bias"] = max((layer.router.expert_bias - e).abs().max().item()
-                      for layer, e in zip(moe_layers(model), expected))
+    got["bias"], _ = bias_update_error(runner, model, ref_balance)
     got["expert_rows"] = _expert_rows(model, s)  # after the counts: a train-mode forward adds to them
     batch = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(9))
     per = GLOBAL_BATCH // s.data_parallel_size

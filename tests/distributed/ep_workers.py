@@ -159,13 +159,28 @@ def _balancing(model: torch.nn.Module) -> dict[str, Any]:
             "bias": [layer.router.expert_bias.clone() for layer in moe_layers(model)]}
 
 
+def bias_update_error(runner: Runner, model: torch.nn.Module, ref_balance: dict) -> tuple[float, float]:
+    """The aux-loss-free update (rate 1e-3) on the counts the ranks gathered: the largest difference of each router's
+    bias from one device's update of ``ref_balance``'s counts, and how far that update moved the bias."""
+    import dataclasses
+
+    from shardkit.models.moe import update_router_biases
+
+    rate = 1e-3
+    for layer in moe_layers(model):
+        layer.config = dataclasses.replace(layer.config, bias_update_rate=rate)
+    update_router_biases(model, lambda counts: runner.all_reduce(counts, "sum"))
+    expected = [b + rate * torch.sign(c.mean() - c).to(b.dtype) for b, c in zip(ref_balance["bias"],
+                                                                                ref_balance["counts"])]
+    error = max((layer.router.expert_bias - e).abs().max().item() for layer, e in zip(moe_layers(model), expected))
+    return error, max((e - b).abs().max().item() for e, b in zip(expected, ref_balance["bias"]))
+
+
 def cp_case(root: str, ref: dict, init: dict, ref_balance: dict) -> dict[str, Any]:
     """ep 2 x cp 2 against one device: ``_case``'s figures, then the aux-loss-free update's counts and bias (the
     Trainer's call), an eval forward (no labels: whole sequences on every cp rank, statistics over dp only), and its
     checkpoint loaded in one process, whose next step must be the ep 2 x cp 2 run's."""
-    import dataclasses
 
-    from shardkit.models.moe import update_router_biases
     from shardkit.strategies import SingleDevice
     from shardkit.strategies.expert_parallel import ExpertParallel
 
@@ -183,15 +198,7 @@ def cp_case(root: str, ref: dict, init: dict, ref_balance: dict) -> dict[str, An
     out["counts"] = max((a - b).abs().max().item() for a, b in zip(got["counts"], ref_balance["counts"]))
     out["logits"] = (got["logits"] - ref_balance["logits"][rows]).abs().max().item()
     out["eval_load"] = got["eval_load"] == ref_balance["eval_load"]
-    rate = 1e-3
-    for layer in moe_layers(model):
-        layer.config = dataclasses.replace(layer.config, bias_update_rate=rate)
-    update_router_biases(model, lambda counts: runner.all_reduce(counts, "sum"))
-    expected = [b + rate * torch.sign(c.mean() - c).to(b.dtype) for b, c in zip(ref_balance["bias"],
-                                                                                ref_balance["counts"])]
-    out["bias"] = max((layer.router.expert_bias - e).abs().max().item() for layer, e in zip(moe_layers(model),
-                                                                                           expected))
-    out["bias_moved"] = max((e - b).abs().max().item() for e, b in zip(expected, ref_balance["bias"]))
+    out["bias"], out["bias_moved"] = bias_update_error(runner, model, ref_balance)
     runner.save(f"{root}/ep2cp2", {"model": model, "optimizer": opt})
     one = Runner(SingleDevice("cpu"), seed=0)  # every rank on its own: ep 2 x cp 2 -> one device
     resumed = Llama(CONFIG)
