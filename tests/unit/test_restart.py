@@ -216,6 +216,10 @@ def test_notebook_launcher_restarts_a_failed_function(monkeypatch, capsys):
             raise launcher.LaunchError("failed", failed_ranks=[0], exitcodes={0: 1}, tracebacks={0: trace})
         return ["done"]
 
+    import shardkit.distributed as package
+
+    # the package's lazy export caches what it resolves: patch it too, so that the fake never outlives this test
+    monkeypatch.setattr(package, "launch", fake_launch)
     monkeypatch.setattr(launcher, "launch", fake_launch)
     fail = ["OSError: flaky disk", "ValueError: bad row 3", None]
     assert notebook_launcher(print, num_processes=2, max_restarts=3) == ["done"] and calls == ["0", "1", "2"]
