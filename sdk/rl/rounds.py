@@ -16,14 +16,17 @@ checkpoint and a resume goes on with it, as the uninterrupted run does.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
+from shardkit.checkpoint.format import CheckpointError, fsync_dir, write_bytes_durable
 from shardkit.trainer.checkpointing import Checkpointer
 
 __all__ = ["Round", "RoundCheckpointer", "RoundSlots", "check_prompt_rows", "data_seed"]
@@ -149,6 +152,40 @@ def _check_layout(saved: dict[str, Any] | None, mine: dict[str, Any] | None, pat
                      "num_iterations, ranks and dataset), or from a checkpoint saved at the end of an epoch")
 
 
+def _write_round_state(state: dict[str, Any], file: Path) -> None:
+    """Written whole or not at all (a temporary file renamed into place): the checkpoint is already published, and a
+    kill mid-write must not leave a truncated file there for the resume to trip on."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    tmp = file.parent / f".{file.name}.tmp"
+    write_bytes_durable(tmp, buffer.getvalue())
+    os.replace(tmp, file)
+    fsync_dir(file.parent)
+
+
+def _read_round_state(file: Path) -> dict[str, Any]:
+    """The state :func:`_write_round_state` wrote, checked (a damaged or foreign file is a named error)."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same named error
+        raise CheckpointError(f"{file}: not a readable RL round state ({type(err).__name__}: {err}); resume from "
+                              "another checkpoint, or delete this file to regenerate the round") from None
+    expected = {"world_size": int, "metrics": dict, "round": (dict, type(None)), "layout": (dict, type(None)),
+                "inside_epoch": bool}
+    if not isinstance(state, dict) or any(not isinstance(state.get(k), t) for k, t in expected.items()):
+        raise CheckpointError(f"{file}: not an RL round state written by shardkit (expected the keys "
+                              f"{sorted(expected)}); resume from another checkpoint, or delete this file to "
+                              "regenerate the round")
+    held = state["round"]
+    if held is not None and not (isinstance(held.get("key"), list) and isinstance(held.get("used"), int)
+                                 and isinstance(held.get("batches"), list)
+                                 and all(isinstance(b, dict) and all(isinstance(v, torch.Tensor) for v in b.values())
+                                         for b in held["batches"])):
+        raise CheckpointError(f"{file}: its buffered round is malformed (key, used, batches of tensors); resume from "
+                              "another checkpoint, or delete this file to regenerate the round")
+    return state
+
+
 class RoundCheckpointer(Checkpointer):
     """The Trainer's checkpointer, plus each rank's unfinished round (and the metrics not yet logged) in the
     checkpoint. ``trainer`` is the online RL trainer (its ``_round``, ``_metrics``, ``_resumed_round``)."""
@@ -174,7 +211,7 @@ class RoundCheckpointer(Checkpointer):
             held = trainer._round
             state["round"] = {"key": list(held.key), "used": held.used,
                               "batches": [{k: v.detach().cpu() for k, v in batch.items()} for batch in held.batches]}
-        torch.save(state, _round_file(path, runner.rank))
+        _write_round_state(state, _round_file(path, runner.rank))
         runner.barrier("rl-round-save")
         return path
 
@@ -186,7 +223,7 @@ class RoundCheckpointer(Checkpointer):
         file = _round_file(path, runner.rank)
         if not file.is_file():
             return result
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        state = _read_round_state(file)
         if state["inside_epoch"]:
             _check_layout(state["layout"], _layout(trainer._slots), path)
         if state["world_size"] != runner.world_size:

@@ -78,3 +78,21 @@ def test_a_resume_inside_an_epoch_with_another_prompt_layout_is_refused(tokenize
     with pytest.raises(ValueError, match=r"another prompt layout \(seed 0 -> 1\)"):
         _run("grpo", tokenizer, tmp_path / "other", tmp_path / "full" / "checkpoint-1", max_steps=2,
              steps_per_generation=1, seed=1)
+
+
+def test_a_damaged_round_file_is_a_named_error_and_no_temporary_is_left(tokenizer, tmp_path):
+    """The round state is renamed into place whole (no temporary left in the checkpoint); a truncated or foreign one
+    is a CheckpointError naming the file, not an unpickling traceback or a KeyError."""
+    from shardkit.checkpoint import CheckpointError
+
+    _run("grpo", tokenizer, tmp_path / "full", max_steps=1)
+    checkpoint = tmp_path / "full" / "checkpoint-1"
+    file = checkpoint / "rl_round-rank0.pt"
+    assert file.is_file() and not list(checkpoint.glob(".*.tmp"))
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"rl_round-rank0\.pt: not a readable RL round state"):
+        _run("grpo", tokenizer, tmp_path / "resumed", checkpoint, max_steps=2)
+    torch.save({"world_size": "1"}, file)
+    with pytest.raises(CheckpointError, match=r"rl_round-rank0\.pt: not an RL round state written by shardkit"):
+        _run("grpo", tokenizer, tmp_path / "resumed", checkpoint, max_steps=2)
