@@ -248,8 +248,9 @@ class ExpertParallel(_fsdp.FSDP):
             over tp along the sequence).
         expert_tp: with tp_size > 1, tensor parallelism inside the experts (torchtitan's etp = tp): ep is borrowed
             from dp_shard only and each expert's gate/up projection is split by columns and its down projection by
-            rows over the tp peers (:class:`~shardkit.strategies.ep_tensor.ExpertTensorDispatch`); False: the
-            experts whole on their ep rank, the tp peers holding different experts.
+            rows over the tp peers, each holding only its block (weights, gradients and optimizer state 1/tp;
+            :class:`~shardkit.strategies.ep_tensor.ExpertTensorDispatch`, :mod:`~shardkit.strategies.ep_expert_tp`);
+            False: the experts whole on their ep rank, the tp peers holding different experts.
         state_dict_type, timeout: as :class:`~shardkit.strategies.FSDP`.
     """
 
