@@ -8,6 +8,7 @@ Everything here works on a mix of DTensor and plain tensors, because a module se
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -15,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from shardkit.precision import Precision
 
@@ -26,7 +28,9 @@ __all__ = [
     "clip_grad_norm",
     "drop_unreduced_gradients",
     "dtensor_box",
+    "dtensor_boxes",
     "gathered_parameters",
+    "local_part",
     "local_tensor",
     "meta_parameters",
     "model_state_bytes",
@@ -202,9 +206,76 @@ def _swap_in(module: nn.Module, params: list[torch.Tensor], whole: dict[int, tor
 
 
 def dtensor_box(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(offsets, shape)`` of this rank's local shard of ``t`` in the global tensor."""
-    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return tuple(offsets), tuple(shape)
+    """``(offsets, shape)`` of this rank's local shard of ``t`` in the global tensor.
+
+    Raises:
+        ValueError: the shard is several boxes (:func:`dtensor_boxes`): one box would silently be the wrong data.
+    """
+    boxes = dtensor_boxes(t)
+    if len(boxes) != 1:
+        raise ValueError(f"a DTensor placed {t.placements} holds {len(boxes)} boxes of its global tensor on this rank, "
+                         "not one: read it with dtensor_boxes / local_part")
+    return boxes[0][0], boxes[0][1]
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...], tuple[slice, ...]]
+
+
+def _lone_strided(t: DTensor) -> list[tuple[int, Any]]:
+    """(mesh dim, placement) of each ``_StridedShard`` with ``split_factor > 1`` that is the only placement splitting
+    its tensor dimension: its shard is ``split_factor`` separate row blocks (as tensor parallelism inside the experts
+    splits a stacked gate/up weight), which torch's single offset cannot describe."""
+    out = []
+    for i, p in enumerate(t.placements):
+        if isinstance(p, _StridedShard) and p.split_factor > 1 and not any(
+                j != i and getattr(q, "dim", None) == p.dim and not isinstance(q, Replicate)
+                for j, q in enumerate(t.placements)):
+            out.append((i, p))
+    return out
+
+
+def dtensor_boxes(t: DTensor) -> list[Box]:
+    """This rank's local shard of ``t`` as boxes of the global tensor: ``(offsets, shape, index)``, ``index`` the
+    box's place in the local tensor (``local[index]``). One box for Shard/Replicate placements (torch's own offset);
+    a lone ``_StridedShard(d, split_factor=k)`` over ``n`` ranks holds, on coordinate ``c``, the ``c``-th of ``n``
+    blocks of each of the ``k`` equal parts of dimension ``d``: ``k`` boxes (none on a rank outside the mesh).
+
+    Raises:
+        ValueError: a lone strided dimension that ``k x n`` does not divide (its shards would be uneven).
+    """
+    strided = _lone_strided(t)
+    coord = t.device_mesh.get_coordinate()
+    if strided and coord is None:
+        return []
+    placements = list(t.placements)
+    for i, _ in strided:
+        placements[i] = Replicate()
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, placements)
+    runs: list[list[tuple[int, int, int]]] = [[(int(o), int(s), 0)] for o, s in zip(offsets, shape)]
+    for i, p in strided:
+        size, n, k = t.shape[p.dim], t.device_mesh.size(i), p.split_factor
+        if size % (k * n):
+            raise ValueError(f"a DTensor of shape {list(t.shape)} placed {t.placements}: dimension {p.dim} ({size}) % "
+                             f"(split_factor {k} x {n} ranks) != 0; the strided shards would be uneven")
+        piece = size // (k * n)
+        runs[p.dim] = [(part * (size // k) + coord[i] * piece, piece, part * piece) for part in range(k)]
+    return [(tuple(r[0] for r in combo), tuple(r[1] for r in combo),
+             tuple(slice(r[2], r[2] + r[1]) for r in combo)) for combo in itertools.product(*runs)]
+
+
+def local_part(full: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The part of the whole tensor ``full`` that ``t`` (a DTensor, or plain and whole) holds, shaped like its local
+    shard (a view where it is one box)."""
+    if not isinstance(t, DTensor):
+        return full
+    boxes = dtensor_boxes(t)
+    if len(boxes) == 1:
+        offsets, shape, _ = boxes[0]
+        return full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
+    out = full.new_empty(local_tensor(t).shape)
+    for offsets, shape, index in boxes:
+        out[index] = full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
+    return out
 
 
 @torch.no_grad()
@@ -218,8 +289,7 @@ def _keep_writes(params: list[torch.Tensor], whole: dict[int, torch.Tensor], src
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(full, src=src)
         if isinstance(p, DTensor):
-            offsets, shape = dtensor_box(p)
-            local_tensor(p).copy_(full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))])
+            local_tensor(p).copy_(local_part(full, p))
 
 
 # ---- optimizers -----------------------------------------------------------------------------------

@@ -375,7 +375,7 @@ def replay_into(module: nn.Module, records: dict[str, ParamRecord], device: torc
     Each parameter is rebuilt whole on ``device``, its local shard copied in, and the whole freed
     before the next; the RNG state is left as it was.
     """
-    from shardkit.strategies._dtensor import dtensor_box, local_tensor
+    from shardkit.strategies._dtensor import local_part, local_tensor
 
     cpu_state = torch.get_rng_state()
     cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
@@ -385,10 +385,7 @@ def replay_into(module: nn.Module, records: dict[str, ParamRecord], device: torc
             if record is None:
                 continue
             full = record.build(device).to(p.dtype)
-            if hasattr(p, "device_mesh"):
-                offsets, shape = dtensor_box(p)
-                full = full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
-            local_tensor(p).copy_(full)
+            local_tensor(p).copy_(local_part(full, p))
             del full
     finally:
         torch.set_rng_state(cpu_state)

@@ -3,7 +3,8 @@
 Two layouts, one per ``state_dict_type``:
 
 * sharded: every rank writes its local shards with ``CheckpointWriter.write_shard`` as boxes
-  (``ShardPiece(local, global_shape, offsets=...)``). Replicas (ranks whose coordinate on a
+  (``ShardPiece(local, global_shape, offsets=...)``; a strided shard, as tensor parallelism inside the experts makes
+  of a stacked gate/up weight, as one piece per box). Replicas (ranks whose coordinate on a
   ``Replicate`` mesh dimension is not 0) write nothing, so each box is stored once. Plain
   (non-DTensor) tensors are written whole by rank 0. The optimizer's tensors go into the entry
   ``<name>`` keyed ``<param FQN>/<state key>``, and its param groups and scalar state (Adam's
@@ -28,7 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from shardkit import checkpoint as ckpt
-from shardkit.strategies._dtensor import dtensor_box, local_tensor
+from shardkit.strategies._dtensor import dtensor_boxes, local_part, local_tensor
 
 __all__ = [
     "is_primary_replica",
@@ -59,13 +60,21 @@ def is_primary_replica(t: DTensor) -> bool:
     return all(c == 0 for c, p in zip(coord, t.placements) if isinstance(p, Replicate))
 
 
-def tensor_piece(t: torch.Tensor, rank: int) -> ckpt.ShardPiece | None:
-    """This rank's piece of ``t`` for ``write_shard``, or None where another rank writes the same box."""
+Pieces = ckpt.ShardPiece | list[ckpt.ShardPiece]
+
+
+def tensor_piece(t: torch.Tensor, rank: int) -> Pieces | None:
+    """This rank's piece of ``t`` for ``write_shard`` (several boxes for a strided shard, :func:`dtensor_boxes`), or
+    None where another rank writes the same boxes."""
     if isinstance(t, DTensor):
         if not is_primary_replica(t):
             return None
-        offsets, shape = dtensor_box(t)
+        boxes = dtensor_boxes(t)
         local = local_tensor(t).detach()
+        if len(boxes) != 1:
+            return [ckpt.ShardPiece(local[index].contiguous(), tuple(t.shape), offsets=offsets)
+                    for offsets, _, index in boxes]
+        offsets, shape, _ = boxes[0]
         if tuple(local.shape) != shape:
             raise RuntimeError(f"local shard of shape {tuple(local.shape)} does not match its placement's box "
                                f"{shape} at {offsets} (placements {t.placements}); this layout is not supported")
@@ -76,7 +85,7 @@ def tensor_piece(t: torch.Tensor, rank: int) -> ckpt.ShardPiece | None:
 
 
 def write_pieces(writer: ckpt.CheckpointWriter, name: str, tensors: Mapping[str, torch.Tensor], rank: int,
-                 piece: Callable[[torch.Tensor, int], ckpt.ShardPiece | None] = tensor_piece) -> None:
+                 piece: Callable[[torch.Tensor, int], Pieces | None] = tensor_piece) -> None:
     """Write this rank's pieces of ``tensors`` into the sharded entry ``name`` (every rank calls it)."""
     pieces = {}
     for key, t in tensors.items():
@@ -89,8 +98,15 @@ def write_pieces(writer: ckpt.CheckpointWriter, name: str, tensors: Mapping[str,
 def _read_local(reader: ckpt.CheckpointReader, name: str, key: str, like: torch.Tensor) -> torch.Tensor:
     """The part of saved tensor ``key`` that ``like`` (a DTensor shard or a plain tensor) holds."""
     if isinstance(like, DTensor):
-        offsets, shape = dtensor_box(like)
-        return reader.read_box(name, key, offsets, shape)
+        boxes = dtensor_boxes(like)
+        if len(boxes) == 1:
+            return reader.read_box(name, key, boxes[0][0], boxes[0][1])
+        out = None
+        for offsets, shape, index in boxes:  # a strided shard: its boxes into their places in the local tensor
+            box = reader.read_box(name, key, offsets, shape)
+            out = box.new_empty(local_tensor(like).shape) if out is None else out
+            out[index] = box
+        return out
     return reader.read_full(name, key)
 
 
@@ -253,6 +269,4 @@ def slice_full(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's part of a whole tensor ``full``, laid out like ``like`` (a DTensor shard, or plain whole)."""
     if not isinstance(like, DTensor):
         return full.to(like.device)
-    offsets, shape = dtensor_box(like)
-    box = full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))].contiguous()
-    return _as_like(box, like)
+    return _as_like(local_part(full, like).contiguous(), like)

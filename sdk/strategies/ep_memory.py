@@ -10,8 +10,9 @@ dense rest (attention, embeddings, norms, routers, shared experts). Under ``Expe
 - routed experts: each ep rank holds ``1 / ep`` of them (``ep`` borrowed from ``dp_shard x cp x tp``); with
   ``expert_sharding="full"`` FSDP2 shards that slice over the ``dp_shard x cp x tp / ep`` ranks holding the same
   experts, so a rank holds ``1 / (dp_shard x cp x tp)`` of them; with ``"none"`` the slice stays whole. With
-  ``expert_tp=True`` ep is borrowed from ``dp_shard x cp`` only and every tp peer holds its ep slice whole (each
-  computes its block of the experts from the whole weights), so a rank holds ``1 / ep`` of them.
+  ``expert_tp=True`` ep is borrowed from ``dp_shard x cp`` only and each tp peer holds its block of its ep slice
+  (:mod:`~shardkit.strategies.ep_expert_tp`), so a rank holds ``1 / (ep x tp)`` of them (and of their gradients
+  and optimizer state), with ``"none"`` as with ``"full"`` (the only one built when ``ep < dp``).
 
 Gathered on top (``working``): the largest dense module's tp part (``sharding="full"``) or every dense parameter's
 (``"grad_op"``: gathered from forward to backward), plus one MoE layer's ep slice while FSDP2 gathers it
@@ -45,8 +46,8 @@ def expert_parallel_state(job: MemoryJob, *, dp_replicate: int, tp: int, ep: int
         ep: expert-parallel ranks (None: every rank of ``dp_shard x cp x tp``, as ExpertParallel() takes).
         expert_sharding: "full" or "none" (how the ranks holding the same experts hold them).
         sharding: the dense parameters' FSDP2 mode, "full" or "grad_op".
-        expert_tp: tensor parallelism inside the experts (ep borrowed from dp_shard x cp; slices whole on every tp
-            peer).
+        expert_tp: tensor parallelism inside the experts (ep borrowed from dp_shard x cp; each tp peer holds its
+            block of the ep slice).
 
     Raises:
         ValueError: the sizes do not fit ``job.ranks`` (named as the mesh names them).
@@ -64,7 +65,10 @@ def expert_parallel_state(job: MemoryJob, *, dp_replicate: int, tp: int, ep: int
     dense = _dense_per_tp_rank(job, tp)
     dense_ways = borrowed // tp  # dp_shard x cp
     experts = job.expert_params
-    expert_ways = borrowed if expert_sharding == "full" and not expert_tp else ep
+    if expert_tp:
+        expert_ways = ep * tp
+    else:
+        expert_ways = borrowed if expert_sharding == "full" else ep
 
     def held(nbytes: int) -> int:
         return job.share(dense * nbytes, dense_ways) + job.share(experts * nbytes, expert_ways)

@@ -30,12 +30,11 @@ outputs are summed over tp. The tp peers share the dispatch: tp rank r sends onl
 expert-sorted assignments over ep (each assignment crosses the all-to-all once), the receiving peers all-gather what
 they received (each runs its block on all of its ep group's assignments: ``1 / tp`` of each expert's work), and the
 partial outputs are summed and scattered back to the peer whose share they are (a reduce-scatter) before the return
-all-to-all. An expert's gradient is its ep group's batches' sum, scaled by ``1 / ep``. The weights are held whole on
-the tp peers (a DTensor ``Shard(0)`` over ep, ``Replicate()`` over tp, so checkpoints, ``init_module`` and clipping
-see whole stacked tensors at their global shapes, the one layout): the compute and the activations are split over
-tp, the expert weights' memory and optimizer state are not (each peer's block's gradient is all-gathered over tp
-into the whole weight's, and the peers take the same AdamW step). With ``ep < dp`` only ``expert_sharding="none"``
-is built (FSDP2 over the replicas is refused by name).
+all-to-all. An expert's gradient is its ep group's batches' sum, scaled by ``1 / ep``. Each tp peer holds only its
+block (a DTensor ``Shard(0)`` over ep and its block's placement over tp, :mod:`~shardkit.strategies.ep_expert_tp`),
+so the expert weights, their gradients and their AdamW state are split over tp like the compute; the global shapes
+are the model's, so checkpoints are the one layout. With ``ep < dp`` only ``expert_sharding="none"`` is built (FSDP2
+over the replicas is refused by name).
 
 Not built here: ep x tp with context parallelism, and Hugging Face expert blocks under tp (transformers' own plan
 splits their experts); each is refused by name.
@@ -209,36 +208,6 @@ def check_expert_tp(dims: ParallelDims, intermediate_size: int, expert_sharding:
                          "ep_size equal to the data-parallel size")
 
 
-class _ColumnShare(torch.autograd.Function):
-    """This tp rank's block of an expert weight held whole on the tp peers: gate_up (E, 2I, H) gives rows
-    ``[r I/tp, (r+1) I/tp)`` of gate and of up, stacked (so the SwiGLU's ``chunk(2)`` pairs them as on one device);
-    down (E, H, I) gives columns ``[r I/tp, (r+1) I/tp)``. The backward all-gathers the peers' blocks' gradients
-    into the whole weight's (each peer's block is computed only there), times ``scale``."""
-
-    @staticmethod
-    def forward(ctx: Any, w: torch.Tensor, gate_up: bool, rank: int, size: int, group: Any,
-                scale: float) -> torch.Tensor:
-        ctx.gate_up, ctx.size, ctx.group, ctx.scale = gate_up, size, group, scale
-        if gate_up:
-            i = w.shape[1] // 2
-            b = i // size
-            return torch.cat([w[:, rank * b:(rank + 1) * b], w[:, i + rank * b:i + (rank + 1) * b]], dim=1)
-        b = w.shape[2] // size
-        return w[:, :, rank * b:(rank + 1) * b].contiguous()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        grad = (grad * ctx.scale).contiguous()
-        parts = [torch.empty_like(grad) for _ in range(ctx.size)]
-        dist.all_gather(parts, grad, group=ctx.group)
-        if ctx.gate_up:
-            b = grad.shape[1] // 2
-            whole = torch.cat([p[:, :b] for p in parts] + [p[:, b:] for p in parts], dim=1)
-        else:
-            whole = torch.cat(parts, dim=2)
-        return whole, None, None, None, None, None
-
-
 def _scatter_sum(x: torch.Tensor, bounds: list[int], rank: int, group: Any) -> torch.Tensor:
     """Rows ``[bounds[rank], bounds[rank+1])`` of ``x`` summed over the tp peers (a reduce-scatter over uneven row
     blocks, as an all-to-all: gloo has no reduce-scatter), summed in at least fp32."""
@@ -292,27 +261,22 @@ class ExpertTensorDispatch:
     they are (a reduce-scatter), which returns them over ep; the tp peers then all-gather the shares' outputs.
 
     Args:
-        inner: the ep dispatcher whose statistics (:func:`stats_group`) this one uses.
+        inner: the ep dispatcher whose statistics (:func:`stats_group`) and weight view (its ``grad_scale``
+            ``1 / ep``) this one uses.
         ep_group, tp_group: the ep group (this tp coordinate's data-parallel ranks holding the experts between
             them) and the tp peers (same tokens, same experts).
-        grad_scale: the factor on the local weights' gradients (``1 / ep``: the ep group's batches are summed into
-            them, the replicas of the experts average them).
     """
 
-    def __init__(self, inner: Any, ep_group: Any, tp_group: Any, grad_scale: float):
-        self.inner, self.ep_group, self.tp_group, self.grad_scale = inner, ep_group, tp_group, grad_scale
+    def __init__(self, inner: Any, ep_group: Any, tp_group: Any):
+        self.inner, self.ep_group, self.tp_group = inner, ep_group, tp_group
         self.ep_size = dist.get_world_size(ep_group)
         self.tp_size, self.tp_rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
 
-    def weight_view_for(self, holder: nn.Module) -> Any:
-        """``holder.weight_view``: this tp rank's block of this ep rank's experts of ``holder``'s stacked weights."""
-        from torch.distributed.tensor import DTensor
-
-        def view(weight: torch.Tensor) -> torch.Tensor:
-            local = weight.to_local() if isinstance(weight, DTensor) else weight
-            return _ColumnShare.apply(local, weight is holder.gate_up_proj, self.tp_rank, self.tp_size,
-                                      self.tp_group, self.grad_scale)
-        return view
+    def weight_view(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's block of its experts' stacked weight: the local shard it holds
+        (:mod:`~shardkit.strategies.ep_expert_tp`), its gradient scaled as ``inner``'s (``1 / ep``: the ep group's
+        batches are summed into it, the replicas of the experts average it)."""
+        return self.inner.weight_view(weight)
 
     def run(self, experts: nn.Module, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Outputs for ``tokens`` (sorted by global expert, ``counts`` per expert), whole on every tp rank."""

@@ -74,6 +74,7 @@ from shardkit.strategies import fsdp as _fsdp
 from shardkit.strategies.context_parallel import install_context_parallel
 from shardkit.strategies.cp_attention import RingAttention, UlyssesAttention
 from shardkit.strategies.ep_exchange import exchange
+from shardkit.strategies.ep_expert_tp import expert_tp_block, expert_tp_placement
 from shardkit.strategies.ep_tensor import (
     ExpertTensorDispatch,
     TensorSplitDispatch,
@@ -247,8 +248,9 @@ class ExpertParallel(_fsdp.FSDP):
             over tp along the sequence).
         expert_tp: with tp_size > 1, tensor parallelism inside the experts (torchtitan's etp = tp): ep is borrowed
             from dp_shard only and each expert's gate/up projection is split by columns and its down projection by
-            rows over the tp peers (:class:`~shardkit.strategies.ep_tensor.ExpertTensorDispatch`); False: the
-            experts whole on their ep rank, the tp peers holding different experts.
+            rows over the tp peers, each holding only its block (weights, gradients and optimizer state 1/tp;
+            :class:`~shardkit.strategies.ep_tensor.ExpertTensorDispatch`, :mod:`~shardkit.strategies.ep_expert_tp`);
+            False: the experts whole on their ep rank, the tp peers holding different experts.
         state_dict_type, timeout: as :class:`~shardkit.strategies.FSDP`.
     """
 
@@ -357,15 +359,16 @@ class ExpertParallel(_fsdp.FSDP):
             install_context_parallel(module, attention, self.dims, self.cp_mode, owner="ExpertParallel")
         return super().setup_module(module)
 
-    def _expert_layout(self) -> tuple[Any, list[Any]]:
-        """The mesh and placements of the stacked expert weights before any FSDP2 over their replicas."""
-        # expert_tp: the tp peers hold the same experts whole (Replicate over tp) and each computes its block
+    def _expert_layout(self, name: str) -> tuple[Any, list[Any]]:
+        """The mesh and placements of stacked expert weight ``name`` before any FSDP2 over their replicas."""
+        # expert_tp: each tp peer holds its block of the same experts (shardkit.strategies.ep_expert_tp)
         tp = ("tp",) if self.dims.expert_tp else ()
+        inner = [expert_tp_placement(name)] if tp else []
         if self.dims.expert_replicas > 1 and self.expert_sharding == "none":
             return (self.expert_mesh[("dp_replicate", "dp_shard_mod_ep", "ep", *tp)],
-                    [Replicate(), Replicate(), Shard(0)] + [Replicate()] * len(tp))
+                    [Replicate(), Replicate(), Shard(0), *inner])
         if tp:
-            return self.expert_mesh[("ep", "tp")], [Shard(0), Replicate()]
+            return self.expert_mesh[("ep", "tp")], [Shard(0), *inner]
         return self.expert_mesh["ep"], [Shard(0)]
 
     @override
@@ -377,7 +380,6 @@ class ExpertParallel(_fsdp.FSDP):
             apply_tensor_parallel(module, self.world_mesh["tp"], self.dims, self.sequence_parallel,
                                   hf_expert_blocks(module))
         ep_mesh = self.expert_mesh["ep"]
-        mesh, placements = self._expert_layout()
         unsplit = None
         if self.dims.cp > 1:  # the ranks with different batches: one cp coordinate's dp_replicate x dp_shard
             names = ("shard",) if self.dims.dp_replicate == 1 else ("replicate", "shard")
@@ -385,8 +387,7 @@ class ExpertParallel(_fsdp.FSDP):
         dispatch: Any = AllToAllDispatch(ep_mesh.get_group(), dist.group.WORLD, 1.0 / self.dims.ep, unsplit)
         if self.dims.expert_tp:  # tp peers split each expert: an expert's group sums ep batches' gradients
             inner = AllToAllDispatch(ep_mesh.get_group(), stats_group(self.world_mesh, self.dims), 1.0 / self.dims.ep)
-            dispatch = ExpertTensorDispatch(inner, ep_mesh.get_group(), self.world_mesh["tp"].get_group(),
-                                            1.0 / self.dims.ep)
+            dispatch = ExpertTensorDispatch(inner, ep_mesh.get_group(), self.world_mesh["tp"].get_group())
         elif self.dims.tp > 1:  # tp peers split the assignments: an expert's group sums ep / tp batches' gradients
             inner = AllToAllDispatch(ep_mesh.get_group(), stats_group(self.world_mesh, self.dims),
                                      self.dims.tp / self.dims.ep)
@@ -399,14 +400,16 @@ class ExpertParallel(_fsdp.FSDP):
                 per_rank = whole.shape[0] // self.dims.ep
                 start = ep_mesh.get_local_rank() * per_rank
                 local = whole.detach()[start:start + per_rank].clone()
+                if self.dims.expert_tp:  # only this tp rank's block: 1 / tp of the weight and its optimizer state
+                    local = expert_tp_block(local, name, self.world_mesh["tp"].get_local_rank(), self.dims.tp)
+                mesh, placements = self._expert_layout(name)
                 param = nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False,
                                                         shape=whole.shape, stride=whole.stride()),
                                      requires_grad=whole.requires_grad)
                 setattr(holder, name, param)
                 experts.append(param)
         for layer in moe_modules(module):
-            layer.experts.weight_view = dispatch.weight_view_for(layer.experts) if self.dims.expert_tp else \
-                dispatch.weight_view
+            layer.experts.weight_view = dispatch.weight_view
             layer.dispatcher = dispatch
         for block in hf_expert_blocks(module):
             block._shardkit_dispatch = dispatch

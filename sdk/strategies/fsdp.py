@@ -385,8 +385,6 @@ def _scatter_from_rank0(module: nn.Module, rank0_state: dict[str, torch.Tensor] 
         full = rank0_state[key] if rank0_state is not None else torch.empty(t.shape, dtype=t.dtype)
         full = full.to(device=_dtensor.local_tensor(t).device, dtype=t.dtype).contiguous()
         dist.broadcast(full, src=0)
-        offsets, shape = _dtensor.dtensor_box(t)
-        box = full[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
-        _dtensor.local_tensor(t).copy_(box)
+        _dtensor.local_tensor(t).copy_(_dtensor.local_part(full, t))
     for b in module.buffers():
         dist.broadcast(b.data, src=0)

@@ -1,10 +1,12 @@
 """Tensor parallelism inside the experts on 4 ranks against one process (called from ``ep_workers.ep_worker``):
 ``ExpertParallel(ep_size=2, tp_size=2, expert_tp=True)`` from ``--strategy-opt``. ep is borrowed from dp_shard (2),
 so an ep group is the two data-parallel ranks of one tp coordinate, and each expert's gate/up columns and down rows
-are split over the tp peers. ``_case`` gives the initial weights' difference, the loss, every whole gradient, the
-clipped norm and the weights after 3 AdamW steps, and the load of each step (the last one with ep rank 1's experts
-empty); then its checkpoint is loaded in one process (ep 2 x etp 2 -> 1), saved there in the one-device layout and
-loaded under ep 2 x etp 2 again (1 -> ep 2 x etp 2): the three take the same next step."""
+are split over the tp peers: each rank holds only its block of its experts (weights and AdamW moments 1/tp of its
+ep slice, counted from its local shards and by estimate-memory). ``_case`` gives the initial weights' difference, the
+loss, every whole gradient, the clipped norm and the weights after 3 AdamW steps, and the load of each step (the last
+one with ep rank 1's experts empty); then its checkpoint is loaded in one process (ep 2 x etp 2 -> 1), saved there in
+the one-device layout and loaded under ep 2 x etp 2 again (1 -> ep 2 x etp 2), and loaded under ep 4 and under ep 2 x
+tp 2 without tp inside the experts: all take the same next step."""
 
 from __future__ import annotations
 
@@ -34,7 +36,14 @@ def ep_etp_case(root: str, case: Any, ref: dict, init: dict, ref_balance: dict) 
     experts = model.layers[0].mlp.experts
     got.update(tp=s.tp_size, expert_tp=s.dims.expert_tp, ep_group=[int(r) for r in s.expert_mesh["ep"].mesh.flatten()],
                mesh=list(experts.gate_up_proj.device_mesh.mesh_dim_names or ()),
-               local=[list(experts.gate_up_proj.to_local().shape), list(experts.down_proj.to_local().shape)])
+               local=[list(experts.gate_up_proj.to_local().shape), list(experts.down_proj.to_local().shape)],
+               tp_placements=[type(experts.gate_up_proj.placements[1]).__name__,
+                              type(experts.down_proj.placements[1]).__name__])
+    got["held"] = _expert_bytes(model, opt)
+    # the whole ep slices (each rank's before the split over tp): 1/ep of every expert weight, with AdamW's 2 moments
+    got["ep_slice"] = sum(p.numel() // s.ep_size * p.element_size() * 3 for n, p in model.named_parameters()
+                          if ".experts." in n)
+    got["estimated"] = _estimated_expert_bytes(s)
     got["counts"] = max((layer.tokens_per_expert - c).abs().max().item()
                         for layer, c in zip(moe_layers(model), ref_balance["counts"]))
     got["bias"], _ = bias_update_error(runner, model, ref_balance)
@@ -63,4 +72,43 @@ def ep_etp_case(root: str, case: Any, ref: dict, init: dict, ref_balance: dict) 
     single = next_loss(one, resumed, slice(None))
     got["resumed_loss"] = abs(single - after)
     got["reloaded_loss"] = abs(next_loss(back, again, rows) - single)
+    # ep 2 x etp 2 -> ep 4 (tp 1, dp 4) and -> ep 2 x tp 2 (the tp peers holding different experts, each whole)
+    for key, other in (("to_ep4", ["ep_size=4"]), ("to_ep2tp2", ["ep_size=2", "tp_size=2"])):
+        moved = Runner(STRATEGIES.build_from_cli("ep", other), seed=0)
+        m = Llama(CONFIG)
+        m, m_opt = moved.setup(m, _adamw(m))
+        moved.load(f"{root}/ep2etp2", {"model": m, "optimizer": m_opt})
+        per_other = GLOBAL_BATCH // moved.strategy.data_parallel_size
+        dp_rank = moved.strategy.data_parallel_rank
+        got[key] = abs(next_loss(moved, m, slice(dp_rank * per_other, (dp_rank + 1) * per_other)) - after)
     return got
+
+
+def _expert_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes of the routed experts' parameters and AdamW moments this rank holds: its local shards' sizes."""
+    total = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            total += p.to_local().numel() * p.element_size()
+            total += sum(v.to_local().numel() * v.element_size() for v in opt.state[p].values() if v.dim())
+    return total
+
+
+def _estimated_expert_bytes(strategy: Any) -> int:
+    """estimate-memory's expert parameter + optimizer bytes a rank holds for this model under ``strategy``."""
+    import dataclasses
+
+    from ep_workers import CONFIG
+
+    from shardkit.memory import memory_job, spec_from_model
+    from shardkit.models import Llama
+
+    spec = spec_from_model(Llama(CONFIG))
+    job = memory_job(spec, strategy, num_gpus_per_node=strategy.world_size, precision="fp32")
+    rest = spec.total_params - spec.expert_params  # the same model without its routed experts
+    dense = memory_job(dataclasses.replace(spec, total_params=rest, expert_params=0, expert_block_params=0,
+                                           active_params=None,
+                                           largest_layer_params=min(spec.largest_layer_params, rest)),
+                       strategy, num_gpus_per_node=strategy.world_size, precision="fp32")
+    held, without = strategy.model_state_memory(job), strategy.model_state_memory(dense)
+    return held.params + held.optimizer - without.params - without.optimizer

@@ -8,7 +8,8 @@ over the cp ranks, which split the experts) equals one device too, with the aux-
 and its checkpoint continues in one process; the Runner and the Trainer select ExpertParallel from an Accelerate
 config's parallelism_config_ep_size; ep 2 x tp 2 (``ExpertParallel(ep_size=2, tp_size=2)``, with and without sequence
 parallelism: the tp peers split the experts and the tokens) equals one device, each assignment computed once, and so
-does ep 2 x tp 2 with tensor parallelism inside the experts (``expert_tp=True``), its checkpoint resumed both ways.
+does ep 2 x tp 2 with tensor parallelism inside the experts (``expert_tp=True``: each rank holding 1/tp of its
+experts' weights and AdamW state), its checkpoint resumed in one process, under ep 4 and under ep 2 x tp 2, and back.
 An MoE Llama one-device checkpoint resumes under ep 2 (one saved layout whatever the ep size), and the Qwen3-MoE's
 exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
 from_pretrained reads back. Expert parallelism inside a pipeline's stages (``Pipeline(pp_size=2, dp="fsdp",
@@ -174,8 +175,12 @@ def test_expert_tensor_parallel_equals_one_process(results):
         got = out["etp"]  # ep 2 x tp 2, expert_tp=True: ep borrowed from dp_shard, each expert split over tp
         assert (got["ep"], got["tp"], got["dp"], got["replicas"], got["expert_tp"]) == (2, 2, 2, 1, True), (rank, got)
         assert got["ep_group"] == [rank % 2, rank % 2 + 2], (rank, got["ep_group"])  # one tp coordinate's dp ranks
-        assert got["mesh"] == ["ep", "tp"] and got["placements"] == ["Shard", "Replicate"], (rank, got)
-        assert got["local"] == [[2, 2 * inter, CONFIG.hidden_size], [2, CONFIG.hidden_size, inter]], (rank, got)
+        # each rank holds its block of its 2 experts only: gate's and up's rows (strided), down's columns
+        assert got["mesh"] == ["ep", "tp"] and got["placements"] == ["Shard", "_StridedShard"], (rank, got)
+        assert got["tp_placements"] == ["_StridedShard", "Shard"], (rank, got)
+        assert got["local"] == [[2, inter, CONFIG.hidden_size], [2, CONFIG.hidden_size, inter // 2]], (rank, got)
+        # the expert weights and AdamW moments a rank really holds: 1/tp of its ep slice, as estimate-memory counts
+        assert got["held"] * 2 == got["ep_slice"] and got["held"] == got["estimated"], (rank, got)
         assert got["init"] == 0, f"rank {rank}: init_module's weights differ from one device's by {got['init']}"
         assert max(got["loss"]) < TOL and max(got["grad"]) < TOL and max(got["norm"]) < TOL, (rank, got)
         assert got["weights"] < TOL and out["moved"] > 1e-3, (rank, got["weights"], out["moved"])
@@ -186,5 +191,6 @@ def test_expert_tensor_parallel_equals_one_process(results):
         assert got["expert_rows"] == 2 * GLOBAL_BATCH * SEQ * CONFIG.moe.top_k * moe_layers, (rank, got["expert_rows"])
         # the aux-loss-free update: counts and router bias of one device
         assert got["counts"] == 0 and got["bias"] == 0, (rank, got["counts"], got["bias"])
-        # ep 2 x etp 2 -> 1 -> ep 2 x etp 2: the one layout; each takes the same next step
-        assert got["resumed_loss"] < TOL and got["reloaded_loss"] < TOL, (rank, got)
+        # ep 2 x etp 2 -> 1 -> ep 2 x etp 2, and -> ep 4 and -> ep 2 x tp 2 (etp 1): the one layout; each takes the
+        # same next step
+        assert max(got["resumed_loss"], got["reloaded_loss"], got["to_ep4"], got["to_ep2tp2"]) < TOL, (rank, got)

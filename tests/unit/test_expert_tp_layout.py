@@ -1,7 +1,8 @@
 """Tensor parallelism inside the experts (``ExpertParallel(tp_size=..., expert_tp=True)``) without real collectives:
 the sizes (ep borrowed from dp_shard only), the expert mesh each rank gets (a fake process group: the ep group is one
 tp coordinate's data-parallel ranks), each tp rank's block of the stacked weights (its rows of gate AND of up, its
-columns of down) whose partial SwiGLU outputs sum to the whole expert's, and the named refusals. The 4-rank run
+columns of down) whose partial SwiGLU outputs sum to the whole expert's, the boxes of the global weight that block is
+(what checkpoints and the init replay read and write), and the named refusals. The 4-rank run
 against one device is tests/distributed/test_expert_parallel.py::test_expert_tensor_parallel_equals_one_process."""
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from shardkit.models.moe_experts import grouped_swiglu
-from shardkit.strategies.ep_tensor import _ColumnShare, check_expert_tp
+from shardkit.strategies.ep_expert_tp import expert_tp_block, expert_tp_placement
+from shardkit.strategies.ep_tensor import check_expert_tp
 from shardkit.strategies.parallel_dims import ParallelDims
 from shardkit.strategies.registry import STRATEGIES
 
@@ -50,13 +53,55 @@ def test_each_tp_block_holds_its_gate_and_up_rows_and_the_partials_sum_to_the_ex
     partial = torch.zeros_like(whole)
     b = inter // tp
     for r in range(tp):
-        gu = _ColumnShare.apply(gate_up, True, r, tp, None, 1.0)
-        dn = _ColumnShare.apply(down, False, r, tp, None, 1.0)
+        gu = expert_tp_block(gate_up, "gate_up_proj", r, tp)
+        dn = expert_tp_block(down, "down_proj", r, tp)
         assert torch.equal(gu, torch.cat([gate_up[:, r * b:(r + 1) * b], gate_up[:, inter + r * b:inter + (r + 1) * b]],
                                          dim=1))  # gate's block r and up's block r, not rows [r 2I/tp, (r+1) 2I/tp)
         assert torch.equal(dn, down[:, :, r * b:(r + 1) * b])
         partial += grouped_swiglu(tokens, counts, gu, dn, "loop")
     torch.testing.assert_close(partial, whole, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_each_rank_holds_its_block_as_boxes_of_the_global_weight(rank):
+    """ep 2 x tp 2 (a fake process group): the DTensor a rank holds is its block only (1/4 of the stacked weight), and
+    the boxes the checkpoints and the init replay read are where that block lies in the global weight."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from shardkit.strategies._dtensor import dtensor_box, dtensor_boxes, local_part
+
+    dist.init_process_group("fake", rank=rank, world_size=4, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+        ep, tp = rank // 2, rank % 2
+        full = {"gate_up_proj": torch.arange(4 * 16 * 3.0).reshape(4, 16, 3),
+                "down_proj": torch.arange(4 * 3 * 8.0).reshape(4, 3, 8)}
+        for name, whole in full.items():
+            block = expert_tp_block(whole[2 * ep:2 * ep + 2], name, tp, 2)
+            t = DTensor.from_local(block, mesh, [Shard(0), expert_tp_placement(name)], run_check=False,
+                                   shape=whole.shape, stride=whole.stride())
+            assert block.numel() * 4 == whole.numel()
+            boxes = dtensor_boxes(t)
+            rebuilt = torch.empty_like(block)
+            for offsets, shape, index in boxes:
+                rebuilt[index] = whole[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
+            assert torch.equal(rebuilt, block) and torch.equal(local_part(whole, t), block)
+        block = expert_tp_block(full["gate_up_proj"][2 * ep:2 * ep + 2], "gate_up_proj", tp, 2)
+        gate_up = DTensor.from_local(block, mesh, [Shard(0), expert_tp_placement("gate_up_proj")], run_check=False,
+                                     shape=(4, 16, 3), stride=(48, 3, 1))
+        # gate rows [4 tp, 4 tp + 4) and up rows [8 + 4 tp, ...): two boxes; one offset would be the wrong data
+        assert [b[:2] for b in dtensor_boxes(gate_up)] == [((2 * ep, 4 * tp, 0), (2, 4, 3)),
+                                                           ((2 * ep, 8 + 4 * tp, 0), (2, 4, 3))]
+        with pytest.raises(ValueError, match="holds 2 boxes"):
+            dtensor_box(gate_up)
+        # a replica dimension in front (expert_sharding="none") leaves the boxes as they are
+        wide = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("rep", "ep", "tp"))
+        again = DTensor.from_local(block, wide, [Replicate(), Shard(0), expert_tp_placement("gate_up_proj")],
+                                   run_check=False, shape=(4, 16, 3), stride=(48, 3, 1))
+        assert [b[:2] for b in dtensor_boxes(again)] == [b[:2] for b in dtensor_boxes(gate_up)]
+    finally:
+        dist.destroy_process_group()
 
 
 def test_selection_and_refusals():

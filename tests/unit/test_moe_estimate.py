@@ -70,9 +70,11 @@ def _bytes(held):
     # ep 2 x tp 2 on 8: dense per tp rank 24576/2 + 129344 = 141632, sharded over dp_shard 4 -> 35408; experts from
     # dp_shard x tp = 8 ranks -> 49152; the embedding's tp half gathered (32000) and one layer's ep slice (98304)
     ("ep 2 x tp 2", ((35408 + 49152) * 4, (35408 + 49152) * 4, (35408 + 49152) * 8, (32000 + 98304) * 4)),
-    # ep 4 x tp 2 with TP inside the experts: ep borrowed from dp_shard 4 only, each tp peer holding its ep slice whole
-    # (393216 / 4 = 98304), nothing of it gathered; the dense part as under ep 2 x tp 2
-    ("ep 4 x etp 2", ((35408 + 98304) * 4, (35408 + 98304) * 4, (35408 + 98304) * 8, 32000 * 4)),
+    # ep 4 x tp 2 with TP inside the experts: ep borrowed from dp_shard 4 only, each tp peer holding its half of its
+    # ep slice (393216 / 4 / 2 = 49152), nothing of it gathered; the dense part as under ep 2 x tp 2
+    ("ep 4 x etp 2", ((35408 + 49152) * 4, (35408 + 49152) * 4, (35408 + 49152) * 8, 32000 * 4)),
+    # ep 2 x tp 2 inside the experts, each ep slice held by 2 replicas ("none"): 393216 / 2 / 2 = 98304 a rank
+    ("ep 2 x etp 2 none", ((35408 + 98304) * 4, (35408 + 98304) * 4, (35408 + 98304) * 8, 32000 * 4)),
 ])
 def test_expert_parallel_model_states_equal_a_hand_computation(layout, expected):
     from shardkit.strategies import ExpertParallel
@@ -81,7 +83,9 @@ def test_expert_parallel_model_states_equal_a_hand_computation(layout, expected)
                 "ep 2 none": ExpertParallel(ep_size=2, expert_sharding="none"),
                 "hsdp 2 ep 2": ExpertParallel(ep_size=2, dp_replicate=2),
                 "ep 2 x tp 2": ExpertParallel(ep_size=2, tp_size=2),
-                "ep 4 x etp 2": ExpertParallel(ep_size=4, tp_size=2, expert_tp=True)}[layout]
+                "ep 4 x etp 2": ExpertParallel(ep_size=4, tp_size=2, expert_tp=True),
+                "ep 2 x etp 2 none": ExpertParallel(ep_size=2, tp_size=2, expert_tp=True,
+                                                    expert_sharding="none")}[layout]
     assert _bytes(strategy.model_state_memory(_small_job(strategy))) == expected
 
 
@@ -147,7 +151,9 @@ def test_ep_with_cp_and_tp_is_refused_by_name(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("options", [dict(ep_size=2), dict(ep_size=2, expert_sharding="none"),
-                                     dict(ep_size=2, tp_size=2)], ids=["full", "none", "tp"])
+                                     dict(ep_size=2, tp_size=2), dict(ep_size=4, tp_size=2, expert_tp=True),
+                                     dict(ep_size=2, tp_size=2, expert_tp=True, expert_sharding="none")],
+                         ids=["full", "none", "tp", "etp", "etp_none"])
 def test_expert_parallel_formula_equals_the_tensors_a_rank_holds(monkeypatch, options):
     """Rank 0 of 8 under torch's fake process group: ExpertParallel shards a real MoE Llama, and the parameters it
     holds are what its model_state_memory counts, up to FSDP2's padding of each shard (one row a tensor at most)."""
