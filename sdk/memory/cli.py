@@ -54,7 +54,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="expert-parallel ranks splitting each MoE layer's experts: the ep row's model states and the "
                         "all-to-all buffers (default: every device, as ExpertParallel() splits); with --cp-size, "
                         "ExpertParallel's ep x cp (each rank dispatches seq_len / cp tokens of each sequence), with "
-                        "--tp-size its ep x tp (each tp rank dispatches 1/tp of the assignments; ep a multiple of tp)")
+                        "--tp-size its ep x tp (each tp rank dispatches 1/tp of the assignments; ep a multiple of tp), "
+                        "with both its ep x cp x tp (1/tp of each chunk's assignments; ep a multiple of cp x tp)")
     p.add_argument("--pp-size", type=int_range(1, _MAX_DEVICES), default=None,
                    help="pipeline stages (pp row; default: --num-gpus)")
     p.add_argument("--microbatches", type=int_range(1, 2**20), default=None,
@@ -176,11 +177,10 @@ def _check_layout(spec: ModelSpec, args: argparse.Namespace) -> None:
         try:  # the ep row's strategy refuses what it cannot compose, by name
             find_layout("ep").build(ep_size=args.ep_size, cp_size=args.cp_size, tp_size=args.tp_size)
         except ValueError as err:
-            raise ValueError(f"{where}: {err}. For this estimate: drop --tp-size (ep x cp) or --cp-size (ep x tp)") \
-                from None
+            raise ValueError(f"{where}: {err}") from None
     try:
-        # ep composes with cp or tp in one strategy (ExpertParallel(cp_size=...) or (tp_size=...)) and follows its
-        # rule: ep borrows every cp or tp rank, so it must be a multiple of them
+        # ep composes with cp and tp in one strategy (ExpertParallel(cp_size=..., tp_size=...)) and follows its rule:
+        # ep borrows every cp and tp rank, so it must be a multiple of cp x tp
         ParallelDims(cp=args.cp_size, tp=args.tp_size, ep=args.ep_size or 1).resolve(devices)
         ParallelDims(dp_shard=1, tp=args.tp_size).validate(num_heads=spec.num_heads or None,
                                                            num_kv_heads=spec.num_kv_heads or None)

@@ -36,8 +36,11 @@ so the expert weights, their gradients and their AdamW state are split over tp l
 are the model's, so checkpoints are the one layout. With ``ep < dp`` only ``expert_sharding="none"`` is built (FSDP2
 over the replicas is refused by name).
 
-Not built here: ep x tp with context parallelism, and Hugging Face expert blocks under tp (transformers' own plan
-splits their experts); each is refused by name.
+With context parallelism too (``cp_size > 1``, EP x CP x TP): the same dispatchers on each rank's chunk of the
+sequences, with ep borrowing the cp ranks as well and the statistics summed over the cp ranks too
+(:mod:`~shardkit.strategies.ep_cp_tensor`).
+
+Not built here: Hugging Face expert blocks under tp (transformers' own plan splits their experts); refused by name.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ __all__ = ["ExpertTensorDispatch", "TensorSplitDispatch", "apply_tensor_parallel
            "check_tensor_options", "stats_group"]
 
 
-def check_tensor_options(tp_size: Any, sequence_parallel: Any, cp_size: int, expert_tp: Any) -> None:
+def check_tensor_options(tp_size: Any, sequence_parallel: Any, expert_tp: Any) -> None:
     """Named errors for ExpertParallel's tensor-parallel arguments (before any process group exists)."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"ExpertParallel tp_size={tp_size!r} must be an int >= 1 (1: no tensor parallelism)")
@@ -65,10 +68,6 @@ def check_tensor_options(tp_size: Any, sequence_parallel: Any, cp_size: int, exp
     if sequence_parallel and tp_size == 1:
         raise ValueError("ExpertParallel sequence_parallel=True splits the tensor-parallel plan's norms and residual "
                          "stream over tp: it needs tp_size > 1")
-    if tp_size > 1 and cp_size > 1:
-        raise ValueError(f"ExpertParallel tp_size={tp_size} with cp_size={cp_size}: expert parallelism with both "
-                         "tensor and context parallelism is not built; use tp_size or cp_size, or "
-                         "ContextParallel(cp_size=..., tp_size=...) with the experts whole on every rank")
     if not isinstance(expert_tp, bool):
         raise ValueError(f"ExpertParallel expert_tp={expert_tp!r} must be True or False")
     if expert_tp and tp_size == 1:
@@ -185,6 +184,15 @@ class TensorSplitDispatch:
 
     def global_counts(self, local: torch.Tensor) -> torch.Tensor:
         return self.inner.global_counts(local)
+
+    @property
+    def enabled(self) -> bool:
+        """``inner``'s: the context-parallel forward turns it off around its unsplit forward."""
+        return self.inner.enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self.inner.enabled = on
 
 
 # ---- tensor parallelism inside the experts (expert_tp=True) ------------------------------------------------------
@@ -308,3 +316,12 @@ class ExpertTensorDispatch:
 
     def global_counts(self, local: torch.Tensor) -> torch.Tensor:
         return self.inner.global_counts(local)
+
+    @property
+    def enabled(self) -> bool:
+        """``inner``'s: the context-parallel forward turns it off around its unsplit forward."""
+        return self.inner.enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self.inner.enabled = on

@@ -48,9 +48,11 @@ the dense layers are split over tp by the model's plan (``sequence_parallel`` as
 :class:`~shardkit.strategies.TensorParallel`), ep is borrowed from ``dp_shard x tp``, and each tp rank dispatches its
 share of the MoE layer's assignments, the outputs gathered over tp; with ``expert_tp=True`` ep is borrowed from
 ``dp_shard`` only and each expert's matrices are split over tp instead; see :mod:`shardkit.strategies.ep_tensor`.
+With both cp and tp (EP x CP x TP), ep borrows the cp ranks too, each rank's chunk is dispatched as under tp alone
+and the statistics are summed over the cp ranks of one tp coordinate (:mod:`shardkit.strategies.ep_cp_tensor`).
 
 Pipeline parallelism with expert parallelism is the pipeline's: ``Pipeline(pp_size=..., dp="fsdp", ep_size=...)``
-(:mod:`shardkit.strategies.ep_pipeline`). Not composed here, refused by name: tp with cp.
+(:mod:`shardkit.strategies.ep_pipeline`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from shardkit.strategies import activation_checkpointing as checkpointing
 from shardkit.strategies import fsdp as _fsdp
 from shardkit.strategies.context_parallel import install_context_parallel
 from shardkit.strategies.cp_attention import RingAttention, UlyssesAttention
+from shardkit.strategies.ep_cp_tensor import statistics_groups
 from shardkit.strategies.ep_exchange import exchange
 from shardkit.strategies.ep_expert_tp import expert_tp_block, expert_tp_placement
 from shardkit.strategies.ep_tensor import (
@@ -81,7 +84,6 @@ from shardkit.strategies.ep_tensor import (
     apply_tensor_parallel,
     check_expert_tp,
     check_tensor_options,
-    stats_group,
 )
 from shardkit.strategies.facts import MemoryJob, StateBytes
 from shardkit.strategies.parallel import ProcessGroupStrategy
@@ -232,18 +234,21 @@ class ExpertParallel(_fsdp.FSDP):
     Args:
         ep_size: ranks that split each MoE layer's experts, borrowed from dp_shard (must divide it and each layer's
             number of experts), or with cp_size > 1 from dp_shard x cp (a multiple of cp_size dividing
-            dp_shard * cp_size), or with tp_size > 1 from dp_shard x tp (likewise); None: every one of those ranks.
+            dp_shard * cp_size), or with tp_size > 1 from dp_shard x tp (likewise), or with both from dp_shard x cp x tp
+            (a multiple of cp_size * tp_size); with expert_tp=True tp is never borrowed; None: every one of those
+            ranks.
         sharding: the dense parameters' FSDP2 mode, "full" or "grad_op" (as :class:`~shardkit.strategies.FSDP`).
         expert_sharding: how the ``dp / ep`` ranks holding the same experts hold them: "full" (FSDP2 over them)
             or "none" (whole ep slices, gradients all-reduced); see the module docstring.
         dp_replicate: replicas of the whole model (HSDP: dense parameters sharded within dp_shard and replicated
             across the replicas); ep is borrowed from dp_shard = world / (dp_replicate * cp_size).
-        cp_size: ranks that split each sequence (context parallelism, as :class:`~shardkit.strategies.ContextParallel`
-            without tp); 1: none.
+        cp_size: ranks that split each sequence (context parallelism, as :class:`~shardkit.strategies.ContextParallel`,
+            with or without tp); 1: none.
         cp_mode: with cp_size > 1, "ring" or "ulysses" attention (as ContextParallel's).
         tp_size: ranks that split the dense layers (tensor parallelism by the model's plan, as
             :class:`~shardkit.strategies.TensorParallel`); ep is then borrowed from dp_shard x tp (a multiple of
-            tp_size dividing dp_shard * tp_size) and each tp rank dispatches its share of the tokens; 1: none.
+            tp_size dividing dp_shard * tp_size; with cp_size > 1 from dp_shard x cp x tp, a multiple of
+            cp_size * tp_size) and each tp rank dispatches its share of the tokens; 1: none.
         sequence_parallel: with tp_size > 1, the plan's sequence-parallel form (norms and residual stream split
             over tp along the sequence).
         expert_tp: with tp_size > 1, tensor parallelism inside the experts (torchtitan's etp = tp): ep is borrowed
@@ -273,7 +278,7 @@ class ExpertParallel(_fsdp.FSDP):
                              f"{did_you_mean(str(expert_sharding), EXPERT_SHARDING)}")
         if isinstance(dp_replicate, bool) or not isinstance(dp_replicate, int) or dp_replicate < 1:
             raise ValueError(f"ExpertParallel dp_replicate={dp_replicate!r} must be an int >= 1")
-        check_tensor_options(tp_size, sequence_parallel, cp_size, expert_tp)
+        check_tensor_options(tp_size, sequence_parallel, expert_tp)
         super().__init__(sharding=sharding, state_dict_type=state_dict_type, timeout=timeout)
         self.sequence_parallel = sequence_parallel
         self._ep_size = ep_size
@@ -385,12 +390,13 @@ class ExpertParallel(_fsdp.FSDP):
             names = ("shard",) if self.dims.dp_replicate == 1 else ("replicate", "shard")
             unsplit = ParallelDims.submesh(self.world_mesh, names).get_group()
         dispatch: Any = AllToAllDispatch(ep_mesh.get_group(), dist.group.WORLD, 1.0 / self.dims.ep, unsplit)
+        if self.dims.tp > 1:  # statistics over the ranks with other tokens: dp (x cp) of this tp coordinate
+            split, whole = statistics_groups(self.world_mesh, self.dims)
         if self.dims.expert_tp:  # tp peers split each expert: an expert's group sums ep batches' gradients
-            inner = AllToAllDispatch(ep_mesh.get_group(), stats_group(self.world_mesh, self.dims), 1.0 / self.dims.ep)
+            inner = AllToAllDispatch(ep_mesh.get_group(), split, 1.0 / self.dims.ep, whole)
             dispatch = ExpertTensorDispatch(inner, ep_mesh.get_group(), self.world_mesh["tp"].get_group())
         elif self.dims.tp > 1:  # tp peers split the assignments: an expert's group sums ep / tp batches' gradients
-            inner = AllToAllDispatch(ep_mesh.get_group(), stats_group(self.world_mesh, self.dims),
-                                     self.dims.tp / self.dims.ep)
+            inner = AllToAllDispatch(ep_mesh.get_group(), split, self.dims.tp / self.dims.ep, whole)
             dispatch = TensorSplitDispatch(inner, self.world_mesh["tp"].get_group())
         holders = [layer.experts for layer in moe_modules(module)] + hf_expert_blocks(module)
         experts: list[nn.Parameter] = []

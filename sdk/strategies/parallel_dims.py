@@ -293,7 +293,7 @@ def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_typ
     ep > 1 (shardkit's ``parallelism_config_ep_size``): ExpertParallel (experts split over ep ranks borrowed from
     dp_shard, FSDP2 over the data-parallel ranks, HSDP over dp_replicate; with cp > 1 its ``cp_size``: sequences split
     over cp, ep borrowed from dp_shard x cp; with tp > 1 its ``tp_size``: dense layers split over tp, ep borrowed from
-    dp_shard x tp); with pp, or with both cp and tp, it is refused (not built).
+    dp_shard x tp; with both, each: ep borrowed from dp_shard x cp x tp); with pp it is refused (not built).
     cp > 1: ContextParallel (FSDP2 over dp_shard x cp, HSDP over dp_replicate; with tp > 1 too, CP x TP: its
     ``tp_size``); tp > 1 alone: TensorParallel (FSDP2 over the data-parallel ranks); data parallelism only: FSDP
     (hybrid when dp_replicate > 1).
@@ -314,12 +314,6 @@ def strategy_spec_from_accelerate(section: Any, world_size: int, distributed_typ
     if dims.pp > 1:
         return _pipeline_spec(dims, where)
     if dims.ep > 1:
-        if dims.cp > 1 and dims.tp > 1:
-            raise ValueError(f"parallelism_config in {where}: ep({dims.ep}) with cp({dims.cp}) and tp({dims.tp}) "
-                             "together is not "
-                             "supported: expert parallelism composes with dp_shard, dp_replicate and either cp or tp; "
-                             "drop parallelism_config_ep_size (MoE layers then run whole on every rank) or the other "
-                             "sizes")
         return "ep", {"ep_size": dims.ep, **({"dp_replicate": dims.dp_replicate} if dims.dp_replicate > 1 else {}),
                       **({"cp_size": dims.cp} if dims.cp > 1 else {}), **({"tp_size": dims.tp} if dims.tp > 1 else {})}
     if dims.cp > 1:

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from ep_cptp_workers import ep_cptp_cases
 from ep_etp_workers import ep_etp_case
 from ep_more_workers import ep_more
 from ep_pp_workers import ep_pp_worker
@@ -367,4 +368,5 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["ep_pp"] = ep_pp_worker(root)  # expert parallelism inside a pipeline's stages: ep_pp_workers.py
     out["more"] = ep_more(root, ref, init, ref_balance)
     out["etp"] = ep_etp_case(root, _case, ref, init, ref_balance)  # ep 2 x tp 2, tp inside the experts
+    out["cptp"] = ep_cptp_cases(_case, ref, init, ref_balance)  # ep x cp 2 x tp 2, both tp layouts
     return out

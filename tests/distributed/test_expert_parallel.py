@@ -9,7 +9,9 @@ and its checkpoint continues in one process; the Runner and the Trainer select E
 config's parallelism_config_ep_size; ep 2 x tp 2 (``ExpertParallel(ep_size=2, tp_size=2)``, with and without sequence
 parallelism: the tp peers split the experts and the tokens) equals one device, each assignment computed once, and so
 does ep 2 x tp 2 with tensor parallelism inside the experts (``expert_tp=True``: each rank holding 1/tp of its
-experts' weights and AdamW state), its checkpoint resumed in one process, under ep 4 and under ep 2 x tp 2, and back.
+experts' weights and AdamW state), its checkpoint resumed in one process, under ep 4 and under ep 2 x tp 2, and back;
+and with cp 2 x tp 2 together (``ExpertParallel(ep_size=4, cp_size=2, tp_size=2)``, ep borrowing cp and tp, and
+``ExpertParallel(ep_size=2, cp_size=2, tp_size=2, expert_tp=True)``, ep borrowing cp) each equals one device.
 An MoE Llama one-device checkpoint resumes under ep 2 (one saved layout whatever the ep size), and the Qwen3-MoE's
 exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
 from_pretrained reads back. Expert parallelism inside a pipeline's stages (``Pipeline(pp_size=2, dp="fsdp",
@@ -194,3 +196,28 @@ def test_expert_tensor_parallel_equals_one_process(results):
         # ep 2 x etp 2 -> 1 -> ep 2 x etp 2, and -> ep 4 and -> ep 2 x tp 2 (etp 1): the one layout; each takes the
         # same next step
         assert max(got["resumed_loss"], got["reloaded_loss"], got["to_ep4"], got["to_ep2tp2"]) < TOL, (rank, got)
+
+
+@pytest.mark.parametrize("case", ["etp1", "etp"])
+def test_expert_parallel_with_context_and_tensor_parallel_equals_one_process(results, case):
+    from ep_workers import CONFIG, GLOBAL_BATCH, SEQ
+
+    ep, ep_groups = {"etp1": (4, [[0, 1, 2, 3]] * 4), "etp": (2, [[0, 2], [1, 3], [0, 2], [1, 3]])}[case]
+    for rank, out in enumerate(results):
+        got = out["cptp"][case]  # cp 2 x tp 2 (dp_shard 1): etp1 ep 4 borrows cp and tp, etp ep 2 borrows cp
+        assert (got["ep"], got["cp"], got["tp"], got["dp"], got["replicas"]) == (ep, 2, 2, 1, 1), (rank, got)
+        assert got["expert_tp"] == (case == "etp") and got["ep_group"] == ep_groups[rank], (rank, got)
+        assert got["dense_mesh"] == ["shard_cp", "tp"], (rank, got["dense_mesh"])  # FSDP2 over cp, on TP's DTensors
+        assert got["init"] == 0, f"rank {rank}: init_module's weights differ from one device's by {got['init']}"
+        assert max(got["loss"]) < TOL and max(got["grad"]) < TOL and max(got["norm"]) < TOL, (rank, got)
+        assert got["weights"] < TOL and out["moved"] > 1e-3, (rank, got["weights"], out["moved"])
+        # the statistics over the cp ranks, not over the tp peers (which route the same tokens)
+        assert got["load"] == out["ref_load"], (got["load"], out["ref_load"])
+        assert all(load[2] == 0 and load[3] == 0 for load in got["load"][STEPS - 1]), got["load"]
+        assert got["counts"] == 0 and got["bias"] == 0, (rank, got["counts"], got["bias"])
+        # no labels: whole sequences on every cp rank, the load summed over the data-parallel ranks only
+        assert got["logits"] < TOL and got["eval_load"], (rank, got["logits"], got["eval_load"])
+        # the split forward's assignments computed once over all ranks (etp: each tp peer its block of every one)
+        moe_layers = CONFIG.num_layers - CONFIG.moe.first_dense_layers
+        rows = GLOBAL_BATCH * SEQ * CONFIG.moe.top_k * moe_layers * (2 if case == "etp" else 1)
+        assert got["expert_rows"] == rows, (rank, got["expert_rows"], rows)

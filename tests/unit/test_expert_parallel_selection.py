@@ -1,7 +1,7 @@
 """Selecting expert parallelism without a process group: Accelerate's ``parallelism_config`` (shardkit's
 ``parallelism_config_ep_size`` key), ``--strategy-opt``, the Runner and the Trainer under the launcher's config file,
-ep with cp (ExpertParallel's cp_size; ContextParallel's ep_size refused by name, pointing to it), and the refusals of
-what is not built (ep with pp, or with cp and tp together; unknown layouts). The 4-rank runs are in
+ep with cp (ExpertParallel's cp_size; ContextParallel's ep_size refused by name, pointing to it), ep with cp and tp
+together, and the refusals of what is not built (ep with pp; unknown layouts). The 4-rank runs are in
 tests/distributed/test_expert_parallel.py."""
 
 from __future__ import annotations
@@ -39,10 +39,15 @@ def test_accelerate_parallelism_config_selects_expert_parallel(tmp_path, monkeyp
 
 def test_accelerate_parallelism_config_refuses_ep_it_cannot_build(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(ValueError, match=r"ep\(4\) with cp\(2\) and tp\(2\) together is not supported: expert "
-                                         r"parallelism composes with dp_shard, dp_replicate and either cp or tp"):
-        load_accelerate_config(_config(tmp_path, {"parallelism_config_tp_size": 2, "parallelism_config_cp_size": 2,
-                                                  "parallelism_config_ep_size": 4}, processes=8))
+    # ep with cp and tp together: ExpertParallel with both, ep borrowing every cp and tp rank
+    both = {"parallelism_config_tp_size": 2, "parallelism_config_cp_size": 2, "parallelism_config_ep_size": 4}
+    spec = load_accelerate_config(_config(tmp_path, both, processes=8)).strategy
+    assert spec == ("ep", {"ep_size": 4, "cp_size": 2, "tp_size": 2})
+    strategy = STRATEGIES.build(spec[0], **spec[1])
+    assert (strategy.ep_size, strategy.cp_size, strategy.tp_size) == (4, 2, 2)
+    with pytest.raises(ValueError, match=r"ep\(2\) with tp\(2\): .*every tp and cp rank .*must be a multiple of 4 "
+                                         r"that divides dp_shard \* cp \* tp = 8; e.g. ep=4"):
+        load_accelerate_config(_config(tmp_path, {**both, "parallelism_config_ep_size": 2}, processes=8))
     # torchtitan's rule: ep takes every cp rank, so it is a multiple of cp dividing dp_shard * cp
     with pytest.raises(ValueError, match=r"ep\(2\) with cp\(4\): .*must be a multiple of cp\(4\) that divides "
                                          r"dp_shard \* cp = 4"):

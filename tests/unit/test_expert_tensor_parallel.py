@@ -66,8 +66,8 @@ def test_selection_and_refusals(tmp_path, monkeypatch):
         STRATEGIES.build("ep", tp_size=0)
     with pytest.raises(ValueError, match=r"sequence_parallel=True .*needs tp_size > 1"):
         STRATEGIES.build("ep", sequence_parallel=True)
-    with pytest.raises(ValueError, match=r"tp_size=2 with cp_size=2: .*not built"):
-        STRATEGIES.build("ep", tp_size=2, cp_size=2)
+    both = STRATEGIES.build_from_cli("ep", ["ep_size=4", "cp_size=2", "tp_size=2"])  # EP x CP x TP
+    assert (both.ep_size, both.cp_size, both.tp_size) == (4, 2, 2)
     with pytest.raises(ValueError, match=r"expert_tp=True splits each expert's matrices .*needs tp_size > 1"):
         STRATEGIES.build("ep", expert_tp=True)
 

@@ -137,12 +137,27 @@ def test_all_to_all_buffers_under_ep_with_tp_equal_a_hand_computation(tmp_path, 
             "32768 assignments") in capsys.readouterr().out
 
 
-def test_ep_with_cp_and_tp_is_refused_by_name(tmp_path, capsys):
+def test_ep_with_cp_and_tp_gives_the_layouts_figure(tmp_path, capsys):
+    from shardkit.memory import memory_job, spec_from_hf_config
+    from shardkit.strategies import ExpertParallel
+
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    assert cli_main(["estimate-memory", "--config", str(tmp_path / "config.json"), "--num-gpus", "8",
-                     "--cp-size", "2", "--tp-size", "2", "--ep-size", "2"]) == 2
+    args = ["estimate-memory", "--config", str(tmp_path / "config.json"), "--num-gpus", "8", "--strategy", "ep",
+            "--batch-size", "4", "--seq-len", "4096", "--cp-size", "2", "--tp-size", "2"]
+    assert cli_main([*args, "--ep-size", "4"]) == 0
+    out = capsys.readouterr().out
+    # 4 x 4096 / cp 2 = 8192 tokens x top-8 = 65536 assignments; each tp rank sends and gets back its 32768 and
+    # receives both peers' outputs: (2 + 2) x 32768 x 2048 x 2 bytes = 0.5 GiB
+    assert ("under ep 4 x cp 2 x tp 2 (dispatch + combine, one MoE layer in flight, balanced routing): 0.50 GiB = "
+            "(2 + 2) x 32768 assignments") in out
+    both = ExpertParallel(ep_size=4, cp_size=2, tp_size=2)
+    states = both.model_state_memory(memory_job(spec_from_hf_config(tmp_path / "config.json"), both,
+                                                num_gpus_per_node=8))
+    assert f"{'ep':<16}{states.params / 2**30:9.2f}" in out, out
+    # ep borrows every cp and tp rank: a multiple of 4 (named, with the fix)
+    assert cli_main([*args, "--ep-size", "2"]) == 2
     err = capsys.readouterr().err
-    assert "ExpertParallel tp_size=2 with cp_size=2" in err and "drop --tp-size (ep x cp) or --cp-size (ep x tp)" in err
+    assert "ep(2) with tp(2)" in err and "must be a multiple of 4" in err and "e.g. ep=4" in err
     assert "Traceback" not in err
     # ep x tp alone follows its rule: ep a multiple of tp
     assert cli_main(["estimate-memory", "--config", str(tmp_path / "config.json"), "--num-gpus", "8",
@@ -152,8 +167,9 @@ def test_ep_with_cp_and_tp_is_refused_by_name(tmp_path, capsys):
 
 @pytest.mark.parametrize("options", [dict(ep_size=2), dict(ep_size=2, expert_sharding="none"),
                                      dict(ep_size=2, tp_size=2), dict(ep_size=4, tp_size=2, expert_tp=True),
-                                     dict(ep_size=2, tp_size=2, expert_tp=True, expert_sharding="none")],
-                         ids=["full", "none", "tp", "etp", "etp_none"])
+                                     dict(ep_size=2, tp_size=2, expert_tp=True, expert_sharding="none"),
+                                     dict(ep_size=4, cp_size=2, tp_size=2)],
+                         ids=["full", "none", "tp", "etp", "etp_none", "cp_tp"])
 def test_expert_parallel_formula_equals_the_tensors_a_rank_holds(monkeypatch, options):
     """Rank 0 of 8 under torch's fake process group: ExpertParallel shards a real MoE Llama, and the parameters it
     holds are what its model_state_memory counts, up to FSDP2's padding of each shard (one row a tensor at most)."""
