@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from ep_etp_workers import ep_etp_case
+from ep_hf_workers import hf_tp_case
 from ep_more_workers import ep_more
 from ep_pp_workers import ep_pp_worker
 from ep_tp_workers import ep_tp_cases
@@ -367,4 +368,5 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["ep_pp"] = ep_pp_worker(root)  # expert parallelism inside a pipeline's stages: ep_pp_workers.py
     out["more"] = ep_more(root, ref, init, ref_balance)
     out["etp"] = ep_etp_case(root, _case, ref, init, ref_balance)  # ep 2 x tp 2, tp inside the experts
+    out["hf_tp"] = hf_tp_case(root)  # Hugging Face's Qwen3-MoE under ep 2 x tp 2: ep_hf_workers.py
     return out

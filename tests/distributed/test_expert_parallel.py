@@ -8,7 +8,8 @@ over the cp ranks, which split the experts) equals one device too, with the aux-
 and its checkpoint continues in one process; the Runner and the Trainer select ExpertParallel from an Accelerate
 config's parallelism_config_ep_size; ep 2 x tp 2 (``ExpertParallel(ep_size=2, tp_size=2)``, with and without sequence
 parallelism: the tp peers split the experts and the tokens) equals one device, each assignment computed once, and so
-does ep 2 x tp 2 with tensor parallelism inside the experts (``expert_tp=True``), its checkpoint resumed both ways.
+does ep 2 x tp 2 with tensor parallelism inside the experts (``expert_tp=True``), its checkpoint resumed both ways;
+so does Hugging Face's Qwen3-MoE at ep 2 x tp 2 (transformers' plan without its experts), resumed in one process.
 An MoE Llama one-device checkpoint resumes under ep 2 (one saved layout whatever the ep size), and the Qwen3-MoE's
 exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
 from_pretrained reads back. Expert parallelism inside a pipeline's stages (``Pipeline(pp_size=2, dp="fsdp",
@@ -188,3 +189,16 @@ def test_expert_tensor_parallel_equals_one_process(results):
         assert got["counts"] == 0 and got["bias"] == 0, (rank, got["counts"], got["bias"])
         # ep 2 x etp 2 -> 1 -> ep 2 x etp 2: the one layout; each takes the same next step
         assert got["resumed_loss"] < TOL and got["reloaded_loss"] < TOL, (rank, got)
+
+
+def test_hf_moe_under_ep_and_tp_equals_one_process_and_resumes_in_one(results):
+    for rank, out in enumerate(results):
+        hf = out["hf_tp"]  # Qwen3-MoE at ep 2 x tp 2 (ep_hf_workers.py) against the same model in one process
+        assert (hf["ep"], hf["tp"], hf["dp"], hf["experts"]) == (2, 2, 2, "DTensor"), (rank, hf)
+        # attention split over tp by transformers' plan, its per-head norms replicated over tp (gradients summed)
+        assert hf["q_mesh"] == ["shard", "tp"] and hf["q_norm"] == ["Shard", "Replicate"], (rank, hf)
+        assert hf["init"] == 0, f"rank {rank}: initial weights differ from one process's by {hf['init']}"
+        assert max(hf["loss"]) < TOL and max(hf["grad"]) < TOL and max(hf["norm"]) < TOL, (rank, hf)
+        assert hf["weights"] < TOL and hf["moved"] > 1e-3, (rank, hf["weights"], hf["moved"])
+        assert hf["load"] == [hf["real"]], (rank, hf["load"], hf["real"])  # padding routed to no expert
+        assert hf["resumed"] < TOL, (rank, hf["resumed"])  # ep 2 x tp 2 -> 1: the same next step
