@@ -13,7 +13,8 @@ so does Hugging Face's Qwen3-MoE at ep 2 x tp 2 (transformers' plan without its 
 An MoE Llama one-device checkpoint resumes under ep 2 (one saved layout whatever the ep size), and the Qwen3-MoE's
 exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
 from_pretrained reads back. Expert parallelism inside a pipeline's stages (``Pipeline(pp_size=2, dp="fsdp",
-ep_size=2)``) equals one device accumulating the same micro-batches, under every schedule. One launch."""
+ep_size=2)``) equals one device accumulating the same micro-batches, under every schedule, and so does Hugging Face's
+Qwen3-MoE split by the pipeline with its router aux loss, with and without ep. One launch."""
 
 from __future__ import annotations
 
@@ -202,3 +203,17 @@ def test_hf_moe_under_ep_and_tp_equals_one_process_and_resumes_in_one(results):
         assert hf["weights"] < TOL and hf["moved"] > 1e-3, (rank, hf["weights"], hf["moved"])
         assert hf["load"] == [hf["real"]], (rank, hf["load"], hf["real"])  # padding routed to no expert
         assert hf["resumed"] < TOL, (rank, hf["resumed"])  # ep 2 x tp 2 -> 1: the same next step
+
+
+@pytest.mark.parametrize("case", ["pp", "pp_ep"])
+def test_hf_moe_split_by_the_pipeline_equals_one_device(results, case):
+    for rank, out in enumerate(results):
+        hf, ref = out["ep_pp"]["hf"][case], out["ep_pp"]["hf"]  # Qwen3-MoE, its router aux loss on (ep_pp_workers)
+        # Pipeline(pp_size=2) replicates each stage's experts; with dp="fsdp", ep_size=2 they are split over ep
+        assert hf["layers"] == [f"model.layers.{rank // 2}.mlp.gate.weight"], (rank, hf["layers"])
+        assert hf["experts"] == (["DTensor"] if case == "pp_ep" else ["Tensor"]), (rank, hf["experts"])
+        assert hf["init"] == 0, f"rank {rank}: initial weights differ from one device's by {hf['init']}"
+        # the aux loss (every layer's routers together, as transformers computes it) is in the loss and gradients
+        assert ref["aux"] > 1.0 and max(hf["loss"]) < TOL, (rank, ref["aux"], hf["loss"])
+        assert max(hf["grad"]) < TOL and max(hf["norm"]) < TOL, (rank, hf)
+        assert hf["weights"] < TOL and ref["moved"] > 1e-3, (rank, hf["weights"], ref["moved"])
