@@ -95,3 +95,18 @@ def test_hugging_face_expert_blocks_under_tp_refuse_what_is_not_built_by_name():
     assert {n.split(".", 3)[-1] if n.startswith("model.layers.") else n for n in plan} == {
         "self_attn.k_norm", "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.q_proj",
         "self_attn.v_proj", "lm_head", "model.embed_tokens"}, sorted(plan)
+
+
+def test_mixtral_under_ep_and_tp_keeps_only_attention_and_head_in_the_plan():
+    import transformers
+
+    from shardkit.strategies.ep_hf_tensor import hf_dense_plan
+    from shardkit.strategies.expert_parallel import hf_expert_blocks
+
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    model = transformers.MixtralForCausalLM(config)
+    plan = hf_dense_plan(model, hf_expert_blocks(model), 2, False)
+    assert {n.split(".", 3)[-1] if n.startswith("model.layers.") else n for n in plan} == {
+        "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj", "lm_head",
+        "model.embed_tokens"}, sorted(plan)
