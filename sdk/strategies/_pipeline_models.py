@@ -3,7 +3,8 @@
 Two layouts: shardkit's Llama (``embed_tokens``, ``layers``, ``norm``, ``lm_head`` on the model itself) and
 Hugging Face decoders of :data:`HF_MODEL_TYPES` (``model.embed_tokens``, ``model.layers``, ``model.norm``,
 ``model.rotary_emb`` and ``lm_head``). An HF stage recomputes the causal mask and the rotary embeddings from its
-input's shape, so every stage has them without sending them between ranks.
+input's shape, so every stage has them without sending them between ranks. An HF MoE decoder with
+``output_router_logits`` also sends its routing statistics on to the next stage (:mod:`._pipeline_hf_moe`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from torch import nn
 from shardkit.strategies.cp_moe import moe_aux_loss, statistics_layers
 from shardkit.utils.suggest import did_you_mean
 
-__all__ = ["HF_MODEL_TYPES", "HFStageModule", "ModelLayout", "StageModule", "UnsplittableModelError", "model_layout"]
+__all__ = ["HF_MODEL_TYPES", "HF_MOE_MODEL_TYPES", "HFStageModule", "ModelLayout", "StageModule", "StartAuxBackward",
+           "UnsplittableModelError", "model_layout"]
 
-# Decoders whose layers take (hidden, attention_mask=, position_embeddings=, position_ids=) and whose mask is the
-# plain causal one; sliding-window and hybrid-attention families need per-layer masks (not split yet).
-HF_MODEL_TYPES = ("llama",)
+# Decoders whose layers take (hidden, attention_mask=, position_embeddings=, position_ids=) and whose mask is one for
+# every layer (causal, or the config's sliding window); hybrid-attention families need per-layer masks (not split
+# yet). The MoE ones (their router aux loss carried between stages: _pipeline_hf_moe.py) in HF_MOE_MODEL_TYPES.
+HF_MOE_MODEL_TYPES = ("mixtral", "qwen3_moe")
+HF_MODEL_TYPES = ("llama", *HF_MOE_MODEL_TYPES)
 
 
 class UnsplittableModelError(ValueError):
@@ -45,9 +49,15 @@ class ModelLayout:
     def hf(self) -> bool:
         return self.config is not None
 
+    @property
+    def router_aux(self) -> bool:
+        """An HF MoE decoder whose config adds its routers' load-balancing loss (``output_router_logits``)."""
+        return self.hf and self.config.model_type in HF_MOE_MODEL_TYPES and bool(self.config.output_router_logits)
+
     def stage(self, embed: nn.Module | None, layers: list[nn.Module], norm: nn.Module | None,
               head: nn.Module | None) -> nn.Module:
-        """The stage module running ``embed`` (first stage), ``layers`` and ``norm`` (last stage)."""
+        """The stage module running ``embed`` (first stage), ``layers`` and ``norm`` (last stage); an HF MoE decoder
+        with its router aux loss is :func:`shardkit.strategies._pipeline_hf_moe.make_stage`'s."""
         if self.hf:
             return HFStageModule(embed, layers, norm, head, self.body.rotary_emb, self.config)
         return StageModule(embed, layers, norm, head)
@@ -59,7 +69,7 @@ class ModelLayout:
         return head(hidden, shift)
 
 
-class _StartAuxBackward(torch.autograd.Function):
+class StartAuxBackward(torch.autograd.Function):
     """The identity on a stage's output whose backward also starts the stage's auxiliary loss's backward, with
     ``weight`` (d loss / d aux): the loss is on the last stage only, so each stage's MoE layers reach it this way."""
 
@@ -103,7 +113,7 @@ class StageModule(nn.Module):
         if aux is None or not torch.is_grad_enabled():
             return out
         self.aux_values.append(aux.detach())
-        return _StartAuxBackward.apply(out, aux, self.aux_weight)
+        return StartAuxBackward.apply(out, aux, self.aux_weight)
 
 
 class HFStageModule(StageModule):
@@ -116,16 +126,24 @@ class HFStageModule(StageModule):
         self._config = config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
+        h = self.decode(x)
+        return self._with_aux(self.norm(h) if self.norm is not None else h)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """The embedding (first stage) and this stage's layers, with the model's own mask (causal, or its sliding
+        window when the config sets one, as the model chooses) and rotary embeddings."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         h = self.embed(x) if self.embed is not None else x
         position_ids = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = create_causal_mask(config=self._config, inputs_embeds=h, attention_mask=None, past_key_values=None,
-                                  position_ids=position_ids)
+        window = getattr(self._config, "sliding_window", None)
+        make_mask = create_causal_mask if window is None else create_sliding_window_causal_mask
+        mask = make_mask(config=self._config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                         position_ids=position_ids)
         rotary = self.rotary(h, position_ids=position_ids)
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_embeddings=rotary, position_ids=position_ids)
-        return self._with_aux(self.norm(h) if self.norm is not None else h)
+        return h
 
 
 def _is_hf(module: nn.Module) -> bool:

@@ -18,6 +18,7 @@ from torch.distributed.pipelining import PipelineStage
 from typing_extensions import override
 
 from shardkit.strategies._dtensor import local_tensor
+from shardkit.strategies._pipeline_hf_moe import make_stage
 from shardkit.strategies._pipeline_models import ModelLayout, StageModule, model_layout
 from shardkit.strategies.cp_moe import GroupStatistics, install_statistics
 from shardkit.strategies.parallel_dims import ParallelDims
@@ -74,6 +75,7 @@ class PipelineRunner:
         # MoE layers: each micro-batch routes apart (its statistics its own, as under gradient accumulation), and a
         # bias update sums each layer's counts over its stage's data-parallel peers, the ranks holding that layer.
         self.moe = bool(install_statistics(module, "Pipeline", lambda: GroupStatistics(counts_group=self.dp_group)))
+        self.moe = self.moe or layout.router_aux  # an HF MoE decoder's aux loss, carried between its stages
         self.pp_rank, self.pp = dist.get_rank(self.pp_group), pp
         ranges = stage_layers(len(body.layers), total, settings.layer_split)
         self.indices = settings.stage_indices(self.pp_rank)
@@ -81,8 +83,9 @@ class PipelineRunner:
         owned = {i for s in self.indices for i in ranges[s]}
         self.stages = []
         for s in self.indices:
-            part = layout.stage(body.embed_tokens if s == 0 else None, [body.layers[i] for i in ranges[s]],
-                                body.norm if s == total - 1 else None, module.lm_head if s == total - 1 else None)
+            part = make_stage(layout, body.embed_tokens if s == 0 else None, [body.layers[i] for i in ranges[s]],
+                              body.norm if s == total - 1 else None, module.lm_head if s == total - 1 else None,
+                              stats_group=self.dp_group)
             if shard is not None:
                 shard(part)
             self.stages.append(WindowStage(part, s, total, device, group=self.pp_group,
@@ -244,9 +247,7 @@ class WindowStage(PipelineStage):
         """torch's run of the stage on stand-in inputs (the first stage's real micro-batch, empty tensors on the
         others) to learn its output shapes: not a micro-batch of the step, so what it leaves in the MoE layers (the
         expert counts a bias update reads) and in the stage's auxiliary losses is put back."""
-        moe = getattr(self.submod, "moe", None)
-        if not moe:
-            return super()._forward_metadata_inference(*args, **kwargs)
+        moe = self.submod.moe  # an HF MoE stage has none, but records its aux loss as the others do
         counts = [layer.tokens_per_expert.clone() for layer in moe]
         recorded = list(self.submod.aux_values)
         try:

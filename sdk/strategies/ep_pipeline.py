@@ -4,7 +4,8 @@
 The mesh is :class:`~shardkit.strategies.parallel_dims.ParallelDims` with ``pp`` outermost and ``ep`` borrowed from
 ``dp_shard`` (torchtitan's layout: ``("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")``), so each expert
 group is ranks of one pipeline stage: ranks that hold the same layers and see different batches. In each stage's MoE
-layers (shardkit's :class:`~shardkit.models.moe.MoE`, found by shape as expert parallelism finds them), the stacked
+layers (shardkit's :class:`~shardkit.models.moe.MoE`, found by shape as expert parallelism finds them, and Hugging
+Face expert blocks, whose forward becomes expert parallelism's), the stacked
 expert weights become DTensors sharded on the expert dimension over the stage's ep group and the layer's dispatcher is
 expert parallelism's all-to-all (:class:`~shardkit.strategies.expert_parallel.AllToAllDispatch`); the dense parameters
 are FSDP2 over the stage's ``dp_shard`` ranks, as ``Pipeline(dp="fsdp")`` shards them. With ``ep < dp_shard`` the
@@ -40,8 +41,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from shardkit.strategies import _dtensor
-from shardkit.strategies.expert_parallel import AllToAllDispatch, moe_modules
+from shardkit.strategies.expert_parallel import AllToAllDispatch, dispatch_hf_block, hf_expert_blocks, moe_modules
 from shardkit.strategies.parallel_dims import ParallelDims
+from shardkit.utils.hf_experts import check_hf_expert_layout
 
 __all__ = ["StageExpertDispatch", "check_model_experts", "check_pipeline_experts", "shard_stage_experts"]
 
@@ -85,7 +87,11 @@ def check_model_experts(module: nn.Module, dims: ParallelDims, is_main: bool) ->
     layers = moe_modules(module)
     for layer in layers:
         dims.validate_experts(layer.experts.gate_up_proj.shape[0])
-    if not layers and is_main:
+    blocks = hf_expert_blocks(module)
+    for block in blocks:
+        check_hf_expert_layout(block, "Pipeline(ep_size=...)")
+        dims.validate_experts(block.gate_up_proj.shape[0])
+    if not layers and not blocks and is_main:
         logging.getLogger("shardkit.strategies.ep_pipeline").warning(
             "shardkit: Pipeline(ep_size=%d) found no MoE layer in %s (a module with a `dispatcher` slot and `experts` "
             "holding stacked gate_up_proj/down_proj weights, as shardkit.models.moe.MoE): it runs as dp='fsdp'",
@@ -107,13 +113,14 @@ def shard_stage_experts(stage: nn.Module, dims: ParallelDims, expert_mesh: Any, 
         own over ``dp_shard_mod_ep``).
     """
     layers = moe_modules(stage)
-    if not layers:  # a stage of dense layers only (DeepSeek's first_dense_layers)
+    blocks = hf_expert_blocks(stage)  # a Hugging Face MoE decoder's expert blocks, dispatched the same way
+    if not layers and not blocks:  # a stage of dense layers only (DeepSeek's first_dense_layers)
         return set()
     ep_mesh = expert_mesh["ep"]
     dispatch = StageExpertDispatch(ep_mesh.get_group(), stats_group, 1.0 / dims.ep)
     experts: list[nn.Parameter] = []
-    for layer in layers:
-        holder = layer.experts
+    holders = [layer.experts for layer in layers] + blocks
+    for holder in holders:
         for name in _WEIGHTS:
             whole = getattr(holder, name)
             per_rank = whole.shape[0] // dims.ep
@@ -123,16 +130,19 @@ def shard_stage_experts(stage: nn.Module, dims: ParallelDims, expert_mesh: Any, 
                                                     stride=whole.stride()), requires_grad=whole.requires_grad)
             setattr(holder, name, param)
             experts.append(param)
-        holder.weight_view = dispatch.weight_view
+    for layer in layers:
+        layer.experts.weight_view = dispatch.weight_view
         layer.dispatcher = dispatch
+    for block in blocks:
+        dispatch_hf_block(block, dispatch)
     if dims.expert_replicas == 1:
         return set(experts)
     replicas = expert_mesh["dp_shard_mod_ep"]
     shards = replicas.size()
-    for layer in layers:
+    for holder in holders:
         # Kept whole from the first forward to the step's reduction, as the stage's dense units (pipeline.py says
         # why); torchtitan's rule for the dimension: the local experts when there are enough of them, else their rows.
-        fully_shard(layer.experts, mesh=replicas, reshard_after_forward=False, mp_policy=mp_policy,
+        fully_shard(holder, mesh=replicas, reshard_after_forward=False, mp_policy=mp_policy,
                     shard_placement_fn=lambda p, n=shards: Shard(0) if
                     _dtensor.local_tensor(p).shape[0] % n == 0 else Shard(1))
     return set()

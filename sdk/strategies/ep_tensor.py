@@ -40,7 +40,10 @@ With context parallelism too (``cp_size > 1``, EP x CP x TP): the same dispatche
 sequences, with ep borrowing the cp ranks as well and the statistics summed over the cp ranks too
 (:mod:`~shardkit.strategies.ep_cp_tensor`).
 
-Not built here: Hugging Face expert blocks under tp (transformers' own plan splits their experts); refused by name.
+Hugging Face MoE models (transformers 5's Qwen3-MoE, Mixtral): the dense layers are split by transformers' own plan
+without its expert entries (:mod:`shardkit.strategies.ep_hf_tensor`), the expert blocks dispatched as above, the
+router whole on every tp rank. Not built here, each refused by name: Hugging Face expert blocks with ``expert_tp``
+or sequence parallelism.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardkit.strategies.ep_exchange import exchange
+from shardkit.strategies.ep_hf_tensor import hf_dense_plan
 from shardkit.strategies.parallel_dims import ParallelDims
 from shardkit.strategies.tensor_parallel import resolve_plan, validate_heads
 
@@ -80,21 +84,25 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, dims: ParallelDims, s
     """Split the dense layers over ``tp_mesh`` by the model's own plan (its routed experts are in no plan: they are
     split over ep afterwards).
 
+    A Hugging Face MoE model is split by transformers' own plan without its expert blocks' entries
+    (:func:`~shardkit.strategies.ep_hf_tensor.hf_dense_plan`); its router stays whole on every tp rank.
+
     Raises:
-        ValueError: a Hugging Face expert block (transformers' plan would split it over tp), or head counts tp does
+        ValueError: Hugging Face expert blocks with ``expert_tp`` or ``sequence_parallel``, or head counts tp does
             not divide, or a model without a plan (as :class:`~shardkit.strategies.TensorParallel`).
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    if hf_blocks:
-        raise ValueError(f"ExpertParallel tp_size={dims.tp}: {type(module).__name__} holds Hugging Face expert blocks "
-                         f"({type(hf_blocks[0]).__name__}), whose own tensor-parallel plan splits the experts over tp "
-                         "(not built with expert parallelism here); use tp_size=1 (ep over the data-parallel ranks) "
-                         "or shardkit's MoE Llama")
+    if hf_blocks and dims.expert_tp:
+        raise ValueError(f"ExpertParallel tp_size={dims.tp} expert_tp=True: {type(module).__name__} holds Hugging Face "
+                         f"expert blocks ({type(hf_blocks[0]).__name__}); tensor parallelism inside them is not built "
+                         "here; use expert_tp=False (the tp peers split the experts and the tokens)")
     validate_heads(module, dims)
     # src_data_rank=None: each rank cuts its part from its own copy, which is already equal on every rank (rank 0's
     # broadcast, or the recorded init replayed later); a scatter from rank 0 would wait on meta ranks.
-    plan = resolve_plan(module, None, dims.tp, sequence_parallel)
+    # A Hugging Face MoE model: transformers' plan without its expert blocks (split over ep, not tp).
+    plan = hf_dense_plan(module, hf_blocks, dims.tp, sequence_parallel) if hf_blocks else \
+        resolve_plan(module, None, dims.tp, sequence_parallel)
     parallelize_module(module, tp_mesh, plan, src_data_rank=None)
 
 

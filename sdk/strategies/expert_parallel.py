@@ -93,7 +93,7 @@ from shardkit.utils.hf_token_mask import block_token_mask, record_attention_mask
 from shardkit.utils.routed_rows import gather_rows, sort_assignments, sum_rows
 from shardkit.utils.suggest import did_you_mean
 
-__all__ = ["AllToAllDispatch", "ExpertParallel", "hf_expert_blocks", "moe_modules"]
+__all__ = ["AllToAllDispatch", "ExpertParallel", "dispatch_hf_block", "hf_expert_blocks", "moe_modules"]
 
 _EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 EXPERT_SHARDING = ("full", "none")
@@ -141,6 +141,12 @@ def _hf_expert_parallel_forward(self: nn.Module, hidden_states: torch.Tensor, to
                                       counts)
     out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
     return sum_rows(out, token, hidden_states)
+
+
+def dispatch_hf_block(block: nn.Module, dispatch: Any) -> None:
+    """Run a Hugging Face expert block (its stacked weights already split over ep) through ``dispatch``."""
+    block._shardkit_dispatch = dispatch
+    block.forward = types.MethodType(_hf_expert_parallel_forward, block)
 
 
 def moe_modules(module: nn.Module) -> list[nn.Module]:

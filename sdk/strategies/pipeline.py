@@ -28,9 +28,12 @@ Expert parallelism inside the stages (``ep_size > 1``, with ``dp="fsdp"``): each
     # --strategy pp --strategy-opt pp_size=2 --strategy-opt dp=fsdp --strategy-opt ep_size=2
 
 Models: shardkit's Llama (``embed_tokens``, ``layers``, ``norm``, ``lm_head``) and Hugging Face decoders of
-model_type ``llama`` (``model(input_ids=x, labels=x).loss``); tied embeddings included. An MoE Llama's auxiliary
-loss reaches the loss from every stage (each stage starts it in its own backward, weighted as a micro-batch's share;
-the returned loss includes it); each micro-batch routes with its own statistics, as under gradient accumulation.
+model_type ``llama``, ``mixtral`` and ``qwen3_moe`` (``model(input_ids=x, labels=x).loss``); tied embeddings
+included. An MoE Llama's auxiliary loss reaches the loss from every stage (each stage starts it in its own backward,
+weighted as a micro-batch's share; the returned loss includes it); each micro-batch routes with its own statistics,
+as under gradient accumulation. An HF MoE decoder's router aux loss (``output_router_logits``) is one function of
+every layer's routers, so its stages send their routing sums on with the hidden states and the last stage starts it
+(``_pipeline_hf_moe.py``).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,12 +121,18 @@ def _hf_styles() -> dict[str, Any]:
         "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
         # an embedding split on the vocabulary: token ids come in whole, the looked-up rows are summed
         "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        # a norm between a colwise and a rowwise layer (Qwen3's per-head q_norm/k_norm): its weight replicated, its
+        # input each rank's own part (its heads). Seen as one tensor split on dim 0, the norm's op per row is the
+        # same, and the replicated weight's gradient comes out summed over the ranks' parts, as it must.
+        "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=0, use_local_output=True),
     }
 
 
-def hugging_face_plan(module: nn.Module) -> dict[str, ParallelStyle] | None:
+def hugging_face_plan(module: nn.Module, keep: Callable[[str, str], bool] | None = None
+                      ) -> dict[str, ParallelStyle] | None:
     """A Hugging Face model's own plan (transformers' ``model.tp_plan``: the class's ``_tp_plan`` with the config's
     ``base_model_tp_plan`` under the base model's prefix) as ParallelStyles; None for a model without one.
+    ``keep(key, style)``: which entries to map (None: all of them).
 
     Raises:
         ValueError: the plan names a style shardkit does not map (the key, the style and the fix are named).
@@ -142,6 +149,8 @@ def hugging_face_plan(module: nn.Module) -> dict[str, ParallelStyle] | None:
     styles = _hf_styles()
     out: dict[str, ParallelStyle] = {}
     for key, style in plan.items():
+        if keep is not None and not keep(key, style):
+            continue
         if style not in styles:
             raise ValueError(f"TensorParallel: {type(module).__name__}'s Hugging Face plan says {key!r}: {style!r}, a "
                              f"style shardkit does not map{did_you_mean(str(style), styles)} (it maps "

@@ -14,6 +14,9 @@ at position j. The one-device reference accumulates exactly those pieces, each s
   and AdamW moments).
 - every other schedule (4 stages for the interleaved and V-shaped ones) on a 4-layer MoE Llama,
   one step of 4 micro-batches: loss and every gradient.
+- ``hf``: Hugging Face's Qwen3-MoE with its router aux loss under ``Pipeline(pp_size=2)`` (pp 2 x ddp 2) and
+  ``Pipeline(pp_size=2, dp="fsdp", ep_size=2)``, 3 AdamW steps against one process accumulating the same
+  micro-batches with the model's own loss.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from shardkit import Runner
 from shardkit.models import Llama, LlamaConfig
 from shardkit.models.moe import MoE, update_router_biases
 
-__all__ = ["ep_pp_worker"]
+__all__ = ["ep_pp_worker", "hf_pp_cases"]
 
 CONFIG = LlamaConfig.small_moe(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, max_position=32,
                                tie_embeddings=False, fused=False,
@@ -179,6 +182,7 @@ def ep_pp_worker(root: str) -> dict[str, Any]:
     for schedule in sorted(set(SCHEDULES) - {"1f1b"}):
         out[schedule] = _pipeline_run(Pipeline(pp_size=2, dp="fsdp", ep_size=2, schedule=schedule, microbatches=4),
                                       DEEP, deep_batches, 4, deep_ref, starve=False)
+    out["hf"] = hf_pp_cases(root)
     return out
 
 
@@ -191,3 +195,71 @@ def replicas_worker() -> dict[str, Any]:
     ref = _reference(CONFIG, batches, 2, starve=True, dp=4)
     return _pipeline_run(Pipeline(pp_size=2, dp="fsdp", ep_size=2, microbatches=2), CONFIG, batches, 2, ref,
                          starve=True)
+
+
+def _qwen3_moe(aux: bool = True) -> torch.nn.Module:
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                                         output_router_logits=aux, router_aux_loss_coef=0.05)
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(config).double()
+    model.set_experts_implementation("eager")
+    return model
+
+
+def hf_pp_cases(root: str) -> dict[str, Any]:
+    """Hugging Face's Qwen3-MoE (its router aux loss on) under ``Pipeline(pp_size=2)`` (pp 2 x ddp 2) and
+    ``Pipeline(pp_size=2, dp="fsdp", ep_size=2)`` against one process accumulating the same micro-batches (its own
+    ``model(...).loss``, the aux loss included): 3 AdamW steps, the initial weights, loss, every gradient, the clipped
+    norm and the weights."""
+    from shardkit.precision import FP32
+    from shardkit.strategies import SingleDevice
+    from shardkit.strategies.pipeline import Pipeline
+
+    batches, micro = _batches(STEPS, 4), 2
+    ref_model = _qwen3_moe()
+    init = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+    ref_runner = Runner(SingleDevice("cpu"), seed=0)
+    ref_model, _ = ref_runner.setup(ref_model, _adamw(ref_model))
+    ref: dict[str, list] = {"loss": [], "grad": [], "norm": [], "aux": []}
+    for batch in batches:
+        total, aux = 0.0, 0.0
+        for rows in _micro_rows(batch.shape[0], micro, 2):
+            out = ref_model(input_ids=batch[rows], labels=batch[rows])
+            ref_runner.backward(out.loss / micro)
+            total, aux = total + out.loss.item() / micro, aux + out.aux_loss.item() / micro
+        ref["loss"].append(total)
+        ref["aux"].append(aux)
+        ref["grad"].append({n: p.grad.detach().clone() for n, p in ref_model.named_parameters()})
+        ref["norm"].append(ref_runner.clip_gradients(CLIP).item())
+        ref_runner.step()
+    weights = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
+    out: dict[str, Any] = {"moved": max((weights[n] - init[n]).abs().max().item() for n in init),
+                           "aux": min(ref["aux"])}
+    for name, strategy in (("pp", Pipeline(pp_size=2, microbatches=micro)),
+                           ("pp_ep", Pipeline(pp_size=2, dp="fsdp", ep_size=2, microbatches=micro))):
+        runner = Runner(strategy, precision=FP32(comm_dtype=torch.float64), seed=0)
+        model = _qwen3_moe()
+        model, _ = runner.setup(model, _adamw(model))
+        s = runner.strategy
+        own = dict(model.named_parameters())
+        got: dict[str, Any] = {
+            "init": max((_whole(p.detach()) - init[n]).abs().max().item() for n, p in own.items()),
+            "experts": sorted({type(p.data).__name__ for n, p in own.items() if ".experts." in n}),
+            "layers": sorted(n for n in own if n.endswith("mlp.gate.weight")), "loss": [], "grad": [], "norm": []}
+        per = 4 // s.data_parallel_size
+        rows = slice(s.data_parallel_rank * per, (s.data_parallel_rank + 1) * per)
+        for step, batch in enumerate(batches):
+            loss = model(input_ids=batch[rows], labels=batch[rows]).loss
+            runner.backward(loss)
+            got["loss"].append(abs(runner.all_reduce(loss.detach().clone(), "mean").item() - ref["loss"][step]))
+            got["grad"].append(max((_whole(p.grad) - ref["grad"][step][n]).abs().max().item()
+                                   for n, p in own.items()))
+            got["norm"].append(abs(runner.clip_gradients(CLIP).item() - ref["norm"][step]))
+            runner.step()
+        got["weights"] = max((_whole(p.detach()) - weights[n]).abs().max().item() for n, p in own.items())
+        out[name] = got
+    return out

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from ep_cptp_workers import ep_cptp_cases
 from ep_etp_workers import ep_etp_case
+from ep_hf_workers import hf_tp_case
 from ep_more_workers import ep_more
 from ep_pp_workers import ep_pp_worker
 from ep_tp_workers import ep_tp_cases
@@ -369,4 +370,5 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["more"] = ep_more(root, ref, init, ref_balance)
     out["etp"] = ep_etp_case(root, _case, ref, init, ref_balance)  # ep 2 x tp 2, tp inside the experts
     out["cptp"] = ep_cptp_cases(_case, ref, init, ref_balance)  # ep x cp 2 x tp 2, both tp layouts
+    out["hf_tp"] = hf_tp_case(root)  # Hugging Face's Qwen3-MoE under ep 2 x tp 2: ep_hf_workers.py
     return out

@@ -11,11 +11,13 @@ parallelism: the tp peers split the experts and the tokens) equals one device, e
 does ep 2 x tp 2 with tensor parallelism inside the experts (``expert_tp=True``: each rank holding 1/tp of its
 experts' weights and AdamW state), its checkpoint resumed in one process, under ep 4 and under ep 2 x tp 2, and back;
 and with cp 2 x tp 2 together (``ExpertParallel(ep_size=4, cp_size=2, tp_size=2)``, ep borrowing cp and tp, and
-``ExpertParallel(ep_size=2, cp_size=2, tp_size=2, expert_tp=True)``, ep borrowing cp) each equals one device.
+``ExpertParallel(ep_size=2, cp_size=2, tp_size=2, expert_tp=True)``, ep borrowing cp) each equals one device;
+so does Hugging Face's Qwen3-MoE at ep 2 x tp 2 (transformers' plan without its experts), resumed in one process.
 An MoE Llama one-device checkpoint resumes under ep 2 (one saved layout whatever the ep size), and the Qwen3-MoE's
 exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
 from_pretrained reads back. Expert parallelism inside a pipeline's stages (``Pipeline(pp_size=2, dp="fsdp",
-ep_size=2)``) equals one device accumulating the same micro-batches, under every schedule. One launch."""
+ep_size=2)``) equals one device accumulating the same micro-batches, under every schedule, and so does Hugging Face's
+Qwen3-MoE split by the pipeline with its router aux loss, with and without ep. One launch."""
 
 from __future__ import annotations
 
@@ -221,3 +223,30 @@ def test_expert_parallel_with_context_and_tensor_parallel_equals_one_process(res
         moe_layers = CONFIG.num_layers - CONFIG.moe.first_dense_layers
         rows = GLOBAL_BATCH * SEQ * CONFIG.moe.top_k * moe_layers * (2 if case == "etp" else 1)
         assert got["expert_rows"] == rows, (rank, got["expert_rows"], rows)
+
+
+def test_hf_moe_under_ep_and_tp_equals_one_process_and_resumes_in_one(results):
+    for rank, out in enumerate(results):
+        hf = out["hf_tp"]  # Qwen3-MoE at ep 2 x tp 2 (ep_hf_workers.py) against the same model in one process
+        assert (hf["ep"], hf["tp"], hf["dp"], hf["experts"]) == (2, 2, 2, "DTensor"), (rank, hf)
+        # attention split over tp by transformers' plan, its per-head norms replicated over tp (gradients summed)
+        assert hf["q_mesh"] == ["shard", "tp"] and hf["q_norm"] == ["Shard", "Replicate"], (rank, hf)
+        assert hf["init"] == 0, f"rank {rank}: initial weights differ from one process's by {hf['init']}"
+        assert max(hf["loss"]) < TOL and max(hf["grad"]) < TOL and max(hf["norm"]) < TOL, (rank, hf)
+        assert hf["weights"] < TOL and hf["moved"] > 1e-3, (rank, hf["weights"], hf["moved"])
+        assert hf["load"] == [hf["real"]], (rank, hf["load"], hf["real"])  # padding routed to no expert
+        assert hf["resumed"] < TOL, (rank, hf["resumed"])  # ep 2 x tp 2 -> 1: the same next step
+
+
+@pytest.mark.parametrize("case", ["pp", "pp_ep"])
+def test_hf_moe_split_by_the_pipeline_equals_one_device(results, case):
+    for rank, out in enumerate(results):
+        hf, ref = out["ep_pp"]["hf"][case], out["ep_pp"]["hf"]  # Qwen3-MoE, its router aux loss on (ep_pp_workers)
+        # Pipeline(pp_size=2) replicates each stage's experts; with dp="fsdp", ep_size=2 they are split over ep
+        assert hf["layers"] == [f"model.layers.{rank // 2}.mlp.gate.weight"], (rank, hf["layers"])
+        assert hf["experts"] == (["DTensor"] if case == "pp_ep" else ["Tensor"]), (rank, hf["experts"])
+        assert hf["init"] == 0, f"rank {rank}: initial weights differ from one device's by {hf['init']}"
+        # the aux loss (every layer's routers together, as transformers computes it) is in the loss and gradients
+        assert ref["aux"] > 1.0 and max(hf["loss"]) < TOL, (rank, ref["aux"], hf["loss"])
+        assert max(hf["grad"]) < TOL and max(hf["norm"]) < TOL, (rank, hf)
+        assert hf["weights"] < TOL and ref["moved"] > 1e-3, (rank, hf["weights"], ref["moved"])

@@ -72,13 +72,41 @@ def test_selection_and_refusals(tmp_path, monkeypatch):
         STRATEGIES.build("ep", expert_tp=True)
 
 
-def test_hugging_face_expert_blocks_under_tp_are_refused_by_name():
-    from torch import nn
+def test_hugging_face_expert_blocks_under_tp_refuse_what_is_not_built_by_name():
+    import transformers
 
+    from shardkit.strategies.ep_hf_tensor import hf_dense_plan
     from shardkit.strategies.ep_tensor import apply_tensor_parallel
+    from shardkit.strategies.expert_parallel import hf_expert_blocks
 
-    class Qwen3MoeExperts(nn.Module):
-        pass
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                         num_experts=4, num_experts_per_tok=2)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    blocks = hf_expert_blocks(model)
+    with pytest.raises(ValueError, match=r"tp_size=2 expert_tp=True: Qwen3MoeForCausalLM holds Hugging Face expert "
+                                         r"blocks \(Qwen3MoeExperts\); tensor parallelism inside them is not built"):
+        apply_tensor_parallel(model, None, ParallelDims(tp=2, ep=2, expert_tp=True), False, blocks)
+    with pytest.raises(ValueError, match=r"sequence_parallel=True: Qwen3MoeForCausalLM's own Hugging Face plan"):
+        apply_tensor_parallel(model, None, ParallelDims(tp=2, ep=2), True, blocks)
+    # transformers' plan without the experts (split over ep) and without the dense MLP this model does not have; the
+    # per-head norms replicated with their gradients summed; the router in no plan
+    plan = hf_dense_plan(model, blocks, 2, False)
+    assert {n.split(".", 3)[-1] if n.startswith("model.layers.") else n for n in plan} == {
+        "self_attn.k_norm", "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_norm", "self_attn.q_proj",
+        "self_attn.v_proj", "lm_head", "model.embed_tokens"}, sorted(plan)
 
-    with pytest.raises(ValueError, match=r"tp_size=2: Module holds Hugging Face expert blocks \(Qwen3MoeExperts\)"):
-        apply_tensor_parallel(nn.Module(), None, ParallelDims(tp=2, ep=2), False, [Qwen3MoeExperts()])
+
+def test_mixtral_under_ep_and_tp_keeps_only_attention_and_head_in_the_plan():
+    import transformers
+
+    from shardkit.strategies.ep_hf_tensor import hf_dense_plan
+    from shardkit.strategies.expert_parallel import hf_expert_blocks
+
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    model = transformers.MixtralForCausalLM(config)
+    plan = hf_dense_plan(model, hf_expert_blocks(model), 2, False)
+    assert {n.split(".", 3)[-1] if n.startswith("model.layers.") else n for n in plan} == {
+        "self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj", "lm_head",
+        "model.embed_tokens"}, sorted(plan)
