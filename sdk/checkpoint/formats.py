@@ -35,6 +35,7 @@ from .deepspeed_reader import find_deepspeed_checkpoint
 from .expert_layout import export_plan, layout_for, model_type_of
 from .export import copy_model_files
 from .format import MANIFEST, CheckpointError
+from .llama_hf import model_config_entry
 from .reader import CheckpointReader, resolve_checkpoint
 from .writer import CheckpointWriter
 
@@ -155,6 +156,8 @@ def write_shardkit(source: Any, stage: Path, tick: Tick) -> list[str]:
     with CheckpointWriter(inner, update_latest=False, info={"strategy": "converted", "world_size": 1}) as w:
         specs = [(k, d, s) for k, (s, d) in source.sharded_keys(model).items()]
         w.write_shard_streamed(MODEL, specs, lambda k: tick(source.read_full(model, k)))
+        if source.has(model_config_entry(model)):  # shardkit's Llama: its config, for a later --to hf
+            w.write_json(model_config_entry(MODEL), source.read_json(model_config_entry(model)))
         kinds = {MODEL: "module"}
         if optim is not None:
             meta, keys, fetch = optimizer_parts(source, optim)
