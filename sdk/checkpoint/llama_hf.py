@@ -26,6 +26,7 @@ The mapping reads the config as ``LlamaConfig.to_dict()`` gives it (this package
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -57,6 +58,45 @@ def write_hf_config(out_dir: Path, config: dict[str, Any]) -> list[str]:
     return ["config.json"]
 
 
+_COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "max_position")
+_MOE_COUNTS = ("num_experts", "top_k", "intermediate_size")
+
+
+def _count(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _check_fields(f: dict[str, Any], moe: dict[str, Any] | None) -> None:
+    """The recorded config is read from a file: every field the mapping uses is checked as LlamaConfig checks it."""
+    bad = next((k for k in _COUNTS if not _count(f[k], 1)), None)
+    if bad is None and not (f.get("num_kv_heads") is None or _count(f["num_kv_heads"], 1)):
+        bad = "num_kv_heads"
+    bad = bad or next((k for k in ("rope_theta", "rms_eps") if not _positive(f[k])), None)
+    if bad is None and not isinstance(f["tie_embeddings"], bool):
+        bad = "tie_embeddings"
+    if bad is None and (f["hidden_size"] % f["num_heads"] or f["num_heads"] % (f.get("num_kv_heads") or 1)):
+        bad = "num_heads"
+    if bad is None and moe is not None:
+        bad = next((f"moe.{k}" for k in _MOE_COUNTS if not _count(moe[k], 1)), None) or next(
+            (f"moe.{k}" for k in ("num_shared_experts", "first_dense_layers") if not _count(moe[k], 0)), None)
+        if bad is None and moe["score_func"] not in ("softmax", "sigmoid"):
+            bad = "moe.score_func"
+        if bad is None and not isinstance(moe["norm_topk_prob"], bool):
+            bad = "moe.norm_topk_prob"
+        if bad is None and not _positive(moe["route_scale"]):
+            bad = "moe.route_scale"
+        width = moe.get("shared_intermediate_size")
+        if bad is None and not (width is None or _count(width, 1)):
+            bad = "moe.shared_intermediate_size"
+    if bad is not None:
+        raise CheckpointError(f"a shardkit Llama config's {bad} is not a value LlamaConfig takes; the recorded config "
+                              "is damaged or was edited")
+
+
 def _refuse(field: str, value: Any, why: str, fix: str) -> CheckpointError:
     return CheckpointError(f"shardkit Llama -> Hugging Face: {field}={value!r} {why}; {fix}")
 
@@ -80,6 +120,7 @@ class LlamaExport:
         if moe is not None and self.moe is None:
             raise CheckpointError(f"a shardkit Llama config's moe must be an object or null, not {type(moe).__name__}")
         try:
+            _check_fields(fields, self.moe)
             self.config = self._config()
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"a shardkit Llama config lacks or mistypes a field ({e!r}); it is not "

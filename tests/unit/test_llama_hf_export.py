@@ -226,3 +226,13 @@ def test_the_recorded_config_is_the_models(tmp_path):
     exported = hf_export(config).config
     assert (exported["model_type"], exported["rope_parameters"]["rope_theta"], exported["rms_norm_eps"],
             exported["num_local_experts"], exported["num_key_value_heads"]) == ("mixtral", 5e5, 1e-5, 4, 2)
+
+
+@pytest.mark.parametrize("field, value", [("num_heads", 0), ("hidden_size", "64"), ("moe.top_k", -1),
+                                          ("moe.score_func", "tanh"), ("num_kv_heads", 0)])
+def test_a_damaged_recorded_config_is_refused_by_name(field, value):
+    fields = CASES["qwen2_moe"][0].to_dict()
+    *parent, key = field.split(".")
+    (fields[parent[0]] if parent else fields)[key] = value
+    with pytest.raises(CheckpointError, match=rf"config's {field} is not a value"):
+        hf_export(fields)
