@@ -43,12 +43,13 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[unit or "B"])
 
 
-def _plan(keys: dict, dtype: torch.dtype | None, limit: int) -> list[list[tuple[str, torch.dtype, tuple]]]:
+def _plan(keys: dict, dtype: torch.dtype | None, limit: int,
+          keep: Callable[[str], bool] = lambda key: False) -> list[list[tuple[str, torch.dtype, tuple]]]:
     """Greedy packing in key order; a tensor bigger than the limit gets a shard of its own."""
     shards: list[list[tuple[str, torch.dtype, tuple]]] = [[]]
     size = 0
     for key, (shape, src) in keys.items():
-        out = dtype if dtype is not None and src.is_floating_point else src
+        out = dtype if dtype is not None and src.is_floating_point and not keep(key) else src
         n = torch.Size(shape).numel() * torch.empty((), dtype=out).element_size()
         if shards[-1] and size + n > limit:
             shards.append([])
@@ -89,18 +90,19 @@ def write_safetensors_file(path: Path, specs: list[tuple[str, torch.dtype, tuple
 
 
 def write_hf_shards(out_dir: Path, keys: dict[str, tuple[tuple, torch.dtype]], fetch: Callable[[str], torch.Tensor],
-                    *, dtype: torch.dtype | None, max_shard_size: int | str, tied: dict[str, str]) -> list[str]:
+                    *, dtype: torch.dtype | None, max_shard_size: int | str, tied: dict[str, str],
+                    keep: Callable[[str], bool] = lambda key: False) -> list[str]:
     """Writes ``keys`` (name -> (shape, source dtype)) into the fresh directory ``out_dir`` as
     ``model.safetensors`` or shards + index; returns the file names (the index last), not yet fsynced.
 
     ``fetch(name)`` returns one tensor; only one is held at a time. Floating tensors are cast to
-    ``dtype`` (None keeps them). ``tied`` (alias -> kept name) goes into the metadata and index. The
-    caller publishes the directory (:func:`shardkit.checkpoint.export.publish_export`).
+    ``dtype`` (None keeps them), but those ``keep(name)`` is true of. ``tied`` (alias -> kept name) goes into the
+    metadata and index. The caller publishes the directory (:func:`shardkit.checkpoint.export.publish_export`).
     """
     limit = parse_size(max_shard_size)
     if limit <= 0:
         raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size!r}")
-    shards = _plan(keys, dtype, limit)
+    shards = _plan(keys, dtype, limit, keep)
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     meta = {"format": "pt"}
@@ -149,7 +151,7 @@ def write_llama(llama: LlamaExport, stage: Path, keys: dict[str, tuple[tuple, to
     layout = llama.layout if original_format else None
     out_keys, out_fetch = export_plan(hf_keys, hf_fetch, layout)
     names = write_hf_shards(stage, out_keys, out_fetch, dtype=dtype, max_shard_size=max_shard_size,
-                            tied=llama.aliases(tied, on_disk=original_format))
+                            tied=llama.aliases(tied, on_disk=original_format), keep=llama.keeps_fp32)
     return names + [n for n in copied if n != "config.json"] + write_hf_config(stage, llama.config)
 
 

@@ -168,7 +168,7 @@ def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *
     for name, tensor in stream:  # every rank drives it (the gathers), even after the main one failed to write
         if failure is not None or name in tied:
             continue
-        if dtype is not None and tensor.is_floating_point():
+        if dtype is not None and tensor.is_floating_point() and not (llama is not None and llama.keeps_fp32(name)):
             tensor = tensor.to(dtype)
         try:
             if llama is not None:

@@ -239,6 +239,11 @@ class LlamaExport:
             return out
         return [(base + rest, "")]
 
+    def keeps_fp32(self, name: str) -> bool:
+        """Whether the tensor ``name`` (shardkit's or HF's) stays fp32 in a 16-bit export: the routing bias, which
+        shardkit holds in fp32 and transformers loads in fp32 (a bf16 copy would move the choices near a tie)."""
+        return name.endswith(("router.expert_bias", "gate.e_score_correction_bias"))
+
     def hf_name(self, name: str) -> str:
         """The transformers (in-memory) name of shardkit's tensor ``name``."""
         return self._names(name)[0][0]

@@ -184,6 +184,15 @@ def test_zero_to_fp32_and_convert_write_the_export_from_a_checkpoint(case, tmp_p
         with safe_open(str(tmp_path / out / "model.safetensors"), "pt") as f:
             files[out] = {k: f.get_tensor(k) for k in f.keys()}
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in files["saved"]  # the Hub's per-expert layout
+    # a bf16 export keeps the routing bias in fp32, as shardkit holds it and transformers loads it
+    assert zero_to_fp32([str(tmp_path / "ckpt"), str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    save_pretrained(runner, tmp_path / "saved-bf16", set_up, dtype=torch.bfloat16)
+    for out in ("bf16", "saved-bf16"):
+        with safe_open(str(tmp_path / out / "model.safetensors"), "pt") as f:
+            dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+        bias = {k for k in dtypes if k.endswith("e_score_correction_bias")}
+        assert bool(bias) == (case == "glm4_moe") and all(dtypes[k] == "F32" for k in bias), dtypes
+        assert dtypes["model.layers.1.mlp.gate.weight"] == "BF16"
     for out in ("fp32", "converted", "resaved-hf"):  # the checkpoint tools write what save_pretrained writes
         # (--to shardkit does not carry the tie: that copy holds lm_head.weight too)
         extra = {"lm_head.weight"} if out == "resaved-hf" and config.tie_embeddings else set()
