@@ -152,7 +152,8 @@ def write_llama(llama: LlamaExport, stage: Path, keys: dict[str, tuple[tuple, to
     out_keys, out_fetch = export_plan(hf_keys, hf_fetch, layout)
     names = write_hf_shards(stage, out_keys, out_fetch, dtype=dtype, max_shard_size=max_shard_size,
                             tied=llama.aliases(tied, on_disk=original_format), keep=llama.keeps_fp32)
-    return names + [n for n in copied if n != "config.json"] + write_hf_config(stage, llama.config)
+    weights = dtype or next((d for _, d in keys.values() if d.is_floating_point), None)
+    return names + [n for n in copied if n != "config.json"] + write_hf_config(stage, llama.config, weights)
 
 
 def _renamed(tied: dict[str, str], layout: ExpertLayout | None) -> dict[str, str]:

@@ -185,11 +185,15 @@ def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *
             names = buffer.finish()
             if save_config:
                 names += _save_config(module, export.stage) if llama is None else \
-                    write_hf_config(export.stage, llama.config)
+                    write_hf_config(export.stage, llama.config, dtype or _floating_dtype(module))
             written = [f for f in export.commit(names) if EXPORT_RE.match(f.name)]
         except (OSError, CheckpointError) as e:
             failure = e
     return _settle(runner, export, failure, written)
+
+
+def _floating_dtype(module: nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 
 def _settle(runner: Any, export: Export | None, failure: BaseException | None, written: list[Path]) -> list[Path]:

@@ -50,9 +50,12 @@ def model_config_entry(name: str) -> str:
     return f"{name}{MODEL_CONFIG_SUFFIX}"
 
 
-def write_hf_config(out_dir: Path, config: dict[str, Any]) -> list[str]:
-    """Writes ``config`` as ``out_dir/config.json``; returns ``["config.json"]``."""
+def write_hf_config(out_dir: Path, config: dict[str, Any], dtype: torch.dtype | None = None) -> list[str]:
+    """Writes ``config`` as ``out_dir/config.json``, its ``dtype`` the weights' (``from_pretrained``'s default);
+    returns ``["config.json"]``."""
     path = out_dir / "config.json"
+    if dtype is not None:
+        config = {**config, "dtype": str(dtype).removeprefix("torch.")}
     with naming(path):
         path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return ["config.json"]
@@ -143,7 +146,7 @@ class LlamaExport:
             "num_key_value_heads": f.get("num_kv_heads") or heads, "head_dim": hidden // heads,
             "max_position_embeddings": f["max_position"], "rms_norm_eps": f["rms_eps"], "hidden_act": "silu",
             "tie_word_embeddings": bool(f["tie_embeddings"]), "initializer_range": f.get("init_std", 0.02),
-            "attention_dropout": 0.0, "use_cache": True, "torch_dtype": "float32",
+            "attention_dropout": 0.0, "use_cache": True, "dtype": "float32",
             # transformers' defaults (1, 2) would make token 2 of a byte vocabulary a stop token
             "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
             "rope_parameters": {"rope_type": "default", "rope_theta": float(f["rope_theta"])},

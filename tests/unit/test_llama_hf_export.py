@@ -193,6 +193,8 @@ def test_zero_to_fp32_and_convert_write_the_export_from_a_checkpoint(case, tmp_p
         bias = {k for k in dtypes if k.endswith("e_score_correction_bias")}
         assert bool(bias) == (case == "glm4_moe") and all(dtypes[k] == "F32" for k in bias), dtypes
         assert dtypes["model.layers.1.mlp.gate.weight"] == "BF16"
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / out)  # the weights' dtype by default
+        assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
     for out in ("fp32", "converted", "resaved-hf"):  # the checkpoint tools write what save_pretrained writes
         # (--to shardkit does not carry the tie: that copy holds lm_head.weight too)
         extra = {"lm_head.weight"} if out == "resaved-hf" and config.tie_embeddings else set()
