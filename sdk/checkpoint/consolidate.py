@@ -138,8 +138,7 @@ def llama_export_of(reader: Any, name: str) -> LlamaExport | None:
     try:
         return LlamaExport(reader.read_json(entry))
     except CheckpointError as e:
-        raise CheckpointError(f"{reader.path}: {e}; or write the model's own names (zero-to-fp32 "
-                              "--shardkit-names, consolidate(..., as_transformers=False))") from None
+        raise CheckpointError(f"{reader.path}: {e}") from None
 
 
 def write_llama(llama: LlamaExport, stage: Path, keys: dict[str, tuple[tuple, torch.dtype]],

@@ -101,7 +101,8 @@ def _check_fields(f: dict[str, Any], moe: dict[str, Any] | None) -> None:
 
 
 def _refuse(field: str, value: Any, why: str, fix: str) -> CheckpointError:
-    return CheckpointError(f"shardkit Llama -> Hugging Face: {field}={value!r} {why}; {fix}")
+    return CheckpointError(f"shardkit Llama -> Hugging Face: {field}={value!r} {why}; {fix}; or write shardkit's "
+                           "own names (save_pretrained(..., as_transformers=False), zero-to-fp32 --shardkit-names)")
 
 
 class LlamaExport:
@@ -138,7 +139,8 @@ class LlamaExport:
         if f.get("dropout", 0.0):
             raise _refuse("dropout", f["dropout"], "has no equivalent in the transformers architectures (shardkit "
                           "drops out the attention and MLP outputs on the residual)", "export a model configured with "
-                          "dropout=0.0 (the weights do not change)")
+                          "dropout=0.0 (build it with LlamaConfig(..., dropout=0.0) and load these weights: they do "
+                          "not change)")
         heads, hidden = int(f["num_heads"]), int(f["hidden_size"])
         common = {
             "vocab_size": f["vocab_size"], "hidden_size": hidden, "intermediate_size": f["intermediate_size"],
