@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -20,11 +20,13 @@ from .expert_layout import ExpertLayout, export_plan, layout_for, model_type_of
 from .export import EXPORT_RE, copy_model_files, publish_export
 from .format import CheckpointError, dtype_tag, fsync_path, naming
 from .hf_reader import INDEX
+from .llama_hf import LlamaExport, model_config_entry, write_hf_config
 from .reader import CheckpointReader
 from .trust import check_cast, check_child_dir
 
-__all__ = ["consolidate", "consolidate_deepspeed", "get_fp32_state_dict", "load_state_dict_from_zero_checkpoint",
-           "parse_size", "write_hf_shards", "write_safetensors_file"]
+__all__ = ["consolidate", "consolidate_deepspeed", "get_fp32_state_dict", "llama_export_of",
+           "load_state_dict_from_zero_checkpoint", "parse_size", "write_hf_shards", "write_llama",
+           "write_safetensors_file"]
 
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -41,12 +43,13 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[unit or "B"])
 
 
-def _plan(keys: dict, dtype: torch.dtype | None, limit: int) -> list[list[tuple[str, torch.dtype, tuple]]]:
+def _plan(keys: dict, dtype: torch.dtype | None, limit: int,
+          keep: Callable[[str], bool] = lambda key: False) -> list[list[tuple[str, torch.dtype, tuple]]]:
     """Greedy packing in key order; a tensor bigger than the limit gets a shard of its own."""
     shards: list[list[tuple[str, torch.dtype, tuple]]] = [[]]
     size = 0
     for key, (shape, src) in keys.items():
-        out = dtype if dtype is not None and src.is_floating_point else src
+        out = dtype if dtype is not None and src.is_floating_point and not keep(key) else src
         n = torch.Size(shape).numel() * torch.empty((), dtype=out).element_size()
         if shards[-1] and size + n > limit:
             shards.append([])
@@ -87,18 +90,19 @@ def write_safetensors_file(path: Path, specs: list[tuple[str, torch.dtype, tuple
 
 
 def write_hf_shards(out_dir: Path, keys: dict[str, tuple[tuple, torch.dtype]], fetch: Callable[[str], torch.Tensor],
-                    *, dtype: torch.dtype | None, max_shard_size: int | str, tied: dict[str, str]) -> list[str]:
+                    *, dtype: torch.dtype | None, max_shard_size: int | str, tied: dict[str, str],
+                    keep: Callable[[str], bool] = lambda key: False) -> list[str]:
     """Writes ``keys`` (name -> (shape, source dtype)) into the fresh directory ``out_dir`` as
     ``model.safetensors`` or shards + index; returns the file names (the index last), not yet fsynced.
 
     ``fetch(name)`` returns one tensor; only one is held at a time. Floating tensors are cast to
-    ``dtype`` (None keeps them). ``tied`` (alias -> kept name) goes into the metadata and index. The
-    caller publishes the directory (:func:`shardkit.checkpoint.export.publish_export`).
+    ``dtype`` (None keeps them), but those ``keep(name)`` is true of. ``tied`` (alias -> kept name) goes into the
+    metadata and index. The caller publishes the directory (:func:`shardkit.checkpoint.export.publish_export`).
     """
     limit = parse_size(max_shard_size)
     if limit <= 0:
         raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size!r}")
-    shards = _plan(keys, dtype, limit)
+    shards = _plan(keys, dtype, limit, keep)
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     meta = {"format": "pt"}
@@ -126,6 +130,31 @@ def write_hf_shards(out_dir: Path, keys: dict[str, tuple[tuple, torch.dtype]], f
     return names
 
 
+def llama_export_of(reader: Any, name: str) -> LlamaExport | None:
+    """The HF form of the module entry ``name`` when the checkpoint records it as a shardkit Llama, else None."""
+    entry = model_config_entry(name)
+    if not reader.has(entry):
+        return None
+    try:
+        return LlamaExport(reader.read_json(entry))
+    except CheckpointError as e:
+        raise CheckpointError(f"{reader.path}: {e}") from None
+
+
+def write_llama(llama: LlamaExport, stage: Path, keys: dict[str, tuple[tuple, torch.dtype]],
+                fetch: Callable[[str], torch.Tensor], tied: dict[str, str], copied: list[str], *,
+                dtype: torch.dtype | None, max_shard_size: int | str, original_format: bool) -> list[str]:
+    """A shardkit Llama's weights as the transformers model they equal, and that model's config.json (in place of
+    any config.json found beside the checkpoint: the recorded config is the model's)."""
+    hf_keys, hf_fetch = llama.plan(keys, fetch)
+    layout = llama.layout if original_format else None
+    out_keys, out_fetch = export_plan(hf_keys, hf_fetch, layout)
+    names = write_hf_shards(stage, out_keys, out_fetch, dtype=dtype, max_shard_size=max_shard_size,
+                            tied=llama.aliases(tied, on_disk=original_format), keep=llama.keeps_fp32)
+    weights = dtype or next((d for _, d in keys.values() if d.is_floating_point), None)
+    return names + [n for n in copied if n != "config.json"] + write_hf_config(stage, llama.config, weights)
+
+
 def _renamed(tied: dict[str, str], layout: ExpertLayout | None) -> dict[str, str]:
     return tied if layout is None else {layout.rename(a): layout.rename(k) for a, k in tied.items()}
 
@@ -136,7 +165,7 @@ def _weights(paths: list[Path]) -> list[Path]:
 
 def consolidate(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLike, *, name: str = "model",
                 dtype: torch.dtype | None = torch.float32, max_shard_size: int | str = "5GB",
-                original_format: bool = True) -> list[Path]:
+                original_format: bool = True, as_transformers: bool = True) -> list[Path]:
     """Writes entry ``name`` of a checkpoint (full or sharded, any world size) as HF-style safetensors.
 
     Produces ``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` plus
@@ -151,7 +180,10 @@ def consolidate(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLik
     files' metadata and the index under ``"tied_weights"`` (alias -> kept key). With ``original_format`` and a
     ``config.json`` of a Qwen2-MoE / Qwen3-MoE / Mixtral model beside the checkpoint, stacked expert weights are
     written one tensor per expert and projection, as transformers' ``save_pretrained`` writes them
-    (:mod:`.expert_layout`); False writes them as the model held them. The output is published
+    (:mod:`.expert_layout`); False writes them as the model held them. A checkpoint of shardkit's Llama (which
+    records its config) is written as the transformers model it equals, with that model's ``config.json``
+    (:mod:`.llama_hf`; refused by name where none is exact; ``as_transformers=False`` writes its own names instead,
+    as the model holds them). The output is published
     atomically (:mod:`.export`): a previous export there stays whole until the new one is; the output
     may not be a checkpoint or lie inside the one read.
 
@@ -165,9 +197,14 @@ def consolidate(checkpoint_path: str | os.PathLike, output_dir: str | os.PathLik
                                   "pass --name")
         tied = reader.aliases(name)
         keys = {k: v for k, v in reader.sharded_keys(name).items() if k not in tied}
+        # a shardkit Llama: refused by name before anything is written
+        llama = llama_export_of(reader, name) if as_transformers else None
 
         def write(stage: Path) -> list[str]:
             copied = copy_model_files([reader.path, reader.path.parent], stage)
+            if llama is not None:
+                return write_llama(llama, stage, keys, lambda k: reader.read_full(name, k), tied, copied,
+                                   dtype=dtype, max_shard_size=max_shard_size, original_format=original_format)
             layout = layout_for(model_type_of(stage)) if original_format else None
             out_keys, fetch = export_plan(keys, lambda k: reader.read_full(name, k), layout)
             names = write_hf_shards(stage, out_keys, fetch, dtype=dtype, max_shard_size=max_shard_size,

@@ -5,8 +5,8 @@ transformers 5 holds a Qwen2-MoE / Qwen3-MoE / Mixtral expert block as two stack
 ``save_pretrained`` writes them back in the per-expert layout of the Hub's checkpoints, which transformers 4,
 vLLM and every other reader of those models expect:
 
-* Qwen2-MoE, Qwen3-MoE: ``<p>.experts.<e>.gate_proj.weight`` (I, H), ``up_proj.weight`` (I, H), ``down_proj.weight``
-  (H, I);
+* Qwen2-MoE, Qwen3-MoE, GLM4-MoE: ``<p>.experts.<e>.gate_proj.weight`` (I, H), ``up_proj.weight`` (I, H),
+  ``down_proj.weight`` (H, I);
 * Mixtral: the same as ``w1`` (gate), ``w3`` (up), ``w2`` (down), and every ``.mlp.`` of the name is
   ``.block_sparse_moe.`` on disk (the router too).
 
@@ -89,7 +89,7 @@ class ExpertLayout:
 _QWEN = ExpertLayout("gate_proj", "up_proj", "down_proj")
 _MIXTRAL = ExpertLayout("w1", "w3", "w2", mlp_on_disk="block_sparse_moe")
 # model_type -> the layout transformers 5's save_pretrained writes for it (its conversion mapping, reversed)
-_LAYOUTS = {"qwen2_moe": _QWEN, "qwen3_moe": _QWEN, "mixtral": _MIXTRAL}
+_LAYOUTS = {"qwen2_moe": _QWEN, "qwen3_moe": _QWEN, "glm4_moe": _QWEN, "mixtral": _MIXTRAL}
 
 
 def layout_for(model_type: str | None) -> ExpertLayout | None:

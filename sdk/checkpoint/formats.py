@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .consolidate import write_hf_shards
+from .consolidate import llama_export_of, write_hf_shards, write_llama
 from .dcp_metadata import is_dcp_checkpoint
 from .dcp_reader import MODEL, OPTIMIZER, DCPCheckpointView
 from .dcp_writer import DCPStreamWriter
@@ -35,6 +35,7 @@ from .deepspeed_reader import find_deepspeed_checkpoint
 from .expert_layout import export_plan, layout_for, model_type_of
 from .export import copy_model_files
 from .format import MANIFEST, CheckpointError
+from .llama_hf import model_config_entry
 from .reader import CheckpointReader, resolve_checkpoint
 from .writer import CheckpointWriter
 
@@ -155,6 +156,8 @@ def write_shardkit(source: Any, stage: Path, tick: Tick) -> list[str]:
     with CheckpointWriter(inner, update_latest=False, info={"strategy": "converted", "world_size": 1}) as w:
         specs = [(k, d, s) for k, (s, d) in source.sharded_keys(model).items()]
         w.write_shard_streamed(MODEL, specs, lambda k: tick(source.read_full(model, k)))
+        if source.has(model_config_entry(model)):  # shardkit's Llama: its config, for a later --to hf
+            w.write_json(model_config_entry(MODEL), source.read_json(model_config_entry(model)))
         kinds = {MODEL: "module"}
         if optim is not None:
             meta, keys, fetch = optimizer_parts(source, optim)
@@ -224,6 +227,12 @@ def write_hf(source: Any, stage: Path, tick: Tick, *, dtype: torch.dtype | None 
     found beside the source."""
     model = _named(source, "module", MODEL) or MODEL
     copied = copy_model_files([Path(source.path), Path(source.path).parent], stage)
+    llama = llama_export_of(source, model)
+    if llama is not None:  # shardkit's Llama, as the transformers model it equals
+        tied = source.aliases(model) if callable(getattr(source, "aliases", None)) else {}
+        keys = {k: v for k, v in source.sharded_keys(model).items() if k not in tied}
+        return write_llama(llama, stage, keys, lambda k: tick(source.read_full(model, k)), tied, copied,
+                           dtype=dtype, max_shard_size=max_shard_size, original_format=True)
     keys, fetch = export_plan(source.sharded_keys(model), lambda k: tick(source.read_full(model, k)),
                               layout_for(model_type_of(stage)))
     names = write_hf_shards(stage, keys, fetch, dtype=dtype, max_shard_size=max_shard_size, tied={})

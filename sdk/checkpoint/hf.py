@@ -35,6 +35,7 @@ from .expert_layout import layout_for, stacked_view
 from .export import EXPORT_RE, Export, export_error
 from .format import CheckpointError, naming
 from .hf_reader import INDEX, SINGLE, HFWeights
+from .llama_hf import write_hf_config
 from .trust import check_cast
 
 __all__ = ["load_pretrained", "save_pretrained"]
@@ -109,7 +110,8 @@ def _save_config(module: nn.Module, out_dir: Path) -> list[str]:
 
 def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *,
                     dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
-                    save_config: bool = True, tensors: Any = None, save_original_format: bool = True) -> list[Path]:
+                    save_config: bool = True, tensors: Any = None, save_original_format: bool = True,
+                    as_transformers: bool = True) -> list[Path]:
     """Writes the whole model as HF-style safetensors (sharded with an index past ``max_shard_size``).
 
     Call it on every rank (the gathers are collectives). Works under every strategy; under ZeRO-3 this is
@@ -131,6 +133,12 @@ def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *
             (:mod:`.expert_layout`); False writes them stacked, as the model holds them. Other models are
             unaffected.
 
+    shardkit's own Llama (``shardkit.models.Llama``) is written as the transformers architecture that computes the
+    same function, with its ``config.json`` (:mod:`.llama_hf`: dense as ``LlamaForCausalLM``, MoE as Mixtral,
+    Qwen2-MoE or GLM4-MoE); a config none computes exactly is a ``CheckpointError`` naming the field. With
+    ``as_transformers=False`` it is written under its own names instead (as a checkpoint's ``model.safetensors``
+    holds it).
+
     Returns:
         On the main process the weight files written (shards, then the index); ``[]`` on the other ranks.
 
@@ -144,33 +152,48 @@ def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *
     module = runner.unwrap_model(model)
     tied = _tied_aliases(module)
     layout = layout_for(getattr(getattr(module, "config", None), "model_type", None)) if save_original_format else None
+    # shardkit's Llama has no config a transformers class reads: it is written as the architecture it equals
+    # (llama_hf; refused by name, on every rank, before any gather, where none is exact)
+    llama = module.hf_export() if as_transformers and callable(getattr(module, "hf_export", None)) else None
+    meta_tied = tied if llama is None else llama.aliases(tied, on_disk=save_original_format)
     export = buffer = failure = None
     if main:
         try:
             export = Export(out_dir)
             buffer = _ShardBuffer(export.stage, limit, {"format": "pt",
-                                                        **({"tied_weights": json.dumps(tied)} if tied else {})})
+                                                        **({"tied_weights": json.dumps(meta_tied)} if tied else {})})
         except CheckpointError as e:
             failure = e
     stream = runner.iter_full_state_dict(model) if tensors is None else tensors
     for name, tensor in stream:  # every rank drives it (the gathers), even after the main one failed to write
         if failure is not None or name in tied:
             continue
-        if dtype is not None and tensor.is_floating_point():
+        if dtype is not None and tensor.is_floating_point() and not (llama is not None and llama.keeps_fp32(name)):
             tensor = tensor.to(dtype)
         try:
-            for out_name, piece in layout.split(name, tensor) if layout is not None else [(name, tensor)]:
+            if llama is not None:
+                pieces = llama.on_disk(name, tensor) if save_original_format else llama.tensors(name, tensor)
+            else:
+                pieces = layout.split(name, tensor) if layout is not None else [(name, tensor)]
+            for out_name, piece in pieces:
                 buffer.add(out_name, piece)
         except (OSError, CheckpointError) as e:
             failure = e
     written: list[Path] = []
     if main and failure is None:
         try:
-            names = buffer.finish() + (_save_config(module, export.stage) if save_config else [])
+            names = buffer.finish()
+            if save_config:
+                names += _save_config(module, export.stage) if llama is None else \
+                    write_hf_config(export.stage, llama.config, dtype or _floating_dtype(module))
             written = [f for f in export.commit(names) if EXPORT_RE.match(f.name)]
         except (OSError, CheckpointError) as e:
             failure = e
     return _settle(runner, export, failure, written)
+
+
+def _floating_dtype(module: nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 
 def _settle(runner: Any, export: Export | None, failure: BaseException | None, written: list[Path]) -> list[Path]:
@@ -237,7 +260,8 @@ def load_pretrained(runner: Any, model: nn.Module, path: str | os.PathLike, *, s
     every shardkit reader (:mod:`.hf_reader`); every shape and dtype is checked before anything loads, and
     values are cast only between float32 and float16/bfloat16 (int64 or bool data in a float parameter, or
     fp16 <-> bf16, is refused). MoE experts stored one tensor per expert (the Hub's Qwen2-MoE / Qwen3-MoE / Mixtral
-    files, :func:`save_pretrained`'s default) load into the model's stacked expert weights.
+    files, :func:`save_pretrained`'s default) load into the model's stacked expert weights; shardkit's Llama reads
+    the transformers form :func:`save_pretrained` writes for it (or an older export under its own names).
 
     Args:
         runner: the :class:`shardkit.Runner` the model was set up with.
@@ -252,8 +276,16 @@ def load_pretrained(runner: Any, model: nn.Module, path: str | os.PathLike, *, s
     module = runner.unwrap_model(model)
     tied = _tied_aliases(module)
     # Hub-layout MoE files (one tensor per expert) read as the stacked expert weights the model holds
-    weights = stacked_view(HFWeights(path), {prefix + k: full_shape(t) for prefix, sub in _modules(module)
-                                             for k, t in sub._parameters.items() if t is not None})
+    shapes = {prefix + k: full_shape(t) for prefix, sub in _modules(module) for k, t in sub._parameters.items()
+              if t is not None}
+    weights = HFWeights(path)
+    if callable(getattr(module, "hf_export", None)) and any(k.startswith("model.") for k in weights.weight_map):
+        # shardkit's Llama exported as a transformers model: its names and transforms undone
+        buffers = {prefix + k: tuple(b.shape) for prefix, sub in _modules(module) for k, b in sub._buffers.items()
+                   if b is not None and k not in sub._non_persistent_buffers_set}
+        weights = module.hf_export().files_view(weights, {**shapes, **buffers})
+    else:
+        weights = stacked_view(weights, shapes)
     own = [k for k in module.state_dict() if k not in tied]
     missing = [k for k in own if k not in weights.weight_map]
     unexpected = [k for k in weights.weight_map if k not in own and k not in tied]

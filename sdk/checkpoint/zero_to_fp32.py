@@ -49,6 +49,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="write MoE expert weights stacked (experts.gate_up_proj, experts.down_proj) as transformers 5 "
                    "holds them; default: for a Qwen2-MoE/Qwen3-MoE/Mixtral config.json beside the checkpoint, one "
                    "tensor per expert, as transformers' save_pretrained writes them")
+    p.add_argument("--shardkit-names", action="store_true",
+                   help="shardkit's Llama: write its own parameter names, as it holds them; default: the transformers "
+                   "architecture it equals (Llama, Mixtral, Qwen2-MoE or GLM4-MoE) with its config.json")
     p.add_argument("--safe-serialization", "--safe_serialization", action="store_true",
                    help="accepted as DeepSpeed's script takes it: the output is always safetensors")
 
@@ -78,7 +81,8 @@ def _run(args: argparse.Namespace) -> int:
         else:
             path = check_child_dir(Path(args.checkpoint), args.tag, "--tag") if args.tag else args.checkpoint
             paths = consolidate(path, args.output_dir, name=args.name, dtype=_dtype(args.dtype),
-                                max_shard_size=args.max_shard_size, original_format=not args.stacked_experts)
+                                max_shard_size=args.max_shard_size, original_format=not args.stacked_experts,
+                                as_transformers=not args.shardkit_names)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -89,7 +93,10 @@ def _run(args: argparse.Namespace) -> int:
         print(p)
     out = paths[0].parent if paths else Path(args.output_dir)
     copied = [n for n in MODEL_FILES if (out / n).is_file()]
-    if copied:
+    if ds is None and not args.shardkit_names and _records_llama(path, args.name):
+        print("shardkit's Llama: written as the transformers architecture it equals, with its config.json",
+              file=sys.stderr)
+    elif copied:
         print(f"with {', '.join(copied)} from beside the checkpoint", file=sys.stderr)
     if "config.json" not in copied:
         print(f"note: no config.json was found beside the checkpoint, so {out} holds the weights only and "
@@ -97,6 +104,14 @@ def _run(args: argparse.Namespace) -> int:
               f"model.config.save_pretrained({str(out)!r})); load_state_dict on a model you build also works",
               file=sys.stderr)
     return 0
+
+
+def _records_llama(path: str | Path, name: str) -> bool:
+    from .llama_hf import model_config_entry
+    from .reader import CheckpointReader
+
+    with CheckpointReader(path, verify=False) as reader:
+        return reader.has(model_config_entry(name))
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -311,6 +312,14 @@ class Llama(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.reset_parameters()
+
+    def hf_export(self) -> Any:
+        """This model's transformers form (config.json, names, expert layout; :mod:`shardkit.models.hf_export`):
+        what ``save_pretrained`` writes and a checkpoint's ``zero-to-fp32`` / ``convert --to hf`` too. Raises a
+        ``CheckpointError`` naming the field when the config has no exact transformers equivalent."""
+        from shardkit.checkpoint.llama_hf import LlamaExport
+
+        return LlamaExport(self.config.to_dict())
 
     def parallel_plan(self, tp_size: int, sequence_parallel: bool = False) -> dict:
         """The tensor-parallel plan ``TensorParallel`` applies to this model: see :func:`llama_plan`."""

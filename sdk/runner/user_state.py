@@ -11,6 +11,7 @@ from torch import nn
 
 from shardkit import checkpoint as ckpt
 from shardkit.checkpoint import format as ckpt_format
+from shardkit.checkpoint.llama_hf import model_config_entry
 from shardkit.data.loader import RunnerDataLoader
 from shardkit.strategies.base import Strategy
 
@@ -52,6 +53,8 @@ class StateSaver:
             kind = kinds[key]
             if kind == "module":
                 strategy.save_module(writer, key, obj)
+                if main:
+                    _record_model_config(writer, key, strategy.unwrap(obj))
             elif kind == "optimizer":
                 strategy.save_optimizer(writer, key, obj, self.owner_of(obj))
             elif kind == "dataloader":
@@ -90,6 +93,14 @@ class StateSaver:
             elif kind == "stateful":
                 obj.load_state_dict(reader.read_state(key))
         return values
+
+
+def _record_model_config(writer: ckpt.CheckpointWriter, key: str, module: nn.Module) -> None:
+    """shardkit's Llama has no config file of its own: its config goes into the checkpoint, so that zero-to-fp32 and
+    ``convert --to hf`` write the transformers model it equals (``checkpoint.llama_hf``) from the files alone."""
+    config = getattr(module, "config", None)
+    if callable(getattr(module, "hf_export", None)) and callable(getattr(config, "to_dict", None)):
+        writer.write_json(model_config_entry(key), config.to_dict())
 
 
 def check_module_dtypes(reader: ckpt.CheckpointReader, name: str, module: nn.Module) -> None:

@@ -98,7 +98,9 @@ def _stream_weights_into(runner: Any, model: nn.Module, path: Path) -> None:
     stage = path.parent / f".{path.name}.hf-weights"
     if runner.is_main_process and stage.exists():  # left by a run killed mid-save
         shutil.rmtree(stage)
-    written = save_pretrained(runner, stage, model, save_config=False)
+    # a checkpoint's model.safetensors keeps the model's own names (shardkit's Llama too), as the whole-weight
+    # strategies' checkpoint entry, which is that file, does
+    written = save_pretrained(runner, stage, model, save_config=False, as_transformers=False)
     if runner.is_main_process:
         for file in written:
             os.replace(file, path / file.name)

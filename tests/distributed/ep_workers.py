@@ -241,7 +241,8 @@ def one_to_ep2(root: str) -> dict[str, Any]:
     """1 -> EP 2: a one-device run saved by ``Runner.save`` after its first step, resumed under EP 2, against the
     uninterrupted one-device run: the losses of the remaining steps; and the two runs' final checkpoints (one
     device's full tensors, EP 2's DTensor shards) hold the same keys at the same global shapes, each expert weight
-    whole in the stacked layout, and consolidate (zero-to-fp32) to the same tensors."""
+    whole in the stacked layout, and consolidate (zero-to-fp32) to the same tensors, which ``from_pretrained`` loads
+    as the transformers model that gives the one-device model's logits."""
     from shardkit.checkpoint import CheckpointReader, consolidate
     from shardkit.strategies import SingleDevice
     from shardkit.strategies.expert_parallel import ExpertParallel
@@ -290,6 +291,16 @@ def one_to_ep2(root: str) -> dict[str, Any]:
         whole, sharded = (load_file(f) for f in files)
         out["consolidated_keys"] = sorted(whole) == sorted(sharded)
         out["consolidated"] = max((whole[k] - sharded[k]).abs().max().item() for k in whole)
+        # the EP-2 checkpoint's export is the transformers model shardkit's Llama equals: its logits
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(f"{root}/fp32-1", dtype=torch.float32).eval()
+        one.load(f"{root}/ep2-end", {"model": model}, runner_state=False)  # the EP-2 weights, one device
+        model.eval()
+        with torch.no_grad():
+            batch = _batches()[0]
+            out["hf_architecture"] = type(hf).__name__
+            out["hf_logits"] = (hf(batch).logits - model(batch)).abs().max().item()
     runner.barrier()
     return out
 

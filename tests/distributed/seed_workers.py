@@ -67,9 +67,10 @@ def _fp32_snippets(trainer: Trainer) -> dict:
     exported = (load_file(os.path.join(checkpoint_dir, "pytorch_model.bin", "model.safetensors"))
                 if script.returncode == 0 else {})
     seq = ids.shape[1]
+    hf_name = runner.unwrap_model(model).hf_export().hf_name  # the export is transformers' LlamaForCausalLM
     return {"checkpoint": os.path.basename(checkpoint_dir), "same_model": fp32_model is model,
             "loss_before": loss_before, "loss_after": loss_after,
             "script": (script.returncode, script.stderr[-2000:]), "loaded_equals_export": sorted(exported) == sorted(
-                loaded) and all(torch.equal(exported[n], loaded[n]) for n in loaded),
+                map(hf_name, loaded)) and all(torch.equal(exported[hf_name(n)], loaded[n]) for n in loaded),
             "flops": runner.throughput.flops(seq).model, "single_device_flops": flops_per_token(Llama(TINY), seq).model,
             "peak": runner.throughput.peak}

@@ -86,6 +86,8 @@ def test_one_device_checkpoint_resumes_under_expert_parallel(results):
         assert one["experts"] == [[4, 32, 32], [4, 32, 16]], (rank, one["experts"])
     zero = results[0]["one_to_ep2"]  # zero-to-fp32 of either checkpoint: the same file
     assert zero["consolidated_keys"] and zero["consolidated"] < TOL, zero
+    # the EP-2 checkpoint's experts assembled whole into transformers' Qwen2-MoE (shared expert, softmax top-k)
+    assert zero["hf_architecture"] == "Qwen2MoeForCausalLM" and zero["hf_logits"] < 1e-5, zero
 
 
 def test_hf_moe_trained_under_expert_parallel_exports_in_the_hub_layout(results):

@@ -92,9 +92,10 @@ def test_schedule_free_evaluates_and_saves_the_average(tmp_path, name):
     saved = load_file(str(tmp_path / "checkpoint-5" / "model.safetensors")) if \
         (tmp_path / "checkpoint-5" / "model.safetensors").is_file() else None
     trainer.save_model(str(tmp_path / "export"))
-    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))  # as transformers' LlamaForCausalLM
+    hf_name = trainer.model.hf_export().hf_name
     for n in params:
-        assert torch.equal(exported[n], params[n].detach()), n
+        assert torch.equal(exported[hf_name(n)], params[n].detach()), n
         if saved is not None and n in saved:
             assert torch.equal(saved[n], params[n].detach()), n
     first = trainer.evaluate()["eval_loss"]
