@@ -15,8 +15,9 @@ q/k need no permutation. What differs between the targets is the MLP:
   group.
 
 What no target computes exactly is refused by name (:class:`CheckpointError` naming the field and what would make it
-exportable), never approximated: a capacity factor (every HF MoE is dropless), dropout, a softmax router with a bias
-or a ``route_scale``, shared experts wider than the routed ones under sigmoid routing.
+exportable), never approximated: a capacity factor (every HF MoE is dropless), a softmax router with a bias
+or a ``route_scale``, shared experts wider than the routed ones under sigmoid routing. Dropout, which acts in
+training only, is left out of the config with a warning.
 
 The mapping reads the config as ``LlamaConfig.to_dict()`` gives it (this package sits below ``shardkit.models``):
 ``shardkit.models.hf_export`` is its front for a model, and a checkpoint of a shardkit Llama records that dict
@@ -26,6 +27,7 @@ The mapping reads the config as ``LlamaConfig.to_dict()`` gives it (this package
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -36,6 +38,8 @@ import torch
 
 from .expert_layout import ExpertLayout, layout_for, stacked_view
 from .format import CheckpointError, naming
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["MODEL_CONFIG_SUFFIX", "LlamaExport", "model_config_entry", "write_hf_config"]
 
@@ -137,10 +141,11 @@ class LlamaExport:
     def _config(self) -> dict[str, Any]:
         f = self.fields
         if f.get("dropout", 0.0):
-            raise _refuse("dropout", f["dropout"], "has no equivalent in the transformers architectures (shardkit "
-                          "drops out the attention and MLP outputs on the residual)", "export a model configured with "
-                          "dropout=0.0 (build it with LlamaConfig(..., dropout=0.0) and load these weights: they do "
-                          "not change)")
+            # Dropout acts in training only: the exported model computes shardkit's eval-mode outputs exactly, so the
+            # export goes ahead (refusing would cost a finished run its final save) and says what it leaves out.
+            _log.warning("shardkit Llama dropout=%s is not carried into the transformers config (transformers' Llama "
+                         "has no residual dropout): the exported weights and eval-mode outputs are exact; set the "
+                         "dropout again if you train the exported model further", f["dropout"])
         heads, hidden = int(f["num_heads"]), int(f["hidden_size"])
         common = {
             "vocab_size": f["vocab_size"], "hidden_size": hidden, "intermediate_size": f["intermediate_size"],

@@ -139,7 +139,6 @@ def _softmax_bias(config: LlamaConfig) -> Llama:
 
 
 @pytest.mark.parametrize("changes, field", [
-    (dict(dropout=0.1), "dropout=0.1"),
     (dict(moe=dict(_MOE, capacity_factor=1.25)), "moe.capacity_factor=1.25"),
     (dict(moe=dict(_MOE, bias_update_rate=1e-3)), "moe.bias_update_rate=0.001"),
     (dict(moe=dict(_MOE, route_scale=2.0)), "moe.route_scale=2.0"),
@@ -210,13 +209,25 @@ def test_zero_to_fp32_and_convert_write_the_export_from_a_checkpoint(case, tmp_p
 
 
 def test_a_refused_checkpoint_names_the_field_and_the_way_out(tmp_path, capsys):
-    config = LlamaConfig.small_moe(**{**_SMALL, "dropout": 0.1}, moe=_MOE)
+    config = LlamaConfig.small_moe(**{**_SMALL}, moe=dict(_MOE, capacity_factor=1.25))
     runner, set_up = _set_up(_llama(config))
     runner.save(tmp_path / "ckpt", {"model": set_up})
     assert zero_to_fp32([str(tmp_path / "ckpt"), str(tmp_path / "fp32")]) == 2
     err = capsys.readouterr().err
-    assert "dropout=0.1" in err and "--shardkit-names" in err
+    assert "capacity_factor=1.25" in err and "--shardkit-names" in err
     assert not (tmp_path / "fp32").exists()
+
+
+def test_dropout_is_left_out_of_the_export_with_a_warning_and_eval_outputs_are_exact(tmp_path, caplog):
+    config = LlamaConfig.small_moe(**{**_SMALL, "dropout": 0.1}, moe=_MOE)
+    model = _llama(config).eval()
+    runner, set_up = _set_up(model)
+    with caplog.at_level("WARNING", logger="shardkit.checkpoint.llama_hf"):
+        save_pretrained(runner, tmp_path / "hf", set_up)
+    assert "dropout=0.1" in caplog.text and "eval-mode outputs are exact" in caplog.text
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(IDS).logits, model(IDS), rtol=0, atol=1e-5)
 
 
 def test_the_qwen2_moe_shared_expert_gate_must_stay_zero_to_load_back(tmp_path):
