@@ -218,9 +218,9 @@ class OnlineRLTrainer(OnlineRLEvaluation, Trainer):
                 if repeat:
                     logger.warning(f"resuming inside generation round {key[1]} (micro-step {repeat} of "
                                    f"{self.round_repeats}) without its buffered completions (a checkpoint written "
-                                   "without them, or by another number of ranks): the round is generated afresh "
-                                   "from the resumed weights, as TRL does, so the run departs from the "
-                                   "uninterrupted one")
+                                   "without round state, e.g. Hugging Face's, or by another number of ranks): the "
+                                   "round is generated afresh from the resumed weights, as TRL does, so the run "
+                                   "departs from the uninterrupted one")
                 rows = self._slots.completion_rows(key[0], inputs["round"], inputs["rank"])
                 self._round = Round(key, self.generate_and_score_share(rows), used=repeat)
         self._round.used += 1

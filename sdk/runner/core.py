@@ -410,7 +410,9 @@ class Runner:
         """Save a checkpoint directory atomically.
 
         ``state`` maps names to models, optimizers, schedulers, data loaders and plain values; the
-        precision's state, the accumulation position and every rank's RNG state are added. The
+        precision's state, the accumulation position and every rank's RNG state are added. An object with
+        ``state_dict``/``load_state_dict`` and ``checkpoint_per_rank = True`` is saved by every rank, each its own
+        state, in the same atomic save (an RL trainer's buffered round). The
         parent directory's ``latest`` pointer moves to the new save once it is complete (unless
         ``update_latest=False``: the Trainer finds its ``checkpoint-N`` folders by name).
 

@@ -29,7 +29,7 @@ def _kind(obj: Any) -> str:
     if isinstance(obj, RunnerDataLoader):
         return "dataloader"
     if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
-        return "stateful"
+        return "rank_stateful" if getattr(obj, "checkpoint_per_rank", False) is True else "stateful"
     return "value"
 
 
@@ -39,6 +39,12 @@ class StateSaver:
     Modules and optimizers go through the strategy (which knows whether they are sharded), data
     loader positions are written per rank, anything else with ``state_dict``/``load_state_dict``
     (schedulers) is stored as nested state, and plain values as JSON.
+
+    An object with ``state_dict``/``load_state_dict`` and ``checkpoint_per_rank = True`` holds state that differs
+    between ranks (an RL trainer's buffered generation round): every rank writes its own ``state_dict()`` as the
+    entry ``rank_entry(key, rank)``, in the same atomic save as the rest (the checkpoint is published only with
+    every rank's), and each rank loads its own; a checkpoint saved by fewer ranks has none for the others, which is
+    a named error.
     """
 
     def __init__(self, strategy: Strategy, owner_of: Callable[[torch.optim.Optimizer], nn.Module]):
@@ -61,6 +67,8 @@ class StateSaver:
                 writer.write_json(ckpt.rank_entry(key, strategy.rank), obj.state_dict())
             elif kind == "stateful" and main:
                 writer.write_state(key, obj.state_dict())
+            elif kind == "rank_stateful":
+                writer.write_state(ckpt.rank_entry(key, strategy.rank), obj.state_dict())
             elif kind == "value":
                 values[key] = obj
         if main:
@@ -92,6 +100,8 @@ class StateSaver:
                 obj.load_state_dict(reader.read_json(_rank_entry(reader, key, self.strategy.rank)))
             elif kind == "stateful":
                 obj.load_state_dict(reader.read_state(key))
+            elif kind == "rank_stateful":
+                obj.load_state_dict(reader.read_state(_own_rank_entry(reader, key, self.strategy.rank)))
         return values
 
 
@@ -129,6 +139,15 @@ def _check_entries(saved: Any, file: Any) -> dict[str, str]:
         raise ckpt.CheckpointError(f"{file}: field {bad[:200]!r} is not a kind name: the file must map each saved name "
                                    "to its kind (an object of strings); the checkpoint is corrupt or was edited")
     return saved
+
+
+def _own_rank_entry(reader: ckpt.CheckpointReader, key: str, rank: int) -> str:
+    name = ckpt.rank_entry(key, rank)
+    if not reader.has(name):
+        raise ckpt.CheckpointError(
+            f"{reader.path}: entry {key!r} holds one state per rank and has none for rank {rank} (saved by "
+            f"{reader.world_size} ranks): resume with the ranks it was saved with, or from another checkpoint")
+    return name
 
 
 def _rank_entry(reader: ckpt.CheckpointReader, key: str, rank: int) -> str:

@@ -128,6 +128,11 @@ class Checkpointer:
             if parts.scheduler is not None:
                 entries["scheduler"] = parts.scheduler
             entries["tr_loss"] = parts.losses.state_dict()
+            for key, value in self.run_state(parts).items():
+                if key in entries or key == _STATE_VALUE:
+                    raise ValueError(f"{type(self).__name__}.run_state: {key!r} is a name the Trainer's checkpoint "
+                                     "already uses; name the entry otherwise")
+                entries[key] = value
         entries[_STATE_VALUE] = json.dumps(dataclasses.asdict(state))
         peft = is_peft_model(self.runner.unwrap_model(parts.model))
         if self.args.async_save and not peft:  # peft's adapters are written into the published directory
@@ -141,6 +146,12 @@ class Checkpointer:
                 self._finish_save(state, path)
         self.runner.barrier("trainer-save")
         return path
+
+    def run_state(self, parts: CheckpointParts) -> dict[str, Any]:
+        """More entries for ``Runner.save`` (a subclass's run state), written in the same atomic checkpoint as the
+        rest, so that no checkpoint is ever published without them; a subclass's :meth:`load` reads them back. None
+        here; not called for ``save_only_model`` (nothing resumes from it)."""
+        return {}
 
     def _save_in_background(self, path: Path, entries: dict[str, Any], parts: CheckpointParts) -> None:
         """``async_save``: the Runner writes the checkpoint on a background thread. Hugging Face's files need

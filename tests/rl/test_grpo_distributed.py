@@ -14,16 +14,20 @@ process group, each case trains a fresh model):
 - RLOO (KL to a reference model set up like the policy) under TensorParallel and ZeROInfinity: finite, rank-equal
   losses and KL;
 - ContextParallel is refused by name (rollouts cannot be split over its cp ranks);
+- GRPO under DDP resumed from a background-saved checkpoint inside a generation round: each rank resumes with its own
+  buffered round (a per-rank entry of the checkpoint), and the run logs and ends as the uninterrupted one;
 - GRPO and RLOO under DDP with 2 completions per device and 4 per prompt (TRL's layout: a prompt's completions
   spread over both ranks; GRPO with 1 step per generation, every prompt split 2 + 2, RLOO with 3, the middle prompt of
   each round split): each rank's prompts are TRL's RepeatSampler's slice, and the advantages each rank trains on equal
   a hand computation from both ranks' gathered rewards;
-- GRPO evaluation under ZeRO-3 in TRL's layout, with an uneven last step: 4 eval prompts, 2 completions each, 3 per
-  rank and step (a step of 3 prompts, the middle one spread over both ranks, then a step of 1 prompt that rank 1
-  has no share of), rank 0 sampling at most 3 tokens, rank 1 at most 6: nothing hangs, both ranks log the same
-  figures, each rank's eval prompts are its slice of TRL's eval sampler, every eval prompt is scored once,
-  eval_reward and eval_loss equal a hand computation from both ranks' rewards (the advantages of a spread group
-  from both ranks), and a direct evaluate() of the same weights repeats the one run at eval_steps."""
+- GRPO evaluation under ZeRO-3, FSDP2 and TensorParallel in TRL's layout, with an uneven last step: 4 eval
+  prompts, 2 completions each, 3 per rank and step (a step of 3 prompts, the middle one spread over both ranks, then
+  a step of 1 prompt that rank 1 has no share of; under TP both ranks decode the same 6 rows, then 2), rank 0
+  sampling at most 3 tokens, rank 1 at most 6 (ZeRO-3, FSDP2): nothing hangs, both ranks log the same figures (all
+  named eval_*), each rank's eval prompts are its slice of TRL's eval sampler, every eval prompt is scored once,
+  eval_reward and eval_loss equal a hand computation from every rank's rewards (the advantages of a spread group
+  from both ranks; under TP counted once), and a direct evaluate() of the same weights repeats the one run at
+  eval_steps."""
 
 from __future__ import annotations
 
@@ -51,9 +55,12 @@ SPREAD_STEPS = {"grpo": 1, "rloo": 3}  # steps_per_generation (from gradient_acc
 
 
 def _worker(out: str) -> dict:
-    results = {"cp": _refused_under_cp(out), "eval-zero3": _evaluate_uneven(str(Path(out) / "eval"))}
+    results = {"cp": _refused_under_cp(out)}
+    for strategy in EVAL_STRATEGIES:
+        results[f"eval-{strategy}"] = _evaluate_uneven(str(Path(out) / f"eval-{strategy}"), strategy)
     for kind in ("grpo", "rloo"):
         results[f"spread-{kind}"] = _spread(str(Path(out) / f"spread-{kind}"), kind)
+    results["resume-in-round"] = _resume_in_round(str(Path(out) / "resume"))
     for kind, strategy, steps in CASES:
         results[f"{kind}-{strategy}"] = _train(str(Path(out) / f"{kind}-{strategy}"), kind, strategy, steps)
     return results
@@ -100,10 +107,16 @@ def _refused_under_cp(out: str) -> str:
 
 
 EVAL_PROMPTS = ("When the bell rang", "At night", "The river", "A small boat")
-EVAL_LAYOUT = dict(num_generations_eval=2, per_device_eval_batch_size=3)  # 3 prompts a step, the middle one spread
+EVAL_STRATEGIES = ("zero3", "fsdp", "tp")
 
 
-def _evaluate_uneven(out: str) -> dict:
+def _eval_layout(strategy: str) -> dict:
+    """3 prompts a step, then 1: over 2 data-parallel ranks 3 rows each (the middle prompt spread), over TP's one
+    data-parallel rank 6 rows."""
+    return dict(num_generations_eval=2, per_device_eval_batch_size=6 if strategy == "tp" else 3)
+
+
+def _evaluate_uneven(out: str, strategy: str) -> dict:
     from shardkit.rl import GRPOConfig, GRPOTrainer
 
     rank = int(os.environ["RANK"])
@@ -118,19 +131,21 @@ def _evaluate_uneven(out: str) -> dict:
             calls.append({"prompts": list(prompts), "ids": [list(c) for c in completion_ids], "rewards": rewards})
         return rewards
 
-    args = GRPOConfig(output_dir=out, max_steps=1, per_device_train_batch_size=8, num_generations=8, **EVAL_LAYOUT,
-                      max_completion_length=3 if rank == 0 else 6,
+    # the ranks of a tensor-parallel group decode the same requests together: one length for both
+    args = GRPOConfig(output_dir=out, max_steps=1, per_device_train_batch_size=8, num_generations=8,
+                      **_eval_layout(strategy), max_completion_length=3 if rank == 0 and strategy != "tp" else 6,
                       eval_strategy="steps", eval_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
                       seed=0, use_cpu=True)
     trainer = GRPOTrainer(_model(len(tokenizer)), in_target, args=args,
                           train_dataset=[{"prompt": p} for p in PROMPTS] * 2,
                           eval_dataset=[{"prompt": p} for p in EVAL_PROMPTS], processing_class=tokenizer,
-                          strategy=_strategy("zero3", out))
+                          strategy=_strategy(strategy, out))
     trainer.train()
     logged = next(h for h in trainer.state.log_history if "eval_reward" in h)
     direct = trainer.evaluate()
-    keys = ("eval_reward", "eval_loss", "eval_completions/max_length")
-    return {"calls": calls, "logged": {k: logged[k] for k in keys}, "direct": {k: direct[k] for k in keys}}
+    keys = ("eval_reward", "eval_reward_std", "eval_loss", "eval_completions/max_length")
+    return {"calls": calls, "logged": {k: logged[k] for k in keys}, "direct": {k: direct[k] for k in keys},
+            "names": sorted(logged)}
 
 
 def _greedy_reference(model, tokenizer, prompts, max_new: int) -> list[list[int]]:
@@ -234,6 +249,45 @@ def _spread(out: str, kind: str) -> dict:
     result["logs"] = [{k: h[k] for k in ("loss", "reward", "frac_reward_zero_std") if k in h}
                       for h in trainer.state.log_history if "loss" in h]
     return result
+
+
+def _resume_in_round(out: str) -> dict:
+    """GRPO under DDP, 2 completions per rank and micro-step, 2 micro-steps per round, one per optimizer step: the
+    background-saved checkpoint-1 falls inside the first round. The uninterrupted 2 steps, then a resume from
+    checkpoint-1."""
+    import torch
+
+    from shardkit.checkpoint import CheckpointReader, rank_entry
+    from shardkit.rl import GRPOConfig, GRPOTrainer
+    from shardkit.utils.seeding import seed_everything
+
+    tokenizer = _tokenizer()
+
+    def reward(completion_ids, **kwargs):
+        return [float(sum(c) % 7) + 0.5 * len(c) for c in completion_ids]
+
+    def run(name, resume):
+        seed_everything(0)
+        args = GRPOConfig(output_dir=str(Path(out) / name), max_steps=2, per_device_train_batch_size=2,
+                          num_generations=4, steps_per_generation=2, max_completion_length=4, learning_rate=5e-2,
+                          lr_scheduler_type="constant", logging_steps=2, save_strategy="steps", save_steps=1,
+                          async_save=True, report_to="none", disable_tqdm=True, seed=0, use_cpu=True)
+        trainer = GRPOTrainer(_model(len(tokenizer)), reward, args=args,
+                              train_dataset=[{"prompt": p} for p in PROMPTS], processing_class=tokenizer,
+                              strategy=_strategy("ddp", out))
+        trainer.train(resume_from_checkpoint=resume)
+        logs = [{k: h[k] for k in ("loss", "reward", "reward_std", "num_tokens")} for h in trainer.state.log_history
+                if "loss" in h]
+        return logs, [p.detach().clone() for p in trainer.model.parameters()]
+
+    full, weights = run("full", None)
+    checkpoint = Path(out) / "full" / "checkpoint-1"
+    with CheckpointReader(checkpoint) as reader:
+        rounds = [reader.read_state(rank_entry("rl_round", r))["round"] for r in range(2)]
+    resumed, resumed_weights = run("resumed", str(checkpoint))
+    return {"full": full, "resumed": resumed, "used": [r["used"] for r in rounds],
+            "prompts": [[b["prompt_ids"].tolist() for b in r["batches"]] for r in rounds],
+            "same_weights": all(torch.equal(a, b) for a, b in zip(weights, resumed_weights))}
 
 
 @pytest.fixture(scope="module")
@@ -349,40 +403,62 @@ def test_a_prompts_completions_spread_over_ranks(runs, kind):
     assert [h["reward"] for h in ranks[0]["logs"]] == pytest.approx([sum(r) / len(r) for r in gathered], abs=1e-5)
 
 
-def test_evaluation_spreads_groups_over_ranks_with_an_uneven_last_step(runs):
-    """Two evaluations (at eval_steps=1, then evaluate()) of 2 steps each. Step 1: rows p0 p0 p1 | p1 p2 p2 (rank 0 |
-    rank 1) of TRL's eval sampler's stream; step 2: p3 p3 | nothing (rank 1 generates for a filler that counts
-    nowhere). Each eval prompt is scored once (twice over, num_generations_eval=2); eval_reward is the mean of the
-    steps' mean rewards, eval_loss the per-completion mean of each rank's dapo loss (ratio 1: -sum(A |o|) over its
-    completions / (the step's tokens / 2 ranks)), the advantages of each group from both ranks' rewards."""
+@pytest.mark.parametrize("strategy", EVAL_STRATEGIES)
+def test_evaluation_spreads_groups_over_ranks_with_an_uneven_last_step(runs, strategy):
+    """Two evaluations (at eval_steps=1, then evaluate()) of 2 steps each. Under ZeRO-3 and FSDP2 (2 data-parallel
+    ranks), step 1: rows p0 p0 p1 | p1 p2 p2 (rank 0 | rank 1) of TRL's eval sampler's stream; step 2: p3 p3 |
+    nothing (rank 1 generates for a filler that counts nowhere). Under TP (one data-parallel rank, both ranks decode
+    the same rows): p0 p0 p1 p1 p2 p2, then p3 p3, on both ranks, counted once. Each eval prompt is scored once (twice
+    over, num_generations_eval=2); eval_reward is the mean of the steps' mean rewards, eval_loss the per-completion
+    mean of each data-parallel rank's dapo loss (ratio 1: -sum(A |o|) over its completions / (the step's tokens /
+    the data-parallel ranks)), the advantages of each group from every rank's rewards."""
     import torch
 
     trl_utils = pytest.importorskip("trl.trainer.utils")
-    results = _case(runs, "eval-zero3")
+    results = _case(runs, f"eval-{strategy}")
     assert results[0]["logged"] == results[1]["logged"]
     assert results[0]["direct"] == results[0]["logged"]  # the same weights, the eval's own seeded stream
-    assert [len(r["calls"]) for r in results] == [4, 2]
+    assert [n for n in results[0]["names"] if not n.startswith("eval_")] == ["epoch", "step"]
+    tp = strategy == "tp"
+    assert [len(r["calls"]) for r in results] == ([4, 4] if tp else [4, 2])
+    if tp:  # the tp peers sample the same completions (one random stream) and score them alike
+        assert results[0]["calls"] == results[1]["calls"]
     rows = [{"prompt": p} for p in EVAL_PROMPTS]
     stream = [rows[i]["prompt"] for i in trl_utils.RepeatSampler(rows, mini_repeat_count=2, seed=0)]
     for evaluation in range(2):
-        first = [results[0]["calls"][2 * evaluation], results[1]["calls"][evaluation]]
+        if tp:  # each step one data-parallel share: rank 0's calls
+            first = [results[0]["calls"][2 * evaluation]]
+        else:
+            first = [results[0]["calls"][2 * evaluation], results[1]["calls"][evaluation]]
+            assert first[0]["prompts"][-1] == first[1]["prompts"][0]  # this group is spread over both ranks
         last = results[0]["calls"][2 * evaluation + 1]
-        assert first[0]["prompts"] + first[1]["prompts"] + last["prompts"] == stream
-        assert first[0]["prompts"][-1] == first[1]["prompts"][0]  # this group is spread over both ranks
-        loss, count, step_rewards = 0.0, 0, []
+        assert [p for c in first for p in c["prompts"]] + last["prompts"] == stream
+        loss, count, step_rewards, step_stds = 0.0, 0, [], []
         for step in (first, [last]):
             rewards = torch.tensor([r for c in step for r in c["rewards"]], dtype=torch.float64)
             lengths = [torch.tensor([len(i) for i in c["ids"]], dtype=torch.float64) for c in step]
             groups = rewards.view(-1, 2)
             advantages = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).view(-1)
-            tokens, offset = float(sum(n.sum() for n in lengths)), 0
+            tokens, offset, ranks = float(sum(n.sum() for n in lengths)), 0, 1 if tp else 2
             for n in lengths:
                 mine = advantages[offset:offset + len(n)]
-                loss += float(-(mine * n).sum() / (tokens / 2)) * len(n)
+                loss += float(-(mine * n).sum() / (tokens / ranks)) * len(n)
                 count, offset = count + len(n), offset + len(n)
             step_rewards.append(float(rewards.mean()))
+            step_stds.append(float(rewards.std()))  # each completion once: a tp peer's copy would change it
         assert count == 8
         assert results[0]["logged"]["eval_reward"] == pytest.approx(sum(step_rewards) / 2, abs=1e-6)
+        assert results[0]["logged"]["eval_reward_std"] == pytest.approx(sum(step_stds) / 2, abs=1e-6)
         assert results[0]["logged"]["eval_loss"] == pytest.approx(loss / count, abs=1e-5)
-    assert max(len(i) for c in results[0]["calls"] for i in c["ids"]) <= 3
-    assert max(len(i) for c in results[1]["calls"] for i in c["ids"]) == 6
+    lengths = [[len(i) for c in r["calls"] for i in c["ids"]] for r in results]
+    assert max(lengths[0]) <= (6 if tp else 3) and max(lengths[1]) == 6
+
+
+def test_a_resume_inside_a_round_goes_on_with_each_ranks_round(runs):
+    """Each rank's unfinished round is its own entry of the (background-saved) checkpoint, and each rank resumes with
+    its own: the resumed run logs the uninterrupted run's loss, rewards and tokens, and ends with its weights."""
+    for rank in _case(runs, "resume-in-round"):
+        assert rank["used"] == [1, 1]
+        assert rank["prompts"][0] != rank["prompts"][1]  # each rank's own round: its own prompts
+        assert len(rank["full"]) == 1 and rank["resumed"] == rank["full"]
+        assert rank["same_weights"]

@@ -65,6 +65,49 @@ def test_load_refuses_a_kind_mismatch(tmp_path):
         runner.load(tmp_path / "a", {"model": optimizer, "optimizer": optimizer})
 
 
+class _RankState:
+    """Per-rank state (``checkpoint_per_rank``): each rank saves and loads its own."""
+
+    checkpoint_per_rank = True
+
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
+
+def test_a_per_rank_object_is_its_ranks_entry_of_the_atomic_save(tmp_path):
+    """Saved as ``<key>.rank<N>`` in the same checkpoint, snapshotted at the save, loaded back by its rank; a stateful
+    object of another kind is refused, and a rank missing from the checkpoint is named."""
+    import json
+
+    from shardkit.checkpoint import CheckpointReader
+    from shardkit.checkpoint.format import MANIFEST
+
+    runner, model, _ = _setup()
+    held = torch.arange(3.0)
+    runner.save(tmp_path / "a", {"model": model, "mine": _RankState(held)}, blocking=False)
+    held.add_(10.0)  # after the save was made: the background write must not see it
+    runner.wait_for_save()
+    with CheckpointReader(tmp_path / "a") as reader:
+        assert reader.read_json("entries")["mine"] == "rank_stateful" and not reader.has("mine")
+    loaded = _RankState(None)
+    runner.load(tmp_path / "a", {"model": model, "mine": loaded})
+    assert torch.equal(loaded.value, torch.arange(3.0))
+    with pytest.raises(CheckpointError, match="'mine' was saved as a rank_stateful"):
+        runner.load(tmp_path / "a", {"model": model, "mine": torch.optim.lr_scheduler.LambdaLR(
+            torch.optim.SGD([torch.zeros(1, requires_grad=True)]), lambda step: 1.0)})
+    manifest = json.loads((tmp_path / "a" / MANIFEST).read_text())
+    del manifest["entries"]["mine.rank00000"]
+    (tmp_path / "a" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="'mine' holds one state per rank and has none for rank 0"):
+        runner.load(tmp_path / "a", {"model": model, "mine": loaded})
+
+
 def test_methods_need_setup_first():
     runner = Runner(SingleDevice("cpu"))
     with pytest.raises(RuntimeError, match=r"runner.setup\(\)"):
