@@ -214,3 +214,69 @@ def test_grpo_trains_through_the_engine_and_pushes_each_steps_weights(rig):
     before = _greedy_policy(rig["initial"], rig["prompt_ids"], eos)
     assert got == updated
     assert updated != before
+
+
+def _zero3_worker():
+    """One rank of 2 under ZeRO-3: its engine's greedy tokens for its own prompts, before and after 2 steps, and
+    the unsharded policy's at the same weights."""
+    import copy
+    import sys
+
+    import vllm
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shardkit import seed_everything
+    from shardkit.rl import GRPOConfig, GRPOTrainer
+    from shardkit.sft import train_tokenizer
+    from shardkit.strategies import strategy_from_name
+
+    seed_everything(0)
+    tokenizer = train_tokenizer(texts=[f"{a}+{b}={a + b}" for a in range(10) for b in range(10)], vocab_size=300,
+                                chat_template=None)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id,
+                                         pad_token_id=tokenizer.pad_token_id))
+    unsharded = copy.deepcopy(model).eval()
+    import tempfile
+
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=8, num_generations=8,
+                      max_completion_length=4, learning_rate=3e-2, loss_type="grpo", logging_steps=1,
+                      report_to="none", save_strategy="no", disable_tqdm=True, seed=0, use_cpu=True, use_vllm=True,
+                      vllm_max_model_length=64)
+    real_llm = vllm.LLM
+    vllm.LLM = lambda *a, **kw: real_llm(*a, enforce_eager=True, **kw)
+    trainer = GRPOTrainer(model, [format_reward, sum_reward], args=args, train_dataset=_problems(200, 0),
+                          processing_class=tokenizer, strategy=strategy_from_name("zero3"))
+    vllm.LLM = real_llm
+    engine, runner, eos = trainer.vllm, trainer.runner, trainer.eos_token_ids
+    mine = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS][runner.rank::2]
+    engine.push_weights(version="initial")
+    out = {"got": _greedy_engine(engine, mine, eos).ids, "want": _greedy_policy(unsharded, mine, eos)}
+    trainer.train()
+    engine.push_weights(version="trained")
+    out["got_trained"] = _greedy_engine(engine, mine, eos).ids
+    params = dict(trainer.model.named_parameters())
+    with runner.gathered_parameters(list(params.values())) as whole, torch.no_grad():
+        for (name, _), tensor in zip(params.items(), whole):
+            unsharded.get_parameter(name.removeprefix("module.")).copy_(tensor)
+    out["want_trained"] = _greedy_policy(unsharded, mine, eos)
+    return out
+
+
+def test_two_ranks_under_zero3_push_whole_weights_into_each_ranks_engine():
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("deepspeed")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+    from harness import run_distributed
+
+    results = run_distributed(_zero3_worker, world_size=2, timeout=900)
+    for rank, r in enumerate(results):
+        assert r["got"] == r["want"], (rank, r)
+        assert r["got_trained"] == r["want_trained"], (rank, r)
+        assert r["want_trained"] != r["want"], (rank, r)  # the steps moved the policy: the push carried them
