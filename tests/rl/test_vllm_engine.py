@@ -3,10 +3,11 @@ cannot share the main test environment (it pins its own transformers; test_vllm_
 environment): a module injected as ``vllm`` that implements only the surface the engine calls, as vLLM 0.32 has it
 (``LLM(...)`` with ``load_format="dummy"``, ``LLM.collective_rpc("reload_weights", kwargs=...)`` on the in-process
 worker, ``reset_prefix_cache``, ``generate`` on token-id prompts, ``SamplingParams``) around a Hugging Face Llama
-built from the configuration the engine wrote. It checks the engine's own logic: every policy weight reaches the engine under Hugging Face's name
-(shardkit's Llama and a Hugging Face model), so that the engine's greedy tokens equal the policy's own; the sampling
-settings map to TRL's ``SamplingParams``; weights are pushed once per optimizer step; completions come back in the
-trainer's format (EOS kept, truncation flagged); training runs through it; unsupported settings are refused."""
+built from the configuration the engine wrote. It checks the engine's own logic: every policy weight reaches the
+engine under Hugging Face's name (shardkit's Llama and a Hugging Face model), so that the engine's greedy tokens
+equal the policy's own; the sampling settings map to TRL's ``SamplingParams``; weights are pushed once per optimizer
+step; completions come back in the trainer's format (EOS kept, truncation flagged); training runs through it;
+unsupported settings are refused."""
 
 from __future__ import annotations
 

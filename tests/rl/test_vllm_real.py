@@ -220,7 +220,6 @@ def _zero3_worker():
     """One rank of 2 under ZeRO-3: its engine's greedy tokens for its own prompts, before and after 2 steps, and
     the unsharded policy's at the same weights."""
     import copy
-    import sys
 
     import vllm
     from transformers import LlamaConfig, LlamaForCausalLM
