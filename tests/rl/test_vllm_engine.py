@@ -1,11 +1,13 @@
-"""use_vllm=True's colocated engine (shardkit.rl.vllm_engine) against a STAND-IN for vLLM, not vLLM itself (it
-cannot be installed here): a module injected as ``vllm`` that implements only the surface the engine calls
-(``LLM(...)`` with ``load_format="dummy"``, the in-process model's ``load_weights``, ``reset_prefix_cache``,
-``generate`` on token-id prompts, ``SamplingParams``) around a Hugging Face Llama built from the configuration the
-engine wrote. It checks the engine's own logic: every policy weight reaches the engine under Hugging Face's name
-(shardkit's Llama and a Hugging Face model), so that the engine's greedy tokens equal the policy's own; the sampling
-settings map to TRL's ``SamplingParams``; weights are pushed once per optimizer step; completions come back in the
-trainer's format (EOS kept, truncation flagged); training runs through it; unsupported settings are refused."""
+"""use_vllm=True's colocated engine (shardkit.rl.vllm_engine) against a STAND-IN for vLLM, not vLLM itself, which
+cannot share the main test environment (it pins its own transformers; test_vllm_real.py runs the real one in its own
+environment): a module injected as ``vllm`` that implements only the surface the engine calls, as vLLM 0.32 has it
+(``LLM(...)`` with ``load_format="dummy"``, ``LLM.collective_rpc("reload_weights", kwargs=...)`` on the in-process
+worker, ``reset_prefix_cache``, ``generate`` on token-id prompts, ``SamplingParams``) around a Hugging Face Llama
+built from the configuration the engine wrote. It checks the engine's own logic: every policy weight reaches the
+engine under Hugging Face's name (shardkit's Llama and a Hugging Face model), so that the engine's greedy tokens
+equal the policy's own; the sampling settings map to TRL's ``SamplingParams``; weights are pushed once per optimizer
+step; completions come back in the trainer's format (EOS kept, truncation flagged); training runs through it;
+unsupported settings are refused."""
 
 from __future__ import annotations
 
@@ -78,11 +80,24 @@ def _stand_in_vllm():
             hf = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})).eval()
             self.model = _StandInModel(hf)
             runner = types.SimpleNamespace(model=self.model)
-            worker = types.SimpleNamespace(model_runner=runner)
+            self.reloads = 0
+
+            def reload_weights(weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+                # vLLM 0.32's worker method: the checkpoint-format tensors through the model's load_weights
+                assert is_checkpoint_format and weights_path is None
+                self.reloads += 1
+                self.model.load_weights(weights_iterator)
+
+            worker = types.SimpleNamespace(model_runner=runner, reload_weights=reload_weights)
             self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=worker))
             self.resets = 0
             self.requests = []
             module.instances.append(self)
+
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            # in process (external launcher): the one worker's method, its result in a list
+            worker = self.llm_engine.model_executor.driver_worker
+            return [getattr(worker, method)(*args, **(kwargs or {}))]
 
         def reset_prefix_cache(self):
             self.resets += 1
@@ -169,6 +184,7 @@ def test_weights_reach_the_engine_and_its_tokens_are_the_policys(vllm, tokenizer
     # every weight pushed whole, under Hugging Face's names, once (the tied embedding once)
     hf_names = {n for n, _ in llm.model.hf.named_parameters()}
     assert set(llm.model.loaded) == hf_names and llm.model.calls == len(hf_names) and llm.resets == 1
+    assert llm.reloads == 1  # one reload_weights call carries every tensor
     for name, tensor in llm.model.loaded.items():
         ours = name if kind == "hf" else name.removeprefix("model.")
         torch.testing.assert_close(tensor, reference[ours], rtol=0, atol=0, msg=name)
