@@ -5,8 +5,9 @@ are split over the tp peers: each rank holds only its block of its experts (weig
 ep slice, counted from its local shards and by estimate-memory). ``_case`` gives the initial weights' difference, the
 loss, every whole gradient, the clipped norm and the weights after 3 AdamW steps, and the load of each step (the last
 one with ep rank 1's experts empty); then its checkpoint is loaded in one process (ep 2 x etp 2 -> 1), saved there in
-the one-device layout and loaded under ep 2 x etp 2 again (1 -> ep 2 x etp 2), and loaded under ep 4 and under ep 2 x
-tp 2 without tp inside the experts: all take the same next step."""
+the one-device layout and loaded under ep 2 x etp 2 again (1 -> ep 2 x etp 2), which saves it whole
+(``state_dict_type="full"``) for one process and for ep 2 x etp 2 again; and loaded under ep 4 and under ep 2 x tp 2
+without tp inside the experts: all take the same next step."""
 
 from __future__ import annotations
 
@@ -64,14 +65,26 @@ def ep_etp_case(root: str, case: Any, ref: dict, init: dict, ref_balance: dict) 
     one.load(f"{root}/ep2etp2", {"model": resumed, "optimizer": resumed_opt})
     mine = f"{root}/etp_one{torch.distributed.get_rank()}/ckpt"  # the same one-device file on every rank
     one.save(mine, {"model": resumed, "optimizer": resumed_opt})
-    back = Runner(STRATEGIES.build_from_cli("ep", opts), seed=0)  # 1 -> ep 2 x etp 2
+    # 1 -> ep 2 x etp 2, saving whole tensors (state_dict_type="full": gathered from the strided shards)
+    back = Runner(STRATEGIES.build_from_cli("ep", [*opts, "state_dict_type=full"]), seed=0)
     again = Llama(CONFIG)
     again, again_opt = back.setup(again, _adamw(again))
     back.load(mine, {"model": again, "optimizer": again_opt})
+    back.save(f"{root}/etp_full", {"model": again, "optimizer": again_opt})
+    whole = Runner(SingleDevice("cpu"), seed=0)  # the full save -> 1
+    whole_model = Llama(CONFIG)
+    whole_model, whole_opt = whole.setup(whole_model, _adamw(whole_model))
+    whole.load(f"{root}/etp_full", {"model": whole_model, "optimizer": whole_opt})
+    split = Runner(STRATEGIES.build_from_cli("ep", opts), seed=0)  # the full save -> ep 2 x etp 2 (sliced to blocks)
+    split_model = Llama(CONFIG)
+    split_model, split_opt = split.setup(split_model, _adamw(split_model))
+    split.load(f"{root}/etp_full", {"model": split_model, "optimizer": split_opt})
     after = next_loss(runner, model, rows)
     single = next_loss(one, resumed, slice(None))
     got["resumed_loss"] = abs(single - after)
     got["reloaded_loss"] = abs(next_loss(back, again, rows) - single)
+    got["full_to_one"] = abs(next_loss(whole, whole_model, slice(None)) - single)
+    got["full_to_etp"] = abs(next_loss(split, split_model, rows) - single)
     # ep 2 x etp 2 -> ep 4 (tp 1, dp 4) and -> ep 2 x tp 2 (the tp peers holding different experts, each whole)
     for key, other in (("to_ep4", ["ep_size=4"]), ("to_ep2tp2", ["ep_size=2", "tp_size=2"])):
         moved = Runner(STRATEGIES.build_from_cli("ep", other), seed=0)

@@ -198,8 +198,10 @@ def test_expert_tensor_parallel_equals_one_process(results):
         # the aux-loss-free update: counts and router bias of one device
         assert got["counts"] == 0 and got["bias"] == 0, (rank, got["counts"], got["bias"])
         # ep 2 x etp 2 -> 1 -> ep 2 x etp 2, and -> ep 4 and -> ep 2 x tp 2 (etp 1): the one layout; each takes the
-        # same next step
+        # same next step; so does a whole-tensor save (state_dict_type="full") of the strided shards, loaded in one
+        # process and under ep 2 x etp 2
         assert max(got["resumed_loss"], got["reloaded_loss"], got["to_ep4"], got["to_ep2tp2"]) < TOL, (rank, got)
+        assert max(got["full_to_one"], got["full_to_etp"]) < TOL, (rank, got)
 
 
 @pytest.mark.parametrize("case", ["etp1", "etp"])
