@@ -223,6 +223,9 @@ def test_expert_parallel_with_context_and_tensor_parallel_equals_one_process(res
         moe_layers = CONFIG.num_layers - CONFIG.moe.first_dense_layers
         rows = GLOBAL_BATCH * SEQ * CONFIG.moe.top_k * moe_layers * (2 if case == "etp" else 1)
         assert got["expert_rows"] == rows, (rank, got["expert_rows"], rows)
+        # its checkpoint's next step in one process, under ep 2 x tp 2 (etp 1, no cp) and under ep 4 (no cp, no tp)
+        # is the run's own
+        assert max(got["to_one"], got["to_ep2tp2"], got["to_ep4"]) < TOL, (rank, got)
 
 
 def test_hf_moe_under_ep_and_tp_equals_one_process_and_resumes_in_one(results):
