@@ -371,4 +371,5 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["etp"] = ep_etp_case(root, _case, ref, init, ref_balance)  # ep 2 x tp 2, tp inside the experts
     out["cptp"] = ep_cptp_cases(root, _case, ref, init, ref_balance)  # ep x cp 2 x tp 2, both tp layouts
     out["hf_tp"] = hf_tp_case(root)  # Hugging Face's Qwen3-MoE under ep 2 x tp 2: ep_hf_workers.py
+    out["hf_etp"] = hf_tp_case(root, expert_tp=True)  # and with tp inside its expert blocks
     return out

@@ -72,7 +72,7 @@ def test_selection_and_refusals(tmp_path, monkeypatch):
         STRATEGIES.build("ep", expert_tp=True)
 
 
-def test_hugging_face_expert_blocks_under_tp_refuse_what_is_not_built_by_name():
+def test_hugging_face_expert_blocks_under_tp_refuse_sequence_parallel_by_name():
     import transformers
 
     from shardkit.strategies.ep_hf_tensor import hf_dense_plan
@@ -84,9 +84,6 @@ def test_hugging_face_expert_blocks_under_tp_refuse_what_is_not_built_by_name():
                                          num_experts=4, num_experts_per_tok=2)
     model = transformers.Qwen3MoeForCausalLM(config)
     blocks = hf_expert_blocks(model)
-    with pytest.raises(ValueError, match=r"tp_size=2 expert_tp=True: Qwen3MoeForCausalLM holds Hugging Face expert "
-                                         r"blocks \(Qwen3MoeExperts\); tensor parallelism inside them is not built"):
-        apply_tensor_parallel(model, None, ParallelDims(tp=2, ep=2, expert_tp=True), False, blocks)
     with pytest.raises(ValueError, match=r"sequence_parallel=True: Qwen3MoeForCausalLM's own Hugging Face plan"):
         apply_tensor_parallel(model, None, ParallelDims(tp=2, ep=2), True, blocks)
     # transformers' plan without the experts (split over ep) and without the dense MLP this model does not have; the
