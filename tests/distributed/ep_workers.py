@@ -372,4 +372,5 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["cptp"] = ep_cptp_cases(root, _case, ref, init, ref_balance)  # ep x cp 2 x tp 2, both tp layouts
     out["hf_tp"] = hf_tp_case(root)  # Hugging Face's Qwen3-MoE under ep 2 x tp 2: ep_hf_workers.py
     out["hf_etp"] = hf_tp_case(root, expert_tp=True)  # and with tp inside its expert blocks
+    out["hf_sp"] = hf_tp_case(root, sequence_parallel=True)  # and with transformers' plan in sequence-parallel form
     return out
