@@ -56,6 +56,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "ExpertParallel's ep x cp (each rank dispatches seq_len / cp tokens of each sequence), with "
                         "--tp-size its ep x tp (each tp rank dispatches 1/tp of the assignments; ep a multiple of tp), "
                         "with both its ep x cp x tp (1/tp of each chunk's assignments; ep a multiple of cp x tp)")
+    p.add_argument("--expert-tp", action="store_true",
+                   help="with --tp-size > 1: the ep row's ExpertParallel(expert_tp=True), tensor parallelism inside "
+                        "the experts (ep borrowed from dp_shard x cp only, so ep need not be a multiple of tp; each tp "
+                        "rank holds its block of its ep slice; the all-to-all buffers add the tp peers' gathers)")
     p.add_argument("--pp-size", type=int_range(1, _MAX_DEVICES), default=None,
                    help="pipeline stages (pp row; default: --num-gpus)")
     p.add_argument("--microbatches", type=int_range(1, 2**20), default=None,
@@ -93,13 +97,21 @@ def _strategy_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
     names = [x.name for x in listed_layouts()] if args.strategy == "all" else [args.strategy]
     cols = "".join(f"{c:>9}" for c in ("params", "grads", "optim", "states", "+working", "host", "nvme"))
     rows = [f"{'strategy':<16}{cols}  (GiB per device, {args.precision})"]
+    ep_row = find_layout("ep").name
     for name in names:
         e = estimate_model_states(spec, name, num_gpus_per_node=args.num_gpus, num_nodes=args.num_nodes,
                                   precision=args.precision, pp_size=args.pp_size, ep_size=args.ep_size,
-                                  tp_size=args.tp_size if args.tp_size > 1 else None)
+                                  tp_size=args.tp_size if args.tp_size > 1 else None,
+                                  options=_ep_options(args) if name == ep_row else None)
         rows.append(f"{name:<16}{e.params / GIB:9.2f}{e.grads / GIB:9.2f}{e.optimizer / GIB:9.2f}"
                     f"{e.device_total / GIB:9.2f}{e.device_peak / GIB:9.2f}{e.host / GIB:9.2f}{e.nvme / GIB:9.2f}")
     return rows
+
+
+def _ep_options(args: argparse.Namespace) -> dict[str, object]:
+    """The ep row's strategy options the arguments select beyond its sizes: ``expert_tp`` with the tp size it
+    splits the experts over."""
+    return {"expert_tp": True, "tp_size": args.tp_size} if args.expert_tp else {}
 
 
 def _parallel_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
@@ -115,7 +127,8 @@ def _parallel_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
         how = ", ".join(w for w, s in (("sequence split, load-balanced", cp_size),
                                        ("heads and MLP split", args.tp_size)) if s > 1)
         rows.append(f"Activations per rank under {layout} ({how}): {cp / GIB:.2f} GiB")
-    ep = args.ep_size or args.num_gpus * args.num_nodes
+    # ExpertParallel()'s default ep: every rank it borrows from (dp_shard x cp, and x tp without expert_tp)
+    ep = args.ep_size or args.num_gpus * args.num_nodes // (args.tp_size if args.expert_tp else 1)
     if _shows(args, "ep", args.ep_size is not None) and ep > 1 and spec.moe_top_k:
         # ExpertParallel(cp_size=...): each rank dispatches its chunk of every sequence, seq_len / cp tokens of each;
         # ExpertParallel(tp_size=...): the tp peers see the same tokens and each dispatches 1/tp of the assignments.
@@ -123,11 +136,19 @@ def _parallel_rows(spec: ModelSpec, args: argparse.Namespace) -> list[str]:
         dtype = activation_dtype(args.precision)
         tokens = args.batch_size * (args.seq_len // args.cp_size)
         a2a = all_to_all_bytes(spec, args.batch_size, args.seq_len // args.cp_size, ep, dtype_bytes=dtype.itemsize,
-                               tp_size=args.tp_size)
+                               tp_size=args.tp_size, expert_tp=args.expert_tp)
         layout = f"ep {ep}" + "".join(f" x {n} {s}" for n, s in (("cp", args.cp_size), ("tp", args.tp_size)) if s > 1)
+        layout += " (expert_tp)" if args.expert_tp else ""
         size = f"top_k {spec.moe_top_k} x hidden {spec.hidden_size} x {dtype.itemsize} bytes " \
                f"({str(dtype).removeprefix('torch.')})"
-        if args.tp_size > 1:
+        if args.expert_tp:
+            share = -(-tokens * spec.moe_top_k // args.tp_size)
+            how = (f"{a2a / GIB:.2f} GiB = (2 + 3 x {args.tp_size}) x {share} assignments (1/{args.tp_size} of "
+                   f"{tokens} tokens x top_k, each tp rank's share) x hidden {spec.hidden_size} x {dtype.itemsize} "
+                   f"bytes ({str(dtype).removeprefix('torch.')}): dispatch + combine of its share, and over tp the "
+                   "all-gather of the dispatched rows, the sum of the partial outputs and the all-gather of the "
+                   "outputs")
+        elif args.tp_size > 1:
             share = -(-tokens * spec.moe_top_k // args.tp_size)
             how = (f"{a2a / GIB:.2f} GiB = (2 + {args.tp_size}) x {share} assignments (1/{args.tp_size} of {tokens} "
                    f"tokens x top_k, each tp rank's share) x hidden {spec.hidden_size} x {dtype.itemsize} bytes "
@@ -169,23 +190,31 @@ def _check_layout(spec: ModelSpec, args: argparse.Namespace) -> None:
     if args.ep_size is not None and devices % args.ep_size:
         raise ValueError(f"--ep-size {args.ep_size} does not divide the {devices} device(s): each expert-parallel "
                          "group is ep ranks of the data-parallel ones")
+    if args.expert_tp and (args.tp_size == 1 or args.strategy not in ("all", find_layout("ep").name)):
+        raise ValueError("--expert-tp is ExpertParallel's tensor parallelism inside the experts: give --tp-size > 1 "
+                         "and --strategy ep (or all)")
     if args.cp_size == 1 and args.tp_size == 1:
         return
-    ep = f" --ep-size {args.ep_size}" if args.ep_size else ""
+    ep = (f" --ep-size {args.ep_size}" if args.ep_size else "") + (" --expert-tp" if args.expert_tp else "")
     where = f"--cp-size {args.cp_size} --tp-size {args.tp_size}{ep} on {devices} device(s)"
+    # without --expert-tp ep must be a multiple of tp; the other layout lifts that
+    hint = "" if args.expert_tp or args.tp_size == 1 else (
+        " (or --expert-tp: ExpertParallel(expert_tp=True), ep borrowed from dp_shard x cp only)")
     if args.ep_size not in (None, 1):
         try:  # the ep row's strategy refuses what it cannot compose, by name
-            find_layout("ep").build(ep_size=args.ep_size, cp_size=args.cp_size, tp_size=args.tp_size)
+            find_layout("ep").build(ep_size=args.ep_size, cp_size=args.cp_size, tp_size=args.tp_size,
+                                    expert_tp=args.expert_tp)
         except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
+            raise ValueError(f"{where}: {err}{hint}") from None
     try:
         # ep composes with cp and tp in one strategy (ExpertParallel(cp_size=..., tp_size=...)) and follows its rule:
-        # ep borrows every cp and tp rank, so it must be a multiple of cp x tp
-        ParallelDims(cp=args.cp_size, tp=args.tp_size, ep=args.ep_size or 1).resolve(devices)
+        # ep borrows every cp and tp rank (every cp rank with expert_tp), so it must be a multiple of cp x tp (cp)
+        ParallelDims(cp=args.cp_size, tp=args.tp_size, ep=args.ep_size or 1,
+                     expert_tp=args.expert_tp).resolve(devices)
         ParallelDims(dp_shard=1, tp=args.tp_size).validate(num_heads=spec.num_heads or None,
                                                            num_kv_heads=spec.num_kv_heads or None)
     except ValueError as err:
-        raise ValueError(f"{where}: {err}") from None
+        raise ValueError(f"{where}: {err}{hint}") from None
 
 
 def _header(spec: ModelSpec, args: argparse.Namespace) -> str:

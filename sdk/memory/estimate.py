@@ -169,7 +169,8 @@ def _bytes_per_param(strategy: Any, precision: Any) -> tuple[int, int, int, int]
 def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: int = 1, num_nodes: int = 1,
                           precision: Any = "bf16", tp_size: int | None = None, pp_size: int | None = None,
                           ep_size: int | None = None, reduce_bucket_size: int | None = None,
-                          params_in_cpu: int = DEEPSPEED_MAX_PARAMS_IN_CPU) -> ModelStates:
+                          params_in_cpu: int = DEEPSPEED_MAX_PARAMS_IN_CPU,
+                          options: Mapping[str, Any] | None = None) -> ModelStates:
     """Bytes of parameters, gradients and optimizer state per rank under ``strategy`` (see the module table).
 
     The strategy built for the row says where each byte lives (``Strategy.model_state_memory``, from its own
@@ -188,9 +189,11 @@ def estimate_model_states(spec: ModelSpec, strategy: str, *, num_gpus_per_node: 
             from ``spec.hidden_size``, else none counted).
         params_in_cpu: zero_infinity: parameter elements per rank DeepSpeed keeps in host memory rather
             than on NVMe (``offload_param.max_in_cpu``, 1e9 by default).
+        options: constructor arguments of the row's strategy on top of the row's own (``{"expert_tp": True,
+            "tp_size": 2}`` for the ep row: ``ExpertParallel(tp_size=2, expert_tp=True)``).
     """
     layout = find_layout(strategy)
-    built = layout.build()
+    built = layout.build(**(options or {}))
     job = memory_job(spec, built, num_gpus_per_node=num_gpus_per_node, num_nodes=num_nodes, precision=precision,
                      tp_size=tp_size, pp_size=pp_size, ep_size=ep_size, reduce_bucket_size=reduce_bucket_size,
                      params_in_cpu=params_in_cpu)
@@ -338,7 +341,7 @@ def activation_dtype(precision: Any) -> torch.dtype:
 
 
 def all_to_all_bytes(spec: ModelSpec, batch_size: int, seq_len: int, ep_size: int, *, dtype_bytes: int = 2,
-                     layers_in_flight: int = 1, tp_size: int = 1) -> int:
+                     layers_in_flight: int = 1, tp_size: int = 1, expert_tp: bool = False) -> int:
     """The all-to-all receive buffers of a mixture of experts under expert parallelism, per rank.
 
     Each MoE layer sends every token's ``top_k`` routed copies to the ranks holding their experts (dispatch) and
@@ -352,6 +355,14 @@ def all_to_all_bytes(spec: ModelSpec, batch_size: int, seq_len: int, ep_size: in
     assignments, then they all-gather the outputs, whose receive buffers hold every peer's share::
 
         bytes = (2 / tp + 1) x tokens x top_k x hidden x dtype_bytes
+
+    With tensor parallelism inside the experts (``expert_tp``: ``ExpertParallel(expert_tp=True)``, the tp peers
+    holding column blocks of the same experts) each tp rank again sends its ``1 / tp`` share over ep and gets its
+    outputs back, and besides the outputs' all-gather it receives every peer's dispatched rows (the tp all-gather
+    that lets its block run on all of them) and every peer's partial outputs of its share (the sum over tp, an
+    all-to-all of ``tp`` blocks of the share's rows, as the dispatcher runs it on every backend)::
+
+        bytes = (2 / tp + 3) x tokens x top_k x hidden x dtype_bytes
 
     and ``layers_in_flight`` times that (1: the forward and the backward run one layer at a time; the copies autograd
     keeps for the backward are activations). Routing is dropless: a rank whose experts draw every token of its ep
@@ -367,7 +378,8 @@ def all_to_all_bytes(spec: ModelSpec, batch_size: int, seq_len: int, ep_size: in
         return 2 * rows * row
     # each peer's share is ceil(rows / tp) at most (the all-gather pads every share to the largest)
     share = -(-rows // tp_size)
-    return 2 * share * row + tp_size * share * row
+    gathers = 3 if expert_tp else 1  # the outputs' all-gather; with expert_tp the rows' all-gather and the tp sum too
+    return 2 * share * row + gathers * tp_size * share * row
 
 
 def recommend(spec: ModelSpec, device_memory: int, *, num_gpus_per_node: int = 1, num_nodes: int = 1,

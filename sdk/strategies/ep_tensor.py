@@ -42,8 +42,9 @@ sequences, with ep borrowing the cp ranks as well and the statistics summed over
 
 Hugging Face MoE models (transformers 5's Qwen3-MoE, Mixtral): the dense layers are split by transformers' own plan
 without its expert entries (:mod:`shardkit.strategies.ep_hf_tensor`), the expert blocks dispatched as above, the
-router whole on every tp rank. Not built here, each refused by name: Hugging Face expert blocks with ``expert_tp``
-or sequence parallelism.
+router whole on every tp rank; with ``expert_tp`` each tp peer runs its block of the block's experts, as for
+shardkit's MoE layer; with ``sequence_parallel`` by the plan's sequence-parallel form
+(:mod:`~shardkit.strategies.ep_hf_tensor`).
 """
 
 from __future__ import annotations
@@ -88,15 +89,11 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, dims: ParallelDims, s
     (:func:`~shardkit.strategies.ep_hf_tensor.hf_dense_plan`); its router stays whole on every tp rank.
 
     Raises:
-        ValueError: Hugging Face expert blocks with ``expert_tp`` or ``sequence_parallel``, or head counts tp does
-            not divide, or a model without a plan (as :class:`~shardkit.strategies.TensorParallel`).
+        ValueError: a Hugging Face model whose layout the sequence-parallel form does not map, or head counts tp
+            does not divide, or a model without a plan (as :class:`~shardkit.strategies.TensorParallel`).
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    if hf_blocks and dims.expert_tp:
-        raise ValueError(f"ExpertParallel tp_size={dims.tp} expert_tp=True: {type(module).__name__} holds Hugging Face "
-                         f"expert blocks ({type(hf_blocks[0]).__name__}); tensor parallelism inside them is not built "
-                         "here; use expert_tp=False (the tp peers split the experts and the tokens)")
     validate_heads(module, dims)
     # src_data_rank=None: each rank cuts its part from its own copy, which is already equal on every rank (rank 0's
     # broadcast, or the recorded init replayed later); a scatter from rank 0 would wait on meta ranks.

@@ -352,6 +352,8 @@ class ExpertParallel(_fsdp.FSDP):
         for block in hf_expert_blocks(module):
             check_hf_expert_layout(block, "ExpertParallel")
             self.dims.validate_experts(block.gate_up_proj.shape[0])
+            if self.dims.expert_tp:  # its block of each expert, run by _HFLocalExperts as shardkit's experts are
+                check_expert_tp(self.dims, block.down_proj.shape[2], self.expert_sharding)
         if not layers and not hf_expert_blocks(module) and self.is_global_zero:
             # A dense model has no experts to split: it trains as under FSDP (which is what its dense parts get here
             # anyway), said once so that a model built without its MoE layers by mistake does not go unnoticed.

@@ -35,10 +35,11 @@ def _cases(world: int) -> dict[str, list[str]]:
             + (["expert_sharding=none"] if dp > 1 else [])}
 
 
-def ep_cptp_cases(case: Any, ref: dict, init: dict, ref_balance: dict) -> dict[str, Any]:
+def ep_cptp_cases(root: str, case: Any, ref: dict, init: dict, ref_balance: dict) -> dict[str, Any]:
     """``case`` is ep_workers' ``_case(strategy, ref, init)``: each layout's figures, its layout facts, the
-    aux-loss-free update's counts and bias and an eval forward against ``ref_balance`` (one device's), and the rows
-    its experts compute."""
+    aux-loss-free update's counts and bias and an eval forward against ``ref_balance`` (one device's), the rows
+    its experts compute, and its checkpoint's next step in one process and under ep 2 x tp 2 and ep 4 (tp 1, cp 1)
+    against the run's own next step."""
     from ep_workers import CONFIG, GLOBAL_BATCH, SEQ, bias_update_error
 
     from shardkit.models.moe import moe_layers
@@ -64,8 +65,46 @@ def ep_cptp_cases(case: Any, ref: dict, init: dict, ref_balance: dict) -> dict[s
         got["logits"] = (logits - ref_balance["logits"][rows]).abs().max().item()
         got["bias"], _ = bias_update_error(runner, model, ref_balance)
         got["expert_rows"] = _split_rows(model, batch[rows])
+        got.update(_resumed(f"{root}/cptp_{name}", runner, model, _opt))
         out[name] = got
     return out
+
+
+def _resumed(path: str, runner: Any, model: torch.nn.Module, opt: Any) -> dict[str, float]:
+    """Saves the run, then loads it in one process (every rank on its own) and under two other EP layouts of the
+    same ranks: each one's next step's loss against the run's own next step (``to_one``, ``to_ep2tp2``,
+    ``to_ep4``)."""
+    from ep_workers import CONFIG, GLOBAL_BATCH, SEQ, _adamw
+
+    from shardkit import Runner
+    from shardkit.models import Llama
+    from shardkit.strategies import SingleDevice
+    from shardkit.strategies.registry import STRATEGIES
+
+    batch = torch.randint(0, CONFIG.vocab_size, (GLOBAL_BATCH, SEQ), generator=torch.Generator().manual_seed(9))
+
+    def next_loss(r: Any, m: torch.nn.Module) -> float:
+        s = r.strategy
+        per = GLOBAL_BATCH // s.data_parallel_size
+        part = batch[s.data_parallel_rank * per:(s.data_parallel_rank + 1) * per]
+        r.backward(m(part, labels=part))
+        r.step()
+        # the mean over the data-parallel batches; a cp rank's loss is its whole sequences'
+        return r.all_reduce(m(part, labels=part).detach().clone(), "mean").item()
+
+    runner.save(path, {"model": model, "optimizer": opt})
+    runner.barrier()
+    got: dict[str, float] = {}
+    for key, strategy in (("to_one", SingleDevice("cpu")),
+                          ("to_ep2tp2", STRATEGIES.build_from_cli("ep", ["ep_size=2", "tp_size=2"])),
+                          ("to_ep4", STRATEGIES.build_from_cli("ep", ["ep_size=4"]))):
+        other = Runner(strategy, seed=0)
+        m = Llama(CONFIG)
+        m, m_opt = other.setup(m, _adamw(m))
+        other.load(path, {"model": m, "optimizer": m_opt})
+        got[key] = next_loss(other, m)
+    after = next_loss(runner, model)
+    return {k: abs(v - after) for k, v in got.items()}
 
 
 def ep_cptp_worker(root: str) -> dict[str, Any]:
@@ -84,7 +123,7 @@ def ep_cptp_worker(root: str) -> dict[str, Any]:
     ref = _run(ref_runner, ref_model, slice(None))
     out: dict[str, Any] = {"ref_load": ref["load"],
                            "moved": max((ref["weights"][n] - init[n]).abs().max().item() for n in ref["weights"])}
-    out.update(ep_cptp_cases(_case, ref, init, _balancing(ref_model)))
+    out.update(ep_cptp_cases(root, _case, ref, init, _balancing(ref_model)))
     return out
 
 def _split_rows(model: torch.nn.Module, local: torch.Tensor) -> int:

@@ -3,7 +3,9 @@ process (called once from ``ep_workers.ep_worker``): attention split over tp by 
 expert entries, the expert blocks dispatched over ep (the tp peers splitting the assignments), the router whole on
 every tp rank. 3 AdamW steps with clipping, the first with right padding in rows 0 and 2 (its tokens routed
 nowhere): the initial weights, the loss, every whole gradient, the clipped norm and the weights after the steps; then
-the checkpoint loaded into one process takes the same next step."""
+the checkpoint loaded into one process takes the same next step. The same with ``expert_tp=True`` (each tp peer its
+block of the experts, ep over the data-parallel ranks of one tp coordinate), and with ``sequence_parallel=True`` (the
+residual stream between the decoder layers split over tp along the sequence)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,10 @@ def _steps(batches: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torc
     return out
 
 
-def hf_tp_case(root: str) -> dict[str, Any]:
+def hf_tp_case(root: str, expert_tp: bool = False, sequence_parallel: bool = False) -> dict[str, Any]:
+    """The figures of the module docstring; ``expert_tp``: ``ExpertParallel(ep_size=2, tp_size=2, expert_tp=True)``
+    (ep from dp_shard, each tp peer holding its block of every local expert), with each expert weight's local
+    shape."""
     from ep_more_workers import _next_step_loss, _qwen3_moe
     from ep_workers import CLIP, _adamw, _batches, _whole
 
@@ -53,7 +58,8 @@ def hf_tp_case(root: str) -> dict[str, Any]:
         ref_opt.step()
         ref_opt.zero_grad()
 
-    runner = Runner(ExpertParallel(ep_size=2, tp_size=2), seed=0)
+    runner = Runner(ExpertParallel(ep_size=2, tp_size=2, expert_tp=expert_tp, sequence_parallel=sequence_parallel),
+                    seed=0)
     model, opt = runner.setup(model, _adamw(model))
     s = runner.strategy
     attn = model.model.layers[0].self_attn
@@ -62,10 +68,15 @@ def hf_tp_case(root: str) -> dict[str, Any]:
         "q_mesh": list(attn.q_proj.weight.device_mesh.mesh_dim_names or ()),
         "q_norm": [type(p).__name__ for p in attn.q_norm.weight.placements],
         "experts": type(model.model.layers[0].mlp.experts.gate_up_proj.data).__name__,
+        "local": [list(getattr(model.model.layers[0].mlp.experts, w).to_local().shape)
+                  for w in ("gate_up_proj", "down_proj")],
+        "ep_group": [int(r) for r in s.expert_mesh["ep"].mesh.flatten()],
         "init": max((_whole(p.detach()) - init[n]).abs().max().item() for n, p in model.named_parameters()),
         "loss": [], "grad": [], "norm": []}
     per = 4 // s.data_parallel_size
     rows = slice(s.data_parallel_rank * per, (s.data_parallel_rank + 1) * per)
+    seen: list[int] = []  # the sequence length the second decoder layer gets: 12 / tp with sequence parallelism
+    hook = model.model.layers[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
     for step, (ids, mask, labels) in enumerate(steps):
         loss = model(input_ids=ids[rows], attention_mask=mask[rows], labels=labels[rows]).loss
         runner.backward(loss)
@@ -77,17 +88,20 @@ def hf_tp_case(root: str) -> dict[str, Any]:
                                for n, p in model.named_parameters()))
         out["norm"].append(abs(runner.clip_gradients(CLIP).item() - ref["norm"][step]))
         runner.step()
+    hook.remove()
+    out["layer_seq"] = sorted(set(seen))
     want = dict(ref_model.named_parameters())
     out["weights"] = max((_whole(p.detach()) - want[n].detach()).abs().max().item()
                          for n, p in model.named_parameters())
     out["moved"] = max((want[n].detach() - init[n]).abs().max().item() for n in init)
     # ep 2 x tp 2 -> one process (each rank on its own): the checkpoint's next step is the ep 2 x tp 2 run's
-    runner.save(f"{root}/hf-ep2tp2", {"model": model, "optimizer": opt})
+    path = f"{root}/hf-ep2{'etp' if expert_tp else 'tp'}2{'sp' if sequence_parallel else ''}"
+    runner.save(path, {"model": model, "optimizer": opt})
     following = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(9))
     after = _next_step_loss(runner, model, following)
     one = Runner(SingleDevice("cpu"), seed=3)
     resumed = _qwen3_moe()
     resumed, resumed_opt = one.setup(resumed, _adamw(resumed))
-    one.load(f"{root}/hf-ep2tp2", {"model": resumed, "optimizer": resumed_opt})
+    one.load(path, {"model": resumed, "optimizer": resumed_opt})
     out["resumed"] = abs(_next_step_loss(one, resumed, following) - after)
     return out

@@ -380,6 +380,8 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["ep_pp"] = ep_pp_worker(root)  # expert parallelism inside a pipeline's stages: ep_pp_workers.py
     out["more"] = ep_more(root, ref, init, ref_balance)
     out["etp"] = ep_etp_case(root, _case, ref, init, ref_balance)  # ep 2 x tp 2, tp inside the experts
-    out["cptp"] = ep_cptp_cases(_case, ref, init, ref_balance)  # ep x cp 2 x tp 2, both tp layouts
+    out["cptp"] = ep_cptp_cases(root, _case, ref, init, ref_balance)  # ep x cp 2 x tp 2, both tp layouts
     out["hf_tp"] = hf_tp_case(root)  # Hugging Face's Qwen3-MoE under ep 2 x tp 2: ep_hf_workers.py
+    out["hf_etp"] = hf_tp_case(root, expert_tp=True)  # and with tp inside its expert blocks
+    out["hf_sp"] = hf_tp_case(root, sequence_parallel=True)  # and with transformers' plan in sequence-parallel form
     return out

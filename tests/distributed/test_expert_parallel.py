@@ -12,7 +12,8 @@ does ep 2 x tp 2 with tensor parallelism inside the experts (``expert_tp=True``:
 experts' weights and AdamW state), its checkpoint resumed in one process, under ep 4 and under ep 2 x tp 2, and back;
 and with cp 2 x tp 2 together (``ExpertParallel(ep_size=4, cp_size=2, tp_size=2)``, ep borrowing cp and tp, and
 ``ExpertParallel(ep_size=2, cp_size=2, tp_size=2, expert_tp=True)``, ep borrowing cp) each equals one device;
-so does Hugging Face's Qwen3-MoE at ep 2 x tp 2 (transformers' plan without its experts), resumed in one process.
+so does Hugging Face's Qwen3-MoE at ep 2 x tp 2 (transformers' plan without its experts), with and without tensor
+parallelism inside its expert blocks and with sequence parallelism, resumed in one process.
 An MoE Llama one-device checkpoint resumes under ep 2 (one saved layout whatever the ep size), and the Qwen3-MoE's
 exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
 from_pretrained reads back. Expert parallelism inside a pipeline's stages (``Pipeline(pp_size=2, dp="fsdp",
@@ -227,12 +228,23 @@ def test_expert_parallel_with_context_and_tensor_parallel_equals_one_process(res
         moe_layers = CONFIG.num_layers - CONFIG.moe.first_dense_layers
         rows = GLOBAL_BATCH * SEQ * CONFIG.moe.top_k * moe_layers * (2 if case == "etp" else 1)
         assert got["expert_rows"] == rows, (rank, got["expert_rows"], rows)
+        # its checkpoint's next step in one process, under ep 2 x tp 2 (etp 1, no cp) and under ep 4 (no cp, no tp)
+        # is the run's own
+        assert max(got["to_one"], got["to_ep2tp2"], got["to_ep4"]) < TOL, (rank, got)
 
 
-def test_hf_moe_under_ep_and_tp_equals_one_process_and_resumes_in_one(results):
+@pytest.mark.parametrize("case", ["hf_tp", "hf_etp", "hf_sp"])
+def test_hf_moe_under_ep_and_tp_equals_one_process_and_resumes_in_one(results, case):
     for rank, out in enumerate(results):
-        hf = out["hf_tp"]  # Qwen3-MoE at ep 2 x tp 2 (ep_hf_workers.py) against the same model in one process
+        hf = out[case]  # Qwen3-MoE at ep 2 x tp 2 (ep_hf_workers.py) against the same model in one process
         assert (hf["ep"], hf["tp"], hf["dp"], hf["experts"]) == (2, 2, 2, "DTensor"), (rank, hf)
+        # sequence parallelism: between the decoder layers each tp rank holds half of the 12 positions
+        assert hf["layer_seq"] == ([6] if case == "hf_sp" else [12]), (rank, hf["layer_seq"])
+        if case == "hf_etp":  # ep over one tp coordinate's dp ranks; each rank its half (I 16 / tp 2) of 2 experts
+            assert hf["ep_group"] == [rank % 2, rank % 2 + 2] and hf["local"] == [[2, 16, 32], [2, 32, 8]], (rank, hf)
+        else:  # ep borrows tp: the tp pair's ranks hold different experts, FSDP2-sharded over their 2 replicas
+            assert hf["ep_group"] == ([0, 1] if rank < 2 else [2, 3]) and hf["local"] == [[1, 32, 32], [1, 32, 16]], (
+                rank, hf)
         # attention split over tp by transformers' plan, its per-head norms replicated over tp (gradients summed)
         assert hf["q_mesh"] == ["shard", "tp"] and hf["q_norm"] == ["Shard", "Replicate"], (rank, hf)
         assert hf["init"] == 0, f"rank {rank}: initial weights differ from one process's by {hf['init']}"

@@ -72,7 +72,7 @@ def test_selection_and_refusals(tmp_path, monkeypatch):
         STRATEGIES.build("ep", expert_tp=True)
 
 
-def test_hugging_face_expert_blocks_under_tp_refuse_what_is_not_built_by_name():
+def test_hugging_face_expert_blocks_under_tp_and_sequence_parallel():
     import transformers
 
     from shardkit.strategies.ep_hf_tensor import hf_dense_plan
@@ -84,11 +84,22 @@ def test_hugging_face_expert_blocks_under_tp_refuse_what_is_not_built_by_name():
                                          num_experts=4, num_experts_per_tok=2)
     model = transformers.Qwen3MoeForCausalLM(config)
     blocks = hf_expert_blocks(model)
-    with pytest.raises(ValueError, match=r"tp_size=2 expert_tp=True: Qwen3MoeForCausalLM holds Hugging Face expert "
-                                         r"blocks \(Qwen3MoeExperts\); tensor parallelism inside them is not built"):
-        apply_tensor_parallel(model, None, ParallelDims(tp=2, ep=2, expert_tp=True), False, blocks)
-    with pytest.raises(ValueError, match=r"sequence_parallel=True: Qwen3MoeForCausalLM's own Hugging Face plan"):
-        apply_tensor_parallel(model, None, ParallelDims(tp=2, ep=2), True, blocks)
+    # sequence parallelism: a layer whose mlp is dense is not mapped (named); the MoE decoder's entries
+    config.mlp_only_layers = [1]
+    dense = transformers.Qwen3MoeForCausalLM(config)
+    with pytest.raises(ValueError, match=r"sequence_parallel=True: Qwen3MoeForCausalLM layer 1's mlp \(Qwen3MoeMLP\) "
+                                         r"holds no expert block"):
+        apply_tensor_parallel(dense, None, ParallelDims(tp=2, ep=2), True, hf_expert_blocks(dense))
+    sp = hf_dense_plan(model, blocks, 2, True)
+    assert {n: type(s).__name__ for n, s in sp.items() if n.startswith("model.layers.1.") or "." not in n[6:]} == {
+        "model.layers.1.input_layernorm": "SequenceParallel", "model.layers.1.post_attention_layernorm":
+        "SequenceParallel", "model.layers.1.self_attn": "PrepareModuleInput", "model.layers.1.mlp": "_WholeTokens",
+        "model.layers.1.self_attn.o_proj": "RowwiseParallel", "model.layers.1.self_attn.q_proj": "ColwiseParallel",
+        "model.layers.1.self_attn.k_proj": "ColwiseParallel", "model.layers.1.self_attn.v_proj": "ColwiseParallel",
+        "model.layers.1.self_attn.q_norm": "SequenceParallel", "model.layers.1.self_attn.k_norm": "SequenceParallel",
+        "model.norm": "SequenceParallel", "lm_head": "ColwiseParallel", "model.embed_tokens": "RowwiseParallel"}, sp
+    # the embedding's output stays whole (the model takes its positions and mask from its length): split at layer 0
+    assert type(sp["model.layers.0"]).__name__ == "PrepareModuleInput"
     # transformers' plan without the experts (split over ep) and without the dense MLP this model does not have; the
     # per-head norms replicated with their gradients summed; the router in no plan
     plan = hf_dense_plan(model, blocks, 2, False)

@@ -222,3 +222,49 @@ def test_qwen3_30b_a3b_expert_parallel_states_equal_a_hand_computation(tmp_path)
     none = ExpertParallel(ep_size=2, expert_sharding="none")
     held = none.model_state_memory(memory_job(spec, none, num_gpus_per_node=8)).params
     assert held == dense * 4 // 8 + experts * 4 // 2 == 58752605184
+
+
+def test_expert_tp_is_estimated_with_its_all_to_all_buffers(tmp_path, capsys):
+    from shardkit.memory import all_to_all_bytes, estimate_model_states, spec_from_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    spec = spec_from_hf_config(tmp_path / "config.json")
+    # 4 x 4096 tokens / cp 2 = 8192 x top-8 = 65536 assignments, a tp rank's share 32768: it receives its share over
+    # ep and its outputs back (2 x 32768), and over tp both peers' dispatched rows (2 x 32768, the all-gather its
+    # expert block runs on), both peers' partial outputs of its share (2 x 32768, the sum over tp as an all-to-all)
+    # and both shares' outputs (2 x 32768): (2 + 3 x 2) x 32768 x hidden 2048 x 2 bytes = 1 GiB
+    assert all_to_all_bytes(spec, 4, 2048, ep_size=2, tp_size=2, expert_tp=True) == 8 * 32768 * 2048 * 2 == 2**30
+    # expert_tp=False: (2 + 2) x 32768 rows
+    assert all_to_all_bytes(spec, 4, 2048, ep_size=2, tp_size=2) == 2**29
+    args = ["estimate-memory", "--config", str(tmp_path / "config.json"), "--num-gpus", "8", "--strategy", "ep",
+            "--batch-size", "4", "--seq-len", "4096", "--cp-size", "2", "--tp-size", "2", "--ep-size", "2"]
+    assert cli_main([*args, "--expert-tp"]) == 0
+    out = capsys.readouterr().out
+    assert ("under ep 2 x cp 2 x tp 2 (expert_tp) (dispatch + combine, one MoE layer in flight, balanced routing): "
+            "1.00 GiB = (2 + 3 x 2) x 32768 assignments") in out, out
+    # the model states are ExpertParallel(ep_size=2, cp_size=2, tp_size=2, expert_tp=True)'s
+    row = estimate_model_states(spec, "ep", num_gpus_per_node=8, ep_size=2, tp_size=2,
+                                options={"expert_tp": True, "tp_size": 2})
+    assert f"{'ep':<16}{row.params / 2**30:9.2f}{row.grads / 2**30:9.2f}{row.optimizer / 2**30:9.2f}" in out, out
+    # without the flag the etp 1 rule refuses ep 2 (a multiple of cp x tp = 4) and names the flag
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err
+    assert "must be a multiple of 4" in err and "--expert-tp" in err, err
+    # the flag without tensor parallelism, or for another strategy's row: refused by name
+    assert cli_main([*args[:-6], "--ep-size", "2", "--expert-tp"]) == 2
+    assert "--expert-tp is ExpertParallel's tensor parallelism inside the experts" in capsys.readouterr().err
+    fsdp = [a if a != "ep" else "fsdp" for a in args]
+    assert cli_main([*fsdp, "--expert-tp"]) == 2
+    assert "give --tp-size > 1 and --strategy ep" in capsys.readouterr().err
+
+
+def test_expert_tp_row_of_a_small_mixtral_equals_a_hand_computation():
+    from shardkit.memory import estimate_model_states, spec_from_hf_config
+
+    # 8 ranks, cp 2 x tp 2 (dp_shard 2), ep 2 inside dp_shard x cp with tp inside the experts: the dense part per tp
+    # rank 24576 / 2 + 129344 = 141632 sharded over dp_shard x cp = 4 -> 35408; the experts 393216 / (ep 2 x tp 2)
+    # = 98304 a rank; the embedding's tp half (32000) gathered, no expert slice (held whole)
+    row = estimate_model_states(spec_from_hf_config(SMALL), "ep", num_gpus_per_node=8, precision="fp32", ep_size=2,
+                                tp_size=2, options={"expert_tp": True, "tp_size": 2, "cp_size": 2})
+    assert (row.params, row.grads, row.optimizer, row.working) == ((35408 + 98304) * 4, (35408 + 98304) * 4,
+                                                                   (35408 + 98304) * 8, 32000 * 4)
