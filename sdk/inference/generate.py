@@ -16,6 +16,11 @@ context's release, partitioning the parameters again, is local on every rank). A
 tensor-parallel group share every forward, so their prompts are exchanged and each group generates
 its members' requests one after the other (identical requests once). A call made on only some ranks
 fails within $SHARDKIT_GENERATE_ENTRY_TIMEOUT seconds (60) with :class:`NotCalledOnAllRanksError`.
+
+Where nothing in the call needs another rank (every parameter whole on every rank, a strategy whose
+``generation_context`` holds nothing, no tensor-parallel group: DDP, ZeRO-1/2), the call is what it is in one
+process: no collective at all, not even the entry check, so a rank neither waits for the others to arrive nor
+for their decoding, and a call made on only some ranks is fine.
 """
 
 from __future__ import annotations
@@ -106,6 +111,22 @@ def _still_collective(model: nn.Module, device: torch.device) -> bool:
     return any_rank(here, device)
 
 
+def _context_is_local(strategy: Any) -> bool:
+    """Whether entering the strategy's generation context talks to no other rank (None: no strategy, no context)."""
+    return strategy is None or bool(getattr(strategy, "generation_is_local", False))
+
+
+def _local_call(model: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any], strategy: Any,
+                keep_unsharded: bool | None) -> Any:
+    """A call that needs no other rank (whole parameters everywhere, a context that holds nothing), made as in one
+    process: no entry check and no per-token flag, since no forward waits for another rank; the ranks meet again at
+    their next collective (a rollout's reward gather)."""
+    device = _device_of(model)
+    with _strategy_context(strategy, model, keep_unsharded) as how, torch.no_grad():
+        _log_once(_describe_mode(False, how))
+        return _call(model, move_to_device(input_ids, device), move_to_device(kwargs, device), sync=False)
+
+
 def _call(module: nn.Module, input_ids: torch.Tensor, kwargs: dict[str, Any], sync: bool) -> Any:
     """One generate call on this rank's request (an empty batch joins the others' forwards and returns it)."""
     if is_hf_model(module):
@@ -173,12 +194,15 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, data_parallel_rank: i
     if not distributed():
         with torch.no_grad():
             return _call(model, input_ids, kwargs, sync=False)
+    world = dist.get_world_size()
+    grouped = data_parallel_size is not None and data_parallel_size < world
+    if not grouped and _context_is_local(strategy) and not needs_sync(model):
+        return _local_call(model, input_ids, kwargs, strategy, keep_unsharded)
     sync = needs_sync(model)
     device = _device_of(model)
     with synced_call("runner.generate()"), torch.no_grad():
         requests, index, calls = [(input_ids, kwargs)], 0, 1
-        world = dist.get_world_size()
-        if data_parallel_size is not None and data_parallel_size < world:
+        if grouped:
             requests, index, calls = _group_requests(input_ids, kwargs, data_parallel_rank, check_group())
         with _strategy_context(strategy, model, keep_unsharded) as how:
             if sync and how is not None:

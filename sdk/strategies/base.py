@@ -173,6 +173,14 @@ class Strategy(ABC):
         """
         return contextlib.nullcontext(None)
 
+    @property
+    def generation_is_local(self) -> bool:
+        """Whether :meth:`generation_context` talks to no other rank: true where the strategy keeps this default,
+        which holds nothing; a strategy that overrides it (to gather or hold parameters) is taken to need its peers.
+        Synced generation skips every collective for a call whose parameters are all whole and whose context is
+        local."""
+        return type(self).generation_context is Strategy.generation_context
+
     def configure_activation_checkpointing(self, settings: Any) -> None:
         """Hand engine-specific activation-checkpointing options to the engine, after :meth:`setup`.
 

@@ -14,13 +14,15 @@ its partition, with no gather.
 
 It lives among the leaf helpers so that every package (``checkpoint`` too) can ask; it imports nothing of shardkit
 when imported. A strategy whose engine partitions parameters names its handler in ``_HANDLERS`` below
-("module:attribute"), imported on the first question about a parameter, without importing the engine itself.
+("engine package=module:attribute"), imported on the first question about a parameter asked after the engine's
+package was imported (no parameter is the engine's before), without importing the engine itself.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -63,16 +65,22 @@ class PartitionedParameters(Protocol):
         ...
 
 
-_HANDLERS: list[str | PartitionedParameters] = ["shardkit.strategies.zero.stage3:ZERO3_PARAMETERS"]
+# "engine package=module:attribute": the handler is imported on the first question asked once the engine's package
+# is imported; before that no parameter can be the engine's, and asking (every generate call under DDP does) costs
+# no import of the strategy's modules.
+_HANDLERS: list[str | PartitionedParameters] = ["deepspeed=shardkit.strategies.zero.stage3:ZERO3_PARAMETERS"]
 
 
 def handlers() -> list[PartitionedParameters]:
-    """The registered handlers, imported on first use."""
+    """The registered handlers whose engine is imported, each imported on first use."""
     for i, handler in enumerate(_HANDLERS):
         if isinstance(handler, str):
-            module, _, attr = handler.partition(":")
+            engine, _, where = handler.rpartition("=")
+            if engine and engine not in sys.modules:
+                continue
+            module, _, attr = where.partition(":")
             _HANDLERS[i] = getattr(importlib.import_module(module), attr)
-    return _HANDLERS  # type: ignore[return-value]
+    return [h for h in _HANDLERS if not isinstance(h, str)]
 
 
 def gathered_for_read(*params: Tensor | None) -> contextlib.AbstractContextManager:

@@ -19,7 +19,8 @@ process group, each case trains a fresh model):
 - GRPO and RLOO under DDP with 2 completions per device and 4 per prompt (TRL's layout: a prompt's completions
   spread over both ranks; GRPO with 1 step per generation, every prompt split 2 + 2, RLOO with 3, the middle prompt of
   each round split): each rank's prompts are TRL's RepeatSampler's slice, and the advantages each rank trains on equal
-  a hand computation from both ranks' gathered rewards;
+  a hand computation from both ranks' gathered rewards; every rank holding the whole model, the rollouts' generation
+  makes no collective call at all (the rewards' gather right after it does make some);
 - GRPO evaluation under ZeRO-3, FSDP2 and TensorParallel in TRL's layout, with an uneven last step: 4 eval
   prompts, 2 completions each, 3 per rank and step (a step of 3 prompts, the middle one spread over both ranks, then
   a step of 1 prompt that rank 1 has no share of; under TP both ranks decode the same 6 rows, then 2), rank 0
@@ -31,6 +32,7 @@ process group, each case trains a fresh model):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -216,12 +218,45 @@ def _train(out: str, kind: str, strategy: str, steps: int) -> dict:
     return result
 
 
+# torch.distributed's collectives and process-group calls, counted under both the package's names and the module's
+# that defines them (code inside torch.distributed calls the latter)
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "all_to_all",
+               "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list", "gather",
+               "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter", "scatter_object_list",
+               "send", "recv", "isend", "irecv", "batch_isend_irecv", "new_group")
+
+
+@contextlib.contextmanager
+def _counting_collectives(counts: dict):
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    saved = []
+    for module in (dist, distributed_c10d):
+        for name in COLLECTIVES:
+            func = getattr(module, name, None)
+            if func is None:
+                continue
+
+            def counted(*args, _func=func, _name=name, **kwargs):
+                counts[_name] = counts.get(_name, 0) + 1
+                return _func(*args, **kwargs)
+
+            saved.append((module, name, func))
+            setattr(module, name, counted)
+    try:
+        yield counts
+    finally:
+        for module, name, func in saved:
+            setattr(module, name, func)
+
+
 def _spread(out: str, kind: str) -> dict:
     """A prompt's 4 completions on 2 ranks, 2 per micro-batch: what each rank scored and trained on."""
     from shardkit.rl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     tokenizer = _tokenizer()
-    result = {"rounds": [], "used": []}
+    result = {"rounds": [], "used": [], "generate_collectives": [], "score_collectives": []}
 
     def reward(prompts, completion_ids, **kwargs):
         rewards = [float(sum(c) % 7) + 0.5 * len(c) for c in completion_ids]
@@ -237,6 +272,18 @@ def _spread(out: str, kind: str) -> dict:
             result["used"].append([(row[m].tolist(), float(a)) for row, m, a in
                                    zip(inputs["completion_ids"], mask, inputs["advantages"])])
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+        def generate(self, prompt_ids):
+            with _counting_collectives({}) as counts:
+                done = super().generate(prompt_ids)
+            result["generate_collectives"].append(counts)
+            return done
+
+        def score_completions(self, rows, prompt_ids, completions):  # the counter's control: the rewards' gather
+            with _counting_collectives({}) as counts:
+                scored = super().score_completions(rows, prompt_ids, completions)
+            result["score_collectives"].append(counts)
+            return scored
 
     extra = {"beta": 0.0} if kind == "rloo" else {"scale_rewards": "group"}
     args = config(output_dir=out, max_completion_length=4, learning_rate=1e-2, logging_steps=1, report_to="none",
@@ -401,6 +448,17 @@ def test_a_prompts_completions_spread_over_ranks(runs, kind):
     assert ranks[0]["logs"] == ranks[1]["logs"]
     gathered = [ranks[0]["rounds"][k]["rewards"] + ranks[1]["rounds"][k]["rewards"] for k in range(2)]
     assert [h["reward"] for h in ranks[0]["logs"]] == pytest.approx([sum(r) / len(r) for r in gathered], abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_ddp_rollouts_generate_without_a_collective(runs, kind):
+    """Every DDP rank holds the whole model, so its rollouts are its own: no entry barrier, no per-token flag, no
+    waiting for the other rank (TRL's generation under DDP makes none either)."""
+    for rank in _case(runs, f"spread-{kind}"):
+        assert len(rank["generate_collectives"]) == len(rank["rounds"]) > 0
+        assert rank["generate_collectives"] == [{}] * len(rank["rounds"])
+        # the counter sees the trainer's collectives: scoring gathers the rewards of both ranks
+        assert all(sum(counts.values()) > 0 for counts in rank["score_collectives"])
 
 
 @pytest.mark.parametrize("strategy", EVAL_STRATEGIES)

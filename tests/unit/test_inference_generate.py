@@ -60,6 +60,38 @@ def test_runner_generate_equals_the_models_own_on_one_device():
     assert not params_partitioned(model) and not needs_sync(model)
 
 
+def test_asking_about_partitioned_parameters_imports_a_handler_only_once_its_engine_is(monkeypatch):
+    """Every DDP generate call asks whether a parameter is partitioned; before any engine that partitions is imported
+    the answer is no, without importing a strategy's modules (ZeRO's cost a first rollout tens of milliseconds)."""
+    import sys
+    import types
+
+    from shardkit.utils import partitioned
+
+    class Owner:
+        def owns(self, param):
+            return hasattr(param, "fake_engine_partition")
+
+        def is_partitioned(self, param):
+            return True
+
+    handler_module = types.ModuleType("fake_engine_handler")
+    handler_module.HANDLER = Owner()
+    monkeypatch.setitem(sys.modules, "fake_engine_handler", handler_module)
+    imported = []
+    real_import = partitioned.importlib.import_module
+    monkeypatch.setattr(partitioned.importlib, "import_module", lambda name: imported.append(name) or real_import(name))
+    monkeypatch.setattr(partitioned, "_HANDLERS", ["fake_engine=fake_engine_handler:HANDLER"])
+    weight = torch.nn.Parameter(torch.zeros(2))
+    weight.fake_engine_partition = 0
+    model = torch.nn.Linear(2, 2)
+    model.extra = weight
+    assert partitioned.handlers() == [] and not params_partitioned(model) and imported == []
+    monkeypatch.setitem(sys.modules, "fake_engine", types.ModuleType("fake_engine"))  # the engine is imported now
+    assert partitioned.handlers() == [handler_module.HANDLER] and params_partitioned(model)
+    assert imported == ["fake_engine_handler"]
+
+
 def test_runner_generate_drives_hugging_face_generate():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
