@@ -349,16 +349,7 @@ class ExpertParallel(_fsdp.FSDP):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         layers = moe_modules(module)
-        blocks = hf_expert_blocks(module)
-        if blocks and self.dims.cp > 1 and self.dims.tp > 1:
-            # Each pair (ep x cp, ep x tp) is checked equal to one device with Hugging Face blocks; the three together
-            # are not (their gradients came out ~1e-5 from one device's), so they are refused rather than run.
-            raise ValueError(
-                f"ExpertParallel(cp_size={self.dims.cp}, tp_size={self.dims.tp}): {type(module).__name__}'s Hugging "
-                f"Face expert blocks ({type(blocks[0]).__name__}) under expert x context x tensor parallelism together "
-                "are not verified equal to one device; use cp_size or tp_size alone with ep_size (each is verified), "
-                "or shardkit's MoE Llama (shardkit.models.Llama with a MoEConfig) for all three")
-        for block in blocks:
+        for block in hf_expert_blocks(module):
             check_hf_expert_layout(block, "ExpertParallel")
             self.dims.validate_experts(block.gate_up_proj.shape[0])
             if self.dims.expert_tp:  # its block of each expert, run by _HFLocalExperts as shardkit's experts are
