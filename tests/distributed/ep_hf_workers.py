@@ -5,7 +5,14 @@ every tp rank. 3 AdamW steps with clipping, the first with right padding in rows
 nowhere): the initial weights, the loss, every whole gradient, the clipped norm and the weights after the steps; then
 the checkpoint loaded into one process takes the same next step. The same with ``expert_tp=True`` (each tp peer its
 block of the experts, ep over the data-parallel ranks of one tp coordinate), and with ``sequence_parallel=True`` (the
-residual stream between the decoder layers split over tp along the sequence)."""
+residual stream between the decoder layers split over tp along the sequence).
+
+:func:`hf_cptp_case`: the same model under ``ExpertParallel(ep_size=4, cp_size=2, tp_size=2)`` (each sequence split
+over cp, attention over tp, ep borrowing both) against one process over 3 clipped SGD steps without padding (the
+context-parallel forward refuses padded rows). SGD, not AdamW: on this model and data one element of a layer-0 key
+projection's gradient is ~5e-8, near AdamW's eps, where the update's sensitivity (about lr / eps) turns float32
+rounding into 7e-5 of weight (one process in float32 against float64 differs as much), which would hide a real
+error."""
 
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import torch
 
 from shardkit import Runner
 
-__all__ = ["hf_tp_case"]
+__all__ = ["hf_cptp_case", "hf_tp_case"]
 
 PAD = 4  # the first step's rows 0 and 2 end with this many padding tokens (each data-parallel rank as many real ones,
 # so that the mean of the ranks' mean losses is the global batch's)
@@ -104,4 +111,45 @@ def hf_tp_case(root: str, expert_tp: bool = False, sequence_parallel: bool = Fal
     resumed, resumed_opt = one.setup(resumed, _adamw(resumed))
     one.load(path, {"model": resumed, "optimizer": resumed_opt})
     out["resumed"] = abs(_next_step_loss(one, resumed, following) - after)
+    return out
+
+
+def hf_cptp_case() -> dict[str, Any]:
+    """Loss, every whole gradient, clipped norm and weights of each of 3 SGD steps under ep 4 x cp 2 x tp 2 against
+    one process, with the layout facts."""
+    from ep_more_workers import _qwen3_moe
+    from ep_workers import CLIP, _batches, _whole
+
+    from shardkit.strategies.expert_parallel import ExpertParallel
+
+    def sgd(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(m.parameters(), lr=0.5)
+
+    ref_model = _qwen3_moe()
+    model = copy.deepcopy(ref_model)
+    ref_opt = sgd(ref_model)
+    runner = Runner(ExpertParallel(ep_size=4, cp_size=2, tp_size=2), seed=0)
+    model, _ = runner.setup(model, sgd(model))
+    s = runner.strategy
+    attn = model.model.layers[0].self_attn
+    out: dict[str, Any] = {
+        "sizes": [s.ep_size, s.cp_size, s.tp_size, s.data_parallel_size],
+        "q_norm": [type(p).__name__ for p in attn.q_norm.weight.placements],
+        "ep_group": [int(r) for r in s.expert_mesh["ep"].mesh.flatten()],
+        "loss": [], "grad": [], "norm": [], "weights": []}
+    want = dict(ref_model.named_parameters())
+    for ids in _batches():  # dp 1: every rank takes the whole batch, its cp chunk of each sequence
+        ref_loss = ref_model(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        loss = model(input_ids=ids, labels=ids).loss
+        runner.backward(loss)
+        out["loss"].append(abs(runner.all_reduce(loss.detach().clone(), "mean").item() - ref_loss.item()))
+        out["grad"].append(max((_whole(p.grad) - want[n].grad).abs().max().item() for n, p in model.named_parameters()))
+        out["norm"].append(abs(runner.clip_gradients(CLIP).item()
+                               - torch.nn.utils.clip_grad_norm_(ref_model.parameters(), CLIP).item()))
+        runner.step()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out["weights"].append(max((_whole(p.detach()) - want[n].detach()).abs().max().item()
+                                  for n, p in model.named_parameters()))
     return out

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from ep_cptp_workers import ep_cptp_cases
 from ep_etp_workers import ep_etp_case
-from ep_hf_workers import hf_tp_case
+from ep_hf_workers import hf_cptp_case, hf_tp_case
 from ep_more_workers import ep_more
 from ep_pp_workers import ep_pp_worker
 from ep_tp_workers import ep_tp_cases
@@ -384,4 +384,5 @@ def ep_worker(root: str) -> dict[str, Any]:
     out["hf_tp"] = hf_tp_case(root)  # Hugging Face's Qwen3-MoE under ep 2 x tp 2: ep_hf_workers.py
     out["hf_etp"] = hf_tp_case(root, expert_tp=True)  # and with tp inside its expert blocks
     out["hf_sp"] = hf_tp_case(root, sequence_parallel=True)  # and with transformers' plan in sequence-parallel form
+    out["hf_cptp"] = hf_cptp_case()  # and under ep 4 x cp 2 x tp 2 together
     return out

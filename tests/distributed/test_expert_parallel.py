@@ -13,7 +13,7 @@ experts' weights and AdamW state), its checkpoint resumed in one process, under 
 and with cp 2 x tp 2 together (``ExpertParallel(ep_size=4, cp_size=2, tp_size=2)``, ep borrowing cp and tp, and
 ``ExpertParallel(ep_size=2, cp_size=2, tp_size=2, expert_tp=True)``, ep borrowing cp) each equals one device;
 so does Hugging Face's Qwen3-MoE at ep 2 x tp 2 (transformers' plan without its experts), with and without tensor
-parallelism inside its expert blocks and with sequence parallelism, resumed in one process.
+parallelism inside its expert blocks and with sequence parallelism, resumed in one process, and at ep 4 x cp 2 x tp 2.
 An MoE Llama one-device checkpoint resumes under ep 2 (one saved layout whatever the ep size), and the Qwen3-MoE's
 exports (save_pretrained, zero-to-fp32) are the Hub's per-expert files that
 from_pretrained reads back. Expert parallelism inside a pipeline's stages (``Pipeline(pp_size=2, dp="fsdp",
@@ -252,6 +252,15 @@ def test_hf_moe_under_ep_and_tp_equals_one_process_and_resumes_in_one(results, c
         assert hf["weights"] < TOL and hf["moved"] > 1e-3, (rank, hf["weights"], hf["moved"])
         assert hf["load"] == [hf["real"]], (rank, hf["load"], hf["real"])  # padding routed to no expert
         assert hf["resumed"] < TOL, (rank, hf["resumed"])  # ep 2 x tp 2 -> 1: the same next step
+
+
+def test_hf_moe_under_ep_cp_and_tp_together_equals_one_process(results):
+    for rank, out in enumerate(results):
+        hf = out["hf_cptp"]  # Qwen3-MoE at ep 4 x cp 2 x tp 2 (ep_hf_workers.hf_cptp_case), 3 clipped SGD steps
+        assert hf["sizes"] == [4, 2, 2, 1] and hf["ep_group"] == [0, 1, 2, 3], (rank, hf)  # ep borrows cp and tp
+        assert hf["q_norm"] == ["Shard", "Replicate"], (rank, hf)  # per-head norms replicated over tp
+        assert max(hf["loss"]) < TOL and max(hf["grad"]) < TOL and max(hf["norm"]) < TOL, (rank, hf)
+        assert max(hf["weights"]) < TOL, (rank, hf["weights"])
 
 
 @pytest.mark.parametrize("case", ["pp", "pp_ep"])
