@@ -161,8 +161,8 @@ def _zero3_train_step(runner: Runner, model: nn.Module, optimizer) -> list[torch
 def _zero3_gather_counts() -> dict:
     """The Hugging Face model (what the RL trainers generate with) under ZeRO-3 with an optimizer: DeepSpeed's
     all-gathers per generate call with 2 and 6 new tokens, held (True) and per layer (False); the tokens against
-    plain generate; which parameters are partitioned before and after; then one training step, and the same step
-    on a copy that never generated."""
+    plain generate; which parameters are partitioned before and after each mode's calls; then one training step, and
+    the same step on a copy that never generated."""
     import deepspeed.comm.comm as ds_comm
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
@@ -181,8 +181,8 @@ def _zero3_gather_counts() -> dict:
     runner, model, optimizer = build()
     user = runner.unwrap_model(model)
 
-    def partitioned():
-        return [p.ds_status.name == "NOT_AVAILABLE" for p in user.parameters()]
+    def partitioned():  # persistent parameters stay whole once a forward gathered them, as the engine keeps them
+        return [p.ds_status.name == "NOT_AVAILABLE" for p in user.parameters() if not p.ds_persist]
 
     def hook_tables():
         return [(list(m._forward_pre_hooks.items()), list(m._forward_hooks.items())) for m in user.modules()]
@@ -190,32 +190,46 @@ def _zero3_gather_counts() -> dict:
     # DeepSpeed gathers through its comm backend, which holds torch's function itself: count at the backend. Its
     # module hooks run the coordinator's fetch_sub_module before every module's forward: count those too.
     # Hugging Face's synced decoding all-reduces a "still running" flag per token through torch: count those.
-    calls, fetches, reduces = [0], [0], [0]
+    calls, fetches, reduces, whole = [0], [0], [0], [0]
     real = _counting(ds_comm.cdb, ["all_gather_into_tensor"], calls)
+    counted = ds_comm.cdb.all_gather_into_tensor
+    sharded = [p for p in user.parameters() if not p.ds_persist]
+
+    def gathering(*args, **kwargs):  # the most partitioned parameters whole (or in flight) at any gather
+        whole[0] = max(whole[0], sum(p.ds_status.name != "NOT_AVAILABLE" for p in sharded))
+        return counted(*args, **kwargs)
+
+    ds_comm.cdb.all_gather_into_tensor = gathering
     real_fetch = _counting(PartitionedParameterCoordinator, ["fetch_sub_module"], fetches)
     real_reduce = _counting(dist, ["all_reduce"], reduces)
     counts, hooked, same, status, tables, reduced = {}, {}, {}, [partitioned()], [hook_tables()], {}
+    most_whole: dict = {}
     try:
         for keep in (True, False):
             for new in (2, 6):
-                calls[0] = fetches[0] = reduces[0] = 0
+                calls[0] = fetches[0] = reduces[0] = whole[0] = 0
                 got = runner.generate(model, ids, max_new_tokens=new, do_sample=False, pad_token_id=0,
                                       keep_unsharded=keep)
                 counts[(keep, new)], hooked[(keep, new)], reduced[(keep, new)] = calls[0], fetches[0], reduces[0]
+                most_whole[(keep, new)] = whole[0]
                 same[(keep, new)] = torch.equal(got, want[:, :ids.shape[1] + new])
-            if keep:  # after per-layer calls DeepSpeed keeps its small persistent parameters whole: compare before
-                status.append(partitioned())
-                tables.append(hook_tables())
+            status.append(partitioned())
+            tables.append(hook_tables())
     finally:
         ds_comm.cdb.all_gather_into_tensor = real["all_gather_into_tensor"]
         PartitionedParameterCoordinator.fetch_sub_module = real_fetch["fetch_sub_module"]
         dist.all_reduce = real_reduce["all_reduce"]
-    before, after = status
+    before = status[0]
     trained = _zero3_train_step(runner, model, optimizer)
     plain = _zero3_train_step(*build())
     return {"counts": counts, "hooked": hooked, "all_reduces": reduced,
-            "hooks_back": tables[0] == tables[1] and len(tables[0][0][0]) > 0,
-            "same": same, "partitioned": (sum(before), before == after),
+            "hooks_back": all(t == tables[0] for t in tables) and len(tables[0][0][0]) > 0,
+            "same": same, "partitioned": (sum(before), all(after == before for after in status)),
+            "layers": len(user.model.layers), "most_whole": most_whole, "sharded": len(sharded),
+            # the other modules owning partitioned (not persistent) parameters: the embedding, the output head
+            "others": sum(any(not p.ds_persist for p in m.parameters(recurse=False))
+                          for name, m in user.named_modules() if not name.startswith("model.layers")),
+            "largest_layer": max(sum(not p.ds_persist for p in layer.parameters()) for layer in user.model.layers),
             "train_equal": all(torch.equal(a, b) for a, b in zip(trained, plain)),
             "moved": any(not torch.equal(a, state[n].to(a.dtype))
                          for a, (n, _) in zip(trained, user.named_parameters()))}

@@ -16,13 +16,24 @@ invalidates the engine's trace), the engine then sees nothing of the call: its c
 trace are exactly as the last training step left them. Hooks are detached only when every parameter is available
 after the gather (one still in flight from a prefetch needs the hooks to wait for it).
 
-Held per layer instead (the engine's hooks, as without this context):
-- when the whole model does not fit (the FSDP rule, :func:`shardkit.strategies._unshard.keep_gathered`);
+When the whole model does not fit (the FSDP rule, :func:`shardkit.strategies._unshard.keep_gathered`), or
+``keep_unsharded=False`` (TRL's ``ds3_gather_for_generation=False``), :func:`zero3_per_layer` gathers per layer
+instead: the engine's hooks are detached all the same, and each layer of the model's stack (a child of its outermost
+``nn.ModuleList``), and each other module owning partitioned parameters (the embedding, the output head), gathers its
+partitioned parameters in one all-gather before its forward and partitions them again after it. The engine's hooks
+would all-gather each leaf module's parameters separately (a Llama decoder layer: seven) with four Python hooks per
+module and token; and since a generation forward differs from the training trace the engine recorded, they
+invalidate that trace, so that the engine releases every parameter after its module and the next training step
+records its trace again. Peak memory is one layer (or the embedding, or the head) gathered at a time.
+
+The engine's own hooks (per module, as without this context) gather instead:
 - under NVMe parameter offload (ZeROInfinity's default): DeepSpeed swaps partitions in through a fixed pool of
   ``buffer_count`` buffers along the recorded trace, one per parameter in flight, so the whole model cannot be
   swapped in at once (and a model put on NVMe is one that is not meant to be whole in memory);
 - with ``stage3_module_granularity_threshold`` set: after a leaf module's forward the hooks then replace its
-  parameters' data with an empty buffer whether or not someone still uses them.
+  parameters' data with an empty buffer whether or not someone still uses them;
+- per layer, for a model without an ``nn.ModuleList`` of layers (nothing to gather layer by layer short of the whole
+  model), or while a prefetch still has a parameter in flight (the engine's hooks wait for it).
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,7 +49,8 @@ from torch.utils.hooks import RemovableHandle
 
 from shardkit.strategies._unshard import keep_gathered
 
-__all__ = ["GENERATION_HOLDER", "hooks_detached", "per_layer", "per_layer_reason", "zero3_gathered"]
+__all__ = ["GENERATION_HOLDER", "hooks_detached", "per_layer", "per_layer_reason", "zero3_gathered",
+           "zero3_per_layer"]
 
 log = logging.getLogger("shardkit.inference")
 
@@ -108,8 +121,9 @@ def zero3_gathered(module: nn.Module, device: torch.device, keep: bool | None, a
     if not keep_gathered(extra, device, keep, any_rank, fraction):
         why = ("keep_unsharded=False" if keep is False
                else f"holding them whole needs {extra / 2**20:.1f} MiB more per rank than fits on some rank")
-        log.info("generate: ZeRO-3 parameters are gathered per layer in every forward (%s)", why)
-        yield f"ZeRO-3 parameters gathered per layer in every forward ({why})"
+        with zero3_per_layer(module, hooks) as how:
+            log.info("generate: ZeRO-3 parameters are gathered per layer in every forward (%s; %s)", why, how)
+            yield f"ZeRO-3 parameters gathered per layer in every forward ({why}; {how})"
         return
     log.info("generate: ZeRO-3 parameters gathered once for the call (%.1f MiB more per rank)", extra / 2**20)
     if params:
@@ -159,3 +173,92 @@ def hooks_detached(handles: Iterable[RemovableHandle]) -> Iterator[int]:
             table.clear()
             table.update(kept)
             table.update(added)
+
+
+def _layer_units(module: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """The modules gathered one at a time in a forward, each with the partitioned parameters it gathers: every module
+    outside the model's layers that owns partitioned parameters itself (an embedding, the output head) with those,
+    then each child of the model's outermost ``nn.ModuleList`` (its stack of layers) with all of its own; in
+    module order, the same on every rank. Empty for a model without a list of layers."""
+    layers: list[nn.Module] = []
+    inside: set[int] = set()
+
+    def walk(parent: nn.Module) -> None:
+        for child in parent.children():
+            if isinstance(child, nn.ModuleList):
+                layers.extend(child)
+                inside.update(id(m) for layer in child for m in layer.modules())
+            else:
+                walk(child)
+
+    walk(module)
+    if not layers:
+        return []
+    owners = [(m, _partitioned_own(m)) for m in module.modules() if id(m) not in inside]
+    return [(m, params) for m, params in [*owners, *((layer, _partitioned(layer)) for layer in layers)] if params]
+
+
+def _partitioned_own(module: nn.Module) -> list[nn.Parameter]:
+    """The module's own (not its children's) ZeRO-3 parameters partitioned now."""
+    return [p for p in module.parameters(recurse=False)
+            if hasattr(p, "ds_id") and getattr(getattr(p, "ds_status", None), "name", "") == "NOT_AVAILABLE"]
+
+
+class _UnitGather:
+    """The forward hooks of one unit: its partitioned parameters gathered in one all-gather before its forward and
+    partitioned again after it (also after a forward that raised). A parameter another unit holds meanwhile (a tied
+    embedding inside the output head's forward) is left to that unit."""
+
+    def __init__(self, params: list[nn.Parameter], holder: str):
+        self.params = sorted(params, key=lambda p: p.ds_id)  # ds_id order: the ranks' lists match
+        self.holder = holder
+        self.held: list[nn.Parameter] = []
+
+    def gather(self, module: nn.Module, args: Any) -> None:
+        todo = [p for p in self.params if p.ds_status.name == "NOT_AVAILABLE"]
+        if todo:
+            # one flat all-gather for the unit (all_gather would run one per parameter); a collective: every rank
+            # runs the same forwards
+            todo[0].all_gather_coalesced(todo).wait()
+        for p in todo:
+            p.ds_active_sub_modules.add(self.holder)
+        self.held = todo
+
+    def release(self, module: nn.Module, args: Any, output: Any) -> None:
+        held, self.held = self.held, []
+        for p in held:
+            p.ds_active_sub_modules.discard(self.holder)
+        # persistent parameters (under stage3_param_persistence_threshold) stay whole, as the engine keeps them
+        idle = [p for p in held if not p.ds_active_sub_modules and p.ds_status.name == "AVAILABLE" and not p.ds_persist]
+        if idle:
+            idle[0].partition(param_list=idle, has_been_updated=False)
+
+
+@contextlib.contextmanager
+def zero3_per_layer(module: nn.Module, hooks: Iterable[RemovableHandle] = ()) -> Iterator[str]:
+    """ZeRO-3 parameters gathered one layer at a time in every forward, one all-gather per layer (see the module
+    docstring), with the engine's module hooks detached meanwhile and put back as they were; yields how parameters
+    are handled, for the log. Where this cannot apply (no list of layers, a parameter still in flight), the engine's
+    hooks gather as they do outside the call."""
+    units = _layer_units(module)
+    params = [p for p in module.parameters() if hasattr(p, "ds_id")]
+    # Each rank decides alone: every rank has the same modules, and a parameter's status is the same on every rank
+    # (the engine gathers and releases in the same order everywhere).
+    if not units or any(p.ds_status.name == "INFLIGHT" for p in params):
+        yield "the engine's hooks gather each module's parameters"
+        return
+    gathers: list[_UnitGather] = []
+    handles: list[RemovableHandle] = []
+    for index, (unit, own) in enumerate(units):
+        gather = _UnitGather(own, f"{GENERATION_HOLDER}:{index}")
+        gathers.append(gather)
+        handles.append(unit.register_forward_pre_hook(gather.gather))
+        handles.append(unit.register_forward_hook(gather.release, always_call=True))
+    try:
+        with hooks_detached(hooks):
+            yield f"one all-gather per layer, {len(units)} per forward, the engine's module hooks detached meanwhile"
+    finally:
+        for handle in handles:
+            handle.remove()
+        for gather in gathers:  # a forward that failed before its hooks ran leaves nothing else held
+            gather.release(module, (), None)
