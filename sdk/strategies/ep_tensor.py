@@ -157,7 +157,29 @@ def _share(counts: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     return ends.clamp(lo, hi) - (ends - counts).clamp(lo, hi)
 
 
-class TensorSplitDispatch:
+class _InnerStatistics:
+    """The routing statistics and the context-parallel switch of a tp dispatcher are its ep dispatcher's
+    (``inner``): the tp peers route the same tokens, so they add nothing to the sums."""
+
+    inner: Any
+
+    def global_sum(self, local: torch.Tensor) -> torch.Tensor:
+        return self.inner.global_sum(local)
+
+    def global_counts(self, local: torch.Tensor) -> torch.Tensor:
+        return self.inner.global_counts(local)
+
+    @property
+    def enabled(self) -> bool:
+        """``inner``'s: the context-parallel forward turns it off around its unsplit forward."""
+        return self.inner.enabled
+
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self.inner.enabled = on
+
+
+class TensorSplitDispatch(_InnerStatistics):
     """An MoE layer's ``dispatcher`` under EP x TP: this tp rank's share of the assignments goes through ``inner``
     (the ep all-to-all, :class:`~shardkit.strategies.expert_parallel.AllToAllDispatch`), the outputs are gathered over
     tp; the statistics are ``inner``'s.
@@ -183,21 +205,6 @@ class TensorSplitDispatch:
         mine = _TakeShare.apply(tokens, bounds, self.tp_rank, self.tp_group)
         out = self.inner.run(experts, mine, _share(counts, bounds[self.tp_rank], bounds[self.tp_rank + 1]))
         return _GatherShares.apply(out, bounds, self.tp_rank, self.tp_group)
-
-    def global_sum(self, local: torch.Tensor) -> torch.Tensor:
-        return self.inner.global_sum(local)
-
-    def global_counts(self, local: torch.Tensor) -> torch.Tensor:
-        return self.inner.global_counts(local)
-
-    @property
-    def enabled(self) -> bool:
-        """``inner``'s: the context-parallel forward turns it off around its unsplit forward."""
-        return self.inner.enabled
-
-    @enabled.setter
-    def enabled(self, on: bool) -> None:
-        self.inner.enabled = on
 
 
 # ---- tensor parallelism inside the experts (expert_tp=True) ------------------------------------------------------
@@ -262,7 +269,7 @@ class _ScatterSum(torch.autograd.Function):
         return _gather_rows(grad, ctx.bounds, ctx.group), None, None, None
 
 
-class ExpertTensorDispatch:
+class ExpertTensorDispatch(_InnerStatistics):
     """An MoE layer's ``dispatcher`` under ``expert_tp=True``: the experts split over ep (ranks of one tp
     coordinate, different batches) and each expert's matrices split over the tp peers (see the module docstring).
 
@@ -315,18 +322,3 @@ class ExpertTensorDispatch:
         out = _ScatterSum.apply(partial[torch.argsort(by_expert)], rows, self.tp_rank, self.tp_group)
         back = exchange(out, in_splits, out_splits, self.ep_group)
         return _GatherShares.apply(back, bounds, self.tp_rank, self.tp_group)
-
-    def global_sum(self, local: torch.Tensor) -> torch.Tensor:
-        return self.inner.global_sum(local)
-
-    def global_counts(self, local: torch.Tensor) -> torch.Tensor:
-        return self.inner.global_counts(local)
-
-    @property
-    def enabled(self) -> bool:
-        """``inner``'s: the context-parallel forward turns it off around its unsplit forward."""
-        return self.inner.enabled
-
-    @enabled.setter
-    def enabled(self, on: bool) -> None:
-        self.inner.enabled = on

@@ -109,18 +109,9 @@ def _resumed(path: str, runner: Any, model: torch.nn.Module, opt: Any) -> dict[s
 
 def ep_cptp_worker(root: str) -> dict[str, Any]:
     """The one-device reference, then :func:`ep_cptp_cases` (a launch of its own: 8 ranks give dp_shard 2)."""
-    from ep_workers import CONFIG, _adamw, _balancing, _case, _run
+    from ep_workers import _balancing, _case, one_device_reference
 
-    from shardkit import Runner
-    from shardkit.models import Llama
-    from shardkit.strategies import SingleDevice
-
-    ref_runner = Runner(SingleDevice("cpu"), seed=0)
-    with ref_runner.init_module():
-        ref_model = Llama(CONFIG)
-    init = {k: v.clone() for k, v in ref_model.state_dict().items()}
-    ref_model, _ = ref_runner.setup(ref_model, _adamw(ref_model))
-    ref = _run(ref_runner, ref_model, slice(None))
+    _, ref_model, init, ref = one_device_reference()
     out: dict[str, Any] = {"ref_load": ref["load"],
                            "moved": max((ref["weights"][n] - init[n]).abs().max().item() for n in ref["weights"])}
     out.update(ep_cptp_cases(root, _case, ref, init, _balancing(ref_model)))

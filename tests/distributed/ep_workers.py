@@ -347,17 +347,24 @@ def hf_export_under_ep(root: str) -> dict[str, Any]:
     return out
 
 
-def ep_worker(root: str) -> dict[str, Any]:
+def one_device_reference() -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+    """The MoE Llama's run on one device: its Runner, model, initial weights and :func:`_run`'s record."""
     from shardkit.strategies import SingleDevice
-    from shardkit.strategies.expert_parallel import ExpertParallel
-    from shardkit.strategies.registry import STRATEGIES
 
     ref_runner = Runner(SingleDevice("cpu"), seed=0)
     with ref_runner.init_module():
         ref_model = Llama(CONFIG)
     init = {k: v.clone() for k, v in ref_model.state_dict().items()}
     ref_model, _ = ref_runner.setup(ref_model, _adamw(ref_model))
-    ref = _run(ref_runner, ref_model, slice(None))
+    return ref_runner, ref_model, init, _run(ref_runner, ref_model, slice(None))
+
+
+def ep_worker(root: str) -> dict[str, Any]:
+    from shardkit.strategies import SingleDevice
+    from shardkit.strategies.expert_parallel import ExpertParallel
+    from shardkit.strategies.registry import STRATEGIES
+
+    ref_runner, ref_model, init, ref = one_device_reference()
 
     ref_balance = _balancing(ref_model)
     out: dict[str, Any] = {"ref_load": ref["load"],

@@ -70,20 +70,17 @@ def _problems(n, seed):
     return rows
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory):
-    import copy
-
-    import vllm
+def _toy_policy():
+    """examples/grpo.py's tokenizer and a tiny Hugging Face Llama for it, seeded (vLLM's CPU attention needs a head
+    size of at least 32: 2 heads of 32, where the example has 4 of 16)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from shardkit import seed_everything
-    from shardkit.rl import GRPOConfig, GRPOTrainer
     from shardkit.sft import train_tokenizer
 
     seed_everything(0)
-    corpus = [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)]
-    tokenizer = train_tokenizer(texts=corpus, vocab_size=300, chat_template=None)
+    tokenizer = train_tokenizer(texts=[f"{a}+{b}={a + b}" for a in range(10) for b in range(10)], vocab_size=300,
+                                chat_template=None)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     torch.manual_seed(0)
@@ -91,6 +88,18 @@ def rig(tmp_path_factory):
                                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                                          max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id,
                                          pad_token_id=tokenizer.pad_token_id))
+    return tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    import copy
+
+    import vllm
+
+    from shardkit.rl import GRPOConfig, GRPOTrainer
+
+    tokenizer, model = _toy_policy()
     initial = copy.deepcopy(model).eval()
     args = GRPOConfig(output_dir=str(tmp_path_factory.mktemp("grpo")), max_steps=12, per_device_train_batch_size=16,
                       num_generations=8, max_completion_length=4, learning_rate=3e-2, lr_scheduler_type="constant",
@@ -226,23 +235,11 @@ def _zero3_worker():
     import copy
 
     import vllm
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    from shardkit import seed_everything
     from shardkit.rl import GRPOConfig, GRPOTrainer
-    from shardkit.sft import train_tokenizer
     from shardkit.strategies import strategy_from_name
 
-    seed_everything(0)
-    tokenizer = train_tokenizer(texts=[f"{a}+{b}={a + b}" for a in range(10) for b in range(10)], vocab_size=300,
-                                chat_template=None)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                         max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id,
-                                         pad_token_id=tokenizer.pad_token_id))
+    tokenizer, model = _toy_policy()
     unsharded = copy.deepcopy(model).eval()
     import tempfile
 
