@@ -9,8 +9,11 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Subset
 
+from shardkit import Runner
+from shardkit.checkpoint.hf import load_pretrained
 from shardkit.models import ByteTextDataset, Llama
 from shardkit.models import LlamaConfig as SKConfig
+from shardkit.strategies import SingleDevice
 from shardkit.trainer import Trainer, TrainerCallback, TrainingArguments
 from shardkit.trainer.peft_support import merged_tensors, trainable_view
 
@@ -159,11 +162,15 @@ def test_shardkit_llama_takes_lora_and_trains(tmp_path):
     assert losses[-1] < losses[0] - 0.05
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
     trainer.save_model(str(tmp_path / "merged"), merge_adapters=True)
-    merged = Llama(SKConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, max_position=16))
+    # the merged weights are written as the transformers Llama they equal (config.json + HF names), tied once;
+    # shardkit's own reader takes them back into a shardkit Llama
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     with safe_open(str(tmp_path / "merged" / "model.safetensors"), "pt") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}
-    missing, unexpected = merged.load_state_dict(state, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding: written once
+        assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
+    merged = Llama(SKConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, max_position=16))
+    runner = Runner(SingleDevice("cpu"))
+    merged = runner.setup(merged)
+    assert load_pretrained(runner, merged, tmp_path / "merged") == []
     ids = torch.randint(0, 256, (2, 12))
     model.eval()
     with torch.no_grad():
