@@ -41,7 +41,7 @@ from .trust import check_cast
 __all__ = ["load_pretrained", "save_pretrained"]
 
 
-def _tied_aliases(module: nn.Module) -> dict[str, str]:
+def tied_aliases(module: nn.Module) -> dict[str, str]:
     """alias -> first name, for parameters registered under several names (tied embeddings)."""
     first: dict[int, str] = {}
     aliases = {}
@@ -150,7 +150,7 @@ def save_pretrained(runner: Any, out_dir: str | os.PathLike, model: nn.Module, *
         raise CheckpointError(f"max_shard_size must be positive, got {max_shard_size!r}")
     main = runner.is_main_process
     module = runner.unwrap_model(model)
-    tied = _tied_aliases(module)
+    tied = tied_aliases(module)
     layout = layout_for(getattr(getattr(module, "config", None), "model_type", None)) if save_original_format else None
     # shardkit's Llama has no config a transformers class reads: it is written as the architecture it equals
     # (llama_hf; refused by name, on every rank, before any gather, where none is exact)
@@ -274,7 +274,7 @@ def load_pretrained(runner: Any, model: nn.Module, path: str | os.PathLike, *, s
     """
     path = Path(path)
     module = runner.unwrap_model(model)
-    tied = _tied_aliases(module)
+    tied = tied_aliases(module)
     # Hub-layout MoE files (one tensor per expert) read as the stacked expert weights the model holds
     shapes = {prefix + k: full_shape(t) for prefix, sub in _modules(module) for k, t in sub._parameters.items()
               if t is not None}

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardkit.checkpoint.hf import tied_aliases
 from shardkit.checkpoint.llama_hf import LlamaExport
 from shardkit.models.llama import LlamaConfig
 
@@ -41,20 +42,9 @@ def hf_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """A shardkit Llama's (unsharded) tensors under the transformers model's names, stacked experts as transformers 5
     holds them; ``model.load_state_dict(...)`` of ``AutoModelForCausalLM.from_config`` takes it (tied weights once)."""
     export = hf_export(model.config)
-    tied = {a for a, _ in _aliases(model).items()}
+    tied = set(tied_aliases(model))
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         if name not in tied:
             out.update(export.tensors(name, tensor))
     return out
-
-
-def _aliases(model: nn.Module) -> dict[str, str]:
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            aliases[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return aliases
